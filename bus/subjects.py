@@ -1,0 +1,48 @@
+"""Subject names of the event log.
+
+Events: ``shoal.events.<aggregate>.<id...>.<EventType>``; chunks: ``shoal.chunks.<task_id>``;
+dead letters: ``shoal.deadletter.<stream>``. Ids become subject tokens, so anything NATS gives a
+meaning to (``.``, ``*``, ``>``, whitespace) is percent-escaped: ``Qwen2.5-0.5B`` becomes
+``Qwen2%2E5-0%2E5B``.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+EVENTS_PREFIX = "shoal.events"
+CHUNKS_PREFIX = "shoal.chunks"
+DEADLETTER_PREFIX = "shoal.deadletter"
+
+# Letters, digits, '-', '_' , ':' and '=' pass unchanged; everything else is %XX (UTF-8 bytes).
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-:=]")
+
+
+def escape_token(value: str) -> str:
+    """Make ``value`` usable as one subject token, reversibly."""
+    if not value:
+        raise ValueError("an id used in a subject must not be empty")
+    return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), value)
+
+
+def unescape_token(token: str) -> str:
+    return unquote(token)
+
+
+def event_subject(aggregate: str, ids: tuple[str, ...], event_type: str) -> str:
+    tokens = ".".join(escape_token(i) for i in ids)
+    return f"{EVENTS_PREFIX}.{aggregate}.{tokens}.{event_type}"
+
+
+def chunk_subject(task_id: str) -> str:
+    return f"{CHUNKS_PREFIX}.{escape_token(task_id)}"
+
+
+def deadletter_subject(stream: str) -> str:
+    return f"{DEADLETTER_PREFIX}.{escape_token(stream)}"
+
+
+def model_tasks_filter(model_id: str) -> str:
+    """The filter a runner's consumer uses to pull only its model's new tasks."""
+    return f"{EVENTS_PREFIX}.task.{escape_token(model_id)}.*.TaskCreated"

@@ -1,0 +1,152 @@
+"""Rows of the projection, as plain immutable values.
+
+The pure rules (``rules.py``) read and produce these; ``tables.py`` stores them with the same
+column names (a test keeps the two in step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar
+
+JsonList = list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    TABLE: ClassVar[str] = "nodes"
+    node_id: str
+    status: str  # online | left | timed_out
+    hostname: str = ""
+    addresses: JsonList | None = None
+    version: str = ""
+    joined_at: datetime | None = None
+    left_at: datetime | None = None
+    last_seen: datetime | None = None
+    ram_total: int = 0
+    ram_available: int = 0
+    swap_total: int = 0
+    swap_used: int = 0
+    cpu_count: int = 0
+    cpu_model: str = ""
+    cpu_load: float = 0.0
+    disk_free: int = 0
+    memory_offered: int = 0
+    interfaces: JsonList | None = None
+
+    def key(self) -> tuple[str]:
+        return (self.node_id,)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRow:
+    TABLE: ClassVar[str] = "devices"
+    node_id: str
+    device: str  # 'cpu' or 'gpuN'
+    kind: str  # cpu | gpu
+    name: str = ""
+    memory_total: int = 0
+    memory_used: int = 0
+    utilisation: float | None = None
+
+    def key(self) -> tuple[str, str]:
+        return (self.node_id, self.device)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRow:
+    TABLE: ClassVar[str] = "models"
+    model_id: str
+    n_layers: int
+    size_bytes: int
+    family: str = ""
+    context_length: int = 0
+    engines: JsonList | None = None
+    chat_format: str | None = None
+    source: str = ""
+    path: str | None = None
+    added_at: datetime | None = None
+
+    def key(self) -> tuple[str]:
+        return (self.model_id,)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRow:
+    TABLE: ClassVar[str] = "instances"
+    instance_id: str
+    model_id: str
+    status: str  # requested | placed | rejected | deleting | deleted
+    placement: str | None = None
+    replicas: int = 1
+    context_length: int | None = None
+    requested_at: datetime | None = None
+    placed_at: datetime | None = None
+    deleted_at: datetime | None = None
+    placements: int = 0  # how many times it was placed (re-placement after failures)
+    reason: str | None = None
+    needed_bytes: int | None = None
+
+    def key(self) -> tuple[str]:
+        return (self.instance_id,)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerRow:
+    """One shard of a placed instance, served by one runner process."""
+
+    TABLE: ClassVar[str] = "runners"
+    runner_id: str
+    instance_id: str
+    node_id: str
+    device: str
+    state: str  # Assigned | Downloading | Loading | Ready | Running | Failed | Stopped
+    replica: int = 0
+    rank: int = 0
+    world_size: int = 1
+    start_layer: int = 0
+    end_layer: int = 0
+    n_layers: int = 0
+    tensor_split: JsonList | None = None
+    progress: float | None = None
+    error: str | None = None
+    exit_code: int | None = None
+    endpoint: str | None = None
+    pid: int | None = None
+    failures: int = 0
+    last_failed_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    def key(self) -> tuple[str]:
+        return (self.runner_id,)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRow:
+    TABLE: ClassVar[str] = "tasks"
+    task_id: str
+    model_id: str
+    status: str  # pending | running | completed | failed | cancelled
+    kind: str = "chat"
+    user: str | None = None
+    max_tokens: int | None = None
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    runner_id: str | None = None
+    instance_id: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_ms: float | None = None
+    tokens_per_s: float | None = None
+    total_ms: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def key(self) -> tuple[str]:
+        return (self.task_id,)
+
+
+Row = NodeRow | DeviceRow | ModelRow | InstanceRow | RunnerRow | TaskRow
+ROW_TYPES: tuple[type[Row], ...] = (NodeRow, DeviceRow, ModelRow, InstanceRow, RunnerRow, TaskRow)

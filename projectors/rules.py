@@ -1,0 +1,359 @@
+"""The transition rules: what each event changes in the projection.
+
+``changes_for(state, event)`` is a pure function: it reads ``state``, never modifies it, and
+returns the row changes the event implies. The SQL projector, replay and any in-memory fold all
+use it, so they cannot disagree. Rules use only the event's own data (``ts``, never the wall
+clock), so folding the same log always gives the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any, TypeVar, cast
+
+from bus.events import (
+    ChunkGenerated,
+    Event,
+    InstanceDeleted,
+    InstanceDeleteRequested,
+    InstancePlaced,
+    InstanceRequested,
+    ModelAdded,
+    NodeJoined,
+    NodeLeft,
+    NodeProfile,
+    NodeTimedOut,
+    PlacementRejected,
+    ResourceProfiled,
+    RunnerStateChanged,
+    TaskCancelled,
+    TaskCompleted,
+    TaskCreated,
+    TaskFailed,
+    TaskStarted,
+)
+from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, RunnerRow, TaskRow
+from projectors.state import Change, ClusterState, Delete, Put
+
+TERMINAL_TASK = frozenset({"completed", "failed", "cancelled"})
+
+E = TypeVar("E")
+Rule = Callable[[ClusterState, Any], list[Change]]
+_RULES: dict[type[Any], Rule] = {}
+
+
+def _rule(event_type: type[E]) -> Callable[[Callable[[ClusterState, E], list[Change]]], Rule]:
+    def register(fn: Callable[[ClusterState, E], list[Change]]) -> Rule:
+        _RULES[event_type] = cast(Rule, fn)
+        return cast(Rule, fn)
+
+    return register
+
+
+def changes_for(state: ClusterState, event: Event) -> list[Change]:
+    rule = _RULES.get(type(event))
+    return rule(state, event) if rule is not None else []
+
+
+def fold(events: Iterable[Event], state: ClusterState | None = None) -> ClusterState:
+    """Apply ``events`` in order to ``state`` (a fresh one by default) and return it."""
+    state = state if state is not None else ClusterState()
+    for event in events:
+        state.commit(changes_for(state, event))
+    return state
+
+
+# --- nodes --------------------------------------------------------------------------------
+
+
+@_rule(NodeJoined)
+def _node_joined(state: ClusterState, e: NodeJoined) -> list[Change]:
+    old = state.node(e.node_id) or NodeRow(node_id=e.node_id, status="online")
+    row = replace(
+        old,
+        status="online",
+        hostname=e.hostname,
+        addresses=list(e.addresses),
+        version=e.version,
+        joined_at=e.ts,
+        left_at=None,
+        last_seen=e.ts,
+    )
+    return [Put(row)]
+
+
+@_rule(NodeLeft)
+def _node_left(state: ClusterState, e: NodeLeft) -> list[Change]:
+    old = state.node(e.node_id)
+    if old is None:
+        return []
+    return [Put(replace(old, status="left", left_at=e.ts))]
+
+
+@_rule(NodeTimedOut)
+def _node_timed_out(state: ClusterState, e: NodeTimedOut) -> list[Change]:
+    old = state.node(e.node_id)
+    if old is None or old.status == "left":
+        return []
+    return [Put(replace(old, status="timed_out", left_at=e.ts))]
+
+
+def _device_rows(node_id: str, p: NodeProfile) -> list[DeviceRow]:
+    cpu = DeviceRow(
+        node_id=node_id,
+        device="cpu",
+        kind="cpu",
+        name=p.cpu_model,
+        memory_total=p.ram_total,
+        memory_used=p.ram_total - p.ram_available,
+        utilisation=p.cpu_load,
+    )
+    gpus = [
+        DeviceRow(
+            node_id=node_id,
+            device=f"gpu{g.index}",
+            kind="gpu",
+            name=g.name,
+            memory_total=g.memory_total,
+            memory_used=g.memory_used,
+            utilisation=g.utilisation,
+        )
+        for g in p.gpus
+    ]
+    return [cpu, *gpus]
+
+
+@_rule(ResourceProfiled)
+def _resource_profiled(state: ClusterState, e: ResourceProfiled) -> list[Change]:
+    p = e.profile
+    old = state.node(e.node_id) or NodeRow(node_id=e.node_id, status="online", joined_at=e.ts)
+    # A heartbeat after a time-out brings the node back; one after a clean leave does not.
+    status = "left" if old.status == "left" else "online"
+    row = replace(
+        old,
+        status=status,
+        last_seen=e.ts,
+        ram_total=p.ram_total,
+        ram_available=p.ram_available,
+        swap_total=p.swap_total,
+        swap_used=p.swap_used,
+        cpu_count=p.cpu_count,
+        cpu_model=p.cpu_model,
+        cpu_load=p.cpu_load,
+        disk_free=p.disk_free,
+        memory_offered=p.memory_offered,
+        interfaces=[i.model_dump() for i in p.interfaces],
+    )
+    changes: list[Change] = [Put(row)]
+    wanted = _device_rows(e.node_id, p)
+    wanted_keys = {d.key() for d in wanted}
+    changes += [Delete(DeviceRow.TABLE, d.key()) for d in state.devices_of(e.node_id)
+                if d.key() not in wanted_keys]  # fmt: skip
+    changes += [Put(d) for d in wanted]
+    return changes
+
+
+# --- models -------------------------------------------------------------------------------
+
+
+@_rule(ModelAdded)
+def _model_added(state: ClusterState, e: ModelAdded) -> list[Change]:
+    row = ModelRow(
+        model_id=e.model_id,
+        n_layers=e.n_layers,
+        size_bytes=e.size_bytes,
+        family=e.family,
+        context_length=e.context_length,
+        engines=list(e.engines),
+        chat_format=e.chat_format,
+        source=e.source,
+        path=e.path,
+        added_at=e.ts,
+    )
+    return [Put(row)]
+
+
+# --- instances ----------------------------------------------------------------------------
+
+
+def _drop_runners(state: ClusterState, instance_id: str) -> list[Change]:
+    return [Delete(RunnerRow.TABLE, r.key()) for r in state.runners_of(instance_id)]
+
+
+@_rule(InstanceRequested)
+def _instance_requested(state: ClusterState, e: InstanceRequested) -> list[Change]:
+    if state.instance(e.instance_id) is not None:
+        return []  # the first request for an id is the one that counts
+    row = InstanceRow(
+        instance_id=e.instance_id,
+        model_id=e.model_id,
+        status="requested",
+        placement=e.placement,
+        replicas=e.replicas,
+        context_length=e.context_length,
+        requested_at=e.ts,
+    )
+    return [Put(row)]
+
+
+@_rule(InstancePlaced)
+def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
+    old = state.instance(e.instance_id) or InstanceRow(
+        instance_id=e.instance_id, model_id=e.model_id, status="requested"
+    )
+    if old.status in ("deleting", "deleted"):
+        return []
+    inst = replace(
+        old, status="placed", placed_at=e.ts, placements=old.placements + 1, reason=None,
+        needed_bytes=None,
+    )  # fmt: skip
+    # A new placement replaces the old shards entirely.
+    changes: list[Change] = [Put(inst), *_drop_runners(state, e.instance_id)]
+    for s in e.shards:
+        runner = RunnerRow(
+            runner_id=s.runner_id,
+            instance_id=e.instance_id,
+            node_id=s.node_id,
+            device=s.device,
+            state="Assigned",
+            replica=s.replica,
+            rank=s.rank,
+            world_size=s.world_size,
+            start_layer=s.start_layer,
+            end_layer=s.end_layer,
+            n_layers=s.n_layers,
+            tensor_split=list(s.tensor_split) if s.tensor_split is not None else None,
+            updated_at=e.ts,
+        )
+        changes.append(Put(runner))
+    return changes
+
+
+@_rule(PlacementRejected)
+def _placement_rejected(state: ClusterState, e: PlacementRejected) -> list[Change]:
+    old = state.instance(e.instance_id) or InstanceRow(
+        instance_id=e.instance_id, model_id=e.model_id, status="requested"
+    )
+    if old.status in ("deleting", "deleted"):
+        return []
+    inst = replace(old, status="rejected", reason=e.reason, needed_bytes=e.needed_bytes)
+    return [Put(inst), *_drop_runners(state, e.instance_id)]
+
+
+@_rule(InstanceDeleteRequested)
+def _instance_delete_requested(state: ClusterState, e: InstanceDeleteRequested) -> list[Change]:
+    old = state.instance(e.instance_id)
+    if old is None or old.status == "deleted":
+        return []
+    return [Put(replace(old, status="deleting", reason=e.reason or old.reason))]
+
+
+@_rule(InstanceDeleted)
+def _instance_deleted(state: ClusterState, e: InstanceDeleted) -> list[Change]:
+    old = state.instance(e.instance_id)
+    if old is None:
+        return []
+    inst = replace(old, status="deleted", deleted_at=e.ts, reason=e.reason or old.reason)
+    return [Put(inst), *_drop_runners(state, e.instance_id)]
+
+
+# --- runners ------------------------------------------------------------------------------
+
+
+@_rule(RunnerStateChanged)
+def _runner_state_changed(state: ClusterState, e: RunnerStateChanged) -> list[Change]:
+    old = state.runner(e.runner_id)
+    if old is None:
+        return []  # a runner of a superseded placement or a deleted instance: not current state
+    failed = e.state == "Failed"
+    row = replace(
+        old,
+        state=e.state,
+        progress=e.progress,
+        error=e.error if failed else None,
+        exit_code=e.exit_code,
+        endpoint=e.endpoint if e.endpoint is not None else old.endpoint,
+        pid=e.pid if e.pid is not None else old.pid,
+        failures=old.failures + 1 if failed else old.failures,
+        last_failed_at=e.ts if failed else old.last_failed_at,
+        updated_at=e.ts,
+    )
+    return [Put(row)]
+
+
+# --- tasks --------------------------------------------------------------------------------
+
+
+@_rule(TaskCreated)
+def _task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
+    if state.task(e.task_id) is not None:
+        return []
+    row = TaskRow(
+        task_id=e.task_id,
+        model_id=e.model_id,
+        status="pending",
+        kind=e.kind,
+        user=e.user,
+        max_tokens=e.params.max_tokens,
+        created_at=e.ts,
+    )
+    return [Put(row)]
+
+
+@_rule(TaskStarted)
+def _task_started(state: ClusterState, e: TaskStarted) -> list[Change]:
+    old = state.task(e.task_id)
+    if old is None:
+        return []
+    status = old.status if old.status in TERMINAL_TASK else "running"
+    row = replace(
+        old, status=status, started_at=e.ts, runner_id=e.runner_id, instance_id=e.instance_id
+    )
+    return [Put(row)]
+
+
+@_rule(TaskCompleted)
+def _task_completed(state: ClusterState, e: TaskCompleted) -> list[Change]:
+    old = state.task(e.task_id)
+    if old is None:
+        return []
+    # A runner that honoured a cancel reports finish_reason "cancelled": keep "cancelled".
+    status = "cancelled" if old.status == "cancelled" else "completed"
+    row = replace(
+        old,
+        status=status,
+        finished_at=e.ts,
+        runner_id=e.runner_id,
+        prompt_tokens=e.usage.prompt_tokens,
+        completion_tokens=e.usage.completion_tokens,
+        ttft_ms=e.timings.ttft_ms,
+        tokens_per_s=e.timings.tokens_per_s,
+        total_ms=e.timings.total_ms,
+        finish_reason=e.finish_reason,
+    )
+    return [Put(row)]
+
+
+@_rule(TaskFailed)
+def _task_failed(state: ClusterState, e: TaskFailed) -> list[Change]:
+    old = state.task(e.task_id)
+    if old is None or old.status in TERMINAL_TASK:
+        return []
+    row = replace(
+        old, status="failed", finished_at=e.ts, error=e.error, runner_id=e.runner_id or old.runner_id
+    )
+    return [Put(row)]
+
+
+@_rule(TaskCancelled)
+def _task_cancelled(state: ClusterState, e: TaskCancelled) -> list[Change]:
+    old = state.task(e.task_id)
+    if old is None or old.status in TERMINAL_TASK:
+        return []
+    return [Put(replace(old, status="cancelled", finished_at=e.ts, error=e.reason or None))]
+
+
+@_rule(ChunkGenerated)
+def _chunk(state: ClusterState, e: ChunkGenerated) -> list[Change]:
+    return []  # chunks live on their own stream; the projection keeps only task outcomes

@@ -1,0 +1,180 @@
+"""The projection's SQL schema (SQLAlchemy Core). Created only by Alembic migrations."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Dialect,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    TypeDecorator,
+)
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite stores naive ones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+metadata = MetaData()
+
+
+def _id(name: str) -> Column[str]:
+    return Column(name, String(200), primary_key=True)
+
+
+nodes = Table(
+    "nodes",
+    metadata,
+    _id("node_id"),
+    Column("status", String(20), nullable=False),
+    Column("hostname", String(255), nullable=False),
+    Column("addresses", JSON),
+    Column("version", String(50), nullable=False),
+    Column("joined_at", UtcDateTime),
+    Column("left_at", UtcDateTime),
+    Column("last_seen", UtcDateTime),
+    Column("ram_total", BigInteger, nullable=False),
+    Column("ram_available", BigInteger, nullable=False),
+    Column("swap_total", BigInteger, nullable=False),
+    Column("swap_used", BigInteger, nullable=False),
+    Column("cpu_count", Integer, nullable=False),
+    Column("cpu_model", String(255), nullable=False),
+    Column("cpu_load", Float, nullable=False),
+    Column("disk_free", BigInteger, nullable=False),
+    Column("memory_offered", BigInteger, nullable=False),
+    Column("interfaces", JSON),
+)
+
+devices = Table(
+    "devices",
+    metadata,
+    _id("node_id"),
+    Column("device", String(50), primary_key=True),
+    Column("kind", String(10), nullable=False),
+    Column("name", String(255), nullable=False),
+    Column("memory_total", BigInteger, nullable=False),
+    Column("memory_used", BigInteger, nullable=False),
+    Column("utilisation", Float),
+)
+
+models = Table(
+    "models",
+    metadata,
+    _id("model_id"),
+    Column("n_layers", Integer, nullable=False),
+    Column("size_bytes", BigInteger, nullable=False),
+    Column("family", String(100), nullable=False),
+    Column("context_length", Integer, nullable=False),
+    Column("engines", JSON),
+    Column("chat_format", String(100)),
+    Column("source", Text, nullable=False),
+    Column("path", Text),
+    Column("added_at", UtcDateTime),
+)
+
+instances = Table(
+    "instances",
+    metadata,
+    _id("instance_id"),
+    Column("model_id", String(200), nullable=False, index=True),
+    Column("status", String(20), nullable=False),
+    Column("placement", Text),
+    Column("replicas", Integer, nullable=False),
+    Column("context_length", Integer),
+    Column("requested_at", UtcDateTime),
+    Column("placed_at", UtcDateTime),
+    Column("deleted_at", UtcDateTime),
+    Column("placements", Integer, nullable=False),
+    Column("reason", Text),
+    Column("needed_bytes", BigInteger),
+)
+
+runners = Table(
+    "runners",
+    metadata,
+    _id("runner_id"),
+    Column("instance_id", String(200), nullable=False, index=True),
+    Column("node_id", String(200), nullable=False, index=True),
+    Column("device", String(50), nullable=False),
+    Column("state", String(20), nullable=False),
+    Column("replica", Integer, nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("world_size", Integer, nullable=False),
+    Column("start_layer", Integer, nullable=False),
+    Column("end_layer", Integer, nullable=False),
+    Column("n_layers", Integer, nullable=False),
+    Column("tensor_split", JSON),
+    Column("progress", Float),
+    Column("error", Text),
+    Column("exit_code", Integer),
+    Column("endpoint", String(255)),
+    Column("pid", Integer),
+    Column("failures", Integer, nullable=False),
+    Column("last_failed_at", UtcDateTime),
+    Column("updated_at", UtcDateTime),
+)
+
+tasks = Table(
+    "tasks",
+    metadata,
+    _id("task_id"),
+    Column("model_id", String(200), nullable=False),
+    Column("status", String(20), nullable=False),
+    Column("kind", String(20), nullable=False),
+    Column("user", String(255)),
+    Column("max_tokens", Integer),
+    Column("created_at", UtcDateTime),
+    Column("started_at", UtcDateTime),
+    Column("finished_at", UtcDateTime),
+    Column("runner_id", String(200)),
+    Column("instance_id", String(200)),
+    Column("prompt_tokens", Integer),
+    Column("completion_tokens", Integer),
+    Column("ttft_ms", Float),
+    Column("tokens_per_s", Float),
+    Column("total_ms", Float),
+    Column("finish_reason", String(20)),
+    Column("error", Text),
+    Index("ix_tasks_created_at", "created_at"),
+    Index("ix_tasks_status", "status"),
+)
+
+# Where each projector stands in each stream: written in the same transaction as the rows.
+projector_offsets = Table(
+    "projector_offsets",
+    metadata,
+    Column("projector", String(100), primary_key=True),
+    Column("stream", String(100), primary_key=True),
+    Column("last_seq", BigInteger, nullable=False),
+)
+
+STATE_TABLES: dict[str, Table] = {
+    t.name: t for t in (nodes, devices, models, instances, runners, tasks)
+}
