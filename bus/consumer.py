@@ -8,13 +8,16 @@ on with the next message.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
@@ -24,6 +27,66 @@ from bus.events import Event, parse_event
 from bus.subjects import deadletter_subject
 
 log = logging.getLogger(__name__)
+
+
+class Puller:
+    """The JetStream pull protocol on one inbox.
+
+    nats-py's ``PullSubscription.fetch`` waits on each message with its own timer, which caps a
+    consumer at about 15,000 messages/s here; this collects a whole batch in one callback-driven
+    wait (about 70,000/s). A fetch first asks with ``no_wait`` for what is already there; only
+    when that is nothing does it wait, for a single message, so that an idle consumer never has
+    messages delivered to it that it has not asked for (a busy runner pulls nothing).
+    """
+
+    def __init__(self, js: JetStreamContext, stream: str, consumer: str) -> None:
+        self._nc = js._nc
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._inbox = ""
+        self._sub: Subscription | None = None
+        self._received: list[Msg] = []
+        self._wanted = 0
+        self._done = asyncio.Event()
+
+    async def start(self) -> None:
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._inbox, cb=self._on_msg)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _on_msg(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if not status:
+            self._received.append(msg)
+            if len(self._received) >= self._wanted:
+                self._done.set()
+        elif status != "100":  # 404 no messages, 408 expired, 409 ...: this request is over
+            self._done.set()
+
+    async def _request(self, batch: int, *, no_wait: bool, expires: float) -> list[Msg]:
+        self._wanted = len(self._received) + batch
+        self._done.clear()
+        req: dict[str, object] = {"batch": batch}
+        if no_wait:
+            req["no_wait"] = True
+        else:
+            req["expires"] = int(expires * 1e9)
+        await self._nc.publish(self._next_subject, json.dumps(req).encode(), reply=self._inbox)
+        # If the server's status reply is lost (e.g. a reconnect), return what came.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._done.wait(), timeout=expires + 2.0)
+        msgs, self._received = self._received, []
+        return msgs
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        msgs = await self._request(batch, no_wait=True, expires=timeout)
+        if msgs:
+            return msgs
+        return await self._request(1, no_wait=False, expires=timeout)
+
 
 # Headers on a dead letter.
 REASON_HEADER = "Shoal-Deadletter-Reason"
@@ -95,7 +158,7 @@ class EventConsumer:
             max_ack_pending=max_ack_pending,
             filter_subject=filter_subject,
         )
-        self._sub: JetStreamContext.PullSubscription | None = None
+        self._puller: Puller | None = None
         self.stats = ConsumerStats()
         # Highest stream sequence fetched, dead letters included: how far this consumer got.
         self.last_stream_seq = 0
@@ -104,37 +167,35 @@ class EventConsumer:
         """Bind to the durable consumer, creating it if needed. ``recreate`` drops an existing
         one first, so that its start position is the one given here."""
         if recreate:
-            try:
+            with contextlib.suppress(NotFoundError):
                 await self._js.delete_consumer(self.stream, self.durable)
-            except NotFoundError:
-                pass
-        self._sub = await self._js.pull_subscribe(
-            self.filter_subject, durable=self.durable, stream=self.stream, config=self._config
-        )
+        try:
+            await self._js.consumer_info(self.stream, self.durable)
+        except NotFoundError:
+            await self._js.add_consumer(self.stream, self._config)
+        self._puller = Puller(self._js, self.stream, self.durable)
+        await self._puller.start()
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        if self._puller is not None:
+            await self._puller.stop()
+            self._puller = None
 
     async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Delivered]:
         """Up to ``batch`` parsed events; an empty list when none came within ``timeout``.
         Malformed messages are dead-lettered on the way and not returned."""
-        if self._sub is None:
+        if self._puller is None:
             raise RuntimeError("consumer not started")
-        try:
-            msgs = await self._sub.fetch(batch, timeout=timeout)
-        except NatsTimeoutError:
-            return []
+        msgs = await self._puller.fetch(batch, timeout)
         out: list[Delivered] = []
         for msg in msgs:
-            self.last_stream_seq = max(self.last_stream_seq, msg.metadata.sequence.stream)
+            md = msg.metadata
+            self.last_stream_seq = max(self.last_stream_seq, md.sequence.stream)
             try:
                 event = parse_event(msg.data)
             except ValidationError as exc:
                 await self.dead_letter(msg, describe_invalid(exc))
                 continue
-            md = msg.metadata
             out.append(Delivered(event, msg, md.sequence.stream, md.timestamp))
         self.stats.delivered += len(out)
         return out

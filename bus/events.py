@@ -14,7 +14,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from bus.subjects import chunk_subject, event_subject
+from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX, chunk_subject, event_subject
 
 SCHEMA_VERSION = 1
 
@@ -35,19 +35,26 @@ class Record(BaseModel):
 
 class EventBase(Record):
     aggregate: ClassVar[str]
+    # The fields whose values name the subject, after the aggregate.
+    subject_fields: ClassVar[tuple[str, ...]]
 
     event_id: str = Field(default_factory=new_id, description="Unique id; the default Nats-Msg-Id.")
     ts: datetime = Field(default_factory=utc_now, description="When the fact happened (UTC).")
     origin: str = Field(description="Node id (or service name) that published the event.")
     v: int = Field(default=SCHEMA_VERSION, description="Schema version of this event type.")
 
-    def subject_ids(self) -> tuple[str, ...]:
-        raise TypeError(f"{type(self).__name__} does not name its subject ids")
-
     @property
     def subject(self) -> str:
+        ids = tuple(str(getattr(self, f)) for f in self.subject_fields)
         type_name: str = getattr(self, "type")  # noqa: B009 - every concrete event has it
-        return event_subject(self.aggregate, self.subject_ids(), type_name)
+        return event_subject(self.aggregate, ids, type_name)
+
+    @classmethod
+    def subject_pattern(cls) -> str:
+        """The subject with field names for ids, for documentation."""
+        ids = ".".join(f"<{f}>" for f in cls.subject_fields)
+        type_name = cls.model_fields["type"].default
+        return f"{EVENTS_PREFIX}.{cls.aggregate}.{ids}.{type_name}"
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
@@ -140,13 +147,13 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 class _NodeEvent(EventBase):
     aggregate: ClassVar[str] = "node"
+    subject_fields: ClassVar[tuple[str, ...]] = ("node_id",)
     node_id: str
-
-    def subject_ids(self) -> tuple[str, ...]:
-        return (self.node_id,)
 
 
 class NodeJoined(_NodeEvent):
+    """A worker started on a machine and joined the cluster."""
+
     type: Literal["NodeJoined"] = "NodeJoined"
     hostname: str = ""
     addresses: list[str] = Field(default_factory=list, description="Data-plane addresses.")
@@ -154,11 +161,15 @@ class NodeJoined(_NodeEvent):
 
 
 class NodeLeft(_NodeEvent):
+    """A worker stopped cleanly."""
+
     type: Literal["NodeLeft"] = "NodeLeft"
     reason: str = "shutdown"
 
 
 class NodeTimedOut(_NodeEvent):
+    """A node's heartbeats stopped; decided by a planner."""
+
     type: Literal["NodeTimedOut"] = "NodeTimedOut"
     last_seen: datetime
     missed_heartbeats: int
@@ -175,7 +186,10 @@ class ResourceProfiled(_NodeEvent):
 
 
 class ModelAdded(EventBase):
+    """A model became known to the cluster, with what placement needs to know."""
+
     aggregate: ClassVar[str] = "model"
+    subject_fields: ClassVar[tuple[str, ...]] = ("model_id",)
     type: Literal["ModelAdded"] = "ModelAdded"
     model_id: str
     family: str = ""
@@ -187,22 +201,19 @@ class ModelAdded(EventBase):
     source: str = Field(default="", description="Where the weights come from (package, repo).")
     path: str | None = None
 
-    def subject_ids(self) -> tuple[str, ...]:
-        return (self.model_id,)
-
 
 # --- instances ----------------------------------------------------------------------------
 
 
 class _InstanceEvent(EventBase):
     aggregate: ClassVar[str] = "instance"
+    subject_fields: ClassVar[tuple[str, ...]] = ("instance_id",)
     instance_id: str
-
-    def subject_ids(self) -> tuple[str, ...]:
-        return (self.instance_id,)
 
 
 class InstanceRequested(_InstanceEvent):
+    """Someone asked for a model to be served."""
+
     type: Literal["InstanceRequested"] = "InstanceRequested"
     model_id: str
     placement: str | None = Field(default=None, description="Manual placement spec (JSON).")
@@ -211,12 +222,16 @@ class InstanceRequested(_InstanceEvent):
 
 
 class InstancePlaced(_InstanceEvent):
+    """A planner decided where an instance's shards run. A later one replaces the earlier."""
+
     type: Literal["InstancePlaced"] = "InstancePlaced"
     model_id: str
     shards: list[ShardAssignment]
 
 
 class PlacementRejected(_InstanceEvent):
+    """A planner found no way to place an instance; the reason says what was missing."""
+
     type: Literal["PlacementRejected"] = "PlacementRejected"
     model_id: str
     reason: str
@@ -225,11 +240,15 @@ class PlacementRejected(_InstanceEvent):
 
 
 class InstanceDeleteRequested(_InstanceEvent):
+    """Someone asked for an instance to stop being served."""
+
     type: Literal["InstanceDeleteRequested"] = "InstanceDeleteRequested"
     reason: str = ""
 
 
 class InstanceDeleted(_InstanceEvent):
+    """An instance is gone; its runners stop."""
+
     type: Literal["InstanceDeleted"] = "InstanceDeleted"
     reason: str = ""
 
@@ -238,7 +257,10 @@ class InstanceDeleted(_InstanceEvent):
 
 
 class RunnerStateChanged(EventBase):
+    """A runner process (one shard) changed state."""
+
     aggregate: ClassVar[str] = "runner"
+    subject_fields: ClassVar[tuple[str, ...]] = ("runner_id",)
     type: Literal["RunnerStateChanged"] = "RunnerStateChanged"
     runner_id: str
     instance_id: str
@@ -250,24 +272,21 @@ class RunnerStateChanged(EventBase):
     endpoint: str | None = Field(default=None, description="Data-plane endpoint (host:port).")
     pid: int | None = None
 
-    def subject_ids(self) -> tuple[str, ...]:
-        return (self.runner_id,)
-
 
 # --- tasks --------------------------------------------------------------------------------
 
 
 class _TaskEvent(EventBase):
     aggregate: ClassVar[str] = "task"
+    # The model is in the subject so that runners pull only their model's tasks.
+    subject_fields: ClassVar[tuple[str, ...]] = ("model_id", "task_id")
     task_id: str
     model_id: str
 
-    def subject_ids(self) -> tuple[str, ...]:
-        # The model is in the subject so that runners pull only their model's tasks.
-        return (self.model_id, self.task_id)
-
 
 class TaskCreated(_TaskEvent):
+    """A request for generation: chat messages or a plain prompt."""
+
     type: Literal["TaskCreated"] = "TaskCreated"
     kind: Literal["chat", "completion"] = "chat"
     messages: list[ChatMessage] | None = None
@@ -277,12 +296,16 @@ class TaskCreated(_TaskEvent):
 
 
 class TaskStarted(_TaskEvent):
+    """A runner took the task."""
+
     type: Literal["TaskStarted"] = "TaskStarted"
     runner_id: str
     instance_id: str
 
 
 class TaskCompleted(_TaskEvent):
+    """Generation ended normally (stop or length), with usage and timings."""
+
     type: Literal["TaskCompleted"] = "TaskCompleted"
     runner_id: str
     finish_reason: FinishReason
@@ -291,12 +314,16 @@ class TaskCompleted(_TaskEvent):
 
 
 class TaskFailed(_TaskEvent):
+    """The task could not be served; the error says why."""
+
     type: Literal["TaskFailed"] = "TaskFailed"
     runner_id: str | None = None
     error: str
 
 
 class TaskCancelled(_TaskEvent):
+    """The client gave up on the task (e.g. disconnected); runners stop generating."""
+
     type: Literal["TaskCancelled"] = "TaskCancelled"
     reason: str = ""
 
@@ -305,6 +332,7 @@ class ChunkGenerated(EventBase):
     """One generated token. Lives on the chunk stream, not the event stream."""
 
     aggregate: ClassVar[str] = "chunk"
+    subject_fields: ClassVar[tuple[str, ...]] = ("task_id",)
     type: Literal["ChunkGenerated"] = "ChunkGenerated"
     task_id: str
     idx: int = Field(description="0, 1, 2... in generation order.")
@@ -312,12 +340,13 @@ class ChunkGenerated(EventBase):
     token_id: int | None = None
     finish_reason: FinishReason | None = None
 
-    def subject_ids(self) -> tuple[str, ...]:
-        return (self.task_id,)
-
     @property
     def subject(self) -> str:
         return chunk_subject(self.task_id)
+
+    @classmethod
+    def subject_pattern(cls) -> str:
+        return f"{CHUNKS_PREFIX}.<task_id>"
 
 
 Event = Annotated[

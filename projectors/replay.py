@@ -11,15 +11,14 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import describe_invalid
 from bus.events import parse_event
+from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM
 from bus.subjects import EVENTS_PREFIX
 from projectors import database
@@ -39,7 +38,7 @@ class ReplayError(RuntimeError):
 @dataclass(frozen=True)
 class ReplayResult:
     applied: int
-    skipped_invalid: int
+    skipped: int
     last_seq: int
 
 
@@ -61,63 +60,41 @@ async def replay(
     until_seq: int | None = None,
     until_time: datetime | None = None,
     name: str = DEFAULT_NAME,
-    batch_size: int = 5000,
     commit_every: int = 50_000,
 ) -> ReplayResult:
     """Fold the event stream from its first message into the empty database at ``engine``.
     Stops after ``until_seq``, before the first event stored after ``until_time``, or at the
-    stream's last message when replay started."""
+    stream's last message when replay started. Events the live projector sets aside (malformed,
+    or whose rule fails) are skipped here too."""
     await database.upgrade(engine)
     await _ensure_empty(engine)
-    info = await js.stream_info(EVENTS_STREAM)
-    end_seq = info.state.last_seq if until_seq is None else min(until_seq, info.state.last_seq)
     state = ClusterState()
     pending: list[Change] = []
     applied = skipped = last_seq = 0
-    if end_seq >= info.state.first_seq:
-        # An ephemeral consumer without acks: replay reads, it does not take part in delivery.
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.NONE,
-            inactive_threshold=60.0,
-            max_waiting=1,
-        )
-        sub = await js.pull_subscribe(f"{EVENTS_PREFIX}.>", stream=EVENTS_STREAM, config=config)
+    async for msg in read_stream(js, EVENTS_STREAM, f"{EVENTS_PREFIX}.>", to_seq=until_seq):
+        md = msg.metadata
+        if until_time is not None and md.timestamp > until_time:
+            break
+        last_seq = md.sequence.stream
         try:
-            while last_seq < end_seq:
-                try:
-                    msgs = await sub.fetch(batch_size, timeout=2.0)
-                except NatsTimeoutError:
-                    break  # nothing more (messages at the end may have aged out)
-                for msg in msgs:
-                    md = msg.metadata
-                    seq = md.sequence.stream
-                    if seq > end_seq or (until_time is not None and md.timestamp > until_time):
-                        end_seq = last_seq
-                        break
-                    last_seq = seq
-                    try:
-                        event = parse_event(msg.data)
-                    except ValidationError as exc:
-                        log.warning("replay skips seq %d: %s", seq, describe_invalid(exc))
-                        skipped += 1
-                        continue
-                    try:
-                        ch = changes_for(state, event)
-                    except Exception as exc:  # the live projector dead-letters these too
-                        log.warning("replay skips seq %d: rule error %r", seq, exc)
-                        skipped += 1
-                        continue
-                    state.commit(ch)
-                    pending.extend(ch)
-                    applied += 1
-                if len(pending) >= commit_every:
-                    await _commit(engine, pending, name, last_seq)
-                    pending = []
-        finally:
-            await sub.unsubscribe()
+            event = parse_event(msg.data)
+            ch = changes_for(state, event)
+        except ValidationError as exc:
+            log.warning("replay skips seq %d: %s", last_seq, describe_invalid(exc))
+            skipped += 1
+            continue
+        except Exception as exc:  # a rule error: the live projector dead-letters these
+            log.warning("replay skips seq %d: rule error %r", last_seq, exc)
+            skipped += 1
+            continue
+        state.commit(ch)
+        pending.extend(ch)
+        applied += 1
+        if len(pending) >= commit_every:
+            await _commit(engine, pending, name, last_seq)
+            pending = []
     await _commit(engine, pending, name, last_seq)
-    return ReplayResult(applied=applied, skipped_invalid=skipped, last_seq=last_seq)
+    return ReplayResult(applied=applied, skipped=skipped, last_seq=last_seq)
 
 
 async def _commit(engine: AsyncEngine, changes: list[Change], name: str, last_seq: int) -> None:

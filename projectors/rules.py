@@ -341,7 +341,11 @@ def _task_failed(state: ClusterState, e: TaskFailed) -> list[Change]:
     if old is None or old.status in TERMINAL_TASK:
         return []
     row = replace(
-        old, status="failed", finished_at=e.ts, error=e.error, runner_id=e.runner_id or old.runner_id
+        old,
+        status="failed",
+        finished_at=e.ts,
+        error=e.error,
+        runner_id=e.runner_id or old.runner_id,
     )
     return [Put(row)]
 

@@ -16,9 +16,7 @@ from projectors.state import Change, ClusterState, Put, collapse
 from projectors.tables import STATE_TABLES, projector_offsets
 
 ROW_TYPE_BY_TABLE: dict[str, type[Row]] = {t.TABLE: t for t in ROW_TYPES}
-_FIELDS: dict[str, tuple[str, ...]] = {
-    t.TABLE: tuple(f.name for f in fields(t)) for t in ROW_TYPES
-}
+_FIELDS: dict[str, tuple[str, ...]] = {t.TABLE: tuple(f.name for f in fields(t)) for t in ROW_TYPES}
 
 
 def row_values(row: Row) -> dict[str, Any]:

@@ -1,0 +1,40 @@
+# Two entry points: `make up` (run Shoal on this machine) and `make test` (the whole suite).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+DATA   ?= data
+
+.PHONY: up test lint typecheck pytest bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip
+
+$(VENV)/.installed-run: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@ $(VENV)/.installed-run
+
+up: $(VENV)/.installed-run
+	$(BIN)/shoal up --data-dir $(DATA)
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(VENV)/.installed-test
+	$(BIN)/mypy
+
+pytest: $(VENV)/.installed-test
+	$(BIN)/pytest -ra
+
+test: lint typecheck pytest
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python bench/projector.py
+
+clean:
+	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache

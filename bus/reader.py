@@ -1,0 +1,56 @@
+"""Reading a range of a stream once, in order, without taking part in delivery (replay, dump)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bus.consumer import Puller
+
+
+async def read_stream(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    from_seq: int = 1,
+    to_seq: int | None = None,
+    batch_size: int = 5000,
+) -> AsyncIterator[Msg]:
+    """Yield the messages of ``stream`` matching ``subject`` with ``from_seq <= seq <= to_seq``
+    (``to_seq`` defaults to the stream's last sequence when reading starts)."""
+    info = await js.stream_info(stream)
+    end = info.state.last_seq if to_seq is None else min(to_seq, info.state.last_seq)
+    if end < max(from_seq, info.state.first_seq):
+        return
+    name = f"reader-{uuid.uuid4().hex[:12]}"
+    config = ConsumerConfig(
+        name=name,
+        filter_subject=subject,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=max(from_seq, 1),
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=60.0,
+    )
+    await js.add_consumer(stream, config)
+    puller = Puller(js, stream, name)
+    await puller.start()
+    try:
+        while True:
+            msgs = await puller.fetch(batch_size, timeout=2.0)
+            if not msgs:
+                return  # nothing left that matches (the rest may have aged out)
+            for msg in msgs:
+                seq = msg.metadata.sequence.stream
+                if seq > end:
+                    return
+                yield msg
+                if seq == end:
+                    return
+    finally:
+        await puller.stop()
+        await js.delete_consumer(stream, name)

@@ -1,0 +1,43 @@
+"""One readable line per event, for `shoal events tail`."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from bus.events import Event
+
+# Colour by kind of aggregate (rich markup).
+_COLOURS = {
+    "node": "cyan",
+    "model": "blue",
+    "instance": "magenta",
+    "runner": "yellow",
+    "task": "green",
+    "chunk": "white",
+}
+_FAILURE_TYPES = {"TaskFailed", "PlacementRejected", "NodeTimedOut"}
+_SKIP = {"event_id", "ts", "origin", "v", "type"}
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def event_line(event: Event, seq: int | None = None, stored_at: datetime | None = None) -> str:
+    """``#seq HH:MM:SS.mmm Type key=value ...`` with rich colour markup."""
+    ts = (stored_at or event.ts).strftime("%H:%M:%S.%f")[:-3]
+    colour = "red" if event.type in _FAILURE_TYPES else _COLOURS.get(event.aggregate, "white")
+    if event.type == "RunnerStateChanged" and event.state == "Failed":
+        colour = "red"
+    fields = " ".join(
+        f"{k}={_short(v)}"
+        for k, v in event.model_dump(exclude_none=True).items()
+        if k not in _SKIP and v not in ([], {}, "")
+    )
+    prefix = f"#{seq} " if seq is not None else ""
+    return f"{prefix}[dim]{ts}[/dim] [bold {colour}]{event.type}[/] {_escape(fields)}"
+
+
+def _escape(text: str) -> str:
+    return text.replace("[", "\\[")

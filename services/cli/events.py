@@ -1,0 +1,143 @@
+"""`shoal events ...`: watching and exporting the log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Annotated, Any, TextIO
+
+import typer
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from pydantic import ValidationError
+from rich.console import Console
+
+from bus.catalogue_doc import render
+from bus.connection import connect
+from bus.events import parse_event
+from bus.reader import read_stream
+from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
+from bus.subjects import CHUNKS_PREFIX, DEADLETTER_PREFIX, EVENTS_PREFIX
+from services.cli.event_line import event_line
+from services.cli.options import DEFAULT_NATS, NatsUrl, run_until_signal
+
+app = typer.Typer(help="Watch and export the event log.", no_args_is_help=True)
+
+STREAMS = {
+    "events": (EVENTS_STREAM, EVENTS_PREFIX),
+    "chunks": (CHUNKS_STREAM, CHUNKS_PREFIX),
+    "deadletter": (DEADLETTER_STREAM, DEADLETTER_PREFIX),
+}
+
+
+def _stream_of(subject: str) -> str:
+    for stream, prefix in STREAMS.values():
+        if subject == f"{prefix}.>" or subject.startswith(prefix + "."):
+            return stream
+    raise typer.BadParameter(
+        f"{subject!r} is in no Shoal stream: subjects start with "
+        + ", ".join(p for _, p in STREAMS.values())
+    )
+
+
+@app.command()
+def tail(
+    subject: Annotated[str, typer.Argument(help="Subject filter.")] = f"{EVENTS_PREFIX}.>",
+    nats: NatsUrl = DEFAULT_NATS,
+    raw: Annotated[bool, typer.Option("--json", help="Print the JSON as stored.")] = False,
+    last: Annotated[int, typer.Option(help="Also show this many earlier events.")] = 0,
+) -> None:
+    """Print events as they happen, one readable line each."""
+    stream = _stream_of(subject)
+    console = Console(highlight=False, soft_wrap=True)
+
+    async def main(stop: asyncio.Event) -> None:
+        nc = await connect(nats, name="shoal-events-tail")
+        js = nc.jetstream()
+
+        async def show(msg: Msg) -> None:
+            md = msg.metadata
+            if raw:
+                console.print(msg.data.decode(errors="replace"), markup=False)
+                return
+            try:
+                event = parse_event(msg.data)
+            except ValidationError:
+                console.print(f"#{md.sequence.stream} [red]unreadable[/] {msg.subject}")
+                return
+            console.print(event_line(event, md.sequence.stream, md.timestamp))
+
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
+        if last > 0:
+            info = await js.stream_info(stream)
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=max(1, info.state.last_seq - last + 1),
+            )
+        sub = await js.subscribe(
+            subject, stream=stream, cb=show, ordered_consumer=True, config=config
+        )
+        await stop.wait()
+        await sub.unsubscribe()
+        await nc.close()
+
+    run_until_signal(main)
+
+
+def dump_line(msg: Msg) -> dict[str, Any]:
+    md = msg.metadata
+    line: dict[str, Any] = {
+        "seq": md.sequence.stream,
+        "subject": msg.subject,
+        "stored_at": md.timestamp.isoformat(),
+    }
+    if msg.headers:
+        line["headers"] = dict(msg.headers)
+    try:
+        line["event"] = json.loads(msg.data)
+    except ValueError:
+        line["raw"] = msg.data.decode(errors="replace")
+    return line
+
+
+async def dump_stream(
+    nats: str, stream_key: str, from_seq: int, to_seq: int | None, out: TextIO
+) -> int:
+    stream, prefix = STREAMS[stream_key]
+    nc = await connect(nats, name="shoal-events-dump")
+    n = 0
+    try:
+        js = nc.jetstream()
+        async for msg in read_stream(js, stream, f"{prefix}.>", from_seq=from_seq, to_seq=to_seq):
+            out.write(json.dumps(dump_line(msg), ensure_ascii=False) + "\n")
+            n += 1
+    finally:
+        await nc.close()
+    return n
+
+
+@app.command()
+def dump(
+    nats: NatsUrl = DEFAULT_NATS,
+    from_seq: Annotated[int, typer.Option(help="First stream sequence.")] = 1,
+    to_seq: Annotated[int | None, typer.Option(help="Last stream sequence.")] = None,
+    stream: Annotated[str, typer.Option(help="events, chunks or deadletter.")] = "events",
+    output: Annotated[str, typer.Option("-o", "--output", help="File (default stdout).")] = "-",
+) -> None:
+    """Write the log as JSON lines: seq, subject, stored_at, headers, event."""
+    if stream not in STREAMS:
+        raise typer.BadParameter(f"unknown stream {stream!r}: events, chunks or deadletter")
+
+    if output == "-":
+        n = asyncio.run(dump_stream(nats, stream, from_seq, to_seq, sys.stdout))
+    else:
+        with open(output, "w", encoding="utf-8") as fh:
+            n = asyncio.run(dump_stream(nats, stream, from_seq, to_seq, fh))
+    typer.echo(f"dumped {n} messages", err=True)
+
+
+@app.command()
+def doc() -> None:
+    """Print the event catalogue as Markdown (docs/events.md)."""
+    sys.stdout.write(render())

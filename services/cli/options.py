@@ -1,0 +1,60 @@
+"""Options shared by every `shoal` command, and running a service until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from bus.connection import DEFAULT_NATS_URL
+
+NatsUrl = Annotated[
+    str,
+    typer.Option("--nats", envvar="SHOAL_NATS_URL", help="NATS server URL(s), comma-separated."),
+]
+DbUrl = Annotated[
+    str,
+    typer.Option(
+        "--db",
+        envvar="SHOAL_DB_URL",
+        help="Projection database: sqlite:///PATH or postgresql://USER@HOST/DB.",
+    ),
+]
+DEFAULT_NATS = DEFAULT_NATS_URL
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("SHOAL_DATA_DIR", Path.home() / ".shoal"))
+
+
+def default_db_url() -> str:
+    return f"sqlite:///{default_data_dir() / 'shoal.db'}"
+
+
+DEFAULT_DB = default_db_url()
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("SHOAL_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def run_until_signal(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+    """Run ``main(stop)``; SIGINT or SIGTERM sets ``stop`` so that it can finish cleanly."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())

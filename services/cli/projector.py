@@ -1,0 +1,85 @@
+"""`shoal projector` and `shoal replay`."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Annotated
+
+import typer
+
+from bus.connection import connect
+from projectors import database
+from projectors.projector import DEFAULT_NAME, Projector
+from projectors.replay import ReplayError, replay
+from services.cli.options import (
+    DEFAULT_DB,
+    DEFAULT_NATS,
+    DbUrl,
+    NatsUrl,
+    run_until_signal,
+    setup_logging,
+)
+
+
+def projector(
+    nats: NatsUrl = DEFAULT_NATS,
+    db: DbUrl = DEFAULT_DB,
+    name: Annotated[str, typer.Option(help="Projector name (its tracking row).")] = DEFAULT_NAME,
+) -> None:
+    """Run the projector: fold the event log into the projection database."""
+    setup_logging()
+
+    async def main(stop: asyncio.Event) -> None:
+        nc = await connect(nats, name=f"shoal-projector-{name}")
+        engine = database.create_engine(db)
+        try:
+            await Projector(nc.jetstream(), engine, name=name).run(stop)
+        finally:
+            await engine.dispose()
+            await nc.drain()
+
+    run_until_signal(main)
+
+
+def _parse_time(value: str) -> datetime:
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise typer.BadParameter(f"not an ISO 8601 time: {value!r}") from exc
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t
+
+
+def replay_command(
+    nats: NatsUrl = DEFAULT_NATS,
+    db: Annotated[str, typer.Option("--db", help="A NEW database to build.")] = "",
+    until_seq: Annotated[int | None, typer.Option(help="Stop after this stream sequence.")] = None,
+    until_time: Annotated[
+        str | None, typer.Option(help="Stop before events stored after this ISO time (UTC).")
+    ] = None,
+) -> None:
+    """Build a fresh projection from the log, up to a sequence or a time."""
+    if not db:
+        raise typer.BadParameter("--db is required: the new database to build", param_hint="--db")
+    if until_seq is not None and until_time is not None:
+        raise typer.BadParameter("give --until-seq or --until-time, not both")
+    until = _parse_time(until_time) if until_time else None
+
+    async def main() -> None:
+        nc = await connect(nats, name="shoal-replay")
+        engine = database.create_engine(db)
+        try:
+            result = await replay(nc.jetstream(), engine, until_seq=until_seq, until_time=until)
+        finally:
+            await engine.dispose()
+            await nc.close()
+        typer.echo(
+            f"replayed {result.applied} events up to seq {result.last_seq}"
+            f" ({result.skipped} malformed skipped) into {db}"
+        )
+
+    try:
+        asyncio.run(main())
+    except ReplayError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
