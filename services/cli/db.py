@@ -7,7 +7,7 @@ import asyncio
 import typer
 
 from projectors import database
-from services.cli.options import DbUrl
+from services.cli.options import DEFAULT_DB, DbUrl
 
 app = typer.Typer(help="The projection database.", no_args_is_help=True)
 
