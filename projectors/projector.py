@@ -69,6 +69,7 @@ class Projector:
         self.name = name
         self.batch_size = batch_size
         self.applied_seq = 0
+        self.state = ClusterState()
         self.consumer: EventConsumer | None = None
         self.ready = asyncio.Event()
 
@@ -91,7 +92,7 @@ class Projector:
 
     async def _project(self, stop: asyncio.Event) -> None:
         async with self._engine.connect() as conn:
-            state = await load_state(conn)
+            self.state = await load_state(conn)
             self.applied_seq = await read_offset(conn, self.name, EVENTS_STREAM)
         if self.consumer is not None:
             await self.consumer.stop()
@@ -109,14 +110,17 @@ class Projector:
         self.ready.set()
         while not stop.is_set():
             batch = await self.consumer.fetch(self.batch_size, timeout=0.5)
-            if self.consumer.last_stream_seq > self.applied_seq:
-                await self._apply(state, batch, self.consumer)
+            await self.apply_batch(batch, self.consumer)
 
-    async def _apply(
-        self, state: ClusterState, batch: list[Delivered], consumer: EventConsumer
-    ) -> None:
-        changes, failed = fold_batch(state, batch, self.applied_seq)
+    async def apply_batch(self, batch: list[Delivered], consumer: EventConsumer) -> None:
+        """Apply what ``consumer`` fetched in one transaction, then ack. Events at or below the
+        tracking sequence (redeliveries) change nothing."""
         last_seq = consumer.last_stream_seq
+        if last_seq <= self.applied_seq:
+            for d in batch:
+                await d.ack()
+            return
+        changes, failed = fold_batch(self.state, batch, self.applied_seq)
         async with self._engine.begin() as conn:
             await write_changes(conn, changes)
             await write_offset(conn, self.name, EVENTS_STREAM, last_seq)

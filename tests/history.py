@@ -151,7 +151,8 @@ def history(n_tasks: int = 300, seed: int = 1, chunks_per_task: int = 4) -> Iter
     for t in range(n_tasks):
         if t % 25 == 0:
             for node in nodes:
-                yield heartbeat(node)
+                if not (node == "node-c" and t > n_tasks // 2):  # node-c went silent
+                    yield heartbeat(node)
         if t == n_tasks // 2:
             # node-c stops answering: inst-2 moves to node-a and node-b.
             yield NodeTimedOut(

@@ -1,0 +1,140 @@
+"""The SQL projector against a real nats-server and real SQLite / PostgreSQL."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from sqlalchemy import Connection, inspect
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from bus.consumer import EventConsumer
+from bus.events import EventBase, NodeJoined
+from bus.streams import EVENTS_STREAM
+from bus.subjects import EVENTS_PREFIX
+from projectors import database
+from projectors.rows import ROW_TYPES
+from projectors.rules import fold
+from projectors.store import read_offset
+from projectors.tables import STATE_TABLES, metadata
+from tests.conftest import MakeDb
+from tests.history import history
+from tests.projectors.helpers import (
+    db_rows,
+    memory_rows,
+    publish_all,
+    running_projector,
+    wait_for_seq,
+)
+
+
+def log_events(n_tasks: int, seed: int = 1) -> list[EventBase]:
+    """The part of a history that goes to the events stream (chunks have their own)."""
+    return [e for e in history(n_tasks=n_tasks, seed=seed) if e.type != "ChunkGenerated"]
+
+
+def test_rows_and_tables_have_the_same_columns() -> None:
+    for row_type in ROW_TYPES:
+        table = STATE_TABLES[row_type.TABLE]
+        assert {f.name for f in fields(row_type)} == {c.name for c in table.columns}
+
+
+async def test_migrations_create_exactly_the_tables(engine: AsyncEngine) -> None:
+    await database.upgrade(engine)
+    await database.upgrade(engine)  # idempotent
+    assert await database.current_revision(engine) == "0001"
+
+    def diff(conn: Connection) -> list[object]:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        return list(compare_metadata(ctx, metadata))
+
+    async with engine.connect() as conn:
+        assert await conn.run_sync(diff) == []
+        names = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
+    assert set(STATE_TABLES) | {"projector_offsets", "alembic_version"} == names
+
+
+async def test_projection_equals_the_pure_fold(js: JetStreamContext, engine: AsyncEngine) -> None:
+    events = log_events(n_tasks=60)
+    last = await publish_all(js, events)
+    async with running_projector(js, engine, batch_size=100) as projector:
+        await wait_for_seq(projector, last)
+    assert await db_rows(engine) == memory_rows(fold(events))
+    async with engine.connect() as conn:
+        assert await read_offset(conn, "main", EVENTS_STREAM) == last
+
+
+async def test_restart_resumes_where_it_stopped(js: JetStreamContext, engine: AsyncEngine) -> None:
+    events = log_events(n_tasks=80)
+    half = len(events) // 2
+    first = await publish_all(js, events[:half])
+    async with running_projector(js, engine) as projector:
+        await wait_for_seq(projector, first)
+    last = await publish_all(js, events[half:])
+    async with running_projector(js, engine) as projector:
+        assert projector.applied_seq >= first  # resumed from the tracking row, not from 0
+        await wait_for_seq(projector, last)
+    assert await db_rows(engine) == memory_rows(fold(events))
+
+
+async def test_redelivered_events_change_nothing(js: JetStreamContext, engine: AsyncEngine) -> None:
+    events = log_events(n_tasks=30)
+    last = await publish_all(js, events)
+    async with running_projector(js, engine) as projector:
+        await wait_for_seq(projector, last)
+        before = await db_rows(engine)
+        # Deliver the whole log again, as a broker redelivery would, through the same path.
+        again = EventConsumer(js, EVENTS_STREAM, "redeliver", f"{EVENTS_PREFIX}.>")
+        await again.start()
+        batch = await again.fetch(10_000, timeout=2.0)
+        assert len(batch) == last
+        await projector.apply_batch(batch, again)
+        await again.stop()
+        assert await db_rows(engine) == before
+        assert projector.applied_seq == last
+
+
+async def test_malformed_events_are_set_aside(
+    nc: Client, js: JetStreamContext, engine: AsyncEngine
+) -> None:
+    good = log_events(n_tasks=10)
+    await publish_all(js, good[:5])
+    await js.publish(f"{EVENTS_PREFIX}.node.x.NodeJoined", b"{not json")
+    await js.publish(f"{EVENTS_PREFIX}.node.x.Mystery", b'{"type": "Mystery"}')
+    await js.publish(f"{EVENTS_PREFIX}.node.x.NodeJoined", b'{"type": "NodeJoined"}')
+    last = await publish_all(js, good[5:])
+    async with running_projector(js, engine) as projector:
+        await wait_for_seq(projector, last)
+        assert projector.consumer is not None
+        assert projector.consumer.stats.dead_letters == 3
+    assert await db_rows(engine) == memory_rows(fold(good))
+    dead = await js.stream_info("SHOAL_DEADLETTER")
+    assert dead.state.messages == 3
+
+
+async def test_a_database_reset_is_noticed(js: JetStreamContext, make_db: MakeDb) -> None:
+    """The database, not the consumer, says where the projector stands: a new, empty database
+    given to a projector whose durable consumer already acked everything gets the whole log."""
+    events = log_events(n_tasks=20)
+    last = await publish_all(js, events)
+    for url in (await make_db(), await make_db()):
+        engine = database.create_engine(url)
+        try:
+            async with running_projector(js, engine) as projector:
+                await wait_for_seq(projector, last)
+            assert await db_rows(engine) == memory_rows(fold(events))
+        finally:
+            await engine.dispose()
+
+
+async def test_one_event_gives_one_row(js: JetStreamContext, engine: AsyncEngine) -> None:
+    last = await publish_all(js, [NodeJoined(node_id="solo", origin="solo", hostname="h")])
+    async with running_projector(js, engine) as projector:
+        await wait_for_seq(projector, last)
+    rows = await db_rows(engine)
+    assert [(r["node_id"], r["hostname"], r["status"]) for r in rows["nodes"]] == [
+        ("solo", "h", "online")
+    ]
