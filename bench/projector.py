@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import inspect
 import io
 import os
@@ -50,7 +51,7 @@ from bus.publisher import MSG_ID_HEADER
 from bus.streams import EVENTS_STREAM, ensure_streams
 from bus.subjects import EVENTS_PREFIX
 from projectors import database
-from projectors.projector import DEFAULT_NAME, Projector
+from projectors.projector import DEFAULT_NAME, Projector, tune_gc
 from projectors.replay import replay
 from projectors.store import read_offset
 from projectors.tables import STATE_TABLES
@@ -182,6 +183,7 @@ async def measure_live(
     engine = database.create_engine(url)
     try:
         await database.upgrade(engine)  # not timed
+        gc.collect()  # every measurement starts from the same heap, without the last one's garbage
         projector = Projector(js, engine, batch_size=batch_size)
         stop = asyncio.Event()
         startup = 0.0
@@ -215,6 +217,7 @@ async def measure_replay(js: JetStreamContext, url: str, backend: str) -> Measur
     engine = database.create_engine(url)
     try:
         await database.upgrade(engine)  # not timed
+        gc.collect()  # every measurement starts from the same heap, without the last one's garbage
         t0 = time.perf_counter()
         result = await replay(js, engine)
         seconds = time.perf_counter() - t0
@@ -279,6 +282,15 @@ def print_profile(profiler: cProfile.Profile, top: int) -> None:
         print(text[start:].rstrip() if start >= 0 else text)
 
 
+def configure_gc(python_default: bool) -> str:
+    """The collector as `shoal projector` / `shoal replay` tune it, or Python's default."""
+    gc.collect()
+    if python_default:
+        return f"Python default, thresholds {gc.get_threshold()}"
+    tune_gc()
+    return f"as shipped (projectors.projector.tune_gc), thresholds {gc.get_threshold()}"
+
+
 # --- main -------------------------------------------------------------------------------------
 
 
@@ -310,6 +322,7 @@ async def run(args: argparse.Namespace, nats_url: str, tmp: Path) -> int:
             f"live: Projector batch_size={args.batch_size}, timed from task start to "
             f"applied_seq == {last_seq:,}; replay: migrations applied before timing"
         )
+        print(f"gc: {configure_gc(args.python_gc)}")
 
         best: dict[tuple[str, str], Measurement] = {}
         last_runs: list[Measurement] = []
@@ -380,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--profile", action="store_true", help="also profile one live SQLite run (cProfile)"
+    )
+    parser.add_argument(
+        "--python-gc",
+        action="store_true",
+        help="measure with Python's default GC instead of the projector's tuning",
     )
     parser.add_argument("--profile-top", type=int, default=30, help="profile lines to print")
     args = parser.parse_args(argv)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-import nats
+import nats.errors
 from nats.aio.client import Client
 
 log = logging.getLogger(__name__)
@@ -12,17 +13,38 @@ log = logging.getLogger(__name__)
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
-async def connect(url: str = DEFAULT_NATS_URL, name: str = "shoal") -> Client:
-    """Connect, retrying for a while on start-up, and keep reconnecting forever afterwards."""
+class NatsUnavailable(ConnectionError):
+    pass
+
+
+async def connect(
+    url: str = DEFAULT_NATS_URL, name: str = "shoal", startup_timeout: float = 10.0
+) -> Client:
+    """Connect; once connected, keep reconnecting forever. A server that cannot be reached
+    within ``startup_timeout`` is a clear error, not a hang."""
+    nc = Client()
+    connected = False
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats: %s", exc)
+        # Before the first connection every retry fails the same way: say it once, at the end.
+        if connected:
+            log.warning("nats: %s", exc)
 
-    return await nats.connect(
-        servers=[u.strip() for u in url.split(",")],
-        name=name,
-        connect_timeout=5,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        error_cb=on_error,
-    )
+    try:
+        await asyncio.wait_for(
+            nc.connect(
+                servers=[u.strip() for u in url.split(",")],
+                name=name,
+                connect_timeout=2,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=1,
+                error_cb=on_error,
+            ),
+            startup_timeout,
+        )
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        await nc.close()
+        reason = str(exc) or f"no answer within {startup_timeout:g}s"
+        raise NatsUnavailable(f"cannot reach NATS at {url}: {reason}") from exc
+    connected = True
+    return nc

@@ -53,9 +53,14 @@ class Puller:
         self._sub = await self._nc.subscribe(self._inbox, cb=self._on_msg)
 
     async def stop(self) -> None:
+        """Stop pulling. Dropping the inbox ends any open pull request on the server; anything
+        delivered but not yet fetched goes back to the consumer for another replica."""
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
+        left, self._received = self._received, []
+        for msg in left:
+            await msg.nak()
 
     async def _on_msg(self, msg: Msg) -> None:
         status = msg.headers.get("Status") if msg.headers else None
@@ -75,9 +80,16 @@ class Puller:
         else:
             req["expires"] = int(expires * 1e9)
         await self._nc.publish(self._next_subject, json.dumps(req).encode(), reply=self._inbox)
-        # If the server's status reply is lost (e.g. a reconnect), return what came.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._done.wait(), timeout=expires + 2.0)
+        try:
+            # If the server's status reply is lost (e.g. a reconnect), return what came.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done.wait(), timeout=expires + 2.0)
+        except asyncio.CancelledError:
+            # A cancelled fetch must not leave a pull request open that would take a message
+            # nobody will handle: drop the inbox (the server then ends the request).
+            await self.stop()
+            await self.start()
+            raise
         msgs, self._received = self._received, []
         return msgs
 
@@ -170,7 +182,12 @@ class EventConsumer:
             with contextlib.suppress(NotFoundError):
                 await self._js.delete_consumer(self.stream, self.durable)
         try:
-            await self._js.consumer_info(self.stream, self.durable)
+            info = await self._js.consumer_info(self.stream, self.durable)
+            if info.config.filter_subject != self.filter_subject:
+                # Same name, different selection: the old consumer would deliver the wrong
+                # messages, so replace it.
+                await self._js.delete_consumer(self.stream, self.durable)
+                await self._js.add_consumer(self.stream, self._config)
         except NotFoundError:
             await self._js.add_consumer(self.stream, self._config)
         self._puller = Puller(self._js, self.stream, self.durable)

@@ -90,13 +90,22 @@ class EmbeddedNats:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise NatsServerError(
-                    f"nats-server exited with code {self._proc.returncode}; see {self.log_path}"
+                    f"nats-server exited with code {self._proc.returncode}: {self._last_error()}"
+                    f" (log: {self.log_path})"
                 )
             if self._jetstream_ready():
                 return
             time.sleep(0.05)
         self.stop()
         raise NatsServerError(f"nats-server did not become ready in {timeout}s")
+
+    def _last_error(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "no log written"
+        errors = [ln for ln in lines if "[FTL]" in ln or "[ERR]" in ln]
+        return (errors or lines or ["empty log"])[-1].split("] ", 1)[-1]
 
     def _jetstream_ready(self) -> bool:
         # The log line is written once JetStream has loaded its streams; the port alone is not

@@ -18,6 +18,9 @@ from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX, chunk_subject, event_subj
 
 SCHEMA_VERSION = 1
 
+# Ids name subjects and rows, so they are never empty.
+Id = Annotated[str, Field(min_length=1)]
+
 
 def new_id() -> str:
     return uuid.uuid4().hex
@@ -95,8 +98,8 @@ class NodeProfile(Record):
 class ShardAssignment(Record):
     """One runner of a placed instance: which node/device holds which layers."""
 
-    runner_id: str
-    node_id: str
+    runner_id: Id
+    node_id: Id
     device: str = Field(default="cpu", description="'cpu' or 'gpuN' on that node.")
     replica: int = 0
     rank: int = Field(default=0, description="Position in the pipeline; 0 is the head.")
@@ -148,7 +151,7 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 class _NodeEvent(EventBase):
     aggregate: ClassVar[str] = "node"
     subject_fields: ClassVar[tuple[str, ...]] = ("node_id",)
-    node_id: str
+    node_id: Id
 
 
 class NodeJoined(_NodeEvent):
@@ -191,7 +194,7 @@ class ModelAdded(EventBase):
     aggregate: ClassVar[str] = "model"
     subject_fields: ClassVar[tuple[str, ...]] = ("model_id",)
     type: Literal["ModelAdded"] = "ModelAdded"
-    model_id: str
+    model_id: Id
     family: str = ""
     n_layers: int
     context_length: int = 0
@@ -208,14 +211,14 @@ class ModelAdded(EventBase):
 class _InstanceEvent(EventBase):
     aggregate: ClassVar[str] = "instance"
     subject_fields: ClassVar[tuple[str, ...]] = ("instance_id",)
-    instance_id: str
+    instance_id: Id
 
 
 class InstanceRequested(_InstanceEvent):
     """Someone asked for a model to be served."""
 
     type: Literal["InstanceRequested"] = "InstanceRequested"
-    model_id: str
+    model_id: Id
     placement: str | None = Field(default=None, description="Manual placement spec (JSON).")
     replicas: int = 1
     context_length: int | None = None
@@ -225,7 +228,7 @@ class InstancePlaced(_InstanceEvent):
     """A planner decided where an instance's shards run. A later one replaces the earlier."""
 
     type: Literal["InstancePlaced"] = "InstancePlaced"
-    model_id: str
+    model_id: Id
     shards: list[ShardAssignment]
 
 
@@ -233,7 +236,7 @@ class PlacementRejected(_InstanceEvent):
     """A planner found no way to place an instance; the reason says what was missing."""
 
     type: Literal["PlacementRejected"] = "PlacementRejected"
-    model_id: str
+    model_id: Id
     reason: str
     needed_bytes: int | None = None
     available_bytes: dict[str, int] = Field(default_factory=dict, description="Per node.")
@@ -262,9 +265,9 @@ class RunnerStateChanged(EventBase):
     aggregate: ClassVar[str] = "runner"
     subject_fields: ClassVar[tuple[str, ...]] = ("runner_id",)
     type: Literal["RunnerStateChanged"] = "RunnerStateChanged"
-    runner_id: str
-    instance_id: str
-    node_id: str
+    runner_id: Id
+    instance_id: Id
+    node_id: Id
     state: RunnerState
     progress: float | None = Field(default=None, description="0-1 while Downloading/Loading.")
     error: str | None = None
@@ -280,8 +283,8 @@ class _TaskEvent(EventBase):
     aggregate: ClassVar[str] = "task"
     # The model is in the subject so that runners pull only their model's tasks.
     subject_fields: ClassVar[tuple[str, ...]] = ("model_id", "task_id")
-    task_id: str
-    model_id: str
+    task_id: Id
+    model_id: Id
 
 
 class TaskCreated(_TaskEvent):
@@ -299,15 +302,15 @@ class TaskStarted(_TaskEvent):
     """A runner took the task."""
 
     type: Literal["TaskStarted"] = "TaskStarted"
-    runner_id: str
-    instance_id: str
+    runner_id: Id
+    instance_id: Id
 
 
 class TaskCompleted(_TaskEvent):
     """Generation ended normally (stop or length), with usage and timings."""
 
     type: Literal["TaskCompleted"] = "TaskCompleted"
-    runner_id: str
+    runner_id: Id
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
@@ -334,7 +337,7 @@ class ChunkGenerated(EventBase):
     aggregate: ClassVar[str] = "chunk"
     subject_fields: ClassVar[tuple[str, ...]] = ("task_id",)
     type: Literal["ChunkGenerated"] = "ChunkGenerated"
-    task_id: str
+    task_id: Id
     idx: int = Field(description="0, 1, 2... in generation order.")
     text: str
     token_id: int | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -20,7 +20,7 @@ async def read_stream(
     from_seq: int = 1,
     to_seq: int | None = None,
     batch_size: int = 5000,
-) -> AsyncIterator[Msg]:
+) -> AsyncGenerator[Msg, None]:
     """Yield the messages of ``stream`` matching ``subject`` with ``from_seq <= seq <= to_seq``
     (``to_seq`` defaults to the stream's last sequence when reading starts)."""
     info = await js.stream_info(stream)
@@ -45,11 +45,13 @@ async def read_stream(
             if not msgs:
                 return  # nothing left that matches (the rest may have aged out)
             for msg in msgs:
-                seq = msg.metadata.sequence.stream
-                if seq > end:
+                md = msg.metadata
+                if md.sequence.stream > end:
                     return
                 yield msg
-                if seq == end:
+                # num_pending: matching messages after this one, so a filtered read ends here
+                # rather than waiting out a fetch.
+                if md.sequence.stream == end or md.num_pending == 0:
                     return
     finally:
         await puller.stop()

@@ -42,7 +42,10 @@ def stream_configs(settings: StreamSettings) -> list[StreamConfig]:
             storage=StorageType.FILE,
             max_age=max_age,
             max_bytes=max_bytes,
-            duplicate_window=settings.duplicate_window,
+            # JetStream refuses a duplicate window longer than the max age.
+            duplicate_window=min(settings.duplicate_window, max_age)
+            if max_age > 0
+            else settings.duplicate_window,
             num_replicas=settings.replicas,
         )
 

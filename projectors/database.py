@@ -8,6 +8,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
@@ -16,15 +17,22 @@ import migrations
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 
 
+class DatabaseUrlError(ValueError):
+    pass
+
+
 def async_url(url: str) -> URL:
     """Accept plain URLs (``sqlite:///x.db``, ``postgresql://...``) and pick the async driver."""
-    u = make_url(url)
+    try:
+        u = make_url(url)
+    except ArgumentError as exc:
+        raise DatabaseUrlError(f"not a database URL: {url!r}") from exc
     if u.drivername in ("sqlite", "sqlite+pysqlite"):
         u = u.set(drivername="sqlite+aiosqlite")
     elif u.drivername in ("postgresql", "postgres", "postgresql+psycopg2", "postgresql+psycopg"):
         u = u.set(drivername="postgresql+asyncpg")
     if u.drivername not in ("sqlite+aiosqlite", "postgresql+asyncpg"):
-        raise ValueError(f"unsupported database URL {url!r}: use sqlite:/// or postgresql://")
+        raise DatabaseUrlError(f"unsupported database URL {url!r}: use sqlite:/// or postgresql://")
     return u
 
 

@@ -14,6 +14,7 @@ written. Run exactly one projector per database.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Sequence
 
@@ -34,6 +35,19 @@ from projectors.store import load_state, read_offset, write_changes, write_offse
 log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "main"
+
+
+def tune_gc() -> None:
+    """Collect garbage less often in a process that folds events.
+
+    Parsing and folding allocate many short-lived objects, and with Python's default thresholds
+    the collector took 25-30% of a catch-up (bench/projector.py). Freezing what start-up
+    allocated and raising the young-generation threshold keeps pauses at a few milliseconds.
+    Called by the processes that run a projector or a replay, not on import.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 def fold_batch(

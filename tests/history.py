@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from bus.events import (
     ChatMessage,
     ChunkGenerated,
-    EventBase,
+    Event,
     GpuInfo,
     InstanceDeleted,
     InstanceDeleteRequested,
@@ -74,7 +74,7 @@ def profile(rng: random.Random, gpus: int = 0) -> NodeProfile:
     )
 
 
-def history(n_tasks: int = 300, seed: int = 1, chunks_per_task: int = 4) -> Iterator[EventBase]:
+def history(n_tasks: int = 300, seed: int = 1, chunks_per_task: int = 4) -> Iterator[Event]:
     """Yield events in the order a live cluster could have published them."""
     rng = random.Random(seed)
     clock = _Clock()
@@ -102,7 +102,7 @@ def history(n_tasks: int = 300, seed: int = 1, chunks_per_task: int = 4) -> Iter
             chat_format="chatml",
         )
 
-    def place(instance: str, model: str, on: list[str], gen: int) -> Iterator[EventBase]:
+    def place(instance: str, model: str, on: list[str], gen: int) -> Iterator[Event]:
         per = 30 // len(on)
         shards = [
             ShardAssignment(

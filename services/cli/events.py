@@ -60,6 +60,7 @@ def tail(
             md = msg.metadata
             if raw:
                 console.print(msg.data.decode(errors="replace"), markup=False)
+                console.file.flush()
                 return
             try:
                 event = parse_event(msg.data)
@@ -67,6 +68,7 @@ def tail(
                 console.print(f"#{md.sequence.stream} [red]unreadable[/] {msg.subject}")
                 return
             console.print(event_line(event, md.sequence.stream, md.timestamp))
+            console.file.flush()  # line by line, also into a pipe (`| grep`)
 
         config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
         if last > 0:

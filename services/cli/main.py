@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import typer
+import sys
 
+import typer
+from sqlalchemy.exc import DBAPIError
+
+from bus.connection import NatsUnavailable
+from bus.embedded import NatsServerError
+from projectors.database import DatabaseUrlError
+from projectors.replay import ReplayError
 from services.cli import db, events
 from services.cli.projector import projector, replay_command
 from services.cli.state import state
@@ -22,5 +29,14 @@ app.add_typer(db.app, name="db")
 app.add_typer(events.app, name="events")
 
 
+# Errors a user can cause and fix: one line, no traceback.
+_USER_ERRORS = (NatsUnavailable, NatsServerError, DatabaseUrlError, ReplayError, DBAPIError)
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    except _USER_ERRORS as exc:
+        message = f"database: {exc.orig}" if isinstance(exc, DBAPIError) else str(exc)
+        typer.echo(f"error: {message}", err=True)
+        sys.exit(2 if isinstance(exc, ReplayError) else 1)

@@ -10,8 +10,8 @@ import typer
 
 from bus.connection import connect
 from projectors import database
-from projectors.projector import DEFAULT_NAME, Projector
-from projectors.replay import ReplayError, replay
+from projectors.projector import DEFAULT_NAME, Projector, tune_gc
+from projectors.replay import replay
 from services.cli.options import (
     DEFAULT_DB,
     DEFAULT_NATS,
@@ -29,6 +29,7 @@ def projector(
 ) -> None:
     """Run the projector: fold the event log into the projection database."""
     setup_logging()
+    tune_gc()
 
     async def main(stop: asyncio.Event) -> None:
         nc = await connect(nats, name=f"shoal-projector-{name}")
@@ -64,6 +65,7 @@ def replay_command(
     if until_seq is not None and until_time is not None:
         raise typer.BadParameter("give --until-seq or --until-time, not both")
     until = _parse_time(until_time) if until_time else None
+    tune_gc()
 
     async def main() -> None:
         nc = await connect(nats, name="shoal-replay")
@@ -78,8 +80,4 @@ def replay_command(
             f" ({result.skipped} malformed skipped) into {db}"
         )
 
-    try:
-        asyncio.run(main())
-    except ReplayError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    asyncio.run(main())

@@ -13,9 +13,9 @@ from typing import Annotated
 import typer
 
 from bus.connection import connect
-from bus.embedded import EmbeddedNats, NatsServerError
+from bus.embedded import EmbeddedNats
 from projectors import database
-from projectors.projector import Projector
+from projectors.projector import Projector, tune_gc
 from services.cli.options import default_data_dir, run_until_signal, setup_logging
 
 
@@ -29,14 +29,11 @@ def up(
 ) -> None:
     """Start a one-machine Shoal: embedded NATS with JetStream and the projector."""
     setup_logging()
+    tune_gc()
     data = data_dir or default_data_dir()
     db_url = db or f"sqlite:///{data / 'shoal.db'}"
     server = EmbeddedNats(data / "nats", port=nats_port, host=nats_host)
-    try:
-        server.start()
-    except NatsServerError as exc:
-        typer.echo(f"error: cannot start nats-server: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    server.start()
 
     async def main(stop: asyncio.Event) -> None:
         nc = await connect(server.url, name="shoal-up")

@@ -32,7 +32,7 @@ async def publish_all(js: JetStreamContext, events: Iterable[EventBase]) -> int:
 
 async def wait_for_seq(projector: Projector, seq: int, timeout: float = 30.0) -> None:
     async with asyncio.timeout(timeout):
-        while projector.applied_seq < seq:  # noqa: ASYNC110 - polling a plain counter
+        while projector.applied_seq < seq:
             await asyncio.sleep(0.02)
 
 

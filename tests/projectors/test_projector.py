@@ -12,7 +12,7 @@ from sqlalchemy import Connection, inspect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import EventConsumer
-from bus.events import EventBase, NodeJoined
+from bus.events import Event, NodeJoined
 from bus.streams import EVENTS_STREAM
 from bus.subjects import EVENTS_PREFIX
 from projectors import database
@@ -31,7 +31,7 @@ from tests.projectors.helpers import (
 )
 
 
-def log_events(n_tasks: int, seed: int = 1) -> list[EventBase]:
+def log_events(n_tasks: int, seed: int = 1) -> list[Event]:
     """The part of a history that goes to the events stream (chunks have their own)."""
     return [e for e in history(n_tasks=n_tasks, seed=seed) if e.type != "ChunkGenerated"]
 

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.embedded import EmbeddedNats
-from bus.events import EventBase, NodeJoined
+from bus.events import Event, NodeJoined
 from bus.streams import EVENTS_STREAM
 from projectors import database
 from projectors.replay import ReplayError, replay
@@ -28,7 +28,7 @@ from tests.projectors.helpers import db_rows, db_rows_of, memory_rows, publish_a
 SHOAL = str(Path(sys.executable).parent / "shoal")
 
 
-def log_events(n_tasks: int) -> list[EventBase]:
+def log_events(n_tasks: int) -> list[Event]:
     return [e for e in history(n_tasks=n_tasks) if e.type != "ChunkGenerated"]
 
 

@@ -1,0 +1,171 @@
+"""Subject names: escaping ids into single tokens, and the shapes of every subject."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from bus.subjects import (
+    CHUNKS_PREFIX,
+    DEADLETTER_PREFIX,
+    EVENTS_PREFIX,
+    chunk_subject,
+    deadletter_subject,
+    escape_token,
+    event_subject,
+    model_tasks_filter,
+    unescape_token,
+)
+
+# What may appear in an escaped token: nothing NATS gives a meaning to.
+TOKEN = re.compile(r"^[A-Za-z0-9_\-:=%]+$")
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: '*' is one token, a final '>' is one or more tokens."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return i == len(p) - 1 and len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def test_subject_matcher_itself() -> None:
+    assert subject_matches("a.*.c", "a.b.c")
+    assert not subject_matches("a.*.c", "a.b.x.c")
+    assert subject_matches("a.>", "a.b.c")
+    assert not subject_matches("a.>", "a")
+    assert not subject_matches("a.b", "a.b.c")
+
+
+ODD_IDS = [
+    "plain",
+    "Qwen2.5-0.5B",
+    "a.b.c",
+    "*",
+    ">",
+    "a*b>c",
+    "with space",
+    "tab\there",
+    "new\nline",
+    "100%",
+    "%2E",
+    "a%b%%c",
+    "ünïcødé",
+    "模型",
+    "emoji-🐟",
+    "slash/and\\back",
+    "$JS.API",
+    "colon:equals=dash-under_",
+    "+plus",
+    "..",
+    " ",
+]
+
+
+@pytest.mark.parametrize("value", ODD_IDS)
+def test_escape_round_trip(value: str) -> None:
+    token = escape_token(value)
+    assert TOKEN.match(token), token
+    assert "." not in token and "*" not in token and ">" not in token
+    assert not any(c.isspace() for c in token)
+    assert unescape_token(token) == value
+
+
+def test_escape_round_trip_random() -> None:
+    rng = random.Random(7)
+    alphabet = "ab.*>% \t-_:=/+é模🐟$#?&\x00"
+    for _ in range(2000):
+        value = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+        token = escape_token(value)
+        assert TOKEN.match(token), (value, token)
+        assert unescape_token(token) == value
+
+
+def test_safe_characters_pass_unchanged() -> None:
+    value = "ABCxyz0189-_:="
+    assert escape_token(value) == value
+
+
+def test_escape_examples() -> None:
+    assert escape_token("Qwen2.5-0.5B") == "Qwen2%2E5-0%2E5B"
+    assert escape_token("a b") == "a%20b"
+    assert escape_token("*") == "%2A"
+    assert escape_token(">") == "%3E"
+    assert escape_token("%") == "%25"
+    assert escape_token("é") == "%C3%A9"  # UTF-8 bytes
+
+
+def test_escape_is_injective_for_percent_lookalikes() -> None:
+    # A literal '%2E' in an id must not collide with an escaped '.'.
+    assert escape_token("a.b") != escape_token("a%2Eb")
+    ids = ["a.b", "a%2Eb", "a%252Eb", "a_b", "a-b", "a b", "a%20b"]
+    assert len({escape_token(i) for i in ids}) == len(ids)
+
+
+def test_empty_id_rejected() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        escape_token("")
+    with pytest.raises(ValueError):
+        chunk_subject("")
+    with pytest.raises(ValueError):
+        event_subject("node", ("",), "NodeJoined")
+    with pytest.raises(ValueError):
+        model_tasks_filter("")
+
+
+def test_event_subject_shape() -> None:
+    subject = event_subject("node", ("node-a",), "NodeJoined")
+    assert subject == "shoal.events.node.node-a.NodeJoined"
+    assert subject.startswith(EVENTS_PREFIX + ".")
+
+
+def test_event_subject_model_id_is_one_token() -> None:
+    subject = event_subject("task", ("Qwen2.5-0.5B", "task-1"), "TaskCreated")
+    assert subject == "shoal.events.task.Qwen2%2E5-0%2E5B.task-1.TaskCreated"
+    tokens = subject.split(".")
+    assert len(tokens) == 6
+    assert unescape_token(tokens[3]) == "Qwen2.5-0.5B"
+    assert tokens[-1] == "TaskCreated"
+
+
+def test_event_subject_ids_with_wildcards_stay_literal() -> None:
+    subject = event_subject("node", ("a.>",), "NodeLeft")
+    assert len(subject.split(".")) == 5
+    assert "*" not in subject and ">" not in subject
+
+
+def test_chunk_subject_shape() -> None:
+    assert chunk_subject("task-1") == "shoal.chunks.task-1"
+    assert chunk_subject("t.1 x") == "shoal.chunks.t%2E1%20x"
+    assert chunk_subject("t.1").startswith(CHUNKS_PREFIX + ".")
+    assert len(chunk_subject("a.b.c").split(".")) == 3
+
+
+def test_deadletter_subject_shape() -> None:
+    assert deadletter_subject("SHOAL_EVENTS") == "shoal.deadletter.SHOAL_EVENTS"
+    assert deadletter_subject("SHOAL_CHUNKS").startswith(DEADLETTER_PREFIX + ".")
+    assert len(deadletter_subject("x.y").split(".")) == 3
+
+
+def test_model_tasks_filter_shape() -> None:
+    f = model_tasks_filter("Qwen2.5-0.5B")
+    assert f == "shoal.events.task.Qwen2%2E5-0%2E5B.*.TaskCreated"
+
+
+def test_model_tasks_filter_matches_only_that_models_created_tasks() -> None:
+    model = "Qwen2.5-0.5B"
+    f = model_tasks_filter(model)
+    assert subject_matches(f, event_subject("task", (model, "t1"), "TaskCreated"))
+    assert subject_matches(f, event_subject("task", (model, "a.b"), "TaskCreated"))
+    assert not subject_matches(f, event_subject("task", (model, "t1"), "TaskStarted"))
+    assert not subject_matches(f, event_subject("task", ("Qwen2", "t1"), "TaskCreated"))
+    assert not subject_matches(f, event_subject("task", ("Qwen2.5-0.5B-x", "t1"), "TaskCreated"))
+    # A model id that is a prefix-with-dot of another must not match it.
+    assert not subject_matches(
+        model_tasks_filter("Qwen2"), event_subject("task", (model, "t1"), "TaskCreated")
+    )
