@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
@@ -20,9 +22,14 @@ DEADLETTER_STREAM = "SHOAL_DEADLETTER"
 DAY = 24 * 3600.0
 
 
+class StreamSettingsError(ValueError):
+    pass
+
+
 @dataclass(frozen=True)
 class StreamSettings:
-    """What an operator may tune. Zero/-1 mean unlimited, as in JetStream."""
+    """What an operator may tune. Zero/-1 mean unlimited, as in JetStream. Durations are
+    seconds."""
 
     events_max_age: float = 0.0
     events_max_bytes: int = -1
@@ -31,6 +38,62 @@ class StreamSettings:
     deadletter_max_age: float = 30 * DAY
     duplicate_window: float = 120.0
     replicas: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> StreamSettings | None:
+        """Settings from ``SHOAL_EVENTS_MAX_AGE``, ``SHOAL_EVENTS_MAX_BYTES``,
+        ``SHOAL_CHUNKS_MAX_AGE``, ``SHOAL_CHUNKS_MAX_BYTES``, ``SHOAL_DEADLETTER_MAX_AGE``,
+        ``SHOAL_DUPLICATE_WINDOW`` and ``SHOAL_STREAM_REPLICAS``; None when none is set, so a
+        process started without them leaves the streams as the operator configured them."""
+        values: dict[str, float | int] = {}
+        for f in fields(cls):
+            raw = env.get(f"SHOAL_{f.name.upper()}")
+            if f.name == "replicas":
+                raw = env.get("SHOAL_STREAM_REPLICAS")
+            if raw is None or not raw.strip():
+                continue
+            try:
+                if f.name.endswith("bytes"):
+                    values[f.name] = parse_size(raw)
+                elif f.name == "replicas":
+                    values[f.name] = int(raw)
+                else:
+                    values[f.name] = parse_duration(raw)
+            except ValueError as exc:
+                raise StreamSettingsError(f"SHOAL_{f.name.upper()}={raw!r}: {exc}") from exc
+        return cls(**values) if values else None  # type: ignore[arg-type]
+
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY}
+_SIZE_UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '15m', '24h', '30d' -> seconds; '0' means unlimited."""
+    t = text.strip().lower()
+    unit = _DURATION_UNITS.get(t[-1:])
+    number = t[:-1] if unit is not None else t
+    try:
+        value = float(number) * (unit or 1.0)
+    except ValueError:
+        raise ValueError("expected seconds or a number with s, m, h or d") from None
+    if value < 0:
+        raise ValueError("a duration cannot be negative")
+    return value
+
+
+def parse_size(text: str) -> int:
+    """'1000', '512M', '10G' (binary units) -> bytes; '-1' means unlimited."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = _SIZE_UNITS.get(t[-1:])
+    number = t[:-1] if unit is not None else t
+    try:
+        value = int(float(number) * (unit or 1))
+    except ValueError:
+        raise ValueError("expected bytes or a number with K, M, G or T") from None
+    if value < -1:
+        raise ValueError("a size is -1 (unlimited) or more")
+    return value
 
 
 def stream_configs(settings: StreamSettings) -> list[StreamConfig]:
@@ -60,8 +123,9 @@ _COMPARED = ("subjects", "max_age", "max_bytes", "duplicate_window", "num_replic
 
 
 async def ensure_streams(js: JetStreamContext, settings: StreamSettings | None = None) -> None:
-    """Create the streams, or update them where the settings changed. Safe to call from every
-    process at every start."""
+    """Create missing streams (with ``settings``, or the defaults). Given ``settings``, also
+    update existing streams that differ; without, leave them as they are. Safe to call from
+    every process at every start."""
     for wanted in stream_configs(settings or StreamSettings()):
         assert wanted.name is not None
         try:
@@ -70,6 +134,8 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings | None =
             await js.add_stream(wanted)
             log.info("created stream %s", wanted.name)
             continue
-        if any(getattr(current, f) != getattr(wanted, f) for f in _COMPARED):
+        if settings is not None and any(
+            getattr(current, f) != getattr(wanted, f) for f in _COMPARED
+        ):
             await js.update_stream(wanted)
             log.info("updated stream %s", wanted.name)

@@ -25,7 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import Delivered, EventConsumer
-from bus.streams import EVENTS_STREAM, ensure_streams
+from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from bus.subjects import EVENTS_PREFIX
 from projectors import database
 from projectors.rules import changes_for
@@ -77,11 +77,13 @@ class Projector:
         engine: AsyncEngine,
         name: str = DEFAULT_NAME,
         batch_size: int = 2000,
+        stream_settings: StreamSettings | None = None,
     ) -> None:
         self._js = js
         self._engine = engine
         self.name = name
         self.batch_size = batch_size
+        self._stream_settings = stream_settings
         self.applied_seq = 0
         self.state = ClusterState()
         self.consumer: EventConsumer | None = None
@@ -91,7 +93,7 @@ class Projector:
         """Project until ``stop`` is set (or forever). Database errors are retried with backoff
         from the last committed state."""
         stop = stop or asyncio.Event()
-        await ensure_streams(self._js)
+        await ensure_streams(self._js, self._stream_settings)
         await database.upgrade(self._engine)
         backoff = 0.5
         while not stop.is_set():

@@ -9,6 +9,7 @@ from sqlalchemy.exc import DBAPIError
 
 from bus.connection import NatsUnavailable
 from bus.embedded import NatsServerError
+from bus.streams import StreamSettingsError
 from projectors.database import DatabaseUrlError
 from projectors.replay import ReplayError
 from services.cli import db, events
@@ -30,7 +31,14 @@ app.add_typer(events.app, name="events")
 
 
 # Errors a user can cause and fix: one line, no traceback.
-_USER_ERRORS = (NatsUnavailable, NatsServerError, DatabaseUrlError, ReplayError, DBAPIError)
+_USER_ERRORS = (
+    NatsUnavailable,
+    NatsServerError,
+    StreamSettingsError,
+    DatabaseUrlError,
+    ReplayError,
+    DBAPIError,
+)
 
 
 def main() -> None:

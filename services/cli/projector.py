@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from bus.connection import connect
+from bus.streams import StreamSettings
 from projectors import database
 from projectors.projector import DEFAULT_NAME, Projector, tune_gc
 from projectors.replay import replay
@@ -35,7 +36,9 @@ def projector(
         nc = await connect(nats, name=f"shoal-projector-{name}")
         engine = database.create_engine(db)
         try:
-            await Projector(nc.jetstream(), engine, name=name).run(stop)
+            await Projector(
+                nc.jetstream(), engine, name=name, stream_settings=StreamSettings.from_env()
+            ).run(stop)
         finally:
             await engine.dispose()
             await nc.drain()

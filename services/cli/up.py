@@ -14,6 +14,7 @@ import typer
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.streams import StreamSettings
 from projectors import database
 from projectors.projector import Projector, tune_gc
 from services.cli.options import default_data_dir, run_until_signal, setup_logging
@@ -38,7 +39,7 @@ def up(
     async def main(stop: asyncio.Event) -> None:
         nc = await connect(server.url, name="shoal-up")
         engine = database.create_engine(db_url)
-        projector = Projector(nc.jetstream(), engine)
+        projector = Projector(nc.jetstream(), engine, stream_settings=StreamSettings.from_env())
         task = asyncio.create_task(projector.run(stop))
         ready = asyncio.create_task(projector.ready.wait())
         await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)

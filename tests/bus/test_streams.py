@@ -18,7 +18,10 @@ from bus.streams import (
     DEADLETTER_STREAM,
     EVENTS_STREAM,
     StreamSettings,
+    StreamSettingsError,
     ensure_streams,
+    parse_duration,
+    parse_size,
     stream_configs,
 )
 
@@ -140,7 +143,7 @@ async def test_only_the_changed_stream_is_updated(
 async def test_going_back_to_defaults_updates_again(js: JetStreamContext) -> None:
     await ensure_streams(js, StreamSettings(events_max_bytes=10**9))
     assert (await js.stream_info(EVENTS_STREAM)).config.max_bytes == 10**9
-    await ensure_streams(js)
+    await ensure_streams(js, StreamSettings())  # the defaults, given explicitly
     assert (await js.stream_info(EVENTS_STREAM)).config.max_bytes == -1
 
 
@@ -163,3 +166,36 @@ def test_stream_configs_follow_settings() -> None:
 async def test_short_max_age_is_accepted(js: JetStreamContext) -> None:
     await ensure_streams(js, StreamSettings(chunks_max_age=60.0))
     assert (await js.stream_info(CHUNKS_STREAM)).config.max_age == pytest.approx(60.0)
+
+
+def test_durations_and_sizes_parse() -> None:
+    assert [parse_duration(t) for t in ("90", "90s", "15m", "24h", "30d", "0")] == [
+        90.0, 90.0, 900.0, 86400.0, 30 * DAY, 0.0,
+    ]  # fmt: skip
+    assert [parse_size(t) for t in ("1000", "512M", "10G", "1GiB", "2k", "-1")] == [
+        1000, 512 * 1024**2, 10 * 1024**3, 1024**3, 2048, -1,
+    ]  # fmt: skip
+    for bad in ("soon", "-5s", ""):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_settings_from_env() -> None:
+    assert StreamSettings.from_env({}) is None
+    assert StreamSettings.from_env({"SHOAL_EVENTS_MAX_AGE": "30d", "SHOAL_STREAM_REPLICAS": "3",
+                                    "SHOAL_EVENTS_MAX_BYTES": "10G"}) == StreamSettings(
+        events_max_age=30 * DAY, events_max_bytes=10 * 1024**3, replicas=3
+    )  # fmt: skip
+    with pytest.raises(StreamSettingsError, match="SHOAL_CHUNKS_MAX_AGE"):
+        StreamSettings.from_env({"SHOAL_CHUNKS_MAX_AGE": "tomorrow"})
+
+
+async def test_without_settings_an_existing_stream_is_left_alone(js: JetStreamContext) -> None:
+    """A process started without stream settings (say a worker on another machine) must not
+    undo what the operator configured."""
+    await ensure_streams(js, StreamSettings(events_max_age=7 * DAY))
+    await ensure_streams(js)
+    info = await js.stream_info(EVENTS_STREAM)
+    assert info.config.max_age == 7 * DAY
