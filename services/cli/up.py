@@ -13,16 +13,21 @@ from typing import Annotated
 import typer
 
 from bus.connection import connect
-from bus.embedded import EmbeddedNats
+from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.streams import StreamSettings
 from projectors import database
 from projectors.projector import Projector, tune_gc
 from services.cli.options import default_data_dir, run_until_signal, setup_logging
 
+DEFAULT_NATS_PORT = 4222
+
 
 def up(
     data_dir: Annotated[Path | None, typer.Option(help="Where the log and database live.")] = None,
-    nats_port: Annotated[int, typer.Option(help="Port of the embedded nats-server.")] = 4222,
+    nats_port: Annotated[
+        int | None,
+        typer.Option(help="Port of the embedded nats-server [default: 4222, or a free one]."),
+    ] = None,
     nats_host: Annotated[str, typer.Option(help="Address the nats-server listens on.")] = (
         "127.0.0.1"
     ),
@@ -33,7 +38,15 @@ def up(
     tune_gc()
     data = data_dir or default_data_dir()
     db_url = db or f"sqlite:///{data / 'shoal.db'}"
-    server = EmbeddedNats(data / "nats", port=nats_port, host=nats_host)
+    port = nats_port
+    if port is None:
+        # The usual port, unless something (often a system nats-server) has it already; a port
+        # the user asked for is never swapped.
+        port = DEFAULT_NATS_PORT
+        if port_in_use(nats_host, port):
+            port = free_port(nats_host)
+            typer.echo(f"port {DEFAULT_NATS_PORT} is in use; the embedded NATS uses {port}")
+    server = EmbeddedNats(data / "nats", port=port, host=nats_host)
     server.start()
 
     async def main(stop: asyncio.Event) -> None:
