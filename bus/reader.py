@@ -9,7 +9,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.consumer import Puller
+from bus.puller import Puller
 
 
 async def read_stream(
