@@ -12,10 +12,11 @@ from bus.embedded import NatsServerError
 from bus.streams import StreamSettingsError
 from projectors.database import DatabaseUrlError
 from projectors.replay import ReplayError
-from services.cli import db, events
+from services.cli import db, events, models
 from services.cli.projector import projector, replay_command
 from services.cli.state import state
 from services.cli.up import up
+from services.cli.worker import runner, worker
 
 app = typer.Typer(
     help="Shoal: run language models across a cluster, with an event log as the control plane.",
@@ -26,8 +27,11 @@ app.command()(up)
 app.command()(projector)
 app.command("replay")(replay_command)
 app.command()(state)
+app.command()(worker)
+app.command(hidden=True)(runner)
 app.add_typer(db.app, name="db")
 app.add_typer(events.app, name="events")
+app.add_typer(models.app, name="models")
 
 
 # Errors a user can cause and fix: one line, no traceback.

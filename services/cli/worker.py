@@ -1,0 +1,79 @@
+"""`shoal worker` (this machine joins the cluster) and `shoal runner` (started by a worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bus.connection import connect
+from bus.streams import StreamSettings
+from services.cli.options import (
+    DEFAULT_NATS,
+    NatsUrl,
+    default_data_dir,
+    run_until_signal,
+    setup_logging,
+)
+from services.runner.main import run_runner
+from services.runner.spec import RunnerSpec
+from services.worker.identity import node_id as load_node_id
+from services.worker.profile import parse_memory_limit
+from services.worker.worker import Worker, WorkerConfig
+
+DEFAULT_WORKER_DIR = default_data_dir() / "worker"
+
+
+def worker(
+    nats: NatsUrl = DEFAULT_NATS,
+    node_id: Annotated[
+        str | None, typer.Option(help="This node's id (kept in the data dir).")
+    ] = None,
+    data_dir: Annotated[Path, typer.Option(help="Node id, models and runner logs.")] = Path(
+        "data/worker"
+    ),
+    memory_limit: Annotated[
+        str | None, typer.Option(help="Memory this node offers to placement, e.g. 512M, 8G.")
+    ] = None,
+    heartbeat: Annotated[float, typer.Option(help="Seconds between resource profiles.")] = 2.0,
+) -> None:
+    """Join the cluster as a worker: heartbeat, and run the runners placed on this node."""
+    setup_logging()
+    limit = parse_memory_limit(memory_limit) if memory_limit else None
+    config = WorkerConfig(
+        nats_url=nats,
+        node_id=load_node_id(data_dir, node_id),
+        data_dir=data_dir,
+        memory_limit=limit,
+        heartbeat_s=heartbeat,
+        stream_settings=StreamSettings.from_env(),
+    )
+    typer.echo(f"worker {config.node_id} joining {nats}")
+
+    async def main(stop: asyncio.Event) -> None:
+        nc = await connect(nats, name=f"shoal-worker-{config.node_id}")
+        try:
+            await Worker(nc, config).run(stop)
+        finally:
+            await nc.drain()
+
+    run_until_signal(main)
+
+
+def runner(
+    spec: Annotated[str, typer.Option(help="The RunnerSpec, as JSON (written by the worker).")],
+) -> None:
+    """Serve one shard (started by a worker; not usually run by hand)."""
+    setup_logging()
+    parsed = RunnerSpec.model_validate_json(spec)
+    code = 0
+
+    async def main(stop: asyncio.Event) -> None:
+        nonlocal code
+        code = await run_runner(parsed, stop)
+
+    run_until_signal(main)
+    sys.exit(code)

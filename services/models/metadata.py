@@ -1,0 +1,365 @@
+"""What a model file says about itself: layers, context, heads, vocabulary, chat template.
+
+Placement needs the layer count and the memory a model takes, and those come from the file's
+own metadata, never from a name or a guess.
+
+GGUF: the header is parsed here with the ``gguf`` package's definitions (magic, value types,
+key names, file types). ``gguf.GGUFReader`` itself is not used for this: it turns every
+element of every array into numpy objects, which takes 2 s for SmolLM2 and 9 s for Gemma 3
+(262,144 vocabulary strings) on a small machine, and placement needs none of the vocabulary,
+only its length. This parser skips arrays it does not need, reads the same header in
+milliseconds, and a test checks it against ``GGUFReader`` field by field.
+
+MLX: a model directory's ``config.json`` (Hugging Face layout).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
+from pydantic import BaseModel, ConfigDict, Field
+
+MiB = 1024**2
+
+# Memory llama.cpp takes beyond the weights and the KV cache: compute buffers, the logits row,
+# the tokenizer's tables. Measured with llama-cpp-python 0.3 on CPU (RSS after loading and
+# one generation, minus weights and KV cache): 23 MiB for SmolLM2-135M (49,152 tokens) and
+# 61 MiB for Gemma 3 270M (262,144 tokens), the same at n_ctx 2048 and 8192 (flash attention
+# is on by default, so no n_ctx x n_ctx scores buffer). The allowance below covers both with
+# room to spare: a fixed part plus a part that grows with the vocabulary.
+OVERHEAD_FIXED_BYTES = 48 * MiB
+OVERHEAD_PER_VOCAB_BYTES = 256
+
+# Arrays up to this many elements are kept (per-layer head counts, languages, tags); longer
+# ones (vocabulary, scores, merges) are skipped and only their length is kept.
+_MAX_KEPT_ARRAY = 4096
+
+_SCALAR_FORMATS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
+}
+
+
+class GgufError(ValueError):
+    """The file is not a GGUF model that can be read (not GGUF, truncated, no layers...)."""
+
+
+class GgufInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    architecture: str
+    name: str | None = None
+    n_layers: int = Field(description="Transformer blocks ({arch}.block_count).")
+    context_length: int = Field(description="Trained context, tokens.")
+    n_embd: int
+    n_head: int
+    n_head_kv: int = Field(description="KV heads; the largest when it differs per layer.")
+    n_head_kv_per_layer: list[int] | None = Field(
+        default=None, description="Only for architectures whose KV heads differ per layer."
+    )
+    key_length: int = Field(description="Per-head K size ({arch}.attention.key_length).")
+    value_length: int = Field(description="Per-head V size.")
+    sliding_window: int | None = None
+    vocab_size: int
+    chat_template: str | None = None
+    file_type: str | None = Field(default=None, description="E.g. 'Q4_K_M' (general.file_type).")
+    tensor_types: dict[str, int] = Field(
+        default_factory=dict, description="Tensor count per GGML type, e.g. {'Q4_1': 211}."
+    )
+    n_tensors: int
+    size_bytes: int = Field(description="File size.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_length
+
+
+def read_gguf(path: Path | str) -> GgufInfo:
+    """The metadata of the GGUF file at ``path``; ``GgufError`` if it is not one."""
+    p = Path(path)
+    kv, tensor_types = _read_header(p)
+    return _info(p, kv, tensor_types, p.stat().st_size)
+
+
+def read_gguf_fields(path: Path | str) -> dict[str, Any]:
+    """Every key-value of the GGUF header, as Python values; arrays longer than 4096 elements
+    (the vocabulary...) are ``SkippedArray`` with their length."""
+    return _read_header(Path(path))[0]
+
+
+def _read_header(p: Path) -> tuple[dict[str, Any], Counter[str]]:
+    if not p.is_file():
+        raise GgufError(f"{p}: no such file" if not p.exists() else f"{p}: not a file")
+    size = p.stat().st_size
+    if size < 24:
+        raise GgufError(f"{p} is not a GGUF file (only {size} bytes)")
+    with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        try:
+            return _Header(mm, p).read()
+        except GgufError:
+            raise
+        except (struct.error, UnicodeDecodeError, ValueError) as exc:
+            raise GgufError(f"{p}: damaged or truncated GGUF header ({exc})") from exc
+
+
+def kv_cache_bytes(info: GgufInfo, n_ctx: int, bytes_per_elem: int = 2) -> int:
+    """K and V for ``n_ctx`` tokens in every layer (f16 by default, as llama.cpp allocates).
+    With equal K and V head sizes this is 2 * n_layers * n_ctx * n_head_kv * head_dim * bytes.
+    Sliding-window layers are counted at full size: llama.cpp may allocate less for them, and
+    placement should not promise memory that a different setting would need."""
+    heads = info.n_head_kv_per_layer or [info.n_head_kv] * info.n_layers
+    per_token = sum(h * (info.key_length + info.value_length) for h in heads)
+    return per_token * n_ctx * bytes_per_elem
+
+
+def memory_need_bytes(info: GgufInfo, n_ctx: int | None = None) -> int:
+    """Memory to serve the model with ``n_ctx`` tokens of context (default: its trained
+    context): the weights (the file size), the KV cache and llama.cpp's working overhead."""
+    ctx = info.context_length if n_ctx is None else n_ctx
+    overhead = OVERHEAD_FIXED_BYTES + OVERHEAD_PER_VOCAB_BYTES * info.vocab_size
+    return info.size_bytes + kv_cache_bytes(info, ctx) + overhead
+
+
+class ModelFacts(BaseModel):
+    """What ``ModelAdded`` carries about the weights, for either engine."""
+
+    model_config = ConfigDict(frozen=True)
+
+    n_layers: int
+    context_length: int
+    size_bytes: int
+    chat_template: str | None = None
+
+
+def model_facts(path: Path | str, engine: str = "llamacpp") -> ModelFacts:
+    """Layers, context and size of a GGUF file (llamacpp) or an MLX model directory."""
+    p = Path(path)
+    if engine == "mlx":
+        return read_mlx_config(p)
+    if p.is_dir():
+        raise GgufError(f"{p} is a directory; the llamacpp engine needs a .gguf file")
+    info = read_gguf(p)
+    return ModelFacts(
+        n_layers=info.n_layers,
+        context_length=info.context_length,
+        size_bytes=info.size_bytes,
+        chat_template=info.chat_template,
+    )
+
+
+def read_mlx_config(directory: Path) -> ModelFacts:
+    """An MLX (Hugging Face layout) model directory: ``config.json`` and its weight files."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise GgufError(f"{directory}: an MLX model is a directory with a config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise GgufError(f"{config_path}: not readable JSON ({exc})") from exc
+    # Multimodal models (Gemma 3, Qwen-VL...) keep the language model's numbers in text_config.
+    text = config.get("text_config") or {}
+    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
+    context = config.get("max_position_embeddings", text.get("max_position_embeddings", 0))
+    if not isinstance(layers, int) or layers <= 0:
+        raise GgufError(f"{config_path}: no num_hidden_layers")
+    weights = [f for f in directory.iterdir() if f.suffix in (".safetensors", ".npz")]
+    if not weights:
+        raise GgufError(f"{directory}: no .safetensors weights")
+    template = None
+    tokenizer_config = directory / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        value = json.loads(tokenizer_config.read_text()).get("chat_template")
+        template = value if isinstance(value, str) else None
+    return ModelFacts(
+        n_layers=layers,
+        context_length=int(context or 0),
+        size_bytes=sum(f.stat().st_size for f in weights),
+        chat_template=template,
+    )
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """A long array that was skipped: only its length is known."""
+
+    length: int
+
+
+class _Header:
+    """Reads GGUF v2/v3 key-values and tensor infos from a memory map."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf = buf
+        self.path = path
+        self.pos = 0
+        self.order = "<"
+
+    def read(self) -> tuple[dict[str, Any], Counter[str]]:
+        (magic,) = struct.unpack_from("<I", self.buf, 0)
+        if magic != GGUF_MAGIC:
+            raise GgufError(
+                f"{self.path} is not a GGUF file (it starts with {bytes(self.buf[:4])!r},"
+                " a GGUF file starts with b'GGUF')"
+            )
+        (version,) = struct.unpack_from("<I", self.buf, 4)
+        if version & 0xFFFF == 0:  # written on a big-endian machine, as GGUFReader detects it
+            self.order = ">"
+            (version,) = struct.unpack_from(">I", self.buf, 4)
+        if version not in (2, 3):
+            raise GgufError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
+        self.pos = 8
+        n_tensors = self._scalar("Q")
+        n_kv = self._scalar("Q")
+        kv: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            kv[key] = self._value(GGUFValueType(self._scalar("I")))
+        kv["GGUF.tensor_count"] = n_tensors
+        tensor_types: Counter[str] = Counter()
+        for _ in range(n_tensors):
+            self._skip_string()
+            n_dims = self._scalar("I")
+            self.pos += 8 * n_dims
+            tensor_types[_type_name(self._scalar("I"))] += 1
+            self.pos += 8  # data offset
+        if self.pos > len(self.buf):
+            raise GgufError(f"{self.path}: truncated GGUF header")
+        return kv, tensor_types
+
+    def _scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        n = self._scalar("Q")
+        if self.pos + n > len(self.buf):
+            raise GgufError(f"{self.path}: truncated GGUF header")
+        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
+        self.pos += n
+        return text
+
+    def _skip_string(self) -> None:
+        n = self._scalar("Q")  # read first: it moves pos past the length
+        self.pos += n
+
+    def _value(self, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self._string()
+        if vtype != GGUFValueType.ARRAY:
+            return self._scalar(_SCALAR_FORMATS[vtype])
+        etype = GGUFValueType(self._scalar("I"))
+        n = self._scalar("Q")
+        keep = n <= _MAX_KEPT_ARRAY
+        if etype == GGUFValueType.STRING:
+            if keep:
+                return [self._string() for _ in range(n)]
+            for _ in range(n):
+                self._skip_string()
+            return SkippedArray(n)
+        if etype == GGUFValueType.ARRAY:
+            # Nested arrays exist in the format but in no metadata placement reads: skip them.
+            for _ in range(n):
+                self._value(GGUFValueType.ARRAY)
+            return SkippedArray(n)
+        fmt = _SCALAR_FORMATS[etype]
+        if keep:
+            values = list(struct.unpack_from(f"{self.order}{n}{fmt}", self.buf, self.pos))
+            self.pos += n * struct.calcsize(fmt)
+            return values
+        self.pos += n * struct.calcsize(fmt)
+        return SkippedArray(n)
+
+
+def _type_name(value: int) -> str:
+    try:
+        return GGMLQuantizationType(value).name
+    except ValueError:
+        return f"type{value}"
+
+
+def _file_type_name(value: Any) -> str | None:
+    if not isinstance(value, int):
+        return None
+    try:
+        return LlamaFileType(value).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return f"type{value}"
+
+
+def _info(path: Path, kv: dict[str, Any], tensor_types: Counter[str], size: int) -> GgufInfo:
+    arch = kv.get(Keys.General.ARCHITECTURE)
+    if not isinstance(arch, str):
+        raise GgufError(f"{path}: no general.architecture in the GGUF metadata")
+
+    def get(template: str) -> Any:
+        return kv.get(template.format(arch=arch))
+
+    def need_int(template: str) -> int:
+        value = get(template)
+        if not isinstance(value, int) or value <= 0:
+            raise GgufError(f"{path}: no {template.format(arch=arch)} in the GGUF metadata")
+        return value
+
+    n_layers = need_int(Keys.LLM.BLOCK_COUNT)
+    n_embd = need_int(Keys.LLM.EMBEDDING_LENGTH)
+    head_count = get(Keys.Attention.HEAD_COUNT)
+    # Some architectures store head counts per layer (an array); KV memory then varies by layer.
+    n_head = max(head_count) if isinstance(head_count, list) else head_count
+    if not isinstance(n_head, int) or n_head <= 0:
+        raise GgufError(f"{path}: no {Keys.Attention.HEAD_COUNT.format(arch=arch)}")
+    head_count_kv = get(Keys.Attention.HEAD_COUNT_KV)
+    per_layer: list[int] | None = None
+    if isinstance(head_count_kv, list) and head_count_kv:
+        per_layer = [int(h) for h in head_count_kv]
+        n_head_kv = max(per_layer)
+    elif isinstance(head_count_kv, int):
+        n_head_kv = head_count_kv
+    else:
+        n_head_kv = n_head  # llama.cpp's default: no grouped-query attention
+    # llama.cpp's defaults when the lengths are absent: n_embd / n_head.
+    key_length = get(Keys.Attention.KEY_LENGTH) or n_embd // n_head
+    value_length = get(Keys.Attention.VALUE_LENGTH) or n_embd // n_head
+
+    tokens = kv.get(Keys.Tokenizer.LIST)
+    vocab = get(Keys.LLM.VOCAB_SIZE)
+    if not isinstance(vocab, int):
+        vocab = tokens.length if isinstance(tokens, SkippedArray) else len(tokens or [])
+    template = kv.get(Keys.Tokenizer.CHAT_TEMPLATE)
+    name = kv.get(Keys.General.NAME)
+    window = get(Keys.Attention.SLIDING_WINDOW)
+    return GgufInfo(
+        architecture=arch,
+        name=name if isinstance(name, str) else None,
+        n_layers=n_layers,
+        context_length=int(get(Keys.LLM.CONTEXT_LENGTH) or 0),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_head_kv_per_layer=per_layer,
+        key_length=int(key_length),
+        value_length=int(value_length),
+        sliding_window=window if isinstance(window, int) else None,
+        vocab_size=vocab,
+        chat_template=template if isinstance(template, str) and template.strip() else None,
+        file_type=_file_type_name(kv.get(Keys.General.FILE_TYPE)),
+        tensor_types=dict(tensor_types.most_common()),
+        n_tensors=int(kv["GGUF.tensor_count"]),
+        size_bytes=size,
+    )

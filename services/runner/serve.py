@@ -1,0 +1,222 @@
+"""Serving tasks: pull TaskCreated, generate, publish chunks and the outcome.
+
+The replicas of a model share one durable pull consumer (``tasks-<model>``), and each pulls one
+task only when it is free, so a task goes to one runner and an idle runner takes the next one.
+A task is acked when it is started: it is served at most once, and a runner that dies
+mid-generation has its task failed by its worker, not retried behind the client's back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from bus.consumer import EventConsumer
+from bus.events import (
+    ChunkGenerated,
+    FinishReason,
+    RunnerState,
+    RunnerStateChanged,
+    TaskCompleted,
+    TaskCreated,
+    TaskFailed,
+    TaskStarted,
+    Timings,
+    Usage,
+)
+from bus.publisher import ChunkPublisher, Publisher
+from bus.streams import EVENTS_STREAM
+from bus.subjects import escape_token, event_subject, model_tasks_filter
+from services.runner.engines.base import Engine
+from services.runner.generation import InvalidRequest, check_request, steps
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerIdentity:
+    runner_id: str
+    instance_id: str
+    model_id: str
+    node_id: str
+
+
+def tasks_consumer_name(model_id: str) -> str:
+    return f"tasks-{escape_token(model_id).replace('%', '_')}"
+
+
+def cancel_subject(task: TaskCreated) -> str:
+    return event_subject("task", (task.model_id, task.task_id), "TaskCancelled")
+
+
+class StateReporter:
+    """Publishes this runner's RunnerStateChanged events."""
+
+    def __init__(self, nc: Client, me: RunnerIdentity) -> None:
+        self._events = Publisher(nc.jetstream())
+        self._me = me
+
+    async def report(self, state: RunnerState, **fields: object) -> None:
+        me = self._me
+        await self._events.publish(
+            RunnerStateChanged.model_validate(
+                {
+                    "runner_id": me.runner_id,
+                    "instance_id": me.instance_id,
+                    "node_id": me.node_id,
+                    "state": state,
+                    "origin": me.node_id,
+                    "pid": os.getpid(),
+                    **fields,
+                }
+            )
+        )
+
+
+class TaskServer:
+    def __init__(self, nc: Client, engine: Engine, me: RunnerIdentity) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._engine = engine
+        self._me = me
+        self._events = Publisher(self._js)
+        self._chunks = ChunkPublisher(self._js)
+        self._state = StateReporter(nc, me)
+        self._consumer: EventConsumer | None = None
+        self.served = 0
+
+    async def start(self) -> None:
+        """Bind to the model's task consumer. Done before the runner reports Ready, so that a
+        task published once it is Ready cannot be missed."""
+        self._consumer = EventConsumer(
+            self._js,
+            EVENTS_STREAM,
+            durable=tasks_consumer_name(self._me.model_id),
+            filter_subject=model_tasks_filter(self._me.model_id),
+            # Tasks from before any runner of the model existed were answered 503 by the API.
+            deliver_policy=DeliverPolicy.NEW,
+            ack_wait=30.0,
+        )
+        await self._consumer.start()
+
+    async def serve_forever(self, stop: asyncio.Event) -> None:
+        if self._consumer is None:
+            await self.start()
+        assert self._consumer is not None
+        try:
+            while not stop.is_set():
+                for d in await self._consumer.fetch(1, timeout=1.0):
+                    await d.ack()
+                    if isinstance(d.event, TaskCreated):
+                        await self.serve(d.event)
+        finally:
+            await self._consumer.stop()
+
+    async def serve(self, task: TaskCreated) -> None:
+        received = time.perf_counter()
+        me = self._me
+        cancelled = asyncio.Event()
+
+        async def on_cancel(_msg: Msg) -> None:
+            cancelled.set()
+
+        sub = await self._nc.subscribe(cancel_subject(task), cb=on_cancel)
+        already = asyncio.create_task(self._was_cancelled(task, cancelled))
+        await self._events.publish(
+            TaskStarted(
+                task_id=task.task_id,
+                model_id=task.model_id,
+                origin=me.node_id,
+                runner_id=me.runner_id,
+                instance_id=me.instance_id,
+            )
+        )
+        await self._state.report("Running")
+        try:
+            await self._generate(task, received, cancelled.is_set)
+        except InvalidRequest as exc:
+            await self._fail(task, str(exc))
+        except Exception as exc:  # an engine error fails this task, not the runner
+            log.exception("task %s failed", task.task_id)
+            await self._fail(task, f"engine error: {exc}")
+        finally:
+            already.cancel()
+            await sub.unsubscribe()
+            self.served += 1
+            await self._state.report("Ready")
+
+    async def _was_cancelled(self, task: TaskCreated, flag: asyncio.Event) -> None:
+        """A cancel published before this runner subscribed is in the log."""
+        try:
+            await self._js.get_last_msg(EVENTS_STREAM, cancel_subject(task))
+            flag.set()
+        except NotFoundError:
+            pass
+
+    async def _generate(
+        self, task: TaskCreated, received: float, cancelled: Callable[[], bool]
+    ) -> None:
+        engine, me = self._engine, self._me
+        prompt = engine.prompt_tokens(task)
+        limit = check_request(len(prompt), task.params, engine.n_ctx)
+        first: float | None = None
+        n = 0
+        finish: FinishReason = "length"
+        for step in steps(engine, prompt, task.params, limit, cancelled):
+            if step.token_id is not None:
+                n += 1
+                first = first or time.perf_counter()
+            else:
+                finish = step.finish_reason or "stop"
+            await self._chunks.publish(
+                ChunkGenerated(
+                    task_id=task.task_id,
+                    idx=step.idx,
+                    text=step.text,
+                    token_id=step.token_id,
+                    finish_reason=step.finish_reason,
+                    origin=me.node_id,
+                )
+            )
+            await asyncio.sleep(0)  # let the chunk go out and a cancel come in
+        await self._chunks.flush()
+        end = time.perf_counter()
+        first = first or end
+        decode_s = end - first
+        await self._events.publish(
+            TaskCompleted(
+                task_id=task.task_id,
+                model_id=task.model_id,
+                origin=me.node_id,
+                runner_id=me.runner_id,
+                finish_reason=finish,
+                usage=Usage(prompt_tokens=len(prompt), completion_tokens=n),
+                timings=Timings(
+                    ttft_ms=(first - received) * 1000,
+                    tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                    total_ms=(end - received) * 1000,
+                ),
+            ),
+            msg_id=f"done:{task.task_id}",
+        )
+
+    async def _fail(self, task: TaskCreated, error: str) -> None:
+        await self._events.publish(
+            TaskFailed(
+                task_id=task.task_id,
+                model_id=task.model_id,
+                origin=self._me.node_id,
+                runner_id=self._me.runner_id,
+                error=error,
+            ),
+            msg_id=f"done:{task.task_id}",
+        )

@@ -1,0 +1,28 @@
+"""What a worker tells a runner process it starts (one shard of one instance)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from bus.events import ShardAssignment
+
+
+class RunnerSpec(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    nats_url: str
+    node_id: str
+    instance_id: str
+    model_id: str
+    shard: ShardAssignment
+    engine: str = "llamacpp"
+    # A model added with `shoal models add --path` has its file here; a built-in model card is
+    # resolved (and, for a hub model, downloaded) by the runner.
+    model_path: str | None = None
+    chat_format: str | None = None
+    n_ctx: int = 2048
+    cache_dir: str
+
+    @property
+    def runner_id(self) -> str:
+        return self.shard.runner_id

@@ -1,0 +1,175 @@
+"""What this machine has to offer: the payload of ``ResourceProfiled``, the worker's heartbeat.
+
+Everything here is read fresh on each call (memory, load and disk change all the time) except
+what cannot change while the process runs: the CPU model, and whether an NVIDIA driver exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pynvml
+
+from bus.events import GpuInfo, NetworkInterface, NodeProfile
+from bus.streams import parse_size
+
+log = logging.getLogger(__name__)
+
+
+def parse_memory_limit(text: str) -> int | None:
+    """``--memory-limit``: '24G', '512M', '1000' -> bytes; '-1' -> None (no limit)."""
+    value = parse_size(text)
+    if value == 0:
+        raise ValueError("a memory limit of 0 would offer nothing to placement")
+    return None if value < 0 else value
+
+
+def collect_profile(models_dir: Path, memory_limit: int | None = None) -> NodeProfile:
+    """A snapshot of this machine. ``memory_limit`` (bytes) caps what the node offers to
+    placement: users keep memory for themselves, and tests make a small model "not fit"."""
+    vm = psutil.virtual_memory()
+    swap = psutil.swap_memory()
+    offered = vm.available if memory_limit is None else min(vm.available, memory_limit)
+    return NodeProfile(
+        ram_total=vm.total,
+        ram_available=vm.available,
+        swap_total=swap.total,
+        swap_used=swap.used,
+        cpu_count=psutil.cpu_count(logical=True) or 1,
+        cpu_model=cpu_model(),
+        # Non-blocking: the load since the previous call (the previous heartbeat). The very
+        # first call in a process has nothing to compare with and says 0.0.
+        cpu_load=psutil.cpu_percent(interval=None),
+        disk_free=disk_free(models_dir),
+        memory_offered=offered,
+        interfaces=network_interfaces(),
+        gpus=nvidia_gpus(),
+    )
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            # x86 says "model name"; some ARM kernels only say "Hardware" or "Processor".
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Hardware", "Processor") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"],
+                capture_output=True,
+                text=True,
+                timeout=2,
+                check=True,
+            )
+            if out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
+
+
+def disk_free(path: Path) -> int:
+    """Free bytes on the filesystem that holds ``path``; the directory need not exist yet
+    (the worker creates it on first download), so its nearest existing parent is measured."""
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return int(psutil.disk_usage(str(p)).free)
+
+
+def network_interfaces() -> list[NetworkInterface]:
+    stats = psutil.net_if_stats()
+    result = []
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        # IP addresses only: link-layer (MAC) entries are no use for reaching a peer.
+        ips = [a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+        st = stats.get(name)
+        result.append(
+            NetworkInterface(
+                name=name,
+                addresses=ips,
+                is_up=st.isup if st else False,
+                # psutil says 0 when the speed is unknown (loopback, Wi-Fi, most VMs).
+                speed_mbps=st.speed if st and st.speed > 0 else None,
+            )
+        )
+    return result
+
+
+# NVML errors that mean "this machine has no NVIDIA GPU to use", not that something broke.
+_NO_GPU_ERRORS: tuple[type[Exception], ...] = tuple(
+    getattr(pynvml, name)
+    for name in (
+        "NVMLError_LibraryNotFound",
+        "NVMLError_DriverNotLoaded",
+        "NVMLError_NoPermission",
+        "NVMLError_NotFound",
+        "NVMLError_FunctionNotFound",
+        "NVMLError_Uninitialized",
+    )
+    if hasattr(pynvml, name)
+)
+
+
+@functools.cache
+def _nvml_available() -> bool:
+    """Initialise NVML once per process: a driver does not appear while a worker runs, and
+    retrying every heartbeat on a CPU-only machine would only repeat the same failure."""
+    try:
+        pynvml.nvmlInit()
+    except _NO_GPU_ERRORS:
+        return False
+    except pynvml.NVMLError as exc:
+        log.warning("NVIDIA GPUs not profiled: NVML failed to start: %s", exc)
+        return False
+    return True
+
+
+def nvidia_gpus() -> list[GpuInfo]:
+    """The NVIDIA GPUs, or [] when there is no driver (a CPU-only machine, a Mac)."""
+    if not _nvml_available():
+        return []
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError as exc:
+        log.warning("NVIDIA GPUs not profiled: %s", exc)
+        return []
+    gpus = []
+    for index in range(count):
+        try:
+            gpus.append(_gpu(index))
+        except pynvml.NVMLError as exc:
+            # One GPU fallen off the bus should not hide the others, nor stop the heartbeat.
+            log.warning("GPU %d not profiled: %s", index, exc)
+    return gpus
+
+
+def _gpu(index: int) -> GpuInfo:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    name: Any = pynvml.nvmlDeviceGetName(handle)
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    utilisation: float | None
+    try:
+        utilisation = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except pynvml.NVMLError:
+        utilisation = None  # not supported on some boards (e.g. some Jetsons, vGPUs)
+    return GpuInfo(
+        index=index,
+        # Older nvidia-ml-py versions return bytes.
+        name=name.decode() if isinstance(name, bytes) else str(name),
+        memory_total=int(memory.total),
+        memory_used=int(memory.used),
+        utilisation=utilisation,
+    )

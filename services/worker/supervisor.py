@@ -1,0 +1,111 @@
+"""Starting, watching and restarting runner processes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.runner.spec import RunnerSpec
+from services.worker.reconcile import restart_delay
+
+log = logging.getLogger(__name__)
+
+# A runner that stayed up this long before dying starts its backoff afresh.
+HEALTHY_AFTER_S = 60.0
+
+OnExit = Callable[[RunnerSpec, int, bool], Awaitable[None]]
+
+
+def runner_command(spec: RunnerSpec) -> list[str]:
+    shoal = Path(sys.executable).parent / "shoal"
+    return [str(shoal), "runner", "--spec", spec.model_dump_json()]
+
+
+@dataclass
+class Supervised:
+    spec: RunnerSpec
+    proc: asyncio.subprocess.Process | None = None
+    watcher: asyncio.Task[None] | None = None
+    failures: int = 0
+    stopping: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class Supervisor:
+    """One runner process per shard; a runner that dies is reported through ``on_exit`` and
+    restarted with bounded backoff until it is asked to stop."""
+
+    def __init__(self, on_exit: OnExit, log_dir: Path) -> None:
+        self._on_exit = on_exit
+        self._log_dir = log_dir
+        self.runners: dict[str, Supervised] = {}
+
+    def pid(self, runner_id: str) -> int | None:
+        s = self.runners.get(runner_id)
+        return s.proc.pid if s is not None and s.proc is not None else None
+
+    async def start(self, spec: RunnerSpec) -> None:
+        if spec.runner_id in self.runners:
+            return
+        entry = Supervised(spec)
+        self.runners[spec.runner_id] = entry
+        await self._spawn(entry)
+        entry.watcher = asyncio.create_task(self._watch(entry))
+
+    async def _spawn(self, entry: Supervised) -> None:
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self._log_dir / f"runner-{entry.spec.runner_id}.log"
+        with log_path.open("ab") as out:
+            entry.proc = await asyncio.create_subprocess_exec(
+                *runner_command(entry.spec),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+        entry.started_at = time.monotonic()
+        log.info("started runner %s (pid %d)", entry.spec.runner_id, entry.proc.pid)
+
+    async def _watch(self, entry: Supervised) -> None:
+        while True:
+            assert entry.proc is not None
+            code = await entry.proc.wait()
+            if entry.stopping:
+                return
+            if time.monotonic() - entry.started_at > HEALTHY_AFTER_S:
+                entry.failures = 0
+            entry.failures += 1
+            await self._on_exit(entry.spec, code, True)
+            delay = restart_delay(entry.failures)
+            log.warning(
+                "runner %s exited (%d); restart %d in %.1fs",
+                entry.spec.runner_id, code, entry.failures, delay,
+            )  # fmt: skip
+            await asyncio.sleep(delay)
+            if entry.stopping:
+                return
+            await self._spawn(entry)
+
+    async def stop(self, runner_id: str, timeout: float = 10.0) -> None:
+        entry = self.runners.pop(runner_id, None)
+        if entry is None:
+            return
+        entry.stopping = True
+        proc = entry.proc
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if entry.watcher is not None:
+            entry.watcher.cancel()
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self.stop(r) for r in list(self.runners)))

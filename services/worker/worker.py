@@ -1,0 +1,223 @@
+"""The worker: one per machine. It joins the cluster, sends its resource profile every few
+seconds (the heartbeat), runs the runners of the shards placed on it, and reports their deaths.
+
+It keeps no state of its own: which shards belong here is folded from the instance and model
+events with the same rules the projector uses (``projectors.rules``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from pydantic import ValidationError
+
+from bus.events import (
+    NodeJoined,
+    NodeLeft,
+    ResourceProfiled,
+    RunnerStateChanged,
+    ShardAssignment,
+    TaskCompleted,
+    TaskFailed,
+    TaskStarted,
+    parse_event,
+)
+from bus.publisher import Publisher
+from bus.streams import StreamSettings, ensure_streams
+from bus.subjects import EVENTS_PREFIX
+from projectors.rows import RunnerRow
+from projectors.rules import changes_for
+from projectors.state import ClusterState
+from services.runner.spec import RunnerSpec
+from services.worker.profile import collect_profile
+from services.worker.reconcile import describe_exit, desired_runners, plan
+from services.worker.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    nats_url: str
+    node_id: str
+    data_dir: Path
+    memory_limit: int | None = None
+    heartbeat_s: float = 2.0
+    n_ctx: int = 2048
+    stream_settings: StreamSettings | None = None
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+
+class Worker:
+    def __init__(self, nc: Client, config: WorkerConfig) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._pub = Publisher(self._js)
+        self.config = config
+        self.state = ClusterState()  # instances, runners and models, folded from the log
+        self.supervisor = Supervisor(self._runner_exited, config.data_dir / "logs")
+        self._inflight: dict[str, TaskStarted] = {}  # runner id -> the task it serves
+        self._caught_up = asyncio.Event()
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await ensure_streams(self._js, self.config.stream_settings)
+        await self._pub.publish(
+            NodeJoined(
+                node_id=self.node_id,
+                origin=self.node_id,
+                hostname=socket.gethostname(),
+                addresses=_addresses(),
+                version=VERSION,
+            )
+        )
+        await self._heartbeat()
+        subs = [
+            await self._nc.subscribe(f"{EVENTS_PREFIX}.task.>", cb=self._on_task_event),
+            await self._js.subscribe(
+                f"{EVENTS_PREFIX}.model.>", cb=self._on_placement_event,
+                ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
+            ),
+            await self._js.subscribe(
+                f"{EVENTS_PREFIX}.instance.>", cb=self._on_placement_event,
+                ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
+            ),
+        ]  # fmt: skip
+        beat = asyncio.create_task(self._heartbeats(stop))
+        try:
+            await stop.wait()
+        finally:
+            beat.cancel()
+            for sub in subs:
+                await sub.unsubscribe()
+            await self.supervisor.stop_all()
+            await self._pub.publish(NodeLeft(node_id=self.node_id, origin=self.node_id))
+
+    # --- heartbeat ----------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        profile = await asyncio.to_thread(
+            collect_profile, self.config.models_dir, self.config.memory_limit
+        )
+        await self._pub.publish(
+            ResourceProfiled(node_id=self.node_id, origin=self.node_id, profile=profile)
+        )
+
+    async def _heartbeats(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                await self._heartbeat()
+            except Exception:  # a missed beat is logged; the next one may get through
+                log.exception("heartbeat failed")
+
+    # --- which shards run here ----------------------------------------------------------
+
+    async def _on_placement_event(self, msg: Msg) -> None:
+        try:
+            event = parse_event(msg.data)
+        except ValidationError:
+            return  # the projector dead-letters it; here it simply is no placement
+        self.state.commit(changes_for(self.state, event))
+        if msg.metadata.num_pending == 0:  # caught up: act on the latest picture only
+            await self._reconcile()
+
+    async def _reconcile(self) -> None:
+        desired = desired_runners(self.state, self.node_id)
+        p = plan(desired, self.supervisor.runners)
+        for runner_id in p.stop:
+            await self.supervisor.stop(runner_id)
+        for runner_id in sorted(p.start):
+            await self.supervisor.start(self._spec(desired[runner_id]))
+
+    def _spec(self, row: RunnerRow) -> RunnerSpec:
+        inst = self.state.instance(row.instance_id)
+        assert inst is not None
+        model = self.state.model(inst.model_id)
+        shard = _shard_of(row)
+        return RunnerSpec(
+            nats_url=self.config.nats_url,
+            node_id=self.node_id,
+            instance_id=row.instance_id,
+            model_id=inst.model_id,
+            shard=shard,
+            engine=(model.engines or ["llamacpp"])[0] if model is not None else "llamacpp",
+            model_path=model.path if model is not None else None,
+            chat_format=model.chat_format if model is not None else None,
+            n_ctx=inst.context_length or self.config.n_ctx,
+            cache_dir=str(self.config.models_dir),
+        )
+
+    # --- runner deaths ------------------------------------------------------------------
+
+    async def _on_task_event(self, msg: Msg) -> None:
+        if not msg.subject.endswith((".TaskStarted", ".TaskCompleted", ".TaskFailed")):
+            return
+        try:
+            event = parse_event(msg.data)
+        except ValidationError:
+            return
+        if isinstance(event, TaskStarted) and event.runner_id in self.supervisor.runners:
+            self._inflight[event.runner_id] = event
+        elif isinstance(event, TaskCompleted | TaskFailed) and event.runner_id is not None:
+            started = self._inflight.get(event.runner_id)
+            if started is not None and started.task_id == event.task_id:
+                del self._inflight[event.runner_id]
+
+    async def _runner_exited(self, spec: RunnerSpec, code: int, restarting: bool) -> None:
+        cause = describe_exit(code)
+        await self._pub.publish(
+            RunnerStateChanged(
+                runner_id=spec.runner_id, instance_id=spec.instance_id, node_id=self.node_id,
+                state="Failed", origin=self.node_id, exit_code=code,
+                error=f"runner {cause}" + ("; restarting" if restarting else ""),
+            )
+        )  # fmt: skip
+        started = self._inflight.pop(spec.runner_id, None)
+        if started is not None:
+            # Same message id as the runner's own outcome: if it got one out, this is dropped.
+            await self._pub.publish(
+                TaskFailed(
+                    task_id=started.task_id, model_id=started.model_id, origin=self.node_id,
+                    runner_id=spec.runner_id, error=f"the runner serving this task {cause}",
+                ),
+                msg_id=f"done:{started.task_id}",
+            )  # fmt: skip
+
+
+def _shard_of(row: RunnerRow) -> ShardAssignment:
+    return ShardAssignment(
+        runner_id=row.runner_id,
+        node_id=row.node_id,
+        device=row.device,
+        replica=row.replica,
+        rank=row.rank,
+        world_size=row.world_size,
+        start_layer=row.start_layer,
+        end_layer=row.end_layer,
+        n_layers=row.n_layers,
+        tensor_split=row.tensor_split,
+    )
+
+
+def _addresses() -> list[str]:
+    out: list[str] = []
+    for addrs in psutil.net_if_addrs().values():
+        out += [a.address for a in addrs if a.family == socket.AF_INET]
+    return out
