@@ -4,6 +4,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 DATA   ?= data
 
+# llama-cpp-python compiles llama.cpp at install (about 4 minutes on 2 cores); the RPC backend
+# lets one model span several machines.
+export CMAKE_ARGS ?= -DGGML_RPC=on
+
 .PHONY: up test lint typecheck pytest bench clean
 
 $(BIN)/python:
@@ -35,6 +39,7 @@ test: lint typecheck pytest
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/projector.py
+	$(BIN)/python bench/engine_overhead.py
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache

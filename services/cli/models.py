@@ -164,9 +164,7 @@ def add(
     if engine is not None and engine not in ENGINES:
         _fail(f"unknown engine {engine!r}: choose from {', '.join(ENGINES)}")
     try:
-        card = _card(
-            model_id, path, hf, file, revision, engine, chat_format, family
-        )
+        card = _card(model_id, path, hf, file, revision, engine, chat_format, family)
     except UnknownModel as exc:
         _fail(str(exc))
 

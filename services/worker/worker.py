@@ -144,7 +144,14 @@ class Worker:
         for runner_id in p.stop:
             await self.supervisor.stop(runner_id)
         for runner_id in sorted(p.start):
-            await self.supervisor.start(self._spec(desired[runner_id]))
+            spec = self._spec(desired[runner_id])
+            await self.supervisor.start(spec)
+            await self._pub.publish(
+                RunnerStateChanged(
+                    runner_id=runner_id, instance_id=spec.instance_id, node_id=self.node_id,
+                    state="Assigned", origin=self.node_id, pid=self.supervisor.pid(runner_id),
+                )
+            )  # fmt: skip
 
     def _spec(self, row: RunnerRow) -> RunnerSpec:
         inst = self.state.instance(row.instance_id)

