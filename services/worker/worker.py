@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
 from bus.events import (
@@ -90,13 +90,16 @@ class Worker:
         await self._heartbeat()
         subs = [
             await self._nc.subscribe(f"{EVENTS_PREFIX}.task.>", cb=self._on_task_event),
+            # Models and instances in one consumer, so they fold in log order (a model is
+            # known before an instance of it is placed).
             await self._js.subscribe(
-                f"{EVENTS_PREFIX}.model.>", cb=self._on_placement_event,
-                ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
-            ),
-            await self._js.subscribe(
-                f"{EVENTS_PREFIX}.instance.>", cb=self._on_placement_event,
-                ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
+                f"{EVENTS_PREFIX}.model.>",
+                cb=self._on_placement_event,
+                ordered_consumer=True,
+                config=ConsumerConfig(
+                    deliver_policy=DeliverPolicy.ALL,
+                    filter_subjects=[f"{EVENTS_PREFIX}.model.>", f"{EVENTS_PREFIX}.instance.>"],
+                ),
             ),
         ]  # fmt: skip
         beat = asyncio.create_task(self._heartbeats(stop))
