@@ -280,6 +280,8 @@ def _hf_download(
     endpoint: str | None,
 ) -> Path:
     where = f"{source.repo}/{source.filename}"
+    # A file downloaded once is used as it is, without asking the Hub about newer revisions:
+    # runners start from the cache, offline or not, and pin a revision when that matters.
     cached = local_path(card, cache_dir)
     if cached is not None:
         return cached

