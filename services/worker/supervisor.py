@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import signal
 import sys
@@ -20,6 +21,18 @@ log = logging.getLogger(__name__)
 HEALTHY_AFTER_S = 60.0
 
 OnExit = Callable[[RunnerSpec, int, bool], Awaitable[None]]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: a runner must not outlive its worker, or a worker killed with
+    SIGKILL would leave a runner serving a shard nobody supervises. (Linux; elsewhere such a
+    runner has to be stopped by hand.)"""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def runner_command(spec: RunnerSpec) -> list[str]:
@@ -67,6 +80,7 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
             )
         entry.started_at = time.monotonic()
         log.info("started runner %s (pid %d)", entry.spec.runner_id, entry.proc.pid)

