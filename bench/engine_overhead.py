@@ -10,8 +10,10 @@ Ready, and loads the same GGUF in this process with the same ``LlamaCppEngine`` 
 
 Every prompt is a plain completion, greedy (temperature 0), ``--tokens`` tokens. Each prompt is
 run once through the runner and once in-process, one after the other and never at the same
-time (the machine may have few cores), alternating which side goes first; a warm-up pair with
-another prompt comes first and is not counted.
+time (the machine may have few cores); a warm-up pair with another prompt comes first and is
+not counted. The sides strictly alternate (runner, in-process, runner, ...), so every measured
+run follows a run of the other side: a side that runs twice in a row starts warm and gets its
+first token 10-20 ms sooner, which would swamp the TTFT difference being measured.
 
 - runner, as a client sees it: ``TaskCreated`` is published to JetStream and its ack awaited;
   the chunks on ``shoal.chunks.<task_id>`` are timestamped on arrival (core NATS subscription,
@@ -26,7 +28,14 @@ another prompt comes first and is not counted.
 Both sides must produce the same tokens (greedy); a mismatch, or a prompt that ends before
 ``--tokens`` tokens, is flagged. Per prompt the median over the repeats is shown, and overall the
 median over all pairs of the ratio (runner / in-process tokens/s; target >= 0.97x) and of the
-TTFT difference (runner - in-process; target <= 10 ms).
+TTFT difference (runner - in-process; target <= 10 ms). The exit status is 1 when a target is
+missed.
+
+Two diagnostics come with the figures. "other" is how many cores other processes used during
+each run (from /proc): on a shared machine a busy neighbour slows whichever side it overlaps,
+so the medians are also given over the undisturbed pairs alone. And the CPU the nats-server and
+this client spend per runner token: with llama.cpp keeping every core busy, that time is taken
+from its threads, which is where most of the runner's tokens/s gap goes.
 """
 
 from __future__ import annotations
@@ -112,6 +121,20 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _process_ticks(pid: int) -> int:
+    """utime + stime of ``pid``, in clock ticks (0 if it is gone)."""
+    stat = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
+    return int(stat[11]) + int(stat[12]) if len(stat) > 12 else 0
+
+
+def nats_server_pid() -> int:
+    """The embedded nats-server this process started (0 if it cannot be told)."""
+    for pid in _descendants(os.getpid()):
+        if _read(f"/proc/{pid}/comm").strip() == "nats-server":
+            return pid
+    return 0
+
+
 def _cpu_ticks() -> tuple[int, int]:
     """(ticks the whole machine was busy, ticks this process and its children used): the
     first line of /proc/stat (steal included: time the hypervisor gave to someone else), and
@@ -121,11 +144,7 @@ def _cpu_ticks() -> tuple[int, int]:
         return 0, 0
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields)
     busy = user + nice + system + irq + softirq + steal
-    own = 0
-    for pid in [os.getpid(), *_descendants(os.getpid())]:
-        stat = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
-        if len(stat) > 12:
-            own += int(stat[11]) + int(stat[12])
+    own = sum(_process_ticks(pid) for pid in [os.getpid(), *_descendants(os.getpid())])
     return busy, own
 
 
@@ -156,6 +175,9 @@ class Side:
     ttft: float  # runner: from the publish ack; in-process: from the start of generate
     tps: float  # decode tokens/s: (n - 1) / (last - first)
     other: float = 0.0  # cores used by other processes meanwhile
+    # runner only: CPU seconds per token spent by the nats-server and by this client
+    server_cpu: float = 0.0
+    client_cpu: float = 0.0
     # runner only
     ack: float = 0.0  # publish round trip (TaskCreated stored)
     reported: Timings | None = None
@@ -170,7 +192,6 @@ class Side:
 class Pair:
     prompt: int  # index into the prompts
     repeat: int
-    runner_first: bool
     inproc: Side
     runner: Side
 
@@ -271,7 +292,9 @@ def _is_outcome(data: bytes) -> bool:
     return b'"TaskCompleted"' in data or b'"TaskFailed"' in data
 
 
-async def run_on_runner(nc: Client, publisher: Publisher, task: TaskCreated, limit: int) -> Side:
+async def run_on_runner(
+    nc: Client, publisher: Publisher, task: TaskCreated, limit: int, server_pid: int = 0
+) -> Side:
     chunks = await Inbox().start(nc, chunk_subject(task.task_id))
     task_events = (
         f"{EVENTS_PREFIX}.task.{escape_token(task.model_id)}.{escape_token(task.task_id)}.*"
@@ -280,11 +303,14 @@ async def run_on_runner(nc: Client, publisher: Publisher, task: TaskCreated, lim
     await nc.flush()  # the subscriptions are on the server before the task is
     try:
         load = OtherLoad()
+        server0, client0 = _process_ticks(server_pid), _process_ticks(os.getpid())
         published = time.perf_counter()
         await publisher.publish(task)
         acked = time.perf_counter()
         await asyncio.wait_for(outcome.done.wait(), TASK_TIMEOUT)
         other = load.cores()
+        server = _process_ticks(server_pid) - server0 if server_pid else 0
+        client = _process_ticks(os.getpid()) - client0
         await nc.flush()  # every chunk published before the outcome has arrived
     finally:
         await chunks.stop()
@@ -320,6 +346,8 @@ async def run_on_runner(nc: Client, publisher: Publisher, task: TaskCreated, lim
         ttft=(times[0] - acked) if times else 0.0,
         tps=decode_tps(times),
         other=other,
+        server_cpu=server / OtherLoad.HZ / max(1, len(tokens)),
+        client_cpu=client / OtherLoad.HZ / max(1, len(tokens)),
         ack=acked - published,
         reported=final.timings,
         finish=finish,
@@ -432,6 +460,13 @@ def summary(label: str, pairs: list[Pair]) -> bool:
         f"(ack {med(p.runner.ack for p in pairs) * 1000:.1f} ms): "
         f"added {added_pub:+.1f} ms  {verdict(added_pub <= TTFT_TARGET_MS)}"
     )
+    token_ms = 1000 / med(p.inproc.tps for p in pairs)
+    print(
+        f"  CPU per runner token spent outside the runner: nats-server "
+        f"{med(p.runner.server_cpu for p in pairs) * 1000:.2f} ms, this client "
+        f"{med(p.runner.client_cpu for p in pairs) * 1000:.2f} ms"
+    )
+    print(f"            (an in-process token takes {token_ms:.2f} ms with every core busy)")
     return ok_tps and ok_ttft
 
 
@@ -441,13 +476,13 @@ def report(pairs: list[Pair], prompts: list[str], limit: int) -> bool:
     print("every pair: in-process TTFT from generate(), runner TTFT from the publish ack;")
     print("other = cores used by other processes during the in-process / runner run")
     head = (
-        f"{'#':>2} {'rep':>3} {'first':<7} {'n':>4} | {'in-proc':>7} {'tok/s':>6} | "
+        f"{'#':>2} {'rep':>3} {'n':>4} | {'in-proc':>7} {'tok/s':>6} | "
         f"{'ack':>4} {'runner':>7} {'tok/s':>6} | {'dTTFT':>6} {'ratio':>6} | "
         f"{'reported':>8} {'tok/s':>6} | {'other':>9}"
     )
     print(head)
     print(
-        f"{'':>2} {'':>3} {'':<7} {'':>4} | {'TTFT ms':>7} {'':>6} | "
+        f"{'':>2} {'':>3} {'':>4} | {'TTFT ms':>7} {'':>6} | "
         f"{'ms':>4} {'TTFT ms':>7} {'':>6} | {'ms':>6} {'':>6} | {'TTFT ms':>8} {'':>6} | "
         f"{'':>9}"
     )
@@ -455,8 +490,8 @@ def report(pairs: list[Pair], prompts: list[str], limit: int) -> bool:
     for p in pairs:
         rep = p.runner.reported
         line = (
-            f"{p.prompt + 1:>2} {p.repeat + 1:>3} {'runner' if p.runner_first else 'in-proc':<7} "
-            f"{len(p.runner.tokens):>4} | {p.inproc.ttft * 1000:>7.1f} {p.inproc.tps:>6.1f} | "
+            f"{p.prompt + 1:>2} {p.repeat + 1:>3} {len(p.runner.tokens):>4} | "
+            f"{p.inproc.ttft * 1000:>7.1f} {p.inproc.tps:>6.1f} | "
             f"{p.runner.ack * 1000:>4.1f} {p.runner.ttft * 1000:>7.1f} {p.runner.tps:>6.1f} | "
             f"{p.added_ms:>+6.1f} {p.ratio:>5.3f}x | "
             f"{(rep.ttft_ms if rep else 0.0):>8.1f} {(rep.tokens_per_s if rep else 0.0):>6.1f} | "
@@ -541,6 +576,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                 n_ctx=args.n_ctx,
                 cache_dir=str(args.cache_dir),
             )
+            server_pid = nats_server_pid()
             runner = Runner(spec, tmp / "runner.log")
             started = time.perf_counter()
             await runner.start(nc)
@@ -562,23 +598,19 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                 f"runner pid {runner.pid} (Ready in {runner_load:.1f} s), nats {server.url}"
             )
 
-            async def pair(prompt_no: int, prompt: str, repeat: int, runner_first: bool) -> Pair:
+            async def pair(prompt_no: int, prompt: str, repeat: int) -> Pair:
                 task = completion(model_id, prompt, args.tokens)
-                if runner_first:
-                    on_runner = await run_on_runner(nc, publisher, task, args.tokens)
-                    inproc = run_inprocess(engine, task, args.tokens)
-                else:
-                    inproc = run_inprocess(engine, task, args.tokens)
-                    on_runner = await run_on_runner(nc, publisher, task, args.tokens)
-                return Pair(prompt_no, repeat, runner_first, inproc, on_runner)
+                on_runner = await run_on_runner(nc, publisher, task, args.tokens, server_pid)
+                inproc = run_inprocess(engine, task, args.tokens)
+                return Pair(prompt_no, repeat, inproc, on_runner)
 
-            for first in (True, False):  # warm-up: both orders, not counted
-                await pair(-1, WARMUP_PROMPT, 0, first)
+            for _ in range(2):  # warm-up, not counted
+                await pair(-1, WARMUP_PROMPT, 0)
 
             pairs: list[Pair] = []
             for repeat in range(args.repeat):
                 for i, prompt in enumerate(prompts):
-                    pairs.append(await pair(i, prompt, repeat, (i + repeat) % 2 == 0))
+                    pairs.append(await pair(i, prompt, repeat))
             load = os.getloadavg()
             ok = report(pairs, prompts, args.tokens)
             print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
