@@ -39,6 +39,13 @@ def worker(
         str | None, typer.Option(help="Memory this node offers to placement, e.g. 512M, 8G.")
     ] = None,
     heartbeat: Annotated[float, typer.Option(help="Seconds between resource profiles.")] = 2.0,
+    runner_threads: Annotated[
+        int | None,
+        typer.Option(
+            help="Threads per runner [default: every core]; lower it when several "
+            "workers or runners share a machine."
+        ),
+    ] = None,
 ) -> None:
     """Join the cluster as a worker: heartbeat, and run the runners placed on this node."""
     setup_logging()
@@ -49,6 +56,7 @@ def worker(
         data_dir=data_dir,
         memory_limit=limit,
         heartbeat_s=heartbeat,
+        runner_threads=runner_threads,
         stream_settings=StreamSettings.from_env(),
     )
     typer.echo(f"worker {config.node_id} joining {nats}")

@@ -53,7 +53,9 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
     try:
         path = await model_path(spec, state)
         await state.report("Loading", progress=0.0)
-        engine = LlamaCppEngine(path, n_ctx=spec.n_ctx, chat_format=spec.chat_format)
+        engine = LlamaCppEngine(
+            path, n_ctx=spec.n_ctx, chat_format=spec.chat_format, n_threads=spec.n_threads
+        )
         await asyncio.to_thread(engine.load)
         server = TaskServer(nc, engine, me)
         await server.start()

@@ -21,6 +21,9 @@ class RunnerSpec(BaseModel):
     model_path: str | None = None
     chat_format: str | None = None
     n_ctx: int = 2048
+    # llama.cpp threads; None = every core. Several runners on one machine must share the cores:
+    # llama.cpp's threads spin-wait, and oversubscribed they fall to seconds per token.
+    n_threads: int | None = None
     cache_dir: str
 
     @property

@@ -54,6 +54,7 @@ class WorkerConfig:
     memory_limit: int | None = None
     heartbeat_s: float = 2.0
     n_ctx: int = 2048
+    runner_threads: int | None = None
     stream_settings: StreamSettings | None = None
 
     @property
@@ -171,6 +172,7 @@ class Worker:
             model_path=model.path if model is not None else None,
             chat_format=model.chat_format if model is not None else None,
             n_ctx=inst.context_length or self.config.n_ctx,
+            n_threads=self.config.runner_threads,
             cache_dir=str(self.config.models_dir),
         )
 

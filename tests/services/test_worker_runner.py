@@ -70,7 +70,7 @@ async def cluster(
     )
     worker = subprocess.Popen(
         [SHOAL, "worker", "--nats", nats_server.url, "--node-id", NODE,
-         "--data-dir", str(tmp_path / "worker"), "--heartbeat", "0.5"],
+         "--data-dir", str(tmp_path / "worker"), "--heartbeat", "0.5", "--runner-threads", "2"],
         stdout=(tmp_path / "worker.log").open("wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -118,6 +118,8 @@ async def test_worker_serves_a_chat_task(
     assert profile.profile.ram_total > 0 and profile.profile.cpu_count >= 1
     states = [e.state for e in log.of(RunnerStateChanged, lambda e: e.runner_id == RUNNER)]
     assert states[:3] == ["Assigned", "Loading", "Ready"]
+    pid = log.of(RunnerStateChanged, _is_runner("Ready"))[-1].pid  # type: ignore[arg-type]
+    assert pid is not None and '"n_threads":2' in " ".join(psutil.Process(pid).cmdline())
 
     task = chat("task-paris", "What is the capital city of France? Answer in one word.")
     await Publisher(js).publish(task)
