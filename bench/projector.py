@@ -32,17 +32,14 @@ import pstats
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.history
 
-import asyncpg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from sqlalchemy import func, select
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.connection import connect
@@ -55,6 +52,7 @@ from projectors.projector import DEFAULT_NAME, Projector, tune_gc
 from projectors.replay import replay
 from projectors.store import read_offset
 from projectors.tables import STATE_TABLES
+from tests.databases import ScratchDatabases
 from tests.history import history
 
 POSTGRES_ENVS = ("SHOAL_BENCH_POSTGRES_URL", "SHOAL_TEST_POSTGRES_URL")
@@ -88,48 +86,6 @@ def postgres_base_url() -> str | None:
         if value:
             return value
     return None
-
-
-async def _admin(base_url: str) -> asyncpg.Connection:
-    u = make_url(base_url)
-    return await asyncpg.connect(
-        host=u.host, port=u.port or 5432, user=u.username, password=u.password, database=u.database
-    )
-
-
-class Databases:
-    """Fresh, empty databases: SQLite files in a temporary directory, or PostgreSQL databases
-    created on the server at ``postgres_url`` and dropped by ``cleanup``."""
-
-    def __init__(self, tmp: Path, postgres_url: str | None) -> None:
-        self._tmp = tmp
-        self._postgres_url = postgres_url
-        self._created: list[str] = []
-
-    async def new(self, backend: str, label: str) -> str:
-        suffix = uuid.uuid4().hex[:8]
-        if backend == "sqlite":
-            return f"sqlite:///{self._tmp / f'{label}-{suffix}.db'}"
-        assert self._postgres_url is not None
-        name = f"shoal_bench_{label}_{suffix}"
-        conn = await _admin(self._postgres_url)
-        try:
-            await conn.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            await conn.close()
-        self._created.append(name)
-        return make_url(self._postgres_url).set(database=name).render_as_string(False)
-
-    async def cleanup(self) -> None:
-        if not self._created or self._postgres_url is None:
-            return
-        conn = await _admin(self._postgres_url)
-        try:
-            for name in self._created:
-                await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
-        self._created.clear()
 
 
 async def table_counts(engine: AsyncEngine) -> tuple[dict[str, int], int]:
@@ -305,7 +261,7 @@ async def run(args: argparse.Namespace, nats_url: str, tmp: Path) -> int:
         backends.remove("postgresql")
 
     nc = await connect(nats_url, name="shoal-bench")
-    dbs = Databases(tmp, postgres_url)
+    dbs = ScratchDatabases(tmp, postgres_url, prefix="shoal_bench")
     try:
         js = nc.jetstream()
         await ensure_streams(js)

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
-import asyncpg
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.streams import ensure_streams
 from projectors import database
+from tests.databases import ScratchDatabases
 
 POSTGRES_ENV = "SHOAL_TEST_POSTGRES_URL"
 
@@ -44,29 +42,29 @@ async def js(nc: Client) -> JetStreamContext:
     return context
 
 
-async def _admin(url: str) -> asyncpg.Connection:
-    u = make_url(url)
-    return await asyncpg.connect(
-        host=u.host, port=u.port or 5432, user=u.username, password=u.password, database=u.database
-    )
-
-
 MakeDb = Callable[[], Awaitable[str]]
 
 
+@pytest.fixture(scope="session")
+def scratch_databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScratchDatabases]:
+    dbs = ScratchDatabases(
+        tmp_path_factory.mktemp("databases"), os.environ.get(POSTGRES_ENV), prefix="shoal_test"
+    )
+    yield dbs
+    asyncio.run(dbs.cleanup())
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
-def make_db(request: pytest.FixtureRequest, tmp_path: Path) -> MakeDb:
+def make_db(request: pytest.FixtureRequest, scratch_databases: ScratchDatabases) -> MakeDb:
     """Makes new, empty databases of one kind: SQLite files, or PostgreSQL databases created
-    for this test on the server named by SHOAL_TEST_POSTGRES_URL (skipped when not set).
-    Tests that take it run on both kinds."""
+    on the server named by SHOAL_TEST_POSTGRES_URL (skipped when not set) and dropped at the end
+    of the session. Tests that take it run on both kinds."""
     kind: str = request.param
     if kind == "postgresql" and not os.environ.get(POSTGRES_ENV):
         pytest.skip(f"{POSTGRES_ENV} is not set")
 
     async def make() -> str:
-        if kind == "sqlite":
-            return f"sqlite:///{tmp_path / f'projection-{uuid.uuid4().hex[:8]}.db'}"
-        return await _new_postgres_db()
+        return await scratch_databases.new(kind, "projection")
 
     return make
 
@@ -74,39 +72,6 @@ def make_db(request: pytest.FixtureRequest, tmp_path: Path) -> MakeDb:
 @pytest.fixture
 async def db_url(make_db: MakeDb) -> str:
     return await make_db()
-
-
-async def _new_postgres_db() -> str:
-    base = os.environ[POSTGRES_ENV]
-    name = f"shoal_test_{uuid.uuid4().hex[:12]}"
-    conn = await _admin(base)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    _CREATED.append(name)
-    return make_url(base).set(database=name).render_as_string(hide_password=False)
-
-
-_CREATED: list[str] = []
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _drop_postgres_databases() -> Iterator[None]:
-    yield
-    base = os.environ.get(POSTGRES_ENV)
-    if not base or not _CREATED:
-        return
-
-    async def drop() -> None:
-        conn = await _admin(base)
-        try:
-            for name in _CREATED:
-                await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
-
-    asyncio.run(drop())
 
 
 @pytest.fixture

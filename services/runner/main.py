@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
 
 from bus.connection import connect
 from bus.streams import ensure_streams
+from services.models.cards import card_for
+from services.models.resolve import resolve_model
 from services.runner.engines.llamacpp import LlamaCppEngine
 from services.runner.serve import RunnerIdentity, StateReporter, TaskServer
 from services.runner.spec import RunnerSpec
@@ -25,19 +26,13 @@ log = logging.getLogger(__name__)
 async def model_path(spec: RunnerSpec, state: StateReporter) -> Path:
     if spec.model_path is not None:
         return Path(spec.model_path)
-    from services.models.cards import card_for
-    from services.models.resolve import resolve_model
-
     loop = asyncio.get_running_loop()
-    last = 0.0
 
     def on_progress(fraction: float) -> None:
-        nonlocal last
-        if time.monotonic() - last >= 1.0 or fraction >= 1.0:  # at most once a second
-            last = time.monotonic()
-            asyncio.run_coroutine_threadsafe(
-                state.report("Downloading", progress=round(fraction, 4)), loop
-            )
+        # Called from the download thread, already at most once a second (resolve_model).
+        asyncio.run_coroutine_threadsafe(
+            state.report("Downloading", progress=round(fraction, 4)), loop
+        )
 
     card = card_for(spec.model_id)
     return await asyncio.to_thread(resolve_model, card, Path(spec.cache_dir), on_progress)
