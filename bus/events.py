@@ -161,6 +161,9 @@ class NodeJoined(_NodeEvent):
     hostname: str = ""
     addresses: list[str] = Field(default_factory=list, description="Data-plane addresses.")
     version: str = ""
+    heartbeat_s: float | None = Field(
+        default=None, description="Seconds between its ResourceProfiled heartbeats."
+    )
 
 
 class NodeLeft(_NodeEvent):
@@ -203,6 +206,12 @@ class ModelAdded(EventBase):
     chat_format: str | None = None
     source: str = Field(default="", description="Where the weights come from (package, repo).")
     path: str | None = None
+    kv_bytes_per_token: int = Field(
+        default=0, description="KV cache per token of context, all layers (f16)."
+    )
+    overhead_bytes: int = Field(
+        default=0, description="Engine memory beyond weights and KV cache, per runner."
+    )
 
 
 # --- instances ----------------------------------------------------------------------------
@@ -230,6 +239,15 @@ class InstancePlaced(_InstanceEvent):
     type: Literal["InstancePlaced"] = "InstancePlaced"
     model_id: Id
     shards: list[ShardAssignment]
+    generation: int | None = Field(
+        default=None,
+        description="The instance's decision number (1, 2...); a decision for a generation"
+        " that is no longer next is ignored, so two planners never both count.",
+    )
+    reason: str = Field(default="", description="Why it was placed again, when it was.")
+    avoid: list[str] = Field(
+        default_factory=list, description="'node:device's its runners kept failing on."
+    )
 
 
 class PlacementRejected(_InstanceEvent):
@@ -240,6 +258,7 @@ class PlacementRejected(_InstanceEvent):
     reason: str
     needed_bytes: int | None = None
     available_bytes: dict[str, int] = Field(default_factory=dict, description="Per node.")
+    generation: int | None = Field(default=None, description="As in InstancePlaced.")
 
 
 class InstanceDeleteRequested(_InstanceEvent):

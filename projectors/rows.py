@@ -34,6 +34,7 @@ class NodeRow:
     disk_free: int = 0
     memory_offered: int = 0
     interfaces: JsonList | None = None
+    heartbeat_s: float | None = None
 
     def key(self) -> tuple[str]:
         return (self.node_id,)
@@ -67,6 +68,8 @@ class ModelRow:
     source: str = ""
     path: str | None = None
     added_at: datetime | None = None
+    kv_bytes_per_token: int = 0
+    overhead_bytes: int = 0
 
     def key(self) -> tuple[str]:
         return (self.model_id,)
@@ -87,6 +90,8 @@ class InstanceRow:
     placements: int = 0  # how many times it was placed (re-placement after failures)
     reason: str | None = None
     needed_bytes: int | None = None
+    generation: int = 0  # planner decisions (placed or rejected) applied so far
+    avoid: JsonList | None = None  # 'node:device's where its runners kept failing
 
     def key(self) -> tuple[str]:
         return (self.instance_id,)
@@ -116,6 +121,7 @@ class RunnerRow:
     pid: int | None = None
     failures: int = 0
     last_failed_at: datetime | None = None
+    failure_times: JsonList | None = None  # ISO times of the latest failures, oldest first
     updated_at: datetime | None = None
 
     def key(self) -> tuple[str]:

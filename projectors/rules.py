@@ -37,6 +37,7 @@ from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, RunnerRow
 from projectors.state import Change, ClusterState, Delete, Put
 
 TERMINAL_TASK = frozenset({"completed", "failed", "cancelled"})
+RECENT_FAILURES = 10  # failure times kept per runner, for the planner's "fails too often"
 
 E = TypeVar("E")
 Rule = Callable[[ClusterState, Any], list[Change]]
@@ -76,6 +77,7 @@ def _node_joined(state: ClusterState, e: NodeJoined) -> list[Change]:
         hostname=e.hostname,
         addresses=list(e.addresses),
         version=e.version,
+        heartbeat_s=e.heartbeat_s,
         joined_at=e.ts,
         left_at=None,
         last_seen=e.ts,
@@ -170,6 +172,8 @@ def _model_added(state: ClusterState, e: ModelAdded) -> list[Change]:
         source=e.source,
         path=e.path,
         added_at=e.ts,
+        kv_bytes_per_token=e.kv_bytes_per_token,
+        overhead_bytes=e.overhead_bytes,
     )
     return [Put(row)]
 
@@ -197,19 +201,30 @@ def _instance_requested(state: ClusterState, e: InstanceRequested) -> list[Chang
     return [Put(row)]
 
 
+def _is_next_decision(old: InstanceRow, generation: int | None) -> bool:
+    """A planner's decision counts only for the generation it was made for, so that a late or
+    duplicate decision (two planners, a redelivery) never replaces a newer one. Decisions
+    without a generation (older logs, hand-written events) always count."""
+    return generation is None or generation == old.generation + 1
+
+
 @_rule(InstancePlaced)
 def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
     old = state.instance(e.instance_id) or InstanceRow(
         instance_id=e.instance_id, model_id=e.model_id, status="requested"
     )
-    if old.status in ("deleting", "deleted"):
+    if old.status in ("deleting", "deleted") or not _is_next_decision(old, e.generation):
         return []
     inst = replace(
-        old, status="placed", placed_at=e.ts, placements=old.placements + 1, reason=None,
-        needed_bytes=None,
+        old, status="placed", placed_at=e.ts, placements=old.placements + 1,
+        reason=e.reason or None, needed_bytes=None,
+        generation=e.generation if e.generation is not None else old.generation + 1,
+        avoid=list(e.avoid) or old.avoid,
     )  # fmt: skip
-    # A new placement replaces the old shards entirely.
-    changes: list[Change] = [Put(inst), *_drop_runners(state, e.instance_id)]
+    # A new placement replaces the old shards; a shard it keeps unchanged (same runner, same
+    # place, same layers) keeps its runner's state, because that runner keeps running.
+    kept = {r.runner_id: r for r in state.runners_of(e.instance_id)}
+    changes: list[Change] = [Put(inst)]
     for s in e.shards:
         runner = RunnerRow(
             runner_id=s.runner_id,
@@ -226,8 +241,18 @@ def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
             tensor_split=list(s.tensor_split) if s.tensor_split is not None else None,
             updated_at=e.ts,
         )
+        before = kept.pop(s.runner_id, None)
+        if before is not None and _same_shard(before, runner):
+            continue
         changes.append(Put(runner))
+    changes += [Delete(RunnerRow.TABLE, r.key()) for r in kept.values()]
     return changes
+
+
+def _same_shard(a: RunnerRow, b: RunnerRow) -> bool:
+    fields = ("instance_id", "node_id", "device", "replica", "rank", "world_size",
+              "start_layer", "end_layer", "n_layers", "tensor_split")  # fmt: skip
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
 @_rule(PlacementRejected)
@@ -235,9 +260,12 @@ def _placement_rejected(state: ClusterState, e: PlacementRejected) -> list[Chang
     old = state.instance(e.instance_id) or InstanceRow(
         instance_id=e.instance_id, model_id=e.model_id, status="requested"
     )
-    if old.status in ("deleting", "deleted"):
+    if old.status in ("deleting", "deleted") or not _is_next_decision(old, e.generation):
         return []
-    inst = replace(old, status="rejected", reason=e.reason, needed_bytes=e.needed_bytes)
+    inst = replace(
+        old, status="rejected", reason=e.reason, needed_bytes=e.needed_bytes,
+        generation=e.generation if e.generation is not None else old.generation + 1,
+    )  # fmt: skip
     return [Put(inst), *_drop_runners(state, e.instance_id)]
 
 
@@ -277,6 +305,9 @@ def _runner_state_changed(state: ClusterState, e: RunnerStateChanged) -> list[Ch
         pid=e.pid if e.pid is not None else old.pid,
         failures=old.failures + 1 if failed else old.failures,
         last_failed_at=e.ts if failed else old.last_failed_at,
+        failure_times=[*(old.failure_times or []), e.ts.isoformat()][-RECENT_FAILURES:]
+        if failed
+        else old.failure_times,
         updated_at=e.ts,
     )
     return [Put(row)]

@@ -70,6 +70,7 @@ nodes = Table(
     Column("disk_free", BigInteger, nullable=False),
     Column("memory_offered", BigInteger, nullable=False),
     Column("interfaces", JSON),
+    Column("heartbeat_s", Float),
 )
 
 devices = Table(
@@ -97,6 +98,8 @@ models = Table(
     Column("source", Text, nullable=False),
     Column("path", Text),
     Column("added_at", UtcDateTime),
+    Column("kv_bytes_per_token", BigInteger, nullable=False),
+    Column("overhead_bytes", BigInteger, nullable=False),
 )
 
 instances = Table(
@@ -114,6 +117,8 @@ instances = Table(
     Column("placements", Integer, nullable=False),
     Column("reason", Text),
     Column("needed_bytes", BigInteger),
+    Column("generation", Integer, nullable=False),
+    Column("avoid", JSON),
 )
 
 runners = Table(
@@ -139,6 +144,7 @@ runners = Table(
     Column("failures", Integer, nullable=False),
     Column("last_failed_at", UtcDateTime),
     Column("updated_at", UtcDateTime),
+    Column("failure_times", JSON),
 )
 
 tasks = Table(

@@ -187,6 +187,8 @@ def add(
                 n_layers=facts.n_layers,
                 context_length=facts.context_length,
                 size_bytes=facts.size_bytes,
+                kv_bytes_per_token=facts.kv_bytes_per_token,
+                overhead_bytes=facts.overhead_bytes,
                 engines=list(card.engines),
                 chat_format=card.chat_format,
                 source=card.source.label(),

@@ -128,12 +128,15 @@ def kv_cache_bytes(info: GgufInfo, n_ctx: int, bytes_per_elem: int = 2) -> int:
     return per_token * n_ctx * bytes_per_elem
 
 
+def engine_overhead_bytes(vocab_size: int) -> int:
+    return OVERHEAD_FIXED_BYTES + OVERHEAD_PER_VOCAB_BYTES * vocab_size
+
+
 def memory_need_bytes(info: GgufInfo, n_ctx: int | None = None) -> int:
     """Memory to serve the model with ``n_ctx`` tokens of context (default: its trained
     context): the weights (the file size), the KV cache and llama.cpp's working overhead."""
     ctx = info.context_length if n_ctx is None else n_ctx
-    overhead = OVERHEAD_FIXED_BYTES + OVERHEAD_PER_VOCAB_BYTES * info.vocab_size
-    return info.size_bytes + kv_cache_bytes(info, ctx) + overhead
+    return info.size_bytes + kv_cache_bytes(info, ctx) + engine_overhead_bytes(info.vocab_size)
 
 
 class ModelFacts(BaseModel):
@@ -144,6 +147,8 @@ class ModelFacts(BaseModel):
     n_layers: int
     context_length: int
     size_bytes: int
+    kv_bytes_per_token: int = 0
+    overhead_bytes: int = 0
     chat_template: str | None = None
 
 
@@ -159,6 +164,8 @@ def model_facts(path: Path | str, engine: str = "llamacpp") -> ModelFacts:
         n_layers=info.n_layers,
         context_length=info.context_length,
         size_bytes=info.size_bytes,
+        kv_bytes_per_token=kv_cache_bytes(info, 1),
+        overhead_bytes=engine_overhead_bytes(info.vocab_size),
         chat_template=info.chat_template,
     )
 
@@ -190,8 +197,23 @@ def read_mlx_config(directory: Path) -> ModelFacts:
         n_layers=layers,
         context_length=int(context or 0),
         size_bytes=sum(f.stat().st_size for f in weights),
+        kv_bytes_per_token=_mlx_kv_bytes_per_token(config | text, layers),
+        overhead_bytes=engine_overhead_bytes(
+            int(config.get("vocab_size", text.get("vocab_size", 0)))
+        ),
         chat_template=template,
     )
+
+
+def _mlx_kv_bytes_per_token(config: dict[str, Any], layers: int) -> int:
+    """K and V per token in every layer, f16 (what mlx-lm's KV cache holds for these models)."""
+    heads = config.get("num_attention_heads")
+    hidden = config.get("hidden_size")
+    if not isinstance(heads, int) or not isinstance(hidden, int) or heads <= 0:
+        return 0
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    return int(2 * layers * kv_heads * head_dim * 2)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from bus.subjects import EVENTS_PREFIX
 from projectors import database
 from projectors.rows import ROW_TYPES
 from projectors.rules import fold
-from projectors.store import read_offset
+from projectors.store import load_state, read_offset
 from projectors.tables import STATE_TABLES, metadata
 from tests.conftest import MakeDb
 from tests.history import history
@@ -45,7 +45,7 @@ def test_rows_and_tables_have_the_same_columns() -> None:
 async def test_migrations_create_exactly_the_tables(engine: AsyncEngine) -> None:
     await database.upgrade(engine)
     await database.upgrade(engine)  # idempotent
-    assert await database.current_revision(engine) == "0001"
+    assert await database.current_revision(engine) == "0002"
 
     def diff(conn: Connection) -> list[object]:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
@@ -55,6 +55,23 @@ async def test_migrations_create_exactly_the_tables(engine: AsyncEngine) -> None
         assert await conn.run_sync(diff) == []
         names = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
     assert set(STATE_TABLES) | {"projector_offsets", "alembic_version"} == names
+
+
+async def test_a_projection_from_an_older_schema_upgrades_with_its_rows(
+    engine: AsyncEngine,
+) -> None:
+    await database.upgrade(engine, "0001")
+    async with engine.begin() as conn:
+        await conn.execute(
+            STATE_TABLES["models"].insert(),
+            [{"model_id": "m", "n_layers": 2, "size_bytes": 9, "family": "", "context_length": 0,
+              "source": ""}],
+        )  # fmt: skip
+    await database.upgrade(engine)
+    async with engine.connect() as conn:
+        state = await load_state(conn)
+    model = state.model("m")
+    assert model is not None and (model.size_bytes, model.kv_bytes_per_token) == (9, 0)
 
 
 async def test_projection_equals_the_pure_fold(js: JetStreamContext, engine: AsyncEngine) -> None:

@@ -187,6 +187,45 @@ def test_replacement_supersedes_old_runners() -> None:
     assert changes_for(state, late) == []
 
 
+def test_a_decision_counts_only_for_the_next_generation() -> None:
+    state = fold([InstanceRequested(instance_id="i1", model_id="m", origin="api", ts=at(0))])
+    first = placed(nodes=("a",)).model_copy(update={"generation": 1})
+    state = fold([first], state)
+    # The same decision again, or a second planner's different decision for generation 1,
+    # is stale once generation 1 is applied.
+    other = placed(nodes=("b",)).model_copy(update={"generation": 1})
+    assert changes_for(state, first) == [] and changes_for(state, other) == []
+    rejected = PlacementRejected(
+        instance_id="i1", model_id="m", origin="p", ts=at(5), reason="full", generation=3
+    )
+    assert changes_for(state, rejected) == []  # skips generation 2: not next either
+    state = fold([rejected.model_copy(update={"generation": 2})], state)
+    inst = state.instance("i1")
+    assert inst is not None
+    assert (inst.status, inst.generation, inst.reason) == ("rejected", 2, "full")
+
+
+def test_a_new_placement_keeps_the_runners_of_unchanged_shards() -> None:
+    state = fold(
+        [
+            InstanceRequested(instance_id="i1", model_id="m", origin="api", ts=at(0)),
+            placed(nodes=("a", "b")),
+            RunnerStateChanged(runner_id="i1-0-0", instance_id="i1", node_id="a", state="Ready",
+                               origin="a", ts=at(2)),
+        ]
+    )  # fmt: skip
+    moved = placed(nodes=("a", "b")).shards
+    again = InstancePlaced(
+        instance_id="i1", model_id="m", origin="p", ts=at(3), reason="node b timed out",
+        shards=[moved[0], moved[1].model_copy(update={"runner_id": "i1-1-1", "node_id": "c"})],
+    )  # fmt: skip
+    state = fold([again], state)
+    runners = {r.runner_id: (r.node_id, r.state) for r in state.runners_of("i1")}
+    assert runners == {"i1-0-0": ("a", "Ready"), "i1-1-1": ("c", "Assigned")}
+    inst = state.instance("i1")
+    assert inst is not None and (inst.placements, inst.reason) == (2, "node b timed out")
+
+
 def test_runner_states_and_failures() -> None:
     state = fold(
         [InstanceRequested(instance_id="i1", model_id="m", origin="api", ts=at(0)), placed()]
@@ -215,6 +254,7 @@ def test_runner_states_and_failures() -> None:
         replica=0, rank=0, world_size=1, start_layer=0, end_layer=10, n_layers=10,
         tensor_split=None, progress=None, error="oom", exit_code=137, endpoint="127.0.0.1:5000",
         pid=42, failures=2, last_failed_at=at(6), updated_at=at(6),
+        failure_times=[at(4).isoformat(), at(6).isoformat()],
     )  # fmt: skip
 
 

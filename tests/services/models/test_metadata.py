@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
+from services.models.footprint import Footprint
 from services.models.metadata import (
     OVERHEAD_FIXED_BYTES,
     OVERHEAD_PER_VOCAB_BYTES,
@@ -103,6 +104,21 @@ def test_kv_cache_and_memory_need(smollm2_path: Path, gemma_path: Path) -> None:
     assert memory_need_bytes(smol) == memory_need_bytes(smol, 8192)
 
 
+def test_model_facts_give_placement_the_same_need(smollm2_path: Path) -> None:
+    facts = model_facts(smollm2_path)
+    footprint = Footprint(
+        n_layers=facts.n_layers,
+        weights_bytes=facts.size_bytes,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        overhead_bytes=facts.overhead_bytes,
+    )
+    info = read_gguf(smollm2_path)
+    assert footprint.need_bytes(2048) == memory_need_bytes(info, 2048)
+    # Half the layers: half the weights and KV cache, all of the engine's overhead.
+    half = footprint.need_bytes(2048, layers=15) - facts.overhead_bytes
+    assert half * 2 - (footprint.need_bytes(2048) - facts.overhead_bytes) in (0, 1)
+
+
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     text = tmp_path / "notes.gguf"
     text.write_text("just some text, long enough to have a header's worth of bytes\n")
@@ -136,11 +152,18 @@ def test_mlx_directory(tmp_path: Path) -> None:
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
     facts = model_facts(model, "mlx")
     assert (facts.n_layers, facts.context_length, facts.size_bytes) == (24, 32768, 1000)
+    assert facts.kv_bytes_per_token == 0  # no head counts in this config: unknown
     assert facts.chat_template == "{{ x }}"
 
     # A multimodal config keeps the language model's numbers in text_config.
-    (model / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 26}}))
-    assert model_facts(model, "mlx").n_layers == 26
+    text = {"num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "hidden_size": 512, "vocab_size": 1000}  # fmt: skip
+    (model / "config.json").write_text(json.dumps({"text_config": text}))
+    facts = model_facts(model, "mlx")
+    assert facts.n_layers == 26
+    # K and V, 26 layers, 2 KV heads of 512 / 8 = 64, f16
+    assert facts.kv_bytes_per_token == 2 * 26 * 2 * 64 * 2
+    assert facts.overhead_bytes == OVERHEAD_FIXED_BYTES + OVERHEAD_PER_VOCAB_BYTES * 1000
 
     with pytest.raises(GgufError, match=r"config\.json"):
         model_facts(tmp_path, "mlx")

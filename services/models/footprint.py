@@ -1,0 +1,49 @@
+"""How much memory a model takes to serve, from the facts ``ModelAdded`` carries.
+
+Placement runs on these numbers only, so it needs no model file: the weights (the file size),
+the KV cache (bytes per token of context, times the context), and the engine's working memory
+(compute buffers, logits, tokenizer tables), which every runner pays once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from projectors.rows import ModelRow
+
+# The context a runner gets when the request names none (capped at the model's own).
+DEFAULT_CONTEXT_LENGTH = 2048
+
+
+def context_for(model_context: int, requested: int | None) -> int:
+    """The context an instance is served with: what was asked for, else the default, never
+    more than the model was trained for (when that is known)."""
+    if requested is not None:
+        return requested
+    return min(DEFAULT_CONTEXT_LENGTH, model_context) if model_context else DEFAULT_CONTEXT_LENGTH
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    n_layers: int
+    weights_bytes: int
+    kv_bytes_per_token: int
+    overhead_bytes: int
+
+    @classmethod
+    def of(cls, model: ModelRow) -> Footprint:
+        return cls(
+            n_layers=model.n_layers,
+            weights_bytes=model.size_bytes,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            overhead_bytes=model.overhead_bytes,
+        )
+
+    def need_bytes(self, n_ctx: int, layers: int | None = None) -> int:
+        """Memory for ``layers`` of the model (all by default) at ``n_ctx`` tokens. Weights and
+        KV cache are taken in proportion to the layers: the embeddings and output head are not
+        per layer, but they are small next to the blocks of any model worth splitting."""
+        share = self.weights_bytes + self.kv_bytes_per_token * n_ctx
+        if layers is not None and layers != self.n_layers:
+            share = -(-share * layers // self.n_layers)  # round up: never promise too little
+        return share + self.overhead_bytes
