@@ -71,6 +71,13 @@ class ClusterState:
         row = self.tables[TaskRow.TABLE].get((task_id,))
         return row if isinstance(row, TaskRow) else None
 
+    def nodes(self) -> list[NodeRow]:
+        return [r for r in self.tables[NodeRow.TABLE].values() if isinstance(r, NodeRow)]
+
+    def instances(self) -> list[InstanceRow]:
+        rows = self.tables[InstanceRow.TABLE].values()
+        return [r for r in rows if isinstance(r, InstanceRow)]
+
     def devices_of(self, node_id: str) -> Iterator[DeviceRow]:
         for row in self.tables[DeviceRow.TABLE].values():
             if isinstance(row, DeviceRow) and row.node_id == node_id:
@@ -80,6 +87,10 @@ class ClusterState:
         for row in self.tables[RunnerRow.TABLE].values():
             if isinstance(row, RunnerRow) and row.instance_id == instance_id:
                 yield row
+
+    def copy(self) -> ClusterState:
+        """A copy whose tables can change without changing these (rows are immutable)."""
+        return ClusterState({name: dict(rows) for name, rows in self.tables.items()})
 
     def rows(self, table: str) -> list[Row]:
         return list(self.tables[table].values())

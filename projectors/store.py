@@ -31,9 +31,11 @@ def _upsert(conn: AsyncConnection, table: Table) -> Any:
     return stmt.on_conflict_do_update(index_elements=pk, set_=updates)
 
 
-async def load_state(conn: AsyncConnection) -> ClusterState:
+async def load_state(conn: AsyncConnection, tables: Iterable[str] | None = None) -> ClusterState:
+    """The projection in memory: every table, or only ``tables`` (the others stay empty)."""
     state = ClusterState()
-    for name, table in STATE_TABLES.items():
+    for name in tables if tables is not None else STATE_TABLES:
+        table = STATE_TABLES[name]
         row_type = ROW_TYPE_BY_TABLE[name]
         result = await conn.execute(select(table))
         rows = state.tables[name]

@@ -12,7 +12,8 @@ from bus.embedded import NatsServerError
 from bus.streams import StreamSettingsError
 from projectors.database import DatabaseUrlError
 from projectors.replay import ReplayError
-from services.cli import db, events, models
+from services.cli import db, events, instances, models
+from services.cli.planner import planner
 from services.cli.projector import projector, replay_command
 from services.cli.state import state
 from services.cli.up import up
@@ -28,10 +29,13 @@ app.command()(projector)
 app.command("replay")(replay_command)
 app.command()(state)
 app.command()(worker)
+app.command()(planner)
 app.command(hidden=True)(runner)
 app.add_typer(db.app, name="db")
 app.add_typer(events.app, name="events")
 app.add_typer(models.app, name="models")
+app.add_typer(instances.app, name="instances")
+app.add_typer(instances.placement_app, name="placement")
 
 
 # Errors a user can cause and fix: one line, no traceback.

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from nats.js import JetStreamContext
 from rich.console import Console
 from rich.table import Table
 
@@ -154,8 +155,8 @@ def add(
     """Make a model known to the cluster (publishes ModelAdded).
 
     With neither --path nor --hf, ID must be a built-in card (see `shoal models list`)."""
-    from services.models.metadata import GgufError, ModelFacts, model_facts
-    from services.models.resolve import ModelUnavailable, resolve_model
+    from services.models.metadata import GgufError
+    from services.models.resolve import ModelUnavailable
 
     if path is not None and hf is not None:
         _fail("give --path or --hf, not both")
@@ -168,34 +169,13 @@ def add(
     except UnknownModel as exc:
         _fail(str(exc))
 
-    def fetch() -> tuple[Path, ModelFacts]:
-        weights = resolve_model(card, _cache_dir(cache_dir), _progress_printer())
-        return weights, model_facts(weights, card.engines[0])
-
     async def main() -> tuple[ModelAdded, Path, int]:
         # NATS first: an unreachable server is found out before a long download, not after.
         nc = await connect(nats, name="shoal-models-add")
         try:
             js = nc.jetstream()
             await ensure_streams(js, StreamSettings.from_env())
-            # In a thread, so that the connection keeps answering pings during a download.
-            weights, facts = await asyncio.to_thread(fetch)
-            event = ModelAdded(
-                origin=f"shoal-cli@{socket.gethostname()}",
-                model_id=card.id,
-                family=card.family,
-                n_layers=facts.n_layers,
-                context_length=facts.context_length,
-                size_bytes=facts.size_bytes,
-                kv_bytes_per_token=facts.kv_bytes_per_token,
-                overhead_bytes=facts.overhead_bytes,
-                engines=list(card.engines),
-                chat_format=card.chat_format,
-                source=card.source.label(),
-                path=str(weights),
-            )
-            ack = await Publisher(js).publish(event)
-            return event, weights, ack.seq
+            return await publish_model(js, card, _cache_dir(cache_dir))
         finally:
             await nc.close()
 
@@ -208,6 +188,38 @@ def add(
         f" {_size(event.size_bytes)}, engines {','.join(event.engines)} (seq {seq})"
     )
     typer.echo(f"  weights: {weights}")
+
+
+async def publish_model(
+    js: JetStreamContext, card: ModelCard, cache_dir: Path
+) -> tuple[ModelAdded, Path, int]:
+    """Fetch the card's weights (if not here yet), read their facts, publish ``ModelAdded``.
+    Returns the event, the weights' path and the event's stream sequence."""
+    from services.models.metadata import ModelFacts, model_facts
+    from services.models.resolve import resolve_model
+
+    def fetch() -> tuple[Path, ModelFacts]:
+        weights = resolve_model(card, cache_dir, _progress_printer())
+        return weights, model_facts(weights, card.engines[0])
+
+    # In a thread, so that the connection keeps answering pings during a download.
+    weights, facts = await asyncio.to_thread(fetch)
+    event = ModelAdded(
+        origin=f"shoal-cli@{socket.gethostname()}",
+        model_id=card.id,
+        family=card.family,
+        n_layers=facts.n_layers,
+        context_length=facts.context_length,
+        size_bytes=facts.size_bytes,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        overhead_bytes=facts.overhead_bytes,
+        engines=list(card.engines),
+        chat_format=card.chat_format,
+        source=card.source.label(),
+        path=str(weights),
+    )
+    ack = await Publisher(js).publish(event)
+    return event, weights, ack.seq
 
 
 def _card(

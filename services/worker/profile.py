@@ -6,11 +6,13 @@ what cannot change while the process runs: the CPU model, and whether an NVIDIA 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import platform
 import socket
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +33,18 @@ def parse_memory_limit(text: str) -> int | None:
     return None if value < 0 else value
 
 
-def collect_profile(models_dir: Path, memory_limit: int | None = None) -> NodeProfile:
+def collect_profile(
+    models_dir: Path, memory_limit: int | None = None, shoal_bytes: int = 0
+) -> NodeProfile:
     """A snapshot of this machine. ``memory_limit`` (bytes) caps what the node offers to
-    placement: users keep memory for themselves, and tests make a small model "not fit"."""
+    placement: users keep memory for themselves, and tests make a small model "not fit".
+
+    ``shoal_bytes`` is what this node's runners hold now. It counts as offered: placement
+    already charges the shards placed here, and would count them twice otherwise."""
     vm = psutil.virtual_memory()
     swap = psutil.swap_memory()
-    offered = vm.available if memory_limit is None else min(vm.available, memory_limit)
+    budget = vm.available + shoal_bytes
+    offered = budget if memory_limit is None else min(budget, memory_limit)
     return NodeProfile(
         ram_total=vm.total,
         ram_available=vm.available,
@@ -52,6 +60,15 @@ def collect_profile(models_dir: Path, memory_limit: int | None = None) -> NodePr
         interfaces=network_interfaces(),
         gpus=nvidia_gpus(),
     )
+
+
+def rss_bytes(pids: Iterable[int]) -> int:
+    """Resident memory of these processes (those that have exited count 0)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            total += psutil.Process(pid).memory_info().rss
+    return total
 
 
 @functools.cache

@@ -36,8 +36,9 @@ from bus.subjects import EVENTS_PREFIX
 from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
+from services.models.footprint import context_for
 from services.runner.spec import RunnerSpec
-from services.worker.profile import collect_profile
+from services.worker.profile import collect_profile, rss_bytes
 from services.worker.reconcile import describe_exit, desired_runners, plan
 from services.worker.supervisor import Supervisor
 
@@ -53,7 +54,6 @@ class WorkerConfig:
     data_dir: Path
     memory_limit: int | None = None
     heartbeat_s: float = 2.0
-    n_ctx: int = 2048
     runner_threads: int | None = None
     stream_settings: StreamSettings | None = None
 
@@ -86,6 +86,7 @@ class Worker:
                 hostname=socket.gethostname(),
                 addresses=_addresses(),
                 version=VERSION,
+                heartbeat_s=self.config.heartbeat_s,
             )
         )
         await self._heartbeat()
@@ -116,8 +117,9 @@ class Worker:
     # --- heartbeat ----------------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
+        pids = [pid for r in self.supervisor.runners if (pid := self.supervisor.pid(r))]
         profile = await asyncio.to_thread(
-            collect_profile, self.config.models_dir, self.config.memory_limit
+            collect_profile, self.config.models_dir, self.config.memory_limit, rss_bytes(pids)
         )
         await self._pub.publish(
             ResourceProfiled(node_id=self.node_id, origin=self.node_id, profile=profile)
@@ -171,7 +173,10 @@ class Worker:
             engine=(model.engines or ["llamacpp"])[0] if model is not None else "llamacpp",
             model_path=model.path if model is not None else None,
             chat_format=model.chat_format if model is not None else None,
-            n_ctx=inst.context_length or self.config.n_ctx,
+            # The context placement counted memory for.
+            n_ctx=context_for(
+                model.context_length if model is not None else 0, inst.context_length
+            ),
             n_threads=self.config.runner_threads,
             cache_dir=str(self.config.models_dir),
         )

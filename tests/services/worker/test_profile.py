@@ -17,6 +17,7 @@ from services.worker.profile import (
     disk_free,
     nvidia_gpus,
     parse_memory_limit,
+    rss_bytes,
 )
 
 GiB = 1024**3
@@ -58,6 +59,15 @@ def test_a_memory_limit_caps_what_is_offered(tmp_path: Path) -> None:
     # A limit above what is free offers only what is free.
     roomy = collect_profile(tmp_path, memory_limit=1024 * GiB)
     assert roomy.memory_offered == roomy.ram_available
+    # What the node's own runners hold is offered too: placement already counts their shards.
+    with_runners = collect_profile(tmp_path, memory_limit=1024 * GiB, shoal_bytes=GiB)
+    assert with_runners.memory_offered == with_runners.ram_available + GiB
+
+
+def test_rss_of_runners() -> None:
+    assert rss_bytes([os.getpid()]) > 10 * 1024**2
+    assert rss_bytes([]) == 0
+    assert rss_bytes([2**22 + 12345]) == 0  # no such process: counts nothing
 
 
 def test_parse_memory_limit() -> None:

@@ -1,0 +1,62 @@
+"""`shoal planner`: decide where models run."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Annotated
+
+import typer
+
+from bus.connection import connect
+from projectors import database
+from projectors.projector import DEFAULT_NAME
+from services.cli.options import (
+    DEFAULT_DB,
+    DEFAULT_NATS,
+    DbUrl,
+    NatsUrl,
+    run_until_signal,
+    setup_logging,
+)
+from services.planner.decisions import PlannerPolicy
+from services.planner.planner import Planner
+
+
+def planner(
+    nats: NatsUrl = DEFAULT_NATS,
+    db: DbUrl = DEFAULT_DB,
+    missed_heartbeats: Annotated[
+        int, typer.Option(min=1, help="Heartbeat intervals of silence before a node times out.")
+    ] = 3,
+    failure_limit: Annotated[
+        int, typer.Option(min=1, help="Runner failures within --failure-window that move it.")
+    ] = 3,
+    failure_window: Annotated[
+        float, typer.Option(min=1, help="Seconds in which --failure-limit failures count.")
+    ] = 120.0,
+    projector: Annotated[
+        str, typer.Option(help="Name of the projector whose database this is.")
+    ] = DEFAULT_NAME,
+) -> None:
+    """Run a planner: place instances, time out silent nodes, move failing instances.
+
+    Needs a running projector on the same database. Several planners may run at once."""
+    setup_logging()
+    policy = PlannerPolicy(
+        missed_heartbeats=missed_heartbeats,
+        failure_limit=failure_limit,
+        failure_window_s=failure_window,
+    )
+    origin = f"planner@{socket.gethostname()}"
+
+    async def main(stop: asyncio.Event) -> None:
+        nc = await connect(nats, name="shoal-planner")
+        engine = database.create_engine(db)
+        try:
+            await Planner(nc, engine, policy, origin=origin, projector=projector).run(stop)
+        finally:
+            await engine.dispose()
+            await nc.drain()
+
+    run_until_signal(main)

@@ -1,0 +1,96 @@
+"""The cluster as placement sees it: the devices of online nodes and the memory left on each.
+
+A pure function of the projection. A device's usable memory is what its node offers (RAM for
+``cpu``, the card's memory for ``gpuN``) less a 10% headroom, less what the shards already
+placed there need. Offered memory excludes nothing Shoal itself uses (the worker adds its own
+runners back), so a placed shard is counted once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from projectors.rows import DeviceRow, NodeRow, RunnerRow
+from projectors.state import ClusterState
+from services.models.footprint import Footprint, context_for
+
+HEADROOM = 0.10
+# Instances whose runners hold memory: placed ones, and ones being deleted until they are.
+HOLDING = frozenset({"placed", "deleting"})
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    node_id: str
+    device: str  # 'cpu' or 'gpuN'
+    kind: str  # 'cpu' or 'gpu'
+    capacity: int  # bytes the node offers on this device
+    reserved: int = 0  # bytes that shards placed here need
+
+    @property
+    def ref(self) -> str:
+        return f"{self.node_id}:{self.device}"
+
+    @property
+    def usable(self) -> int:
+        return int(self.capacity * (1 - HEADROOM)) - self.reserved
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    devices: Mapping[str, Device]  # by ref ('node:device'), online nodes only
+    node_status: Mapping[str, str]  # every known node: online | left | timed_out
+
+    def reserve(self, charges: Mapping[str, int]) -> ClusterView:
+        """The view after ``charges`` (bytes per device ref) are placed."""
+        devices = dict(self.devices)
+        for ref, need in charges.items():
+            devices[ref] = replace(devices[ref], reserved=devices[ref].reserved + need)
+        return ClusterView(devices, self.node_status)
+
+    def devices_of(self, node_id: str) -> list[Device]:
+        return [d for d in self.devices.values() if d.node_id == node_id]
+
+
+def shard_need(state: ClusterState, runner: RunnerRow) -> int:
+    """Memory the runner of this shard needs (0 when its model is unknown)."""
+    inst = state.instance(runner.instance_id)
+    model = state.model(inst.model_id) if inst is not None else None
+    if inst is None or model is None:
+        return 0
+    ctx = context_for(model.context_length, inst.context_length)
+    return Footprint.of(model).need_bytes(ctx, runner.end_layer - runner.start_layer)
+
+
+def cluster_view(state: ClusterState, excluding_instance: str | None = None) -> ClusterView:
+    """The view of ``state``; the shards of ``excluding_instance`` are not counted (it is the
+    one being placed again)."""
+    node_status: dict[str, str] = {}
+    offered: dict[str, int] = {}
+    for row in state.rows(NodeRow.TABLE):
+        assert isinstance(row, NodeRow)
+        node_status[row.node_id] = row.status
+        if row.status == "online":
+            offered[row.node_id] = row.memory_offered
+    devices: dict[str, Device] = {}
+    for row in state.rows(DeviceRow.TABLE):
+        assert isinstance(row, DeviceRow)
+        if row.node_id not in offered:
+            continue
+        capacity = offered[row.node_id] if row.kind == "cpu" else row.memory_total
+        d = Device(row.node_id, row.device, row.kind, capacity)
+        devices[d.ref] = d
+    reserved: dict[str, int] = {}
+    for row in state.rows(RunnerRow.TABLE):
+        assert isinstance(row, RunnerRow)
+        ref = f"{row.node_id}:{row.device}"
+        if row.instance_id == excluding_instance or ref not in devices:
+            continue
+        inst = state.instance(row.instance_id)
+        if inst is None or inst.status not in HOLDING:
+            continue
+        reserved[ref] = reserved.get(ref, 0) + shard_need(state, row)
+    for ref, need in reserved.items():
+        devices[ref] = replace(devices[ref], reserved=need)
+    return ClusterView(devices, node_status)

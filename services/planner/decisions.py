@@ -1,0 +1,195 @@
+"""What the planner decides, as a pure function of the projection and the time:
+``decide(state, now, policy) -> [Decision]``.
+
+It looks at the whole state every time (level-triggered), so a missed or repeated event
+changes nothing, and two planners looking at the same state decide the same. Each decision
+carries a deterministic message id, so JetStream keeps one of identical decisions, and each
+placement decision carries the instance's next generation, so the projection applies at most
+one decision per generation even when two planners decided differently.
+
+- A node silent for ``missed_heartbeats`` of its heartbeat intervals: ``NodeTimedOut``.
+- An instance being deleted: ``InstanceDeleted``.
+- An instance requested: ``InstancePlaced`` or ``PlacementRejected``.
+- A placed instance with a shard on a node that is gone, or a runner that failed
+  ``failure_limit`` times within ``failure_window_s``: placed again (keeping the replicas that
+  are fine, avoiding the failing device), or rejected with the reason.
+- A rejected instance: placed when it fits now (a node joined, a model was added...);
+  otherwise nothing, so a rejection is said once, not at every heartbeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from bus.events import (
+    InstanceDeleted,
+    InstancePlaced,
+    NodeTimedOut,
+    PlacementRejected,
+    ShardAssignment,
+)
+from projectors.rows import InstanceRow, NodeRow, RunnerRow
+from projectors.rules import changes_for
+from projectors.state import ClusterState
+from services.models.footprint import Footprint
+from services.planner.cluster import cluster_view
+from services.planner.placement import ModelInfo, Placement, PlacementRequest, place
+
+DecisionEvent = NodeTimedOut | InstanceDeleted | InstancePlaced | PlacementRejected
+
+
+@dataclass(frozen=True)
+class PlannerPolicy:
+    missed_heartbeats: int = 3
+    default_heartbeat_s: float = 2.0  # for nodes that did not say their interval
+    failure_limit: int = 3
+    failure_window_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    event: DecisionEvent
+    msg_id: str
+
+
+def decide(
+    state: ClusterState, now: datetime, policy: PlannerPolicy, origin: str = "planner"
+) -> list[Decision]:
+    """The decisions ``state`` calls for at ``now``. Later decisions in the list see the
+    effect of earlier ones (a timed-out node is not placed on), as the projection will."""
+    scratch = state.copy()
+    decisions: list[Decision] = []
+
+    def emit(event: DecisionEvent, msg_id: str) -> None:
+        decisions.append(Decision(event, msg_id))
+        scratch.commit(changes_for(scratch, event))
+
+    for node in state.nodes():
+        silence = _silence(node, now, policy)
+        if silence is not None:
+            assert node.last_seen is not None
+            event = NodeTimedOut(
+                node_id=node.node_id, origin=origin, last_seen=node.last_seen,
+                missed_heartbeats=silence,
+            )  # fmt: skip
+            emit(event, f"timedout:{node.node_id}:{node.last_seen.isoformat()}")
+
+    instances = sorted(
+        state.instances(),
+        key=lambda i: (i.requested_at is None, i.requested_at, i.instance_id),
+    )
+    for inst in instances:
+        if inst.status == "deleting":
+            emit(
+                InstanceDeleted(
+                    instance_id=inst.instance_id, origin=origin, reason=inst.reason or ""
+                ),
+                f"deleted:{inst.instance_id}",
+            )
+    for inst in instances:
+        if inst.status not in ("requested", "placed", "rejected"):
+            continue
+        current = scratch.instance(inst.instance_id)
+        assert current is not None
+        _place(scratch, current, now, policy, origin, emit)
+    return decisions
+
+
+def _place(
+    state: ClusterState,
+    inst: InstanceRow,
+    now: datetime,
+    policy: PlannerPolicy,
+    origin: str,
+    emit: Callable[[DecisionEvent, str], None],
+) -> None:
+    runners = sorted(state.runners_of(inst.instance_id), key=lambda r: (r.replica, r.rank))
+    avoid = set(inst.avoid or [])
+    reason = ""
+    if inst.status == "placed":
+        gone = sorted({r.node_id for r in runners if _node_status(state, r.node_id) != "online"})
+        failing = [r for r in runners if _failing(r, policy)]
+        if not gone and not failing:
+            return
+        reasons = [f"node {n} is {_node_status(state, n).replace('_', ' ')}" for n in gone]
+        for r in failing:
+            ref = f"{r.node_id}:{r.device}"
+            avoid.add(ref)
+            reasons.append(
+                f"runner {r.runner_id} failed {_recent_failures(r, policy)} times within"
+                f" {policy.failure_window_s:g} s on {ref} ({r.error or 'no error given'})"
+            )
+        reason = "; ".join(reasons)
+    model = state.model(inst.model_id)
+    request = PlacementRequest(
+        instance_id=inst.instance_id,
+        model=ModelInfo(model.model_id, Footprint.of(model), model.context_length)
+        if model is not None
+        else None,
+        replicas=inst.replicas,
+        context_length=inst.context_length,
+        spec=inst.placement,
+        generation=inst.generation + 1,
+        avoid=frozenset(avoid),
+        current=tuple(_shard(r) for r in runners) if inst.status == "placed" else (),
+    )
+    result = place(cluster_view(state, excluding_instance=inst.instance_id), request)
+    msg_id = f"placement:{inst.instance_id}:{request.generation}"
+    if isinstance(result, Placement):
+        event: DecisionEvent = InstancePlaced(
+            instance_id=inst.instance_id, model_id=inst.model_id, origin=origin,
+            shards=list(result.shards), generation=request.generation, reason=reason,
+            avoid=sorted(avoid),
+        )  # fmt: skip
+        emit(event, msg_id)
+    elif inst.status != "rejected":
+        why = result.reason
+        if model is None:
+            why = f"model {inst.model_id!r} is not known to the cluster: add it with"
+            why += f" `shoal models add {inst.model_id}`"
+        emit(
+            PlacementRejected(
+                instance_id=inst.instance_id, model_id=inst.model_id, origin=origin,
+                reason=f"{reason}; and it cannot be placed again: {why}" if reason else why,
+                needed_bytes=result.needed_bytes, available_bytes=result.available_bytes,
+                generation=request.generation,
+            ),
+            msg_id,
+        )  # fmt: skip
+
+
+def _silence(node: NodeRow, now: datetime, policy: PlannerPolicy) -> int | None:
+    """Heartbeats missed, when that is enough to time the node out; else None."""
+    if node.status != "online" or node.last_seen is None:
+        return None
+    interval = node.heartbeat_s or policy.default_heartbeat_s
+    missed = int((now - node.last_seen).total_seconds() // interval)
+    return missed if missed >= policy.missed_heartbeats else None
+
+
+def _recent_failures(runner: RunnerRow, policy: PlannerPolicy) -> int:
+    """Failures within the window that ends at the runner's latest failure."""
+    times = [datetime.fromisoformat(t) for t in runner.failure_times or []]
+    if not times:
+        return 0
+    latest = max(times)
+    return sum(1 for t in times if (latest - t).total_seconds() <= policy.failure_window_s)
+
+
+def _failing(runner: RunnerRow, policy: PlannerPolicy) -> bool:
+    return runner.state == "Failed" and _recent_failures(runner, policy) >= policy.failure_limit
+
+
+def _node_status(state: ClusterState, node_id: str) -> str:
+    node = state.node(node_id)
+    return node.status if node is not None else "unknown"
+
+
+def _shard(r: RunnerRow) -> ShardAssignment:
+    return ShardAssignment(
+        runner_id=r.runner_id, node_id=r.node_id, device=r.device, replica=r.replica,
+        rank=r.rank, world_size=r.world_size, start_layer=r.start_layer,
+        end_layer=r.end_layer, n_layers=r.n_layers, tensor_split=r.tensor_split,
+    )  # fmt: skip

@@ -1,0 +1,170 @@
+"""The planner process: watches the log, reads the projection, publishes decisions.
+
+It keeps no state of its own and needs no leader. Each round it waits until the projection
+has applied at least the latest event it has seen (so it never decides on an older picture
+than the event that woke it), loads the cluster from the projection, runs the pure
+``decide``, and publishes each decision with its deterministic message id. Any number of
+planners can run at once: identical decisions are stored once (JetStream de-duplication), and
+different decisions for the same instance generation are applied once (the projection rules).
+
+Rounds run when an event that can matter arrives (nodes, models, instances, runners; not
+tasks) and on a timer, for the heartbeats that did not arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from bus.publisher import Publisher
+from bus.streams import EVENTS_STREAM, ensure_streams
+from bus.subjects import EVENTS_PREFIX
+from projectors.projector import DEFAULT_NAME
+from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, RunnerRow
+from projectors.state import ClusterState
+from projectors.store import load_state, read_offset
+from services.planner.decisions import Decision, PlannerPolicy, decide
+
+log = logging.getLogger(__name__)
+
+# What decisions depend on; the tasks table (the big one) is not among them.
+PLANNING_TABLES = (NodeRow.TABLE, DeviceRow.TABLE, ModelRow.TABLE, InstanceRow.TABLE,
+                   RunnerRow.TABLE)  # fmt: skip
+WATCHED = [f"{EVENTS_PREFIX}.{a}.>" for a in ("node", "model", "instance", "runner")]
+
+
+@dataclass
+class PlannerStats:
+    rounds: int = 0
+    decisions: int = 0  # published and stored
+    duplicates: int = 0  # published, but another planner (or an earlier round) got there first
+    by_type: dict[str, int] = field(default_factory=dict)
+
+
+class Planner:
+    def __init__(
+        self,
+        nc: Client,
+        engine: AsyncEngine,
+        policy: PlannerPolicy | None = None,
+        origin: str = "planner",
+        projector: str = DEFAULT_NAME,
+        tick_s: float = 0.5,
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._engine = engine
+        self._pub = Publisher(self._js)
+        self.policy = policy or PlannerPolicy()
+        self.origin = origin
+        self.projector = projector
+        self.tick_s = tick_s
+        self.stats = PlannerStats()
+        self._seen_seq = 0  # the latest stream sequence a round must have in its picture
+        self._wake = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await ensure_streams(self._js)
+        sub = await self._js.subscribe(
+            WATCHED[0],
+            cb=self._on_event,
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, filter_subjects=WATCHED),
+        )
+        # Subscribed first, then the current end of the log: nothing falls in between.
+        info = await self._js.stream_info(EVENTS_STREAM)
+        self._seen(info.state.last_seq)
+        log.info("planner %s watching from seq %d", self.origin, info.state.last_seq)
+        try:
+            while not stop.is_set():
+                await self._wait_for_reason(stop)
+                if stop.is_set():
+                    break
+                try:
+                    await self.round()
+                except Exception:  # a failed round is retried on the next one
+                    log.exception("planner round failed")
+                    await asyncio.sleep(self.tick_s)
+        finally:
+            await sub.unsubscribe()
+
+    async def round(self) -> list[Decision]:
+        """One look at the cluster: wait for the projection, decide, publish."""
+        target = self._seen_seq
+        state = await self._projection_at(target)
+        decisions = decide(state, datetime.now(UTC), self.policy, self.origin)
+        for d in decisions:
+            ack = await self._pub.publish(d.event, msg_id=d.msg_id)
+            # The next round must see this decision in the projection, or it would decide it
+            # again (harmlessly, but for nothing).
+            self._seen(ack.seq)
+            if ack.duplicate:
+                self.stats.duplicates += 1
+                continue
+            self.stats.decisions += 1
+            name = type(d.event).__name__
+            self.stats.by_type[name] = self.stats.by_type.get(name, 0) + 1
+            log.info("%s %s", d.msg_id, _summary(d))
+        self.stats.rounds += 1
+        return decisions
+
+    async def _on_event(self, msg: Msg) -> None:
+        self._seen(msg.metadata.sequence.stream)
+
+    def _seen(self, seq: int) -> None:
+        if seq > self._seen_seq:
+            self._seen_seq = seq
+        self._wake.set()
+
+    async def _wait_for_reason(self, stop: asyncio.Event) -> None:
+        """Until an event arrives or the tick passes (heartbeats that do not arrive are found
+        only by looking)."""
+        stopping = asyncio.ensure_future(stop.wait())
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({stopping, woken}, timeout=self.tick_s,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            stopping.cancel()
+            woken.cancel()
+        self._wake.clear()
+
+    async def _projection_at(self, seq: int) -> ClusterState:
+        """The planning tables once the projection has applied ``seq``."""
+        loop = asyncio.get_running_loop()
+        warn_at = loop.time() + 10.0
+        while True:
+            async with self._engine.connect() as conn:
+                try:
+                    applied = await read_offset(conn, self.projector, EVENTS_STREAM)
+                except DBAPIError:  # not migrated yet: the projector creates the tables
+                    applied = -1
+                if applied >= seq:
+                    return await load_state(conn, PLANNING_TABLES)
+            if loop.time() > warn_at:
+                log.warning("projection %r is at seq %d, waiting for %d: is the projector"
+                            " running?", self.projector, applied, seq)  # fmt: skip
+                warn_at += 30.0
+            await asyncio.sleep(0.02)
+
+
+def _summary(d: Decision) -> str:
+    e = d.event
+    if e.type == "InstancePlaced":
+        where = ", ".join(
+            f"{s.node_id}:{s.device}[{s.start_layer}:{s.end_layer}]" for s in e.shards
+        )
+        return f"placed {e.model_id} on {where}" + (f" ({e.reason})" if e.reason else "")
+    if e.type == "PlacementRejected":
+        return f"rejected {e.model_id}: {e.reason}"
+    if e.type == "NodeTimedOut":
+        return f"node {e.node_id} timed out after {e.missed_heartbeats} missed heartbeats"
+    return f"instance {e.instance_id} deleted"
