@@ -5,8 +5,12 @@ BIN    := $(VENV)/bin
 DATA   ?= data
 
 # llama-cpp-python compiles llama.cpp at install (about 4 minutes on 2 cores); the RPC backend
-# lets one model span several machines.
-export CMAKE_ARGS ?= -DGGML_RPC=on
+# lets one model span several machines. GGML_NATIVE=off builds for any x86-64 with AVX2
+# rather than for the building CPU's every extension: pip caches the wheel it builds, and a
+# native wheel cached on one machine dies with SIGILL on another. --no-cache-dir for the same
+# reason: pip's cache key ignores CMAKE_ARGS.
+export CMAKE_ARGS ?= -DGGML_RPC=on -DGGML_NATIVE=off
+LLAMA_CPP ?= llama-cpp-python>=0.3
 
 .PHONY: up test lint typecheck pytest bench clean
 
@@ -14,11 +18,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip
 
-$(VENV)/.installed-run: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-llama: | $(BIN)/python
+	$(BIN)/pip install -q --no-cache-dir '$(LLAMA_CPP)'
+	touch $@
+
+$(VENV)/.installed-run: pyproject.toml | $(VENV)/.installed-llama
 	$(BIN)/pip install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-llama
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@ $(VENV)/.installed-run
 

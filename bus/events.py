@@ -257,8 +257,11 @@ class PlacementRejected(_InstanceEvent):
     model_id: Id
     reason: str
     needed_bytes: int | None = None
-    available_bytes: dict[str, int] = Field(default_factory=dict, description="Per node.")
+    available_bytes: dict[str, int] = Field(
+        default_factory=dict, description="Usable bytes per 'node:device'."
+    )
     generation: int | None = Field(default=None, description="As in InstancePlaced.")
+    avoid: list[str] = Field(default_factory=list, description="As in InstancePlaced.")
 
 
 class InstanceDeleteRequested(_InstanceEvent):

@@ -265,6 +265,7 @@ def _placement_rejected(state: ClusterState, e: PlacementRejected) -> list[Chang
     inst = replace(
         old, status="rejected", reason=e.reason, needed_bytes=e.needed_bytes,
         generation=e.generation if e.generation is not None else old.generation + 1,
+        avoid=list(e.avoid) or old.avoid,
     )  # fmt: skip
     return [Put(inst), *_drop_runners(state, e.instance_id)]
 

@@ -72,7 +72,7 @@ def decide(
             assert node.last_seen is not None
             event = NodeTimedOut(
                 node_id=node.node_id, origin=origin, last_seen=node.last_seen,
-                missed_heartbeats=silence,
+                missed_heartbeats=silence, ts=now,
             )  # fmt: skip
             emit(event, f"timedout:{node.node_id}:{node.last_seen.isoformat()}")
 
@@ -141,7 +141,7 @@ def _place(
         event: DecisionEvent = InstancePlaced(
             instance_id=inst.instance_id, model_id=inst.model_id, origin=origin,
             shards=list(result.shards), generation=request.generation, reason=reason,
-            avoid=sorted(avoid),
+            avoid=sorted(avoid), ts=now,
         )  # fmt: skip
         emit(event, msg_id)
     elif inst.status != "rejected":
@@ -154,7 +154,7 @@ def _place(
                 instance_id=inst.instance_id, model_id=inst.model_id, origin=origin,
                 reason=f"{reason}; and it cannot be placed again: {why}" if reason else why,
                 needed_bytes=result.needed_bytes, available_bytes=result.available_bytes,
-                generation=request.generation,
+                generation=request.generation, avoid=sorted(avoid), ts=now,
             ),
             msg_id,
         )  # fmt: skip

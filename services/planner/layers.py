@@ -20,13 +20,14 @@ def split_layers(n_layers: int, weights: Sequence[float]) -> list[int]:
     counts = [max(1, math.floor(q)) for q in quotas]
     surplus = sum(counts) - n_layers
     if surplus < 0:
-        # Hand out what flooring left over, largest remainders first.
-        order = sorted(range(k), key=lambda i: (-(quotas[i] - math.floor(quotas[i])), i))
+        # Hand out what flooring left over, to whoever is furthest below quota (a stage raised
+        # to the one-layer minimum is not below it).
+        order = sorted(range(k), key=lambda i: (-(quotas[i] - counts[i]), i))
         for i in order[:-surplus]:
             counts[i] += 1
     while surplus > 0:
         # The minimum of one layer overshot: take back from whoever is furthest above quota.
-        i = max((i for i in range(k) if counts[i] > 1), key=lambda i: (counts[i] - quotas[i], -i))
+        i = max((i for i in range(k) if counts[i] > 1), key=lambda i: (counts[i] - quotas[i], i))
         counts[i] -= 1
         surplus -= 1
     return counts

@@ -102,6 +102,8 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
         except PlacementSpecError as exc:
             return Rejection(f"invalid placement: {exc}")
         manual, replicas = role.groups(), role.replicas
+        if replicas > MAX_REPLICAS:
+            return Rejection(f"replicas must be between 1 and {MAX_REPLICAS}, not {replicas}")
     need = fp.need_bytes(ctx)
     kept = _kept_replicas(cluster, request, replicas)
     view = cluster.reserve(_charges(kept.values(), fp, ctx))
@@ -115,7 +117,7 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
         else:
             result = _auto(view, fp, ctx, request.avoid, _used(placed.values()))
         if isinstance(result, Rejection):
-            return _for_replica(result, replica, replicas, model, ctx, view)
+            return _for_replica(result, replica, replicas, model, ctx, view, request.avoid)
         placed[replica] = result
         view = view.reserve(_charges([result], fp, ctx))
     shards = tuple(
@@ -303,6 +305,7 @@ def _for_replica(
     model: ModelInfo,
     ctx: int,
     view: ClusterView,
+    avoid: frozenset[str],
 ) -> Rejection:
     """Words a rejection for the user: which replica, what was needed, what each device has."""
     prefix = f"replica {replica + 1} of {replicas}: " if replicas > 1 else ""
@@ -312,9 +315,14 @@ def _for_replica(
         )
     fp = model.footprint
     need = fp.need_bytes(ctx)
-    usable = {ref: max(d.usable, 0) for ref, d in view.devices.items()}
+    usable = {ref: max(d.usable, 0) for ref, d in view.devices.items() if ref not in avoid}
+    avoided = sorted(avoid & set(view.devices))
+    not_used = (
+        f"; not used: {', '.join(avoided)}, where its runners kept failing" if avoided else ""
+    )
     if not usable:
         reason = f"{model.model_id} needs {gib(need)} and no node is online to place it on"
+        reason += not_used
         return Rejection(prefix + reason, need, {})
     largest = sorted(usable.items(), key=lambda kv: (-kv[1], kv[0]))
     shown = ", ".join(f"{ref} {gib(b)}" for ref, b in largest[:8])
@@ -324,6 +332,7 @@ def _for_replica(
         f" {gib(fp.weights_bytes)}, KV cache {gib(fp.kv_bytes_per_token * ctx)}, engine"
         f" {gib(fp.overhead_bytes)} per runner), more than any device or set of nodes can"
         f" hold. Usable now (90% of what is offered, less what is placed): {shown}{more}"
+        f"{not_used}"
     )
     return Rejection(prefix + reason, need, dict(largest[:100]))
 

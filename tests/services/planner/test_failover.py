@@ -1,0 +1,129 @@
+"""Re-placement with real workers and runners: three worker processes act as three nodes
+(each with its own node id and memory limit) serving SmolLM2 through llama.cpp."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from nats.js import JetStreamContext
+
+from bus.embedded import EmbeddedNats
+from bus.events import (
+    ChatMessage,
+    InstancePlaced,
+    InstanceRequested,
+    ModelAdded,
+    NodeJoined,
+    NodeTimedOut,
+    PlacementRejected,
+    RunnerStateChanged,
+    SamplingParams,
+    TaskCompleted,
+    TaskCreated,
+)
+from bus.publisher import Publisher
+from tests.services.event_log import EventLog
+from tests.services.processes import SHOAL, Processes
+
+pytestmark = pytest.mark.slow
+
+# SmolLM2 at 2048 tokens needs about 206 MiB; 90% of each limit leaves room for one.
+LIMITS = {"w-a": "400M", "w-b": "330M", "w-c": "300M"}
+
+
+def _ready(runner_id: str) -> Callable[[RunnerStateChanged], bool]:
+    return lambda e: e.runner_id == runner_id and e.state == "Ready"
+
+
+def _start_cluster(procs: Processes, nats: str, db: str, tmp: Path) -> None:
+    procs.start("projector", "projector", "--nats", nats, "--db", db)
+    procs.start("planner", "planner", "--nats", nats, "--db", db)
+    for node, limit in LIMITS.items():
+        procs.start(node, "worker", "--nats", nats, "--node-id", node, "--data-dir",
+                    str(tmp / node), "--memory-limit", limit, "--heartbeat", "0.5",
+                    "--runner-threads", "1")  # fmt: skip
+
+
+async def test_a_killed_worker_s_instance_is_placed_again_and_serves(
+    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+) -> None:
+    db = f"sqlite:///{tmp_path / 'shoal.db'}"
+    env = {**os.environ, "SHOAL_DATA_DIR": str(tmp_path / "cli")}
+    log = await EventLog().start(js)
+    with Processes(tmp_path / "logs", env) as procs:
+        _start_cluster(procs, nats_server.url, db, tmp_path)
+        await log.wait_count(NodeJoined, lambda e: True, 3, timeout=60)
+        await procs.wait_log("projector", "resuming after seq")
+        created = await asyncio.to_thread(
+            subprocess.run,
+            [SHOAL, "instances", "create", "smollm2-135m", "--id", "inst", "--nats",
+             nats_server.url, "--db", db],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert created.returncode == 0, created.stderr
+        first = await log.wait_for(InstancePlaced, timeout=30)
+        assert [s.node_id for s in first.shards] == ["w-a"]  # the most room
+        runner = first.shards[0].runner_id
+        await log.wait_for(RunnerStateChanged, _ready(runner), timeout=90)
+
+        killed_at = time.monotonic()
+        procs.kill("w-a")
+        timed_out = await log.wait_for(NodeTimedOut, timeout=30)
+        again = await log.wait_for(InstancePlaced, lambda e: e.generation == 2, timeout=30)
+        moved = again.shards[0].runner_id
+        await log.wait_for(RunnerStateChanged, _ready(moved), timeout=90)
+        recovered_s = time.monotonic() - killed_at
+        print(f"w-a killed -> NodeTimedOut, placed again, Ready in {recovered_s:.1f} s")
+        assert timed_out.node_id == "w-a"
+        assert [s.node_id for s in again.shards] == ["w-b"] and "node w-a" in again.reason
+        assert recovered_s < 60
+
+        await Publisher(js).publish(
+            TaskCreated(
+                task_id="t1", model_id="smollm2-135m", origin="test",
+                messages=[ChatMessage(role="user", content="What is the capital city of France?"
+                                      " Answer in one word.")],
+                params=SamplingParams(max_tokens=8, temperature=0.0),
+            )
+        )  # fmt: skip
+        done = await log.wait_for(TaskCompleted, lambda e: e.task_id == "t1", timeout=60)
+        assert done.runner_id == moved
+        assert "Paris" in "".join(c.text for c in await log.wait_chunks("t1"))
+
+
+async def test_a_runner_that_keeps_failing_moves_then_is_rejected(
+    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """Weights that no engine can load fail on every node: the instance moves from node to
+    node, then is rejected, and stays rejected (no loop)."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 4096)
+    db = f"sqlite:///{tmp_path / 'shoal.db'}"
+    log = await EventLog().start(js)
+    pub = Publisher(js)
+    with Processes(tmp_path / "logs") as procs:
+        procs.start("projector", "projector", "--nats", nats_server.url, "--db", db)
+        procs.start("planner", "planner", "--nats", nats_server.url, "--db", db,
+                    "--failure-window", "60")  # fmt: skip
+        for node in ("w-a", "w-b"):
+            procs.start(node, "worker", "--nats", nats_server.url, "--node-id", node,
+                        "--data-dir", str(tmp_path / node), "--heartbeat", "0.5")  # fmt: skip
+        await log.wait_count(NodeJoined, lambda e: True, 2, timeout=60)
+        await pub.publish(
+            ModelAdded(model_id="broken", origin="test", n_layers=4, size_bytes=4100,
+                       path=str(broken), source="path")
+        )  # fmt: skip
+        await pub.publish(InstanceRequested(instance_id="bad", model_id="broken", origin="test"))
+        rejected = await log.wait_for(PlacementRejected, timeout=120)
+        placed = log.of(InstancePlaced)
+        assert [p.shards[0].node_id for p in placed] in (["w-a", "w-b"], ["w-b", "w-a"])
+        assert placed[1].avoid == [f"{placed[0].shards[0].node_id}:cpu"]
+        assert "failed 3 times" in rejected.reason and "cannot be placed again" in rejected.reason
+        await asyncio.sleep(3)  # a planner that looped would decide again by now
+        assert len(log.of(PlacementRejected)) == 1 and len(log.of(InstancePlaced)) == 2
