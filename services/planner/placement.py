@@ -317,13 +317,13 @@ def _for_replica(
     need = fp.need_bytes(ctx)
     usable = {ref: max(d.usable, 0) for ref, d in view.devices.items() if ref not in avoid}
     avoided = sorted(avoid & set(view.devices))
-    not_used = (
-        f"; not used: {', '.join(avoided)}, where its runners kept failing" if avoided else ""
-    )
+    failing = ", where its runners kept failing"
+    not_used = f"; not used: {', '.join(avoided)}{failing}" if avoided else ""
     if not usable:
-        reason = f"{model.model_id} needs {gib(need)} and no node is online to place it on"
-        reason += not_used
-        return Rejection(prefix + reason, need, {})
+        where = "no node is online to place it on"
+        if avoided:
+            where = f"the only devices online are {', '.join(avoided)}{failing}"
+        return Rejection(prefix + f"{model.model_id} needs {gib(need)} and {where}", need, {})
     largest = sorted(usable.items(), key=lambda kv: (-kv[1], kv[0]))
     shown = ", ".join(f"{ref} {gib(b)}" for ref, b in largest[:8])
     more = f" and {len(largest) - 8} more" if len(largest) > 8 else ""
