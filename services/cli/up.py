@@ -1,7 +1,8 @@
 """`shoal up`: everything on one machine.
 
-For now: the embedded nats-server (JetStream in the data directory), the streams and the
-projector into SQLite in the data directory. Later services join here as they are built.
+For now: the embedded nats-server (JetStream in the data directory), the streams, the
+projector into SQLite in the data directory, and a planner. Later services join here as they
+are built.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from bus.streams import StreamSettings
 from projectors import database
 from projectors.projector import Projector, tune_gc
 from services.cli.options import default_data_dir, run_until_signal, setup_logging
+from services.planner.planner import Planner
 
 DEFAULT_NATS_PORT = 4222
 
@@ -56,12 +58,16 @@ def up(
         task = asyncio.create_task(projector.run(stop))
         ready = asyncio.create_task(projector.ready.wait())
         await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+        planning: asyncio.Task[None] | None = None
         if ready.done():
+            planning = asyncio.create_task(Planner(nc, engine, origin="planner@up").run(stop))
             typer.echo(f"NATS      {server.url}")
             typer.echo(f"database  {db_url}")
-            typer.echo("ready: projecting the event log (Ctrl-C stops)")
+            typer.echo("ready: projecting the event log and planning (Ctrl-C stops)")
         try:
             await task
+            if planning is not None:
+                await planning
         finally:
             ready.cancel()
             await engine.dispose()
