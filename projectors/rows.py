@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
+from bus.events import ShardAssignment
+
 JsonList = list[Any]
 
 
@@ -126,6 +128,15 @@ class RunnerRow:
 
     def key(self) -> tuple[str]:
         return (self.runner_id,)
+
+    def shard(self) -> ShardAssignment:
+        """The assignment this row was placed with."""
+        return ShardAssignment(
+            runner_id=self.runner_id, node_id=self.node_id, device=self.device,
+            replica=self.replica, rank=self.rank, world_size=self.world_size,
+            start_layer=self.start_layer, end_layer=self.end_layer, n_layers=self.n_layers,
+            tensor_split=self.tensor_split,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

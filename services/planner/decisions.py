@@ -28,7 +28,6 @@ from bus.events import (
     InstancePlaced,
     NodeTimedOut,
     PlacementRejected,
-    ShardAssignment,
 )
 from projectors.rows import InstanceRow, NodeRow, RunnerRow
 from projectors.rules import changes_for
@@ -133,7 +132,7 @@ def _place(
         spec=inst.placement,
         generation=inst.generation + 1,
         avoid=frozenset(avoid),
-        current=tuple(_shard(r) for r in runners) if inst.status == "placed" else (),
+        current=tuple(r.shard() for r in runners) if inst.status == "placed" else (),
     )
     result = place(cluster_view(state, excluding_instance=inst.instance_id), request)
     msg_id = f"placement:{inst.instance_id}:{request.generation}"
@@ -185,11 +184,3 @@ def _failing(runner: RunnerRow, policy: PlannerPolicy) -> bool:
 def _node_status(state: ClusterState, node_id: str) -> str:
     node = state.node(node_id)
     return node.status if node is not None else "unknown"
-
-
-def _shard(r: RunnerRow) -> ShardAssignment:
-    return ShardAssignment(
-        runner_id=r.runner_id, node_id=r.node_id, device=r.device, replica=r.replica,
-        rank=r.rank, world_size=r.world_size, start_layer=r.start_layer,
-        end_layer=r.end_layer, n_layers=r.n_layers, tensor_split=r.tensor_split,
-    )  # fmt: skip

@@ -24,7 +24,6 @@ from bus.events import (
     NodeLeft,
     ResourceProfiled,
     RunnerStateChanged,
-    ShardAssignment,
     TaskCompleted,
     TaskFailed,
     TaskStarted,
@@ -163,7 +162,7 @@ class Worker:
         inst = self.state.instance(row.instance_id)
         assert inst is not None
         model = self.state.model(inst.model_id)
-        shard = _shard_of(row)
+        shard = row.shard()
         return RunnerSpec(
             nats_url=self.config.nats_url,
             node_id=self.node_id,
@@ -216,21 +215,6 @@ class Worker:
                 ),
                 msg_id=f"done:{started.task_id}",
             )  # fmt: skip
-
-
-def _shard_of(row: RunnerRow) -> ShardAssignment:
-    return ShardAssignment(
-        runner_id=row.runner_id,
-        node_id=row.node_id,
-        device=row.device,
-        replica=row.replica,
-        rank=row.rank,
-        world_size=row.world_size,
-        start_layer=row.start_layer,
-        end_layer=row.end_layer,
-        n_layers=row.n_layers,
-        tensor_split=row.tensor_split,
-    )
 
 
 def _addresses() -> list[str]:
