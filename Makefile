@@ -48,6 +48,7 @@ test: lint typecheck pytest
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/projector.py
 	$(BIN)/python bench/engine_overhead.py
+	$(BIN)/python bench/placement.py
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache

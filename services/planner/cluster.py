@@ -8,7 +8,7 @@ runners back), so a placed shard is counted once, here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
@@ -43,11 +43,17 @@ class ClusterView:
     node_status: Mapping[str, str]  # every known node: online | left | timed_out
 
     def reserve(self, charges: Mapping[str, int]) -> ClusterView:
-        """The view after ``charges`` (bytes per device ref) are placed."""
+        """The view after ``charges`` (bytes per device ref) are placed; devices of nodes that
+        are not online are not in the view and need no charge."""
         devices = dict(self.devices)
         for ref, need in charges.items():
-            devices[ref] = replace(devices[ref], reserved=devices[ref].reserved + need)
+            if ref in devices:
+                devices[ref] = replace(devices[ref], reserved=devices[ref].reserved + need)
         return ClusterView(devices, self.node_status)
+
+    def release(self, charges: Mapping[str, int]) -> ClusterView:
+        """The view after shards with ``charges`` are gone (an instance placed again)."""
+        return self.reserve({ref: -need for ref, need in charges.items()})
 
     def devices_of(self, node_id: str) -> list[Device]:
         return [d for d in self.devices.values() if d.node_id == node_id]
@@ -61,6 +67,19 @@ def shard_need(state: ClusterState, runner: RunnerRow) -> int:
         return 0
     ctx = context_for(model.context_length, inst.context_length)
     return Footprint.of(model).need_bytes(ctx, runner.end_layer - runner.start_layer)
+
+
+def charges_of(state: ClusterState, runners: Iterable[RunnerRow]) -> dict[str, int]:
+    """Bytes per 'node:device' that these runners hold, counting only instances that hold
+    memory (placed, or being deleted)."""
+    charges: dict[str, int] = {}
+    for row in runners:
+        inst = state.instance(row.instance_id)
+        if inst is None or inst.status not in HOLDING:
+            continue
+        ref = f"{row.node_id}:{row.device}"
+        charges[ref] = charges.get(ref, 0) + shard_need(state, row)
+    return charges
 
 
 def cluster_view(state: ClusterState, excluding_instance: str | None = None) -> ClusterView:
@@ -81,16 +100,12 @@ def cluster_view(state: ClusterState, excluding_instance: str | None = None) -> 
         capacity = offered[row.node_id] if row.kind == "cpu" else row.memory_total
         d = Device(row.node_id, row.device, row.kind, capacity)
         devices[d.ref] = d
-    reserved: dict[str, int] = {}
-    for row in state.rows(RunnerRow.TABLE):
-        assert isinstance(row, RunnerRow)
-        ref = f"{row.node_id}:{row.device}"
-        if row.instance_id == excluding_instance or ref not in devices:
-            continue
-        inst = state.instance(row.instance_id)
-        if inst is None or inst.status not in HOLDING:
-            continue
-        reserved[ref] = reserved.get(ref, 0) + shard_need(state, row)
-    for ref, need in reserved.items():
-        devices[ref] = replace(devices[ref], reserved=need)
+    holding = [
+        row
+        for row in state.rows(RunnerRow.TABLE)
+        if isinstance(row, RunnerRow) and row.instance_id != excluding_instance
+    ]
+    for ref, need in charges_of(state, holding).items():
+        if ref in devices:
+            devices[ref] = replace(devices[ref], reserved=need)
     return ClusterView(devices, node_status)

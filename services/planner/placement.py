@@ -135,11 +135,11 @@ def _auto(
 ) -> Stages | Rejection:
     candidates = [d for d in view.devices.values() if d.ref not in avoid]
     need = fp.need_bytes(ctx)
-    fitting = [d for d in candidates if d.usable >= need]
     used_nodes = {ref.rpartition(":")[0] for ref in used}
+    fitting = [d for d in candidates if d.usable >= need]
     tiers = (
-        [d for d in fitting if d.node_id not in used_nodes],
-        [d for d in fitting if d.ref not in used],
+        [d for d in fitting if d.node_id not in used_nodes],  # a node no replica uses
+        [d for d in fitting if d.ref not in used],  # a device none uses
         fitting,
     )
     for tier in tiers:

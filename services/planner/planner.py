@@ -58,6 +58,7 @@ class Planner:
         origin: str = "planner",
         projector: str = DEFAULT_NAME,
         tick_s: float = 0.5,
+        min_round_s: float = 0.1,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -67,6 +68,9 @@ class Planner:
         self.origin = origin
         self.projector = projector
         self.tick_s = tick_s
+        # Rounds start at most this often: on a big cluster heartbeats arrive all the time, and
+        # one round per batch of them is enough.
+        self.min_round_s = min_round_s
         self.stats = PlannerStats()
         self._seen_seq = 0  # the latest stream sequence a round must have in its picture
         self._wake = asyncio.Event()
@@ -83,11 +87,14 @@ class Planner:
         info = await self._js.stream_info(EVENTS_STREAM)
         self._seen(info.state.last_seq)
         log.info("planner %s watching from seq %d", self.origin, info.state.last_seq)
+        loop = asyncio.get_running_loop()
         try:
             while not stop.is_set():
+                started = loop.time()
                 await self._wait_for_reason(stop)
                 if stop.is_set():
                     break
+                await asyncio.sleep(max(0.0, started + self.min_round_s - loop.time()))
                 try:
                     await self.round()
                 except Exception:  # a failed round is retried on the next one
