@@ -115,6 +115,8 @@ class Planner:
             self._seen(ack.seq)
             if ack.duplicate:
                 self.stats.duplicates += 1
+                log.info("%s was already decided (another planner, or an earlier round)",
+                         d.msg_id)  # fmt: skip
                 continue
             self.stats.decisions += 1
             name = type(d.event).__name__

@@ -83,6 +83,13 @@ async def test_two_planners_make_one_decision_per_request(
         nodes = Counter(s.node_id for e in log.of(InstancePlaced) for s in e.shards)
         assert set(nodes) == {"a", "b", "c"} and nodes["a"] > nodes["b"] > nodes["c"]
         assert all(e.generation == 1 for e in log.of(InstancePlaced))
+    # Each decision was stored by exactly one of the two planners.
+    logs = procs.log("planner-1") + procs.log("planner-2")
+    for iid in [*ids, "big"]:
+        assert (
+            logs.count(f"placement:{iid}:1 placed") + logs.count(f"placement:{iid}:1 rejected") == 1
+        )
+    print(f"decisions the other planner had already made: {logs.count('was already decided')}")
 
 
 async def test_a_silent_node_times_out_and_its_instance_moves(
