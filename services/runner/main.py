@@ -46,6 +46,15 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
     state = StateReporter(nc, me)
     await ensure_streams(nc.jetstream())
     try:
+        if spec.shard.world_size > 1:
+            # Placement already splits models that fit no single node; serving such a split
+            # (llama.cpp RPC, MLX ring) is the next step. Until then, fail visibly rather than
+            # load the whole model on a node that was given only part of it.
+            raise NotImplementedError(
+                f"this runner serves whole models only; shard {spec.shard.rank + 1} of"
+                f" {spec.shard.world_size} (layers {spec.shard.start_layer}-"
+                f"{spec.shard.end_layer - 1}) needs pipeline support"
+            )
         path = await model_path(spec, state)
         await state.report("Loading", progress=0.0)
         engine = LlamaCppEngine(
