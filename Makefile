@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 DATA   ?= data
+UP_ARGS ?=
 
 # llama-cpp-python compiles llama.cpp at install (about 4 minutes on 2 cores); the RPC backend
 # lets one model span several machines. GGML_NATIVE=off builds for any x86-64 with AVX2
@@ -31,7 +32,7 @@ $(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-llama
 	touch $@ $(VENV)/.installed-run
 
 up: $(VENV)/.installed-run
-	$(BIN)/shoal up --data-dir $(DATA)
+	$(BIN)/shoal up --data-dir $(DATA) $(UP_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

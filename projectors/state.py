@@ -74,9 +74,15 @@ class ClusterState:
     def nodes(self) -> list[NodeRow]:
         return [r for r in self.tables[NodeRow.TABLE].values() if isinstance(r, NodeRow)]
 
+    def models(self) -> list[ModelRow]:
+        return [r for r in self.tables[ModelRow.TABLE].values() if isinstance(r, ModelRow)]
+
     def instances(self) -> list[InstanceRow]:
         rows = self.tables[InstanceRow.TABLE].values()
         return [r for r in rows if isinstance(r, InstanceRow)]
+
+    def runners(self) -> list[RunnerRow]:
+        return [r for r in self.tables[RunnerRow.TABLE].values() if isinstance(r, RunnerRow)]
 
     def devices_of(self, node_id: str) -> Iterator[DeviceRow]:
         for row in self.tables[DeviceRow.TABLE].values():

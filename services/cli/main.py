@@ -13,6 +13,7 @@ from bus.streams import StreamSettingsError
 from projectors.database import DatabaseUrlError
 from projectors.replay import ReplayError
 from services.cli import db, events, instances, models
+from services.cli.api import api
 from services.cli.planner import planner
 from services.cli.projector import projector, replay_command
 from services.cli.state import state
@@ -30,6 +31,8 @@ app.command("replay")(replay_command)
 app.command()(state)
 app.command()(worker)
 app.command()(planner)
+app.command()(api)
+app.command("join", help="Join a running cluster as a worker (the same as `shoal worker`).")(worker)
 app.command(hidden=True)(runner)
 app.add_typer(db.app, name="db")
 app.add_typer(events.app, name="events")

@@ -146,7 +146,7 @@ class TaskServer:
         try:
             await self._generate(task, received, cancelled.is_set)
         except InvalidRequest as exc:
-            await self._fail(task, str(exc))
+            await self._fail(task, f"invalid request: {exc}")
         except Exception as exc:  # an engine error fails this task, not the runner
             log.exception("task %s failed", task.task_id)
             await self._fail(task, f"engine error: {exc}")

@@ -1,0 +1,231 @@
+"""Cluster endpoints: state, instances, placement preview, the live event feed, health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from sqlalchemy import text
+
+from api import projection
+from api.context import ApiContext, context, require_key
+from api.errors import ApiError
+from api.schemas import InstanceRequest
+from bus.events import InstanceDeleteRequested, InstanceRequested
+from bus.publisher import Publisher
+from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
+from projectors.state import ClusterState
+from services.models.footprint import Footprint
+from services.planner.cluster import cluster_view
+from services.planner.placement import ModelInfo, Placement, PlacementRequest, Rejection, place
+from services.planner.placement_spec import PlacementSpecError, parse_placement_spec
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+health = APIRouter()
+Ctx = Annotated[ApiContext, Depends(context)]
+
+
+@health.get("/healthz")
+async def healthz(ctx: Ctx) -> dict[str, Any]:
+    """Liveness and what this API process can reach (no key needed)."""
+    db_ok = True
+    try:
+        async with ctx.engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+    except Exception:
+        db_ok = False
+    return {"status": "ok" if db_ok and ctx.nc.is_connected else "degraded",
+            "nats": ctx.nc.is_connected, "database": db_ok}  # fmt: skip
+
+
+@router.get("/state")
+async def state(ctx: Ctx, tasks: Annotated[int, Query(ge=0, le=1000)] = 50) -> dict[str, Any]:
+    """Nodes with their latest profile and devices, instances with their shards, runners,
+    and the most recent tasks."""
+    s = await projection.cluster(ctx.engine)
+    return {
+        "nodes": [
+            projection.row_dict(n)
+            | {"devices": [projection.row_dict(d) for d in s.devices_of(n.node_id)]}
+            for n in sorted(s.nodes(), key=lambda n: n.node_id)
+        ],
+        "models": [projection.row_dict(m) for m in sorted(s.models(), key=lambda m: m.model_id)],
+        "instances": [_instance(s, i.instance_id) for i in _instances(s, include_deleted=False)],
+        "runners": [projection.row_dict(r) for r in sorted(s.runners(), key=lambda r: r.runner_id)],
+        "tasks": await projection.recent_tasks(ctx.engine, tasks),
+    }
+
+
+@router.get("/instances")
+async def list_instances(
+    ctx: Ctx, include_deleted: Annotated[bool, Query()] = False
+) -> dict[str, Any]:
+    s = await projection.cluster(ctx.engine)
+    data = [_instance(s, i.instance_id) for i in _instances(s, include_deleted)]
+    return {"object": "list", "data": data}
+
+
+@router.get("/instances/{instance_id}")
+async def get_instance(instance_id: str, ctx: Ctx) -> dict[str, Any]:
+    s = await projection.cluster(ctx.engine)
+    if s.instance(instance_id) is None:
+        raise ApiError(404, f"no instance {instance_id!r}", param="instance_id")
+    return _instance(s, instance_id)
+
+
+@router.post("/instances", status_code=202)
+async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
+    """Ask for a model to be served. Checked against the live cluster first: a request that
+    cannot be placed now is refused with the reason, unless ``queue`` is true."""
+    s = await projection.cluster(ctx.engine)
+    spec = _spec_text(body.placement)
+    result = _preview(s, body.model, body.replicas, body.context_length, spec)
+    if isinstance(result, Rejection) and not body.queue:
+        raise ApiError(
+            400, f"{body.model} cannot be placed: {result.reason}", code="placement_rejected"
+        )
+    instance_id = f"{body.model}-{_short_id()}"
+    await Publisher(ctx.nc.jetstream()).publish(
+        InstanceRequested(
+            instance_id=instance_id, model_id=body.model, origin=ctx.origin, placement=spec,
+            replicas=body.replicas, context_length=body.context_length,
+        )
+    )  # fmt: skip
+    return {"id": instance_id, "object": "instance", "model": body.model, "status": "requested",
+            "preview": _plan(result)}  # fmt: skip
+
+
+@router.delete("/instances/{instance_id}", status_code=202)
+async def delete_instance(instance_id: str, ctx: Ctx) -> dict[str, Any]:
+    s = await projection.cluster(ctx.engine)
+    inst = s.instance(instance_id)
+    if inst is None or inst.status == "deleted":
+        raise ApiError(404, f"no instance {instance_id!r}", param="instance_id")
+    await Publisher(ctx.nc.jetstream()).publish(
+        InstanceDeleteRequested(
+            instance_id=instance_id, origin=ctx.origin, reason="DELETE /v1/instances"
+        )
+    )
+    return {"id": instance_id, "object": "instance", "status": "deleting"}
+
+
+@router.post("/placement/preview")
+async def preview(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
+    """Where the model would be placed now, or why it cannot be (the planner's own function)."""
+    s = await projection.cluster(ctx.engine)
+    result = _preview(s, body.model, body.replicas, body.context_length, _spec_text(body.placement))
+    return {"model": body.model, **_plan(result)}
+
+
+@router.get("/events", response_model=None)
+async def events(
+    request: Request,
+    ctx: Ctx,
+    subject: Annotated[str, Query(description="NATS subject filter")] = f"{EVENTS_PREFIX}.>",
+    last: Annotated[
+        int, Query(ge=0, le=10_000, description="Start with this many past events")
+    ] = 0,
+) -> StreamingResponse:
+    """The event log, live, as server-sent events (``event: <type>``, ``data: <event JSON>``)."""
+    if not subject.startswith((f"{EVENTS_PREFIX}.", f"{CHUNKS_PREFIX}.")) or " " in subject:
+        raise ApiError(
+            400, f"subject must start with {EVENTS_PREFIX}. or {CHUNKS_PREFIX}.", param="subject"
+        )
+    return StreamingResponse(_tail(request, ctx, subject, last), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+async def _tail(request: Request, ctx: ApiContext, subject: str, last: int) -> AsyncIterator[str]:
+    queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
+
+    async def on_msg(msg: Msg) -> None:
+        if not queue.full():  # a client that cannot keep up loses events, not the API's memory
+            queue.put_nowait(msg)
+
+    js = ctx.nc.jetstream()
+    if last:
+        stream = "SHOAL_CHUNKS" if subject.startswith(CHUNKS_PREFIX) else "SHOAL_EVENTS"
+        info = await js.stream_info(stream)
+        start = max(1, info.state.last_seq - last + 1)
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+    else:
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
+    sub = await js.subscribe(subject, cb=on_msg, ordered_consumer=True, config=config)
+    try:
+        yield ": tailing the event log\n\n"
+        while not await request.is_disconnected():
+            try:
+                msg = await asyncio.wait_for(queue.get(), timeout=15)
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            kind = (
+                msg.subject.rsplit(".", 1)[-1]
+                if msg.subject.startswith(EVENTS_PREFIX)
+                else "ChunkGenerated"
+            )
+            data = msg.data.decode(errors="replace").replace("\n", " ")
+            yield f"id: {msg.metadata.sequence.stream}\nevent: {kind}\ndata: {data}\n\n"
+    finally:
+        await sub.unsubscribe()
+
+
+def _instances(s: ClusterState, include_deleted: bool) -> list[Any]:
+    rows = [i for i in s.instances() if include_deleted or i.status != "deleted"]
+    return sorted(rows, key=lambda i: (str(i.requested_at), i.instance_id))
+
+
+def _instance(s: ClusterState, instance_id: str) -> dict[str, Any]:
+    inst = s.instance(instance_id)
+    assert inst is not None
+    runners = sorted(s.runners_of(instance_id), key=lambda r: (r.replica, r.rank))
+    return {"id": instance_id, "object": "instance", **projection.row_dict(inst),
+            "shards": [projection.row_dict(r) for r in runners]}  # fmt: skip
+
+
+def _spec_text(placement: str | dict[str, object] | None) -> str | None:
+    if placement is None:
+        return None
+    text_ = placement if isinstance(placement, str) else json.dumps(placement)
+    try:
+        parse_placement_spec(text_)
+    except PlacementSpecError as exc:
+        raise ApiError(400, f"invalid placement: {exc}", param="placement") from None
+    return text_
+
+
+def _preview(
+    s: ClusterState, model_id: str, replicas: int, context: int | None, spec: str | None
+) -> Placement | Rejection:
+    model = s.model(model_id)
+    if model is None:
+        raise ApiError(
+            404, f"The model `{model_id}` does not exist", param="model", code="model_not_found"
+        )
+    info = ModelInfo(model_id, Footprint.of(model), model.context_length)
+    request = PlacementRequest(instance_id="preview", model=info, replicas=replicas,
+                               context_length=context, spec=spec)  # fmt: skip
+    return place(cluster_view(s), request)
+
+
+def _plan(result: Placement | Rejection) -> dict[str, Any]:
+    if isinstance(result, Rejection):
+        return {"placeable": False, "reason": result.reason, "needed_bytes": result.needed_bytes,
+                "available_bytes": result.available_bytes}  # fmt: skip
+    return {
+        "placeable": True, "context_length": result.context_length,
+        "need_bytes_per_replica": result.need_bytes,
+        "shards": [s.model_dump(exclude={"runner_id"}) | {"bytes": result.shard_bytes[s.runner_id]}
+                   for s in result.shards],
+    }  # fmt: skip
+
+
+def _short_id() -> str:
+    return secrets.token_hex(3)

@@ -1,0 +1,41 @@
+"""The connections an API process holds (and nothing else: all state is on the log)."""
+
+from __future__ import annotations
+
+import hmac
+import socket
+from dataclasses import dataclass
+
+from fastapi import Request
+from nats.aio.client import Client
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from api.config import ApiConfig
+from api.errors import ApiError
+
+
+@dataclass
+class ApiContext:
+    config: ApiConfig
+    nc: Client
+    engine: AsyncEngine
+    origin: str = f"api@{socket.gethostname()}"
+
+
+def context(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.ctx
+    return ctx
+
+
+def require_key(request: Request) -> None:
+    """With API keys configured, every endpoint but /healthz needs ``Authorization: Bearer``.
+    The key given is never echoed back or logged."""
+    keys = context(request).config.api_keys
+    if not keys:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`",
+                       code="invalid_api_key")  # fmt: skip
+    if not any(hmac.compare_digest(given.strip(), k) for k in keys):
+        raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")

@@ -1,0 +1,160 @@
+"""The OpenAI-compatible endpoints: chat completions, completions, models."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from api import projection
+from api.context import ApiContext, context, require_key
+from api.errors import ApiError, error_body
+from api.schemas import ChatCompletionRequest, CompletionRequest
+from api.task_stream import TaskStream
+from bus.events import ChunkGenerated, TaskCreated, new_id
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+Ctx = Annotated[ApiContext, Depends(context)]
+
+# What a runner's finish reason is called in OpenAI's vocabulary.
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "stop"}
+
+
+@router.get("/models")
+async def list_models(ctx: Ctx) -> dict[str, Any]:
+    """Models known to the cluster, in OpenAI's list shape."""
+    state = await projection.cluster(ctx.engine)
+    return {
+        "object": "list",
+        "data": [
+            {"id": m.model_id, "object": "model", "owned_by": "shoal",
+             "created": int(m.added_at.timestamp()) if m.added_at else 0}
+            for m in sorted(state.models(), key=lambda m: m.model_id)
+        ],
+    }  # fmt: skip
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, ctx: Ctx
+) -> JSONResponse | StreamingResponse:
+    task = TaskCreated(
+        task_id=new_id(), model_id=body.model, origin=ctx.origin, kind="chat",
+        messages=body.chat_messages(), params=body.sampling(), user=body.user,
+    )  # fmt: skip
+    return await _serve(ctx, task, body.stream, body.include_usage, chat=True)
+
+
+@router.post("/completions", response_model=None)
+async def completions(body: CompletionRequest, ctx: Ctx) -> JSONResponse | StreamingResponse:
+    task = TaskCreated(
+        task_id=new_id(), model_id=body.model, origin=ctx.origin, kind="completion",
+        prompt=body.text(), params=body.sampling(), user=body.user,
+    )  # fmt: skip
+    return await _serve(ctx, task, body.stream, body.include_usage, chat=False)
+
+
+async def _serve(
+    ctx: ApiContext, task: TaskCreated, stream: bool, include_usage: bool, chat: bool
+) -> JSONResponse | StreamingResponse:
+    projection.require_serving(await projection.cluster(ctx.engine), task.model_id)
+    shape = _Shape(task, chat)
+    if stream:
+        return StreamingResponse(
+            _events(ctx, task, shape, include_usage), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )  # fmt: skip
+    async with TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s) as ts:
+        text = "".join([c.text async for c in ts.chunks()])
+    finished = ts.finished
+    assert finished is not None
+    if finished.failed is not None:
+        raise _task_error(finished.failed.error)
+    assert finished.completed is not None
+    return JSONResponse(shape.whole(text, finished.completed.finish_reason, finished.completed))
+
+
+async def _events(
+    ctx: ApiContext, task: TaskCreated, shape: _Shape, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events; leaving the generator early (client gone) cancels the task."""
+    async with TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s) as ts:
+        if shape.chat:
+            yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
+        try:
+            async for c in ts.chunks():
+                if c.text or c.finish_reason:
+                    yield _sse(shape.piece(c))
+        except TimeoutError:
+            ts.finished = None
+            yield _sse(error_body(504, "the task took longer than the API waits"))
+            yield "data: [DONE]\n\n"
+            return
+    finished = ts.finished
+    assert finished is not None
+    if finished.failed is not None:
+        err = _task_error(finished.failed.error)
+        yield _sse(error_body(err.status, err.message, code=err.code))
+    elif finished.completed is not None and include_usage:
+        yield _sse(shape.usage_chunk(finished.completed))
+    yield "data: [DONE]\n\n"
+
+
+def _task_error(error: str) -> ApiError:
+    # The runner rejects requests it cannot serve (prompt longer than the context...) with
+    # a message meant for the caller: that is a bad request, anything else a server error.
+    if error.startswith("invalid request"):
+        return ApiError(400, error, code="invalid_request")
+    return ApiError(500, f"the task failed: {error}", code="task_failed")
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Shape:
+    """OpenAI's response objects for one task (chat or text completion)."""
+
+    def __init__(self, task: TaskCreated, chat: bool) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{task.task_id}"
+        self.model = task.model_id
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return self._head("chat.completion.chunk") | {"choices": [choice]}
+        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None,
+                  "finish_reason": finish}  # fmt: skip
+        return self._head("text_completion") | {"choices": [choice]}
+
+    def piece(self, c: ChunkGenerated) -> dict[str, Any]:
+        finish = _FINISH[c.finish_reason] if c.finish_reason else None
+        return self.chunk({"content": c.text} if c.text else {}, finish)
+
+    def usage_chunk(self, done: Any) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._head(obj) | {"choices": [], "usage": _usage(done)}
+
+    def whole(self, text: str, finish_reason: str, done: Any) -> dict[str, Any]:
+        finish = _FINISH[finish_reason]
+        if self.chat:
+            message = {"role": "assistant", "content": text, "refusal": None}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            return self._head("chat.completion") | {"choices": [choice], "usage": _usage(done)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._head("text_completion") | {"choices": [choice], "usage": _usage(done)}
+
+
+def _usage(done: Any) -> dict[str, int]:
+    u = done.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens}  # fmt: skip

@@ -1,0 +1,67 @@
+"""What the API reads from the projection: it keeps no state of its own."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from api.errors import ApiError
+from projectors.rows import InstanceRow, Row
+from projectors.state import ClusterState
+from projectors.store import load_state
+from projectors.tables import tasks
+from services.planner.planner import PLANNING_TABLES
+
+SERVING = frozenset({"Ready", "Running"})
+
+
+async def cluster(engine: AsyncEngine) -> ClusterState:
+    """Nodes, devices, models, instances and runners (not tasks)."""
+    async with engine.connect() as conn:
+        return await load_state(conn, PLANNING_TABLES)
+
+
+async def recent_tasks(engine: AsyncEngine, limit: int) -> list[dict[str, Any]]:
+    async with engine.connect() as conn:
+        query = select(tasks).order_by(tasks.c.created_at.desc()).limit(limit)
+        return [dict(r) for r in (await conn.execute(query)).mappings()]
+
+
+def require_serving(state: ClusterState, model_id: str) -> None:
+    """Raise the error a request for ``model_id`` gets when it cannot be served now: 404 for a
+    model the cluster does not know, 503 (saying why) for one with no runner ready."""
+    instances = [i for i in state.instances() if i.model_id == model_id]
+    if state.model(model_id) is None and not instances:
+        known = ", ".join(sorted(r.model_id for r in state.models())) or "none yet"
+        raise ApiError(404, f"The model `{model_id}` does not exist (known models: {known})",
+                       param="model", code="model_not_found")  # fmt: skip
+    live = [i for i in instances if i.status in ("requested", "placed", "rejected")]
+    for inst in live:
+        if any(r.state in SERVING for r in state.runners_of(inst.instance_id)):
+            return
+    raise ApiError(503, f"model `{model_id}` cannot answer now: {_why_not(state, live)}",
+                   code="model_not_ready")  # fmt: skip
+
+
+def _why_not(state: ClusterState, live: list[InstanceRow]) -> str:
+    if not live:
+        return "no instance of it is running; create one with POST /v1/instances"
+    reasons = []
+    for inst in live:
+        if inst.status == "requested":
+            reasons.append(f"instance {inst.instance_id} is waiting to be placed")
+        elif inst.status == "rejected":
+            reasons.append(f"instance {inst.instance_id} could not be placed: {inst.reason}")
+        else:
+            states = sorted({r.state for r in state.runners_of(inst.instance_id)})
+            reasons.append(
+                f"instance {inst.instance_id} is starting (runners: {', '.join(states)})"
+            )
+    return "; ".join(reasons)
+
+
+def row_dict(row: Row) -> dict[str, Any]:
+    return asdict(row)

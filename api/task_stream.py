@@ -1,0 +1,109 @@
+"""One task, from the API's side: publish ``TaskCreated``, then follow its chunks and outcome.
+
+Chunks and task events are followed on plain NATS subscriptions (JetStream delivers stored
+messages to them as well), opened before the task is published so that nothing is missed.
+The stream ends with the last chunk (the one with a finish reason) together with
+``TaskCompleted``, or with ``TaskFailed``. Leaving early (a client that went away) publishes
+``TaskCancelled``, and the runner stops within a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from pydantic import ValidationError
+
+from bus.events import (
+    ChunkGenerated,
+    TaskCancelled,
+    TaskCompleted,
+    TaskCreated,
+    TaskFailed,
+    parse_event,
+)
+from bus.publisher import Publisher
+from bus.subjects import EVENTS_PREFIX, chunk_subject, escape_token
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How the task ended: ``completed`` (with usage) or ``failed`` (with the error)."""
+
+    completed: TaskCompleted | None = None
+    failed: TaskFailed | None = None
+
+
+class TaskStream:
+    def __init__(self, nc: Client, task: TaskCreated, origin: str, timeout_s: float) -> None:
+        self._nc = nc
+        self.task = task
+        self._origin = origin
+        self._timeout_s = timeout_s
+        self._queue: asyncio.Queue[ChunkGenerated | TaskCompleted | TaskFailed] = asyncio.Queue()
+        self._subs: list[Subscription] = []
+        self.finished: Finished | None = None
+
+    async def __aenter__(self) -> TaskStream:
+        t = self.task
+        task_subject = f"{EVENTS_PREFIX}.task.{escape_token(t.model_id)}.{escape_token(t.task_id)}"
+        self._subs = [
+            await self._nc.subscribe(chunk_subject(t.task_id), cb=self._on_msg),
+            await self._nc.subscribe(f"{task_subject}.TaskCompleted", cb=self._on_msg),
+            await self._nc.subscribe(f"{task_subject}.TaskFailed", cb=self._on_msg),
+        ]
+        await Publisher(self._nc.jetstream()).publish(t)
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self.finished is None:
+            # The client went away (or the wait timed out): stop the runner's work.
+            reason = "the client went away" if kind is not None else "no longer awaited"
+            cancel = TaskCancelled(task_id=self.task.task_id, model_id=self.task.model_id,
+                                   origin=self._origin, reason=reason)  # fmt: skip
+            with contextlib.suppress(Exception):
+                await asyncio.shield(Publisher(self._nc.jetstream()).publish(cancel))
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            event = parse_event(msg.data)
+        except ValidationError:
+            return
+        if isinstance(event, ChunkGenerated | TaskCompleted | TaskFailed):
+            self._queue.put_nowait(event)
+
+    async def chunks(self) -> AsyncIterator[ChunkGenerated]:
+        """The task's chunks in order; afterwards ``finished`` says how it ended."""
+        next_idx = 0
+        early: dict[int, ChunkGenerated] = {}
+        last_seen = False
+        completed: TaskCompleted | None = None
+        async with asyncio.timeout(self._timeout_s):
+            while True:
+                event = await self._queue.get()
+                if isinstance(event, TaskFailed):
+                    self.finished = Finished(failed=event)
+                    return
+                if isinstance(event, TaskCompleted):
+                    completed = event
+                else:
+                    early[event.idx] = event
+                    while next_idx in early:
+                        chunk = early.pop(next_idx)
+                        next_idx += 1
+                        last_seen = last_seen or chunk.finish_reason is not None
+                        yield chunk
+                if last_seen and completed is not None:
+                    self.finished = Finished(completed=completed)
+                    return

@@ -1,0 +1,80 @@
+"""`shoal api`: the HTTP API (OpenAI-compatible endpoints and cluster control)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from api.app import create_app
+from api.config import ApiConfig, keys_from_env
+from bus.embedded import port_in_use
+from services.cli.options import (
+    DEFAULT_DB,
+    DEFAULT_NATS,
+    DbUrl,
+    NatsUrl,
+    run_until_signal,
+    setup_logging,
+)
+
+Host = Annotated[str, typer.Option(help="Address the API listens on.")]
+Port = Annotated[int, typer.Option(help="Port the API listens on.")]
+ApiKeys = Annotated[
+    list[str] | None,
+    typer.Option("--api-key", help="A key clients must send as a Bearer token (repeatable; or"
+                 " SHOAL_API_KEYS). Without any, the API is open."),
+]  # fmt: skip
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn, with signals left to the `shoal` process that runs it: Ctrl-C stops every
+    service of `shoal up` in order, not only the API."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def api_server(config: ApiConfig, host: str, port: int) -> ApiServer:
+    return ApiServer(uvicorn.Config(create_app(config), host=host, port=port,
+                                    log_level="warning", lifespan="on"))  # fmt: skip
+
+
+async def serve_until(server: ApiServer, stop: asyncio.Event) -> None:
+    task = asyncio.create_task(server.serve())
+    await asyncio.wait({task, asyncio.create_task(stop.wait())},
+                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    server.should_exit = True
+    await task
+
+
+def check_port_free(host: str, port: int, what: str, option: str) -> None:
+    if port_in_use(host, port):
+        typer.echo(f"error: port {port} on {host} is already in use: choose another {what}"
+                   f" port with {option}", err=True)  # fmt: skip
+        raise typer.Exit(1)
+
+
+def api(
+    nats: NatsUrl = DEFAULT_NATS,
+    db: DbUrl = DEFAULT_DB,
+    host: Host = "127.0.0.1",
+    port: Port = 8000,
+    api_key: ApiKeys = None,
+) -> None:
+    """Serve the HTTP API: /v1/chat/completions, /v1/completions, /v1/models, cluster control."""
+    setup_logging()
+    check_port_free(host, port, "API", "--port")
+    keys = frozenset(api_key or ()) | keys_from_env()
+    config = ApiConfig(nats_url=nats, db_url=db, api_keys=keys)
+    typer.echo(f"API on http://{host}:{port}/v1" + (" (API keys required)" if keys else ""))
+
+    async def main(stop: asyncio.Event) -> None:
+        await serve_until(api_server(config, host, port), stop)
+
+    run_until_signal(main)
