@@ -1,0 +1,53 @@
+"""An API to test against: real nats-server, projector and `shoal api` processes (no runner:
+tests that need one start `shoal up`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bus.embedded import EmbeddedNats, free_port
+from tests.services.processes import Processes
+
+
+@dataclass
+class ApiStack:
+    url: str  # http://127.0.0.1:PORT
+    nats_url: str
+    db_url: str
+    procs: Processes
+
+    def start_api(self, name: str, *extra: str) -> str:
+        """Another `shoal api` process on the same NATS and database; returns its URL."""
+        port = free_port("127.0.0.1")
+        self.procs.start(name, "api", "--nats", self.nats_url, "--db", self.db_url,
+                         "--port", str(port), *extra)  # fmt: skip
+        return f"http://127.0.0.1:{port}"
+
+
+async def wait_healthy(url: str, timeout: float = 30) -> None:
+    async with httpx.AsyncClient() as client, asyncio.timeout(timeout):
+        while True:
+            try:
+                if (await client.get(f"{url}/healthz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+async def api_stack(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[ApiStack]:
+    db = f"sqlite:///{tmp_path / 'shoal.db'}"
+    with Processes(tmp_path / "logs") as procs:
+        procs.start("projector", "projector", "--nats", nats_server.url, "--db", db)
+        await procs.wait_log("projector", "resuming after seq")
+        stack = ApiStack("", nats_server.url, db, procs)
+        stack.url = stack.start_api("api")
+        await wait_healthy(stack.url)
+        yield stack

@@ -1,0 +1,129 @@
+"""The HTTP API against real processes: errors, cluster endpoints, keys, statelessness."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from nats.js import JetStreamContext
+
+from bus.events import ModelAdded, NodeJoined, NodeProfile, ResourceProfiled
+from bus.publisher import Publisher
+from tests.api.conftest import ApiStack, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+MiB = 1024**2
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _cluster(js: JetStreamContext) -> None:
+    """A node and a model, as a worker and `shoal models add` would announce them."""
+    pub = Publisher(js)
+    await pub.publish(NodeJoined(node_id="n1", origin="n1", heartbeat_s=3600))
+    profile = NodeProfile(ram_total=4096 * MiB, ram_available=2048 * MiB, cpu_count=2,
+                          memory_offered=2048 * MiB)  # fmt: skip
+    await pub.publish(ResourceProfiled(node_id="n1", origin="n1", profile=profile))
+    await pub.publish(ModelAdded(model_id="m", origin="test", n_layers=10, size_bytes=100 * MiB,
+                                 context_length=4096, kv_bytes_per_token=1024))  # fmt: skip
+
+
+async def _until(client: httpx.AsyncClient, path: str, check: Any, timeout: float = 20) -> Any:
+    async with asyncio.timeout(timeout):
+        while True:
+            body = (await client.get(path)).json()
+            if check(body):
+                return body
+            await asyncio.sleep(0.1)
+
+
+def _error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err: dict[str, Any] = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+async def test_cluster_endpoints_and_why_a_model_cannot_answer(
+    api_stack: ApiStack, js: JetStreamContext
+) -> None:
+    api_stack.procs.start("planner", "planner", "--nats", api_stack.nats_url, "--db",
+                          api_stack.db_url)  # fmt: skip
+    await _cluster(js)
+    async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
+        await _until(client, "/v1/models", lambda b: [m["id"] for m in b["data"]] == ["m"])
+        assert (await client.get("/healthz")).json()["status"] == "ok"
+
+        err = _error(await client.post("/v1/chat/completions", json=CHAT), 503)
+        assert "no instance of it is running" in err["message"]
+        err = _error(await client.post("/v1/chat/completions", json=CHAT | {"model": "x"}), 404)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+
+        preview = (await client.post("/v1/placement/preview", json={"model": "m"})).json()
+        assert preview["placeable"] and [s["node_id"] for s in preview["shards"]] == ["n1"]
+        bad = {"model": "m", "placement": {"chat": {"devices": ["zz:cpu"]}}}
+        err = _error(await client.post("/v1/instances", json=bad), 400)
+        assert "unknown node 'zz'" in err["message"]
+
+        created = await client.post("/v1/instances", json={"model": "m"})
+        assert created.status_code == 202
+        iid = created.json()["id"]
+        inst = await _until(client, f"/v1/instances/{iid}", lambda b: b["status"] == "placed")
+        assert [(s["node_id"], s["state"]) for s in inst["shards"]] == [("n1", "Assigned")]
+        err = _error(await client.post("/v1/chat/completions", json=CHAT), 503)
+        assert f"instance {iid} is starting (runners: Assigned)" in err["message"]
+
+        state = (await client.get("/v1/state")).json()
+        assert [n["node_id"] for n in state["nodes"]] == ["n1"]
+        assert [d["device"] for d in state["nodes"][0]["devices"]] == ["cpu"]
+        assert [i["id"] for i in state["instances"]] == [iid] and state["tasks"] == []
+
+        # A second API process on the same NATS and database answers alike: no state of its own.
+        other = api_stack.start_api("api-2")
+        await wait_healthy(other)
+        async with httpx.AsyncClient(base_url=other, timeout=30) as second:
+            for path in ("/v1/models", "/v1/instances", "/v1/state", f"/v1/instances/{iid}"):
+                assert (await client.get(path)).json() == (await second.get(path)).json(), path
+            # A delete through one is seen through the other.
+            assert (await second.delete(f"/v1/instances/{iid}")).status_code == 202
+        await _until(client, "/v1/instances", lambda b: b["data"] == [])
+        _error(await client.get(f"/v1/instances/{iid}x"), 404)
+
+
+async def test_events_are_tailed_as_server_sent_events(
+    api_stack: ApiStack, js: JetStreamContext
+) -> None:
+    async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
+        _error(await client.get("/v1/events", params={"subject": "other.>"}), 400)
+        params = {"subject": "shoal.events.node.>"}
+        async with client.stream("GET", "/v1/events", params=params) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith(":")  # subscribed
+            await _cluster(js)
+            seen: list[str] = []
+            async with asyncio.timeout(10):
+                while len(seen) < 2:
+                    line = await anext(lines)
+                    if line.startswith("event: "):
+                        seen.append(line.removeprefix("event: "))
+                    elif line.startswith("data: "):
+                        assert json.loads(line.removeprefix("data: "))["node_id"] == "n1"
+            assert seen == ["NodeJoined", "ResourceProfiled"]  # not the model: filtered out
+
+
+async def test_api_keys(api_stack: ApiStack) -> None:
+    url = api_stack.start_api("api-keys", "--api-key", "sekrit-1", "--api-key", "sekrit-2")
+    await wait_healthy(url)  # /healthz needs no key
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        err = _error(await client.get("/v1/models"), 401)
+        assert err["code"] == "invalid_api_key"
+        wrong = await client.get("/v1/models", headers={"Authorization": "Bearer guess-123"})
+        assert "guess-123" not in _error(wrong, 401)["message"]  # a key is never echoed
+        for key in ("sekrit-1", "sekrit-2"):
+            ok = await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert ok.status_code == 200
+    assert "sekrit" not in api_stack.procs.log("api-keys")
