@@ -31,6 +31,9 @@ from bus.events import (
 from bus.publisher import Publisher
 from bus.subjects import EVENTS_PREFIX, chunk_subject, escape_token
 
+# Tasks publishing cancels, kept referenced until done (the event loop holds them weakly).
+_BACKGROUND: set[asyncio.Task[object]] = set()
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -68,12 +71,17 @@ class TaskStream:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         if self.finished is None:
-            # The client went away (or the wait timed out): stop the runner's work.
+            # The client went away (or the wait timed out): stop the runner's work. Published
+            # from a task of its own: the request's own task is being cancelled, and the server
+            # (anyio) cancels every await it makes from here on.
             reason = "the client went away" if kind is not None else "no longer awaited"
             cancel = TaskCancelled(task_id=self.task.task_id, model_id=self.task.model_id,
                                    origin=self._origin, reason=reason)  # fmt: skip
-            with contextlib.suppress(Exception):
-                await asyncio.shield(Publisher(self._nc.jetstream()).publish(cancel))
+            publishing = asyncio.get_running_loop().create_task(
+                Publisher(self._nc.jetstream()).publish(cancel)
+            )
+            _BACKGROUND.add(publishing)
+            publishing.add_done_callback(_BACKGROUND.discard)
 
     async def _on_msg(self, msg: Msg) -> None:
         try:

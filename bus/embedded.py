@@ -6,6 +6,7 @@ server on 4222).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -16,6 +17,16 @@ import sysconfig
 import time
 from pathlib import Path
 from types import TracebackType
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child process, before exec: be sent SIGTERM when the parent dies (Linux; elsewhere
+    such a child has to be stopped by hand)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class NatsServerError(RuntimeError):
@@ -85,7 +96,12 @@ class EmbeddedNats:
             "--server_name", self.server_name,
             "--log", str(self.log_path),
         ]  # fmt: skip
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        # Its own session: a Ctrl-C at the terminal stops `shoal up`, which stops its services
+        # and then this server; the server must not vanish first, under services still using
+        # it. And it dies with its parent, so a killed `shoal up` leaves no server behind.
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import signal
 import sys
@@ -12,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.embedded import die_with_parent
 from services.runner.spec import RunnerSpec
 from services.worker.reconcile import restart_delay
 
@@ -21,18 +21,6 @@ log = logging.getLogger(__name__)
 HEALTHY_AFTER_S = 60.0
 
 OnExit = Callable[[RunnerSpec, int, bool], Awaitable[None]]
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: a runner must not outlive its worker, or a worker killed with
-    SIGKILL would leave a runner serving a shard nobody supervises. (Linux; elsewhere such a
-    runner has to be stopped by hand.)"""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-PR_SET_PDEATHSIG = 1
 
 
 def runner_command(spec: RunnerSpec) -> list[str]:
@@ -80,7 +68,11 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                # A runner must not outlive its worker (a worker killed with SIGKILL would leave
+                # a runner nobody supervises), and only its worker stops it: in a session of
+                # its own, a Ctrl-C at the terminal does not reach it behind the worker's back.
+                preexec_fn=die_with_parent,
+                start_new_session=True,
             )
         entry.started_at = time.monotonic()
         log.info("started runner %s (pid %d)", entry.spec.runner_id, entry.proc.pid)

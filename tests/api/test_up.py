@@ -1,0 +1,234 @@
+"""`shoal up` end to end, driven by the official OpenAI SDK, unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from bus.connection import connect
+from bus.embedded import free_port
+from bus.events import TaskCancelled
+from tests.services.event_log import EventLog
+from tests.services.processes import SHOAL
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+KEY = "test-key-1"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Up:
+    url: str  # the API's /v1 URL
+    nats_url: str
+    output: list[str]
+
+
+def _start(argv: list[str], cwd: Path | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+async def _read_until_ready(proc: subprocess.Popen[str], timeout: float = 180) -> list[str]:
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready:"):
+                return
+        raise RuntimeError("exited before it was ready:\n" + "".join(lines))
+
+    try:
+        await asyncio.wait_for(asyncio.to_thread(read), timeout)
+    except BaseException:
+        sys.stdout.write("".join(lines))
+        raise
+    return lines
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    """Ctrl-C, as a user would; returns the rest of the output."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        rest, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rest, _ = proc.communicate()
+        raise
+    return rest
+
+
+@pytest.fixture
+async def up(tmp_path: Path) -> AsyncIterator[Up]:
+    port = free_port("127.0.0.1")
+    proc = _start(
+        [
+            SHOAL,
+            "up",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--runner-threads",
+            "2",
+        ]
+    )
+    try:
+        lines = await _read_until_ready(proc)
+        nats = re.search(r"^NATS\s+(\S+)", "".join(lines), re.MULTILINE)
+        assert nats is not None
+        yield Up(f"http://127.0.0.1:{port}/v1", nats.group(1), lines)
+    finally:
+        rest = _stop(proc)
+        sys.stdout.write(rest[-3000:])
+    assert proc.returncode == 0 and "stopped" in rest
+
+
+async def test_the_openai_sdk_works_against_shoal_up(up: Up) -> None:
+    client = openai.AsyncOpenAI(base_url=up.url, api_key=KEY)
+    question: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What is the capital city of France? Answer in one word."}
+    ]
+
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=question, max_tokens=8, temperature=0
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.usage is not None and reply.usage.completion_tokens <= 8
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=question,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, usage = [], None, None
+    async for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(pieces) == reply.choices[0].message.content  # greedy: the same text
+    assert finish == reply.choices[0].finish_reason and usage == reply.usage
+
+    story: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me a long story about a fox."}
+    ]
+    capped = await client.chat.completions.create(
+        model=MODEL, messages=story, max_completion_tokens=5, temperature=0
+    )
+    assert capped.choices[0].finish_reason == "length"
+    assert capped.usage is not None and capped.usage.completion_tokens == 5
+    stop_word = (capped.choices[0].message.content or "").split()[-1]
+    stopped = await client.chat.completions.create(
+        model=MODEL, messages=story, stop=[stop_word], max_tokens=20, temperature=0
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop_word not in (stopped.choices[0].message.content or "")
+
+    text = await client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    assert text.choices[0].text and text.usage is not None and text.usage.completion_tokens <= 4
+
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="no-such-model", messages=question)
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model=MODEL, messages=question, n=2)
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=up.url, api_key="wrong").models.list()
+
+
+async def test_a_client_that_goes_away_cancels_its_task(up: Up) -> None:
+    nc = await connect(up.nats_url)
+    log = await EventLog().start(nc.jetstream())
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": 400,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Tell me a long story about a fox."}],
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with (
+        httpx.AsyncClient(timeout=60, headers=headers) as client,
+        client.stream("POST", f"{up.url}/chat/completions", json=body) as response,
+    ):
+        lines = response.aiter_lines()
+        for _ in range(6):  # a few tokens in
+            await anext(lines)
+    # Leaving the block closed the connection mid-stream.
+    cancelled = await log.wait_for(TaskCancelled, timeout=15)
+    chunks = await log.wait_chunks(cancelled.task_id, timeout=15)
+    assert chunks[-1].finish_reason == "cancelled" and len(chunks) < 400
+    await log.stop()
+    await nc.close()
+
+
+async def test_make_up_then_curl(tmp_path: Path) -> None:
+    """The README's path: `make up`, then a chat completion with curl."""
+    port = free_port("127.0.0.1")
+    proc = _start(
+        ["make", "up", f"DATA={tmp_path / 'data'}", f"UP_ARGS=--port {port} --runner-threads 2"],
+        cwd=REPO,
+    )
+    try:
+        await _read_until_ready(proc)
+        question = "What is the capital city of France? Answer in one word."
+        body = (
+            '{"model": "smollm2-135m", "max_tokens": 8, "temperature": 0,'
+            f' "messages": [{{"role": "user", "content": "{question}"}}]}}'
+        )
+        curl = await asyncio.to_thread(
+            subprocess.run,
+            [
+                "curl",
+                "-sS",
+                "--fail-with-body",
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                body,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert curl.returncode == 0, curl.stderr + curl.stdout
+        assert "Paris" in curl.stdout and '"object":"chat.completion"' in curl.stdout
+    finally:
+        rest = _stop(proc)
+        sys.stdout.write(rest[-2000:])
+    assert "stopped" in rest
