@@ -161,9 +161,20 @@ async def test_events_tail_prints_live_events(
 
 
 async def test_up_starts_nats_and_projector_and_stops_cleanly(tmp_path: Path) -> None:
+    """Without a model (tests/api/test_up.py serves one): the services come up and go down."""
     port = free_port()
     proc = subprocess.Popen(
-        [SHOAL, "up", "--data-dir", str(tmp_path / "data"), "--nats-port", str(port)],
+        [
+            SHOAL,
+            "up",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--nats-port",
+            str(port),
+            "--port",
+            str(free_port()),
+            "--no-model",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -195,6 +206,9 @@ def test_up_on_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
         s.listen()
         port = s.getsockname()[1]
         out = shoal("up", "--data-dir", str(tmp_path), "--nats-port", str(port), timeout=30)
-    assert out.returncode == 1
-    assert "already in use" in out.stderr
-    assert "Traceback" not in out.stderr
+        api = shoal("up", "--data-dir", str(tmp_path), "--port", str(port), timeout=30)
+    for result in (out, api):
+        assert result.returncode == 1
+        assert "already in use" in result.stderr
+        assert "Traceback" not in result.stderr
+    assert "--port" in api.stderr
