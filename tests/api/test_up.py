@@ -166,6 +166,9 @@ async def test_the_openai_sdk_works_against_shoal_up(up: Up) -> None:
         await client.chat.completions.create(model=MODEL, messages=question, n=2)
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(model=MODEL, messages=[])
+    too_long: list[ChatCompletionMessageParam] = [{"role": "user", "content": "fox " * 3000}]
+    with pytest.raises(openai.BadRequestError, match="context"):
+        await client.chat.completions.create(model=MODEL, messages=too_long, max_tokens=4)
     with pytest.raises(openai.AuthenticationError):
         await openai.AsyncOpenAI(base_url=up.url, api_key="wrong").models.list()
 

@@ -112,8 +112,8 @@ async def test_a_runner_that_keeps_failing_moves_then_is_rejected(
         procs.start("projector", "projector", "--nats", nats_server.url, "--db", db)
         procs.start("planner", "planner", "--nats", nats_server.url, "--db", db,
                     "--failure-window", "60")  # fmt: skip
-        for node in ("w-a", "w-b"):
-            procs.start(node, "worker", "--nats", nats_server.url, "--node-id", node,
+        for node, command in (("w-a", "worker"), ("w-b", "join")):  # join: the same command
+            procs.start(node, command, "--nats", nats_server.url, "--node-id", node,
                         "--data-dir", str(tmp_path / node), "--heartbeat", "0.5")  # fmt: skip
         await log.wait_count(NodeJoined, lambda e: True, 2, timeout=60)
         await pub.publish(
