@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from api import cluster_routes, errors, openai_routes
 from api.config import ApiConfig
@@ -36,4 +38,37 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(cluster_routes.router)
     app.include_router(cluster_routes.health)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, saying what the API sends: a 400 in OpenAI's error shape where
+    FastAPI would list its own 422 (which this API never sends)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
+                         routes=app.routes)  # fmt: skip
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["Error"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"},
+                "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+            },
+        }},
+    }  # fmt: skip
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request", **error}
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    app.openapi_schema = schema
+    return schema

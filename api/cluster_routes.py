@@ -134,12 +134,29 @@ async def events(
     ] = 0,
 ) -> StreamingResponse:
     """The event log, live, as server-sent events (``event: <type>``, ``data: <event JSON>``)."""
-    if not subject.startswith((f"{EVENTS_PREFIX}.", f"{CHUNKS_PREFIX}.")) or " " in subject:
-        raise ApiError(
-            400, f"subject must start with {EVENTS_PREFIX}. or {CHUNKS_PREFIX}.", param="subject"
-        )
+    problem = _subject_problem(subject)
+    if problem is not None:
+        raise ApiError(400, f"subject {subject!r}: {problem}", param="subject")
     return StreamingResponse(_tail(request, ctx, subject, last), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+def _subject_problem(subject: str) -> str | None:
+    """Why ``subject`` is not a filter on Shoal's streams, or None. Checked here, before the
+    response starts: NATS's own refusal would come after a 200."""
+    if not subject.startswith((f"{EVENTS_PREFIX}.", f"{CHUNKS_PREFIX}.")):
+        return f"it must start with {EVENTS_PREFIX}. or {CHUNKS_PREFIX}."
+    tokens = subject.split(".")
+    for i, token in enumerate(tokens):
+        if not token:
+            return "empty token (two dots, or a dot at the end)"
+        if any(c.isspace() or not c.isprintable() for c in token):
+            return "whitespace or control characters"
+        if ">" in token and (token != ">" or i != len(tokens) - 1):
+            return "'>' must be the whole last token"
+        if "*" in token and token != "*":
+            return "'*' must be a whole token"
+    return None
 
 
 async def _tail(request: Request, ctx: ApiContext, subject: str, last: int) -> AsyncIterator[str]:

@@ -56,18 +56,33 @@ def error_response(err: ApiError) -> JSONResponse:
     )
 
 
+_WHERE = {"body", "query", "path", "header"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
+        return "the request body is missing: send a JSON object", None
+    # A value that fits no branch of a union gives one error per branch ("stop.str",
+    # "stop.list[str]"): the field is what all of them have in common.
+    locs = [[str(p) for p in e.get("loc", ()) if p not in _WHERE] for e in errors]
+    common = locs[0]
+    for loc in locs[1:]:
+        n = 0
+        while n < min(len(common), len(loc)) and common[n] == loc[n]:
+            n += 1
+        common = common[:n]
+    param = ".".join(common) or None
+    message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    if len(locs) > 1 and len(common) < len(locs[0]):
+        message = "not a valid value for this field (see the API reference for its type)"
     where = f"{param}: " if param else ""
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"{where}{first.get('msg', 'invalid')}{more}", param
+    return f"{where}{message}", param
 
 
 def install(app: FastAPI) -> None:

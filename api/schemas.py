@@ -10,9 +10,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from bus.events import ChatMessage, SamplingParams
+from bus.events import INT32_MAX, ChatMessage, SamplingParams
 
 MAX_STOPS = 4
+# Token counts and context lengths: positive, and small enough for the projection's columns.
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
 class _Body(BaseModel):
@@ -43,7 +45,7 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     model: Annotated[str, Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stop: str | list[str] | None = None
@@ -53,7 +55,7 @@ class _Sampling(_Body):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Annotated[str, Field(max_length=255)] | None = None
 
     @field_validator("n")
     @classmethod
@@ -88,7 +90,7 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Count | None = None
 
     @model_validator(mode="after")
     def _limits_agree(self) -> ChatCompletionRequest:
@@ -111,7 +113,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    max_tokens: Count | None = 16  # OpenAI's default for completions
 
     @field_validator("prompt")
     @classmethod
@@ -133,5 +135,5 @@ class InstanceRequest(_Body):
         default=None, description="A placement spec, as JSON text or as an object."
     )
     replicas: Annotated[int, Field(ge=1, le=64)] = 1
-    context_length: Annotated[int, Field(ge=1)] | None = None
+    context_length: Count | None = None
     queue: bool = Field(default=False, description="Request it even if it cannot be placed now.")

@@ -20,6 +20,10 @@ SCHEMA_VERSION = 1
 
 # Ids name subjects and rows, so they are never empty.
 Id = Annotated[str, Field(min_length=1)]
+# Numbers the projection stores in 32-bit INTEGER columns: an event that could not be stored
+# is malformed (dead-lettered), rather than an event that stops the projector.
+INT32_MAX = 2**31 - 1
+Int32 = Annotated[int, Field(le=INT32_MAX)]
 
 
 def new_id() -> str:
@@ -117,7 +121,7 @@ class ChatMessage(Record):
 
 
 class SamplingParams(Record):
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = Field(default_factory=list)
@@ -229,8 +233,8 @@ class InstanceRequested(_InstanceEvent):
     type: Literal["InstanceRequested"] = "InstanceRequested"
     model_id: Id
     placement: str | None = Field(default=None, description="Manual placement spec (JSON).")
-    replicas: int = 1
-    context_length: int | None = None
+    replicas: Int32 = 1
+    context_length: Int32 | None = None
 
 
 class InstancePlaced(_InstanceEvent):
@@ -317,7 +321,7 @@ class TaskCreated(_TaskEvent):
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=255)
 
 
 class TaskStarted(_TaskEvent):

@@ -15,8 +15,13 @@ def split_layers(n_layers: int, weights: Sequence[float]) -> list[int]:
         raise ValueError(f"cannot split {n_layers} layers into {k} stages")
     if any(not w > 0 for w in weights):
         raise ValueError(f"weights must be positive, got {list(weights)}")
-    total = math.fsum(weights)
-    quotas = [n_layers * w / total for w in weights]
+    # Scaled to the largest first, so that huge weights (1e308) cannot overflow the sum.
+    top = max(weights)
+    scaled = [w / top for w in weights]
+    if any(not math.isfinite(w) for w in scaled):
+        raise ValueError(f"weights must be finite, got {list(weights)}")
+    total = math.fsum(scaled)
+    quotas = [n_layers * w / total for w in scaled]
     counts = [max(1, math.floor(q)) for q in quotas]
     surplus = sum(counts) - n_layers
     if surplus < 0:

@@ -23,18 +23,18 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from bus.events import ShardAssignment
+from bus.events import INT32_MAX, ShardAssignment
 from services.models.footprint import Footprint, context_for
 from services.planner.cluster import ClusterView, Device
 from services.planner.layers import split_layers
 from services.planner.placement_spec import (
     DEFAULT_ROLE,
+    MAX_REPLICAS,
     DeviceRef,
     PlacementSpecError,
     parse_placement_spec,
 )
 
-MAX_REPLICAS = 64
 MiB = 1024**2
 
 
@@ -89,6 +89,8 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
     if not 1 <= replicas <= MAX_REPLICAS:
         return Rejection(f"replicas must be between 1 and {MAX_REPLICAS}, not {replicas}")
     ctx = context_for(model.context_length, request.context_length)
+    if ctx > INT32_MAX:
+        return Rejection(f"a context of {ctx} tokens is more than any engine takes")
     if model.context_length and ctx > model.context_length:
         return Rejection(
             f"a context of {ctx} tokens is more than {model.model_id} was trained for"
@@ -101,9 +103,7 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
             role = parse_placement_spec(request.spec).for_role(request.role)
         except PlacementSpecError as exc:
             return Rejection(f"invalid placement: {exc}")
-        manual, replicas = role.groups(), role.replicas
-        if replicas > MAX_REPLICAS:
-            return Rejection(f"replicas must be between 1 and {MAX_REPLICAS}, not {replicas}")
+        manual, replicas = role.groups(), role.replicas  # the spec caps its replicas
     need = fp.need_bytes(ctx)
     kept = _kept_replicas(cluster, request, replicas)
     view = cluster.reserve(_charges(kept.values(), fp, ctx))

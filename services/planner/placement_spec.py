@@ -40,6 +40,7 @@ ROLES: dict[str, str] = {
     "chat": "the model that answers chat completions",
 }
 DEFAULT_ROLE = "chat"
+MAX_REPLICAS = 64
 
 _KEYS = ("devices", "replicas", "tensor_split")
 _EXAMPLE = '{"chat": {"devices": ["node-a:gpu0", "node-b:cpu"], "tensor_split": [3, 1]}}'
@@ -153,6 +154,10 @@ class RolePlacement:
             raise PlacementSpecError(f"'replicas' must be a whole number, not {self.replicas!r}")
         if self.replicas < 1:
             raise PlacementSpecError(f"'replicas' is {self.replicas}: it must be at least 1")
+        if self.replicas > MAX_REPLICAS:
+            raise PlacementSpecError(
+                f"'replicas' is {self.replicas}: at most {MAX_REPLICAS} replicas of one instance"
+            )
         count = len(self.devices)
         if count != 1 and count % self.replicas != 0:
             raise PlacementSpecError(

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from bus.events import Event, NodeLeft, NodeTimedOut
 from services.planner.cluster import ClusterView
-from services.planner.placement import MAX_REPLICAS, Placement, gib, place
+from services.planner.placement import Placement, gib, place
+from services.planner.placement_spec import MAX_REPLICAS
 from tests.services.planner.builders import (
     GiB,
     MiB,
@@ -421,7 +422,9 @@ def test_manual_replicas_on_one_device_share_it_until_it_is_full() -> None:
 def test_a_manual_spec_with_more_than_64_replicas_is_rejected() -> None:
     cluster = view(node("a", 10 * GiB))
     result = place(cluster, ask(model(size=MiB), spec=chat(["a:cpu"], replicas=65)))
-    assert rejection(result).reason == "replicas must be between 1 and 64, not 65"
+    assert rejection(result).reason == (
+        "invalid placement: role 'chat': 'replicas' is 65: at most 64 replicas of one instance"
+    )
 
 
 def _cluster_for_manual_errors() -> ClusterView:
