@@ -22,7 +22,6 @@ from bus.events import InstanceDeleteRequested, InstanceRequested
 from bus.publisher import Publisher
 from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors.state import ClusterState
-from services.models.footprint import Footprint
 from services.planner.cluster import cluster_view
 from services.planner.placement import ModelInfo, Placement, PlacementRequest, Rejection, place
 from services.planner.placement_spec import PlacementSpecError, parse_placement_spec
@@ -226,7 +225,7 @@ def _preview(
         raise ApiError(
             404, f"The model `{model_id}` does not exist", param="model", code="model_not_found"
         )
-    info = ModelInfo(model_id, Footprint.of(model), model.context_length)
+    info = ModelInfo.of(model)
     request = PlacementRequest(instance_id="preview", model=info, replicas=replicas,
                                context_length=context, spec=spec)  # fmt: skip
     return place(cluster_view(s), request)

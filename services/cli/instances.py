@@ -43,7 +43,6 @@ from projectors.store import load_state
 from services.cli.models import publish_model
 from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl, default_data_dir
 from services.models.cards import builtin_cards
-from services.models.footprint import Footprint
 from services.planner.cluster import cluster_view
 from services.planner.placement import (
     ModelInfo,
@@ -115,7 +114,7 @@ def _request(
     spec: str | None,
 ) -> PlacementRequest:
     model = state.model(model_id)
-    info = ModelInfo(model_id, Footprint.of(model), model.context_length) if model else None
+    info = ModelInfo.of(model) if model else None
     return PlacementRequest(
         instance_id=instance_id, model=info, replicas=replicas, context_length=context, spec=spec
     )

@@ -33,7 +33,6 @@ from bus.events import (
 from projectors.rows import InstanceRow, NodeRow, RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
-from services.models.footprint import Footprint
 from services.planner.cluster import ClusterView, charges_of, cluster_view
 from services.planner.placement import (
     ModelInfo,
@@ -164,9 +163,7 @@ def _place(
     model = state.model(inst.model_id)
     request = PlacementRequest(
         instance_id=inst.instance_id,
-        model=ModelInfo(model.model_id, Footprint.of(model), model.context_length)
-        if model is not None
-        else None,
+        model=ModelInfo.of(model) if model is not None else None,
         replicas=inst.replicas,
         context_length=inst.context_length,
         spec=inst.placement,

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bus.events import INT32_MAX, ShardAssignment
+from projectors.rows import ModelRow
 from services.models.footprint import Footprint, context_for
 from services.planner.cluster import ClusterView, Device
 from services.planner.layers import split_layers
@@ -45,6 +46,10 @@ class ModelInfo:
     model_id: str
     footprint: Footprint
     context_length: int = 0  # trained context; 0 when unknown
+
+    @classmethod
+    def of(cls, model: ModelRow) -> ModelInfo:
+        return cls(model.model_id, Footprint.of(model), model.context_length)
 
 
 @dataclass(frozen=True)
