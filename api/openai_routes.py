@@ -61,7 +61,7 @@ async def completions(body: CompletionRequest, ctx: Ctx) -> JSONResponse | Strea
 async def _serve(
     ctx: ApiContext, task: TaskCreated, stream: bool, include_usage: bool, chat: bool
 ) -> JSONResponse | StreamingResponse:
-    projection.require_serving(await projection.cluster(ctx.engine), task.model_id)
+    projection.require_serving(await projection.serving(ctx.engine, task.model_id), task.model_id)
     shape = _Shape(task, chat)
     if stream:
         return StreamingResponse(

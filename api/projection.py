@@ -9,10 +9,10 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
-from projectors.rows import InstanceRow, Row
-from projectors.state import ClusterState
+from projectors.rows import InstanceRow, ModelRow, Row, RunnerRow
+from projectors.state import ClusterState, Put
 from projectors.store import load_state
-from projectors.tables import tasks
+from projectors.tables import instances, models, runners, tasks
 from services.planner.planner import PLANNING_TABLES
 
 SERVING = frozenset({"Ready", "Running"})
@@ -22,6 +22,31 @@ async def cluster(engine: AsyncEngine) -> ClusterState:
     """Nodes, devices, models, instances and runners (not tasks)."""
     async with engine.connect() as conn:
         return await load_state(conn, PLANNING_TABLES)
+
+
+async def serving(engine: AsyncEngine, model_id: str) -> ClusterState:
+    """Only what ``require_serving`` reads: the model, its instances and their runners. Every
+    chat request asks, so this stays three small queries (loading the whole cluster took
+    3-4 ms of each request's time to first token)."""
+    state = ClusterState()
+    async with engine.connect() as conn:
+        for row in (
+            await conn.execute(select(models).where(models.c.model_id == model_id))
+        ).mappings():
+            state.commit([Put(ModelRow(**row))])
+        found = select(instances).where(instances.c.model_id == model_id)
+        for row in (await conn.execute(found)).mappings():
+            state.commit([Put(InstanceRow(**row))])
+        ids = [i.instance_id for i in state.instances()]
+        if ids:
+            query = select(runners).where(runners.c.instance_id.in_(ids))
+            for row in (await conn.execute(query)).mappings():
+                state.commit([Put(RunnerRow(**row))])
+        if state.model(model_id) is None and not ids:
+            # For the 404's list of known models.
+            for row in (await conn.execute(select(models))).mappings():
+                state.commit([Put(ModelRow(**row))])
+    return state
 
 
 async def recent_tasks(engine: AsyncEngine, limit: int) -> list[dict[str, Any]]:

@@ -74,8 +74,10 @@ class Planner:
         self.stats = PlannerStats()
         self._seen_seq = 0  # the latest stream sequence a round must have in its picture
         self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._stop = stop
         await ensure_streams(self._js)
         sub = await self._js.subscribe(
             WATCHED[0],
@@ -107,6 +109,8 @@ class Planner:
         """One look at the cluster: wait for the projection, decide, publish."""
         target = self._seen_seq
         state = await self._projection_at(target)
+        if state is None:
+            return []  # stopping: the projector may be gone already
         decisions = decide(state, datetime.now(UTC), self.policy, self.origin)
         for d in decisions:
             ack = await self._pub.publish(d.event, msg_id=d.msg_id)
@@ -146,8 +150,9 @@ class Planner:
             woken.cancel()
         self._wake.clear()
 
-    async def _projection_at(self, seq: int) -> ClusterState:
-        """The planning tables once the projection has applied ``seq``."""
+    async def _projection_at(self, seq: int) -> ClusterState | None:
+        """The planning tables once the projection has applied ``seq``; None if asked to stop
+        meanwhile (in `shoal up` the projector stops with everything else)."""
         loop = asyncio.get_running_loop()
         warn_at = loop.time() + 10.0
         while True:
@@ -158,6 +163,8 @@ class Planner:
                     applied = -1
                 if applied >= seq:
                     return await load_state(conn, PLANNING_TABLES)
+            if self._stop.is_set():
+                return None
             if loop.time() > warn_at:
                 log.warning("projection %r is at seq %d, waiting for %d: is the projector"
                             " running?", self.projector, applied, seq)  # fmt: skip
