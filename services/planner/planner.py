@@ -14,6 +14,7 @@ tasks) and on a timer, for the heartbeats that did not arrive.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -75,6 +76,7 @@ class Planner:
         self._seen_seq = 0  # the latest stream sequence a round must have in its picture
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self._loaded: tuple[int, ClusterState] | None = None  # the last state read, and its seq
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
@@ -108,9 +110,13 @@ class Planner:
     async def round(self) -> list[Decision]:
         """One look at the cluster: wait for the projection, decide, publish."""
         target = self._seen_seq
-        state = await self._projection_at(target)
+        if self._loaded is not None and self._loaded[0] == target:
+            state: ClusterState | None = self._loaded[1]  # nothing new: only the time moved
+        else:
+            state = await self._projection_at(target)
         if state is None:
             return []  # stopping: the projector may be gone already
+        self._loaded = (target, state)
         decisions = decide(state, datetime.now(UTC), self.policy, self.origin)
         for d in decisions:
             ack = await self._pub.publish(d.event, msg_id=d.msg_id)
@@ -130,6 +136,10 @@ class Planner:
         return decisions
 
     async def _on_event(self, msg: Msg) -> None:
+        if msg.subject.endswith(".RunnerStateChanged") and not _may_matter(msg.data):
+            # A runner going Running and Ready around every task: nothing to decide, and a
+            # round then would compete with the runner's prompt processing for the CPU.
+            return
         self._seen(msg.metadata.sequence.stream)
 
     def _seen(self, seq: int) -> None:
@@ -170,6 +180,16 @@ class Planner:
                             " running?", self.projector, applied, seq)  # fmt: skip
                 warn_at += 30.0
             await asyncio.sleep(0.02)
+
+
+def _may_matter(data: bytes) -> bool:
+    """Whether a runner's state change can change a decision: a failure can (it counts
+    towards moving the instance); a runner starting or serving cannot."""
+    try:
+        state = json.loads(data).get("state")
+    except (ValueError, AttributeError):
+        return True  # not for the planner to judge: let a round look
+    return state not in ("Assigned", "Downloading", "Loading", "Ready", "Running")
 
 
 def _summary(d: Decision) -> str:
