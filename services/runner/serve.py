@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -142,13 +142,19 @@ class TaskServer:
             runner_id=me.runner_id,
             instance_id=me.instance_id,
         )
-        await asyncio.gather(self._events.publish(started), self._state.report("Running"))
+        # Announced while the prompt is processed, not before: two round trips less in the
+        # time to first token. Awaited before the task's outcome, which must come after it.
+        announced = asyncio.ensure_future(
+            asyncio.gather(self._events.publish(started), self._state.report("Running"))
+        )
         try:
-            await self._generate(task, received, cancelled.is_set)
+            await self._generate(task, received, cancelled.is_set, announced)
         except InvalidRequest as exc:
+            await announced
             await self._fail(task, f"invalid request: {exc}")
         except Exception as exc:  # an engine error fails this task, not the runner
             log.exception("task %s failed", task.task_id)
+            await announced
             await self._fail(task, f"engine error: {exc}")
         finally:
             already.cancel()
@@ -165,7 +171,11 @@ class TaskServer:
             pass
 
     async def _generate(
-        self, task: TaskCreated, received: float, cancelled: Callable[[], bool]
+        self,
+        task: TaskCreated,
+        received: float,
+        cancelled: Callable[[], bool],
+        announced: Awaitable[object],
     ) -> None:
         engine, me = self._engine, self._me
         prompt = engine.prompt_tokens(task)
@@ -204,6 +214,7 @@ class TaskServer:
         finally:
             await self._send(held)  # what was generated before an engine error still counts
         await self._chunks.flush()
+        await announced
         end = time.perf_counter()
         first = first or end
         decode_s = end - first
