@@ -23,6 +23,10 @@ from services.runner.spec import RunnerSpec
 log = logging.getLogger(__name__)
 
 
+class UnsupportedShard(RuntimeError):
+    """A shard this runner cannot serve (a stage of a pipeline across nodes)."""
+
+
 async def model_path(spec: RunnerSpec, state: StateReporter) -> Path:
     if spec.model_path is not None:
         return Path(spec.model_path)
@@ -50,7 +54,7 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
             # Placement already splits models that fit no single node; serving such a split
             # (llama.cpp RPC, MLX ring) is the next step. Until then, fail visibly rather than
             # load the whole model on a node that was given only part of it.
-            raise NotImplementedError(
+            raise UnsupportedShard(
                 f"this runner serves whole models only; shard {spec.shard.rank + 1} of"
                 f" {spec.shard.world_size} (layers {spec.shard.start_layer}-"
                 f"{spec.shard.end_layer - 1}) needs pipeline support"
