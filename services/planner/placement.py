@@ -110,7 +110,8 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
             return Rejection(f"invalid placement: {exc}")
         manual, replicas = role.groups(), role.replicas  # the spec caps its replicas
     need = fp.need_bytes(ctx)
-    kept = _kept_replicas(cluster, request, replicas)
+    spec_refs = None if manual is None else [[str(r) for r in devices] for devices, _ in manual]
+    kept = _kept_replicas(cluster, request, replicas, spec_refs)
     view = cluster.reserve(_charges(kept.values(), fp, ctx))
     placed: dict[int, Stages] = dict(kept)
     for replica in range(replicas):
@@ -234,20 +235,17 @@ def _live_device(view: ClusterView, ref: DeviceRef) -> Device | Rejection:
 
 
 def _kept_replicas(
-    cluster: ClusterView, request: PlacementRequest, replicas: int
+    cluster: ClusterView,
+    request: PlacementRequest,
+    replicas: int,
+    groups: list[list[str]] | None,
 ) -> dict[int, Stages]:
     """Replicas of the current placement that can stay: every shard on a live, not avoided
-    device, and (under a spec) exactly where the spec puts that replica."""
+    device, and (under a spec, whose replicas' devices are ``groups``) exactly where the spec
+    puts that replica."""
     by_replica: dict[int, list[ShardAssignment]] = defaultdict(list)
     for shard in request.current:
         by_replica[shard.replica].append(shard)
-    groups: list[list[str]] | None = None
-    if request.spec is not None:
-        try:
-            role = parse_placement_spec(request.spec).for_role(request.role)
-        except PlacementSpecError:
-            return {}
-        groups = [[str(ref) for ref in devices] for devices, _ in role.groups()]
     kept: dict[int, Stages] = {}
     for replica, shards in by_replica.items():
         shards.sort(key=lambda s: s.rank)
