@@ -26,6 +26,15 @@ DbUrl = Annotated[
         help="Projection database: sqlite:///PATH or postgresql://USER@HOST/DB.",
     ),
 ]
+DataHost = Annotated[
+    str | None,
+    typer.Option(
+        envvar="SHOAL_DATA_HOST",
+        help="Address this node's pipeline stages listen on (llama.cpp RPC, MLX ring) "
+        "[default: the local address NATS is reached from]. Trusted networks only: "
+        "llama.cpp's RPC has no authentication.",
+    ),
+]
 DEFAULT_NATS = DEFAULT_NATS_URL
 
 

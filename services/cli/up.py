@@ -30,7 +30,7 @@ from projectors.projector import Projector, tune_gc
 from projectors.store import load_state
 from services.cli.api import ApiKeys, api_server, check_port_free, serve_until
 from services.cli.models import publish_model
-from services.cli.options import default_data_dir, run_until_signal, setup_logging
+from services.cli.options import DataHost, default_data_dir, run_until_signal, setup_logging
 from services.models.cards import builtin_cards
 from services.planner.planner import PLANNING_TABLES, Planner
 from services.worker.identity import node_id as load_node_id
@@ -64,6 +64,7 @@ def up(
     runner_threads: Annotated[
         int | None, typer.Option(help="Threads per runner [default: every core].")
     ] = None,
+    data_host: DataHost = None,
     api_key: ApiKeys = None,
 ) -> None:
     """Start a one-machine Shoal: NATS, projector, planner, worker and API, serving a model."""
@@ -104,7 +105,7 @@ def up(
             worker_dir = data / "worker"
             worker = Worker(worker_nc, WorkerConfig(
                 nats_url=server.url, node_id=load_node_id(worker_dir, None), data_dir=worker_dir,
-                memory_limit=limit, runner_threads=runner_threads,
+                memory_limit=limit, runner_threads=runner_threads, data_host=data_host,
             ))  # fmt: skip
             api = api_server(
                 ApiConfig(nats_url=server.url, db_url=db_url, api_keys=keys), host, port

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +14,7 @@ from bus.connection import connect
 from bus.streams import StreamSettings
 from services.cli.options import (
     DEFAULT_NATS,
+    DataHost,
     NatsUrl,
     default_data_dir,
     run_until_signal,
@@ -46,6 +48,7 @@ def worker(
             "workers or runners share a machine."
         ),
     ] = None,
+    data_host: DataHost = None,
 ) -> None:
     """Join the cluster as a worker: heartbeat, and run the runners placed on this node."""
     setup_logging()
@@ -57,6 +60,7 @@ def worker(
         memory_limit=limit,
         heartbeat_s=heartbeat,
         runner_threads=runner_threads,
+        data_host=data_host,
         stream_settings=StreamSettings.from_env(),
     )
     typer.echo(f"worker {config.node_id} joining {nats}")
@@ -84,4 +88,9 @@ def runner(
         code = await run_runner(parsed, stop)
 
     run_until_signal(main)
-    sys.exit(code)
+    # Without the interpreter's teardown: freeing a model whose later stages are gone makes
+    # ggml abort (it cannot reach their RPC servers), which would turn a clean stop or a
+    # reported failure into SIGABRT. What a runner holds, the OS frees.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client
 
 from bus.connection import connect
 from bus.streams import ensure_streams
 from services.models.cards import card_for
 from services.models.resolve import resolve_model
 from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.llamacpp_pipeline import connect_stages, serve_stage
+from services.runner.peers import PeerLost, Peers
 from services.runner.serve import RunnerIdentity, StateReporter, TaskServer
 from services.runner.spec import RunnerSpec
 
@@ -24,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class UnsupportedShard(RuntimeError):
-    """A shard this runner cannot serve (a stage of a pipeline across nodes)."""
+    """A shard this runner cannot serve."""
 
 
 async def model_path(spec: RunnerSpec, state: StateReporter) -> Path:
@@ -45,30 +51,18 @@ async def model_path(spec: RunnerSpec, state: StateReporter) -> Path:
 async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
     nc = await connect(spec.nats_url, name=f"shoal-runner-{spec.runner_id}")
     me = RunnerIdentity(spec.runner_id, spec.instance_id, spec.model_id, spec.node_id)
-    if spec.engine != "llamacpp":
-        raise SystemExit(f"engine {spec.engine!r} is not available in this runner")
     state = StateReporter(nc, me)
     await ensure_streams(nc.jetstream())
+    peers = Peers(nc.jetstream(), spec.peers)
     try:
-        if spec.shard.world_size > 1:
-            # Placement already splits models that fit no single node; serving such a split
-            # (llama.cpp RPC, MLX ring) is the next step. Until then, fail visibly rather than
-            # load the whole model on a node that was given only part of it.
-            raise UnsupportedShard(
-                f"this runner serves whole models only; shard {spec.shard.rank + 1} of"
-                f" {spec.shard.world_size} (layers {spec.shard.start_layer}-"
-                f"{spec.shard.end_layer - 1}) needs pipeline support"
-            )
-        path = await model_path(spec, state)
-        await state.report("Loading", progress=0.0)
-        engine = LlamaCppEngine(
-            path, n_ctx=spec.n_ctx, chat_format=spec.chat_format, n_threads=spec.n_threads
-        )
-        await asyncio.to_thread(engine.load)
-        server = TaskServer(nc, engine, me)
-        await server.start()
-        await state.report("Ready", progress=1.0)
-        await server.serve_forever(stop)
+        if spec.engine != "llamacpp":
+            raise UnsupportedShard(f"engine {spec.engine!r} is not available in this runner")
+        if spec.shard.rank > 0:
+            await serve_stage(spec, state, stop)
+        else:
+            await peers.start()
+            offload = await connect_stages(spec, peers, state) if spec.peers else {}
+            await serve_head(spec, nc, me, state, peers, stop, offload)
         await state.report("Stopped")
         return 0
     except Exception as exc:
@@ -76,4 +70,44 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
         await state.report("Failed", error=f"{type(exc).__name__}: {exc}", exit_code=1)
         return 1
     finally:
+        await peers.stop()
         await nc.drain()
+
+
+async def serve_head(
+    spec: RunnerSpec,
+    nc: Client,
+    me: RunnerIdentity,
+    state: StateReporter,
+    peers: Peers,
+    stop: asyncio.Event,
+    offload: dict[str, Any],
+) -> None:
+    """Load the model (its later stages on their RPC servers, if any) and serve tasks until
+    asked to stop, or until a later stage is lost."""
+    path = await model_path(spec, state)
+    await state.report("Loading", progress=0.0)
+    engine = LlamaCppEngine(
+        path, n_ctx=spec.n_ctx, chat_format=spec.chat_format, n_threads=spec.n_threads, **offload
+    )
+    await asyncio.to_thread(engine.load)
+    server = TaskServer(nc, engine, me)
+    await server.start()
+    await state.report("Ready", progress=1.0)
+    halt = asyncio.Event()
+    watchers = [
+        asyncio.create_task(_set_when(stop.wait(), halt)),
+        asyncio.create_task(_set_when(peers.wait_lost(), halt)),
+    ]
+    try:
+        await server.serve_forever(halt)
+    finally:
+        for w in watchers:
+            w.cancel()
+    if peers.lost is not None:
+        raise PeerLost(f"a later stage of the pipeline is gone: {peers.lost}")
+
+
+async def _set_when(done: Awaitable[object], flag: asyncio.Event) -> None:
+    await done
+    flag.set()

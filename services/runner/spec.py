@@ -25,6 +25,13 @@ class RunnerSpec(BaseModel):
     # llama.cpp's threads spin-wait, and oversubscribed they fall to seconds per token.
     n_threads: int | None = None
     cache_dir: str
+    # The other stages of this shard's pipeline (same instance and replica), in rank order;
+    # empty for a whole model.
+    peers: list[ShardAssignment] = []
+    # The address this runner's data-plane listeners (llama.cpp RPC, MLX ring) bind to.
+    data_host: str = "127.0.0.1"
+    # How long a stage waits for the others to listen before it gives up (and is restarted).
+    peer_timeout_s: float = 300.0
 
     @property
     def runner_id(self) -> str:

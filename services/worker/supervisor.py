@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -73,6 +74,9 @@ class Supervisor:
                 # its own, a Ctrl-C at the terminal does not reach it behind the worker's back.
                 preexec_fn=die_with_parent,
                 start_new_session=True,
+                # ggml attaches gdb to print a backtrace when it aborts (a lost RPC stage):
+                # seconds of ptrace and pages of log for a failure the runner's events explain.
+                env={"GGML_NO_BACKTRACE": "1", **os.environ},
             )
         entry.started_at = time.monotonic()
         log.info("started runner %s (pid %d)", entry.spec.runner_id, entry.proc.pid)

