@@ -91,7 +91,7 @@ async def serve_head(
         path, n_ctx=spec.n_ctx, chat_format=spec.chat_format, n_threads=spec.n_threads, **offload
     )
     await asyncio.to_thread(engine.load)
-    server = TaskServer(nc, engine, me)
+    server = TaskServer(nc, engine, me, Path(spec.task_file) if spec.task_file else None)
     await server.start()
     await state.report("Ready", progress=1.0)
     halt = asyncio.Event()

@@ -9,11 +9,13 @@ mid-generation has its task failed by its worker, not retried behind the client'
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -86,9 +88,38 @@ class StateReporter:
         )
 
 
+class CurrentTask:
+    """The task a runner is serving, noted in a local file for its worker: a runner that dies
+    (killed, or aborted by its engine) cannot say which task it leaves unfinished, and its
+    TaskStarted may not have got out yet. Writing it costs a local write, not a round trip."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._path = path
+
+    def begin(self, task: TaskCreated) -> None:
+        if self._path is not None:
+            self._path.write_text(task.model_dump_json(include={"task_id", "model_id"}))
+
+    def end(self) -> None:
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)
+
+    @staticmethod
+    def read(path: Path) -> tuple[str, str] | None:
+        """(task id, model id) of the task left unfinished, if any."""
+        try:
+            noted = json.loads(path.read_text())
+            return str(noted["task_id"]), str(noted["model_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
 class TaskServer:
-    def __init__(self, nc: Client, engine: Engine, me: RunnerIdentity) -> None:
+    def __init__(
+        self, nc: Client, engine: Engine, me: RunnerIdentity, task_file: Path | None = None
+    ) -> None:
         self._nc = nc
+        self._current = CurrentTask(task_file)
         self._js = nc.jetstream()
         self._engine = engine
         self._me = me
@@ -133,6 +164,7 @@ class TaskServer:
         async def on_cancel(_msg: Msg) -> None:
             cancelled.set()
 
+        self._current.begin(task)
         sub = await self._nc.subscribe(cancel_subject(task), cb=on_cancel)
         already = asyncio.create_task(self._was_cancelled(task, cancelled))
         started = TaskStarted(
@@ -159,16 +191,22 @@ class TaskServer:
         finally:
             already.cancel()
             await sub.unsubscribe()
+            self._current.end()
             self.served += 1
             await self._state.report("Ready")
 
     async def _was_cancelled(self, task: TaskCreated, flag: asyncio.Event) -> None:
-        """A cancel published before this runner subscribed is in the log."""
-        try:
-            await self._js.get_last_msg(EVENTS_STREAM, cancel_subject(task))
-            flag.set()
-        except NotFoundError:
-            pass
+        """A cancel published before this runner subscribed is in the log; so is the failure of
+        a task whose runner died before its ack got out (its worker failed it, and JetStream
+        delivered it again)."""
+        failed = event_subject("task", (task.model_id, task.task_id), "TaskFailed")
+        for subject in (cancel_subject(task), failed):
+            try:
+                await self._js.get_last_msg(EVENTS_STREAM, subject)
+                flag.set()
+                return
+            except NotFoundError:
+                pass
 
     async def _generate(
         self,

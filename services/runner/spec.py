@@ -30,6 +30,9 @@ class RunnerSpec(BaseModel):
     peers: list[ShardAssignment] = []
     # The address this runner's data-plane listeners (llama.cpp RPC, MLX ring) bind to.
     data_host: str = "127.0.0.1"
+    # Where the runner notes the task it is serving, so that its worker can fail that task if
+    # the runner dies, even before its TaskStarted got out.
+    task_file: str | None = None
     # How long a stage waits for the others to listen before it gives up (and is restarted).
     peer_timeout_s: float = 300.0
 

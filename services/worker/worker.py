@@ -25,9 +25,7 @@ from bus.events import (
     NodeLeft,
     ResourceProfiled,
     RunnerStateChanged,
-    TaskCompleted,
     TaskFailed,
-    TaskStarted,
     parse_event,
 )
 from bus.publisher import Publisher
@@ -37,6 +35,7 @@ from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
 from services.models.footprint import context_for
+from services.runner.serve import CurrentTask
 from services.runner.spec import RunnerSpec
 from services.worker.profile import collect_profile, rss_bytes
 from services.worker.reconcile import describe_exit, desired_runners, plan
@@ -73,7 +72,6 @@ class Worker:
         self.config = config
         self.state = ClusterState()  # instances, runners and models, folded from the log
         self.supervisor = Supervisor(self._runner_exited, config.data_dir / "logs")
-        self._inflight: dict[str, TaskStarted] = {}  # runner id -> the task it serves
         self._caught_up = asyncio.Event()
 
     @property
@@ -94,7 +92,6 @@ class Worker:
         )
         await self._heartbeat()
         subs = [
-            await self._nc.subscribe(f"{EVENTS_PREFIX}.task.>", cb=self._on_task_event),
             # Models and instances in one consumer, so they fold in log order (a model is
             # known before an instance of it is placed).
             await self._js.subscribe(
@@ -197,23 +194,10 @@ class Worker:
             cache_dir=str(self.config.models_dir),
             peers=sorted(peers, key=lambda s: s.rank),
             data_host=self.config.data_host or data_host_towards(self.config.nats_url),
+            task_file=str(self.config.data_dir / "logs" / f"runner-{row.runner_id}.task"),
         )
 
     # --- runner deaths ------------------------------------------------------------------
-
-    async def _on_task_event(self, msg: Msg) -> None:
-        if not msg.subject.endswith((".TaskStarted", ".TaskCompleted", ".TaskFailed")):
-            return
-        try:
-            event = parse_event(msg.data)
-        except ValidationError:
-            return
-        if isinstance(event, TaskStarted) and event.runner_id in self.supervisor.runners:
-            self._inflight[event.runner_id] = event
-        elif isinstance(event, TaskCompleted | TaskFailed) and event.runner_id is not None:
-            started = self._inflight.get(event.runner_id)
-            if started is not None and started.task_id == event.task_id:
-                del self._inflight[event.runner_id]
 
     async def _runner_exited(self, spec: RunnerSpec, code: int, restarting: bool) -> None:
         cause = describe_exit(code)
@@ -224,15 +208,19 @@ class Worker:
                 error=f"runner {cause}" + ("; restarting" if restarting else ""),
             )
         )  # fmt: skip
-        started = self._inflight.pop(spec.runner_id, None)
-        if started is not None:
+        task_file = Path(spec.task_file) if spec.task_file else None
+        left = CurrentTask.read(task_file) if task_file is not None else None
+        if task_file is not None:
+            task_file.unlink(missing_ok=True)
+        if left is not None:
+            task_id, model_id = left
             # Same message id as the runner's own outcome: if it got one out, this is dropped.
             await self._pub.publish(
                 TaskFailed(
-                    task_id=started.task_id, model_id=started.model_id, origin=self.node_id,
+                    task_id=task_id, model_id=model_id, origin=self.node_id,
                     runner_id=spec.runner_id, error=f"the runner serving this task {cause}",
                 ),
-                msg_id=f"done:{started.task_id}",
+                msg_id=f"done:{task_id}",
             )  # fmt: skip
 
 
