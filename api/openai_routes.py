@@ -68,10 +68,12 @@ async def _serve(
             _events(ctx, task, shape, include_usage), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )  # fmt: skip
-    async with TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s) as ts:
+    async with _stream(ctx, task) as ts:
         text = "".join([c.text async for c in ts.chunks()])
     finished = ts.finished
     assert finished is not None
+    if finished.unavailable is not None:
+        raise _unavailable(finished.unavailable)
     if finished.failed is not None:
         raise _task_error(finished.failed.error)
     assert finished.completed is not None
@@ -82,7 +84,7 @@ async def _events(
     ctx: ApiContext, task: TaskCreated, shape: _Shape, include_usage: bool
 ) -> AsyncIterator[str]:
     """Server-sent events; leaving the generator early (client gone) cancels the task."""
-    async with TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s) as ts:
+    async with _stream(ctx, task) as ts:
         if shape.chat:
             yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
         try:
@@ -96,12 +98,33 @@ async def _events(
             return
     finished = ts.finished
     assert finished is not None
-    if finished.failed is not None:
-        err = _task_error(finished.failed.error)
+    if finished.unavailable is not None or finished.failed is not None:
+        err = (
+            _unavailable(finished.unavailable)
+            if finished.unavailable is not None
+            else _task_error(finished.failed.error if finished.failed else "")
+        )
         yield _sse(error_body(err.status, err.message, code=err.code))
     elif finished.completed is not None and include_usage:
         yield _sse(shape.usage_chunk(finished.completed))
     yield "data: [DONE]\n\n"
+
+
+def _stream(ctx: ApiContext, task: TaskCreated) -> TaskStream:
+    async def recheck() -> str | None:
+        try:
+            state = await projection.serving(ctx.engine, task.model_id)
+            projection.require_serving(state, task.model_id)
+        except ApiError as err:
+            return err.message
+        return None
+
+    return TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s, recheck)
+
+
+def _unavailable(why: str) -> ApiError:
+    return ApiError(503, f"{why} (the request was accepted, then its last runner stopped)",
+                    code="model_not_ready")  # fmt: skip
 
 
 def _task_error(error: str) -> ApiError:

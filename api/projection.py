@@ -65,7 +65,9 @@ def require_serving(state: ClusterState, model_id: str) -> None:
                        param="model", code="model_not_found")  # fmt: skip
     live = [i for i in instances if i.status in ("requested", "placed", "rejected")]
     for inst in live:
-        if any(r.state in SERVING for r in state.runners_of(inst.instance_id)):
+        # A rejected instance's runners are being stopped; only a pipeline's head serves.
+        heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
+        if inst.status != "rejected" and any(r.state in SERVING for r in heads):
             return
     raise ApiError(503, f"model `{model_id}` cannot answer now: {_why_not(state, live)}",
                    code="model_not_ready")  # fmt: skip

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -35,17 +35,35 @@ from bus.subjects import EVENTS_PREFIX, chunk_subject, escape_token
 _BACKGROUND: set[asyncio.Task[object]] = set()
 
 
+# Until its first chunk, a task's model is checked this often to still have a runner to serve
+# it: the last one may stop (its instance rejected, deleted) after the request was accepted.
+RECHECK_S = 2.0
+
+# Why a model cannot serve now (None: it can).
+Recheck = Callable[[], Awaitable[str | None]]
+
+
 @dataclass(frozen=True)
 class Finished:
-    """How the task ended: ``completed`` (with usage) or ``failed`` (with the error)."""
+    """How the task ended: ``completed`` (with usage), ``failed`` (with the error), or given up
+    because no runner is left to serve it (``unavailable``, saying why)."""
 
     completed: TaskCompleted | None = None
     failed: TaskFailed | None = None
+    unavailable: str | None = None
 
 
 class TaskStream:
-    def __init__(self, nc: Client, task: TaskCreated, origin: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        task: TaskCreated,
+        origin: str,
+        timeout_s: float,
+        recheck: Recheck | None = None,
+    ) -> None:
         self._nc = nc
+        self._recheck = recheck
         self.task = task
         self._origin = origin
         self._timeout_s = timeout_s
@@ -70,11 +88,13 @@ class TaskStream:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        if self.finished is None:
+        if self.finished is None or self.finished.unavailable is not None:
             # The client went away (or the wait timed out): stop the runner's work. Published
             # from a task of its own: the request's own task is being cancelled, and the server
             # (anyio) cancels every await it makes from here on.
             reason = "the client went away" if kind is not None else "no longer awaited"
+            if self.finished is not None and self.finished.unavailable is not None:
+                reason = self.finished.unavailable
             cancel = TaskCancelled(task_id=self.task.task_id, model_id=self.task.model_id,
                                    origin=self._origin, reason=reason)  # fmt: skip
             publishing = asyncio.get_running_loop().create_task(
@@ -99,7 +119,16 @@ class TaskStream:
         completed: TaskCompleted | None = None
         async with asyncio.timeout(self._timeout_s):
             while True:
-                event = await self._queue.get()
+                if next_idx == 0 and self._recheck is not None:
+                    try:
+                        event = await asyncio.wait_for(self._queue.get(), RECHECK_S)
+                    except TimeoutError:
+                        if (why := await self._recheck()) is not None:
+                            self.finished = Finished(unavailable=why)
+                            return
+                        continue
+                else:
+                    event = await self._queue.get()
                 if isinstance(event, TaskFailed):
                     self.finished = Finished(failed=event)
                     return

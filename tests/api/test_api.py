@@ -10,7 +10,16 @@ import httpx
 import pytest
 from nats.js import JetStreamContext
 
-from bus.events import ModelAdded, NodeJoined, NodeProfile, ResourceProfiled
+from bus.events import (
+    InstanceRequested,
+    ModelAdded,
+    NodeJoined,
+    NodeProfile,
+    ResourceProfiled,
+    RunnerStateChanged,
+    TaskCancelled,
+    parse_event,
+)
 from bus.publisher import Publisher
 from tests.api.conftest import ApiStack, wait_healthy
 
@@ -127,3 +136,35 @@ async def test_api_keys(api_stack: ApiStack) -> None:
             ok = await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
             assert ok.status_code == 200
     assert "sekrit" not in api_stack.procs.log("api-keys")
+
+
+async def test_a_request_whose_last_runner_stops_gets_503_not_a_hang(
+    api_stack: ApiStack, js: JetStreamContext
+) -> None:
+    """The projection says a runner is Ready (as a runner would report it), so the request is
+    accepted; nothing pulls its task, and then the runner stops. The API gives up within a few
+    seconds with 503, and cancels the task so that no runner serves it later."""
+    api_stack.procs.start("planner", "planner", "--nats", api_stack.nats_url, "--db",
+                          api_stack.db_url)  # fmt: skip
+    await _cluster(js)
+    pub = Publisher(js)
+    await pub.publish(InstanceRequested(instance_id="i", model_id="m", origin="test"))
+    async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
+        inst = await _until(client, "/v1/instances/i", lambda b: b.get("status") == "placed")
+        runner = inst["shards"][0]["runner_id"]
+        await pub.publish(RunnerStateChanged(runner_id=runner, instance_id="i", node_id="n1",
+                                             state="Ready", origin="n1"))  # fmt: skip
+        await _until(client, "/v1/instances/i", lambda b: b["shards"][0]["state"] == "Ready")
+        asked = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        cancels = await js.subscribe("shoal.events.task.m.*.TaskCancelled")
+        await asyncio.sleep(0.5)
+        assert not asked.done()  # accepted, waiting for a runner
+        await pub.publish(RunnerStateChanged(runner_id=runner, instance_id="i", node_id="n1",
+                                             state="Stopped", origin="n1"))  # fmt: skip
+        err = _error(await asyncio.wait_for(asked, 10), 503)
+        assert (
+            "runners: Stopped" in err["message"]
+            and "then its last runner stopped" in (err["message"])
+        )
+        cancel = parse_event((await cancels.next_msg(timeout=5)).data)
+        assert isinstance(cancel, TaskCancelled) and "runners: Stopped" in cancel.reason

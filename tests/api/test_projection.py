@@ -1,0 +1,48 @@
+"""When the API accepts a request for a model: decided from the projection alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.errors import ApiError
+from api.projection import require_serving
+from projectors.rows import InstanceRow, ModelRow, RunnerRow
+from projectors.state import ClusterState, Put
+
+
+def cluster(status: str, *runners: tuple[int, str]) -> ClusterState:
+    """One model, one instance of it with ``status``, runners as (rank, state)."""
+    state = ClusterState()
+    state.commit([Put(ModelRow(model_id="m", n_layers=30, size_bytes=1)),
+                  Put(InstanceRow(instance_id="i", model_id="m", status=status,
+                                  reason="it needs 199 MiB"))])  # fmt: skip
+    for rank, runner_state in runners:
+        state.commit([Put(RunnerRow(runner_id=f"r{rank}", instance_id="i", node_id=f"n{rank}",
+                                    device="cpu", state=runner_state, rank=rank,
+                                    world_size=len(runners)))])  # fmt: skip
+    return state
+
+
+def test_a_ready_whole_model_or_pipeline_head_serves() -> None:
+    require_serving(cluster("placed", (0, "Ready")), "m")
+    require_serving(cluster("placed", (0, "Running"), (1, "Ready")), "m")
+
+
+def test_a_pipeline_whose_head_is_not_ready_does_not_serve() -> None:
+    """Later stages report Ready as soon as they listen; no task is pulled until the head is."""
+    with pytest.raises(ApiError) as err:
+        require_serving(cluster("placed", (0, "Loading"), (1, "Ready")), "m")
+    assert err.value.status == 503 and "runners: Loading, Ready" in err.value.message
+
+
+def test_a_rejected_instance_does_not_serve_and_says_why() -> None:
+    """Its runners are being stopped, even if the last word of one was Ready."""
+    with pytest.raises(ApiError) as err:
+        require_serving(cluster("rejected", (0, "Ready")), "m")
+    assert err.value.status == 503 and "could not be placed: it needs 199 MiB" in err.value.message
+
+
+def test_an_unknown_model_is_404() -> None:
+    with pytest.raises(ApiError) as err:
+        require_serving(cluster("placed", (0, "Ready")), "other")
+    assert err.value.status == 404 and "known models: m" in err.value.message
