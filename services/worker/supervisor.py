@@ -29,6 +29,13 @@ def runner_command(spec: RunnerSpec) -> list[str]:
     return [str(shoal), "runner", "--spec", spec.model_dump_json()]
 
 
+def _pipeline_env(spec: RunnerSpec) -> dict[str, str]:
+    """A pipeline's stages compute one after the other: idle OpenMP threads that spin while
+    waiting (libgomp's default) would take the cores from the stage that computes when stages
+    share a machine."""
+    return {"OMP_WAIT_POLICY": "PASSIVE"} if spec.shard.world_size > 1 else {}
+
+
 @dataclass
 class Supervised:
     spec: RunnerSpec
@@ -76,7 +83,7 @@ class Supervisor:
                 start_new_session=True,
                 # ggml attaches gdb to print a backtrace when it aborts (a lost RPC stage):
                 # seconds of ptrace and pages of log for a failure the runner's events explain.
-                env={"GGML_NO_BACKTRACE": "1", **os.environ},
+                env={"GGML_NO_BACKTRACE": "1", **_pipeline_env(entry.spec), **os.environ},
             )
         entry.started_at = time.monotonic()
         log.info("started runner %s (pid %d)", entry.spec.runner_id, entry.proc.pid)
