@@ -8,6 +8,11 @@ from bus.events import TaskCreated
 from services.runner.generation import TokenSource
 
 
+class EngineBroken(RuntimeError):
+    """The engine cannot serve any more task (a pipeline lost a stage): the runner fails the
+    task it was serving, then reports Failed and exits, to be restarted."""
+
+
 class Engine(TokenSource, Protocol):
     @property
     def n_ctx(self) -> int: ...

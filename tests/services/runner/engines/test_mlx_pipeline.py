@@ -1,0 +1,334 @@
+"""An MLX model split by layers across processes over mlx's ring, against the same model in one
+process. The stages' arithmetic is checked in-process; the ring with real processes (one per
+rank, on loopback), which are always killed at the end of their test."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import psutil
+import pytest
+from mlx.utils import tree_flatten
+
+from bus.events import ChatMessage, SamplingParams, TaskCreated
+from services.runner.engines.mlx import MlxEngine, load_model
+from services.runner.engines.mlx_pipeline import PipelineShard, Stage
+from tests.services.runner.engines.pipeline_head import run_task
+
+HEAD = "tests.services.runner.engines.pipeline_head"
+FOLLOWER = "services.runner.engines.mlx_pipeline"
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def shards(*bounds: int, hosts: tuple[str, ...] | None = None) -> list[PipelineShard]:
+    """The ranks of a pipeline cutting the model's layers at ``bounds`` (first 0, last n)."""
+    n = len(bounds) - 1
+    hosts = hosts or tuple(f"127.0.0.1:{5000 + r}" for r in range(n))
+    return [PipelineShard(r, n, bounds[r], bounds[r + 1], bounds[-1], hosts) for r in range(n)]
+
+
+# --- the stages, in one process ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "bounds"), [("tiny_mlx", (0, 1, 3, 4)), ("tiny_mlx_tied", (0, 2, 4))]
+)
+def test_stages_compute_what_the_whole_model_does(
+    model: str, bounds: tuple[int, ...], request: pytest.FixtureRequest
+) -> None:
+    path: Path = request.getfixturevalue(model)
+    whole = MlxEngine(path)
+    whole.load()
+    stages = [Stage.load(path, shard) for shard in shards(*bounds)]
+    prompt = whole.prompt_tokens(
+        TaskCreated(task_id="t", model_id="m", origin="test",
+                    messages=[ChatMessage(role="user", content="Hello there")])
+    )  # fmt: skip
+    whole_cache = whole.model.make_cache()
+    caches = [stage.new_cache() for stage in stages]
+    step = prompt
+    for _ in range(4):  # the prompt, then three tokens on the caches
+        expected = whole.model(mx.array([step]), cache=whole_cache)[:, -1, :]
+        x = mx.array([step])
+        for stage, cache in zip(stages, caches, strict=True):
+            x = stage.hidden(x, cache)
+        got = stages[-1].logits(x)
+        assert got.dtype == expected.dtype
+        assert mx.array_equal(got, expected).item()
+        step = [int(mx.argmax(got, axis=-1)[0])]
+
+
+def test_a_stage_holds_only_its_part(tiny_mlx: Path, tiny_mlx_tied: Path) -> None:
+    def names(path: Path, shard: PipelineShard) -> set[str]:
+        stage = Stage.load(path, shard)
+        parts = {"embed": stage.embed, "norm": stage.norm, "head": stage.head}
+        return {name for name, part in parts.items() if part is not None} | {"layers"}
+
+    first, middle, last = shards(0, 1, 3, 4)
+    assert names(tiny_mlx, first) == {"layers", "embed"}
+    assert names(tiny_mlx, middle) == {"layers"}
+    assert names(tiny_mlx, last) == {"layers", "norm", "head"}
+    assert len(Stage.load(tiny_mlx, middle).layers) == 2
+    # The weights: a middle stage holds two of the four layers' and nothing else.
+    model, _ = load_model(tiny_mlx)
+    all_params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[no-untyped-call,assignment]
+    layer_bytes = sum(v.nbytes for k, v in all_params if k.startswith("model.layers.1."))
+    stage_params: list[tuple[str, mx.array]] = tree_flatten(
+        Stage.load(tiny_mlx, middle).parameters()
+    )  # type: ignore[assignment]
+    assert sum(v.nbytes for _, v in stage_params) == 2 * layer_bytes
+    # Tied: the last rank needs the embedding as its output layer.
+    tied_last = Stage.load(tiny_mlx_tied, shards(0, 2, 4)[1])
+    assert tied_last.head is not None and tied_last.embed is None
+    assert "weight" in tied_last.head and tied_last.head["weight"].shape[0] > 256
+
+
+def test_shards_must_make_sense() -> None:
+    hosts = ("127.0.0.1:5000", "127.0.0.1:5001")
+    with pytest.raises(ValueError, match="at least two"):
+        PipelineShard(0, 1, 0, 4, 4, hosts[:1])
+    with pytest.raises(ValueError, match="2 hosts for 3"):
+        PipelineShard(0, 3, 0, 1, 4, hosts)
+    with pytest.raises(ValueError, match="ip:port"):
+        PipelineShard(0, 2, 0, 2, 4, ("127.0.0.1", "127.0.0.1:5001"))
+    with pytest.raises(ValueError, match="layer 0"):
+        PipelineShard(0, 2, 1, 2, 4, hosts)
+    with pytest.raises(ValueError, match="last layer"):
+        PipelineShard(1, 2, 2, 3, 4, hosts)
+    with pytest.raises(ValueError, match="layers 3-2"):
+        PipelineShard(1, 2, 3, 3, 4, hosts)
+
+
+# --- real processes ---------------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@contextmanager
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes started for one test: killed at the end, whatever happened."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            out, err = proc.communicate(timeout=10)
+            sys.stdout.write(f"--- {proc.args!r} (exit {proc.returncode})\n{out}{err[-3000:]}\n")
+
+
+def start(procs: list[subprocess.Popen[str]], module: str, *args: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    procs.append(proc)
+    return proc
+
+
+def run_pipeline(
+    path: Path, bounds: tuple[int, ...], script: list[dict[str, Any]], timeout: float = 90
+) -> list[dict[str, Any]]:
+    """Every rank as its own process; the head serves ``script`` (see pipeline_head). Returns
+    the head's results; every rank must have exited 0 after the shutdown."""
+    hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(len(bounds) - 1))
+    common = ["--model", str(path), "--n-layers", str(bounds[-1]), "--hosts", hosts,
+              "--connect-timeout", "60"]  # fmt: skip
+    with processes() as procs:
+        # The head first: the last rank connects to it first, and mlx's retries back off.
+        head = start(procs, HEAD, "--layers", f"0:{bounds[1]}", "--script", json.dumps(script),
+                     *common)  # fmt: skip
+        followers = []
+        for r in range(1, len(bounds) - 1):
+            layers = f"{bounds[r]}:{bounds[r + 1]}"
+            followers.append(start(procs, FOLLOWER, "--rank", str(r), "--layers", layers, *common))
+        out, _ = head.communicate(timeout=timeout)
+        assert head.returncode == 0
+        for follower in followers:
+            assert follower.wait(timeout=10) == 0
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert lines[0] == {"ready": True} and lines[-1] == {"shutdown": True}
+    return lines[1:-1]
+
+
+def chat(n: int, text: str, **params: object) -> TaskCreated:
+    return TaskCreated(
+        task_id=f"t{n}", model_id="m", origin="test",
+        messages=[ChatMessage(role="user", content=text)],
+        params=SamplingParams.model_validate(params),
+    )  # fmt: skip
+
+
+SAMPLED = {"temperature": 1.5, "top_p": 0.9, "seed": 11, "max_tokens": 30,
+           "presence_penalty": 0.5, "frequency_penalty": 0.5}  # fmt: skip
+SCRIPT: list[tuple[TaskCreated, int | str | None]] = [
+    (chat(1, "What is the capital city of France?", temperature=0, max_tokens=40), None),
+    # Left suspended after 3 tokens: the next task ends it first.
+    (chat(5, "Hello there", temperature=0), "abandon"),
+    (chat(2, "Write a short poem about the sea.", temperature=0, max_tokens=40), None),
+    # Cancelled after 5 tokens, then the same task in full: the ranks forgot the first one.
+    (chat(3, "Count: one two three", temperature=0, max_tokens=40), 5),
+    (chat(3, "Count: one two three", temperature=0, max_tokens=40), None),
+    (chat(4, "Once upon a time", **SAMPLED), None),
+]
+
+
+def expected(path: Path) -> list[dict[str, Any]]:
+    engine = MlxEngine(path, n_ctx=512)
+    engine.load()
+    out = []
+    for task, cancel_after in SCRIPT:
+        if isinstance(cancel_after, str):  # "abandon"
+            tokens = engine.generate(engine.prompt_tokens(task), task.params)
+            out.append({"tokens": [next(tokens) for _ in range(3)], "abandoned": True})
+        else:
+            out.append(run_task(engine, task, cancel_after))
+    return out
+
+
+def script_entry(task: TaskCreated, cancel_after: int | str | None) -> dict[str, Any]:
+    if cancel_after == "abandon":
+        return {"task": task.model_dump(mode="json"), "abandon_after": 3}
+    return {"task": task.model_dump(mode="json"), "cancel_after": cancel_after}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("model", "bounds"), [("tiny_mlx_tied", (0, 2, 4)), ("tiny_mlx", (0, 1, 3, 4))]
+)
+def test_a_split_model_answers_token_for_token_as_one_process(
+    model: str, bounds: tuple[int, ...], request: pytest.FixtureRequest
+) -> None:
+    path: Path = request.getfixturevalue(model)
+    want = expected(path)
+    got = run_pipeline(path, bounds, [script_entry(*entry) for entry in SCRIPT])
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+    assert [g.get("finish") for g in got] == [w.get("finish") for w in want]
+    assert [g.get("text") for g in got] == [w.get("text") for w in want]
+    cancelled, full = got[3], got[4]
+    assert cancelled["finish"] == "cancelled" and len(cancelled["tokens"]) == 5
+    assert full["tokens"][:5] == cancelled["tokens"] and len(full["tokens"]) > 5
+    assert all(len(g["tokens"]) > 1 for g in got)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_real_model_split_in_two_answers_as_one_process(smollm2_mlx: Path) -> None:
+    """SmolLM2-135M converted from its GGUF: mlx's CPU backend is slow on Linux (reference
+    BLAS), so short answers."""
+    tasks = [
+        chat(1, "What is the capital city of France? Answer in one word.", temperature=0,
+             max_tokens=10),
+        TaskCreated(task_id="t2", model_id="m", origin="test", kind="completion",
+                    prompt="The three primary colors are", params=SamplingParams(temperature=0,
+                    max_tokens=8)),
+    ]  # fmt: skip
+    engine = MlxEngine(smollm2_mlx, n_ctx=512)
+    engine.load()
+    want = [run_task(engine, task) for task in tasks]
+    assert "Paris" in want[0]["text"]
+    got = run_pipeline(smollm2_mlx, (0, 15, 30), [script_entry(task, None) for task in tasks],
+                       timeout=180)  # fmt: skip
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+    assert [g["text"] for g in got] == [w["text"] for w in want]
+
+
+def two_ranks(path: Path) -> tuple[list[str], list[str]]:
+    """The arguments of a 2-rank pipeline's head and follower."""
+    hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
+    common = ["--model", str(path), "--n-layers", "4", "--hosts", hosts]
+    return ["--layers", "0:2", *common], ["--rank", "1", "--layers", "2:4", *common]
+
+
+def read_line(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read() if proc.stderr else ""
+    out: dict[str, Any] = json.loads(line)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_follower_waits_idle_and_exits_non_zero_when_the_head_dies(tiny_mlx: Path) -> None:
+    head_args, follower_args = two_ranks(tiny_mlx)
+    script = json.dumps([script_entry(chat(1, "Hi", temperature=0, max_tokens=4), None)])
+    with processes() as procs:
+        follower = start(procs, FOLLOWER, *follower_args)
+        # A head that never shuts the pipeline down.
+        head = start(procs, HEAD, "--script", script, "--hold", *head_args)
+        assert read_line(head) == {"ready": True}
+        assert len(read_line(head)["tokens"]) == 4
+        assert read_line(head) == {"holding": True}
+        # Waiting for the next request costs no CPU (mlx alone would spin on its socket).
+        waiting = psutil.Process(follower.pid)
+        before = waiting.cpu_times()
+        time.sleep(1.0)
+        after = waiting.cpu_times()
+        assert (after.user + after.system) - (before.user + before.system) < 0.2
+        head.send_signal(signal.SIGKILL)
+        assert follower.wait(timeout=30) == 1
+        assert follower.stderr is not None
+        assert "connection to a peer was lost" in follower.stderr.read()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_head_fails_its_next_task_when_a_rank_dies(tiny_mlx: Path) -> None:
+    head_args, follower_args = two_ranks(tiny_mlx)
+    task = script_entry(chat(1, "Hi", temperature=0, max_tokens=4), None)
+    script = json.dumps([task, {"wait": True}, task])
+    with processes() as procs:
+        follower = start(procs, FOLLOWER, *follower_args)
+        head = start(procs, HEAD, "--script", script, *head_args)
+        assert read_line(head) == {"ready": True}
+        assert len(read_line(head)["tokens"]) == 4
+        follower.kill()
+        follower.wait(timeout=10)
+        assert head.stdin is not None
+        head.stdin.write("go on\n")
+        head.stdin.flush()
+        assert "connection to a peer was lost" in read_line(head)["broken"]
+        assert head.wait(timeout=30) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_ring_listens_on_the_given_address_and_gives_up_in_time(tiny_mlx: Path) -> None:
+    ports = free_ports(2)
+    hosts = f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}"
+    with processes() as procs:
+        # Rank 0 alone: it waits for rank 1's connection, listening on its address only.
+        head = start(procs, HEAD, "--model", str(tiny_mlx), "--n-layers", "4", "--hosts", hosts,
+                     "--layers", "0:2", "--script", "[]", "--connect-timeout", "2")  # fmt: skip
+        began = time.monotonic()
+        listening: list[tuple[str, int]] = []
+        while not listening and head.poll() is None:
+            listening = [(c.laddr.ip, c.laddr.port)
+                         for c in psutil.Process(head.pid).net_connections("tcp")
+                         if c.status == psutil.CONN_LISTEN]  # fmt: skip
+            time.sleep(0.05)
+        assert listening == [("127.0.0.1", ports[0])]
+        assert head.wait(timeout=30) == 1
+        assert time.monotonic() - began < 10
