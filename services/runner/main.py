@@ -9,10 +9,10 @@ decides about a restart).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
 
 from nats.aio.client import Client
 
@@ -20,8 +20,11 @@ from bus.connection import connect
 from bus.streams import ensure_streams
 from services.models.cards import card_for
 from services.models.resolve import resolve_model
+from services.runner.engines.base import Engine, EngineBroken
 from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.engines.mlx import MlxEngine
 from services.runner.llamacpp_pipeline import connect_stages, serve_stage
+from services.runner.mlx_stages import follow, load_head, ring_shard
 from services.runner.peers import PeerLost, Peers
 from services.runner.serve import RunnerIdentity, StateReporter, TaskServer
 from services.runner.spec import RunnerSpec
@@ -55,14 +58,13 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
     await ensure_streams(nc.jetstream())
     peers = Peers(nc.jetstream(), spec.peers)
     try:
-        if spec.engine != "llamacpp":
-            raise UnsupportedShard(f"engine {spec.engine!r} is not available in this runner")
-        if spec.shard.rank > 0:
-            await serve_stage(spec, state, stop)
+        await peers.start()
+        if spec.engine == "llamacpp":
+            await run_llamacpp(spec, nc, me, state, peers, stop)
+        elif spec.engine == "mlx":
+            await run_mlx(spec, nc, me, state, peers, stop)
         else:
-            await peers.start()
-            offload = await connect_stages(spec, peers, state) if spec.peers else {}
-            await serve_head(spec, nc, me, state, peers, stop, offload)
+            raise UnsupportedShard(f"engine {spec.engine!r} is not available in this runner")
         await state.report("Stopped")
         return 0
     except Exception as exc:
@@ -74,23 +76,68 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
         await nc.drain()
 
 
-async def serve_head(
+async def run_llamacpp(
     spec: RunnerSpec,
     nc: Client,
     me: RunnerIdentity,
     state: StateReporter,
     peers: Peers,
     stop: asyncio.Event,
-    offload: dict[str, Any],
 ) -> None:
-    """Load the model (its later stages on their RPC servers, if any) and serve tasks until
-    asked to stop, or until a later stage is lost."""
+    """A whole model, or a pipeline's head (its later stages on their RPC servers), or a later
+    stage (an RPC server; the head sends it its layers)."""
+    if spec.shard.rank > 0:
+        await serve_stage(spec, state, stop)
+        return
+    offload = await connect_stages(spec, peers, state) if spec.peers else {}
     path = await model_path(spec, state)
     await state.report("Loading", progress=0.0)
     engine = LlamaCppEngine(
         path, n_ctx=spec.n_ctx, chat_format=spec.chat_format, n_threads=spec.n_threads, **offload
     )
     await asyncio.to_thread(engine.load)
+    await serve_tasks(spec, nc, me, engine, state, peers, stop)
+
+
+async def run_mlx(
+    spec: RunnerSpec,
+    nc: Client,
+    me: RunnerIdentity,
+    state: StateReporter,
+    peers: Peers,
+    stop: asyncio.Event,
+) -> None:
+    """A whole MLX model, or one rank of an MLX ring: the head serves, the others follow."""
+    path = await model_path(spec, state)
+    if not spec.peers:
+        await state.report("Loading", progress=0.0)
+        engine = MlxEngine(path, n_ctx=spec.n_ctx)
+        await asyncio.to_thread(engine.load)
+        await serve_tasks(spec, nc, me, engine, state, peers, stop)
+        return
+    shard = await ring_shard(spec, peers, state)
+    if shard.rank > 0:
+        await follow(path, spec, shard, state, stop)
+        return
+    head = await load_head(path, spec, shard)
+    try:
+        await serve_tasks(spec, nc, me, head, state, peers, stop)
+    finally:
+        with contextlib.suppress(EngineBroken):
+            await asyncio.to_thread(head.shutdown)
+
+
+async def serve_tasks(
+    spec: RunnerSpec,
+    nc: Client,
+    me: RunnerIdentity,
+    engine: Engine,
+    state: StateReporter,
+    peers: Peers,
+    stop: asyncio.Event,
+) -> None:
+    """Serve tasks with a loaded engine until asked to stop, or until a stage it depends on is
+    lost (``PeerLost``)."""
     server = TaskServer(nc, engine, me, Path(spec.task_file) if spec.task_file else None)
     await server.start()
     await state.report("Ready", progress=1.0)
@@ -105,7 +152,7 @@ async def serve_head(
         for w in watchers:
             w.cancel()
     if peers.lost is not None:
-        raise PeerLost(f"a later stage of the pipeline is gone: {peers.lost}")
+        raise PeerLost(f"another stage of the pipeline is gone: {peers.lost}")
 
 
 async def _set_when(done: Awaitable[object], flag: asyncio.Event) -> None:

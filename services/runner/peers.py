@@ -11,6 +11,7 @@ restarts this runner, which waits for the peers afresh.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -32,6 +33,10 @@ class PeerView:
     @property
     def ready(self) -> bool:
         return self.state in ("Ready", "Running") and self.endpoint is not None
+
+    @property
+    def listening(self) -> bool:
+        return self.state in ("Loading", "Ready", "Running") and self.endpoint is not None
 
     def describe(self) -> str:
         s = self.shard
@@ -99,16 +104,23 @@ class Peers:
     async def wait_ready(self, timeout: float) -> list[str]:
         """The endpoints of every peer, in rank order, once all are ready. From then on a peer
         that fails or stops sets ``lost``."""
+        return await self._wait(lambda v: v.ready, timeout)
 
+    async def wait_endpoints(self, timeout: float) -> list[str]:
+        """The endpoints of every peer, in rank order, once all have one (while loading). From
+        then on a peer that fails or stops sets ``lost``."""
+        return await self._wait(lambda v: v.listening, timeout)
+
+    async def _wait(self, done: Callable[[PeerView], bool], timeout: float) -> list[str]:
         async def all_ready() -> None:
-            while not all(v.ready for v in self.views.values()):
+            while not all(done(v) for v in self.views.values()):
                 self._changed.clear()
                 await self._changed.wait()
 
         try:
             await asyncio.wait_for(all_ready(), timeout)
         except TimeoutError:
-            waiting = "; ".join(v.describe() for v in self.views.values() if not v.ready)
+            waiting = "; ".join(v.describe() for v in self.views.values() if not done(v))
             raise TimeoutError(
                 f"the pipeline's other stages were not ready within {timeout:.0f} s: {waiting}"
             ) from None

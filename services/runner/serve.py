@@ -38,7 +38,7 @@ from bus.events import (
 from bus.publisher import ChunkPublisher, Publisher
 from bus.streams import EVENTS_STREAM
 from bus.subjects import escape_token, event_subject, model_tasks_filter
-from services.runner.engines.base import Engine
+from services.runner.engines.base import Engine, EngineBroken
 from services.runner.generation import InvalidRequest, check_request, steps
 
 log = logging.getLogger(__name__)
@@ -184,10 +184,12 @@ class TaskServer:
         except InvalidRequest as exc:
             await announced
             await self._fail(task, f"invalid request: {exc}")
-        except Exception as exc:  # an engine error fails this task, not the runner
+        except Exception as exc:  # an engine error fails this task, not the runner...
             log.exception("task %s failed", task.task_id)
             await announced
             await self._fail(task, f"engine error: {exc}")
+            if isinstance(exc, EngineBroken):  # ...unless the engine cannot go on
+                raise
         finally:
             already.cancel()
             await sub.unsubscribe()

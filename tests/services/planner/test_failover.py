@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -125,7 +126,9 @@ async def test_a_runner_that_keeps_failing_moves_then_is_rejected(
         placed = log.of(InstancePlaced)
         assert [p.shards[0].node_id for p in placed] in (["w-a", "w-b"], ["w-b", "w-a"])
         assert placed[1].avoid == [f"{placed[0].shards[0].node_id}:cpu"]
-        assert "failed 3 times" in rejected.reason and "cannot be placed again" in rejected.reason
+        # At least 3 failures; on a busy machine one more may come before the planner's round.
+        assert re.search(r"failed [3-9] times", rejected.reason), rejected.reason
+        assert "cannot be placed again" in rejected.reason
         assert "the only devices online are w-a:cpu, w-b:cpu, where its runners kept failing" in (
             rejected.reason
         )
