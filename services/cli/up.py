@@ -181,6 +181,7 @@ async def _serve_model(nc: Client, engine: AsyncEngine, model_id: str, models_di
             if inst.status == "rejected" and inst.reason and inst.reason not in said:
                 said.add(inst.reason)
                 typer.echo(f"{model_id} cannot be placed: {inst.reason}", err=True)
-            if any(r.state in ("Ready", "Running") for r in state.runners_of(inst.instance_id)):
+            heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
+            if any(r.state in ("Ready", "Running") for r in heads):  # a pipeline's head serves
                 return
         await asyncio.sleep(0.3)

@@ -30,10 +30,13 @@ def runner_command(spec: RunnerSpec) -> list[str]:
 
 
 def _pipeline_env(spec: RunnerSpec) -> dict[str, str]:
-    """A pipeline's stages compute one after the other: idle OpenMP threads that spin while
-    waiting (libgomp's default) would take the cores from the stage that computes when stages
-    share a machine."""
-    return {"OMP_WAIT_POLICY": "PASSIVE"} if spec.shard.world_size > 1 else {}
+    """A pipeline's stages compute one after the other. libgomp's idle threads spin for about
+    300,000 iterations (a few ms) before they sleep: between tokens, one stage's spinning
+    threads took the cores from the stage computing when stages share a machine (2 stages of
+    SmolLM2 on 2 cores: 0.54x one process). 10,000 still spins through ggml's barriers within a
+    graph (OMP_WAIT_POLICY=PASSIVE, which sleeps at each one, halved one process's speed) and
+    sleeps soon after (0.92x, bench/pipeline.py)."""
+    return {"GOMP_SPINCOUNT": "10000"} if spec.shard.world_size > 1 else {}
 
 
 @dataclass

@@ -235,3 +235,44 @@ async def test_make_up_then_curl(tmp_path: Path) -> None:
         rest = _stop(proc)
         sys.stdout.write(rest[-2000:])
     assert "stopped" in rest
+
+
+async def test_one_machine_as_two_nodes_serves_a_model_neither_holds(tmp_path: Path) -> None:
+    """`shoal up` with a memory limit too small for SmolLM2 says so and waits; a second worker
+    (`shoal join`) with the same limit joins, and the model is split over the two and answers."""
+    port = free_port("127.0.0.1")
+    proc = _start([SHOAL, "up", "--data-dir", str(tmp_path / "a"), "--port", str(port),
+                   "--memory-limit", "160M", "--runner-threads", "1"])  # fmt: skip
+    joined: subprocess.Popen[str] | None = None
+    try:
+        lines: list[str] = []
+        assert proc.stdout is not None
+        async with asyncio.timeout(120):
+            while not any("cannot be placed" in line for line in lines):
+                lines.append(await asyncio.to_thread(proc.stdout.readline))
+        nats = re.search(r"^NATS\s+(\S+)", "".join(lines), re.MULTILINE)
+        assert nats is not None
+        joined = _start([SHOAL, "join", "--nats", nats.group(1), "--memory-limit", "160M",
+                         "--node-id", "b", "--data-dir", str(tmp_path / "b"),
+                         "--runner-threads", "1"])  # fmt: skip
+        lines += await _read_until_ready(proc)
+        async with httpx.AsyncClient(timeout=60) as client:
+            answer = await client.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={"model": MODEL, "max_tokens": 8, "temperature": 0,
+                      "messages": [{"role": "user", "content": "What is the capital city of"
+                                    " France? Answer in one word."}]},
+            )  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+            state = (await client.get(f"http://127.0.0.1:{port}/v1/instances")).json()
+        shards = state["data"][0]["shards"]
+        assert sorted(s["rank"] for s in shards) == [0, 1]
+        assert len({s["node_id"] for s in shards}) == 2
+    finally:
+        if joined is not None:
+            os.killpg(joined.pid, signal.SIGINT)
+            joined.wait(60)
+        rest = _stop(proc)
+        sys.stdout.write("".join(lines)[-3000:] + rest[-3000:])
+    assert "stopped" in rest

@@ -35,6 +35,8 @@ pytestmark = pytest.mark.slow
 # SmolLM2 at 2048 tokens needs about 199 MiB; 90% of 160M is 144 MiB: no node holds it, two do.
 NODES = ("w-a", "w-b", "w-c")
 LIMIT = "160M"
+# Each node's own loopback address (Linux routes all of 127/8 to lo): stages listen only there.
+DATA_HOSTS = {node: f"127.0.0.{i + 2}" for i, node in enumerate(NODES)}
 QUESTION = "What is the capital city of France? Answer in one word."
 
 
@@ -97,7 +99,7 @@ async def test_a_split_model_serves_then_moves_then_is_rejected(
         for node in NODES:
             procs.start(node, "join", "--nats", nats, "--node-id", node, "--data-dir",
                         str(tmp_path / node), "--memory-limit", LIMIT, "--heartbeat", "1",
-                        "--runner-threads", "1", "--data-host", "127.0.0.1")  # fmt: skip
+                        "--runner-threads", "1", "--data-host", DATA_HOSTS[node])  # fmt: skip
         await log.wait_count(NodeJoined, lambda e: True, 3, timeout=60)
         await wait_healthy(url)
         created = await asyncio.to_thread(
@@ -115,7 +117,8 @@ async def test_a_split_model_serves_then_moves_then_is_rejected(
         assert first.shards[1].end_layer == 30
         await _serving(log, first)
         stage = await log.wait_for(RunnerStateChanged, _ready(first.shards[1].runner_id))
-        assert stage.endpoint is not None and stage.endpoint.startswith("127.0.0.1:")
+        assert stage.endpoint is not None
+        assert stage.endpoint.startswith(DATA_HOSTS[first.shards[1].node_id] + ":")
 
         async with httpx.AsyncClient() as client:
             assert "Paris" in await _answer(client, url)

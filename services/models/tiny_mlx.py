@@ -1,4 +1,5 @@
-"""A tiny random-weight model in MLX (mlx-lm) format, built offline for the MLX engine's tests.
+"""A tiny random-weight model in MLX (mlx-lm) format, built offline: for the MLX engine's tests
+and benches, and to try an MLX pipeline without downloading a model.
 
 Llama architecture, a byte-level BPE tokenizer trained on a short text (with ChatML special
 tokens and chat template), and seeded weights scaled so that the logits are well spread: greedy
