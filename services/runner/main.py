@@ -21,10 +21,6 @@ from bus.streams import ensure_streams
 from services.models.cards import card_for
 from services.models.resolve import resolve_model
 from services.runner.engines.base import Engine, EngineBroken
-from services.runner.engines.llamacpp import LlamaCppEngine
-from services.runner.engines.mlx import MlxEngine
-from services.runner.llamacpp_pipeline import connect_stages, serve_stage
-from services.runner.mlx_stages import follow, load_head, ring_shard
 from services.runner.peers import PeerLost, Peers
 from services.runner.serve import RunnerIdentity, StateReporter, TaskServer
 from services.runner.spec import RunnerSpec
@@ -86,6 +82,11 @@ async def run_llamacpp(
 ) -> None:
     """A whole model, or a pipeline's head (its later stages on their RPC servers), or a later
     stage (an RPC server; the head sends it its layers)."""
+    # Engines are imported where used: every `shoal` command imports this module, and
+    # llama_cpp or mlx_lm (with transformers) take seconds to import.
+    from services.runner.engines.llamacpp import LlamaCppEngine
+    from services.runner.llamacpp_pipeline import connect_stages, serve_stage
+
     if spec.shard.rank > 0:
         await serve_stage(spec, state, stop)
         return
@@ -108,6 +109,9 @@ async def run_mlx(
     stop: asyncio.Event,
 ) -> None:
     """A whole MLX model, or one rank of an MLX ring: the head serves, the others follow."""
+    from services.runner.engines.mlx import MlxEngine
+    from services.runner.mlx_stages import follow, load_head, ring_shard
+
     path = await model_path(spec, state)
     if not spec.peers:
         await state.report("Loading", progress=0.0)
