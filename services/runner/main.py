@@ -21,7 +21,7 @@ from bus.streams import ensure_streams
 from services.models.cards import card_for
 from services.models.resolve import resolve_model
 from services.runner.engines.base import Engine, EngineBroken
-from services.runner.peers import PeerLost, Peers
+from services.runner.peers import PeerLost, Peers, StopWhileWaiting
 from services.runner.serve import RunnerIdentity, StateReporter, TaskServer
 from services.runner.spec import RunnerSpec
 
@@ -52,7 +52,7 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
     me = RunnerIdentity(spec.runner_id, spec.instance_id, spec.model_id, spec.node_id)
     state = StateReporter(nc, me)
     await ensure_streams(nc.jetstream())
-    peers = Peers(nc.jetstream(), spec.peers)
+    peers = Peers(nc.jetstream(), spec.peers, stop)
     try:
         await peers.start()
         if spec.engine == "llamacpp":
@@ -61,6 +61,9 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
             await run_mlx(spec, nc, me, state, peers, stop)
         else:
             raise UnsupportedShard(f"engine {spec.engine!r} is not available in this runner")
+        await state.report("Stopped")
+        return 0
+    except StopWhileWaiting:  # asked to stop before the pipeline formed
         await state.report("Stopped")
         return 0
     except Exception as exc:

@@ -48,6 +48,10 @@ class PeerLost(RuntimeError):
     """A stage this runner depends on failed or stopped."""
 
 
+class StopWhileWaiting(Exception):
+    """The runner was asked to stop while it waited for the other stages."""
+
+
 def runner_subject(runner_id: str) -> str:
     return event_subject("runner", (runner_id,), "RunnerStateChanged")
 
@@ -57,8 +61,12 @@ def follow(view: PeerView, event: RunnerStateChanged) -> PeerView:
 
 
 class Peers:
-    def __init__(self, js: JetStreamContext, shards: list[ShardAssignment]) -> None:
+    def __init__(
+        self, js: JetStreamContext, shards: list[ShardAssignment], stop: asyncio.Event
+    ) -> None:
         self._js = js
+        self._stop = stop
+        self._waker: asyncio.Task[None] | None = None
         self.views = {s.runner_id: PeerView(s) for s in sorted(shards, key=lambda s: s.rank)}
         self._changed = asyncio.Event()
         self._joined: dict[str, str] = {}  # runner id -> the endpoint this runner connected to
@@ -69,6 +77,7 @@ class Peers:
         subjects = [runner_subject(r) for r in self.views]
         if not subjects:
             return
+        self._waker = asyncio.create_task(self._wake_on_stop())
         self._sub = await self._js.subscribe(
             subjects[0],
             cb=self._on_event,
@@ -78,7 +87,13 @@ class Peers:
             ),
         )
 
+    async def _wake_on_stop(self) -> None:
+        await self._stop.wait()
+        self._changed.set()
+
     async def stop(self) -> None:
+        if self._waker is not None:
+            self._waker.cancel()
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
@@ -114,6 +129,8 @@ class Peers:
     async def _wait(self, done: Callable[[PeerView], bool], timeout: float) -> list[str]:
         async def all_ready() -> None:
             while not all(done(v) for v in self.views.values()):
+                if self._stop.is_set():
+                    raise StopWhileWaiting
                 self._changed.clear()
                 await self._changed.wait()
 

@@ -5,6 +5,8 @@ process: every later model load here would try to use them)."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -202,4 +204,20 @@ async def test_a_split_model_answers_token_for_token_as_one_process(
             assert got == want
             assert len(got) > 5
             await log.wait_for(TaskCompleted, lambda e, t=t: e.task_id == t.task_id)  # type: ignore[misc]
+    await log.stop()
+
+
+async def test_a_head_waiting_for_its_stages_stops_at_once_when_asked(
+    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """Not after its wait for the stages (minutes) or its worker's SIGKILL."""
+    head, *peers = stages(0, 15, 30)
+    log = await EventLog().start(js)
+    with Processes(tmp_path / "logs") as procs:
+        proc = procs.start("head", "runner", "--spec",
+                           spec(nats_server.url, head, peers, SMOLLM2, tmp_path, None))  # fmt: skip
+        await log.wait_for(RunnerStateChanged, lambda e: e.state == "Loading", timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+        await log.wait_for(RunnerStateChanged, lambda e: e.state == "Stopped", timeout=5)
     await log.stop()
