@@ -4,6 +4,9 @@ It reports every state change as ``RunnerStateChanged``: Downloading (with progr
 weights must be fetched, Loading, Ready; Running while it serves a task; Stopped on a clean
 exit; Failed, with the error, when it cannot go on (it then exits non-zero and its worker
 decides about a restart).
+
+A shard that is one stage of a pipeline across nodes waits for the other stages first:
+``llamacpp_pipeline.py`` (llama.cpp RPC) and ``mlx_stages.py`` (MLX ring) say how.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from services.runner.spec import RunnerSpec
 log = logging.getLogger(__name__)
 
 
-class UnsupportedShard(RuntimeError):
-    """A shard this runner cannot serve."""
+class UnsupportedEngine(RuntimeError):
+    """A model for an engine this runner does not have."""
 
 
 async def model_path(spec: RunnerSpec, state: StateReporter) -> Path:
@@ -60,7 +63,7 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
         elif spec.engine == "mlx":
             await run_mlx(spec, nc, me, state, peers, stop)
         else:
-            raise UnsupportedShard(f"engine {spec.engine!r} is not available in this runner")
+            raise UnsupportedEngine(f"engine {spec.engine!r} is not available in this runner")
         await state.report("Stopped")
         return 0
     except StopWhileWaiting:  # asked to stop before the pipeline formed
