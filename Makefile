@@ -50,6 +50,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python bench/projector.py
 	$(BIN)/python bench/engine_overhead.py
 	$(BIN)/python bench/placement.py
+	$(BIN)/python bench/pipeline.py
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache
