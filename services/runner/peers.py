@@ -56,11 +56,13 @@ def runner_subject(runner_id: str) -> str:
     return event_subject("runner", (runner_id,), "RunnerStateChanged")
 
 
-def follow(view: PeerView, event: RunnerStateChanged) -> PeerView:
+def updated(view: PeerView, event: RunnerStateChanged) -> PeerView:
     return PeerView(view.shard, event.state, event.endpoint, event.error)
 
 
 class Peers:
+    """The other stages of this runner's pipeline, followed from the latest event of each."""
+
     def __init__(
         self, js: JetStreamContext, shards: list[ShardAssignment], stop: asyncio.Event
     ) -> None:
@@ -105,7 +107,7 @@ class Peers:
             return
         if not isinstance(event, RunnerStateChanged) or event.runner_id not in self.views:
             return
-        view = follow(self.views[event.runner_id], event)
+        view = updated(self.views[event.runner_id], event)
         self.views[event.runner_id] = view
         joined = self._joined.get(event.runner_id)
         if (
