@@ -169,10 +169,10 @@ class Planner:
             async with self._engine.connect() as conn:
                 try:
                     applied = await read_offset(conn, self.projector, EVENTS_STREAM)
-                except DBAPIError:  # not migrated yet: the projector creates the tables
+                    if applied >= seq:
+                        return await load_state(conn, PLANNING_TABLES)
+                except DBAPIError:  # not (fully) migrated yet: the projector is at it
                     applied = -1
-                if applied >= seq:
-                    return await load_state(conn, PLANNING_TABLES)
             if self._stop.is_set():
                 return None
             if loop.time() > warn_at:
