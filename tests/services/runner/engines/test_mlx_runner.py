@@ -13,7 +13,6 @@ from bus.events import (
     ChatMessage,
     RunnerStateChanged,
     SamplingParams,
-    ShardAssignment,
     TaskCompleted,
     TaskCreated,
 )
@@ -23,19 +22,11 @@ from services.runner.generation import check_request, steps
 from services.runner.spec import RunnerSpec
 from tests.services.event_log import EventLog
 from tests.services.processes import Processes
+from tests.services.runner.stages import stages
 
 pytestmark = pytest.mark.slow
 
 N_CTX = 256
-
-
-def shards(*bounds: int) -> list[ShardAssignment]:
-    n = len(bounds) - 1
-    return [
-        ShardAssignment(runner_id=f"s{r}", node_id=f"n{r}", rank=r, world_size=n,
-                        start_layer=bounds[r], end_layer=bounds[r + 1], n_layers=bounds[-1])
-        for r in range(n)
-    ]  # fmt: skip
 
 
 def task(n: int, text: str) -> TaskCreated:
@@ -62,25 +53,25 @@ async def test_mlx_runners_answer_token_for_token_as_one_process(
 ) -> None:  # fmt: skip
     tasks = [task(1, "hello there"), task(2, "tell me a story")]
     expected = [reference(tiny_mlx, t) for t in tasks]
-    stages = shards(*bounds)
+    pipeline = stages(*bounds)
     log = await EventLog().start(js)
     with Processes(tmp_path / "logs") as procs:
-        for shard in stages:
+        for shard in pipeline:
             spec = RunnerSpec(
                 nats_url=nats_server.url, node_id=shard.node_id, instance_id="i", model_id="m",
                 shard=shard, engine="mlx", model_path=str(tiny_mlx), n_ctx=N_CTX,
                 cache_dir=str(tmp_path / shard.node_id),
-                peers=[s for s in stages if s is not shard], peer_timeout_s=60,
+                peers=[s for s in pipeline if s is not shard], peer_timeout_s=60,
             )  # fmt: skip
             procs.start(shard.runner_id, "runner", "--spec", spec.model_dump_json())
-        for shard in stages:
+        for shard in pipeline:
             ready = await log.wait_for(
                 RunnerStateChanged,
                 lambda e, r=shard.runner_id: e.runner_id == r and e.state == "Ready",  # type: ignore[misc]
                 timeout=60,
             )
             # Ring members say where they listen (the data-plane address only).
-            assert (ready.endpoint is not None) == (len(stages) > 1 and shard.rank > 0)
+            assert (ready.endpoint is not None) == (len(pipeline) > 1 and shard.rank > 0)
         publisher = Publisher(js)
         for t, want in zip(tasks, expected, strict=True):
             await publisher.publish(t)
