@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 
 import nats.errors
 from nats.aio.client import Client
+
+from bus.nats_security import NatsSecurity, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -18,33 +21,76 @@ class NatsUnavailable(ConnectionError):
 
 
 async def connect(
-    url: str = DEFAULT_NATS_URL, name: str = "shoal", startup_timeout: float = 10.0
+    url: str = DEFAULT_NATS_URL,
+    name: str = "shoal",
+    startup_timeout: float = 10.0,
+    security: NatsSecurity | None = None,
 ) -> Client:
     """Connect; once connected, keep reconnecting forever. A server that cannot be reached
-    within ``startup_timeout`` is a clear error, not a hang."""
+    within ``startup_timeout``, or that refuses the credentials, is a clear error, not a hang.
+    Authentication and TLS come from ``security``, by default from the environment
+    (``bus/nats_security.py``)."""
+    security = security if security is not None else NatsSecurity.from_env()
     nc = Client()
     connected = False
+    refused: list[Exception] = []  # why connecting cannot succeed, once that is known
+    hopeless = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
-        # Before the first connection every retry fails the same way: say it once, at the end.
+        # Before the first connection every retry fails the same way: say it once, at the end;
+        # credentials refused, or a TLS handshake that failed, will not improve by retrying.
         if connected:
             log.warning("nats: %s", exc)
+        elif _hopeless(exc) and not hopeless.is_set():
+            refused.append(exc)
+            hopeless.set()
 
-    try:
-        await asyncio.wait_for(
-            nc.connect(
-                servers=[u.strip() for u in url.split(",")],
-                name=name,
-                connect_timeout=2,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=1,
-                error_cb=on_error,
-            ),
-            startup_timeout,
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            servers=[u.strip() for u in url.split(",")],
+            name=name,
+            connect_timeout=2,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=1,
+            error_cb=on_error,
+            **security.connect_options(),
         )
+    )
+    try:
+        given_up = asyncio.ensure_future(hopeless.wait())
+        done, _ = await asyncio.wait(
+            {connecting, given_up}, timeout=startup_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        given_up.cancel()
+        if connecting in done:
+            connecting.result()
+        elif refused:
+            raise refused[0]
+        else:
+            raise TimeoutError()
     except (TimeoutError, OSError, nats.errors.Error) as exc:
+        connecting.cancel()
         await nc.close()
-        reason = str(exc) or f"no answer within {startup_timeout:g}s"
-        raise NatsUnavailable(f"cannot reach NATS at {url}: {reason}") from exc
+        reason = _reason(exc) or f"no answer within {startup_timeout:g}s"
+        raise NatsUnavailable(
+            f"cannot reach NATS at {redact_url(url)} ({security.describe()}): {reason}"
+        ) from exc
     connected = True
     return nc
+
+
+def _hopeless(exc: Exception) -> bool:
+    return isinstance(exc, nats.errors.AuthorizationError | ssl.SSLError) or (
+        "authorization violation" in str(exc).lower()
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    if (
+        isinstance(exc, nats.errors.AuthorizationError)
+        or "authorization violation" in str(exc).lower()
+    ):
+        return "the server refused the credentials (Authorization Violation)"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {exc.reason or exc}"
+    return str(exc)

@@ -7,6 +7,7 @@ server on 4222).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -17,6 +18,8 @@ import sysconfig
 import time
 from pathlib import Path
 from types import TracebackType
+
+from bus.nats_security import NatsSecurity
 
 PR_SET_PDEATHSIG = 1
 
@@ -66,11 +69,19 @@ class EmbeddedNats:
         port: int | None = None,
         host: str = "127.0.0.1",
         server_name: str = "shoal",
+        security: NatsSecurity | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
     ) -> None:
+        """``security``: the credentials clients must present (none: anyone may connect);
+        ``tls_cert``/``tls_key``: the server's certificate, which makes clients use TLS."""
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.server_name = server_name
+        self.security = security or NatsSecurity()
+        self.tls_cert = tls_cert
+        self.tls_key = tls_key
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -96,6 +107,14 @@ class EmbeddedNats:
             "--server_name", self.server_name,
             "--log", str(self.log_path),
         ]  # fmt: skip
+        config = self._config()
+        if config:
+            # Secrets go in a file only this user can read, never on the command line (ps).
+            path = self.data_dir / "nats-server.conf"
+            path.touch(mode=0o600)
+            path.chmod(0o600)
+            path.write_text(config)
+            cmd += ["--config", str(path)]
         # Its own session: a Ctrl-C at the terminal stops `shoal up`, which stops its services
         # and then this server; the server must not vanish first, under services still using
         # it. And it dies with its parent, so a killed `shoal up` leaves no server behind.
@@ -114,6 +133,17 @@ class EmbeddedNats:
             time.sleep(0.05)
         self.stop()
         raise NatsServerError(f"nats-server did not become ready in {timeout}s")
+
+    def _config(self) -> str:
+        config = self.security.server_authorization()
+        if self.tls_cert is not None and self.tls_key is not None:
+            config += f"tls {{ cert_file: {json.dumps(str(self.tls_cert))},"
+            config += f" key_file: {json.dumps(str(self.tls_key))}"
+            if self.security.tls_ca is not None and self.security.tls_cert is not None:
+                # Clients present certificates: check them against the same CA.
+                config += f", ca_file: {json.dumps(str(self.security.tls_ca))}, verify: true"
+            config += " }\n"
+        return config
 
     def _last_error(self) -> str:
         try:

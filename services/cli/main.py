@@ -9,11 +9,13 @@ from sqlalchemy.exc import DBAPIError
 
 from bus.connection import NatsUnavailable
 from bus.embedded import NatsServerError
+from bus.nats_security import NatsSecurityError
 from bus.streams import StreamSettingsError
 from projectors.database import DatabaseUrlError
 from projectors.replay import ReplayError
 from services.cli import db, events, instances, models
 from services.cli.api import api
+from services.cli.nats_options import nats_security_options
 from services.cli.planner import planner
 from services.cli.projector import projector, replay_command
 from services.cli.state import state
@@ -25,6 +27,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+app.callback()(nats_security_options)
 app.command()(up)
 app.command()(projector)
 app.command("replay")(replay_command)
@@ -45,6 +48,7 @@ app.add_typer(instances.placement_app, name="placement")
 _USER_ERRORS = (
     NatsUnavailable,
     NatsServerError,
+    NatsSecurityError,
     StreamSettingsError,
     DatabaseUrlError,
     ReplayError,

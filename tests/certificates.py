@@ -1,0 +1,86 @@
+"""Throw-away TLS certificates for tests: a CA, a server certificate for 127.0.0.1 and
+localhost, and a client certificate, all signed by the CA."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+
+@dataclass(frozen=True)
+class Certificates:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                       serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))  # fmt: skip
+
+
+def make_certificates(directory: Path) -> Certificates:
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name("shoal test CA"))
+        .issuer_name(_name("shoal test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
+                       critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    paths = Certificates(*(directory / n for n in (
+        "ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem")))  # fmt: skip
+    paths.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+    def leaf(name: str, cert_path: Path, key_path: Path, server: bool) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else (ExtendedKeyUsageOID.CLIENT_AUTH)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                ca_key.public_key()), critical=False)
+        )  # fmt: skip
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            ]), critical=False)  # fmt: skip
+        cert = builder.sign(ca_key, hashes.SHA256())
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_key(key, key_path)
+
+    leaf("127.0.0.1", paths.server_cert, paths.server_key, server=True)
+    leaf("shoal test client", paths.client_cert, paths.client_key, server=False)
+    return paths
