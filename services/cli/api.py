@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -24,6 +26,16 @@ from services.cli.options import (
 
 Host = Annotated[str, typer.Option(help="Address the API listens on.")]
 Port = Annotated[int, typer.Option(help="Port the API listens on.")]
+TlsCert = Annotated[
+    Path | None,
+    typer.Option("--tls-cert", envvar="SHOAL_API_TLS_CERT", exists=True, dir_okay=False,
+                 help="Serve HTTPS with this certificate (PEM; with --tls-key)."),
+]  # fmt: skip
+TlsKey = Annotated[
+    Path | None,
+    typer.Option("--tls-key", envvar="SHOAL_API_TLS_KEY", exists=True, dir_okay=False,
+                 help="The key of --tls-cert (PEM)."),
+]  # fmt: skip
 ApiKeys = Annotated[
     list[str] | None,
     typer.Option("--api-key", help="A key clients must send as a Bearer token (repeatable; or"
@@ -40,9 +52,28 @@ class ApiServer(uvicorn.Server):
         yield
 
 
-def api_server(config: ApiConfig, host: str, port: int) -> ApiServer:
-    return ApiServer(uvicorn.Config(create_app(config), host=host, port=port,
-                                    log_level="warning", lifespan="on"))  # fmt: skip
+@dataclass(frozen=True)
+class ApiTls:
+    cert: Path
+    key: Path
+
+
+def api_tls(cert: Path | None, key: Path | None) -> ApiTls | None:
+    if (cert is None) != (key is None):
+        typer.echo("error: --tls-cert and --tls-key go together", err=True)
+        raise typer.Exit(1)
+    return ApiTls(cert, key) if cert is not None and key is not None else None
+
+
+def api_url(host: str, port: int, tls: ApiTls | None) -> str:
+    return f"{'https' if tls else 'http'}://{host}:{port}/v1"
+
+
+def api_server(config: ApiConfig, host: str, port: int, tls: ApiTls | None = None) -> ApiServer:
+    return ApiServer(uvicorn.Config(
+        create_app(config), host=host, port=port, log_level="warning", lifespan="on",
+        ssl_certfile=str(tls.cert) if tls else None, ssl_keyfile=str(tls.key) if tls else None,
+    ))  # fmt: skip
 
 
 async def serve_until(server: ApiServer, stop: asyncio.Event) -> None:
@@ -66,15 +97,18 @@ def api(
     host: Host = "127.0.0.1",
     port: Port = 8000,
     api_key: ApiKeys = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
 ) -> None:
     """Serve the HTTP API: /v1/chat/completions, /v1/completions, /v1/models, cluster control."""
     setup_logging()
+    tls = api_tls(tls_cert, tls_key)
     check_port_free(host, port, "API", "--port")
     keys = frozenset(api_key or ()) | keys_from_env()
     config = ApiConfig(nats_url=nats, db_url=db, api_keys=keys)
-    typer.echo(f"API on http://{host}:{port}/v1" + (" (API keys required)" if keys else ""))
+    typer.echo(f"API on {api_url(host, port, tls)}" + (" (API keys required)" if keys else ""))
 
     async def main(stop: asyncio.Event) -> None:
-        await serve_until(api_server(config, host, port), stop)
+        await serve_until(api_server(config, host, port, tls), stop)
 
     run_until_signal(main)

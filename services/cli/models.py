@@ -191,15 +191,19 @@ def add(
 
 
 async def publish_model(
-    js: JetStreamContext, card: ModelCard, cache_dir: Path
+    js: JetStreamContext,
+    card: ModelCard,
+    cache_dir: Path,
+    on_progress: Callable[[float], None] | None = None,
 ) -> tuple[ModelAdded, Path, int]:
     """Fetch the card's weights (if not here yet), read their facts, publish ``ModelAdded``.
+    ``on_progress`` gets fractions (from another thread); by default whole percents are printed.
     Returns the event, the weights' path and the event's stream sequence."""
     from services.models.metadata import ModelFacts, model_facts
     from services.models.resolve import resolve_model
 
     def fetch() -> tuple[Path, ModelFacts]:
-        weights = resolve_model(card, cache_dir, _progress_printer())
+        weights = resolve_model(card, cache_dir, on_progress or _progress_printer())
         return weights, model_facts(weights, card.engines[0])
 
     # In a thread, so that the connection keeps answering pings during a download.

@@ -10,6 +10,7 @@ NodeLeft, the API stops listening, the projector commits what it has.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections.abc import Awaitable
 from pathlib import Path
@@ -20,17 +21,29 @@ from nats.aio.client import Client
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.config import ApiConfig, keys_from_env
+from api.projection import SERVING
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.events import InstanceRequested
+from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
 from bus.streams import StreamSettings
 from projectors import database
 from projectors.projector import Projector, tune_gc
 from projectors.store import load_state
-from services.cli.api import ApiKeys, api_server, check_port_free, serve_until
+from services.cli.api import (
+    ApiKeys,
+    TlsCert,
+    TlsKey,
+    api_server,
+    api_tls,
+    api_url,
+    check_port_free,
+    serve_until,
+)
 from services.cli.models import publish_model
 from services.cli.options import DataHost, default_data_dir, run_until_signal, setup_logging
+from services.cli.up_progress import UpProgress, model_steps, weights_step
 from services.models.cards import builtin_cards
 from services.planner.planner import PLANNING_TABLES, Planner
 from services.worker.identity import node_id as load_node_id
@@ -66,6 +79,25 @@ def up(
     ] = None,
     data_host: DataHost = None,
     api_key: ApiKeys = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    nats_tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="Certificate of the embedded nats-server: clients"
+            " must use TLS (give them the CA with --nats-ca).",
+        ),
+    ] = None,
+    nats_tls_key: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="The key of --nats-tls-cert.",
+        ),
+    ] = None,
 ) -> None:
     """Start a one-machine Shoal: NATS, projector, planner, worker and API, serving a model."""
     setup_logging()
@@ -80,6 +112,16 @@ def up(
         typer.echo(f"error: --model must be a built-in model ({known}); add others with"
                    " `shoal models add` and `shoal instances create`", err=True)  # fmt: skip
         raise typer.Exit(1)
+    tls = api_tls(tls_cert, tls_key)
+    if (nats_tls_cert is None) != (nats_tls_key is None):
+        typer.echo("error: --nats-tls-cert and --nats-tls-key go together", err=True)
+        raise typer.Exit(1)
+    keys = frozenset(api_key or ()) | keys_from_env()
+    security = NatsSecurity.from_env()
+    exposed = refuse_exposure(host, nats_host, keys, security)
+    if exposed:
+        typer.echo(f"error: {exposed}", err=True)
+        raise typer.Exit(1)
     check_port_free(host, port, "API", "--port")
     nats_port_ = nats_port
     if nats_port_ is None:
@@ -89,10 +131,10 @@ def up(
         if port_in_use(nats_host, nats_port_):
             nats_port_ = free_port(nats_host)
             typer.echo(f"port {DEFAULT_NATS_PORT} is in use; the embedded NATS uses {nats_port_}")
-    server = EmbeddedNats(data / "nats", port=nats_port_, host=nats_host)
+    server = EmbeddedNats(data / "nats", port=nats_port_, host=nats_host, security=security,
+                          tls_cert=nats_tls_cert, tls_key=nats_tls_key)  # fmt: skip
     server.start()
-    api_url = f"http://{host}:{port}/v1"
-    keys = frozenset(api_key or ()) | keys_from_env()
+    url = api_url(host, port, tls)
 
     async def main(stop: asyncio.Event) -> None:
         nc = await connect(server.url, name="shoal-up")
@@ -108,25 +150,23 @@ def up(
                 memory_limit=limit, runner_threads=runner_threads, data_host=data_host,
             ))  # fmt: skip
             api = api_server(
-                ApiConfig(nats_url=server.url, db_url=db_url, api_keys=keys), host, port
+                ApiConfig(nats_url=server.url, db_url=db_url, api_keys=keys), host, port, tls
             )
             tasks += [
                 asyncio.create_task(Planner(nc, engine, origin="planner@up").run(stop)),
                 asyncio.create_task(worker.run(stop)),
                 asyncio.create_task(serve_until(api, stop)),
             ]
-            typer.echo(f"API       {api_url}" + (" (API keys required)" if keys else ""))
-            typer.echo(f"NATS      {server.url}")
+            typer.echo(f"API       {url}" + (" (API keys required)" if keys else ""))
+            typer.echo(f"NATS      {server.url} ({security.describe()})")
             typer.echo(f"database  {db_url}")
             if no_model:
-                typer.echo(f"ready: {api_url} (no model requested; Ctrl-C stops)")
+                typer.echo(f"ready: {url} (no model requested; Ctrl-C stops)")
             else:
                 waiting = asyncio.create_task(_serve_model(nc, engine, model, data / "models"))
                 await _first(waiting, *tasks, stop.wait())
                 if waiting.done() and waiting.exception() is None:
-                    typer.echo(
-                        f"ready: {model} answers at {api_url}/chat/completions (Ctrl-C stops)"
-                    )
+                    typer.echo(f"ready: {model} answers at {url}/chat/completions (Ctrl-C stops)")
                 waiting.cancel()
             await asyncio.gather(*tasks)
         finally:
@@ -143,6 +183,34 @@ def up(
     typer.echo("stopped")
 
 
+def refuse_exposure(
+    api_host: str, nats_host: str, keys: frozenset[str], security: NatsSecurity
+) -> str | None:
+    """Why `shoal up` must not listen where others can reach it, or None. Beyond loopback,
+    the API needs keys and NATS needs authentication: either open would hand the cluster (and
+    every prompt) to whoever can reach the port."""
+    missing = []
+    beyond = [h for h in (api_host, nats_host) if not _loopback(h)]
+    if beyond and not keys:
+        missing.append("API keys (--api-key or SHOAL_API_KEYS)")
+    if beyond and not security.authenticates:
+        missing.append("NATS authentication (SHOAL_NATS_TOKEN, SHOAL_NATS_USER and"
+                       " SHOAL_NATS_PASSWORD, or SHOAL_NATS_NKEY)")  # fmt: skip
+    if not missing:
+        return None
+    return (f"refusing to listen on {', '.join(sorted(set(beyond)))} without "
+            + " and ".join(missing))  # fmt: skip
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
 async def _first(*aws: Awaitable[object]) -> None:
     """Until the first of these finishes (a failed service ends the wait too)."""
     futures = [asyncio.ensure_future(a) for a in aws]
@@ -155,33 +223,36 @@ async def _first(*aws: Awaitable[object]) -> None:
 
 async def _serve_model(nc: Client, engine: AsyncEngine, model_id: str, models_dir: Path) -> None:
     """Make the model known and ask for an instance of it, unless a live one exists already
-    (a restart), then wait until one of its runners is ready."""
+    (a restart), then wait until one of its runners is ready, showing each step's progress."""
     async with engine.connect() as conn:
         state = await load_state(conn, PLANNING_TABLES)
     js = nc.jetstream()
-    if state.model(model_id) is None:
-        typer.echo(f"preparing {model_id}...")
-        await publish_model(js, builtin_cards()[model_id], models_dir)
-    live = [
-        i
-        for i in state.instances()
-        if i.model_id == model_id and i.status in ("requested", "placed")
-    ]
-    if not live:
-        await Publisher(js).publish(
-            InstanceRequested(instance_id=f"{model_id}-up", model_id=model_id, origin="shoal-up")
-        )
-    said: set[str] = set()
-    while True:
-        async with engine.connect() as conn:
-            state = await load_state(conn, PLANNING_TABLES)
-        for inst in state.instances():
-            if inst.model_id != model_id:
-                continue
-            if inst.status == "rejected" and inst.reason and inst.reason not in said:
-                said.add(inst.reason)
-                typer.echo(f"{model_id} cannot be placed: {inst.reason}", err=True)
-            heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
-            if any(r.state in ("Ready", "Running") for r in heads):  # a pipeline's head serves
-                return
-        await asyncio.sleep(0.3)
+    with UpProgress() as progress:
+        if state.model(model_id) is None:
+            card = builtin_cards()[model_id]
+            source = card.source.label()
+            progress.show([weights_step(model_id, None, source)])
+            await publish_model(
+                js, card, models_dir, lambda f: progress.show([weights_step(model_id, f, source)])
+            )
+        live = [
+            i
+            for i in state.instances()
+            if i.model_id == model_id and i.status in ("requested", "placed")
+        ]
+        if not live:
+            await Publisher(js).publish(
+                InstanceRequested(
+                    instance_id=f"{model_id}-up", model_id=model_id, origin="shoal-up"
+                )
+            )
+        while True:
+            async with engine.connect() as conn:
+                state = await load_state(conn, PLANNING_TABLES)
+            progress.show(model_steps(state, model_id))
+            for inst in state.instances():
+                heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
+                # A pipeline's head serves.
+                if inst.model_id == model_id and any(r.state in SERVING for r in heads):
+                    return
+            await asyncio.sleep(0.3)

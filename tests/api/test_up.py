@@ -20,14 +20,14 @@ from openai.types.chat import ChatCompletionMessageParam
 from bus.connection import connect
 from bus.embedded import free_port
 from bus.events import TaskCancelled
+from tests.api.shoal_up import KEY, MODEL, REPO
+from tests.api.shoal_up import read_until_ready as _read_until_ready
+from tests.api.shoal_up import start as _start
+from tests.api.shoal_up import stop as _stop
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL
 
 pytestmark = pytest.mark.slow
-
-MODEL = "smollm2-135m"
-KEY = "test-key-1"
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -35,48 +35,6 @@ class Up:
     url: str  # the API's /v1 URL
     nats_url: str
     output: list[str]
-
-
-def _start(argv: list[str], cwd: Path | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=cwd,
-        start_new_session=True,
-    )
-
-
-async def _read_until_ready(proc: subprocess.Popen[str], timeout: float = 180) -> list[str]:
-    lines: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ready:"):
-                return
-        raise RuntimeError("exited before it was ready:\n" + "".join(lines))
-
-    try:
-        await asyncio.wait_for(asyncio.to_thread(read), timeout)
-    except BaseException:
-        sys.stdout.write("".join(lines))
-        raise
-    return lines
-
-
-def _stop(proc: subprocess.Popen[str]) -> str:
-    """Ctrl-C, as a user would; returns the rest of the output."""
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        rest, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        rest, _ = proc.communicate()
-        raise
-    return rest
 
 
 @pytest.fixture

@@ -1,0 +1,60 @@
+"""Running `shoal up` (and `shoal join`) from a test as a user would: its output read until
+the ready line, Ctrl-C to stop it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+MODEL = "smollm2-135m"
+KEY = "test-key-1"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start(
+    argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        start_new_session=True,
+        env=None if env is None else os.environ | env,
+    )
+
+
+async def read_until_ready(proc: subprocess.Popen[str], timeout: float = 180) -> list[str]:
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready:"):
+                return
+        raise RuntimeError("exited before it was ready:\n" + "".join(lines))
+
+    try:
+        await asyncio.wait_for(asyncio.to_thread(read), timeout)
+    except BaseException:
+        sys.stdout.write("".join(lines))
+        raise
+    return lines
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    """Ctrl-C, as a user would; returns the rest of the output."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        rest, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rest, _ = proc.communicate()
+        raise
+    return rest
