@@ -41,8 +41,15 @@ lint: $(VENV)/.installed-test
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
 
-pytest: $(VENV)/.installed-test
-	$(BIN)/pytest -ra
+# The dashboard's browser test drives Debian's chromium (no download by playwright).
+CHROMIUM ?= /usr/bin/chromium
+
+$(CHROMIUM):
+	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium \
+	  || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
+
+pytest: $(VENV)/.installed-test | $(CHROMIUM)
+	SHOAL_CHROMIUM=$(CHROMIUM) $(BIN)/pytest -ra
 
 test: lint typecheck pytest
 

@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from api import cluster_routes, errors, openai_routes
 from api.config import ApiConfig
 from api.context import ApiContext
+from api.dashboard import install as install_dashboard
 from bus.connection import connect
 from projectors import database
 
@@ -38,6 +39,7 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(cluster_routes.router)
     app.include_router(cluster_routes.health)
+    install_dashboard(app)  # the page at / and its files at /static
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
