@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from api import cluster_routes, errors, openai_routes
+from api import cluster_routes, errors, metrics, openai_routes
 from api.config import ApiConfig
 from api.context import ApiContext
 from api.dashboard import install as install_dashboard
@@ -18,11 +18,13 @@ from projectors import database
 
 
 def create_app(config: ApiConfig) -> FastAPI:
+    counted = metrics.ApiMetrics()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nc = await connect(config.nats_url, name="shoal-api")
         engine = database.create_engine(config.db_url)
-        app.state.ctx = ApiContext(config, nc, engine)
+        app.state.ctx = ApiContext(config, nc, engine, counted)
         try:
             yield
         finally:
@@ -36,6 +38,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
+    metrics.install(app, counted)
     app.include_router(openai_routes.router)
     app.include_router(cluster_routes.router)
     app.include_router(cluster_routes.health)

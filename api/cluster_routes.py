@@ -19,7 +19,6 @@ from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.schemas import InstanceRequest
 from bus.events import InstanceDeleteRequested, InstanceRequested
-from bus.publisher import Publisher
 from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors.state import ClusterState
 from services.planner.cluster import cluster_view
@@ -91,7 +90,7 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
             400, f"{body.model} cannot be placed: {result.reason}", code="placement_rejected"
         )
     instance_id = f"{body.model}-{_short_id()}"
-    await Publisher(ctx.nc.jetstream()).publish(
+    await ctx.publish(
         InstanceRequested(
             instance_id=instance_id, model_id=body.model, origin=ctx.origin, placement=spec,
             replicas=body.replicas, context_length=body.context_length,
@@ -107,7 +106,7 @@ async def delete_instance(instance_id: str, ctx: Ctx) -> dict[str, Any]:
     inst = s.instance(instance_id)
     if inst is None or inst.status == "deleted":
         raise ApiError(404, f"no instance {instance_id!r}", param="instance_id")
-    await Publisher(ctx.nc.jetstream()).publish(
+    await ctx.publish(
         InstanceDeleteRequested(
             instance_id=instance_id, origin=ctx.origin, reason="DELETE /v1/instances"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from nats.aio.client import Client
@@ -12,6 +13,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.config import ApiConfig
 from api.errors import ApiError
+from bus.events import EventBase
+from bus.publisher import Publisher
+
+if TYPE_CHECKING:
+    from api.metrics import ApiMetrics
 
 
 @dataclass
@@ -19,7 +25,13 @@ class ApiContext:
     config: ApiConfig
     nc: Client
     engine: AsyncEngine
+    metrics: ApiMetrics  # this process's counters (not state: they start at zero)
     origin: str = f"api@{socket.gethostname()}"
+
+    async def publish(self, event: EventBase) -> None:
+        """Store ``event`` on the log (counted in the metrics)."""
+        await Publisher(self.nc.jetstream()).publish(event)
+        self.metrics.event_published(event)
 
 
 def context(request: Request) -> ApiContext:

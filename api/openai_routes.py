@@ -70,6 +70,7 @@ async def _serve(
         )  # fmt: skip
     async with _stream(ctx, task) as ts:
         text = "".join([c.text async for c in ts.chunks()])
+    ctx.metrics.task_served(ts)
     finished = ts.finished
     assert finished is not None
     if finished.unavailable is not None:
@@ -96,6 +97,7 @@ async def _events(
             yield _sse(error_body(504, "the task took longer than the API waits"))
             yield "data: [DONE]\n\n"
             return
+    ctx.metrics.task_served(ts)
     finished = ts.finished
     assert finished is not None
     if finished.unavailable is not None or finished.failed is not None:
@@ -119,7 +121,8 @@ def _stream(ctx: ApiContext, task: TaskCreated) -> TaskStream:
             return err.message
         return None
 
-    return TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s, recheck)
+    return TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s, recheck,
+                      on_published=ctx.metrics.event_published)  # fmt: skip
 
 
 def _unavailable(why: str) -> ApiError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from bus.events import (
     ChunkGenerated,
+    EventBase,
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
@@ -41,6 +43,8 @@ RECHECK_S = 2.0
 
 # Why a model cannot serve now (None: it can).
 Recheck = Callable[[], Awaitable[str | None]]
+# Told of each event the stream published (for the API's metrics).
+Published = Callable[[EventBase], None]
 
 
 @dataclass(frozen=True)
@@ -61,17 +65,24 @@ class TaskStream:
         origin: str,
         timeout_s: float,
         recheck: Recheck | None = None,
+        on_published: Published | None = None,
     ) -> None:
         self._nc = nc
         self._recheck = recheck
+        self._on_published = on_published
         self.task = task
         self._origin = origin
         self._timeout_s = timeout_s
         self._queue: asyncio.Queue[ChunkGenerated | TaskCompleted | TaskFailed] = asyncio.Queue()
         self._subs: list[Subscription] = []
         self.finished: Finished | None = None
+        # time.monotonic() at the start and at the first and last chunk, for the metrics.
+        self.started_at: float | None = None
+        self.first_chunk_at: float | None = None
+        self.last_chunk_at: float | None = None
 
     async def __aenter__(self) -> TaskStream:
+        self.started_at = time.monotonic()
         t = self.task
         task_subject = f"{EVENTS_PREFIX}.task.{escape_token(t.model_id)}.{escape_token(t.task_id)}"
         self._subs = [
@@ -79,7 +90,7 @@ class TaskStream:
             await self._nc.subscribe(f"{task_subject}.TaskCompleted", cb=self._on_msg),
             await self._nc.subscribe(f"{task_subject}.TaskFailed", cb=self._on_msg),
         ]
-        await Publisher(self._nc.jetstream()).publish(t)
+        await self._publish(t)
         return self
 
     async def __aexit__(
@@ -97,11 +108,14 @@ class TaskStream:
                 reason = self.finished.unavailable
             cancel = TaskCancelled(task_id=self.task.task_id, model_id=self.task.model_id,
                                    origin=self._origin, reason=reason)  # fmt: skip
-            publishing = asyncio.get_running_loop().create_task(
-                Publisher(self._nc.jetstream()).publish(cancel)
-            )
+            publishing = asyncio.get_running_loop().create_task(self._publish(cancel))
             _BACKGROUND.add(publishing)
             publishing.add_done_callback(_BACKGROUND.discard)
+
+    async def _publish(self, event: EventBase) -> None:
+        await Publisher(self._nc.jetstream()).publish(event)
+        if self._on_published is not None:
+            self._on_published(event)
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -139,6 +153,9 @@ class TaskStream:
                     while next_idx in early:
                         chunk = early.pop(next_idx)
                         next_idx += 1
+                        self.last_chunk_at = time.monotonic()
+                        if self.first_chunk_at is None:
+                            self.first_chunk_at = self.last_chunk_at
                         last_seen = last_seen or chunk.finish_reason is not None
                         yield chunk
                 if last_seen and completed is not None:

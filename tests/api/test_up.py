@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from tests.api.shoal_up import KEY, MODEL, REPO
 from tests.api.shoal_up import read_until_ready as _read_until_ready
 from tests.api.shoal_up import start as _start
 from tests.api.shoal_up import stop as _stop
+from tests.api.test_metrics import parse, value
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL
 
@@ -155,6 +158,45 @@ async def test_a_client_that_goes_away_cancels_its_task(up: Up) -> None:
     assert chunks[-1].finish_reason == "cancelled" and len(chunks) < 400
     await log.stop()
     await nc.close()
+
+
+async def test_metrics_count_tokens_and_streams_still_stream(up: Up) -> None:
+    """A chat and a streamed chat: the stream arrives token by token through the API's request
+    counting, and /metrics has the tokens, the time to first token and tokens/s."""
+    story = [{"role": "user", "content": "Tell me a long story about a fox."}]
+    body = {"model": MODEL, "messages": story, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    base = up.url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as client:
+        whole = await client.post("/v1/chat/completions", json=body | {"max_tokens": 12})
+        assert whole.status_code == 200, whole.text
+        tokens = whole.json()["usage"]["completion_tokens"]
+        arrivals: list[float] = []
+        streamed = body | {"max_tokens": 48, "stream": True,
+                           "stream_options": {"include_usage": True}}  # fmt: skip
+        async with client.stream("POST", "/v1/chat/completions", json=streamed) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        arrivals.append(time.monotonic())
+                    tokens += (chunk.get("usage") or {}).get("completion_tokens", 0)
+        assert len(arrivals) > 10
+        assert arrivals[-1] - arrivals[0] > 0.1  # not all at once, at the end
+
+        r = await client.get("/metrics")
+        assert r.status_code == 200
+        s = parse(r.text)
+    assert value(s, "shoal_tokens_generated_total", model=MODEL) == tokens
+    assert value(s, "shoal_time_to_first_token_seconds_count", model=MODEL) == 2
+    assert 0 < (value(s, "shoal_time_to_first_token_seconds_sum", model=MODEL) or 0) < 120
+    assert value(s, "shoal_tokens_per_second_count", model=MODEL) == 2
+    assert value(s, "shoal_events_published_total", type="TaskCreated") == 2
+    chats = {"method": "POST", "endpoint": "/v1/chat/completions", "status": "200"}
+    assert value(s, "shoal_http_requests_total", **chats) == 2
+    serving = sum(value(s, "shoal_runners", state=st) or 0 for st in ("Ready", "Running"))
+    assert serving == 1
+    assert value(s, "shoal_nodes", status="online") == 1
 
 
 async def test_make_up_then_curl(tmp_path: Path) -> None:

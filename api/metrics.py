@@ -1,0 +1,435 @@
+"""Prometheus metrics at ``GET /metrics``.
+
+Two kinds, in one scrape:
+
+- what this API process served: HTTP requests by route, tokens, time to first token, tokens/s,
+  events it published. Counted in memory, in a registry of its own (not prometheus_client's
+  global one), so each app counts alone; several API processes are several scrape targets;
+- the cluster as the log and the projection show it at scrape time: events in the log by type,
+  durable consumers' backlog, projector lag, dead letters, runners by state, node memory.
+  Read afresh on every scrape, so every API process reports the same values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter as Tally
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, TypeVar, get_args
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.responses import Response
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.context import ApiContext, context, require_key
+from bus.events import EVENT_TYPES, ChunkGenerated, EventBase, RunnerState
+from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
+from bus.subjects import DEADLETTER_PREFIX, EVENTS_PREFIX, unescape_token
+from projectors.rows import DeviceRow, NodeRow, RunnerRow
+from projectors.state import ClusterState
+from projectors.store import load_state
+from projectors.tables import projector_offsets
+
+if TYPE_CHECKING:
+    from api.task_stream import TaskStream
+
+log = logging.getLogger(__name__)
+
+# No ``<name>_created`` series beside each counter and histogram: in the classic text format
+# they are extra gauges that double the series. (A process-wide switch: an API process is the
+# only user of prometheus_client in it.)
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# The classic text format (what prometheus_client's generate_latest writes); spelled out
+# because newer prometheus_client versions call 1.0.0 "latest".
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+OTHER = "other"  # the endpoint of a path no route serves, the method of an unusual verb
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+# From a few milliseconds (a warm small model on a GPU) to tens of seconds (a queued request
+# or a long prompt on CPU).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+TOKENS_PER_S_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+# Each source of cluster-wide values gets this long per scrape; one that does not answer is
+# left out (shoal_metrics_source_up says so) rather than holding up the scrape. Two in turn
+# stay within Prometheus's default scrape timeout of 10 s.
+READ_TIMEOUT_S = 4.0
+# JetStream lists consumers in pages of this many.
+CONSUMER_PAGE = 256
+
+RUNNER_STATES: tuple[str, ...] = get_args(RunnerState)
+NODE_STATUSES = ("online", "left", "timed_out")
+MEMORY_KINDS = ("total", "available", "offered")
+
+
+# --- what this process serves ---------------------------------------------------------------
+
+
+class ApiMetrics:
+    """The counters and histograms of one API process."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("shoal_http_requests", "HTTP requests answered, by route.",
+                                ["method", "endpoint", "status"], registry=r)  # fmt: skip
+        self.errors = Counter("shoal_http_request_errors", "HTTP requests answered with a 4xx "
+                              "or 5xx status, by route.", ["method", "endpoint", "status"],
+                              registry=r)  # fmt: skip
+        self.tokens = Counter("shoal_tokens_generated", "Completion tokens of the tasks this "
+                              "API served to the end.", ["model"], registry=r)  # fmt: skip
+        self.ttft = Histogram("shoal_time_to_first_token_seconds", "From publishing a task to "
+                              "its first token reaching this API.", ["model"],
+                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.tokens_per_s = Histogram("shoal_tokens_per_second", "Tokens per second after the "
+                                      "first, as they reached this API, per task.", ["model"],
+                                      buckets=TOKENS_PER_S_BUCKETS, registry=r)  # fmt: skip
+        self.published = Counter("shoal_events_published", "Events this API process published.",
+                                 ["type"], registry=r)  # fmt: skip
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+
+    def request(self, method: str, endpoint: str, status: int) -> None:
+        labels = (method if method in METHODS else OTHER, endpoint, str(status))
+        self.requests.labels(*labels).inc()
+        if status >= 400:
+            self.errors.labels(*labels).inc()
+
+    def event_published(self, event: EventBase) -> None:
+        self.published.labels(getattr(event, "type", type(event).__name__)).inc()
+
+    def task_served(self, ts: TaskStream) -> None:
+        """Record a task that completed (failed, abandoned or timed-out ones generated nothing
+        the client got in full)."""
+        done = ts.finished.completed if ts.finished is not None else None
+        if done is None:
+            return
+        model = ts.task.model_id
+        tokens = done.usage.completion_tokens
+        self.tokens.labels(model).inc(tokens)
+        ttft, rate = token_timing(tokens, ts.started_at, ts.first_chunk_at, ts.last_chunk_at)
+        if ttft is not None:
+            self.ttft.labels(model).observe(ttft)
+        if rate is not None:
+            self.tokens_per_s.labels(model).observe(rate)
+
+
+def token_timing(
+    tokens: int, started: float | None, first: float | None, last: float | None
+) -> tuple[float | None, float | None]:
+    """(time to first token, tokens per second after the first), each None when the task
+    gives nothing to measure: no token, or a single one for the rate."""
+    if tokens < 1 or started is None or first is None:
+        return None, None
+    ttft = first - started
+    if tokens < 2 or last is None or last <= first:
+        return ttft, None
+    return ttft, (tokens - 1) / (last - first)
+
+
+def endpoint_of(scope: Scope, root_path_before: str) -> str:
+    """The template of the route that served a request (``/v1/instances/{instance_id}``), read
+    from the scope after routing: raw paths would give every instance id its own time series.
+    FastAPI puts the route it chose in the scope (also for a 405); a mounted app (the static
+    files) shows as the prefix routing added to ``root_path``; anything else is ``other``."""
+    route = scope.get("route")
+    template = getattr(route, "path_format", None) or getattr(route, "path", None)
+    if isinstance(template, str) and template:
+        return template
+    root_path = str(scope.get("root_path", ""))
+    if root_path != root_path_before and root_path.startswith(root_path_before):
+        return f"{root_path[len(root_path_before) :]}/{{path}}"
+    return OTHER
+
+
+class HttpMetrics:
+    """ASGI middleware counting each HTTP request by method, route and status. It passes every
+    message on as it comes, so streamed responses (server-sent events) are never buffered."""
+
+    def __init__(self, app: ASGIApp, metrics: ApiMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        root_path = str(scope.get("root_path", ""))
+        status = 500  # an exception before the response starts becomes a 500 outside
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            self.metrics.request(scope["method"], endpoint_of(scope, root_path), status)
+
+
+# --- what the cluster holds, read at scrape time ------------------------------------------
+
+
+def event_type_filters() -> dict[str, str]:
+    """Event type -> the subject filter matching exactly its events on SHOAL_EVENTS
+    (``shoal.events.task.*.*.TaskCreated``)."""
+    out: dict[str, str] = {}
+    for t in EVENT_TYPES:
+        if t is ChunkGenerated:  # on the chunk stream
+            continue
+        name = str(t.model_fields["type"].default)
+        ids = ".".join("*" for _ in t.subject_fields)
+        out[name] = f"{EVENTS_PREFIX}.{t.aggregate}.{ids}.{name}"
+    return out
+
+
+def dead_letters_by_stream(subjects: Mapping[str, int]) -> dict[str, int]:
+    """Counts per dead-letter subject (``shoal.deadletter.<stream>``) -> per original stream."""
+    out: dict[str, int] = {}
+    for subject, n in subjects.items():
+        if subject.startswith(f"{DEADLETTER_PREFIX}."):
+            stream = unescape_token(subject.rsplit(".", 1)[-1])
+            out[stream] = out.get(stream, 0) + n
+    return out
+
+
+@dataclass(frozen=True)
+class ConsumerBacklog:
+    stream: str
+    consumer: str
+    pending: int  # matching messages not yet delivered
+    ack_pending: int  # delivered, not yet acknowledged
+
+
+@dataclass(frozen=True)
+class LogReading:
+    last_seq: dict[str, int]  # per stream
+    messages: dict[str, int]  # per stream
+    events_by_type: dict[str, int]
+    dead_letters: dict[str, int]  # per original stream
+    consumers: list[ConsumerBacklog] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ProjectionReading:
+    applied_seq: dict[str, int]  # projector -> last SHOAL_EVENTS sequence applied
+    nodes: list[NodeRow]
+    devices: list[DeviceRow]
+    runners: list[RunnerRow]
+
+
+def cluster_families(
+    events: LogReading | None, projection: ProjectionReading | None
+) -> list[Metric]:
+    """The cluster-wide metric families from what could be read (None: that source failed)."""
+    up = _gauge("shoal_metrics_source_up", "Whether this scrape could read the source "
+                "(nats: the log, database: the projection).", ["source"])  # fmt: skip
+    up.add_metric(["nats"], 1 if events is not None else 0)
+    up.add_metric(["database"], 1 if projection is not None else 0)
+    families: list[Metric] = [up]
+    if events is not None:
+        families += _log_families(events)
+    if projection is not None:
+        families += _projection_families(projection)
+    if events is not None and projection is not None:
+        lag = _gauge("shoal_projector_lag_events", "SHOAL_EVENTS' last sequence minus the "
+                     "last one the projector applied.", ["projector"])  # fmt: skip
+        last = events.last_seq.get(EVENTS_STREAM, 0)
+        for name, seq in sorted(projection.applied_seq.items()):
+            lag.add_metric([name], last - seq)
+        families.append(lag)
+    return families
+
+
+def _log_families(r: LogReading) -> list[Metric]:
+    in_log = _gauge("shoal_events_in_log", "Events of each type the event log holds.", ["type"])
+    for kind, n in sorted(r.events_by_type.items()):
+        in_log.add_metric([kind], n)
+    messages = _gauge("shoal_stream_messages", "Messages a stream holds.", ["stream"])
+    last_seq = _gauge("shoal_stream_last_seq", "A stream's last sequence number.", ["stream"])
+    for stream in sorted(r.messages):
+        messages.add_metric([stream], r.messages[stream])
+        last_seq.add_metric([stream], r.last_seq.get(stream, 0))
+    dead = _gauge("shoal_dead_letters", "Messages set aside as malformed or poisonous, by the "
+                  "stream they came from (kept for the dead-letter stream's max age).",
+                  ["stream"])  # fmt: skip
+    for stream in sorted({EVENTS_STREAM} | set(r.dead_letters)):
+        dead.add_metric([stream], r.dead_letters.get(stream, 0))
+    pending = _gauge("shoal_consumer_pending_events", "Messages a durable consumer has yet "
+                     "to be delivered (a model's runners': tasks queued).",
+                     ["stream", "consumer"])  # fmt: skip
+    unacked = _gauge("shoal_consumer_ack_pending_events", "Messages delivered to a durable "
+                     "consumer and not yet acknowledged.", ["stream", "consumer"])  # fmt: skip
+    for c in sorted(r.consumers, key=lambda c: (c.stream, c.consumer)):
+        pending.add_metric([c.stream, c.consumer], c.pending)
+        unacked.add_metric([c.stream, c.consumer], c.ack_pending)
+    return [in_log, messages, last_seq, dead, pending, unacked]
+
+
+def _projection_families(p: ProjectionReading) -> list[Metric]:
+    applied = _gauge("shoal_projector_applied_seq", "The last SHOAL_EVENTS sequence each "
+                     "projector applied (its tracking row).", ["projector"])  # fmt: skip
+    for name, seq in sorted(p.applied_seq.items()):
+        applied.add_metric([name], seq)
+    runners = _gauge("shoal_runners", "Runners (shards of placed instances) by state.", ["state"])
+    by_state = Tally(r.state for r in p.runners)
+    for state in sorted(set(RUNNER_STATES) | set(by_state)):
+        runners.add_metric([state], by_state.get(state, 0))
+    nodes = _gauge("shoal_nodes", "Nodes by status.", ["status"])
+    by_status = Tally(n.status for n in p.nodes)
+    for status in sorted(set(NODE_STATUSES) | set(by_status)):
+        nodes.add_metric([status], by_status.get(status, 0))
+    memory = _gauge("shoal_node_memory_bytes", "An online node's RAM: total, available, and "
+                    "offered to placement (its latest profile).", ["node", "kind"])  # fmt: skip
+    load = _gauge("shoal_node_cpu_load_percent", "An online node's CPU load, 0-100, all cores.",
+                  ["node"])  # fmt: skip
+    online = sorted((n for n in p.nodes if n.status == "online"), key=lambda n: n.node_id)
+    for n in online:
+        values = {"total": n.ram_total, "available": n.ram_available, "offered": n.memory_offered}
+        for kind in MEMORY_KINDS:
+            memory.add_metric([n.node_id, kind], values[kind])
+        load.add_metric([n.node_id], n.cpu_load)
+    gpu = _gauge("shoal_device_memory_bytes", "An online node's GPU memory: total and used.",
+                 ["node", "device", "kind"])  # fmt: skip
+    online_ids = {n.node_id for n in online}
+    for d in sorted(p.devices, key=lambda d: (d.node_id, d.device)):
+        if d.kind == "gpu" and d.node_id in online_ids:
+            gpu.add_metric([d.node_id, d.device, "total"], d.memory_total)
+            gpu.add_metric([d.node_id, d.device, "used"], d.memory_used)
+    return [applied, runners, nodes, memory, load, gpu]
+
+
+def _gauge(name: str, documentation: str, labels: Sequence[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, labels=list(labels))
+
+
+async def read_log(js: JetStreamContext) -> LogReading:
+    """Stream states, events by type, dead letters and durable consumers' backlogs.
+
+    Events by type: per-subject counts (stream info with a subjects filter) cost one entry per
+    subject, and task subjects are per task: 5 MB for 100,000 subjects, and nats-py returns
+    only the server's first page of 100,000. Instead, a short-lived consumer per type, whose
+    ``num_pending`` is the server's own count of matching messages (the 16 took 0.25 s of
+    server time for a log of 900,000 task events)."""
+    last_seq: dict[str, int] = {}
+    messages: dict[str, int] = {}
+    dead: dict[str, int] = {}
+    for stream in (EVENTS_STREAM, CHUNKS_STREAM, DEADLETTER_STREAM):
+        subjects = f"{DEADLETTER_PREFIX}.>" if stream == DEADLETTER_STREAM else None
+        info = await js.stream_info(stream, subjects_filter=subjects)
+        last_seq[stream] = info.state.last_seq
+        messages[stream] = info.state.messages
+        if stream == DEADLETTER_STREAM:
+            dead = dead_letters_by_stream(info.state.subjects or {})
+    filters = event_type_filters()
+    counts = await asyncio.gather(*(_count(js, EVENTS_STREAM, f) for f in filters.values()))
+    consumers: dict[str, ConsumerBacklog] = {}
+    listed = 0
+    while True:
+        page = await js.consumers_info(EVENTS_STREAM, offset=listed)
+        listed += len(page)
+        for c in page:
+            # Ephemeral consumers (tails, ordered readers, the counts above) come and go.
+            if c.config.durable_name:
+                consumers[c.name] = ConsumerBacklog(EVENTS_STREAM, c.name, c.num_pending or 0,
+                                                    c.num_ack_pending or 0)  # fmt: skip
+        if len(page) < CONSUMER_PAGE:
+            break
+    return LogReading(last_seq, messages, dict(zip(filters, counts, strict=True)), dead,
+                      list(consumers.values()))  # fmt: skip
+
+
+async def _count(js: JetStreamContext, stream: str, filter_subject: str) -> int:
+    """How many messages on ``stream`` match ``filter_subject``, counted by the server."""
+    config = ConsumerConfig(
+        filter_subject=filter_subject, deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
+        inactive_threshold=30.0,  # removed by the server even if the delete below is lost
+    )  # fmt: skip
+    info = await js.add_consumer(stream, config)
+    with contextlib.suppress(Exception):
+        await js.delete_consumer(stream, info.name)
+    return info.num_pending or 0
+
+
+async def read_projection(engine: AsyncEngine, projector: str) -> ProjectionReading:
+    """Nodes, devices, runners, and where each projector stands (``projector``, the one this
+    API reads, at 0 until it has applied anything)."""
+    tables = (NodeRow.TABLE, DeviceRow.TABLE, RunnerRow.TABLE)
+    t = projector_offsets
+    async with engine.connect() as conn:
+        state: ClusterState = await load_state(conn, tables)
+        rows = await conn.execute(select(t.c.projector, t.c.last_seq)
+                                  .where(t.c.stream == EVENTS_STREAM))  # fmt: skip
+        applied = {projector: 0} | {str(name): int(seq) for name, seq in rows}
+    devices = [d for d in state.rows(DeviceRow.TABLE) if isinstance(d, DeviceRow)]
+    return ProjectionReading(applied, state.nodes(), devices, state.runners())
+
+
+T = TypeVar("T")
+
+
+async def _read_or_none(what: str, reading: Awaitable[T]) -> T | None:
+    try:
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            return await reading
+    except Exception as exc:  # a scrape reports what it could read
+        log.warning("metrics: could not read the %s: %s", what, exc)
+        return None
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+async def exposition(ctx: ApiContext) -> bytes:
+    """The text of one scrape: this process's metrics, then the cluster's, read now. The
+    projection first: read the other way round, events published in between could be applied
+    by then and show as a negative lag."""
+    projection = await _read_or_none(
+        "projection", read_projection(ctx.engine, ctx.config.projector)
+    )
+    events = await _read_or_none("event log", read_log(ctx.nc.jetstream()))
+    cluster = _Families(cluster_families(events, projection))
+    return generate_latest(ctx.metrics.registry) + generate_latest(cluster)
+
+
+router = APIRouter(dependencies=[Depends(require_key)])
+
+
+@router.get("/metrics", include_in_schema=False)
+async def serve_metrics(ctx: Annotated[ApiContext, Depends(context)]) -> Response:
+    """Prometheus metrics (text format 0.0.4); needs the API key when keys are configured."""
+    return Response(await exposition(ctx), media_type=CONTENT_TYPE)
+
+
+def install(app: FastAPI, metrics: ApiMetrics) -> None:
+    """Count every request, and serve ``GET /metrics``."""
+    app.add_middleware(HttpMetrics, metrics=metrics)
+    app.include_router(router)
