@@ -43,6 +43,7 @@ from api.context import ApiContext, context, require_key
 from bus.events import EVENT_TYPES, ChunkGenerated, EventBase, RunnerState
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
 from bus.subjects import DEADLETTER_PREFIX, EVENTS_PREFIX, unescape_token
+from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
 from projectors.state import ClusterState
 from projectors.store import load_state
@@ -230,6 +231,8 @@ class LogReading:
     events_by_type: dict[str, int]
     dead_letters: dict[str, int]  # per original stream
     consumers: list[ConsumerBacklog] = field(default_factory=list)
+    # Events of each type past the projector's applied sequence (empty: it is not behind).
+    unapplied_by_type: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -241,9 +244,10 @@ class ProjectionReading:
 
 
 def cluster_families(
-    events: LogReading | None, projection: ProjectionReading | None
+    events: LogReading | None, projection: ProjectionReading | None, projector: str = DEFAULT_NAME
 ) -> list[Metric]:
-    """The cluster-wide metric families from what could be read (None: that source failed)."""
+    """The cluster-wide metric families from what could be read (None: that source failed);
+    ``projector`` is the one whose consumption is counted by type."""
     up = _gauge("shoal_metrics_source_up", "Whether this scrape could read the source "
                 "(nats: the log, database: the projection).", ["source"])  # fmt: skip
     up.add_metric(["nats"], 1 if events is not None else 0)
@@ -254,6 +258,13 @@ def cluster_families(
     if projection is not None:
         families += _projection_families(projection)
     if events is not None and projection is not None:
+        consumed = _gauge("shoal_events_consumed", "Events of each type a projector has "
+                          "applied (the log's, less those past its applied sequence).",
+                          ["consumer", "type"])  # fmt: skip
+        for kind, n in sorted(events.events_by_type.items()):
+            unapplied = events.unapplied_by_type.get(kind, 0)
+            consumed.add_metric([f"projector:{projector}", kind], n - unapplied)
+        families.append(consumed)
         lag = _gauge("shoal_projector_lag_events", "SHOAL_EVENTS' last sequence minus the "
                      "last one the projector applied.", ["projector"])  # fmt: skip
         last = events.last_seq.get(EVENTS_STREAM, 0)
@@ -325,7 +336,7 @@ def _gauge(name: str, documentation: str, labels: Sequence[str]) -> GaugeMetricF
     return GaugeMetricFamily(name, documentation, labels=list(labels))
 
 
-async def read_log(js: JetStreamContext) -> LogReading:
+async def read_log(js: JetStreamContext, applied_seq: int | None = None) -> LogReading:
     """Stream states, events by type, dead letters and durable consumers' backlogs.
 
     Events by type: per-subject counts (stream info with a subjects filter) cost one entry per
@@ -345,6 +356,13 @@ async def read_log(js: JetStreamContext) -> LogReading:
             dead = dead_letters_by_stream(info.state.subjects or {})
     filters = event_type_filters()
     counts = await asyncio.gather(*(_count(js, EVENTS_STREAM, f) for f in filters.values()))
+    unapplied: dict[str, int] = {}
+    if applied_seq is not None and applied_seq < last_seq[EVENTS_STREAM]:
+        # Only while the projector is behind: otherwise it has consumed all of them.
+        after = await asyncio.gather(
+            *(_count(js, EVENTS_STREAM, f, applied_seq) for f in filters.values())
+        )
+        unapplied = dict(zip(filters, after, strict=True))
     consumers: dict[str, ConsumerBacklog] = {}
     listed = 0
     while True:
@@ -358,13 +376,18 @@ async def read_log(js: JetStreamContext) -> LogReading:
         if len(page) < CONSUMER_PAGE:
             break
     return LogReading(last_seq, messages, dict(zip(filters, counts, strict=True)), dead,
-                      list(consumers.values()))  # fmt: skip
+                      list(consumers.values()), unapplied)  # fmt: skip
 
 
-async def _count(js: JetStreamContext, stream: str, filter_subject: str) -> int:
-    """How many messages on ``stream`` match ``filter_subject``, counted by the server."""
+async def _count(
+    js: JetStreamContext, stream: str, filter_subject: str, after_seq: int | None = None
+) -> int:
+    """How many messages on ``stream`` match ``filter_subject`` (after ``after_seq``), counted
+    by the server."""
     config = ConsumerConfig(
-        filter_subject=filter_subject, deliver_policy=DeliverPolicy.ALL,
+        filter_subject=filter_subject,
+        deliver_policy=DeliverPolicy.ALL if after_seq is None else DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=None if after_seq is None else after_seq + 1,
         ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
         inactive_threshold=30.0,  # removed by the server even if the delete below is lost
     )  # fmt: skip
@@ -415,8 +438,9 @@ async def exposition(ctx: ApiContext) -> bytes:
     projection = await _read_or_none(
         "projection", read_projection(ctx.engine, ctx.config.projector)
     )
-    events = await _read_or_none("event log", read_log(ctx.nc.jetstream()))
-    cluster = _Families(cluster_families(events, projection))
+    applied = projection.applied_seq.get(ctx.config.projector) if projection else None
+    events = await _read_or_none("event log", read_log(ctx.nc.jetstream(), applied))
+    cluster = _Families(cluster_families(events, projection, ctx.config.projector))
     return generate_latest(ctx.metrics.registry) + generate_latest(cluster)
 
 

@@ -190,6 +190,7 @@ def test_cluster_families_from_readings() -> None:
         events_by_type={"NodeJoined": 2, "TaskCreated": 0},
         dead_letters={"SHOAL_EVENTS": 2},
         consumers=[ConsumerBacklog("SHOAL_EVENTS", "tasks-m", 4, 1)],
+        unapplied_by_type={"NodeJoined": 1},
     )
     projection = ProjectionReading(
         applied_seq={"main": 100},
@@ -204,6 +205,8 @@ def test_cluster_families_from_readings() -> None:
     assert value(s, "shoal_projector_lag_events", projector="main") == 20
     assert value(s, "shoal_projector_applied_seq", projector="main") == 100
     assert value(s, "shoal_events_in_log", type="NodeJoined") == 2
+    assert value(s, "shoal_events_consumed", consumer="projector:main", type="NodeJoined") == 1
+    assert value(s, "shoal_events_consumed", consumer="projector:main", type="TaskCreated") == 0
     assert value(s, "shoal_dead_letters", stream="SHOAL_EVENTS") == 2
     assert value(s, "shoal_dead_letters", stream="SHOAL_CHUNKS") is None  # none came from it
     assert value(s, "shoal_consumer_pending_events", stream="SHOAL_EVENTS", consumer="tasks-m") == 4
@@ -383,6 +386,8 @@ async def test_cluster_values_follow_the_log_and_the_projection(
             await Publisher(js).publish(NodeJoined(node_id=node, origin=node))
         s = await _scrape(client)
         assert value(s, "shoal_projector_lag_events", projector="main") == 3
+        assert value(s, "shoal_events_in_log", type="NodeJoined") == 5
+        assert value(s, "shoal_events_consumed", consumer="projector:main", type="NodeJoined") == 2
         assert value(s, "shoal_nodes", status="online") == 1  # the projection did not move
 
 
