@@ -3,7 +3,9 @@
 A message that is not valid JSON, names an unknown event type or fails validation is never
 handed to the caller: it is republished to ``shoal.deadletter.<stream>`` with the reason in
 headers, terminated on its consumer (so it is not redelivered) and counted. The consumer goes
-on with the next message.
+on with the next message. A dead letter keeps the message as it was, unless the message and the
+headers together would exceed the server's ``max_payload``: then it keeps the message's first
+bytes and says how long it was in ``Shoal-Original-Size``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from bus.events import Event, parse_event
+from bus.payload import max_payload, message_size
 from bus.puller import Puller
 from bus.subjects import deadletter_subject
 
@@ -33,6 +36,9 @@ SUBJECT_HEADER = "Shoal-Original-Subject"
 STREAM_HEADER = "Shoal-Original-Stream"
 SEQ_HEADER = "Shoal-Original-Seq"
 CONSUMER_HEADER = "Shoal-Consumer"
+SIZE_HEADER = "Shoal-Original-Size"  # only on a dead letter that keeps part of the message
+
+MAX_REASON_CHARS = 1000  # a reason is a line for people; an exception's repr may be anything
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,17 @@ def describe_invalid(exc: ValidationError) -> str:
         return f"unknown event type: {first.get('input', {}).get('type')!r}"
     if first["type"] == "union_tag_not_found":
         return "no 'type' field"
-    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors[:3]]
+    parts = [
+        f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" if e["loc"] else e["msg"]
+        for e in errors[:3]
+    ]
     return "invalid event: " + "; ".join(parts)
+
+
+def _ascii(text: str) -> str:
+    """A header value in ASCII: nats-py reads other header values back garbled (as
+    ``email.header.Header`` objects), so non-ASCII characters are sent escaped (``\\xa1``)."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")
 
 
 class EventConsumer:
@@ -101,6 +116,8 @@ class EventConsumer:
         self.stats = ConsumerStats()
         # Highest stream sequence fetched, dead letters included: how far this consumer got.
         self.last_stream_seq = 0
+        # The stream sequences of the last fetch, dead letters included, as delivered.
+        self.fetched_seqs: list[int] = []
 
     async def start(self, *, recreate: bool = False) -> None:
         """Bind to the durable consumer, creating it if needed. ``recreate`` drops an existing
@@ -132,8 +149,10 @@ class EventConsumer:
             raise RuntimeError("consumer not started")
         msgs = await self._puller.fetch(batch, timeout)
         out: list[Delivered] = []
+        self.fetched_seqs = []
         for msg in msgs:
             md = msg.metadata
+            self.fetched_seqs.append(md.sequence.stream)
             self.last_stream_seq = max(self.last_stream_seq, md.sequence.stream)
             try:
                 event = parse_event(msg.data)
@@ -147,16 +166,25 @@ class EventConsumer:
     async def dead_letter(self, msg: Msg, reason: str) -> None:
         """Set ``msg`` aside: keep a copy with the reason, stop its redelivery, count it."""
         md = msg.metadata
+        if len(reason) > MAX_REASON_CHARS:
+            reason = reason[:MAX_REASON_CHARS] + "..."
         headers = {
-            REASON_HEADER: reason,
-            SUBJECT_HEADER: msg.subject,
+            REASON_HEADER: _ascii(reason),
+            SUBJECT_HEADER: _ascii(msg.subject),
             STREAM_HEADER: self.stream,
             SEQ_HEADER: str(md.sequence.stream),
             CONSUMER_HEADER: self.durable,
             # Redelivery of the original must not create a second dead letter.
             "Nats-Msg-Id": f"dead:{self.stream}:{md.sequence.stream}",
         }
-        await self._js.publish(deadletter_subject(self.stream), msg.data, headers=headers)
+        data = msg.data
+        # A message near the server's limit does not fit in a dead letter with these headers,
+        # and the server would close the connection over it: keep as much as fits.
+        room = max_payload(self._js) - message_size(b"", headers | {SIZE_HEADER: str(len(data))})
+        if len(data) > room:
+            headers[SIZE_HEADER] = str(len(data))
+            data = data[: max(room, 0)]
+        await self._js.publish(deadletter_subject(self.stream), data, headers=headers)
         await msg.term()
         self.stats.dead_letters += 1
         key = reason.split(":", 1)[0]

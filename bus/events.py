@@ -37,7 +37,8 @@ def utc_now() -> datetime:
 class Record(BaseModel):
     """A value nested inside an event."""
 
-    model_config = ConfigDict(frozen=True)
+    # NaN and Infinity are not JSON (pydantic writes them as null): refused, not projected.
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
 
 class EventBase(Record):

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -30,7 +31,14 @@ from bus.subjects import EVENTS_PREFIX
 from projectors import database
 from projectors.rules import changes_for
 from projectors.state import Change, ClusterState
-from projectors.store import load_state, read_offset, write_changes, write_offset
+from projectors.store import (
+    UnstorableError,
+    check_storable,
+    load_state,
+    read_offset,
+    write_changes,
+    write_offset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +58,26 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
+class ProjectionGap(RuntimeError):
+    """A fetch skipped events the stream still holds: the projector resumes from its last
+    commit rather than apply what came after them."""
+
+
 def fold_batch(
     state: ClusterState, batch: Sequence[Delivered], after_seq: int
 ) -> tuple[list[Change], list[tuple[Delivered, Exception]]]:
-    """Apply a batch to ``state`` (skipping sequences ``<= after_seq``, i.e. redeliveries).
-    Returns the changes to write and the events whose rule raised (to be dead-lettered)."""
+    """Apply a batch to ``state`` in stream order (skipping sequences ``<= after_seq`` and
+    repeats, i.e. redeliveries). Returns the changes to write and the events whose rule raised,
+    or whose rows the database cannot hold (to be dead-lettered)."""
     changes: list[Change] = []
     failed: list[tuple[Delivered, Exception]] = []
-    for d in batch:
+    for d in sorted(batch, key=lambda d: d.stream_seq):
         if d.stream_seq <= after_seq:
             continue
+        after_seq = d.stream_seq
         try:
             ch = changes_for(state, d.event)
+            check_storable(ch)
         except Exception as exc:  # a rule bug on one event must not stop the projection
             failed.append((d, exc))
             continue
@@ -99,7 +115,7 @@ class Projector:
         while not stop.is_set():
             try:
                 await self._project(stop)
-            except (SQLAlchemyError, nats.errors.Error) as exc:
+            except (SQLAlchemyError, nats.errors.Error, ProjectionGap) as exc:
                 log.error("projector error, resuming from the last commit: %s", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -130,20 +146,44 @@ class Projector:
 
     async def apply_batch(self, batch: list[Delivered], consumer: EventConsumer) -> None:
         """Apply what ``consumer`` fetched in one transaction, then ack. Events at or below the
-        tracking sequence (redeliveries) change nothing."""
+        tracking sequence (redeliveries) change nothing; events after a gap are not applied
+        (``ProjectionGap``)."""
         last_seq = consumer.last_stream_seq
         if last_seq <= self.applied_seq:
             for d in batch:
                 await d.ack()
             return
+        await self._check_contiguous(consumer.fetched_seqs)
         changes, failed = fold_batch(self.state, batch, self.applied_seq)
         async with self._engine.begin() as conn:
             await write_changes(conn, changes)
             await write_offset(conn, self.name, EVENTS_STREAM, last_seq)
         self.applied_seq = last_seq
         for d, exc in failed:
-            await consumer.dead_letter(d.msg, f"projection rule error: {exc!r}")
+            reason = (
+                f"cannot be stored: {exc}"
+                if isinstance(exc, UnstorableError)
+                else f"projection rule error: {exc!r}"
+            )
+            await consumer.dead_letter(d.msg, reason)
         failed_msgs = {id(d.msg) for d, _ in failed}
         for d in batch:
             if id(d.msg) not in failed_msgs:
                 await d.ack()
+
+    async def _check_contiguous(self, fetched: list[int]) -> None:
+        """The projector's filter takes every subject of the stream, so what follows the
+        tracking sequence must come without a hole. A pull consumer can leave one: messages it
+        delivered that never arrived (their consumer leader's server lost on the way) come again
+        only after the ack wait, behind newer ones, which would then be applied first, and the
+        lost ones skipped as redeliveries."""
+        new = sorted({s for s in fetched if s > self.applied_seq})
+        if not new or new[-1] - self.applied_seq == len(new):
+            return
+        have = set(new)
+        missing = max(s for s in range(self.applied_seq + 1, new[-1]) if s not in have)
+        try:
+            await self._js.get_msg(EVENTS_STREAM, missing)
+        except NotFoundError:
+            return  # aged out or removed before it was projected: nothing to wait for
+        raise ProjectionGap(f"seq {missing} was not delivered; resuming after {self.applied_seq}")

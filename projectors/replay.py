@@ -25,7 +25,7 @@ from projectors import database
 from projectors.projector import DEFAULT_NAME
 from projectors.rules import changes_for
 from projectors.state import Change, ClusterState
-from projectors.store import write_changes, write_offset
+from projectors.store import check_storable, write_changes, write_offset
 from projectors.tables import STATE_TABLES, projector_offsets
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ async def replay(
     """Fold the event stream from its first message into the empty database at ``engine``.
     Stops after ``until_seq``, before the first event stored after ``until_time``, or at the
     stream's last message when replay started. Events the live projector sets aside (malformed,
-    or whose rule fails) are skipped here too."""
+    whose rule fails, or whose rows cannot be stored) are skipped here too."""
     await database.upgrade(engine)
     await _ensure_empty(engine)
     state = ClusterState()
@@ -79,12 +79,13 @@ async def replay(
         try:
             event = parse_event(msg.data)
             ch = changes_for(state, event)
+            check_storable(ch)
         except ValidationError as exc:
             log.warning("replay skips seq %d: %s", last_seq, describe_invalid(exc))
             skipped += 1
             continue
-        except Exception as exc:  # a rule error: the live projector dead-letters these
-            log.warning("replay skips seq %d: rule error %r", last_seq, exc)
+        except Exception as exc:  # rule error or unstorable: the live projector dead-letters these
+            log.warning("replay skips seq %d: %r", last_seq, exc)
             skipped += 1
             continue
         state.commit(ch)

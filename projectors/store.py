@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Table, delete, select, tuple_
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Float,
+    Integer,
+    String,
+    Table,
+    delete,
+    select,
+    tuple_,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from projectors.rows import ROW_TYPES, Row
 from projectors.state import Change, ClusterState, Put, collapse
-from projectors.tables import STATE_TABLES, projector_offsets
+from projectors.tables import STATE_TABLES, UtcDateTime, projector_offsets
 
 ROW_TYPE_BY_TABLE: dict[str, type[Row]] = {t.TABLE: t for t in ROW_TYPES}
 _FIELDS: dict[str, tuple[str, ...]] = {t.TABLE: tuple(f.name for f in fields(t)) for t in ROW_TYPES}
@@ -21,6 +34,94 @@ _FIELDS: dict[str, tuple[str, ...]] = {t.TABLE: tuple(f.name for f in fields(t))
 
 def row_values(row: Row) -> dict[str, Any]:
     return {name: getattr(row, name) for name in _FIELDS[row.TABLE]}
+
+
+class UnstorableError(ValueError):
+    """A row the projection cannot hold on every supported database."""
+
+
+Check = Callable[[Any], str | None]  # why a value cannot be stored in a column, or None
+
+
+def _time_problem(value: Any) -> str | None:
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        return "a time without a time zone"
+    try:
+        value.astimezone(UTC)
+    except OverflowError:
+        return f"{value.isoformat()} is out of range"
+    return None
+
+
+def _float_problem(value: Any) -> str | None:
+    return None if math.isfinite(value) else f"{value} is not a finite number"
+
+
+def _json_problem(value: Any) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} in JSON"
+    if isinstance(value, list):
+        return next((p for v in value if (p := _json_problem(v))), None)
+    if isinstance(value, dict):
+        return next((p for v in value.values() if (p := _json_problem(v))), None)
+    return None
+
+
+def _column_check(column: Column[Any]) -> Check:
+    """What SQLite and PostgreSQL alike can store in ``column``. Checked before writing, so
+    that an event with such a value is set aside like a malformed one rather than failing its
+    batch again and again (and so that both databases hold the same rows)."""
+    kind = column.type
+    check: Check
+    if isinstance(kind, UtcDateTime):
+        check = _time_problem
+    elif isinstance(kind, Integer):
+        bits = 64 if isinstance(kind, BigInteger) else 32
+        low, high = -(2 ** (bits - 1)), 2 ** (bits - 1)
+
+        def check(v: Any) -> str | None:
+            return None if low <= v < high else f"{v} does not fit in {bits} bits"
+
+    elif isinstance(kind, Float):
+        check = _float_problem
+    elif isinstance(kind, String):  # Text too
+        length = kind.length
+
+        def check(v: Any) -> str | None:
+            if "\x00" in v:
+                return "contains a NUL character"
+            if length is not None and len(v) > length:
+                return f"{len(v)} characters, more than {length}"
+            return None
+
+    elif isinstance(kind, JSON):
+        check = _json_problem
+    else:
+        return lambda v: None
+    nullable = column.nullable
+
+    def checked(v: Any) -> str | None:
+        if v is None:
+            return None if nullable else "missing (NOT NULL)"
+        return check(v)
+
+    return checked
+
+
+_CHECKS: dict[str, list[tuple[str, Check]]] = {
+    name: [(c.name, _column_check(c)) for c in table.columns]
+    for name, table in STATE_TABLES.items()
+}
+
+
+def check_storable(changes: Iterable[Change]) -> None:
+    """Raise UnstorableError naming the first column whose value these changes cannot store."""
+    for ch in changes:
+        if isinstance(ch, Put):
+            row = ch.row
+            for name, check in _CHECKS[ch.table]:
+                if problem := check(getattr(row, name)):
+                    raise UnstorableError(f"{ch.table}.{name}: {problem}")
 
 
 def _upsert(conn: AsyncConnection, table: Table) -> Any:

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
 from sqlalchemy import Connection, inspect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.consumer import EventConsumer
+from bus.consumer import Delivered, EventConsumer
 from bus.events import Event, NodeJoined
 from bus.streams import EVENTS_STREAM
 from bus.subjects import EVENTS_PREFIX
 from projectors import database
+from projectors.projector import ProjectionGap, Projector
 from projectors.rows import ROW_TYPES
 from projectors.rules import fold
 from projectors.store import load_state, read_offset
@@ -112,6 +115,47 @@ async def test_redelivered_events_change_nothing(js: JetStreamContext, engine: A
         await again.stop()
         assert await db_rows(engine) == before
         assert projector.applied_seq == last
+
+
+async def test_events_after_a_hole_are_not_applied(
+    js: JetStreamContext, engine: AsyncEngine
+) -> None:
+    """As when a consumer leader's server is lost with messages on the way: newer ones arrive
+    first, the lost ones only after the ack wait. Nothing after the hole is applied; what came
+    whole, in any order, is applied in stream order."""
+    events = log_events(n_tasks=10)
+    last = await publish_all(js, events)
+    await database.upgrade(engine)
+    projector = Projector(js, engine)
+
+    async def fetched(name: str, start: int) -> tuple[EventConsumer, list[Delivered]]:
+        consumer = EventConsumer(js, EVENTS_STREAM, name, f"{EVENTS_PREFIX}.>",
+                                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                 opt_start_seq=start)  # fmt: skip
+        await consumer.start()
+        return consumer, await consumer.fetch(10_000, timeout=2.0)
+
+    skipping, batch = await fetched("skipping", 3)
+    with pytest.raises(ProjectionGap, match="seq 2 was not delivered"):
+        await projector.apply_batch(batch, skipping)
+    assert projector.applied_seq == 0
+    assert all(rows == [] for rows in (await db_rows(engine)).values())
+
+    whole, batch = await fetched("whole", 1)
+    await projector.apply_batch(list(reversed(batch)), whole)
+    assert projector.applied_seq == last
+    assert await db_rows(engine) == memory_rows(fold(events))
+
+    # A message the stream no longer holds (aged out, removed) leaves no hole to wait for.
+    more = [NodeJoined(node_id=f"late-{i}", origin="t") for i in range(3)]
+    await publish_all(js, more)
+    await js.delete_msg(EVENTS_STREAM, last + 2)
+    after, batch = await fetched("after", last + 1)
+    await projector.apply_batch(batch, after)
+    assert projector.applied_seq == last + 3
+    assert await db_rows(engine) == memory_rows(fold([*events, more[0], more[2]]))
+    for c in (skipping, whole, after):
+        await c.stop()
 
 
 async def test_malformed_events_are_set_aside(
