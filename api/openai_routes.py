@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import nats.errors
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -68,8 +69,11 @@ async def _serve(
             _events(ctx, task, shape, include_usage), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )  # fmt: skip
-    async with _stream(ctx, task) as ts:
-        text = "".join([c.text async for c in ts.chunks()])
+    try:
+        async with _stream(ctx, task) as ts:
+            text = "".join([c.text async for c in ts.chunks()])
+    except nats.errors.Error as exc:  # the task could not be stored
+        raise _log_unavailable(exc) from exc
     ctx.metrics.task_served(ts)
     finished = ts.finished
     assert finished is not None
@@ -85,18 +89,24 @@ async def _events(
     ctx: ApiContext, task: TaskCreated, shape: _Shape, include_usage: bool
 ) -> AsyncIterator[str]:
     """Server-sent events; leaving the generator early (client gone) cancels the task."""
-    async with _stream(ctx, task) as ts:
-        if shape.chat:
-            yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
-        try:
-            async for c in ts.chunks():
-                if c.text or c.finish_reason:
-                    yield _sse(shape.piece(c))
-        except TimeoutError:
-            ts.finished = None
-            yield _sse(error_body(504, "the task took longer than the API waits"))
-            yield "data: [DONE]\n\n"
-            return
+    try:
+        async with _stream(ctx, task) as ts:
+            if shape.chat:
+                yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
+            try:
+                async for c in ts.chunks():
+                    if c.text or c.finish_reason:
+                        yield _sse(shape.piece(c))
+            except TimeoutError:
+                ts.finished = None
+                yield _sse(error_body(504, "the task took longer than the API waits"))
+                yield "data: [DONE]\n\n"
+                return
+    except nats.errors.Error as exc:  # the task could not be stored
+        err = _log_unavailable(exc)
+        yield _sse(error_body(err.status, err.message, code=err.code))
+        yield "data: [DONE]\n\n"
+        return
     ctx.metrics.task_served(ts)
     finished = ts.finished
     assert finished is not None
@@ -128,6 +138,11 @@ def _stream(ctx: ApiContext, task: TaskCreated) -> TaskStream:
 def _unavailable(why: str) -> ApiError:
     return ApiError(503, f"{why} (the request was accepted, then its last runner stopped)",
                     code="model_not_ready")  # fmt: skip
+
+
+def _log_unavailable(exc: Exception) -> ApiError:
+    why = f"the event log did not store the request ({type(exc).__name__}): NATS JetStream"
+    return ApiError(503, f"{why} is unavailable; try again", code="log_unavailable")
 
 
 def _task_error(error: str) -> ApiError:

@@ -2,9 +2,12 @@
 
 Chunks and task events are followed on plain NATS subscriptions (JetStream delivers stored
 messages to them as well), opened before the task is published so that nothing is missed.
-The stream ends with the last chunk (the one with a finish reason) together with
-``TaskCompleted``, or with ``TaskFailed``. Leaving early (a client that went away) publishes
-``TaskCancelled``, and the runner stops within a token.
+What a subscription cannot get is what was published while this process was reconnecting to
+NATS (a server restart, a network blip): after a quiet spell the stream looks the task's
+outcome up in the log, and takes its stored chunks from there. The stream ends with the last
+chunk (the one with a finish reason) together with ``TaskCompleted``, or with ``TaskFailed``.
+Leaving early (a client that went away) publishes ``TaskCancelled``, and the runner stops
+within a token.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from bus.events import (
@@ -31,6 +36,8 @@ from bus.events import (
     parse_event,
 )
 from bus.publisher import Publisher
+from bus.reader import read_stream
+from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 from bus.subjects import EVENTS_PREFIX, chunk_subject, escape_token
 
 # Tasks publishing cancels, kept referenced until done (the event loop holds them weakly).
@@ -39,6 +46,7 @@ _BACKGROUND: set[asyncio.Task[object]] = set()
 
 # Until its first chunk, a task's model is checked this often to still have a runner to serve
 # it: the last one may stop (its instance rejected, deleted) after the request was accepted.
+# And after this long without news, the log is asked for the task's outcome (see above).
 RECHECK_S = 2.0
 
 # Why a model cannot serve now (None: it can).
@@ -84,21 +92,22 @@ class TaskStream:
     async def __aenter__(self) -> TaskStream:
         self.started_at = time.monotonic()
         t = self.task
-        task_subject = f"{EVENTS_PREFIX}.task.{escape_token(t.model_id)}.{escape_token(t.task_id)}"
         self._subs = [
             await self._nc.subscribe(chunk_subject(t.task_id), cb=self._on_msg),
-            await self._nc.subscribe(f"{task_subject}.TaskCompleted", cb=self._on_msg),
-            await self._nc.subscribe(f"{task_subject}.TaskFailed", cb=self._on_msg),
+            await self._nc.subscribe(self._outcome_subject("TaskCompleted"), cb=self._on_msg),
+            await self._nc.subscribe(self._outcome_subject("TaskFailed"), cb=self._on_msg),
         ]
-        await self._publish(t)
+        try:
+            await self._publish(t)
+        except BaseException:  # not stored: nothing to follow
+            await self._unsubscribe()
+            raise
         return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await self._unsubscribe()
         if self.finished is None or self.finished.unavailable is not None:
             # The client went away (or the wait timed out): stop the runner's work. Published
             # from a task of its own: the request's own task is being cancelled, and the server
@@ -112,10 +121,44 @@ class TaskStream:
             _BACKGROUND.add(publishing)
             publishing.add_done_callback(_BACKGROUND.discard)
 
+    async def _unsubscribe(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs = []
+
     async def _publish(self, event: EventBase) -> None:
         await Publisher(self._nc.jetstream()).publish(event)
         if self._on_published is not None:
             self._on_published(event)
+
+    def _outcome_subject(self, kind: str) -> str:
+        t = self.task
+        return f"{EVENTS_PREFIX}.task.{escape_token(t.model_id)}.{escape_token(t.task_id)}.{kind}"
+
+    async def _catch_up(self, next_idx: int) -> None:
+        """Queue the task's outcome and its chunks from ``next_idx`` on, if the log has the
+        outcome: the subscriptions may have missed them while this process reconnected. Once
+        the outcome is stored so is every chunk (a runner flushes its chunks first)."""
+        js = self._nc.jetstream()
+        try:
+            for kind in ("TaskFailed", "TaskCompleted"):
+                try:
+                    stored = await js.get_last_msg(EVENTS_STREAM, self._outcome_subject(kind))
+                except NotFoundError:
+                    continue
+                outcome = parse_event(stored.data or b"")
+                if isinstance(outcome, TaskCompleted):
+                    subject = chunk_subject(self.task.task_id)
+                    async for msg in read_stream(js, CHUNKS_STREAM, subject):
+                        chunk = parse_event(msg.data)
+                        if isinstance(chunk, ChunkGenerated) and chunk.idx >= next_idx:
+                            self._queue.put_nowait(chunk)
+                if isinstance(outcome, TaskCompleted | TaskFailed):
+                    self._queue.put_nowait(outcome)
+                return
+        except (nats.errors.Error, TimeoutError, ValidationError):
+            return  # NATS is not back yet: the next quiet spell looks again
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -133,16 +176,16 @@ class TaskStream:
         completed: TaskCompleted | None = None
         async with asyncio.timeout(self._timeout_s):
             while True:
-                if next_idx == 0 and self._recheck is not None:
-                    try:
-                        event = await asyncio.wait_for(self._queue.get(), RECHECK_S)
-                    except TimeoutError:
-                        if (why := await self._recheck()) is not None:
-                            self.finished = Finished(unavailable=why)
-                            return
-                        continue
-                else:
-                    event = await self._queue.get()
+                try:
+                    async with asyncio.timeout(RECHECK_S):
+                        event = await self._queue.get()
+                except TimeoutError:
+                    recheck = self._recheck if next_idx == 0 else None
+                    if recheck is not None and (why := await recheck()) is not None:
+                        self.finished = Finished(unavailable=why)
+                        return
+                    await self._catch_up(next_idx)
+                    continue
                 if isinstance(event, TaskFailed):
                     self.finished = Finished(failed=event)
                     return

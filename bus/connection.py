@@ -29,7 +29,11 @@ async def connect(
     """Connect; once connected, keep reconnecting forever. A server that cannot be reached
     within ``startup_timeout``, or that refuses the credentials, is a clear error, not a hang.
     Authentication and TLS come from ``security``, by default from the environment
-    (``bus/nats_security.py``)."""
+    (``bus/nats_security.py``).
+
+    ``url`` may list the servers of a cluster, comma-separated: they are tried in that order
+    (not shuffled), so each machine can name its nearest server first. Which server the
+    connection uses, and every disconnect and reconnect, is logged."""
     security = security if security is not None else NatsSecurity.from_env()
     nc = Client()
     connected = False
@@ -45,6 +49,13 @@ async def connect(
             refused.append(exc)
             hopeless.set()
 
+    async def on_disconnected() -> None:
+        if connected and nc.is_reconnecting:  # not when closed
+            log.warning("nats: %s disconnected; reconnecting", name)
+
+    async def on_reconnected() -> None:
+        log.warning("nats: %s reconnected to %s", name, _server(nc))
+
     connecting = asyncio.ensure_future(
         nc.connect(
             servers=[u.strip() for u in url.split(",")],
@@ -52,7 +63,10 @@ async def connect(
             connect_timeout=2,
             max_reconnect_attempts=-1,
             reconnect_time_wait=1,
+            dont_randomize=True,
             error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
             **security.connect_options(),
         )
     )
@@ -76,7 +90,14 @@ async def connect(
             f"cannot reach NATS at {redact_url(url)} ({security.describe()}): {reason}"
         ) from exc
     connected = True
+    log.info("nats: %s connected to %s", name, _server(nc))
     return nc
+
+
+def _server(nc: Client) -> str:
+    """The URL of the server ``nc`` is connected to, without credentials."""
+    url = nc.connected_url
+    return redact_url(url.geturl()) if url is not None else "no server"
 
 
 def _hopeless(exc: Exception) -> bool:

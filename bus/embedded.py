@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -72,9 +73,19 @@ class EmbeddedNats:
         security: NatsSecurity | None = None,
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: Sequence[str] = (),
     ) -> None:
         """``security``: the credentials clients must present (none: anyone may connect);
-        ``tls_cert``/``tls_key``: the server's certificate, which makes clients use TLS."""
+        ``tls_cert``/``tls_key``: the server's certificate, which makes clients use TLS.
+
+        ``cluster_name``: be one server of that NATS cluster, listening for the other servers on
+        ``cluster_port`` (default: a free port) and connecting to them at ``routes``
+        (``nats://host:cluster_port`` each; listing this server's own is harmless). Each server
+        needs its own ``server_name`` and data directory; JetStream answers once the cluster has
+        elected a meta leader (a majority of the servers are up), which ``start`` does not wait
+        for."""
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port if port is not None else free_port(host)
@@ -82,6 +93,11 @@ class EmbeddedNats:
         self.security = security or NatsSecurity()
         self.tls_cert = tls_cert
         self.tls_key = tls_key
+        self.cluster_name = cluster_name
+        self.cluster_port = (
+            None if cluster_name is None else cluster_port if cluster_port else free_port(host)
+        )
+        self.routes = list(routes)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -89,12 +105,18 @@ class EmbeddedNats:
         return f"nats://{self.host}:{self.port}"
 
     @property
+    def cluster_url(self) -> str | None:
+        """Where the other servers of the cluster reach this one (a route URL)."""
+        return None if self.cluster_port is None else f"nats://{self.host}:{self.cluster_port}"
+
+    @property
     def log_path(self) -> Path:
         return self.data_dir / "nats-server.log"
 
     def start(self, timeout: float = 15.0) -> None:
-        if port_in_use(self.host, self.port):
-            raise NatsServerError(f"port {self.host}:{self.port} is already in use")
+        for port in (self.port, self.cluster_port):
+            if port is not None and port_in_use(self.host, port):
+                raise NatsServerError(f"port {self.host}:{port} is already in use")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.log_path.exists():  # readiness is read from this log: start it afresh
             self.log_path.replace(self.log_path.with_suffix(".log.prev"))
@@ -107,6 +129,10 @@ class EmbeddedNats:
             "--server_name", self.server_name,
             "--log", str(self.log_path),
         ]  # fmt: skip
+        if self.cluster_name is not None:
+            cmd += ["--cluster_name", self.cluster_name, "--cluster", str(self.cluster_url)]
+            if self.routes:
+                cmd += ["--routes", ",".join(self.routes)]
         config = self._config()
         if config:
             # Secrets go in a file only this user can read, never on the command line (ps).
@@ -170,6 +196,13 @@ class EmbeddedNats:
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """Stop at once, as a crash would (SIGKILL): nothing is flushed or handed over."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
 

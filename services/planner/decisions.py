@@ -60,10 +60,16 @@ class Decision:
 
 
 def decide(
-    state: ClusterState, now: datetime, policy: PlannerPolicy, origin: str = "planner"
+    state: ClusterState,
+    now: datetime,
+    policy: PlannerPolicy,
+    origin: str = "planner",
+    heard_since: datetime | None = None,
 ) -> list[Decision]:
     """The decisions ``state`` calls for at ``now``. Later decisions in the list see the
-    effect of earlier ones (a timed-out node is not placed on), as the projection will."""
+    effect of earlier ones (a timed-out node is not placed on), as the projection will.
+    ``heard_since``: since when the log could store heartbeats (after it could not, e.g. while
+    a stream elected a new leader); a node's silence before then does not count."""
     scratch = state.copy()
     decisions: list[Decision] = []
 
@@ -72,7 +78,7 @@ def decide(
         scratch.commit(changes_for(scratch, event))
 
     for node in state.nodes():
-        silence = _silence(node, now, policy)
+        silence = _silence(node, now, policy, heard_since)
         if silence is not None:
             assert node.last_seen is not None
             event = NodeTimedOut(
@@ -198,12 +204,15 @@ def _place(
     return result
 
 
-def _silence(node: NodeRow, now: datetime, policy: PlannerPolicy) -> int | None:
+def _silence(
+    node: NodeRow, now: datetime, policy: PlannerPolicy, heard_since: datetime | None = None
+) -> int | None:
     """Heartbeats missed, when that is enough to time the node out; else None."""
     if node.status != "online" or node.last_seen is None:
         return None
     interval = node.heartbeat_s or policy.default_heartbeat_s
-    missed = int((now - node.last_seen).total_seconds() // interval)
+    since = node.last_seen if heard_since is None else max(node.last_seen, heard_since)
+    missed = int((now - since).total_seconds() // interval)
     return missed if missed >= policy.missed_heartbeats else None
 
 

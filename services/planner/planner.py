@@ -63,6 +63,8 @@ class Planner:
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
+        # Asks the log for its last sequence, and fails fast when it does not answer.
+        self._probe = nc.jetstream(timeout=1.0)
         self._engine = engine
         self._pub = Publisher(self._js)
         self.policy = policy or PlannerPolicy()
@@ -77,6 +79,11 @@ class Planner:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._loaded: tuple[int, ClusterState] | None = None  # the last state read, and its seq
+        # Set when a round fails, most likely because the log did not answer (a nats-server
+        # lost, a stream electing a new leader for seconds): no heartbeat could be stored
+        # meanwhile, so silence counts only from the next round (``_heard_since``).
+        self._log_failed = False
+        self._heard_since: datetime | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
@@ -103,13 +110,25 @@ class Planner:
                     await self.round()
                 except Exception:  # a failed round is retried on the next one
                     log.exception("planner round failed")
+                    self._log_failed = True
                     await asyncio.sleep(self.tick_s)
         finally:
             await sub.unsubscribe()
 
     async def round(self) -> list[Decision]:
         """One look at the cluster: wait for the projection, decide, publish."""
+        if self._log_failed:
+            self._heard_since, self._log_failed = datetime.now(UTC), False
         target = self._seen_seq
+        if self._loaded is not None and self._loaded[0] == target:
+            # Nothing new came through the subscription; ask the log itself before deciding on
+            # the old picture. After a nats-server restart the subscription's ordered consumer
+            # is gone and nats-py re-creates it only after missed idle heartbeats (10-20 s):
+            # deciding meanwhile on the picture from before the restart, while the clock moves,
+            # timed out every node whose heartbeats were in fact arriving.
+            info = await self._probe.stream_info(EVENTS_STREAM)
+            self._seen(info.state.last_seq)
+            target = self._seen_seq
         if self._loaded is not None and self._loaded[0] == target:
             state: ClusterState | None = self._loaded[1]  # nothing new: only the time moved
         else:
@@ -117,7 +136,7 @@ class Planner:
         if state is None:
             return []  # stopping: the projector may be gone already
         self._loaded = (target, state)
-        decisions = decide(state, datetime.now(UTC), self.policy, self.origin)
+        decisions = decide(state, datetime.now(UTC), self.policy, self.origin, self._heard_since)
         for d in decisions:
             ack = await self._pub.publish(d.event, msg_id=d.msg_id)
             # The next round must see this decision in the projection, or it would decide it

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 from nats.js.errors import NoStreamResponseError
 
 from bus.events import ChunkGenerated, InstancePlaced, NodeJoined, ShardAssignment, parse_event
 from bus.publisher import MSG_ID_HEADER, ChunkPublisher, Publisher
 from bus.reader import read_stream
-from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
+from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, ensure_streams
 
 
 async def _count(js: JetStreamContext, stream: str) -> int:
@@ -73,7 +76,22 @@ async def test_republishing_an_event_is_deduplicated_by_event_id(js: JetStreamCo
 async def test_publish_without_stream_raises(js: JetStreamContext) -> None:
     await js.delete_stream(EVENTS_STREAM)
     with pytest.raises(NoStreamResponseError):
-        await Publisher(js, timeout=2.0).publish(NodeJoined(node_id="n", origin="n"))
+        await Publisher(js, timeout=2.0, retry_for=0).publish(NodeJoined(node_id="n", origin="n"))
+    with pytest.raises(NoStreamResponseError):  # retried meanwhile, in vain
+        await Publisher(js, timeout=2.0, retry_for=1.0).publish(NodeJoined(node_id="n", origin="n"))
+
+
+async def test_publish_is_retried_until_the_stream_can_store(js: JetStreamContext) -> None:
+    """As while a NATS cluster elects a new leader for a stream: publishing goes on, and the
+    event is stored once, when the stream is back."""
+    await js.delete_stream(EVENTS_STREAM)
+    event = NodeJoined(node_id="n", origin="n")
+    publishing = asyncio.create_task(Publisher(js, retry_for=20).publish(event))
+    await asyncio.sleep(0.5)
+    assert not publishing.done()
+    await ensure_streams(js)
+    ack = await publishing
+    assert ack.seq == 1 and await _count(js, EVENTS_STREAM) == 1
 
 
 async def test_chunk_publisher_pipelines_thousands_in_order(js: JetStreamContext) -> None:
@@ -135,7 +153,27 @@ async def test_chunk_publisher_flush_surfaces_failures(js: JetStreamContext) -> 
     cp = ChunkPublisher(js)
     await cp.publish(ChunkGenerated(task_id="t", idx=0, text="x", origin="n"))
     with pytest.raises(NoStreamResponseError):
-        await cp.flush(timeout=5.0)
+        await cp.flush(timeout=1.0)
+    assert await cp.flush() == []  # nothing left in flight
+
+
+async def test_chunk_publisher_publishes_again_until_stored(js: JetStreamContext) -> None:
+    await js.delete_stream(CHUNKS_STREAM)
+    cp = ChunkPublisher(js, max_in_flight=4, retry_for=20)
+    chunks = [ChunkGenerated(task_id="t", idx=i, text="x", origin="n") for i in range(10)]
+
+    async def publish_all() -> list[PubAck]:
+        for c in chunks:
+            await cp.publish(c)
+        return await cp.flush()
+
+    publishing = asyncio.create_task(publish_all())
+    await asyncio.sleep(0.5)
+    assert not publishing.done()
+    await ensure_streams(js)
+    await publishing
+    got = [parse_event(m.data) async for m in read_stream(js, CHUNKS_STREAM, "shoal.chunks.>")]
+    assert sorted(e.idx for e in got if isinstance(e, ChunkGenerated)) == list(range(10))
 
 
 async def test_chunk_publisher_flush_with_nothing_in_flight(js: JetStreamContext) -> None:

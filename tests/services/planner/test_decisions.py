@@ -94,6 +94,17 @@ def test_missed_heartbeats_counts_every_interval_missed() -> None:
     assert the(NodeTimedOut, decide(state, at(101), POLICY)).missed_heartbeats == 20
 
 
+def test_silence_while_the_log_could_not_be_heard_does_not_count() -> None:
+    """The log was unreachable until t=20 (a stream electing a new leader): the node's
+    heartbeats could not be stored, so its silence counts from then."""
+    state = fold_all(node("a", 10 * GiB, heartbeat_s=5))
+    assert decide(state, at(34.9), POLICY, heard_since=at(20)) == []
+    late = the(NodeTimedOut, decide(state, at(35), POLICY, heard_since=at(20)))
+    assert (late.last_seen, late.missed_heartbeats) == (at(0), 3)
+    # Heard since before the last heartbeat: the heartbeat is what counts.
+    assert decide(state, at(14.9), POLICY, heard_since=at(-10)) == []
+
+
 def test_each_heartbeat_restarts_the_count_and_names_the_time_out() -> None:
     state = fold_all(node("a", 10 * GiB, heartbeat_s=5), heartbeat("a", 10 * GiB, t=10))
     assert decide(state, at(24.9), POLICY) == []

@@ -1,0 +1,144 @@
+"""A NATS cluster on loopback for tests: three (or more) embedded nats-servers with JetStream,
+routed to each other, each with its own name, ports and store directory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from pathlib import Path
+from types import TracebackType
+
+import nats.errors
+from nats.aio.client import Client
+from nats.js.api import StreamInfo
+from nats.js.errors import Error as JetStreamError
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+
+
+class NatsCluster:
+    """``async with NatsCluster(dir) as cluster`` runs ``size`` servers until exit, and enters
+    once JetStream answers (the servers have elected a meta leader). Server ``i`` is named
+    ``n<i>``; ``urls_from(i)`` lists every server's client URL with server ``i`` first."""
+
+    def __init__(self, base_dir: Path, size: int = 3, name: str = "shoal") -> None:
+        ports = _free_ports(2 * size)
+        cluster_ports = ports[size:]
+        routes = [f"nats://127.0.0.1:{p}" for p in cluster_ports]
+        self.servers = [
+            EmbeddedNats(base_dir / f"n{i}", port=ports[i], server_name=f"n{i}",
+                         cluster_name=name, cluster_port=cluster_ports[i], routes=routes)
+            for i in range(size)
+        ]  # fmt: skip
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def urls_from(self, i: int) -> str:
+        """All client URLs, comma-separated, server ``i`` first (then the others in order): a
+        client given these connects to server ``i`` while it is up."""
+        n = len(self.servers)
+        return ",".join(self.servers[(i + k) % n].url for k in range(n))
+
+    @property
+    def url(self) -> str:
+        return self.urls_from(0)
+
+    def index_of(self, url_or_name: str) -> int:
+        """Which server a client URL (``nats://127.0.0.1:P``) or a server name is."""
+        for i, s in enumerate(self.servers):
+            if url_or_name in (s.url, s.server_name):
+                return i
+        raise KeyError(url_or_name)
+
+    def start(self) -> None:
+        for s in self.servers:
+            s.start()
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    async def wait_jetstream(self, timeout: float = 30.0) -> None:
+        """Until JetStream answers through every running server (a meta leader is elected)."""
+        async with asyncio.timeout(timeout):
+            for s in self.servers:
+                if s._proc is None:
+                    continue
+                nc = await connect(s.url, name="cluster-check")
+                try:
+                    while True:
+                        with contextlib.suppress(nats.errors.Error, JetStreamError):
+                            await nc.jetstream(timeout=1.0).account_info()
+                            break
+                        await asyncio.sleep(0.1)
+                finally:
+                    await nc.close()
+
+    async def __aenter__(self) -> NatsCluster:
+        try:
+            await asyncio.to_thread(self.start)
+            await self.wait_jetstream()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (held all at once while they are picked)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                 for _ in range(n)]  # fmt: skip
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+async def stream_info(nc: Client, stream: str, timeout: float = 30.0) -> StreamInfo:
+    """The stream's info, asking again while it has no leader to answer (after its leader's
+    server was lost, for a few seconds)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            with contextlib.suppress(nats.errors.Error, JetStreamError):
+                return await nc.jetstream(timeout=1.0).stream_info(stream)
+            await asyncio.sleep(0.1)
+
+
+async def make_leader(nc: Client, stream: str, server_name: str, timeout: float = 30.0) -> None:
+    """Move the leadership of ``stream`` to ``server_name`` (a replica that is up to date)."""
+    async with asyncio.timeout(timeout):
+        while (info := await stream_info(nc, stream)).cluster is None or (
+            info.cluster.leader != server_name
+        ):
+            request = {"placement": {"preferred": server_name}}
+            with contextlib.suppress(nats.errors.Error):
+                await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                                 json.dumps(request).encode(), timeout=1.0)  # fmt: skip
+            await asyncio.sleep(0.2)
+
+
+async def make_consumer_leader(
+    nc: Client, stream: str, consumer: str, server_name: str, timeout: float = 30.0
+) -> None:
+    """Move the leadership of a durable consumer (replicated like its stream) to
+    ``server_name``."""
+    subject = f"$JS.API.CONSUMER.LEADER.STEPDOWN.{stream}.{consumer}"
+    request = json.dumps({"placement": {"preferred": server_name}}).encode()
+    async with asyncio.timeout(timeout):
+        while True:
+            with contextlib.suppress(nats.errors.Error, JetStreamError):
+                info = await nc.jetstream(timeout=1.0).consumer_info(stream, consumer)
+                if info.cluster is not None and info.cluster.leader == server_name:
+                    return
+                await nc.request(subject, request, timeout=1.0)
+            await asyncio.sleep(0.2)
