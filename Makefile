@@ -58,6 +58,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python bench/engine_overhead.py
 	$(BIN)/python bench/placement.py
 	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/soak.py
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,580 @@
+"""Soak: many streamed chat completions against a one-machine Shoal; no 5xx, no memory growth.
+
+    .venv/bin/python bench/soak.py [--requests 1000] [--concurrency 16] [--max-tokens 16]
+                                   [--warmup 50] [--timeout 3600] [--runner-threads 2]
+                                   [--growth-pct 20] [--growth-mib 50]
+
+The cluster is what `shoal up` runs, on loopback, each part a process of its own so that each
+one's memory is its own: nats-server (bus/embedded.py, JetStream in a temporary directory),
+``shoal projector`` (SQLite), ``shoal planner``, ``shoal worker`` (which starts the runner, one
+llama.cpp process serving SmolLM2-135M, ``smollm2-135m``, with ``--runner-threads`` threads) and
+``shoal api``; the instance is asked for with ``shoal instances create``. `shoal up` runs the
+same services in one process: its RSS would be the sum of API, projector, planner and worker,
+and could not say which of them grew.
+
+Load: ``--warmup`` requests first (not counted: lazy imports, caches, the allocator's first
+high-water marks), then ``--requests`` streamed chat completions, ``--concurrency`` at a time,
+with httpx.AsyncClient, each one user message (varied prompts: a topic, a kind of text and
+the request's number, so no two are the same), ``--max-tokens`` tokens, temperature 0.7. The
+whole load is bounded by ``--timeout`` seconds; what has not ended by then counts as not
+answered.
+
+Per request: HTTP status; TTFT, from just before the request is sent to the arrival of the
+first chunk with text; whether the stream ended normally (a finish reason, then ``[DONE]``);
+an error, if any (a non-200 status, an error sent inside the stream, a broken connection). A
+stream that has started cannot change its status line, so the API sends a late failure as an
+error chunk: those of type ``server_error`` count as 5xx too.
+
+Memory, with psutil, per part (RSS, and USS: the pages only that process holds): after the
+warm-up ("before"), every 0.5 s during the load ("peak"), and 2 s after the last request
+("after"). Growth = after - before.
+
+Checks, each a PASS or FAIL line (exit status 1 on a FAIL): zero 5xx; every request answered
+(HTTP 200 and a normal end); API, projector and runner RSS growth within the bound: at most
+``--growth-pct`` % of its size after the warm-up and at most ``--growth-mib`` MiB (both). The
+defaults (20 %, 50 MiB) let through allocator noise (free lists and arenas that stay mapped
+after a burst of 16 concurrent requests: a few MiB), the projector's in-memory copy of the
+projection, which holds one task row per request by design (under 1 KiB each), and the
+runner's KV cache and mmap'd weights paging in; they catch a leak of 25 KiB or more per
+request over 1,000 requests (or a tenth of that over 10,000). Planner, worker and nats-server
+are shown, not checked.
+
+The figures depend on the machine and on what else runs: the report gives the load average
+and the cores other processes used during the load. On a shared 2-core machine TTFT is
+dominated by queueing: one runner serves one request at a time, so at concurrency 16 a
+request waits for about 15 others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from bus.embedded import EmbeddedNats, free_port
+
+MODEL_ID = "smollm2-135m"
+SHOAL_BIN = Path(sys.executable).parent / "shoal"
+READY_TIMEOUT = 300.0  # seconds for the cluster to serve the model
+REQUEST_TIMEOUT = 600.0  # seconds for one request (queued behind others included)
+SAMPLE_S = 0.5  # seconds between memory samples during the load
+SETTLE_S = 2.0  # seconds between the last request and the "after" sample
+MiB = 1024 * 1024
+CHECKED = ("api", "projector", "runner")  # parts whose memory growth is checked
+PARTS = ("api", "projector", "runner", "planner", "worker", "nats-server")
+
+TOPICS = (
+    "lighthouses", "bees", "the moon", "bread", "rivers", "trains", "volcanoes", "chess",
+    "owls", "glaciers", "libraries", "tea", "bicycles", "coral reefs", "clocks", "deserts",
+)  # fmt: skip
+KINDS = (
+    "Write a short poem about {}.",
+    "Explain {} to a child in two sentences.",
+    "List three surprising facts about {}.",
+    "Write the opening line of a story about {}.",
+    "What would a museum of {} contain?",
+)
+
+
+def prompt(i: int) -> str:
+    topic = TOPICS[i % len(TOPICS)]
+    kind = KINDS[(i // len(TOPICS)) % len(KINDS)]
+    return f"{kind.format(topic)} (Request {i}.)"
+
+
+# --- one request ----------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    status: int = 0  # HTTP status; 0: no response
+    ttft: float | None = None  # seconds to the first chunk with text
+    total: float = 0.0  # seconds to the end of the stream
+    finish: str | None = None
+    done: bool = False  # saw "[DONE]"
+    pieces: int = 0  # chunks with text
+    error: str = ""
+    stream_error_type: str = ""  # "type" of an error sent inside the stream
+
+    @property
+    def answered(self) -> bool:
+        return self.status == 200 and self.done and self.finish is not None and not self.error
+
+    @property
+    def server_error(self) -> bool:
+        return self.status >= 500 or self.stream_error_type == "server_error"
+
+
+async def one_request(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> Result:
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": prompt(i)}],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "stream": True,
+    }
+    r = Result()
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            r.status = resp.status_code
+            if resp.status_code != 200:
+                r.error = (await resp.aread()).decode(errors="replace")[:300]
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    r.done = True
+                    break
+                chunk = json.loads(data)
+                if err := chunk.get("error"):
+                    r.error = str(err.get("message", err))[:300]
+                    r.stream_error_type = str(err.get("type", ""))
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        r.pieces += 1
+                        if r.ttft is None:
+                            r.ttft = time.perf_counter() - start
+                    if choice.get("finish_reason"):
+                        r.finish = str(choice["finish_reason"])
+    except (httpx.HTTPError, ValueError) as exc:
+        r.error = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        r.total = time.perf_counter() - start
+    return r
+
+
+async def run_load(
+    client: httpx.AsyncClient,
+    url: str,
+    first: int,
+    n: int,
+    concurrency: int,
+    max_tokens: int,
+    timeout: float,
+) -> tuple[list[Result], int, float]:
+    """``n`` requests, ``concurrency`` at a time, for at most ``timeout`` seconds. Returns the
+    results of those that ended, how many did not, and the wall time."""
+    queue = iter(range(first, first + n))
+    results: list[Result] = []
+
+    async def worker() -> None:
+        for i in queue:
+            results.append(await one_request(client, url, i, max_tokens))
+
+    start = time.perf_counter()
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return results, n - len(results), time.perf_counter() - start
+
+
+# --- the cluster ----------------------------------------------------------------------------
+
+
+class Part:
+    """A `shoal` subcommand run by the bench, its output in a log file."""
+
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [str(SHOAL_BIN), *args], stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def check_running(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(
+                f"{self.name} exited ({self.proc.returncode}):\n{self.log()[-3000:]}"
+            )
+
+    def stop(self, timeout: float = 30.0) -> str:
+        """SIGINT (as Ctrl-C), then SIGKILL to its session if it has not stopped in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+                return f"{self.name}: killed after {timeout:.0f} s"
+        return f"{self.name}: exit {self.proc.returncode}"
+
+
+@dataclass
+class Cluster:
+    nats: EmbeddedNats
+    parts: dict[str, Part] = field(default_factory=dict)
+    api_url: str = ""
+
+    def pids(self) -> dict[str, list[int]]:
+        """The processes of each part; the runner is the worker's child."""
+        out: dict[str, list[int]] = {name: [p.proc.pid] for name, p in self.parts.items()}
+        out["runner"] = runner_pids(self.parts["worker"].proc.pid)
+        nats_proc = self.nats._proc  # the server's process; EmbeddedNats has no accessor
+        out["nats-server"] = [nats_proc.pid] if nats_proc is not None else []
+        return out
+
+    def stop(self) -> list[str]:
+        said = [self.parts[n].stop() for n in ("api", "worker", "planner", "projector")
+                if n in self.parts]  # fmt: skip
+        self.nats.stop()
+        return said
+
+
+def runner_pids(worker_pid: int) -> list[int]:
+    try:
+        children = psutil.Process(worker_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if "runner" in child.cmdline():
+                out.append(child.pid)
+    return out
+
+
+async def start_cluster(tmp: Path, runner_threads: int) -> Cluster:
+    nats = EmbeddedNats(tmp / "nats")
+    nats.start()
+    cluster = Cluster(nats)
+    env = {k: v for k, v in os.environ.items() if k != "SHOAL_API_KEYS"}  # no keys
+    env["SHOAL_DATA_DIR"] = str(tmp / "cli")
+    logs = tmp / "logs"
+    logs.mkdir()
+    db = f"sqlite:///{tmp / 'shoal.db'}"
+    port = free_port("127.0.0.1")
+    cluster.api_url = f"http://127.0.0.1:{port}"
+    common = ["--nats", nats.url]
+    for name, args in (
+        ("projector", ["projector", *common, "--db", db]),
+        ("planner", ["planner", *common, "--db", db]),
+        ("worker", ["worker", *common, "--node-id", "soak", "--data-dir", str(tmp / "worker"),
+                    "--runner-threads", str(runner_threads)]),
+        ("api", ["api", *common, "--db", db, "--port", str(port)]),
+    ):  # fmt: skip
+        cluster.parts[name] = Part(name, args, logs, env)
+    try:
+        await wait_for(cluster, lambda: "resuming after seq" in cluster.parts["projector"].log(),
+                       "the projector to start")  # fmt: skip
+        async with httpx.AsyncClient(base_url=cluster.api_url, timeout=10.0) as client:
+
+            async def healthy() -> bool:
+                with contextlib.suppress(httpx.HTTPError):
+                    return (await client.get("/healthz")).status_code == 200
+                return False
+
+            await wait_for_async(cluster, healthy, "the API to answer /healthz")
+            created = await asyncio.to_thread(
+                subprocess.run,
+                [str(SHOAL_BIN), "instances", "create", MODEL_ID, "--id", "soak", *common,
+                 "--db", db, "--wait", "60"],
+                capture_output=True, text=True, env=env, timeout=180,
+            )  # fmt: skip
+            if created.returncode != 0:
+                raise RuntimeError(f"shoal instances create failed:\n{created.stderr}")
+
+            async def serving() -> bool:
+                r = await client.get("/v1/instances")
+                return any(
+                    s.get("state") in ("Ready", "Running")
+                    for i in r.json().get("data", [])
+                    for s in i.get("shards", [])
+                )
+
+            await wait_for_async(cluster, serving, "a runner of the model to be ready")
+    except BaseException:
+        for line in cluster.stop():
+            print(line, file=sys.stderr)
+        for part in cluster.parts.values():
+            sys.stderr.write(f"--- {part.name} ({part.log_path})\n{part.log()[-2000:]}\n")
+        raise
+    return cluster
+
+
+async def wait_for(cluster: Cluster, ready: Callable[[], bool], what: str) -> None:
+    async def check() -> bool:
+        return bool(ready())
+
+    await wait_for_async(cluster, check, what)
+
+
+async def wait_for_async(cluster: Cluster, ready: Callable[[], Awaitable[bool]], what: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not await ready():
+        for part in cluster.parts.values():
+            part.check_running()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {READY_TIMEOUT:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+# --- memory and CPU -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mem:
+    rss: int
+    uss: int
+
+
+def memory(pids: dict[str, list[int]]) -> dict[str, Mem]:
+    out: dict[str, Mem] = {}
+    for name, ps in pids.items():
+        rss = uss = 0
+        for pid in ps:
+            with contextlib.suppress(psutil.Error):
+                info = psutil.Process(pid).memory_full_info()
+                rss += info.rss
+                uss += info.uss
+        out[name] = Mem(rss, uss)
+    return out
+
+
+def rss_only(pids: dict[str, list[int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, ps in pids.items():
+        total = 0
+        for pid in ps:
+            with contextlib.suppress(psutil.Error):
+                total += psutil.Process(pid).memory_info().rss
+        out[name] = total
+    return out
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def machine_busy_seconds() -> float:
+    t = psutil.cpu_times()
+    return float(sum(getattr(t, k, 0.0) for k in (
+        "user", "nice", "system", "irq", "softirq", "steal")))  # fmt: skip
+
+
+class CpuWatch:
+    """Cores used by processes outside the bench over a stretch of time."""
+
+    def __init__(self, ours: Sequence[int]) -> None:
+        self._ours = list(ours)
+        self._t = time.monotonic()
+        self._busy = machine_busy_seconds()
+        self._cpu = cpu_seconds(self._ours)
+
+    def other_cores(self) -> float:
+        elapsed = time.monotonic() - self._t
+        other = (machine_busy_seconds() - self._busy) - (cpu_seconds(self._ours) - self._cpu)
+        return max(0.0, other / elapsed) if elapsed > 0 else 0.0
+
+
+async def sample_peaks(cluster: Cluster, peaks: dict[str, int], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for name, rss in (await asyncio.to_thread(rss_only, cluster.pids())).items():
+            peaks[name] = max(peaks.get(name, 0), rss)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), SAMPLE_S)
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), linear between the closest ranks."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[max(0, int(q * 10) - 1)]
+
+
+def mib(n: float) -> str:
+    return f"{n / MiB:8.1f}"
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def report(
+    args: argparse.Namespace,
+    results: list[Result],
+    unfinished: int,
+    wall: float,
+    before: dict[str, Mem],
+    after: dict[str, Mem],
+    peaks: dict[str, int],
+    other_cores: float,
+) -> bool:
+    n = len(results) + unfinished
+    answered = [r for r in results if r.answered]
+    by_status: dict[str, int] = {}
+    for r in results:
+        key = str(r.status) if r.status else "no response"
+        if r.status == 200 and r.error:
+            key += " + error in stream"
+        by_status[key] = by_status.get(key, 0) + 1
+    if unfinished:
+        by_status["not ended within --timeout"] = unfinished
+    server_errors = sum(r.server_error for r in results)
+    pieces = sum(r.pieces for r in answered)
+    print()
+    print(f"requests: {n} sent, {len(answered)} answered (HTTP 200, stream ended with a finish"
+          f" reason) in {wall:.1f} s: {len(answered) / wall:.2f} requests/s,"
+          f" {pieces / wall:.1f} chunks with text/s")  # fmt: skip
+    print("  by status: " + ", ".join(f"{k}: {v}" for k, v in sorted(by_status.items())))
+    finishes: dict[str, int] = {}
+    for r in answered:
+        finishes[r.finish or "?"] = finishes.get(r.finish or "?", 0) + 1
+    print("  finish reasons: " + ", ".join(f"{k}: {v}" for k, v in sorted(finishes.items())))
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error:
+            errors[r.error[:120]] = errors.get(r.error[:120], 0) + 1
+    for text, count in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
+        print(f"  error x{count}: {text}")
+    ttfts = sorted(r.ttft * 1000 for r in results if r.ttft is not None)
+    totals = sorted(r.total * 1000 for r in answered)
+    worst = max(ttfts, default=float("nan"))
+    print(f"TTFT ms (to the first chunk with text, n={len(ttfts)}): "
+          f"p50 {percentile(ttfts, 50):.0f}  p90 {percentile(ttfts, 90):.0f}  "
+          f"p99 {percentile(ttfts, 99):.0f}  max {worst:.0f}")  # fmt: skip
+    print(f"whole request ms (answered, n={len(totals)}): p50 {percentile(totals, 50):.0f}  "
+          f"p99 {percentile(totals, 99):.0f}")  # fmt: skip
+    print()
+    print(f"memory, MiB      {'RSS before':>10} {'after':>8} {'growth':>8} {'':>7} "
+          f"{'peak':>8} | {'USS before':>10} {'after':>8} {'growth':>8}")  # fmt: skip
+    for name in PARTS:
+        b, a = before.get(name, Mem(0, 0)), after.get(name, Mem(0, 0))
+        pct = (a.rss - b.rss) / b.rss * 100 if b.rss else 0.0
+        print(f"  {name:<14} {mib(b.rss):>10} {mib(a.rss)} {mib(a.rss - b.rss)} {pct:+6.1f}% "
+              f"{mib(peaks.get(name, 0))} | {mib(b.uss):>10} {mib(a.uss)} "
+              f"{mib(a.uss - b.uss)}")  # fmt: skip
+    load = os.getloadavg()
+    print(f"other processes used {other_cores:.2f} cores on average during the load; load average"
+          f" {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cpus")  # fmt: skip
+    print()
+    ok = []
+    ok.append(server_errors == 0)
+    print(f"{verdict(ok[-1])}  zero 5xx: {server_errors}")
+    ok.append(len(answered) == n)
+    print(f"{verdict(ok[-1])}  every request answered: {len(answered)}/{n}")
+    for name in CHECKED:
+        was, now = before.get(name, Mem(0, 0)).rss, after.get(name, Mem(0, 0)).rss
+        bound = min(was * args.growth_pct / 100, args.growth_mib * MiB)
+        ok.append(was > 0 and now - was <= bound)
+        pct = (now - was) / was * 100 if was else 0.0
+        print(f"{verdict(ok[-1])}  {name} RSS growth {(now - was) / MiB:+.1f} MiB ({pct:+.1f}%)"
+              f" <= {bound / MiB:.1f} MiB ({args.growth_pct:g}% of {was / MiB:.1f} MiB, at most"
+              f" {args.growth_mib:g} MiB)")  # fmt: skip
+    return all(ok)
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace, tmp: Path) -> int:
+    started = time.perf_counter()
+    cluster = await start_cluster(tmp, args.runner_threads)
+    url = f"{cluster.api_url}/v1/chat/completions"
+    runner_before: list[int] = []
+    try:
+        up_s = time.perf_counter() - started
+        pids = cluster.pids()
+        runner_before = pids["runner"]
+        machine = f"{os.cpu_count()} cpus, {args.runner_threads} runner threads"
+        print(f"soak: {args.requests} streamed chat completions of {MODEL_ID}, max_tokens"
+              f" {args.max_tokens}, concurrency {args.concurrency}, after {args.warmup} warm-up"
+              f" requests; {machine}")  # fmt: skip
+        print(f"cluster: nats-server, shoal projector (SQLite), planner, worker + runner, api as"
+              f" separate processes on loopback; serving after {up_s:.1f} s; pids "
+              + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in pids.items()))  # fmt: skip
+        limits = httpx.Limits(max_connections=args.concurrency * 2)
+        timeout = httpx.Timeout(REQUEST_TIMEOUT, connect=10.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            warm, warm_left, warm_wall = await run_load(
+                client, url, 0, args.warmup, args.concurrency, args.max_tokens, args.timeout
+            )
+            bad_warm = sum(not r.answered for r in warm) + warm_left
+            print(f"warm-up: {args.warmup} requests in {warm_wall:.1f} s"
+                  + (f" ({bad_warm} not answered)" if bad_warm else ""))  # fmt: skip
+            before = await asyncio.to_thread(memory, cluster.pids())
+            peaks: dict[str, int] = {}
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(sample_peaks(cluster, peaks, stop))
+            ours = [os.getpid(), *(p for ps in cluster.pids().values() for p in ps)]
+            watch = CpuWatch(ours)
+            results, unfinished, wall = await run_load(
+                client, url, args.warmup, args.requests, args.concurrency, args.max_tokens,
+                args.timeout,
+            )  # fmt: skip
+            other = watch.other_cores()
+            stop.set()
+            await sampler
+        await asyncio.sleep(SETTLE_S)
+        after_pids = cluster.pids()
+        after = await asyncio.to_thread(memory, after_pids)
+        ok = report(args, results, unfinished, wall, before, after, peaks, other)
+        if after_pids["runner"] != runner_before:
+            print(f"FAIL  the runner changed during the run: pids {runner_before} ->"
+                  f" {after_pids['runner']}")  # fmt: skip
+            ok = False
+        print(f"(bench wall time {time.perf_counter() - started:.0f} s)")
+        return 0 if ok else 1
+    finally:
+        print("; ".join(cluster.stop()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=1000, help="requests measured")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests at a time")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
+    parser.add_argument("--warmup", type=int, default=50, help="requests before measuring")
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds the measured load may take, in all")  # fmt: skip
+    parser.add_argument("--runner-threads", type=int, default=2, help="llama.cpp threads")
+    parser.add_argument("--growth-pct", type=float, default=20.0,
+                        help="RSS growth allowed, %% of the size after the warm-up")  # fmt: skip
+    parser.add_argument("--growth-mib", type=float, default=50.0,
+                        help="RSS growth allowed, MiB (the smaller bound applies)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if min(args.requests, args.concurrency, args.max_tokens, args.runner_threads) < 1:
+        parser.error("--requests, --concurrency, --max-tokens and --runner-threads must be >= 1")
+    if args.warmup < 0 or args.timeout <= 0:
+        parser.error("--warmup must be >= 0 and --timeout > 0")
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-soak-") as tmp:
+        return asyncio.run(run(args, Path(tmp)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
