@@ -17,6 +17,8 @@ from api.errors import ApiError, error_body
 from api.schemas import ChatCompletionRequest, CompletionRequest
 from api.task_stream import TaskStream
 from bus.events import ChunkGenerated, TaskCreated, new_id
+from bus.payload import PayloadTooLargeError, check_size
+from bus.publisher import MSG_ID_HEADER
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]
@@ -62,6 +64,7 @@ async def completions(body: CompletionRequest, ctx: Ctx) -> JSONResponse | Strea
 async def _serve(
     ctx: ApiContext, task: TaskCreated, stream: bool, include_usage: bool, chat: bool
 ) -> JSONResponse | StreamingResponse:
+    _require_storable(ctx, task)
     projection.require_serving(await projection.serving(ctx.engine, task.model_id), task.model_id)
     shape = _Shape(task, chat)
     if stream:
@@ -138,6 +141,22 @@ def _stream(ctx: ApiContext, task: TaskCreated) -> TaskStream:
 def _unavailable(why: str) -> ApiError:
     return ApiError(503, f"{why} (the request was accepted, then its last runner stopped)",
                     code="model_not_ready")  # fmt: skip
+
+
+def _require_storable(ctx: ApiContext, task: TaskCreated) -> None:
+    """A request whose task is larger than a NATS message may be is refused with a 413 here:
+    sent, the server would close the API's connection."""
+    try:
+        check_size(ctx.nc.jetstream(), task.subject, task.to_json(),
+                   {MSG_ID_HEADER: task.event_id})  # fmt: skip
+    except PayloadTooLargeError as exc:
+        raise ApiError(
+            413,
+            f"The request is too large: as a task on the event log it is {exc.size} bytes,"
+            f" more than the {exc.limit} bytes a NATS message may hold. Shorten the prompt.",
+            param="messages" if task.kind == "chat" else "prompt",
+            code="request_too_large",
+        ) from None
 
 
 def _log_unavailable(exc: Exception) -> ApiError:

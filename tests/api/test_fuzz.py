@@ -462,7 +462,7 @@ async def test_absurd_max_tokens_fails_only_for_want_of_a_model(
 async def test_oversized_prompt_is_refused_quickly_without_a_5xx(
     client: httpx.AsyncClient, path: str
 ) -> None:
-    """A 2 MB prompt for a model nobody serves: a 4xx (404 here) within the timeout."""
+    """A 2 MB prompt for a model nobody serves: a 4xx (413 here) within the timeout."""
     text = "x" * (2 * 1024**2)
     body: dict[str, object] = {"model": "no-such-model"}
     body |= {"messages": [{"role": "user", "content": text}]} if path == CHAT else {"prompt": text}
@@ -471,6 +471,23 @@ async def test_oversized_prompt_is_refused_quickly_without_a_5xx(
     assert time.monotonic() - started < REQUEST_TIMEOUT_S
     assert 400 <= r.status_code < 500, r.text[:500]
     _error(r, r.status_code)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_a_prompt_too_large_for_the_log_is_a_413(
+    client: httpx.AsyncClient, path: str
+) -> None:
+    """Larger than a NATS message may be (1 MiB): refused before anything is published, and
+    the API keeps answering (the server would have closed its connection)."""
+    text = "x" * (1024**2 + 10)
+    body: dict[str, object] = {"model": KNOWN_MODEL}
+    body |= {"messages": [{"role": "user", "content": text}]} if path == CHAT else {"prompt": text}
+    err = _error(await client.post(path, json=body | {"stream": True}), 413)
+    assert err["code"] == "request_too_large" and "more than the 1048576 bytes" in err["message"]
+    after = await client.post(path, json=body | {"model": "no-such-model"})
+    assert after.status_code == 413  # the size is the request's own problem, whatever the model
+    small = {"model": KNOWN_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert (await client.post(CHAT, json=small)).status_code == 503  # no runner, but answering
 
 
 async def test_placement_preview_for_an_unknown_model_is_a_404(client: httpx.AsyncClient) -> None:
