@@ -76,9 +76,11 @@ class EmbeddedNats:
         cluster_name: str | None = None,
         cluster_port: int | None = None,
         routes: Sequence[str] = (),
+        config: str = "",
     ) -> None:
         """``security``: the credentials clients must present (none: anyone may connect);
-        ``tls_cert``/``tls_key``: the server's certificate, which makes clients use TLS.
+        ``tls_cert``/``tls_key``: the server's certificate, which makes clients use TLS;
+        ``config``: more of nats-server's configuration (an operator for credentials files).
 
         ``cluster_name``: be one server of that NATS cluster, listening for the other servers on
         ``cluster_port`` (default: a free port) and connecting to them at ``routes``
@@ -93,6 +95,7 @@ class EmbeddedNats:
         self.security = security or NatsSecurity()
         self.tls_cert = tls_cert
         self.tls_key = tls_key
+        self.extra_config = config
         self.cluster_name = cluster_name
         self.cluster_port = (
             None if cluster_name is None else cluster_port if cluster_port else free_port(host)
@@ -161,7 +164,7 @@ class EmbeddedNats:
         raise NatsServerError(f"nats-server did not become ready in {timeout}s")
 
     def _config(self) -> str:
-        config = self.security.server_authorization()
+        config = self.extra_config + self.security.server_authorization()
         if self.tls_cert is not None and self.tls_key is not None:
             config += f"tls {{ cert_file: {json.dumps(str(self.tls_cert))},"
             config += f" key_file: {json.dumps(str(self.tls_key))}"

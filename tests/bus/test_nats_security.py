@@ -4,6 +4,7 @@ demand them."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import nkeys  # type: ignore[import-untyped]
@@ -13,7 +14,9 @@ from bus.connection import NatsUnavailable, connect
 from bus.embedded import EmbeddedNats
 from bus.nats_security import NatsSecurity, NatsSecurityError, redact_url
 from bus.streams import ensure_streams
+from tests.bus.nats_operator import make_operator
 from tests.certificates import make_certificates
+from tests.services.processes import SHOAL
 
 TOKEN = "s3cret-token-value"
 PASSWORD = "pa55-word-value"
@@ -128,3 +131,23 @@ async def test_mutual_tls_wants_a_client_certificate(tmp_path: Path) -> None:
         await nc.close()
         with pytest.raises(NatsUnavailable):
             await connect(server.url, security=NatsSecurity(tls_ca=certs.ca), startup_timeout=5)
+
+
+async def test_a_credentials_file_is_admitted_by_a_server_in_operator_mode(tmp_path: Path) -> None:
+    operator = make_operator(tmp_path / "nsc")
+    with EmbeddedNats(tmp_path / "nats", config=operator.server_config) as server:
+        nc = await connect(server.url, security=NatsSecurity(creds_file=operator.creds_file))
+        await ensure_streams(nc.jetstream())  # JetStream works in the user's account
+        await nc.close()
+        with pytest.raises(NatsUnavailable, match="refused the credentials"):
+            await connect(server.url, security=NatsSecurity(), startup_timeout=5)
+        # Every command takes the file as an option (which sets SHOAL_NATS_CREDS).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_NATS_")}
+        done = subprocess.run(
+            [SHOAL, "--nats-creds", str(operator.creds_file), "events", "dump", "--nats",
+             server.url], capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        refused = subprocess.run([SHOAL, "events", "dump", "--nats", server.url],
+                                 capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+        assert refused.returncode == 1 and "refused the credentials" in refused.stderr
