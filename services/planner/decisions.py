@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from bus.events import (
     InstanceDeleted,
@@ -202,6 +202,21 @@ def _place(
             msg_id,
         )  # fmt: skip
     return result
+
+
+def next_timeout(
+    state: ClusterState, policy: PlannerPolicy, heard_since: datetime | None = None
+) -> datetime | None:
+    """The earliest moment an online node times out if no heartbeat of it arrives: when a
+    planner must look again although nothing happened (None: no node to watch)."""
+    deadlines = []
+    for node in state.nodes():
+        if node.status != "online" or node.last_seen is None:
+            continue
+        interval = node.heartbeat_s or policy.default_heartbeat_s
+        since = node.last_seen if heard_since is None else max(node.last_seen, heard_since)
+        deadlines.append(since + timedelta(seconds=interval * policy.missed_heartbeats))
+    return min(deadlines, default=None)
 
 
 def _silence(

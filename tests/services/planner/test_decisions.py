@@ -3,6 +3,7 @@ placements, and placing again when nodes go or runners keep failing."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from bus.events import (
@@ -15,7 +16,7 @@ from bus.events import (
     PlacementRejected,
 )
 from projectors.state import ClusterState
-from services.planner.decisions import Decision, PlannerPolicy, decide
+from services.planner.decisions import Decision, PlannerPolicy, decide, next_timeout
 from tests.services.planner.builders import (
     POLICY,
     GiB,
@@ -117,6 +118,19 @@ def test_a_timed_out_node_is_timed_out_once() -> None:
     node_a = state.node("a")
     assert node_a is not None and node_a.status == "timed_out"
     assert settle(state, 100) == []
+
+
+def test_the_next_time_out_is_when_decide_would_first_time_a_node_out() -> None:
+    """A planner with nothing to do sleeps until then: the moment must match ``decide``."""
+    state = fold_all(node("a", 10 * GiB, heartbeat_s=5), node("b", 10 * GiB, heartbeat_s=2),
+                     heartbeat("b", 10 * GiB, t=10))  # fmt: skip
+    deadline = next_timeout(state, POLICY)
+    assert deadline == at(15)  # a: 3 x 5 s after t=0 (b: 3 x 2 s after t=10)
+    assert decide(state, deadline - timedelta(milliseconds=1), POLICY) == []
+    assert msg_ids(decide(state, deadline, POLICY)) == ["timedout:a:2025-01-01T00:00:00+00:00"]
+    assert next_timeout(state, POLICY, heard_since=at(20)) == at(26)  # silence counts from 20
+    settle(state, 100)
+    assert next_timeout(state, POLICY) is None  # no online node left to watch
 
 
 def test_a_node_that_left_is_not_timed_out() -> None:
