@@ -22,10 +22,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from bus.connection import connect
 from bus.embedded import free_port
 from bus.events import TaskCancelled
-from tests.api.shoal_up import KEY, MODEL, REPO
-from tests.api.shoal_up import read_until_ready as _read_until_ready
-from tests.api.shoal_up import start as _start
-from tests.api.shoal_up import stop as _stop
+from tests.api.shoal_up import KEY, MODEL, REPO, read_until_ready, start, stop
 from tests.api.test_metrics import parse, value
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL
@@ -43,7 +40,7 @@ class Up:
 @pytest.fixture
 async def up(tmp_path: Path) -> AsyncIterator[Up]:
     port = free_port("127.0.0.1")
-    proc = _start(
+    proc = start(
         [
             SHOAL,
             "up",
@@ -58,12 +55,12 @@ async def up(tmp_path: Path) -> AsyncIterator[Up]:
         ]
     )
     try:
-        lines = await _read_until_ready(proc)
+        lines = await read_until_ready(proc)
         nats = re.search(r"^NATS\s+(\S+)", "".join(lines), re.MULTILINE)
         assert nats is not None
         yield Up(f"http://127.0.0.1:{port}/v1", nats.group(1), lines)
     finally:
-        rest = _stop(proc)
+        rest = stop(proc)
         sys.stdout.write(rest[-3000:])
     assert proc.returncode == 0 and "stopped" in rest
 
@@ -202,12 +199,12 @@ async def test_metrics_count_tokens_and_streams_still_stream(up: Up) -> None:
 async def test_make_up_then_curl(tmp_path: Path) -> None:
     """The README's path: `make up`, then a chat completion with curl."""
     port = free_port("127.0.0.1")
-    proc = _start(
+    proc = start(
         ["make", "up", f"DATA={tmp_path / 'data'}", f"UP_ARGS=--port {port} --runner-threads 2"],
         cwd=REPO,
     )
     try:
-        await _read_until_ready(proc)
+        await read_until_ready(proc)
         question = "What is the capital city of France? Answer in one word."
         body = (
             '{"model": "smollm2-135m", "max_tokens": 8, "temperature": 0,'
@@ -232,7 +229,7 @@ async def test_make_up_then_curl(tmp_path: Path) -> None:
         assert curl.returncode == 0, curl.stderr + curl.stdout
         assert "Paris" in curl.stdout and '"object":"chat.completion"' in curl.stdout
     finally:
-        rest = _stop(proc)
+        rest = stop(proc)
         sys.stdout.write(rest[-2000:])
     assert "stopped" in rest
 
@@ -241,7 +238,7 @@ async def test_one_machine_as_two_nodes_serves_a_model_neither_holds(tmp_path: P
     """`shoal up` with a memory limit too small for SmolLM2 says so and waits; a second worker
     (`shoal join`) with the same limit joins, and the model is split over the two and answers."""
     port = free_port("127.0.0.1")
-    proc = _start([SHOAL, "up", "--data-dir", str(tmp_path / "a"), "--port", str(port),
+    proc = start([SHOAL, "up", "--data-dir", str(tmp_path / "a"), "--port", str(port),
                    "--memory-limit", "160M", "--runner-threads", "1"])  # fmt: skip
     joined: subprocess.Popen[str] | None = None
     try:
@@ -252,10 +249,10 @@ async def test_one_machine_as_two_nodes_serves_a_model_neither_holds(tmp_path: P
                 lines.append(await asyncio.to_thread(proc.stdout.readline))
         nats = re.search(r"^NATS\s+(\S+)", "".join(lines), re.MULTILINE)
         assert nats is not None
-        joined = _start([SHOAL, "join", "--nats", nats.group(1), "--memory-limit", "160M",
+        joined = start([SHOAL, "join", "--nats", nats.group(1), "--memory-limit", "160M",
                          "--node-id", "b", "--data-dir", str(tmp_path / "b"),
                          "--runner-threads", "1"])  # fmt: skip
-        lines += await _read_until_ready(proc)
+        lines += await read_until_ready(proc)
         async with httpx.AsyncClient(timeout=60) as client:
             answer = await client.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -273,6 +270,6 @@ async def test_one_machine_as_two_nodes_serves_a_model_neither_holds(tmp_path: P
         if joined is not None:
             os.killpg(joined.pid, signal.SIGINT)
             joined.wait(60)
-        rest = _stop(proc)
+        rest = stop(proc)
         sys.stdout.write("".join(lines)[-3000:] + rest[-3000:])
     assert "stopped" in rest

@@ -12,11 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
 
 from bus.connection import NatsUnavailable, connect
 from bus.embedded import free_port
 from bus.nats_security import NatsSecurity
+from bus.reader import read_stream
+from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
+from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
 from tests.api.shoal_up import MODEL, read_until_ready, start, stop
 from tests.certificates import make_certificates
 from tests.services.processes import SHOAL
@@ -114,16 +116,8 @@ async def test_a_locked_down_up_serves_and_never_shows_a_secret(tmp_path: Path) 
 
 async def _everything_on_the_log(js: JetStreamContext) -> list[bytes]:
     """Every message of the events and chunks streams, raw."""
-    messages: list[bytes] = []
-    for subject in ("shoal.events.>", "shoal.chunks.>"):
-        sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=1)
-                except TimeoutError:
-                    break
-                messages.append(msg.data)
-        finally:
-            await sub.unsubscribe()
-    return messages
+    return [
+        msg.data
+        for stream, prefix in ((EVENTS_STREAM, EVENTS_PREFIX), (CHUNKS_STREAM, CHUNKS_PREFIX))
+        async for msg in read_stream(js, stream, f"{prefix}.>")
+    ]

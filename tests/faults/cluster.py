@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -32,6 +31,7 @@ from projectors.rows import RunnerRow
 from projectors.store import load_state, read_offset
 from services.cli.models import publish_model
 from services.models.cards import builtin_cards
+from tests.api.conftest import wait_healthy
 from tests.services.event_log import EventLog
 from tests.services.processes import Processes
 
@@ -83,7 +83,7 @@ class Cluster:
         self.procs.start(name, "api", "--nats", self.nats.url, "--db", self.db_url,
                          "--port", str(port))  # fmt: skip
         url = f"http://127.0.0.1:{port}"
-        await wait_healthy(url)
+        await wait_healthy(url, timeout=60)
         self.apis[name] = url
         return url
 
@@ -187,15 +187,6 @@ class Cluster:
         with contextlib.suppress(Exception):
             await self.log.stop()
         self.log = await EventLog().start(self.js)
-
-
-async def wait_healthy(url: str, timeout: float = 60) -> None:
-    async with httpx.AsyncClient() as client, asyncio.timeout(timeout):
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if (await client.get(f"{url}/healthz")).status_code == 200:
-                    return
-            await asyncio.sleep(0.1)
 
 
 @contextlib.asynccontextmanager

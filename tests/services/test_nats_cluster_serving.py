@@ -14,13 +14,11 @@ requests through the API that was on the lost server.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -29,18 +27,7 @@ from nats.aio.client import Client
 
 from bus.connection import connect
 from bus.embedded import free_port
-from bus.events import (
-    NodeJoined,
-    NodeTimedOut,
-    RunnerStateChanged,
-    TaskCancelled,
-    TaskCompleted,
-    TaskCreated,
-    TaskFailed,
-    TaskStarted,
-    parse_event,
-)
-from bus.reader import read_stream
+from bus.events import NodeJoined, NodeTimedOut, RunnerStateChanged, TaskCreated, TaskStarted
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, StreamSettings, ensure_streams
 from projectors import database
 from projectors.store import read_offset
@@ -52,7 +39,16 @@ from tests.bus.nats_cluster import (
     make_leader,
     stream_info,
 )
-from tests.projectors.helpers import db_rows_of
+from tests.faults.invariants import (
+    Outcome,
+    all_rows,
+    chat,
+    check_answered,
+    check_stored_once,
+    check_tasks_ended,
+    read_log,
+    replayed_rows,
+)
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes
 
@@ -62,60 +58,6 @@ REQUESTS = 200
 CONCURRENCY = 8
 LOSE_AFTER = 60  # requests finished before the server is lost
 VICTIM = 1
-BODY = {
-    "model": "smollm2-135m",
-    "messages": [{"role": "user", "content": "Say hi."}],
-    "max_tokens": 8,
-    "temperature": 0.0,
-    "stream": True,
-}
-
-
-@dataclass
-class Outcome:
-    api: int
-    task_id: str | None = None  # known once the API accepted the task (its first SSE event)
-    text: str = ""
-    finish: str | None = None
-    done: bool = False  # "data: [DONE]" came
-    error: dict[str, object] | None = None  # an OpenAI error object
-    status: int = 0
-    broken: str | None = None  # anything else: a transport error, a hang, a garbled stream
-    lines: list[str] = field(default_factory=list)
-
-    @property
-    def completed(self) -> bool:
-        return self.done and self.error is None and self.finish is not None and not self.broken
-
-
-async def _chat(client: httpx.AsyncClient, url: str, out: Outcome) -> None:
-    try:
-        async with (
-            asyncio.timeout(60),
-            client.stream("POST", f"{url}/v1/chat/completions", json=BODY) as r,
-        ):
-            out.status = r.status_code
-            if r.status_code != 200:
-                out.error = json.loads(await r.aread())["error"]
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                out.lines.append(line)
-                data = line.removeprefix("data: ")
-                if data == "[DONE]":
-                    out.done = True
-                    continue
-                payload = json.loads(data)
-                if "error" in payload:
-                    out.error = payload["error"]
-                    continue
-                out.task_id = payload["id"].removeprefix("chatcmpl-")
-                for choice in payload["choices"]:
-                    out.text += choice["delta"].get("content", "")
-                    out.finish = choice["finish_reason"] or out.finish
-    except (httpx.HTTPError, TimeoutError, ValueError, KeyError) as exc:
-        out.broken = repr(exc)
 
 
 async def _move_leaders(nc: Client, to: str) -> None:
@@ -171,20 +113,20 @@ async def test_losing_a_nats_server_while_serving(tmp_path: Path) -> None:
                 assert f"connected to {cluster.servers[i].url}" in procs.log(f"api{i}")
             await _move_leaders(nc, f"n{VICTIM}")
 
-            outcomes = [Outcome(api=i % 3) for i in range(REQUESTS)]
-            queue: asyncio.Queue[Outcome] = asyncio.Queue()
-            for o in outcomes:
-                queue.put_nowait(o)
-            finished = 0
+            urls = {f"api{i}": url for i, url in enumerate(apis)}
+            queue: asyncio.Queue[int] = asyncio.Queue()
+            for i in range(REQUESTS):
+                queue.put_nowait(i)
+            outcomes: list[Outcome] = []
             lost = asyncio.Event()
 
             async def work(client: httpx.AsyncClient) -> None:
-                nonlocal finished
                 while not queue.empty():
-                    o = queue.get_nowait()
-                    await _chat(client, apis[o.api], o)
-                    finished += 1
-                    if finished == LOSE_AFTER:
+                    i = queue.get_nowait()
+                    api = f"api{i % 3}"
+                    outcomes.append(await chat(client, api, urls[api], label=f"r{i}",
+                                               stream=True, content="Say hi."))  # fmt: skip
+                    if len(outcomes) == LOSE_AFTER:
                         lost.set()
 
             started = time.monotonic()
@@ -198,81 +140,59 @@ async def test_losing_a_nats_server_while_serving(tmp_path: Path) -> None:
             took = time.monotonic() - started
             print(f"{REQUESTS} requests in {took:.1f} s; n{VICTIM} killed at {lost_at:.1f} s")
 
-            # Every request completed, or got a clear error; only through the lost server's API.
-            broken = [o for o in outcomes if o.broken]
-            assert not broken, [(o.api, o.broken, o.lines[-3:]) for o in broken]
-            failed = [o for o in outcomes if not o.completed]
-            for o in failed:
-                assert o.error is not None and o.error.get("message"), o
-            print("failed:", [(o.api, o.status, o.error) for o in failed])
-            assert {o.api for o in failed} <= {VICTIM}
-            moved = procs.log(f"api{VICTIM}")
-            assert "reconnected to" in moved
-
-            # No event lost: every task an API accepted has its outcome in the log.
+            # No event lost or stored twice, every task ended once; every request completed
+            # (its text is its chunks in the log) or got a clear error, and only through the
+            # API that was on the lost server.
             await stream_info(nc, EVENTS_STREAM)  # the streams have a leader again
-            events = [m async for m in read_stream(js, EVENTS_STREAM, "shoal.events.>")]
-            seqs = [m.metadata.sequence.stream for m in events]
-            assert seqs == list(range(1, len(seqs) + 1))
-            parsed = [parse_event(m.data) for m in events]
-            assert len({e.event_id for e in parsed}) == len(parsed)
-            created_ids = Counter(e.task_id for e in parsed if isinstance(e, TaskCreated))
-            started_ids = Counter(e.task_id for e in parsed if isinstance(e, TaskStarted))
-            ended = Counter(e.task_id for e in parsed if isinstance(e, TaskCompleted | TaskFailed))
-            cancelled = {e.task_id for e in parsed if isinstance(e, TaskCancelled)}
-            accepted = {o.task_id for o in outcomes if o.task_id}
-            assert accepted <= set(created_ids)
+            stored = await read_log(js)
+            check_stored_once(stored)
+            check_tasks_ended(stored)
+            check_answered(outcomes, errors_allowed=True, log=stored)
+            failed = [o for o in outcomes if o.kind != "completed"]
+            print("failed:", [str(o) for o in failed])
+            assert {o.api for o in failed} <= {f"api{VICTIM}"}
+            assert "reconnected to" in procs.log(f"api{VICTIM}")
+            created_ids = Counter(e.task_id for e in stored.of(TaskCreated))
             assert set(created_ids.values()) == {1}
-            assert set(started_ids.values()) <= {1}
-            assert set(ended.values()) <= {1}
-            assert set(created_ids) <= set(ended) | cancelled
-            for o in outcomes:
-                if o.completed:
-                    assert o.task_id is not None and ended[o.task_id] == 1
-            assert not [e for e in parsed if isinstance(e, NodeTimedOut)]
+            assert set(Counter(e.task_id for e in stored.of(TaskStarted)).values()) <= {1}
+            assert {o.task_id for o in outcomes if o.task_id} <= set(created_ids)
+            assert not stored.of(NodeTimedOut)
             n_chunks = (await stream_info(nc, CHUNKS_STREAM)).state.messages
-            print(f"{len(parsed)} events, {n_chunks} chunks, {len(created_ids)} tasks")
+            print(f"{len(stored.events)} events, {n_chunks} chunks, {len(created_ids)} tasks")
 
             # The live projection equals a replay of the log.
-            last = seqs[-1]
+            last = stored.events[-1][0]
             async with asyncio.timeout(60):
                 while await _offset(db) < last:
                     await asyncio.sleep(0.1)
             procs.procs["projector"].send_signal(signal.SIGTERM)
             procs.procs["projector"].wait(20)
             at = await _offset(db)  # heartbeats go on: replay to where the projector stopped
-            replayed = f"sqlite:///{tmp_path / 'replay.db'}"
-            out = await asyncio.to_thread(
-                subprocess.run,
-                [SHOAL, "replay", "--nats", back, "--db", replayed, "--until-seq", str(at)],
-                capture_output=True, text=True, env=env, timeout=120,
-            )  # fmt: skip
-            assert out.returncode == 0, out.stderr
-            assert f"up to seq {at}" in out.stdout
-            live, again = await db_rows_of(db), await db_rows_of(replayed)
-            differ = {
-                t: [(x, y) for x, y in zip(live[t], again[t], strict=False) if x != y]
-                for t in live
-                if live[t] != again[t]
-            }
-            assert live == again, differ
-            tasks = {r["task_id"]: r for r in live["tasks"]}
-            assert set(tasks) == set(created_ids)
-            assert {r["status"] for r in tasks.values()} <= {"completed", "failed", "cancelled"}
+            engine = database.create_engine(db)
+            try:
+                live = await all_rows(engine)
+            finally:
+                await engine.dispose()
+            again = await replayed_rows(js, tmp_path / "replay.db", at)
+            for table in live:
+                assert live[table] == again[table], f"table {table}: the projection != a replay"
+            statuses = {r["status"] for r in live["tasks"]}
+            assert {r["task_id"] for r in live["tasks"]} == set(created_ids)
+            assert statuses <= {"completed", "failed", "cancelled"}
 
             # With a second server lost the cluster has no quorum: nothing can be stored, and a
             # request gets a clear error once the API gave up publishing it (30 s).
             cluster.servers[2].stop()
             async with httpx.AsyncClient(timeout=60) as client:
-                streamed = Outcome(api=0)
-                _, whole = await asyncio.gather(
-                    _chat(client, apis[0], streamed),
-                    client.post(f"{apis[0]}/v1/chat/completions", json=BODY | {"stream": False}),
-                )
-            assert streamed.error is not None and streamed.error["code"] == "log_unavailable"
-            assert streamed.done and not streamed.broken
-            assert whole.status_code == 503
-            assert whole.json()["error"]["code"] == "log_unavailable"
+                both = await asyncio.gather(
+                    *(chat(client, "api0", apis[0], label=f"no-quorum-{streamed}",
+                           stream=streamed, content="Say hi.")
+                      for streamed in (True, False))
+                )  # fmt: skip
+            for o in both:
+                assert o.kind == "error" and o.error is not None, o
+                assert o.error["code"] == "log_unavailable", o
+            assert both[0].done and both[1].status == 503
             await asyncio.to_thread(cluster.servers[2].start)  # so that the services stop cleanly
         await log.stop()
         await nc.close()
