@@ -97,9 +97,12 @@ async def _events(
             if shape.chat:
                 yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
             try:
-                async for c in ts.chunks():
-                    if c.text or c.finish_reason:
-                        yield _sse(shape.piece(c))
+                # One event per chunk, but one write per group of chunks that came together:
+                # fewer writes and wake-ups for the API and the client.
+                async for group in ts.chunk_groups():
+                    events = [_sse(shape.piece(c)) for c in group if c.text or c.finish_reason]
+                    if events:
+                        yield "".join(events)
             except TimeoutError:
                 ts.finished = None
                 yield _sse(error_body(504, "the task took longer than the API waits"))

@@ -170,6 +170,13 @@ class TaskStream:
 
     async def chunks(self) -> AsyncIterator[ChunkGenerated]:
         """The task's chunks in order; afterwards ``finished`` says how it ended."""
+        async for group in self.chunk_groups():
+            for chunk in group:
+                yield chunk
+
+    async def chunk_groups(self) -> AsyncIterator[list[ChunkGenerated]]:
+        """The task's chunks in order, in groups: each time, all that have arrived (a runner
+        sends them in groups, and the API answers each group with one write)."""
         next_idx = 0
         early: dict[int, ChunkGenerated] = {}
         last_seen = False
@@ -178,7 +185,7 @@ class TaskStream:
             while True:
                 try:
                     async with asyncio.timeout(RECHECK_S):
-                        event = await self._queue.get()
+                        events = [await self._queue.get()]
                 except TimeoutError:
                     recheck = self._recheck if next_idx == 0 else None
                     if recheck is not None and (why := await recheck()) is not None:
@@ -186,21 +193,31 @@ class TaskStream:
                         return
                     await self._catch_up(next_idx)
                     continue
-                if isinstance(event, TaskFailed):
-                    self.finished = Finished(failed=event)
-                    return
-                if isinstance(event, TaskCompleted):
-                    completed = event
-                else:
+                while not self._queue.empty():
+                    events.append(self._queue.get_nowait())
+                group: list[ChunkGenerated] = []
+                failed: TaskFailed | None = None
+                for event in events:
+                    if isinstance(event, TaskFailed):
+                        failed = failed or event
+                        continue
+                    if isinstance(event, TaskCompleted):
+                        completed = event
+                        continue
                     early[event.idx] = event
                     while next_idx in early:
                         chunk = early.pop(next_idx)
                         next_idx += 1
-                        self.last_chunk_at = time.monotonic()
-                        if self.first_chunk_at is None:
-                            self.first_chunk_at = self.last_chunk_at
                         last_seen = last_seen or chunk.finish_reason is not None
-                        yield chunk
+                        group.append(chunk)
+                if group:
+                    self.last_chunk_at = time.monotonic()
+                    if self.first_chunk_at is None:
+                        self.first_chunk_at = self.last_chunk_at
+                    yield group
+                if failed is not None:
+                    self.finished = Finished(failed=failed)
+                    return
                 if last_seen and completed is not None:
                     self.finished = Finished(completed=completed)
                     return
