@@ -12,9 +12,12 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from nats.aio.client import Client
@@ -40,6 +43,7 @@ from bus.streams import EVENTS_STREAM
 from bus.subjects import escape_token, event_subject, model_tasks_filter
 from services.runner.engines.base import Engine, EngineBroken
 from services.runner.generation import InvalidRequest, check_request, steps
+from services.runner.step_feed import Made, StepFeed
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,8 @@ class TaskServer:
         self._chunks = ChunkPublisher(self._js)
         self._state = StateReporter(nc, me)
         self._consumer: EventConsumer | None = None
+        # Generation runs here, off the event loop (see step_feed.py); always the same thread.
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.served = 0
 
     async def start(self) -> None:
@@ -166,7 +172,6 @@ class TaskServer:
 
         self._current.begin(task)
         sub = await self._nc.subscribe(cancel_subject(task), cb=on_cancel)
-        already = asyncio.create_task(self._was_cancelled(task, cancelled))
         started = TaskStarted(
             task_id=task.task_id,
             model_id=task.model_id,
@@ -174,18 +179,29 @@ class TaskServer:
             runner_id=me.runner_id,
             instance_id=me.instance_id,
         )
-        # Announced while the prompt is processed, not before: two round trips less in the
-        # time to first token. Awaited before the task's outcome, which must come after it.
-        announced = asyncio.ensure_future(
+        # TaskStarted, Running and the look for an early cancel wait for the first chunk (or
+        # the end of a task that has none): sent while the prompt was processed, their work
+        # here, in the nats-server and in every consumer of the log took CPU from it, +8 ms to
+        # the first token on 2 cores. The outcome is published after them.
+        first_out = asyncio.Event()
+
+        async def after_first(work: Awaitable[object]) -> None:
+            await first_out.wait()
+            await work
+
+        announced = asyncio.ensure_future(after_first(
             asyncio.gather(self._events.publish(started), self._state.report("Running"))
-        )
+        ))  # fmt: skip
+        already = asyncio.ensure_future(after_first(self._was_cancelled(task, cancelled)))
         try:
-            await self._generate(task, received, cancelled.is_set, announced)
+            await self._generate(task, received, cancelled.is_set, first_out, announced)
         except InvalidRequest as exc:
+            first_out.set()
             await announced
             await self._fail(task, f"invalid request: {exc}")
         except Exception as exc:  # an engine error fails this task, not the runner...
             log.exception("task %s failed", task.task_id)
+            first_out.set()
             await announced
             await self._fail(task, f"engine error: {exc}")
             if isinstance(exc, EngineBroken):  # ...unless the engine cannot go on
@@ -215,44 +231,44 @@ class TaskServer:
         task: TaskCreated,
         received: float,
         cancelled: Callable[[], bool],
+        first_out: asyncio.Event,
         announced: Awaitable[object],
     ) -> None:
         engine, me = self._engine, self._me
         prompt = engine.prompt_tokens(task)
         limit = check_request(len(prompt), task.params, engine.n_ctx)
+        loop = asyncio.get_running_loop()
+        feed = StepFeed(loop, CHUNK_WINDOW_S)
+        stopping = threading.Event()  # this coroutine was cancelled: the engine stops too
+
+        def generate() -> None:
+            try:
+                for step in steps(engine, prompt, task.params, limit,
+                                  lambda: cancelled() or stopping.is_set()):  # fmt: skip
+                    feed.put(step)
+            finally:
+                feed.close()
+
+        generating = loop.run_in_executor(self._engine_thread, generate)
         first: float | None = None
         n = 0
         finish: FinishReason = "length"
-        held: list[ChunkGenerated] = []
-        sent_at = 0.0
         try:
-            for step in steps(engine, prompt, task.params, limit, cancelled):
-                now = time.perf_counter()
-                if step.token_id is not None:
-                    n += 1
-                    first = first or now
-                else:
-                    finish = step.finish_reason or "stop"
-                held.append(
-                    ChunkGenerated(
-                        task_id=task.task_id,
-                        idx=step.idx,
-                        text=step.text,
-                        token_id=step.token_id,
-                        finish_reason=step.finish_reason,
-                        origin=me.node_id,
-                    )
-                )
-                # One message per token woke the nats-server and the reader for every token,
-                # taking ~0.6 ms of CPU per token from llama.cpp's threads (bench/
-                # engine_overhead.py). The first and the last chunk go at once; the others
-                # in groups at most CHUNK_WINDOW_S apart.
-                if step.token_id is None or n == 1 or now - sent_at >= CHUNK_WINDOW_S:
-                    await self._send(held)
-                    sent_at = now
-                await asyncio.sleep(0)  # a cancel can come in between any two tokens
+            # What was generated before an engine error still counts: every step is published.
+            while (made := await feed.next_group()) is not None:
+                for m in made:
+                    if m.step.token_id is not None:
+                        n += 1
+                        first = first or m.at
+                    else:
+                        finish = m.step.finish_reason or "stop"
+                    await self._chunks.publish(self._chunk(task, m))
+                first_out.set()
         finally:
-            await self._send(held)  # what was generated before an engine error still counts
+            first_out.set()
+            stopping.set()
+            await asyncio.wait({generating})  # the engine is never left running
+        generating.result()  # the engine's error, if it raised one
         await self._chunks.flush()
         await announced
         end = time.perf_counter()
@@ -275,10 +291,17 @@ class TaskServer:
             msg_id=f"done:{task.task_id}",
         )
 
-    async def _send(self, held: list[ChunkGenerated]) -> None:
-        for chunk in held:
-            await self._chunks.publish(chunk)
-        held.clear()
+    def _chunk(self, task: TaskCreated, made: Made) -> ChunkGenerated:
+        step = made.step
+        return ChunkGenerated(
+            task_id=task.task_id,
+            idx=step.idx,
+            text=step.text,
+            token_id=step.token_id,
+            finish_reason=step.finish_reason,
+            origin=self._me.node_id,
+            ts=datetime.fromtimestamp(made.ts, UTC),
+        )
 
     async def _fail(self, task: TaskCreated, error: str) -> None:
         await self._events.publish(
