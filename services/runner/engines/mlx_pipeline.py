@@ -27,6 +27,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -68,7 +69,8 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _START, _RUN, _STOP, _SHUTDOWN = 1, 2, 3, 4
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _SHUTDOWN_ACK = -1
-_POLLRDHUP = getattr(select, "POLLRDHUP", 0)
+# A closed connection (POLLRDHUP: the peer's FIN, where the system has it) or a broken one.
+_HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
 class PipelineBroken(EngineBroken):
@@ -224,34 +226,60 @@ class Ring:
     ever, and on a shared machine the waiting ranks slow the working one). So every receipt
     first waits for the socket to be readable with ``poll()`` (no CPU, GIL released), on
     ``incoming``, a duplicate of mlx's socket from the previous rank; mlx then finds the data
-    there."""
+    there.
 
-    def __init__(self, group: mx.distributed.Group, incoming: socket.socket | None) -> None:
+    mlx also does not survive a lost neighbour well: a receipt from a closed connection spins
+    for ever (``recv()`` returning 0 is not an error to it), and after ten failed sends its
+    socket's thread ends, so the next send on it never completes. So a lost neighbour is
+    looked for here first, on ``incoming`` and on ``outgoing`` (a duplicate of mlx's socket to
+    the next rank, on which the next rank never writes: readable means closed), and raises
+    ``PipelineBroken`` without calling mlx."""
+
+    def __init__(
+        self,
+        group: mx.distributed.Group,
+        incoming: socket.socket | None,
+        outgoing: socket.socket | None,
+    ) -> None:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
         self._next = (self.rank + 1) % self.size
         self._prev = (self.rank - 1) % self.size
-        self._poll: select.poll | None = None
-        self._incoming = incoming  # kept open for the poll
-        if incoming is not None:
-            self._poll = select.poll()
-            self._poll.register(incoming, select.POLLIN | select.POLLPRI | _POLLRDHUP)
+        # Both kept open for the polls.
+        self._incoming = incoming
+        self._outgoing = outgoing
+        self._in_poll = _poller(incoming, select.POLLIN | select.POLLPRI | _HUNG_UP)
+        self._out_poll = _poller(outgoing, _HUNG_UP)
 
-    def _wait_readable(self) -> None:
-        # An error or hang-up ends the wait too: mlx's receipt then reports the lost peer.
-        if self._poll is not None:
-            while not self._poll.poll():
-                pass
+    def _wait_readable(self, nbytes: int) -> None:
+        """Wait until mlx has something to read; raises when the previous rank is gone and
+        fewer than ``nbytes`` bytes of it are left (mlx would wait for the rest for ever)."""
+        if self._in_poll is None or self._incoming is None:
+            return
+        while not (events := self._in_poll.poll()):
+            pass
+        if events[0][1] & _HUNG_UP and _buffered(self._incoming, nbytes) < nbytes:
+            raise self._lost("receiving from", self._prev)
+
+    def _check_next(self) -> None:
+        if self._out_poll is not None and self._out_poll.poll(0):
+            raise self._lost("sending to", self._next)
+
+    def _lost(self, doing: str, peer: int) -> PipelineBroken:
+        return PipelineBroken(
+            f"rank {self.rank}: {doing} rank {peer}: the connection to a peer was lost"
+        )
 
     def send(self, x: mx.array) -> None:
+        self._check_next()
         try:
             mx.eval(mx.distributed.send(x, self._next, group=self.group))
         except RuntimeError as exc:
             raise PipelineBroken(f"rank {self.rank}: sending to rank {self._next}: {exc}") from exc
 
     def recv(self, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
-        self._wait_readable()
+        self._wait_readable(math.prod(shape) * dtype.size)
         try:
             x = mx.distributed.recv(shape, dtype, self._prev, group=self.group)
             mx.eval(x)
@@ -264,6 +292,7 @@ class Ring:
     def send_message(self, header: Header, payload: mx.array | None = None) -> None:
         """The header and its payload in one evaluation, the payload's send made to depend on
         the header's: they leave in order, and nothing can come between them."""
+        self._check_next()
         sent = mx.distributed.send(header.to_array(), self._next, group=self.group)
         if payload is not None:
             after: Any = mx.depends(payload, sent)
@@ -297,6 +326,22 @@ class Header:
 
     def to_array(self) -> mx.array:
         return mx.array([self.command, self.tokens, self.extra, self.dtype], dtype=mx.int32)
+
+
+def _poller(sock: socket.socket | None, events: int) -> select.poll | None:
+    if sock is None:
+        return None
+    poll = select.poll()
+    poll.register(sock, events)
+    return poll
+
+
+def _buffered(sock: socket.socket, up_to: int) -> int:
+    """How many bytes (at most ``up_to``) wait to be read on ``sock``."""
+    try:
+        return len(sock.recv(up_to, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, ConnectionError):
+        return 0
 
 
 def _bytes_array(data: bytes) -> mx.array:
@@ -345,9 +390,7 @@ def connect(shard: PipelineShard, timeout: float) -> Ring:
     for sock in (incoming, outgoing):
         if sock is not None:
             _keep_alive(sock)
-    if outgoing is not None:
-        outgoing.close()
-    return Ring(group, incoming)
+    return Ring(group, incoming, outgoing)
 
 
 @contextmanager
