@@ -168,9 +168,11 @@ class Planner:
         self._seen(msg.metadata.sequence.stream)
 
     def _seen(self, seq: int) -> None:
+        # Only news wakes the loop: a round's own look at the log finding nothing new must not
+        # start the next round (that made an idle planner go round every min_round_s).
         if seq > self._seen_seq:
             self._seen_seq = seq
-        self._wake.set()
+            self._wake.set()
 
     async def _wait_for_reason(self, stop: asyncio.Event) -> None:
         """Until an event arrives or the tick passes (heartbeats that do not arrive are found
