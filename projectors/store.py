@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
@@ -125,7 +126,14 @@ def check_storable(changes: Iterable[Change]) -> None:
 
 
 def _upsert(conn: AsyncConnection, table: Table) -> Any:
-    insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    return _upsert_statement(conn.dialect.name, table)
+
+
+# Built once per table: building it (``excluded`` makes a column proxy per column) was most of
+# the projector's CPU, which on a small machine is taken from the runner's prompt processing.
+@functools.cache
+def _upsert_statement(dialect: str, table: Table) -> Any:
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
     stmt = insert(table)
     pk = [c.name for c in table.primary_key.columns]
     updates = {c.name: stmt.excluded[c.name] for c in table.columns if c.name not in pk}
