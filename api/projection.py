@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
@@ -24,20 +24,24 @@ async def cluster(engine: AsyncEngine) -> ClusterState:
         return await load_state(conn, PLANNING_TABLES)
 
 
+# Built once: building it (a label per column) took longer than running it.
+_SERVING = (
+    select(
+        *[c.label(f"i_{c.name}") for c in instances.c],
+        *[c.label(f"r_{c.name}") for c in runners.c],
+    )
+    .select_from(instances.outerjoin(runners, runners.c.instance_id == instances.c.instance_id))
+    .where(instances.c.model_id == bindparam("model_id"))
+)
+
+
 async def serving(engine: AsyncEngine, model_id: str) -> ClusterState:
     """Only what ``require_serving`` reads: the model's instances with their runners, in one
     query (every chat request asks, and each query is a round trip to the database's thread or
     server in the time to first token); the models only when it has no instance."""
     state = ClusterState()
-    inst_cols = [c.label(f"i_{c.name}") for c in instances.c]
-    runner_cols = [c.label(f"r_{c.name}") for c in runners.c]
-    query = (
-        select(*inst_cols, *runner_cols)
-        .select_from(instances.outerjoin(runners, runners.c.instance_id == instances.c.instance_id))
-        .where(instances.c.model_id == model_id)
-    )
     async with engine.connect() as conn:
-        for row in (await conn.execute(query)).mappings():
+        for row in (await conn.execute(_SERVING, {"model_id": model_id})).mappings():
             state.commit([Put(InstanceRow(**_prefixed(row, "i_")))])
             if row["r_runner_id"] is not None:
                 state.commit([Put(RunnerRow(**_prefixed(row, "r_")))])
