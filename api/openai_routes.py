@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import nats.errors
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from api import projection
 from api.context import ApiContext, context, require_key
@@ -65,13 +66,18 @@ async def _serve(
     ctx: ApiContext, task: TaskCreated, stream: bool, include_usage: bool, chat: bool
 ) -> JSONResponse | StreamingResponse:
     _require_storable(ctx, task)
-    projection.require_serving(await projection.serving(ctx.engine, task.model_id), task.model_id)
+    state = await projection.serving(ctx.engine, task.model_id, ctx.reader)
+    projection.require_serving(state, task.model_id)
     shape = _Shape(task, chat)
     if stream:
-        return StreamingResponse(
-            _events(ctx, task, shape, include_usage), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )  # fmt: skip
+        # The task is stored before the response starts: the runner gets it ~1 ms sooner than
+        # after the streaming machinery's start, and a log that cannot store it gets a 503.
+        ts = _stream(ctx, task)
+        try:
+            await ts.__aenter__()
+        except nats.errors.Error as exc:
+            raise _log_unavailable(exc) from exc
+        return _TaskEvents(ts, _events(ctx, ts, shape, include_usage))
     try:
         async with _stream(ctx, task) as ts:
             text = "".join([c.text async for c in ts.chunks()])
@@ -88,29 +94,52 @@ async def _serve(
     return JSONResponse(shape.whole(text, finished.completed.finish_reason, finished.completed))
 
 
+class _TaskEvents(StreamingResponse):
+    """The server-sent events of a task whose stream is open (its ``TaskCreated`` stored). The
+    stream is closed however the response ends; one that ends before its last event (the
+    client went away) cancels the task."""
+
+    def __init__(self, ts: TaskStream, events: AsyncIterator[str]) -> None:
+        self._ts = ts
+        self._sent_all = False
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(self._noting_the_end(events), media_type="text/event-stream",
+                         headers=headers)  # fmt: skip
+
+    async def _noting_the_end(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for event in events:
+            yield event
+        self._sent_all = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        failed: BaseException | None = None
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException as exc:
+            failed = exc
+            raise
+        finally:
+            # Starlette ends the response of a client that went away without an exception.
+            if failed is None and not self._sent_all:
+                failed = ConnectionResetError("the client went away")
+            await self._ts.__aexit__(type(failed) if failed else None, failed, None)
+
+
 async def _events(
-    ctx: ApiContext, task: TaskCreated, shape: _Shape, include_usage: bool
+    ctx: ApiContext, ts: TaskStream, shape: _Shape, include_usage: bool
 ) -> AsyncIterator[str]:
-    """Server-sent events; leaving the generator early (client gone) cancels the task."""
+    if shape.chat:
+        yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
     try:
-        async with _stream(ctx, task) as ts:
-            if shape.chat:
-                yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
-            try:
-                # One event per chunk, but one write per group of chunks that came together:
-                # fewer writes and wake-ups for the API and the client.
-                async for group in ts.chunk_groups():
-                    events = [_sse(shape.piece(c)) for c in group if c.text or c.finish_reason]
-                    if events:
-                        yield "".join(events)
-            except TimeoutError:
-                ts.finished = None
-                yield _sse(error_body(504, "the task took longer than the API waits"))
-                yield "data: [DONE]\n\n"
-                return
-    except nats.errors.Error as exc:  # the task could not be stored
-        err = _log_unavailable(exc)
-        yield _sse(error_body(err.status, err.message, code=err.code))
+        # One event per chunk, but one write per group of chunks that came together: fewer
+        # writes and wake-ups for the API and the client.
+        async for group in ts.chunk_groups():
+            events = [_sse(shape.piece(c)) for c in group if c.text or c.finish_reason]
+            if events:
+                yield "".join(events)
+    except TimeoutError:
+        ts.finished = None
+        yield _sse(error_body(504, "the task took longer than the API waits"))
         yield "data: [DONE]\n\n"
         return
     ctx.metrics.task_served(ts)
@@ -131,7 +160,7 @@ async def _events(
 def _stream(ctx: ApiContext, task: TaskCreated) -> TaskStream:
     async def recheck() -> str | None:
         try:
-            state = await projection.serving(ctx.engine, task.model_id)
+            state = await projection.serving(ctx.engine, task.model_id, ctx.reader)
             projection.require_serving(state, task.model_id)
         except ApiError as err:
             return err.message
