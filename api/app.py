@@ -24,11 +24,14 @@ def create_app(config: ApiConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nc = await connect(config.nats_url, name="shoal-api")
         engine = database.create_engine(config.db_url)
-        app.state.ctx = ApiContext(config, nc, engine, counted)
+        reader = database.sqlite_reader(config.db_url)
+        app.state.ctx = ApiContext(config, nc, engine, counted, reader=reader)
         try:
             yield
         finally:
             await engine.dispose()
+            if reader is not None:
+                reader.dispose()
             await nc.drain()
 
     app = FastAPI(

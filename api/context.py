@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 from nats.aio.client import Client
+from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.config import ApiConfig
@@ -27,6 +28,8 @@ class ApiContext:
     engine: AsyncEngine
     metrics: ApiMetrics  # this process's counters (not state: they start at zero)
     origin: str = f"api@{socket.gethostname()}"
+    # The same SQLite database, for the check every request makes (projection.serving).
+    reader: Engine | None = None
 
     async def publish(self, event: EventBase) -> None:
         """Store ``event`` on the log (counted in the metrics)."""

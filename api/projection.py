@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict
 from typing import Any
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import Connection, Engine, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
@@ -35,20 +36,31 @@ _SERVING = (
 )
 
 
-async def serving(engine: AsyncEngine, model_id: str) -> ClusterState:
+async def serving(engine: AsyncEngine, model_id: str, reader: Engine | None = None) -> ClusterState:
     """Only what ``require_serving`` reads: the model's instances with their runners, in one
-    query (every chat request asks, and each query is a round trip to the database's thread or
-    server in the time to first token); the models only when it has no instance."""
-    state = ClusterState()
+    query (every chat request asks, and it is in the time to first token); the models only when
+    it has no instance. With ``reader`` (SQLite) in one hop to a worker thread."""
+    if reader is not None:
+        return await asyncio.to_thread(_serving_from, reader, model_id)
     async with engine.connect() as conn:
-        for row in (await conn.execute(_SERVING, {"model_id": model_id})).mappings():
-            state.commit([Put(InstanceRow(**_prefixed(row, "i_")))])
-            if row["r_runner_id"] is not None:
-                state.commit([Put(RunnerRow(**_prefixed(row, "r_")))])
-        if not state.instances():
-            # Whether the model is known (404 or 503), and for the 404's list of known models.
-            for row in (await conn.execute(select(models))).mappings():
-                state.commit([Put(ModelRow(**row))])
+        return await conn.run_sync(_serving, model_id)
+
+
+def _serving_from(reader: Engine, model_id: str) -> ClusterState:
+    with reader.connect() as conn:
+        return _serving(conn, model_id)
+
+
+def _serving(conn: Connection, model_id: str) -> ClusterState:
+    state = ClusterState()
+    for row in conn.execute(_SERVING, {"model_id": model_id}).mappings():
+        state.commit([Put(InstanceRow(**_prefixed(row, "i_")))])
+        if row["r_runner_id"] is not None:
+            state.commit([Put(RunnerRow(**_prefixed(row, "r_")))])
+    if not state.instances():
+        # Whether the model is known (404 or 503), and for the 404's list of known models.
+        for row in conn.execute(select(models)).mappings():
+            state.commit([Put(ModelRow(**row))])
     return state
 
 

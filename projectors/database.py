@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import sqlalchemy
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, event
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -53,6 +54,17 @@ def create_engine(url: str) -> AsyncEngine:
 
         return engine
     return create_async_engine(u, pool_pre_ping=True)
+
+
+def sqlite_reader(url: str) -> Engine | None:
+    """For a SQLite projection, a plain (not async) engine on the same file, for a reader that
+    wants a query done in one hop to a worker thread: through aiosqlite every step of a query
+    (connect, execute, fetch, reset) is a hop of its own. None for other databases."""
+    u = async_url(url)
+    if not u.drivername.startswith("sqlite") or u.database in (None, "", ":memory:"):
+        return None
+    plain = u.set(drivername="sqlite+pysqlite")
+    return sqlalchemy.create_engine(plain, connect_args={"timeout": 30})
 
 
 def _alembic_config(connection: Connection) -> Config:

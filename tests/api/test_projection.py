@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
-from api.projection import require_serving
+from api.projection import require_serving, serving
+from projectors import database
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState, Put
+from projectors.store import write_changes
 
 
 def cluster(status: str, *runners: tuple[int, str]) -> ClusterState:
@@ -46,3 +49,28 @@ def test_an_unknown_model_is_404() -> None:
     with pytest.raises(ApiError) as err:
         require_serving(cluster("placed", (0, "Ready")), "other")
     assert err.value.status == 404 and "known models: m" in err.value.message
+
+
+async def test_serving_reads_the_model_s_instances_and_runners_from_the_database(
+    engine: AsyncEngine, db_url: str
+) -> None:
+    """Through the async engine, and (SQLite) through the plain reader every API request uses;
+    the models only when the model has no instance."""
+    await database.upgrade(engine)
+    async with engine.begin() as conn:
+        rows = cluster("placed", (0, "Ready")).tables.values()
+        await write_changes(conn, [Put(row) for table in rows for row in table.values()])
+    reader = database.sqlite_reader(db_url)
+    assert (reader is None) == db_url.startswith("postgresql")
+    try:
+        for via in {None, reader}:
+            state = await serving(engine, "m", via)
+            assert [i.instance_id for i in state.instances()] == ["i"]
+            assert [r.state for r in state.runners_of("i")] == ["Ready"]
+            assert state.models() == []  # not read: the model has an instance
+            require_serving(state, "m")
+            other = await serving(engine, "other", via)
+            assert [m.model_id for m in other.models()] == ["m"]
+    finally:
+        if reader is not None:
+            reader.dispose()
