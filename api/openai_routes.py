@@ -128,6 +128,7 @@ class _TaskEvents(StreamingResponse):
 async def _events(
     ctx: ApiContext, ts: TaskStream, shape: _Shape, include_usage: bool
 ) -> AsyncIterator[str]:
+    """The task's server-sent events, from the open stream ``ts``, to ``data: [DONE]``."""
     if shape.chat:
         yield _sse(shape.chunk({"role": "assistant", "content": ""}, None))
     try:
