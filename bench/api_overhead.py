@@ -905,7 +905,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                         w = watch()
                         s = await c.stream(prompt, 1)
                         other = max(other, w.stop()[1])
-                        ttft[c.name] = (s.pieces[0][0] - s.start) * 1000 if s.pieces else 0.0
+                        ttft[c.name] = figures(s, 1)[1] * 1000  # 0 when no token came
                     if all(ttft.values()):
                         first.append(FirstToken(ttft, other))
 
@@ -980,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
     parser.add_argument(
-        "--prompts", type=int, default=4, help=f"how many prompts (1-{len(PROMPTS)})"
+        "--prompts", type=int, default=4, help=f"how many prompts (2-{len(PROMPTS)})"
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs of every prompt per contender")
     parser.add_argument(
@@ -998,8 +998,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-concurrency", action="store_true", help="skip the concurrent streams")
     args = parser.parse_args(argv)
-    if not 1 <= args.prompts <= len(PROMPTS):
-        parser.error(f"--prompts must be between 1 and {len(PROMPTS)}")
+    if not 2 <= args.prompts <= len(PROMPTS):
+        # With one, each contender gets the prompt it has just processed: llama.cpp reuses it
+        # from its cache, and the TTFTs measure nothing.
+        parser.error(f"--prompts must be between 2 and {len(PROMPTS)}")
     if args.tokens < 2 or min(args.repeat, args.first_tokens, args.threads,
                               args.replica_threads) < 1:  # fmt: skip
         parser.error("--tokens must be at least 2; --repeat, --first-tokens and the threads at "
