@@ -33,8 +33,11 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
     TaskFailed,
+    TaskStarted,
 )
 from bus.publisher import Publisher
+from bus.streams import EVENTS_STREAM
+from bus.subjects import event_subject
 from services.runner.engines.llamacpp import LlamaCppEngine
 from tests.services.event_log import EventLog
 
@@ -131,6 +134,15 @@ async def test_worker_serves_a_chat_task(
     tokens = [c for c in chunks if c.token_id is not None]
     assert done.usage.completion_tokens == len(tokens)
     assert done.finish_reason == "stop" == chunks[-1].finish_reason
+
+    # TaskStarted and the runner's Running go out once the first token has: sent during the
+    # prompt's processing, their work (here, in NATS and in every consumer) slowed it.
+    subject = event_subject("task", (MODEL, task.task_id), "TaskStarted")
+    started = await js.get_last_msg(EVENTS_STREAM, subject)
+    assert started.time is not None and started.time >= chunks[0].ts
+    running = log.of(RunnerStateChanged, _is_runner("Running"))  # type: ignore[arg-type]
+    assert running and running[0].ts >= chunks[0].ts
+    assert log.of(TaskStarted, lambda e: e.task_id == task.task_id)
 
     engine = LlamaCppEngine(GGUF, vocab_only=True)
     engine.load()
