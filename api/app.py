@@ -13,6 +13,7 @@ from api import cluster_routes, errors, metrics, openai_routes
 from api.config import ApiConfig
 from api.context import ApiContext
 from api.dashboard import install as install_dashboard
+from api.serving_verdicts import ServingVerdicts
 from bus.connection import connect
 from projectors import database
 
@@ -25,7 +26,8 @@ def create_app(config: ApiConfig) -> FastAPI:
         nc = await connect(config.nats_url, name="shoal-api")
         engine = database.create_engine(config.db_url)
         reader = database.sqlite_reader(config.db_url)
-        app.state.ctx = ApiContext(config, nc, engine, counted, reader=reader)
+        verdicts = ServingVerdicts(config.serving_ttl_s)
+        app.state.ctx = ApiContext(config, nc, engine, counted, verdicts, reader=reader)
         try:
             yield
         finally:

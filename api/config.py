@@ -17,6 +17,8 @@ class ApiConfig:
     projector: str = DEFAULT_NAME
     # How long a request may wait for its task to finish (queueing included).
     task_timeout_s: float = 600.0
+    # How long a model found able to serve is taken to still be (api/serving_verdicts.py).
+    serving_ttl_s: float = 1.0
 
 
 def keys_from_env(value: str | None = None) -> frozenset[str]:

@@ -1,4 +1,5 @@
-"""The connections an API process holds (and nothing else: all state is on the log)."""
+"""What an API process holds: its connections, counters and recent answers (no state of its
+own: all state is on the log)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.config import ApiConfig
 from api.errors import ApiError
+from api.serving_verdicts import ServingVerdicts
 from bus.events import EventBase
 from bus.publisher import Publisher
 
@@ -27,6 +29,8 @@ class ApiContext:
     nc: Client
     engine: AsyncEngine
     metrics: ApiMetrics  # this process's counters (not state: they start at zero)
+    # The recent answers of the check every request makes (what the database said, for a second).
+    serving: ServingVerdicts
     origin: str = f"api@{socket.gethostname()}"
     # The same SQLite database, for the check every request makes (projection.serving).
     reader: Engine | None = None

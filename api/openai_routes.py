@@ -66,8 +66,10 @@ async def _serve(
     ctx: ApiContext, task: TaskCreated, stream: bool, include_usage: bool, chat: bool
 ) -> JSONResponse | StreamingResponse:
     _require_storable(ctx, task)
-    state = await projection.serving(ctx.engine, task.model_id, ctx.reader)
-    projection.require_serving(state, task.model_id)
+    if not ctx.serving.fresh(task.model_id):
+        state = await projection.serving(ctx.engine, task.model_id, ctx.reader)
+        projection.require_serving(state, task.model_id)
+        ctx.serving.found(task.model_id)
     shape = _Shape(task, chat)
     if stream:
         # The task is stored before the response starts: the runner gets it ~1 ms sooner than
