@@ -204,6 +204,17 @@ def _place(
     return result
 
 
+def heartbeat_may_matter(state: ClusterState, node_id: str) -> bool:
+    """Whether a heartbeat of ``node_id`` (its resources now) can change what ``decide`` makes
+    of ``state``: when the node is not known to be online (it joins, or comes back), or an
+    instance waits for a place (more free memory may make it fit). Otherwise only the node's
+    time-out moves, and a planner looks at that when it is due (``next_timeout``)."""
+    node = state.node(node_id)
+    if node is None or node.status != "online":
+        return True
+    return any(i.status in ("requested", "rejected") for i in state.instances())
+
+
 def next_timeout(
     state: ClusterState, policy: PlannerPolicy, heard_since: datetime | None = None
 ) -> datetime | None:

@@ -16,7 +16,13 @@ from bus.events import (
     PlacementRejected,
 )
 from projectors.state import ClusterState
-from services.planner.decisions import Decision, PlannerPolicy, decide, next_timeout
+from services.planner.decisions import (
+    Decision,
+    PlannerPolicy,
+    decide,
+    heartbeat_may_matter,
+    next_timeout,
+)
 from tests.services.planner.builders import (
     POLICY,
     GiB,
@@ -131,6 +137,21 @@ def test_the_next_time_out_is_when_decide_would_first_time_a_node_out() -> None:
     assert next_timeout(state, POLICY, heard_since=at(20)) == at(26)  # silence counts from 20
     settle(state, 100)
     assert next_timeout(state, POLICY) is None  # no online node left to watch
+
+
+def test_a_heartbeat_matters_only_to_a_node_not_online_or_an_instance_waiting() -> None:
+    state = placed_on_a()
+    assert not heartbeat_may_matter(state, "a") and not heartbeat_may_matter(state, "b")
+    assert heartbeat_may_matter(state, "c")  # not known yet
+    fold_all(NodeTimedOut(node_id="b", origin="planner", last_seen=at(0), missed_heartbeats=3,
+                          ts=at(3)), state=state)  # fmt: skip
+    assert heartbeat_may_matter(state, "b")  # it comes back
+    # An instance waiting for a place: more free memory on any node may make it fit.
+    fold_all(model("big", size=30 * GiB), request("j", "big", t=3), state=state)
+    assert heartbeat_may_matter(state, "a")
+    assert msg_ids(settle(state, 4)) == ["placement:j:1"]  # rejected: it still waits
+    assert state.instance("j").status == "rejected"  # type: ignore[union-attr]
+    assert heartbeat_may_matter(state, "a")
 
 
 def test_a_node_that_left_is_not_timed_out() -> None:
