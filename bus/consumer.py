@@ -142,14 +142,19 @@ class EventConsumer:
             await self._puller.stop()
             self._puller = None
 
-    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Delivered]:
+    async def fetch(
+        self, batch: int = 1, timeout: float = 1.0, *, more: bool = False
+    ) -> list[Delivered]:
         """Up to ``batch`` parsed events; an empty list when none came within ``timeout``.
-        Malformed messages are dead-lettered on the way and not returned."""
+        Malformed messages are dead-lettered on the way and not returned. With ``more``: only
+        the events there already, the rest of a batch whose first part the last fetch got
+        (``fetched_seqs`` then holds both parts)."""
         if self._puller is None:
             raise RuntimeError("consumer not started")
-        msgs = await self._puller.fetch(batch, timeout)
+        msgs = await self._puller.fetch(batch, timeout, wait=not more)
         out: list[Delivered] = []
-        self.fetched_seqs = []
+        if not more:
+            self.fetched_seqs = []
         for msg in msgs:
             md = msg.metadata
             self.fetched_seqs.append(md.sequence.stream)

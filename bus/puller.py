@@ -75,8 +75,9 @@ class Puller:
         msgs, self._received = self._received, []
         return msgs
 
-    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+    async def fetch(self, batch: int, timeout: float, *, wait: bool = True) -> list[Msg]:
+        """Up to ``batch`` messages; without ``wait``, only those there already."""
         msgs = await self._request(batch, no_wait=True, expires=timeout)
-        if msgs:
+        if msgs or not wait:
             return msgs
         return await self._request(1, no_wait=False, expires=timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import fields
 
 import pytest
@@ -14,7 +15,7 @@ from sqlalchemy import Connection, inspect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import Delivered, EventConsumer
-from bus.events import Event, NodeJoined
+from bus.events import ChatMessage, Event, NodeJoined, TaskCreated
 from bus.streams import EVENTS_STREAM
 from bus.subjects import EVENTS_PREFIX
 from projectors import database
@@ -32,6 +33,11 @@ from tests.projectors.helpers import (
     running_projector,
     wait_for_seq,
 )
+
+
+def task(task_id: str) -> TaskCreated:
+    return TaskCreated(task_id=task_id, model_id="m", origin="t",
+                       messages=[ChatMessage(role="user", content="hi")])  # fmt: skip
 
 
 def log_events(n_tasks: int, seed: int = 1) -> list[Event]:
@@ -156,6 +162,47 @@ async def test_events_after_a_hole_are_not_applied(
     assert await db_rows(engine) == memory_rows(fold([*events, more[0], more[2]]))
     for c in (skipping, whole, after):
         await c.stop()
+
+
+class BatchSizes(Projector):
+    """A projector that notes the size of each batch it writes."""
+
+    sizes: list[int]
+
+    async def apply_batch(self, batch: list[Delivered], consumer: EventConsumer) -> None:
+        self.sizes = [*getattr(self, "sizes", []), len(batch)]
+        await super().apply_batch(batch, consumer)
+
+
+async def test_task_events_wait_for_company_cluster_events_do_not(
+    js: JetStreamContext, engine: AsyncEngine
+) -> None:
+    """A batch of task events only waits task_linger_s for more, and is written with them;
+    one that steers the cluster is written as it comes."""
+    await database.upgrade(engine)
+    projector = BatchSizes(js, engine, task_linger_s=1.0)
+    stop = asyncio.Event()
+    running = asyncio.create_task(projector.run(stop))
+    try:
+        await asyncio.wait_for(projector.ready.wait(), 30)
+        loop = asyncio.get_running_loop()
+        projector.sizes = []
+        started = loop.time()
+        await publish_all(js, [task("t1")])
+        await asyncio.sleep(0.3)
+        last = await publish_all(js, [task("t2")])
+        await wait_for_seq(projector, last)
+        assert loop.time() - started >= 1.0 and projector.sizes == [2]
+
+        started = loop.time()
+        last = await publish_all(js, [NodeJoined(node_id="n", origin="t")])
+        await wait_for_seq(projector, last)
+        assert loop.time() - started < 0.8 and projector.sizes == [2, 1]
+        rows = await db_rows(engine)
+        assert [r["task_id"] for r in rows["tasks"]] == ["t1", "t2"]
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 10)
 
 
 async def test_malformed_events_are_set_aside(
