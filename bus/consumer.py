@@ -10,6 +10,7 @@ bytes and says how long it was in ``Shoal-Original-Size``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -143,15 +144,32 @@ class EventConsumer:
             self._puller = None
 
     async def fetch(
-        self, batch: int = 1, timeout: float = 1.0, *, more: bool = False
+        self,
+        batch: int = 1,
+        timeout: float = 1.0,
+        *,
+        more: bool = False,
+        stop: asyncio.Event | None = None,
     ) -> list[Delivered]:
-        """Up to ``batch`` parsed events; an empty list when none came within ``timeout``.
-        Malformed messages are dead-lettered on the way and not returned. With ``more``: only
-        the events there already, the rest of a batch whose first part the last fetch got
-        (``fetched_seqs`` then holds both parts)."""
+        """Up to ``batch`` parsed events; an empty list when none came within ``timeout`` (or
+        ``stop`` was set meanwhile). Malformed messages are dead-lettered on the way and not
+        returned. With ``more``: only the events there already, the rest of a batch whose
+        first part the last fetch got (``fetched_seqs`` then holds both parts)."""
         if self._puller is None:
             raise RuntimeError("consumer not started")
-        msgs = await self._puller.fetch(batch, timeout, wait=not more)
+        pulling = asyncio.ensure_future(self._puller.fetch(batch, timeout, wait=not more))
+        if stop is not None:
+            stopping = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({pulling, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+            if not pulling.done():
+                pulling.cancel()  # the puller ends its pull request (nothing is lost)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pulling
+                return []
+        msgs = await pulling
         out: list[Delivered] = []
         if not more:
             self.fetched_seqs = []

@@ -155,7 +155,9 @@ class TaskServer:
         assert self._consumer is not None
         try:
             while not stop.is_set():
-                for d in await self._consumer.fetch(1, timeout=1.0):
+                # Each pull request costs the nats-server some CPU, taken from the engine; a
+                # reconnected runner notices a lost one only when it times out.
+                for d in await self._consumer.fetch(1, timeout=2.0, stop=stop):
                     await d.ack()
                     if isinstance(d.event, TaskCreated):
                         await self.serve(d.event)

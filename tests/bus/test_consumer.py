@@ -95,6 +95,36 @@ async def test_fetch_before_start_raises(js: JetStreamContext) -> None:
         await c.fetch()
 
 
+async def test_a_waiting_fetch_ends_when_asked_to_stop_and_loses_nothing(
+    js: JetStreamContext, make_consumer: MakeConsumer
+) -> None:
+    c = await make_consumer()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.2, stop.set)
+    started = time.monotonic()
+    assert await c.fetch(1, timeout=30.0, stop=stop) == []
+    assert time.monotonic() - started < 5.0
+    # The pull request was ended with it: what comes next is fetched, not taken by it.
+    (seq,) = await _publish_nodes(js, "after")
+    got = await c.fetch(1, timeout=5.0, stop=asyncio.Event())
+    assert [d.stream_seq for d in got] == [seq]
+
+
+async def test_more_takes_only_what_is_there_and_keeps_the_batch_together(
+    js: JetStreamContext, make_consumer: MakeConsumer
+) -> None:
+    c = await make_consumer()
+    first = await _publish_nodes(js, "a", "b")
+    got = await c.fetch(2, timeout=1.0)
+    started = time.monotonic()
+    assert await c.fetch(5, timeout=10.0, more=True) == []  # nothing there: no waiting
+    assert time.monotonic() - started < 5.0
+    second = await _publish_nodes(js, "c")
+    got += await c.fetch(5, timeout=1.0, more=True)
+    assert _node_ids([d.event for d in got]) == ["a", "b", "c"]
+    assert c.fetched_seqs == [*first, *second] and c.last_stream_seq == second[0]
+
+
 async def test_good_events_come_back_parsed_with_their_seq(
     js: JetStreamContext, make_consumer: MakeConsumer
 ) -> None:
