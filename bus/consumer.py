@@ -41,6 +41,12 @@ SIZE_HEADER = "Shoal-Original-Size"  # only on a dead letter that keeps part of 
 
 MAX_REASON_CHARS = 1000  # a reason is a line for people; an exception's repr may be anything
 
+# How long a service's pull request waits for an event: each one costs the nats-server and the
+# client some CPU, taken from a runner on the same machine (idle, 0.5-1 s made six a second in
+# `shoal up`), and a client reconnected after a nats-server restart notices a lost one only
+# when it times out.
+PULL_WAIT_S = 2.0
+
 
 @dataclass(frozen=True)
 class Delivered:

@@ -31,7 +31,7 @@ from nats.js.errors import NotFoundError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.consumer import Delivered, EventConsumer
+from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from bus.subjects import EVENTS_PREFIX
 from projectors import database
@@ -66,9 +66,6 @@ def tune_gc() -> None:
 
 # How long a batch of task events only waits for more (see above).
 TASK_LINGER_S = 0.25
-# How long one pull request waits for an event: each costs the nats-server and this process
-# some CPU (0.5 s made 4 a second, idle), and a reconnected client notices a lost one only then.
-PULL_WAIT_S = 2.0
 _TASK_SUBJECTS = f"{EVENTS_PREFIX}.task."
 
 

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from bus.consumer import EventConsumer
+from bus.consumer import PULL_WAIT_S, EventConsumer
 from bus.events import (
     ChunkGenerated,
     FinishReason,
@@ -155,9 +155,7 @@ class TaskServer:
         assert self._consumer is not None
         try:
             while not stop.is_set():
-                # Each pull request costs the nats-server some CPU, taken from the engine; a
-                # reconnected runner notices a lost one only when it times out.
-                for d in await self._consumer.fetch(1, timeout=2.0, stop=stop):
+                for d in await self._consumer.fetch(1, timeout=PULL_WAIT_S, stop=stop):
                     await d.ack()
                     if isinstance(d.event, TaskCreated):
                         await self.serve(d.event)
