@@ -92,7 +92,11 @@ def _ascii(text: str) -> str:
 
 
 class EventConsumer:
-    """One durable pull consumer on ``stream`` filtered by ``filter_subject``."""
+    """One durable pull consumer on ``stream`` filtered by ``filter_subject``.
+
+    ``memory``: the server keeps the consumer's position in memory, for a consumer whose owner
+    keeps its own (the projector, in its database). After a restart of the server ``fetch``
+    raises ``ConsumerGone``, and the owner makes it again from where it got to."""
 
     def __init__(
         self,
@@ -105,6 +109,7 @@ class EventConsumer:
         opt_start_seq: int | None = None,
         ack_wait: float = 30.0,
         max_ack_pending: int = 10_000,
+        memory: bool = False,
     ) -> None:
         self._js = js
         self.stream = stream
@@ -118,6 +123,10 @@ class EventConsumer:
             ack_wait=ack_wait,
             max_ack_pending=max_ack_pending,
             filter_subject=filter_subject,
+            # A file-stored consumer's nats-server rewrites a file (new file, rename) after
+            # nearly every delivery and ack: ~0.3 ms of CPU each, taken from a runner on the
+            # same machine. In memory, its position is lost with a restart of the server.
+            mem_storage=memory or None,
         )
         self._puller: Puller | None = None
         self.stats = ConsumerStats()

@@ -6,9 +6,15 @@ import asyncio
 import contextlib
 import json
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+
+
+class ConsumerGone(nats.errors.Error):
+    """The consumer pulled from does not exist (any more): deleted, or kept in memory by a
+    nats-server that restarted. Whoever made it decides how to make it again."""
 
 
 class Puller:
@@ -29,6 +35,7 @@ class Puller:
         self._received: list[Msg] = []
         self._wanted = 0
         self._done = asyncio.Event()
+        self._gone = False
 
     async def start(self) -> None:
         self._inbox = self._nc.new_inbox()
@@ -51,11 +58,16 @@ class Puller:
             if len(self._received) >= self._wanted:
                 self._done.set()
         elif status != "100":  # 404 no messages, 408 expired, 409 ...: this request is over
+            # 503: nobody answers on the consumer's subject, i.e. there is no such consumer.
+            self._gone = status == "503" or (
+                status == "409" and "deleted" in str((msg.headers or {}).get("Description", "")).lower()
+            )
             self._done.set()
 
     async def _request(self, batch: int, *, no_wait: bool, expires: float) -> list[Msg]:
         self._wanted = len(self._received) + batch
         self._done.clear()
+        self._gone = False
         req: dict[str, object] = {"batch": batch}
         if no_wait:
             req["no_wait"] = True
@@ -73,10 +85,13 @@ class Puller:
             await self.start()
             raise
         msgs, self._received = self._received, []
+        if self._gone and not msgs:
+            raise ConsumerGone(f"no consumer answers on {self._next_subject}")
         return msgs
 
     async def fetch(self, batch: int, timeout: float, *, wait: bool = True) -> list[Msg]:
-        """Up to ``batch`` messages; without ``wait``, only those there already."""
+        """Up to ``batch`` messages; without ``wait``, only those there already. Raises
+        ``ConsumerGone`` when the consumer does not exist."""
         msgs = await self._request(batch, no_wait=True, expires=timeout)
         if msgs or not wait:
             return msgs

@@ -68,6 +68,10 @@ def tune_gc() -> None:
 TASK_LINGER_S = 0.25
 _TASK_SUBJECTS = f"{EVENTS_PREFIX}.task."
 
+# A projection that ran this long before an error starts its retries from the shortest wait
+# again (a restart of the nats-server loses its consumer each time, see run()).
+BACKOFF_RESET_S = 30.0
+
 
 class ProjectionGap(RuntimeError):
     """A fetch skipped events the stream still holds: the projector resumes from its last
@@ -124,12 +128,16 @@ class Projector:
         stop = stop or asyncio.Event()
         await ensure_streams(self._js, self._stream_settings)
         await database.upgrade(self._engine)
+        loop = asyncio.get_running_loop()
         backoff = 0.5
         while not stop.is_set():
+            started = loop.time()
             try:
                 await self._project(stop)
             except (SQLAlchemyError, nats.errors.Error, ProjectionGap) as exc:
                 log.error("projector error, resuming from the last commit: %s", exc)
+                if loop.time() - started > BACKOFF_RESET_S:  # it had been working: new trouble
+                    backoff = 0.5
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
         if self.consumer is not None:
@@ -149,6 +157,8 @@ class Projector:
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=self.applied_seq + 1,
             max_ack_pending=self.batch_size * 2,
+            # Where it got to is in the database: made again from there when it is lost.
+            memory=True,
         )
         await self.consumer.start(recreate=True)
         log.info("projector %s resuming after seq %d", self.name, self.applied_seq)

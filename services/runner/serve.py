@@ -39,6 +39,7 @@ from bus.events import (
     Usage,
 )
 from bus.publisher import ChunkPublisher, Publisher
+from bus.puller import ConsumerGone
 from bus.streams import EVENTS_STREAM
 from bus.subjects import escape_token, event_subject, model_tasks_filter
 from services.runner.engines.base import Engine, EngineBroken
@@ -155,7 +156,15 @@ class TaskServer:
         assert self._consumer is not None
         try:
             while not stop.is_set():
-                for d in await self._consumer.fetch(1, timeout=PULL_WAIT_S, stop=stop):
+                try:
+                    delivered = await self._consumer.fetch(1, timeout=PULL_WAIT_S, stop=stop)
+                except ConsumerGone:  # deleted by hand: made again, for the tasks from now on
+                    log.warning("the task consumer %s is gone: making it again",
+                                self._consumer.durable)  # fmt: skip
+                    await self._consumer.stop()
+                    await self.start()
+                    continue
+                for d in delivered:
                     await d.ack()
                     if isinstance(d.event, TaskCreated):
                         await self.serve(d.event)

@@ -21,6 +21,7 @@ from bus.consumer import (
 )
 from bus.events import Event, NodeJoined, NodeLeft, TaskCreated
 from bus.publisher import Publisher
+from bus.puller import ConsumerGone
 from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM
 from bus.subjects import model_tasks_filter
 
@@ -587,3 +588,29 @@ async def test_cancelled_run_holds_nothing_published_later(
     await _publish_nodes(js, "t1")
     await asyncio.sleep(0.2)
     assert (await _info(js, "replicas")).num_ack_pending == 0
+
+
+async def test_a_deleted_consumer_is_reported_gone(
+    js: JetStreamContext, make_consumer: MakeConsumer
+) -> None:
+    """Deleted while a pull waits (409 Consumer Deleted), or before one (503, nobody answers):
+    ``ConsumerGone`` either way, not an empty fetch that the caller would repeat forever."""
+    c = await make_consumer("gone")
+    waiting = asyncio.create_task(c.fetch(1, timeout=5.0))
+    await asyncio.sleep(0.2)
+    await js.delete_consumer(EVENTS_STREAM, "gone")
+    with pytest.raises(ConsumerGone):
+        await asyncio.wait_for(waiting, 3.0)
+    with pytest.raises(ConsumerGone):
+        await c.fetch(1, timeout=1.0)
+
+
+async def test_a_memory_consumer_keeps_its_position_in_memory(
+    js: JetStreamContext, make_consumer: MakeConsumer
+) -> None:
+    seqs = await _publish_nodes(js, "a", "b")
+    c = await make_consumer("in-memory", memory=True)
+    assert (await _info(js, "in-memory")).config.mem_storage is True
+    assert [d.stream_seq for d in await c.fetch(5, timeout=1.0)] == seqs
+    await make_consumer("on-file")
+    assert not (await _info(js, "on-file")).config.mem_storage

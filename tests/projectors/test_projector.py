@@ -246,3 +246,21 @@ async def test_one_event_gives_one_row(js: JetStreamContext, engine: AsyncEngine
     assert [(r["node_id"], r["hostname"], r["status"]) for r in rows["nodes"]] == [
         ("solo", "h", "online")
     ]
+
+
+async def test_a_lost_consumer_is_made_again_from_the_database(
+    js: JetStreamContext, engine: AsyncEngine
+) -> None:
+    """The projector's consumer lives in the server's memory: lost (here deleted; in life, a
+    restarted nats-server), it is made again from the offset in the database."""
+    events = log_events(n_tasks=20)
+    half = len(events) // 2
+    first = await publish_all(js, events[:half])
+    async with running_projector(js, engine) as projector:
+        await wait_for_seq(projector, first)
+        info = await js.consumer_info(EVENTS_STREAM, "projector-main")
+        assert info.config.mem_storage is True
+        await js.delete_consumer(EVENTS_STREAM, "projector-main")
+        last = await publish_all(js, events[half:])
+        await wait_for_seq(projector, last)
+    assert await db_rows(engine) == memory_rows(fold(events))

