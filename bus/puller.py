@@ -59,9 +59,8 @@ class Puller:
                 self._done.set()
         elif status != "100":  # 404 no messages, 408 expired, 409 ...: this request is over
             # 503: nobody answers on the consumer's subject, i.e. there is no such consumer.
-            self._gone = status == "503" or (
-                status == "409" and "deleted" in str((msg.headers or {}).get("Description", "")).lower()
-            )
+            description = str(msg.headers.get("Description", "")) if msg.headers else ""
+            self._gone = status == "503" or (status == "409" and "deleted" in description.lower())
             self._done.set()
 
     async def _request(self, batch: int, *, no_wait: bool, expires: float) -> list[Msg]:
