@@ -13,6 +13,7 @@ from api import cluster_routes, errors, metrics, openai_routes
 from api.config import ApiConfig
 from api.context import ApiContext
 from api.dashboard import install as install_dashboard
+from api.fast_lane import FastLane
 from api.serving_verdicts import ServingVerdicts
 from bus.connection import connect
 from projectors import database
@@ -43,6 +44,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
+    app.add_middleware(FastLane)  # inside the metrics' middleware, which counts its answers
     metrics.install(app, counted)
     app.include_router(openai_routes.router)
     app.include_router(cluster_routes.router)

@@ -57,12 +57,19 @@ def _context(request: Request) -> ApiContext:
 async def require_key(request: Request) -> None:
     """With API keys configured, every endpoint but /healthz needs ``Authorization: Bearer``.
     The key given is never echoed back or logged."""
-    keys = _context(request).config.api_keys
+    refused = key_refusal(_context(request).config.api_keys, request.headers.get("authorization"))
+    if refused is not None:
+        raise refused
+
+
+def key_refusal(keys: frozenset[str], authorization: str | None) -> ApiError | None:
+    """The 401 for a request with this ``Authorization`` header, or None when it may pass."""
     if not keys:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return None
+    scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
-        raise ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`",
-                       code="invalid_api_key")  # fmt: skip
+        return ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`",
+                        code="invalid_api_key")  # fmt: skip
     if not any(hmac.compare_digest(given.strip(), k) for k in keys):
-        raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
+        return ApiError(401, "Incorrect API key provided", code="invalid_api_key")
+    return None

@@ -46,6 +46,18 @@ async def list_models(ctx: Ctx) -> dict[str, Any]:
 async def chat_completions(
     body: ChatCompletionRequest, ctx: Ctx
 ) -> JSONResponse | StreamingResponse:
+    # A valid request is most often answered by api/fast_lane.py, through serve_chat() too.
+    return await serve_chat(ctx, body)
+
+
+@router.post("/completions", response_model=None)
+async def completions(body: CompletionRequest, ctx: Ctx) -> JSONResponse | StreamingResponse:
+    return await serve_completion(ctx, body)
+
+
+async def serve_chat(
+    ctx: ApiContext, body: ChatCompletionRequest
+) -> JSONResponse | StreamingResponse:
     task = TaskCreated(
         task_id=new_id(), model_id=body.model, origin=ctx.origin, kind="chat",
         messages=body.chat_messages(), params=body.sampling(), user=body.user,
@@ -53,8 +65,9 @@ async def chat_completions(
     return await _serve(ctx, task, body.stream, body.include_usage, chat=True)
 
 
-@router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, ctx: Ctx) -> JSONResponse | StreamingResponse:
+async def serve_completion(
+    ctx: ApiContext, body: CompletionRequest
+) -> JSONResponse | StreamingResponse:
     task = TaskCreated(
         task_id=new_id(), model_id=body.model, origin=ctx.origin, kind="completion",
         prompt=body.text(), params=body.sampling(), user=body.user,
