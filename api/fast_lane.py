@@ -15,7 +15,8 @@ routes, which also serve what comes past this lane.
 
 from __future__ import annotations
 
-from fastapi.routing import APIRoute
+from dataclasses import dataclass
+
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,12 +31,18 @@ _BODIES: dict[str, type[BaseModel]] = {
 }
 
 
+@dataclass(frozen=True)
+class LaneRoute:
+    """In the scope, where FastAPI puts the route it chose: the metrics label by its path."""
+
+    path: str
+
+
 class FastLane:
     """ASGI middleware; sits inside the metrics middleware, which counts what it answers."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._routes: dict[str, APIRoute | None] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -48,7 +55,7 @@ class FastLane:
             await self.app(scope, receive, send)
             return
         ctx: ApiContext = scope["app"].state.ctx
-        scope["route"] = self._route(scope, path)  # for the metrics' route label
+        scope["route"] = LaneRoute(path)  # for the metrics' route label
         refused = key_refusal(ctx.config.api_keys, headers.get("authorization"))
         if refused is not None:
             await error_response(refused)(scope, receive, send)
@@ -70,14 +77,6 @@ class FastLane:
         except ApiError as err:
             response = error_response(err)
         await response(scope, receive, send)
-
-    def _route(self, scope: Scope, path: str) -> APIRoute | None:
-        if path not in self._routes:
-            routes = getattr(scope["app"], "routes", [])
-            self._routes[path] = next(
-                (r for r in routes if isinstance(r, APIRoute) and r.path == path), None
-            )
-        return self._routes[path]
 
 
 def _headers(scope: Scope) -> dict[str, str]:
