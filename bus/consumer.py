@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -25,7 +26,7 @@ from pydantic import ValidationError
 
 from bus.events import Event, parse_event
 from bus.payload import max_payload, message_size
-from bus.puller import Puller
+from bus.puller import ConsumerGone, NoResponders, Puller
 from bus.subjects import deadletter_subject
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,10 @@ MAX_REASON_CHARS = 1000  # a reason is a line for people; an exception's repr ma
 # `shoal up`), and a client reconnected after a nats-server restart notices a lost one only
 # when it times out.
 PULL_WAIT_S = 2.0
+
+# How long a fetch that nobody answered waits before it returns nothing (the consumer exists,
+# but has no leader for the moment), so that its caller does not ask again at once.
+NO_LEADER_PAUSE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,8 @@ class EventConsumer:
 
     ``memory``: the server keeps the consumer's position in memory, for a consumer whose owner
     keeps its own (the projector, in its database). After a restart of the server ``fetch``
-    raises ``ConsumerGone``, and the owner makes it again from where it got to."""
+    raises ``ConsumerGone`` (as for a deleted consumer), and the owner makes it again from
+    where it got to."""
 
     def __init__(
         self,
@@ -184,7 +190,13 @@ class EventConsumer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await pulling
                 return []
-        msgs = await pulling
+        try:
+            msgs = await pulling
+        except NoResponders:
+            if not await self._exists():
+                raise ConsumerGone(f"consumer {self.durable} on {self.stream} is gone") from None
+            await asyncio.sleep(NO_LEADER_PAUSE_S)  # a cluster electing a leader: not for long
+            return []
         out: list[Delivered] = []
         if not more:
             self.fetched_seqs = []
@@ -200,6 +212,17 @@ class EventConsumer:
             out.append(Delivered(event, msg, md.sequence.stream, md.timestamp))
         self.stats.delivered += len(out)
         return out
+
+    async def _exists(self) -> bool:
+        """False only when the server says there is no such consumer; a server that cannot say
+        (a cluster without a leader for it yet) is not taken for a no."""
+        try:
+            await self._js.consumer_info(self.stream, self.durable)
+        except NotFoundError:
+            return False
+        except (nats.errors.Error, TimeoutError):
+            pass
+        return True
 
     async def dead_letter(self, msg: Msg, reason: str) -> None:
         """Set ``msg`` aside: keep a copy with the reason, stop its redelivery, count it."""

@@ -17,6 +17,11 @@ class ConsumerGone(nats.errors.Error):
     nats-server that restarted. Whoever made it decides how to make it again."""
 
 
+class NoResponders(nats.errors.Error):
+    """Nobody answered the pull (503): there is no such consumer, or, in a cluster, it has no
+    leader for the moment."""
+
+
 class Puller:
     """The JetStream pull protocol on one inbox.
 
@@ -35,7 +40,7 @@ class Puller:
         self._received: list[Msg] = []
         self._wanted = 0
         self._done = asyncio.Event()
-        self._gone = False
+        self._failure: nats.errors.Error | None = None
 
     async def start(self) -> None:
         self._inbox = self._nc.new_inbox()
@@ -58,15 +63,17 @@ class Puller:
             if len(self._received) >= self._wanted:
                 self._done.set()
         elif status != "100":  # 404 no messages, 408 expired, 409 ...: this request is over
-            # 503: nobody answers on the consumer's subject, i.e. there is no such consumer.
             description = str(msg.headers.get("Description", "")) if msg.headers else ""
-            self._gone = status == "503" or (status == "409" and "deleted" in description.lower())
+            if status == "503":
+                self._failure = NoResponders(f"nobody answers on {self._next_subject}")
+            elif status == "409" and "deleted" in description.lower():
+                self._failure = ConsumerGone(f"{self._next_subject}: {description}")
             self._done.set()
 
     async def _request(self, batch: int, *, no_wait: bool, expires: float) -> list[Msg]:
         self._wanted = len(self._received) + batch
         self._done.clear()
-        self._gone = False
+        self._failure = None
         req: dict[str, object] = {"batch": batch}
         if no_wait:
             req["no_wait"] = True
@@ -84,13 +91,13 @@ class Puller:
             await self.start()
             raise
         msgs, self._received = self._received, []
-        if self._gone and not msgs:
-            raise ConsumerGone(f"no consumer answers on {self._next_subject}")
+        if self._failure is not None and not msgs:
+            raise self._failure
         return msgs
 
     async def fetch(self, batch: int, timeout: float, *, wait: bool = True) -> list[Msg]:
         """Up to ``batch`` messages; without ``wait``, only those there already. Raises
-        ``ConsumerGone`` when the consumer does not exist."""
+        ``ConsumerGone`` when the consumer was deleted, ``NoResponders`` when nobody answers."""
         msgs = await self._request(batch, no_wait=True, expires=timeout)
         if msgs or not wait:
             return msgs

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
@@ -161,8 +162,7 @@ class TaskServer:
                 except ConsumerGone:  # deleted by hand: made again, for the tasks from now on
                     log.warning("the task consumer %s is gone: making it again",
                                 self._consumer.durable)  # fmt: skip
-                    await self._consumer.stop()
-                    await self.start()
+                    await self._remake_consumer(stop)
                     continue
                 for d in delivered:
                     await d.ack()
@@ -170,6 +170,17 @@ class TaskServer:
                         await self.serve(d.event)
         finally:
             await self._consumer.stop()
+
+    async def _remake_consumer(self, stop: asyncio.Event) -> None:
+        assert self._consumer is not None
+        await self._consumer.stop()
+        while not stop.is_set():
+            try:
+                await self.start()
+                return
+            except (nats.errors.Error, TimeoutError) as exc:  # the log is not back yet
+                log.warning("the task consumer could not be made yet: %r", exc)
+                await asyncio.sleep(1.0)
 
     async def serve(self, task: TaskCreated) -> None:
         received = time.perf_counter()
