@@ -217,7 +217,8 @@ class EventConsumer:
         """False only when the server says there is no such consumer; a server that cannot say
         (a cluster without a leader for it yet) is not taken for a no."""
         try:
-            await self._js.consumer_info(self.stream, self.durable)
+            # Briefly: a cluster without a leader for it does not answer at all.
+            await self._js.consumer_info(self.stream, self.durable, timeout=NO_LEADER_PAUSE_S)
         except NotFoundError:
             return False
         except (nats.errors.Error, TimeoutError):
