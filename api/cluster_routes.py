@@ -18,7 +18,7 @@ from api import projection
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.schemas import InstanceRequest
-from bus.events import InstanceDeleteRequested, InstanceRequested
+from bus.events import InstanceDeleteRequested, InstanceRequested, chunk_stream_type
 from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors.state import ClusterState
 from services.planner.cluster import cluster_view
@@ -184,7 +184,7 @@ async def _tail(request: Request, ctx: ApiContext, subject: str, last: int) -> A
             kind = (
                 msg.subject.rsplit(".", 1)[-1]
                 if msg.subject.startswith(EVENTS_PREFIX)
-                else "ChunkGenerated"
+                else chunk_stream_type(msg.data)
             )
             data = msg.data.decode(errors="replace").replace("\n", " ")
             yield f"id: {msg.metadata.sequence.stream}\nevent: {kind}\ndata: {data}\n\n"

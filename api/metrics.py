@@ -40,7 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.context import ApiContext, context, require_key
-from bus.events import EVENT_TYPES, ChunkGenerated, EventBase, RunnerState
+from bus.events import EVENT_TYPES, EventBase, RunnerState
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
 from bus.subjects import DEADLETTER_PREFIX, EVENTS_PREFIX, unescape_token
 from projectors.projector import DEFAULT_NAME
@@ -198,7 +198,7 @@ def event_type_filters() -> dict[str, str]:
     (``shoal.events.task.*.*.TaskCreated``)."""
     out: dict[str, str] = {}
     for t in EVENT_TYPES:
-        if t is ChunkGenerated:  # on the chunk stream
+        if t.on_chunk_stream:
             continue
         name = str(t.model_fields["type"].default)
         ids = ".".join("*" for _ in t.subject_fields)

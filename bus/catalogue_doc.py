@@ -17,9 +17,16 @@ from bus.events import (
     GpuInfo,
     NetworkInterface,
     NodeProfile,
+    ResponseFormat,
     SamplingParams,
     ShardAssignment,
     Timings,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    TopLogprob,
     Usage,
 )
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
@@ -30,7 +37,14 @@ RECORDS: tuple[type[BaseModel], ...] = (
     NetworkInterface,
     ShardAssignment,
     ChatMessage,
+    ToolCall,
+    Tool,
+    ToolChoice,
+    ResponseFormat,
     SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    ToolCallDelta,
     Usage,
     Timings,
 )
@@ -98,7 +112,7 @@ def render() -> str:
     ]
     for cls in EVENT_TYPES:
         type_name = cls.model_fields["type"].default
-        stream = CHUNKS_STREAM if type_name == "ChunkGenerated" else EVENTS_STREAM
+        stream = CHUNKS_STREAM if cls.on_chunk_stream else EVENTS_STREAM
         out += [f"## {type_name}", ""]
         if doc := _doc(cls):
             out += [doc, ""]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -45,6 +45,8 @@ class EventBase(Record):
     aggregate: ClassVar[str]
     # The fields whose values name the subject, after the aggregate.
     subject_fields: ClassVar[tuple[str, ...]]
+    # Token chunks and prompt scores live on the chunk stream, everything else on the events'.
+    on_chunk_stream: ClassVar[bool] = False
 
     event_id: str = Field(default_factory=new_id, description="Unique id; the default Nats-Msg-Id.")
     ts: datetime = Field(default_factory=utc_now, description="When the fact happened (UTC).")
@@ -115,10 +117,49 @@ class ShardAssignment(Record):
     tensor_split: list[float] | None = None
 
 
+class ToolCall(Record):
+    """A call an assistant made, as a chat's history carries it back."""
+
+    id: str
+    name: str
+    arguments: str = Field(description="The arguments as JSON text, as the model wrote them.")
+
+
 class ChatMessage(Record):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str = ""
     name: str | None = None
+    tool_calls: list[ToolCall] = Field(
+        default_factory=list, description="An assistant's calls of tools."
+    )
+    tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
+
+
+class Tool(Record):
+    """A function the model may call: its JSON schema says what arguments it takes."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+ToolChoiceMode = Literal["auto", "none", "required", "function"]
+
+
+class ToolChoice(Record):
+    """Whether the model may (``auto``), may not (``none``) or must (``required``) call a
+    tool, or must call the one named (``function``)."""
+
+    mode: ToolChoiceMode = "auto"
+    name: str | None = None
+
+
+class ResponseFormat(Record):
+    """What the reply must be: any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | None = None
 
 
 class SamplingParams(Record):
@@ -129,6 +170,38 @@ class SamplingParams(Record):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = Field(default=0, description="0: no top-k cut.")
+    min_p: float = 0.0
+    repeat_penalty: float = Field(default=1.0, description="1: none.")
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, description="Added to a token's logit before sampling."
+    )
+
+
+class TopLogprob(Record):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Record):
+    """A token with its log-probability under the model (the raw distribution, before
+    penalties, biases, grammar and temperature), and the most likely alternatives."""
+
+    token: str
+    logprob: float | None = Field(description="None for a prompt's first token.")
+    bytes: list[int]
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class ToolCallDelta(Record):
+    """A piece of a tool call as it is generated: the first piece of call ``index`` has its
+    ``id`` and ``name``, later pieces carry fragments of its arguments' JSON text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 class Usage(Record):
@@ -147,7 +220,7 @@ class Timings(Record):
 
 
 RunnerState = Literal["Assigned", "Downloading", "Loading", "Ready", "Running", "Failed", "Stopped"]
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
 
 # --- nodes --------------------------------------------------------------------------------
@@ -321,8 +394,21 @@ class TaskCreated(_TaskEvent):
     kind: Literal["chat", "completion"] = "chat"
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = Field(
+        default=None, description="A completion's prompt sent as token ids, not text."
+    )
     params: SamplingParams = Field(default_factory=SamplingParams)
     user: str | None = Field(default=None, max_length=255)
+    tools: list[Tool] = Field(default_factory=list, description="Functions the model may call.")
+    tool_choice: ToolChoice = Field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(
+        default=None,
+        description="Log-probabilities of the generated tokens, with this many alternatives"
+        " each; None: none.",
+    )
+    echo: bool = Field(default=False, description="Score the prompt's tokens too (PromptScored).")
 
 
 class TaskStarted(_TaskEvent):
@@ -363,12 +449,37 @@ class ChunkGenerated(EventBase):
 
     aggregate: ClassVar[str] = "chunk"
     subject_fields: ClassVar[tuple[str, ...]] = ("task_id",)
+    on_chunk_stream: ClassVar[bool] = True
     type: Literal["ChunkGenerated"] = "ChunkGenerated"
     task_id: Id
     idx: int = Field(description="0, 1, 2... in generation order.")
-    text: str
+    text: str = Field(description="The reply's text (a tool call's text is in tool_calls).")
     token_id: int | None = None
     finish_reason: FinishReason | None = None
+    logprob: TokenLogprob | None = Field(default=None, description="When the task asked.")
+    tool_calls: list[ToolCallDelta] = Field(default_factory=list)
+
+    @property
+    def subject(self) -> str:
+        return chunk_subject(self.task_id)
+
+    @classmethod
+    def subject_pattern(cls) -> str:
+        return f"{CHUNKS_PREFIX}.<task_id>"
+
+
+class PromptScored(EventBase):
+    """Log-probabilities of a slice of a task's prompt tokens (a task with ``echo``), published
+    before its first chunk, on the chunk stream."""
+
+    aggregate: ClassVar[str] = "chunk"
+    subject_fields: ClassVar[tuple[str, ...]] = ("task_id",)
+    on_chunk_stream: ClassVar[bool] = True
+    type: Literal["PromptScored"] = "PromptScored"
+    task_id: Id
+    start: int = Field(description="The position in the prompt of the first token here.")
+    total: int = Field(description="Tokens in the whole prompt.")
+    tokens: list[TokenLogprob]
 
     @property
     def subject(self) -> str:
@@ -394,6 +505,7 @@ Event = Annotated[
     | TaskCreated
     | TaskStarted
     | ChunkGenerated
+    | PromptScored
     | TaskCompleted
     | TaskFailed
     | TaskCancelled,
@@ -415,6 +527,7 @@ EVENT_TYPES: tuple[type[EventBase], ...] = (
     TaskCreated,
     TaskStarted,
     ChunkGenerated,
+    PromptScored,
     TaskCompleted,
     TaskFailed,
     TaskCancelled,
@@ -426,3 +539,9 @@ _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 def parse_event(data: bytes | str) -> Event:
     """Parse one event from JSON; raises pydantic.ValidationError on anything malformed."""
     return _ADAPTER.validate_json(data)
+
+
+def chunk_stream_type(data: bytes) -> str:
+    """The type of an event on the chunk stream, whose subjects do not name it (for feeds that
+    show events without parsing them)."""
+    return "PromptScored" if b'"type":"PromptScored"' in data[:400] else "ChunkGenerated"

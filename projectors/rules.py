@@ -25,6 +25,7 @@ from bus.events import (
     NodeProfile,
     NodeTimedOut,
     PlacementRejected,
+    PromptScored,
     ResourceProfiled,
     RunnerStateChanged,
     TaskCancelled,
@@ -391,5 +392,6 @@ def _task_cancelled(state: ClusterState, e: TaskCancelled) -> list[Change]:
 
 
 @_rule(ChunkGenerated)
-def _chunk(state: ClusterState, e: ChunkGenerated) -> list[Change]:
+@_rule(PromptScored)
+def _chunk(state: ClusterState, e: ChunkGenerated | PromptScored) -> list[Change]:
     return []  # chunks live on their own stream; the projection keeps only task outcomes
