@@ -8,24 +8,78 @@ step. It checks for cancellation between tokens, so a cancel stops generation wi
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from bus.events import FinishReason, SamplingParams
+from bus.events import FinishReason, SamplingParams, TokenLogprob, ToolCallDelta, TopLogprob
+from services.runner.decoding import Decoding, PromptScores, Token
 from services.runner.stops import StopMatcher
 
 
 class TokenSource(Protocol):
-    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
-        """Token ids after ``prompt``, sampled as ``params`` say, until the caller stops."""
+    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
+        """Token ids after ``prompt``, picked as ``decoding`` says, until the caller stops;
+        first, when ``decoding.echo``, the prompt's own ``PromptScores``. Lazy: nothing is
+        computed before the first ``next()``."""
         ...
 
-    def piece(self, token: int) -> bytes: ...
+    def piece(self, token: int) -> bytes:
+        """The token's bytes as the reply shows them: special tokens show none."""
+        ...
+
+    def spelled(self, token: int) -> bytes:
+        """The token's text with special tokens spelled out (``<|python_tag|>``): what a reply
+        parser may look for."""
+        ...
 
     def is_end(self, token: int) -> bool:
         """End of generation (EOS, end of turn)."""
         ...
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What a reply parser made of some generated text: text for the reply's content, and
+    pieces of tool calls."""
+
+    text: str = ""
+    calls: tuple[ToolCallDelta, ...] = ()
+
+
+class ReplyParser(Protocol):
+    """Splits the generated text into the reply's content and its tool calls (the format is
+    the model's, see ``services/runner/structured``)."""
+
+    def feed(self, text: str) -> Parsed: ...
+
+    def finish(self) -> Parsed:
+        """What is left once generation ended."""
+        ...
+
+    @property
+    def called(self) -> bool:
+        """Whether the reply holds a tool call."""
+        ...
+
+    @property
+    def markers(self) -> frozenset[str]:
+        """Special tokens' texts the parser must be fed (a tool call's marker), though the
+        reply shows no special token."""
+        ...
+
+
+class PlainReply:
+    """A reply that is all content."""
+
+    called = False
+    markers: frozenset[str] = frozenset()
+
+    def feed(self, text: str) -> Parsed:
+        return Parsed(text)
+
+    def finish(self) -> Parsed:
+        return Parsed()
 
 
 @dataclass(frozen=True)
@@ -37,16 +91,39 @@ class Step:
     text: str
     token_id: int | None
     finish_reason: FinishReason | None = None
+    logprob: TokenLogprob | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScoredPrompt:
+    """The prompt's tokens with their log-probabilities (a task with ``echo``), before any
+    step."""
+
+    tokens: tuple[TokenLogprob, ...]
 
 
 class InvalidRequest(ValueError):
     """The task cannot be served as asked; the message says why, for TaskFailed."""
 
 
-def check_request(prompt_tokens: int, params: SamplingParams, n_ctx: int) -> int:
-    """Validate a request against the model; returns how many tokens may be generated."""
-    if params.max_tokens is not None and params.max_tokens < 1:
-        raise InvalidRequest(f"max_tokens must be at least 1, got {params.max_tokens}")
+def check_request(
+    prompt_tokens: int, params: SamplingParams, n_ctx: int, echo: bool = False
+) -> int:
+    """Validate a request against the model; returns how many tokens may be generated. A task
+    that scores its prompt (``echo``) may ask for none."""
+    least = 0 if echo else 1
+    if params.max_tokens is not None and params.max_tokens < least:
+        raise InvalidRequest(f"max_tokens must be at least {least}, got {params.max_tokens}")
+    if params.top_k < 0:
+        raise InvalidRequest(f"top_k must be 0 (off) or more, got {params.top_k}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise InvalidRequest(f"min_p must be between 0 and 1, got {params.min_p}")
+    if params.repeat_penalty <= 0.0:
+        raise InvalidRequest(f"repeat_penalty must be above 0, got {params.repeat_penalty}")
+    for token, bias in params.logit_bias.items():
+        if not -100.0 <= bias <= 100.0:
+            raise InvalidRequest(f"logit_bias of token {token} must be between -100 and 100")
     if not 0.0 <= params.temperature <= 2.0:
         raise InvalidRequest(f"temperature must be between 0 and 2, got {params.temperature}")
     if not 0.0 < params.top_p <= 1.0:
@@ -67,35 +144,85 @@ def check_request(prompt_tokens: int, params: SamplingParams, n_ctx: int) -> int
 def steps(
     source: TokenSource,
     prompt: list[int],
-    params: SamplingParams,
+    decoding: Decoding,
     limit: int,
     cancelled: Callable[[], bool],
-) -> Iterator[Step]:
+    reply: ReplyParser | None = None,
+) -> Iterator[Step | ScoredPrompt]:
     """Generate at most ``limit`` tokens. Every token gives a Step; the last Step has the
-    finish reason: "stop" (end token or stop string), "length" (limit), "cancelled"."""
+    finish reason: "stop" (end token or stop string), "tool_calls" (stopped after a tool
+    call), "length" (limit), "cancelled". With ``decoding.echo`` a ``ScoredPrompt`` comes
+    first, even with a limit of 0."""
+    reply = reply or PlainReply()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    matcher = StopMatcher(params.stop)
+    matcher = StopMatcher(decoding.params.stop)
     idx = 0
     finish: FinishReason = "length"
-    if limit > 0:
-        for token in source.generate(prompt, params):
+    if limit > 0 or decoding.echo:
+        for item in source.generate(prompt, decoding):
+            if isinstance(item, PromptScores):
+                yield ScoredPrompt(tuple(_scored_prompt(source, item.tokens)))
+                if limit == 0:
+                    break
+                continue
             if cancelled():
                 finish = "cancelled"
                 break
+            token = item.id
             if source.is_end(token):
                 finish = "stop"
                 break
-            out = matcher.feed(decoder.decode(source.piece(token)))
-            yield Step(idx, out.text, token)
+            piece = source.piece(token)
+            raw = decoder.decode(piece)
+            if not piece and reply.markers:
+                spelled = source.spelled(token).decode(errors="replace")
+                raw = spelled if spelled in reply.markers else raw
+            out = matcher.feed(raw)
+            parsed = reply.feed(out.text)
+            logprob = _logprob(source, item, raw, piece) if item.logprob is not None else None
+            yield Step(idx, parsed.text, token, logprob=logprob, tool_calls=parsed.calls)
             idx += 1
-            if out.stopped:
-                yield Step(idx, "", None, "stop")
-                return
+            if out.stopped:  # what came after the stop string is dropped with it
+                finish = "stop"
+                decoder.reset()
+                break
             if idx >= limit:
                 break
             if cancelled():
                 finish = "cancelled"
                 break
-    tail = "" if finish == "cancelled" else matcher.feed(decoder.decode(b"", final=True)).text
-    held = "" if finish == "cancelled" else matcher.flush()
-    yield Step(idx, tail + held, None, finish)
+    if finish == "cancelled":
+        yield Step(idx, "", None, finish)
+        return
+    tail = matcher.feed(decoder.decode(b"", final=True)).text + matcher.flush()
+    parsed = reply.feed(tail)
+    rest = reply.finish()
+    if finish == "stop" and reply.called:
+        finish = "tool_calls"
+    yield Step(idx, parsed.text + rest.text, None, finish, tool_calls=parsed.calls + rest.calls)
+
+
+def _logprob(source: TokenSource, token: Token, text: str, piece: bytes) -> TokenLogprob:
+    """A generated token's entry: its text as the reply shows it (a piece of a character
+    shows as nothing, the character with the token that completes it), so that the entries'
+    texts add up to the text."""
+    assert token.logprob is not None
+    return TokenLogprob(token=text, logprob=token.logprob, bytes=list(piece),
+                        top=_alternatives(source, token.top))  # fmt: skip
+
+
+def _scored_prompt(source: TokenSource, tokens: Sequence[Token]) -> Iterator[TokenLogprob]:
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for t in tokens:
+        piece = source.piece(t.id)
+        yield TokenLogprob(token=decoder.decode(piece), logprob=t.logprob, bytes=list(piece),
+                           top=_alternatives(source, t.top))  # fmt: skip
+
+
+def _alternatives(source: TokenSource, top: Sequence[tuple[int, float]]) -> list[TopLogprob]:
+    out = []
+    for token_id, logprob in top:
+        piece = source.piece(token_id)
+        out.append(TopLogprob(token=piece.decode(errors="replace"), logprob=logprob,
+                              bytes=list(piece)))  # fmt: skip
+    return out

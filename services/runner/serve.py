@@ -44,8 +44,9 @@ from bus.puller import ConsumerGone
 from bus.streams import EVENTS_STREAM
 from bus.subjects import escape_token, event_subject, model_tasks_filter
 from services.runner.engines.base import Engine, EngineBroken
-from services.runner.generation import InvalidRequest, check_request, steps
-from services.runner.step_feed import Made, StepFeed
+from services.runner.generation import InvalidRequest, ScoredPrompt, Step, check_request, steps
+from services.runner.job import prepare, prompt_scored
+from services.runner.step_feed import StepFeed
 
 log = logging.getLogger(__name__)
 
@@ -276,16 +277,17 @@ class TaskServer:
         announced: Awaitable[object],
     ) -> None:
         engine, me = self._engine, self._me
-        prompt = engine.prompt_tokens(task)
-        limit = check_request(len(prompt), task.params, engine.n_ctx)
+        job = prepare(engine, task)
+        prompt = job.prompt
+        limit = check_request(len(prompt), task.params, engine.n_ctx, echo=task.echo)
         loop = asyncio.get_running_loop()
         feed = StepFeed(loop, CHUNK_WINDOW_S)
         stopping = threading.Event()  # this coroutine was cancelled: the engine stops too
 
         def generate() -> None:
             try:
-                for step in steps(engine, prompt, task.params, limit,
-                                  lambda: cancelled() or stopping.is_set()):  # fmt: skip
+                for step in steps(engine, prompt, job.decoding, limit,
+                                  lambda: cancelled() or stopping.is_set(), job.reply):  # fmt: skip
                     feed.put(step)
             finally:
                 feed.close()
@@ -298,12 +300,16 @@ class TaskServer:
             # What was generated before an engine error still counts: every step is published.
             while (made := await feed.next_group()) is not None:
                 for m in made:
+                    if isinstance(m.step, ScoredPrompt):
+                        for scored in prompt_scored(task, m.step, me.node_id, m.ts):
+                            await self._chunks.publish(scored)
+                        continue
                     if m.step.token_id is not None:
                         n += 1
                         first = first or m.at
                     else:
                         finish = m.step.finish_reason or "stop"
-                    await self._chunks.publish(self._chunk(task, m))
+                    await self._chunks.publish(self._chunk(task, m.step, m.ts))
                 first_out.set()
         finally:
             first_out.set()
@@ -332,16 +338,17 @@ class TaskServer:
             msg_id=f"done:{task.task_id}",
         )
 
-    def _chunk(self, task: TaskCreated, made: Made) -> ChunkGenerated:
-        step = made.step
+    def _chunk(self, task: TaskCreated, step: Step, ts: float) -> ChunkGenerated:
         return ChunkGenerated(
             task_id=task.task_id,
             idx=step.idx,
             text=step.text,
             token_id=step.token_id,
             finish_reason=step.finish_reason,
+            logprob=step.logprob,
+            tool_calls=list(step.tool_calls),
             origin=self._me.node_id,
-            ts=datetime.fromtimestamp(made.ts, UTC),
+            ts=datetime.fromtimestamp(ts, UTC),
         )
 
     async def _fail(self, task: TaskCreated, error: str) -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from services.runner.generation import Step
+from services.runner.generation import ScoredPrompt, Step
 
 # At most this long the engine's thread waits for the loop to take the first token.
 FIRST_WAIT_S = 1.0
@@ -29,7 +29,7 @@ class Made:
     """A step, with when it was made: ``at`` from ``time.perf_counter()``, ``ts`` from
     ``time.time()``."""
 
-    step: Step
+    step: Step | ScoredPrompt
     at: float
     ts: float
 
@@ -45,13 +45,14 @@ class StepFeed:
         self._ready = asyncio.Event()
         self._first_taken = threading.Event()
 
-    def put(self, step: Step) -> None:
+    def put(self, step: Step | ScoredPrompt) -> None:
         """From the engine's thread."""
         now = time.perf_counter()
         with self._lock:
             self._made.append(Made(step, now, time.time()))
         last = self._woken_at
-        if step.token_id is None or last is None or now - last >= self._window_s:
+        final = isinstance(step, Step) and step.token_id is None
+        if final or last is None or now - last >= self._window_s:
             self._woken_at = now
             self._loop.call_soon_threadsafe(self._ready.set)
         if last is None:

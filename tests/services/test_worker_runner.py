@@ -40,6 +40,7 @@ from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
 from bus.subjects import event_subject
 from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.job import prepare
 from services.runner.serve import tasks_consumer_name
 from tests.services.event_log import EventLog
 
@@ -148,7 +149,7 @@ async def test_worker_serves_a_chat_task(
 
     engine = LlamaCppEngine(GGUF, vocab_only=True)
     engine.load()
-    assert done.usage.prompt_tokens == len(engine.prompt_tokens(task))
+    assert done.usage.prompt_tokens == len(prepare(engine, task).prompt)
     assert done.timings.ttft_ms > 0 and done.timings.tokens_per_s > 0
 
     # A plain-prompt completion, with a stop string and a token limit.

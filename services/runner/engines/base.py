@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
-from bus.events import TaskCreated
 from services.runner.generation import TokenSource
 
 
@@ -17,7 +16,25 @@ class Engine(TokenSource, Protocol):
     @property
     def n_ctx(self) -> int: ...
 
-    def prompt_tokens(self, task: TaskCreated) -> list[int]:
-        """The task's messages through the model's chat template (or its plain prompt),
-        tokenized. Raises ``InvalidRequest`` for a task it cannot serve."""
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template chats are rendered with; None for a named format (or a
+        model without one). Tool calls' format is chosen from it."""
         ...
+
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        """A chat (OpenAI-shaped message dicts; an assistant's ``tool_calls`` with arguments
+        as objects, as Hugging Face templates expect) through the model's chat template, with
+        the generation prompt, tokenized. ``tools`` (OpenAI's ``{"type": "function",
+        "function": ...}`` entries) are passed to the template. Raises ``InvalidRequest`` for a
+        chat it cannot render."""
+        ...
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        """A plain prompt, tokenized (with the model's BOS, if it has one)."""
+        ...
+
+    @property
+    def n_vocab(self) -> int: ...

@@ -1,4 +1,5 @@
-"""Stop strings, UTF-8 pieces, limits and cancellation, on a scripted token source."""
+"""Stop strings, UTF-8 pieces, limits, cancellation, log-probabilities, prompt scores and
+reply parsers, on a scripted token source."""
 
 from __future__ import annotations
 
@@ -6,8 +7,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from bus.events import SamplingParams
-from services.runner.generation import InvalidRequest, Step, check_request, steps
+from bus.events import SamplingParams, ToolCallDelta
+from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.generation import (
+    InvalidRequest,
+    Parsed,
+    ScoredPrompt,
+    Step,
+    check_request,
+    steps,
+)
 from services.runner.stops import Emitted, StopMatcher
 
 END = 0
@@ -21,23 +30,32 @@ class Scripted:
         self.end = end
         self.generated = 0
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
+        scored = decoding.top_logprobs is not None
+        if decoding.echo:
+            yield PromptScores(tuple(Token(t, None if i == 0 else -0.5, ((END, -0.1),) if i else ())
+                                     for i, t in enumerate(prompt)))  # fmt: skip
         for i in range(len(self.pieces)):
             self.generated += 1
-            yield i + 1
+            yield Token(i + 1, -1.0 * i if scored else None, ((END, -0.1),) if scored else ())
         if self.end:
-            yield END
+            yield Token(END)
 
     def piece(self, token: int) -> bytes:
-        return self.pieces[token - 1]
+        return b"<end>" if token == END else self.pieces[token - 1]
+
+    def spelled(self, token: int) -> bytes:
+        return b"<|tag|>" if self.piece(token) == b"" else self.piece(token)
 
     def is_end(self, token: int) -> bool:
         return token == END
 
 
 def run(source: Scripted, limit: int = 100, stop: list[str] | None = None) -> list[Step]:
-    params = SamplingParams(stop=stop or [])
-    return list(steps(source, [1, 2], params, limit, cancelled=lambda: False))
+    decoding = Decoding(SamplingParams(stop=stop or []))
+    out = list(steps(source, [1, 2], decoding, limit, cancelled=lambda: False))
+    assert all(isinstance(s, Step) for s in out)
+    return [s for s in out if isinstance(s, Step)]
 
 
 def text(out: list[Step]) -> str:
@@ -81,12 +99,13 @@ def test_held_back_text_that_was_not_a_stop_is_released() -> None:
 
 def test_cancel_stops_within_one_token() -> None:
     source = Scripted([b"t"] * 50, end=False)
-    seen: list[Step] = []
-    gen = steps(source, [1], SamplingParams(), 100, cancelled=lambda: len(seen) >= 3)
+    seen: list[Step | ScoredPrompt] = []
+    gen = steps(source, [1], Decoding(SamplingParams()), 100, cancelled=lambda: len(seen) >= 3)
     for step in gen:
         seen.append(step)
-    assert [s.token_id for s in seen] == [1, 2, 3, None]
-    assert seen[-1].finish_reason == "cancelled"
+    assert all(isinstance(s, Step) for s in seen)
+    assert [s.token_id for s in seen if isinstance(s, Step)] == [1, 2, 3, None]
+    assert isinstance(seen[-1], Step) and seen[-1].finish_reason == "cancelled"
     assert source.generated <= 4
 
 
@@ -109,6 +128,10 @@ def test_stop_matcher_directly() -> None:
         (SamplingParams(top_p=0), 5, "top_p"),
         (SamplingParams(presence_penalty=3), 5, "presence_penalty"),
         (SamplingParams(frequency_penalty=-2.5), 5, "frequency_penalty"),
+        (SamplingParams(top_k=-1), 5, "top_k"),
+        (SamplingParams(min_p=1.5), 5, "min_p"),
+        (SamplingParams(repeat_penalty=0), 5, "repeat_penalty"),
+        (SamplingParams(logit_bias={7: 101.0}), 5, "logit_bias of token 7"),
         (SamplingParams(), 600, "more than the model's context of 512"),
     ],
 )
@@ -121,3 +144,74 @@ def test_generation_room() -> None:
     assert check_request(100, SamplingParams(max_tokens=16), n_ctx=512) == 16
     assert check_request(500, SamplingParams(max_tokens=16), n_ctx=512) == 12
     assert check_request(10, SamplingParams(), n_ctx=512) == 502
+
+
+def test_max_tokens_zero_is_for_scoring_a_prompt() -> None:
+    assert check_request(5, SamplingParams(max_tokens=0), n_ctx=512, echo=True) == 0
+    source = Scripted([b"a", b"b"])
+    out = list(steps(source, [1, 2, 1], Decoding(SamplingParams(), echo=True), 0, lambda: False))
+    assert isinstance(out[0], ScoredPrompt)
+    assert [t.logprob for t in out[0].tokens] == [None, -0.5, -0.5]
+    assert out[1:] == [Step(0, "", None, "length")] and source.generated == 0
+
+
+def test_logprob_entries_spell_the_text() -> None:
+    fish = "🐟".encode()
+    source = Scripted([b"x", fish[:2], fish[2:], b" y"])
+    decoding = Decoding(SamplingParams(), top_logprobs=1)
+    out = [s for s in steps(source, [1], decoding, 100, lambda: False) if isinstance(s, Step)]
+    entries = [s.logprob for s in out if s.logprob is not None]
+    assert "".join(e.token for e in entries) == "x🐟 y" == "".join(s.text for s in out)
+    assert entries[1].token == "" and entries[1].bytes == list(fish[:2])
+    assert [e.logprob for e in entries] == [0.0, -1.0, -2.0, -3.0]
+    assert entries[0].top[0].logprob == -0.1 and entries[0].top[0].bytes == list(b"<end>")
+    assert out[-1].logprob is None
+
+
+def test_no_logprobs_unless_asked() -> None:
+    assert all(s.logprob is None for s in run(Scripted([b"a", b"b"])))
+
+
+class Calls:
+    """A parser that takes "@" or a special token "<|tag|>" for a tool call and everything
+    else for content."""
+
+    markers = frozenset({"<|tag|>"})
+
+    def __init__(self) -> None:
+        self.called = False
+
+    def feed(self, text: str) -> Parsed:
+        text = text.replace("<|tag|>", "@")
+        calls = tuple(ToolCallDelta(index=0, id="c", name="f") for c in text if c == "@")
+        self.called = self.called or bool(calls)
+        return Parsed(text.replace("@", ""), calls)
+
+    def finish(self) -> Parsed:
+        return Parsed("!")
+
+
+def test_a_reply_with_a_call_finishes_with_tool_calls() -> None:
+    out = list(steps(Scripted([b"hi ", b"@"]), [1], Decoding(SamplingParams()), 100,
+                     lambda: False, Calls()))  # fmt: skip
+    assert [s.text for s in out if isinstance(s, Step)] == ["hi ", "", "!"]
+    last = out[-1]
+    assert isinstance(last, Step) and last.finish_reason == "tool_calls"
+    assert [s.tool_calls for s in out if isinstance(s, Step)][1][0].name == "f"
+
+
+def test_a_reply_cut_by_the_limit_is_length_even_with_a_call() -> None:
+    out = list(steps(Scripted([b"@", b"x", b"y"]), [1], Decoding(SamplingParams()), 2,
+                     lambda: False, Calls()))  # fmt: skip
+    last = out[-1]
+    assert isinstance(last, Step) and last.finish_reason == "length"
+
+
+def test_a_special_token_marker_reaches_the_parser_only() -> None:
+    # Token 2's piece is empty: a special token, spelled "<|tag|>".
+    out = list(steps(Scripted([b"hi", b""]), [1], Decoding(SamplingParams()), 100,
+                     lambda: False, Calls()))  # fmt: skip
+    assert [s.text for s in out if isinstance(s, Step)] == ["hi", "", "!"]
+    assert [len(s.tool_calls) for s in out if isinstance(s, Step)] == [0, 1, 0]
+    plain = run(Scripted([b"hi", b""]))
+    assert "".join(s.text for s in plain) == "hi"

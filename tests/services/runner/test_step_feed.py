@@ -62,7 +62,8 @@ async def test_a_slow_loop_gets_everything_in_order_and_a_fast_one_gets_groups()
     # wake-up per token; the last step closes its group.
     assert [m.step for m in groups[0]] == made[:1]
     assert 2 < len(groups) < 15
-    assert groups[-1][-1].step.finish_reason == "length"
+    last = groups[-1][-1].step
+    assert isinstance(last, Step) and last.finish_reason == "length"
     at = [m.at for g in groups for m in g]
     assert at == sorted(at)
 
