@@ -1,0 +1,546 @@
+"""Which JSON schemas Shoal can turn into a grammar, and the schema the converter is given.
+
+llama.cpp's Python ``SchemaConverter`` honours some keywords, ignores others silently and
+fails on a few shapes (an empty ``anyOf``, ``minLength`` without a type, ``items: {}``...).
+``prepare`` checks a schema against what it really does and rewrites it into a shape it
+converts faithfully; ``schema_problem`` says, for a 400, why a schema cannot be honoured.
+
+Honoured: ``type`` (a name or a list of them), ``properties``, ``required``,
+``additionalProperties`` (true, false or a schema), ``items`` (a schema, or a list: a tuple),
+``prefixItems``, ``minItems``, ``maxItems``, ``enum``, ``const``, ``anyOf``, ``oneOf`` (taken as
+``anyOf``), ``allOf`` (of object schemas, merged into one), ``$ref`` (local: ``#`` or ``#/...``;
+recursion is fine), ``$defs``/``definitions``, ``pattern`` (see ``pattern.py``), ``format``
+(``date``, ``time``, ``date-time``, ``uuid``; ignored on non-string types), ``minLength``,
+``maxLength``. Annotations (``title``, ``description``, ``default``, ``examples``...) and
+keywords JSON schema does not define are ignored. Any other keyword that constrains
+(``minimum``, ``not``, ``uniqueItems``...) is refused, and so is a keyword the converter would
+ignore next to another (``maxLength`` next to ``pattern``, ``properties`` next to ``anyOf``).
+
+The grammar is sometimes stricter than the schema (never looser): an object holds no
+properties the schema does not name unless ``additionalProperties`` allows them, its
+properties come in the schema's order, the required ones first, and an ``allOf`` object holds
+all its properties.
+
+Pure Python: the API imports this module, and it must not load llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from services.runner.structured.pattern import MAX_REPEAT, PatternError, converter_pattern
+
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+def any_value() -> dict[str, Any]:
+    """A schema for any JSON value that the converter reads as such (it takes ``{}`` for any
+    object)."""
+    return {"anyOf": [{"type": t} for t in TYPES if t != "integer"]}
+
+
+# Keywords that constrain and that the converter cannot honour.
+UNSUPPORTED = frozenset(
+    {
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "not",
+        "if", "then", "else", "patternProperties", "propertyNames", "uniqueItems", "contains",
+        "minContains", "maxContains", "minProperties", "maxProperties", "dependentRequired",
+        "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
+        "additionalItems", "$dynamicRef", "$recursiveRef", "contentSchema",
+    }
+)  # fmt: skip
+# The keywords honoured; the rest are annotations or unknown, ignored either way.
+STRUCTURAL = frozenset(
+    {
+        "type", "properties", "required", "additionalProperties", "items", "prefixItems",
+        "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+        "pattern", "format", "minLength", "maxLength",
+    }
+)  # fmt: skip
+_OBJECT_WORDS = ("properties", "required", "additionalProperties")
+_ARRAY_WORDS = ("items", "prefixItems", "minItems", "maxItems")
+_STRING_WORDS = ("pattern", "format", "minLength", "maxLength")
+_FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
+_MAX_DEPTH = 64
+
+
+class SchemaError(ValueError):
+    """A schema Shoal cannot honour; the message says which keyword, and where."""
+
+
+def schema_problem(schema: object) -> str | None:
+    """Why ``schema`` cannot be turned into a grammar (for a 400), or None when it can."""
+    try:
+        prepare(schema)
+    except SchemaError as exc:
+        return str(exc)
+    return None
+
+
+def prepare(schema: object, prefix: str = "s", top_object: bool = False) -> dict[str, Any]:
+    """``schema`` rewritten for llama.cpp's ``SchemaConverter``: only the keywords it honours,
+    in the shapes it converts faithfully, every ``$ref`` pointing to ``#/$defs/<prefix>-defN``
+    (rule names unique to this schema when it is visited under a name other than
+    ``<prefix>-defN``, so that two schemas in one grammar cannot mix their definitions).
+    ``top_object``: the schema describes an object even without ``"type"`` (a function's
+    parameters). Raises ``SchemaError``."""
+    return _Preparer(schema, prefix).run(top_object)
+
+
+def where(path: tuple[str | int, ...]) -> str:
+    """A location in a schema, as messages name it: ``properties.age``, ``anyOf[1]``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out or "the top level"
+
+
+@dataclass
+class _Preparer:
+    root: object
+    prefix: str
+    refs: dict[str, str] = field(default_factory=dict)  # pointer -> definition name
+    defs: dict[str, Any] = field(default_factory=dict)
+    queue: list[tuple[str, tuple[str | int, ...]]] = field(default_factory=list)
+    # Per definition, the definitions it can reach without writing a character first.
+    leading: dict[str, set[str]] = field(default_factory=dict)
+
+    def run(self, top_object: bool) -> dict[str, Any]:
+        out = self.node(self.root, (), 0, top_object)
+        while self.queue:
+            pointer, path = self.queue.pop()
+            name = self.refs[pointer]
+            target = self.resolve(pointer, path)
+            self.defs[name] = prepared = self.node(target, _pointer_path(pointer), 0, False)
+            self.leading[name] = self._leads(prepared)
+        self._check_cycles()
+        if self.defs:
+            out = {**out, "$defs": self.defs}
+        return out
+
+    # --- one schema -------------------------------------------------------------------
+
+    def node(
+        self, schema: object, path: tuple[str | int, ...], depth: int, top_object: bool = False
+    ) -> dict[str, Any]:
+        if depth > _MAX_DEPTH:
+            raise SchemaError(f"the JSON schema nests too deeply (at {where(path)})")
+        if not isinstance(schema, dict):
+            raise SchemaError(
+                f"the JSON schema at {where(path)} is not an object"
+                + (" (boolean schemas are supported for additionalProperties only)"
+                   if isinstance(schema, bool) else "")
+            )  # fmt: skip
+        for key in schema:
+            if key in UNSUPPORTED:
+                raise SchemaError(
+                    f"the JSON schema keyword {key!r} (at {where(path)}) is not supported"
+                )
+        for key in ("$defs", "definitions"):
+            if key in schema and not isinstance(schema[key], dict):
+                raise SchemaError(f"{key} (at {where(path)}) must be an object")
+        s = {k: v for k, v in schema.items() if k in STRUCTURAL}
+        types = self.types(s, path)
+        if "$ref" in s:
+            return self.ref(s, path)
+        if "oneOf" in s or "anyOf" in s:
+            return self.union(s, types, path, depth)
+        if "const" in s or "enum" in s:
+            return self.constant(s, path)
+        if len(types) > 1:
+            # The converter would forget every other keyword: one alternative per type,
+            # each with the keywords that apply to it.
+            alternatives = [self.node(_for_type(s, t), path, depth + 1) for t in types]
+            return {"anyOf": alternatives}
+        kind = types[0] if types else _implied_type(s, path, top_object)
+        if kind is None:
+            if "allOf" in s:
+                return self.all_of(s, path, depth)
+            return any_value()
+        if "allOf" in s:
+            if kind != "object":
+                raise SchemaError(
+                    f"the JSON schema keyword 'allOf' (at {where(path)}) is supported for"
+                    " objects only"
+                )
+            return self.all_of(s, path, depth)
+        if kind == "object":
+            return self.obj(s, path, depth)
+        if kind == "array":
+            return self.array(s, path, depth)
+        if kind == "string":
+            return self.string(s, path)
+        _only(s, {"type", "format"}, path, "type")
+        return {"type": kind}
+
+    def types(self, s: dict[str, Any], path: tuple[str | int, ...]) -> list[str]:
+        if "type" not in s:
+            return []
+        value = s["type"]
+        names = value if isinstance(value, list) else [value]
+        if not names or not all(isinstance(t, str) for t in names):
+            raise SchemaError(f"'type' (at {where(path)}) must be a type name or a list of them")
+        for name in names:
+            if name not in TYPES:
+                raise SchemaError(f"the JSON schema type {name!r} (at {where(path)}) is unknown")
+        if len(set(names)) != len(names):
+            raise SchemaError(f"'type' (at {where(path)}) names a type twice")
+        return list(names)
+
+    def ref(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
+        _only(s, {"$ref"}, path, "$ref")
+        pointer = s["$ref"]
+        if not isinstance(pointer, str):
+            raise SchemaError(f"$ref (at {where(path)}) must be a string")
+        if pointer != "#" and not pointer.startswith("#/"):
+            raise SchemaError(
+                f"the JSON schema $ref {pointer!r} (at {where(path)}) is not supported: only"
+                " references inside the schema ('#/...') are"
+            )
+        if pointer not in self.refs:
+            self.resolve(pointer, path)  # fails early, with the place that refers
+            self.refs[pointer] = f"{self.prefix}-def{len(self.refs)}"
+            self.queue.append((pointer, path))
+        return {"$ref": f"#/$defs/{self.refs[pointer]}"}
+
+    def resolve(self, pointer: str, path: tuple[str | int, ...]) -> object:
+        target = self.root
+        for raw in pointer[2:].split("/") if pointer != "#" else []:
+            part = unquote(raw).replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                raise SchemaError(
+                    f"the JSON schema $ref {pointer!r} (at {where(path)}) points to nothing"
+                )
+        return target
+
+    def union(
+        self, s: dict[str, Any], types: list[str], path: tuple[str | int, ...], depth: int
+    ) -> dict[str, Any]:
+        if "oneOf" in s and "anyOf" in s:
+            raise SchemaError(
+                f"the JSON schema keywords 'anyOf' and 'oneOf' (at {where(path)}) are not"
+                " supported together"
+            )
+        key = "oneOf" if "oneOf" in s else "anyOf"
+        _only(s, {key, "type"}, path, key)
+        alternatives = s[key]
+        if not isinstance(alternatives, list) or not alternatives:
+            raise SchemaError(f"{key} (at {where(path)}) must be a non-empty list of schemas")
+        out = []
+        for i, alternative in enumerate(alternatives):
+            if types and isinstance(alternative, dict):
+                # 'type' next to anyOf applies to every alternative: give it to them.
+                alternative = _with_types(alternative, types, (*path, key, i))
+            out.append(self.node(alternative, (*path, key, i), depth + 1))
+        return {"anyOf": out}
+
+    def constant(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
+        if "const" in s:
+            _only(s, {"const", "type"}, path, "const")
+            _check_json(s["const"], (*path, "const"))
+            return {"const": s["const"]}
+        _only(s, {"enum", "type"}, path, "enum")
+        values = s["enum"]
+        if not isinstance(values, list) or not values:
+            raise SchemaError(f"enum (at {where(path)}) must be a non-empty list")
+        _check_json(values, (*path, "enum"))
+        return {"enum": values}
+
+    def obj(self, s: dict[str, Any], path: tuple[str | int, ...], depth: int) -> dict[str, Any]:
+        _only(s, {"type", *_OBJECT_WORDS}, path, "type")
+        properties = s.get("properties", {})
+        if not isinstance(properties, dict):
+            raise SchemaError(f"properties (at {where(path)}) must be an object")
+        required = s.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"required (at {where(path)}) must be a list of property names")
+        missing = [r for r in required if r not in properties]
+        if missing:
+            raise SchemaError(
+                f"required (at {where(path)}) names {missing[0]!r}, which properties does not"
+                " define: that is not supported"
+            )
+        out: dict[str, Any] = {"type": "object"}
+        out["properties"] = {
+            name: self.node(sub, (*path, "properties", name), depth + 1)
+            for name, sub in properties.items()
+        }
+        if required:
+            out["required"] = list(dict.fromkeys(required))
+        if "additionalProperties" in s:
+            extra = s["additionalProperties"]
+            if extra is True:
+                out["additionalProperties"] = True
+            elif isinstance(extra, dict):
+                out["additionalProperties"] = self.node(
+                    extra, (*path, "additionalProperties"), depth + 1
+                )
+            elif extra is not False:
+                raise SchemaError(
+                    f"additionalProperties (at {where(path)}) must be true, false or a schema"
+                )
+        elif "properties" not in s:
+            return {"type": "object"}  # any object
+        if out.get("additionalProperties") is True and not out["properties"]:
+            return {"type": "object"}
+        return out
+
+    def all_of(self, s: dict[str, Any], path: tuple[str | int, ...], depth: int) -> dict[str, Any]:
+        _only(s, {"type", "allOf"}, path, "allOf")
+        parts = s["allOf"]
+        if not isinstance(parts, list) or not parts:
+            raise SchemaError(f"allOf (at {where(path)}) must be a non-empty list of schemas")
+        properties: dict[str, Any] = {}
+        required: list[str] = []
+        for i, part in enumerate(parts):
+            for name, sub, needed in self._components(part, (*path, "allOf", i), 0):
+                if name in properties and properties[name] != sub:
+                    raise SchemaError(
+                        f"allOf (at {where(path)}) defines the property {name!r} twice"
+                        " differently: that is not supported"
+                    )
+                properties[name] = sub
+                if needed:
+                    required.append(name)
+        merged = {"type": "object", "properties": properties, "required": required}
+        return self.obj(merged, path, depth)
+
+    def _components(
+        self, part: object, path: tuple[str | int, ...], hops: int
+    ) -> Iterator[tuple[str, Any, bool]]:
+        """The properties an allOf member brings, with whether each is required."""
+        if hops > _MAX_DEPTH:
+            raise SchemaError(f"allOf (at {where(path)}) refers to itself")
+        if not isinstance(part, dict):
+            raise SchemaError(f"the JSON schema at {where(path)} is not an object")
+        if isinstance(part.get("$ref"), str):
+            pointer = part["$ref"]
+            if pointer != "#" and not pointer.startswith("#/"):
+                raise SchemaError(
+                    f"the JSON schema $ref {pointer!r} (at {where(path)}) is not supported:"
+                    " only references inside the schema ('#/...') are"
+                )
+            yield from self._components(self.resolve(pointer, path), path, hops + 1)
+            return
+        if "allOf" in part:
+            for i, sub in enumerate(part["allOf"] if isinstance(part["allOf"], list) else []):
+                yield from self._components(sub, (*path, "allOf", i), hops + 1)
+            return
+        kind = self.types({k: v for k, v in part.items() if k == "type"}, path)
+        structural = {k for k in part if k in STRUCTURAL} - {"type"}
+        if kind not in ([], ["object"]) or not structural <= {"properties", "required"}:
+            raise SchemaError(
+                f"allOf (at {where(path)}) is supported for object schemas with properties"
+                " and required only"
+            )
+        properties = part.get("properties", {})
+        required = part.get("required", [])
+        if not isinstance(properties, dict):
+            raise SchemaError(f"properties (at {where(path)}) must be an object")
+        if not isinstance(required, list):
+            raise SchemaError(f"required (at {where(path)}) must be a list of property names")
+        for name, sub in properties.items():
+            yield name, sub, name in required
+
+    def array(self, s: dict[str, Any], path: tuple[str | int, ...], depth: int) -> dict[str, Any]:
+        _only(s, {"type", *_ARRAY_WORDS}, path, "type")
+        items = s.get("items")
+        prefix = s.get("prefixItems")
+        tuple_items = prefix if prefix is not None else (items if isinstance(items, list) else None)
+        if tuple_items is not None:
+            if not isinstance(tuple_items, list):
+                raise SchemaError(f"prefixItems (at {where(path)}) must be a list of schemas")
+            if prefix is not None and items not in (None, False):
+                raise SchemaError(
+                    f"the JSON schema keyword 'items' (at {where(path)}) is not supported"
+                    " alongside 'prefixItems' (only items: false is)"
+                )
+            for key in ("minItems", "maxItems"):
+                if key in s:
+                    raise SchemaError(
+                        f"the JSON schema keyword {key!r} (at {where(path)}) is not supported"
+                        " for a tuple (prefixItems)"
+                    )
+            if not tuple_items:
+                raise SchemaError(f"prefixItems (at {where(path)}) must not be empty")
+            key = "prefixItems" if prefix is not None else "items"
+            return {
+                "type": "array",
+                "prefixItems": [
+                    self.node(item, (*path, key, i), depth + 1)
+                    for i, item in enumerate(tuple_items)
+                ],
+            }
+        low = _count(s, "minItems", path)
+        high = _count(s, "maxItems", path)
+        if items is False:
+            raise SchemaError(f"items: false (at {where(path)}) is not supported")
+        if items is None or items is True:
+            if low is None and high is None:
+                return {"type": "array"}
+            item = any_value()
+        else:
+            item = self.node(items, (*path, "items"), depth + 1)
+        out: dict[str, Any] = {"type": "array", "items": item}
+        if low:
+            out["minItems"] = low
+        if high is not None:
+            out["maxItems"] = high
+        _bounds(low, high, "minItems", "maxItems", path)
+        return out
+
+    def string(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
+        if "pattern" in s:
+            _only(s, {"type", "pattern"}, path, "pattern")
+            pattern = s["pattern"]
+            if not isinstance(pattern, str):
+                raise SchemaError(f"pattern (at {where(path)}) must be a string")
+            try:
+                return {"type": "string", "pattern": converter_pattern(pattern)}
+            except PatternError as exc:
+                raise SchemaError(
+                    f"the JSON schema pattern {pattern!r} (at {where(path)}) is not supported:"
+                    f" {exc}"
+                ) from None
+        if "format" in s:
+            _only(s, {"type", "format"}, path, "format")
+            name = s["format"]
+            if name not in _FORMATS:
+                raise SchemaError(
+                    f"the JSON schema format {name!r} (at {where(path)}) is not supported"
+                    f" (supported: {', '.join(_FORMATS[:4])})"
+                )
+            return {"type": "string", "format": name}
+        _only(s, {"type", "minLength", "maxLength"}, path, "type")
+        low = _count(s, "minLength", path)
+        high = _count(s, "maxLength", path)
+        _bounds(low, high, "minLength", "maxLength", path)
+        out: dict[str, Any] = {"type": "string"}
+        if low:
+            out["minLength"] = low
+        if high is not None:
+            out["maxLength"] = high
+        return out
+
+    # --- $ref cycles ------------------------------------------------------------------
+
+    def _leads(self, schema: dict[str, Any]) -> set[str]:
+        """Definitions ``schema`` may start with (before writing a character)."""
+        if "$ref" in schema:
+            return {schema["$ref"].rsplit("/", 1)[-1]}
+        out: set[str] = set()
+        for alternative in schema.get("anyOf", []):
+            out |= self._leads(alternative)
+        return out
+
+    def _check_cycles(self) -> None:
+        # A definition that can start with itself is left recursion, which llama.cpp refuses.
+        names = {v: k for k, v in self.refs.items()}
+        for name in self.leading:
+            seen: set[str] = set()
+            todo = list(self.leading[name])
+            while todo:
+                at = todo.pop()
+                if at == name:
+                    raise SchemaError(
+                        f"the JSON schema $ref {names[name]!r} refers to itself before"
+                        " anything is written (left recursion): that is not supported"
+                    )
+                if at not in seen:
+                    seen.add(at)
+                    todo.extend(self.leading.get(at, ()))
+
+
+def _pointer_path(pointer: str) -> tuple[str | int, ...]:
+    if pointer == "#":
+        return ()
+    return tuple(unquote(p).replace("~1", "/").replace("~0", "~") for p in pointer[2:].split("/"))
+
+
+def _implied_type(s: dict[str, Any], path: tuple[str | int, ...], top_object: bool) -> str | None:
+    kinds = [
+        kind
+        for kind, words in (
+            ("object", _OBJECT_WORDS),
+            ("array", _ARRAY_WORDS),
+            ("string", _STRING_WORDS),
+        )
+        if any(w in s for w in words)
+    ]
+    if len(kinds) > 1:
+        raise SchemaError(
+            f"the JSON schema at {where(path)} has keywords of several types ({', '.join(kinds)})"
+            " and no 'type': that is not supported"
+        )
+    if kinds:
+        return kinds[0]
+    return "object" if top_object else None
+
+
+def _for_type(s: dict[str, Any], kind: str) -> dict[str, Any]:
+    words = {"object": _OBJECT_WORDS, "array": _ARRAY_WORDS, "string": _STRING_WORDS}
+    own = words.get(kind, ())
+    others = {w for ws in words.values() for w in ws} - set(own)
+    return {k: v for k, v in s.items() if k not in others} | {"type": kind}
+
+
+def _with_types(
+    alternative: dict[str, Any], types: list[str], path: tuple[str | int, ...]
+) -> dict[str, Any]:
+    if "type" not in alternative:
+        if any(k in alternative for k in ("$ref", "anyOf", "oneOf", "const", "enum")):
+            return alternative  # what it refers to, or its values, say the type
+        return {**alternative, "type": types if len(types) > 1 else types[0]}
+    own = alternative["type"]
+    own_list = own if isinstance(own, list) else [own]
+    kept = [t for t in own_list if t in types]
+    if not kept:
+        raise SchemaError(
+            f"the JSON schema at {where(path)} allows none of the types {types} that 'type'"
+            " next to it requires"
+        )
+    return {**alternative, "type": kept if len(kept) > 1 else kept[0]}
+
+
+def _only(s: dict[str, Any], honoured: set[str], path: tuple[str | int, ...], main: str) -> None:
+    for key in s:
+        if key not in honoured:
+            raise SchemaError(
+                f"the JSON schema keyword {key!r} (at {where(path)}) is not supported alongside"
+                f" {main!r}"
+            )
+
+
+def _count(s: dict[str, Any], key: str, path: tuple[str | int, ...]) -> int | None:
+    if key not in s:
+        return None
+    value = s[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SchemaError(f"{key} (at {where(path)}) must be a non-negative integer")
+    if value > MAX_REPEAT:
+        raise SchemaError(
+            f"{key} {value} (at {where(path)}) is not supported: at most {MAX_REPEAT}"
+        )
+    return value
+
+
+def _bounds(
+    low: int | None, high: int | None, low_key: str, high_key: str, path: tuple[str | int, ...]
+) -> None:
+    if low is not None and high is not None and high < low:
+        raise SchemaError(f"{high_key} (at {where(path)}) is below {low_key}")
+
+
+def _check_json(value: object, path: tuple[str | int, ...]) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        raise SchemaError(f"{where(path)} must be JSON values") from None
