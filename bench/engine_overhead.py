@@ -21,7 +21,7 @@ first token 10-20 ms sooner, which would swamp the TTFT difference being measure
   shown: from before the publish, i.e. including its round trip); tokens/s is
   ``(n - 1) / (last token's arrival - first token's arrival)``. The runner's own figures from
   ``TaskCompleted`` are shown beside them.
-- in-process: the prompt is tokenized by the engine (``prompt_tokens``, as the runner does),
+- in-process: the prompt is tokenized by the engine (``prepare``, as the runner does),
   then the clock starts and ``engine.generate`` (the runner's sampling settings) is iterated for
   ``--tokens`` tokens. TTFT is to the first token; tokens/s as above.
 
@@ -77,7 +77,9 @@ from bus.subjects import EVENTS_PREFIX, chunk_subject, escape_token, event_subje
 from services.models.cards import card_for
 from services.models.metadata import read_gguf
 from services.models.resolve import resolve_model
+from services.runner.decoding import Token
 from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.job import prepare
 from services.runner.spec import RunnerSpec
 from services.worker.supervisor import runner_command
 
@@ -238,15 +240,17 @@ def completion(model_id: str, prompt: str, tokens: int) -> TaskCreated:
 
 
 def run_inprocess(engine: LlamaCppEngine, task: TaskCreated, limit: int) -> Side:
-    prompt = engine.prompt_tokens(task)  # as the runner does; not timed (microseconds)
+    job = prepare(engine, task)  # as the runner does; not timed (microseconds)
     tokens: list[int] = []
     times: list[float] = []
     ended = False
     clock = time.perf_counter
     load = OtherLoad()
     start = clock()
-    for token in engine.generate(prompt, task.params):
+    for item in engine.generate(job.prompt, job.decoding):
         now = clock()
+        assert isinstance(item, Token)
+        token = item.id
         if engine.is_end(token):
             ended = True
             break

@@ -1,19 +1,38 @@
-"""The llama.cpp engine (llama-cpp-python), for GGUF models."""
+"""The llama.cpp engine (llama-cpp-python), for GGUF models.
+
+``Llama`` loads the model and its context (it knows the RPC devices, tensor splits and threads);
+the decoding is llama.cpp's low-level API: a ``llama_batch`` of the prompt in chunks of
+``n_batch``, ``llama_decode``, the logits of the positions asked for, and a
+``SequenceSampler`` (``llamacpp_sampling``) per sequence that picks each next token with
+llama.cpp's samplers and grammars. One sequence (id 0) is decoded at a time; the batch and the
+per-sequence sampler are apart so that several could share a batch.
+"""
 
 from __future__ import annotations
 
-import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import llama_cpp
+import numpy as np
 from llama_cpp import Llama, llama_chat_format
 
-from bus.events import SamplingParams, TaskCreated
+from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.engines.llamacpp_sampling import (
+    GrammarCache,
+    Logits,
+    SequenceSampler,
+    check_params,
+    scored,
+    seed_of,
+    token_piece,
+)
 from services.runner.generation import InvalidRequest
-
-log = logging.getLogger(__name__)
 
 # Named chat formats a model card may ask for (as llama-cpp-python names them). A model without
 # one uses the chat template in its GGUF.
@@ -24,6 +43,53 @@ _FORMATTERS: dict[str, Callable[..., Any]] = {
     "llama-3": llama_chat_format.format_llama3,
     "mistral-instruct": llama_chat_format.format_mistral_instruct,
 }
+
+# A prompt that is scored (echo) needs the logits of every position; llama.cpp keeps an output
+# buffer as large as the largest batch's logits for the context's life (n_batch of 512 with
+# Gemma's 262k vocabulary: 512 MiB), so such prompts go in smaller chunks.
+ECHO_CHUNK = 64
+
+
+class _Batch:
+    """A ``llama_batch``: tokens, each at a position of one sequence, with or without logits."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._batch = llama_cpp.llama_batch_init(capacity, 0, 1)
+        self.n = 0
+        weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        """Its index in the batch (what ``llama_get_logits_ith`` takes)."""
+        b, i = self._batch, self.n
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq
+        b.logits[i] = logits
+        self.n += 1
+        return i
+
+    def decode(self, ctx: Any) -> None:
+        self._batch.n_tokens = self.n
+        status = llama_cpp.llama_decode(ctx, self._batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed ({status})")
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    llm: Llama
+    vocab: Any  # llama_vocab pointer
+    n_vocab: int
+    batch: _Batch
+    grammars: GrammarCache
+    formatter: Callable[..., Any] | None
+    template: str | None  # the GGUF's Jinja template, when that is what chats go through
+    ends: frozenset[int]
 
 
 class LlamaCppEngine:
@@ -45,9 +111,13 @@ class LlamaCppEngine:
         self._chat_format = chat_format
         self._n_threads = n_threads or os.cpu_count() or 1
         self._kwargs = llama_kwargs
-        self._llm: Llama | None = None
-        self._formatter: Callable[..., Any] | None = None
-        self._end_tokens: frozenset[int] = frozenset()
+        self._loaded: _Loaded | None = None
+        self._pieces: dict[int, bytes] = {}
+        # The generation whose sequence the context holds (see ``_run``).
+        self._owner: object | None = None
+        # Apply a grammar to every candidate, every token (llama.cpp's grammar_first), rather
+        # than check the token picked first: for measurements.
+        self.grammar_first = False
 
     def load(self) -> None:
         llm = Llama(
@@ -58,72 +128,230 @@ class LlamaCppEngine:
             verbose=False,
             **self._kwargs,
         )
-        self._llm = llm
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        formatter: Callable[..., Any] | None = None
+        template: str | None = None
         if self._chat_format is not None:
-            self._formatter = _FORMATTERS[self._chat_format]
+            formatter = _FORMATTERS[self._chat_format]
         elif template := llm.metadata.get("tokenizer.chat_template"):
-            vocab = llm._model
-            self._formatter = llama_chat_format.Jinja2ChatFormatter(
+            formatter = llama_chat_format.Jinja2ChatFormatter(
                 template=template,
-                eos_token=vocab.token_get_text(llm.token_eos()),
-                bos_token=vocab.token_get_text(llm.token_bos()),
+                eos_token=_special_text(vocab, llm.token_eos()),
+                bos_token=_special_text(vocab, llm.token_bos()),
             )
+        # Every end-of-generation token of the vocabulary ends it, as in llama-cpp-python's
+        # own completions (and a grammar, once complete, allows only these).
         ends = {llm.token_eos()}
+        ends.update(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
         # A format's own stop marker (e.g. Gemma's <end_of_turn>) ends generation as a token.
         if self._chat_format is not None:
-            stop = self._formatter(messages=[{"role": "user", "content": ""}]).stop  # type: ignore[misc]
+            assert formatter is not None
+            stop = formatter(messages=[{"role": "user", "content": ""}]).stop
             for s in [stop] if isinstance(stop, str) else stop or []:
                 ids = llm.tokenize(s.strip().encode(), add_bos=False, special=True)
                 if len(ids) == 1:
                     ends.add(ids[0])
-        self._end_tokens = frozenset(ends)
+        self._loaded = _Loaded(
+            llm=llm, vocab=vocab, n_vocab=n_vocab,
+            batch=_Batch(int(llama_cpp.llama_n_batch(llm.ctx))), grammars=GrammarCache(vocab),
+            formatter=formatter, template=template or None, ends=frozenset(ends),
+        )  # fmt: skip
+
+    @property
+    def loaded(self) -> _Loaded:
+        if self._loaded is None:
+            raise RuntimeError("engine not loaded")
+        return self._loaded
 
     @property
     def llm(self) -> Llama:
-        if self._llm is None:
-            raise RuntimeError("engine not loaded")
-        return self._llm
+        return self.loaded.llm
 
     @property
     def n_ctx(self) -> int:
         return int(self.llm.n_ctx())
 
-    def prompt_text(self, task: TaskCreated) -> str:
-        if task.kind == "completion" or task.messages is None:
-            if task.prompt is None:
-                raise InvalidRequest("a completion task needs a prompt")
-            return task.prompt
-        if self._formatter is None:
-            raise InvalidRequest("this model has no chat template: send a plain prompt")
-        messages = [m.model_dump(exclude_none=True) for m in task.messages]
-        return str(self._formatter(messages=messages).prompt)
+    @property
+    def n_vocab(self) -> int:
+        return self.loaded.n_vocab
 
-    def prompt_tokens(self, task: TaskCreated) -> list[int]:
-        text = self.prompt_text(task)
+    @property
+    def chat_template(self) -> str | None:
+        return self.loaded.template
+
+    # --- prompts ------------------------------------------------------------------------------
+
+    def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The chat as the model reads it, before tokenizing."""
+        m = self.loaded
+        if m.formatter is None:
+            raise InvalidRequest("this model has no chat template: send a plain prompt")
+        # Named formats know nothing of tools.
+        extra = {"tools": tools} if m.template is not None and tools else {}
+        if self._chat_format == "gemma":
+            messages = _system_in_first_user(messages)
+        try:
+            return str(m.formatter(messages=messages, **extra).prompt)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+            # A template's raise_exception, a role or a shape it does not take.
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        return self._tokens(self.chat_text(messages, tools))
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        return self._tokens(prompt)
+
+    def _tokens(self, text: str) -> list[int]:
         # Chat templates write the BOS token themselves; plain prompts get one added.
-        bos = self.llm.token_bos()
-        tokens: list[int] = self.llm.tokenize(text.encode(), add_bos=True, special=True)
+        llm = self.llm
+        bos = llm.token_bos()
+        tokens: list[int] = llm.tokenize(text.encode(), add_bos=True, special=True)
         if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos:
             tokens = tokens[1:]
         return tokens
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
-        llm = self.llm
-        llm.set_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(4)))
-        return llm.generate(
-            prompt,
-            temp=params.temperature,
-            top_p=params.top_p,
-            top_k=0 if params.temperature > 0 else 40,
-            min_p=0.0,
-            repeat_penalty=1.0,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            reset=True,
-        )
+    # --- tokens ---------------------------------------------------------------------------------
 
     def piece(self, token: int) -> bytes:
-        return bytes(self.llm.detokenize([token]))
+        piece = self._pieces.get(token)
+        if piece is None:
+            if not 0 <= token < self.n_vocab:
+                return b""
+            # Special tokens (end of turn and the like) show no text.
+            piece = self._pieces[token] = token_piece(self.loaded.vocab, token, special=False)
+        return piece
+
+    def spelled(self, token: int) -> bytes:
+        return token_piece(self.loaded.vocab, token) if 0 <= token < self.n_vocab else b""
 
     def is_end(self, token: int) -> bool:
-        return token in self._end_tokens
+        return token in self.loaded.ends
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
+        """Checks the request at once (``InvalidRequest``); decodes nothing before the first
+        ``next()``, and nothing more than the consumer takes. Each generation starts from an
+        empty cache; one started later takes the context from this one, which then raises
+        if resumed."""
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt) >= self.n_ctx:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt)} tokens, more than the model's context of "
+                f"{self.n_ctx} tokens leaves room for"
+            )
+        m = self.loaded
+        check_params(decoding.params, m.n_vocab, decoding.top_logprobs)
+        grammar = m.grammars.get(decoding.grammar) if decoding.grammar else None
+        return self._run(
+            list(prompt),
+            decoding,
+            lambda: SequenceSampler(
+                vocab=m.vocab, n_vocab=m.n_vocab, n_ctx=self.n_ctx, params=decoding.params,
+                seed=seed_of(decoding.params), grammar=grammar,
+                grammar_first=self.grammar_first,
+            ),
+        )  # fmt: skip
+
+    def _run(
+        self, prompt: list[int], decoding: Decoding, sampler: Callable[[], SequenceSampler]
+    ) -> Iterator[Token | PromptScores]:
+        seq = 0
+        me = self._owner = object()
+
+        def still_mine() -> None:
+            if self._owner is not me:
+                raise RuntimeError("a later generation took the context from this one")
+
+        self._reset(seq)
+        picker = sampler()
+        try:
+            k = decoding.top_logprobs
+            if decoding.echo:
+                scores, last = self._prefill_scored(prompt, seq, k or 0)
+                yield scores
+                still_mine()
+            else:
+                last = self._prefill(prompt, seq)
+            batch, ctx, pos = self.loaded.batch, self.llm.ctx, len(prompt)
+            while True:
+                logits = self._logits(last)
+                token = picker.sample(logits)
+                yield Token(token) if k is None else scored(logits, token, k)
+                if pos + 1 >= self.n_ctx:
+                    return  # what is generated fits in the context, as check_request counts
+                still_mine()
+                batch.clear()
+                last = batch.add(token, pos, seq, logits=True)
+                batch.decode(ctx)
+                pos += 1
+        finally:
+            picker.close()
+
+    def _reset(self, seq: int) -> None:
+        memory = llama_cpp.llama_get_memory(self.llm.ctx)
+        llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)  # a whole sequence: never fails
+
+    def _prefill(self, prompt: list[int], seq: int) -> int:
+        """Runs the prompt; the batch index of its last position's logits."""
+        batch, last = self.loaded.batch, 0
+        for start in range(0, len(prompt), batch.capacity):
+            batch.clear()
+            chunk = prompt[start : start + batch.capacity]
+            for i, token in enumerate(chunk, start):
+                last = batch.add(token, i, seq, logits=i == len(prompt) - 1)
+            batch.decode(self.llm.ctx)
+        return last
+
+    def _prefill_scored(self, prompt: list[int], seq: int, k: int) -> tuple[PromptScores, int]:
+        """Runs the prompt with every position's logits: each token's score given the ones
+        before it (the first has none), from the position before it."""
+        batch, last = self.loaded.batch, 0
+        tokens = [Token(prompt[0])]
+        size = min(ECHO_CHUNK, batch.capacity)
+        for start in range(0, len(prompt), size):
+            batch.clear()
+            chunk = prompt[start : start + size]
+            for i, token in enumerate(chunk, start):
+                last = batch.add(token, i, seq, logits=True)
+            batch.decode(self.llm.ctx)
+            for j in range(len(chunk)):
+                if start + j + 1 < len(prompt):
+                    tokens.append(scored(self._logits(j), prompt[start + j + 1], k))
+        return PromptScores(tuple(tokens)), last
+
+    def _logits(self, index: int) -> Logits:
+        """A view of the logits the last decode gave at batch ``index`` (valid until the next
+        decode)."""
+        pointer = llama_cpp.llama_get_logits_ith(self.llm.ctx, index)
+        if not pointer:
+            raise RuntimeError(f"no logits at batch index {index}")
+        logits: Logits = np.ctypeslib.as_array(pointer, shape=(self.loaded.n_vocab,))
+        return logits
+
+
+def _system_in_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """llama-cpp-python's ``gemma`` format drops system messages (Gemma has no such role):
+    their text goes at the start of the first user message instead, as Gemma's own template
+    does."""
+    system = "\n\n".join(str(m.get("content") or "") for m in messages if m["role"] == "system")
+    rest = [m for m in messages if m["role"] != "system"]
+    if not system:
+        return rest
+    for i, m in enumerate(rest):
+        if m["role"] == "user":
+            rest[i] = m | {"content": f"{system}\n\n{m.get('content') or ''}"}
+            return rest
+    return [{"role": "user", "content": system}, *rest]
+
+
+def _special_text(vocab: Any, token: int) -> str:
+    """A special token's text, for templates (``{{ bos_token }}``)."""
+    if token < 0:
+        return ""
+    return bytes(llama_cpp.llama_vocab_get_text(vocab, token)).decode(errors="replace")

@@ -28,8 +28,9 @@ from bus.events import (
     TaskCreated,
 )
 from bus.publisher import Publisher
+from services.runner.decoding import Decoding
 from services.runner.engines.llamacpp import LlamaCppEngine
-from services.runner.generation import check_request, steps
+from services.runner.generation import Step, check_request, steps
 from services.runner.llamacpp_pipeline import check_stages, rpc_offload
 from services.runner.spec import RunnerSpec
 from tests.services.event_log import EventLog
@@ -111,10 +112,11 @@ def reference(path: Path, task: TaskCreated, chat_format: str | None, repack: bo
     engine = LlamaCppEngine(path, n_ctx=N_CTX, n_threads=1, chat_format=chat_format)
     with nullcontext() if repack else weights_not_repacked():
         engine.load()
-    prompt = engine.prompt_tokens(task)
+    assert task.messages is not None
+    prompt = engine.chat_tokens([m.model_dump(exclude_none=True) for m in task.messages], None)
     limit = check_request(len(prompt), task.params, engine.n_ctx)
-    return [s.token_id for s in steps(engine, prompt, task.params, limit, lambda: False)
-            if s.token_id is not None]  # fmt: skip
+    return [s.token_id for s in steps(engine, prompt, Decoding(task.params), limit, lambda: False)
+            if isinstance(s, Step) and s.token_id is not None]  # fmt: skip
 
 
 def spec(url: str, shard: ShardAssignment, peers: list[ShardAssignment], path: Path,
