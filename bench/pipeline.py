@@ -110,7 +110,8 @@ def rpc_main(args: argparse.Namespace) -> None:
 def mlx_head_main(args: argparse.Namespace) -> None:
     """In a child: the MLX model whole, or rank 0 of a ring with the hosts given; time the
     prompts, print JSON."""
-    from bus.events import SamplingParams, TaskCreated
+    from bus.events import SamplingParams
+    from services.runner.decoding import Decoding
     from services.runner.engines.base import Engine
     from services.runner.engines.mlx import MlxEngine
     from services.runner.engines.mlx_pipeline import PipelineHead, PipelineShard
@@ -130,12 +131,10 @@ def mlx_head_main(args: argparse.Namespace) -> None:
     greedy = SamplingParams(temperature=0.0)
     results = []
     for prompt in [WARMUP, *json.loads(args.prompts)]:
-        task = TaskCreated(task_id="t", model_id="m", origin="bench", kind="completion",
-                           prompt=prompt, params=greedy)  # fmt: skip
-        tokens = engine.prompt_tokens(task)
+        tokens = engine.text_tokens(prompt)
         sent = time.perf_counter()
         times: list[float] = []
-        for _ in engine.generate(tokens, greedy):
+        for _ in engine.generate(tokens, Decoding(greedy)):
             times.append(time.perf_counter())
             if len(times) >= args.tokens:
                 break

@@ -2,20 +2,19 @@
 weights and the Hugging Face tokenizer files.
 
 Besides ``MlxEngine`` (a whole model in one process), this holds the parts that a pipeline stage
-(``mlx_pipeline``) shares with it: the tokenizer side (``MlxText``), the sampler, the prompt's
-prefill chunks and the model loader.
+(``mlx_pipeline``) shares with it: the tokenizer side (``MlxText``), the prompt's prefill chunks
+and the model loader. How tokens are picked (sampling, grammars, log-probabilities) is
+``mlx_sampling``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from jinja2 import TemplateError
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import make_prompt_cache
@@ -23,7 +22,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
-from bus.events import SamplingParams, TaskCreated
+from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.engines.mlx_sampling import (
+    Grammars,
+    Picker,
+    as_tokens,
+    prompt_scores,
+    resolve_seed,
+)
 from services.runner.generation import InvalidRequest
 
 # The prompt but its last token is run through the model in chunks of this many tokens, and
@@ -52,47 +58,95 @@ def context_length(requested: int, config: dict[str, Any]) -> int:
 
 
 class MlxText:
-    """The tokenizer side of a model: prompts to token ids, token ids to bytes, end tokens."""
+    """The tokenizer side of a model: prompts to token ids, token ids to bytes, end tokens, and
+    the grammars (compiled for this vocabulary, at the first task that has one)."""
 
-    def __init__(self, tokenizer: TokenizerWrapper, model_dir: Path) -> None:
+    def __init__(self, tokenizer: TokenizerWrapper, model_dir: Path, n_vocab: int) -> None:
         self._tokenizer = tokenizer
         self._end = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self._pieces = _token_bytes(tokenizer, model_dir)
+        self._n_vocab = n_vocab
+        self._grammars: Grammars | None = None
 
     @classmethod
     def load(cls, model_dir: Path, config: dict[str, Any]) -> MlxText:
         eos = config.get("eos_token_id")
         tokenizer: TokenizerWrapper = load_tokenizer(model_dir, eos_token_ids=eos)  # type: ignore[no-untyped-call]
-        return cls(tokenizer, model_dir)
+        return cls(tokenizer, model_dir, int(config["vocab_size"]))
 
-    def prompt_tokens(self, task: TaskCreated) -> list[int]:
+    @property
+    def n_vocab(self) -> int:
+        """The width of the model's logits (a vocabulary may have fewer tokens)."""
+        return self._n_vocab
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self._tokenizer.chat_template
+        if isinstance(template, dict):  # named templates: the default one
+            template = template.get("default")
+        return template if isinstance(template, str) else None
+
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         tok = self._tokenizer
-        if task.kind == "completion" or task.messages is None:
-            if task.prompt is None:
-                raise InvalidRequest("a completion task needs a prompt")
-            # A plain prompt gets the tokenizer's BOS, if it has one.
-            tokens: list[int] = tok.encode(task.prompt, add_special_tokens=True)
-        else:
-            if not tok.has_chat_template:
-                raise InvalidRequest("this model has no chat template: send a plain prompt")
-            messages = [m.model_dump(exclude_none=True) for m in task.messages]
-            try:
-                text = tok.apply_chat_template(  # type: ignore[no-untyped-call]
-                    messages, add_generation_prompt=True, tokenize=False
-                )
-            except TemplateError as exc:  # e.g. a role the template rejects
-                raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
-            # The template writes the BOS token itself.
-            tokens = tok.encode(str(text), add_special_tokens=False)
-        if not tokens:
-            raise InvalidRequest("the prompt is empty")
-        return [int(t) for t in tokens]
+        if not tok.has_chat_template:
+            raise InvalidRequest("this model has no chat template: send a plain prompt")
+        try:
+            text = tok.apply_chat_template(  # type: ignore[no-untyped-call]
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        except TemplateError as exc:  # e.g. a role the template rejects
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+        # The template writes the BOS token itself.
+        return _non_empty(tok.encode(str(text), add_special_tokens=False))
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        # A plain prompt gets the tokenizer's BOS, if it has one.
+        return _non_empty(self._tokenizer.encode(prompt, add_special_tokens=True))
 
     def piece(self, token: int) -> bytes:
         return self._pieces[token] if 0 <= token < len(self._pieces) else b""
 
+    def spelled(self, token: int) -> bytes:
+        piece = self.piece(token)
+        if piece or not 0 <= token < len(self._pieces):
+            return piece
+        name = self._tokenizer.convert_ids_to_tokens(token)
+        return name.encode() if isinstance(name, str) else b""
+
     def is_end(self, token: int) -> bool:
         return token in self._end
+
+    @property
+    def grammars(self) -> Grammars:
+        """llguidance's view of the vocabulary, and the grammars compiled for it: built at the
+        first use (about 0.1 s for 49k tokens), then kept."""
+        if self._grammars is None:
+            tok = self._tokenizer
+            names: list[str | None] = tok.convert_ids_to_tokens(list(range(len(self._pieces))))
+            # Special tokens have no text in the reply, but a grammar sees it (as llama.cpp's);
+            # end tokens are llguidance's end of sequence only.
+            pieces = [
+                b"" if i in self._end else piece or (name or "").encode()
+                for i, (piece, name) in enumerate(zip(self._pieces, names, strict=True))
+            ]
+
+            def encode(text: str) -> list[int]:
+                return [int(t) for t in tok.encode(text, add_special_tokens=False)]
+
+            self._grammars = Grammars(pieces, sorted(self._end), self._n_vocab, encode)
+        return self._grammars
+
+    def picker(self, decoding: Decoding, seed: int) -> Picker:
+        """A task's picker; raises ``InvalidRequest`` for a decoding it cannot follow."""
+        return Picker(decoding, seed, self._n_vocab, lambda: self.grammars)
+
+
+def _non_empty(tokens: list[int]) -> list[int]:
+    if not tokens:
+        raise InvalidRequest("the prompt is empty")
+    return [int(t) for t in tokens]
 
 
 def _token_bytes(tokenizer: TokenizerWrapper, model_dir: Path) -> list[bytes]:
@@ -142,56 +196,6 @@ def _byte_level_alphabet() -> dict[str, int]:
     return alphabet
 
 
-class Sampler:
-    """Picks each next token from a step's logits as the request's SamplingParams say: greedy
-    at temperature 0, else from the temperature-scaled distribution cut to top_p, with its own
-    random key (the same seed gives the same tokens). Presence and frequency penalties, as
-    OpenAI defines them, count the tokens generated so far."""
-
-    def __init__(self, params: SamplingParams, seed: int) -> None:
-        self._temperature = params.temperature
-        self._top_p = params.top_p
-        self._presence = params.presence_penalty
-        self._frequency = params.frequency_penalty
-        self._key = mx.random.key(seed % 2**64)
-        self._counts: dict[int, int] = {}
-
-    def __call__(self, logits: mx.array) -> int:
-        """``logits``: the last position's, shape (1, vocab)."""
-        if self._counts and (self._presence or self._frequency):
-            ids = mx.array(list(self._counts))
-            penalty = mx.array(
-                [self._presence + self._frequency * c for c in self._counts.values()]
-            )
-            logits = logits.astype(mx.float32)
-            logits[:, ids] = logits[:, ids] - penalty
-        # Log-probabilities in the model's dtype, as mlx-lm's samplers take them.
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self._temperature == 0:
-            choice = mx.argmax(logprobs, axis=-1)
-        else:
-            self._key, key = mx.random.split(self._key)
-            scaled = logprobs.astype(mx.float32) * (1 / self._temperature)
-            if self._top_p < 1.0:
-                order = mx.argsort(-scaled, axis=-1)
-                ordered = mx.take_along_axis(scaled, order, axis=-1)
-                probs = mx.softmax(ordered, axis=-1)
-                # The most likely tokens whose probabilities add up to top_p (at least one).
-                keep = (mx.cumsum(probs, axis=-1) - probs) < self._top_p
-                ordered = mx.where(keep, ordered, -mx.inf)
-                picked = mx.random.categorical(ordered, axis=-1, key=key)
-                choice = mx.take_along_axis(order, picked[:, None], axis=-1)[:, 0]
-            else:
-                choice = mx.random.categorical(scaled, axis=-1, key=key)
-        token = int(np.array(choice)[0])
-        self._counts[token] = self._counts.get(token, 0) + 1
-        return token
-
-
-def resolve_seed(params: SamplingParams) -> int:
-    return params.seed if params.seed is not None else int.from_bytes(os.urandom(8))
-
-
 class MlxEngine:
     """A whole MLX model in this process.
 
@@ -212,6 +216,7 @@ class MlxEngine:
         # lazy could not be evaluated from the thread that generates.
         mx.eval(model.parameters())  # type: ignore[no-untyped-call]
         self._text = MlxText.load(self._dir, config)
+        _ = self._text.grammars  # built now, not in the first task with a grammar
         self._n_ctx = context_length(self._requested_ctx, config)
         self._model = model
 
@@ -231,38 +236,67 @@ class MlxEngine:
     def n_ctx(self) -> int:
         return self._n_ctx
 
-    def prompt_tokens(self, task: TaskCreated) -> list[int]:
-        return self.text.prompt_tokens(task)
+    @property
+    def n_vocab(self) -> int:
+        return self.text.n_vocab
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+    @property
+    def chat_template(self) -> str | None:
+        return self.text.chat_template
+
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        return self.text.chat_tokens(messages, tools)
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        return self.text.text_tokens(prompt)
+
+    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
         if not prompt:
             raise InvalidRequest("the prompt is empty")
         if len(prompt) >= self.n_ctx:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens, the context {self.n_ctx}")
-        return self._generate(prompt, Sampler(params, resolve_seed(params)))
+        picker = self.text.picker(decoding, resolve_seed(decoding.params))
+        return self._generate(prompt, decoding, picker)
 
-    def _generate(self, prompt: list[int], sampler: Sampler) -> Iterator[int]:
+    def _generate(
+        self, prompt: list[int], decoding: Decoding, picker: Picker
+    ) -> Iterator[Token | PromptScores]:
         """Lazy: the prompt is processed at the first ``next()``, and each further token costs
         one ``next()``, so a consumer that stops iterating stops the work."""
         model = self.model
         cache = make_prompt_cache(model)
         *body, last = prefill_chunks(prompt)
+        scored = [Token(prompt[0])]
+        done = 0
         for chunk in body:
-            model(mx.array([chunk]), cache=cache)
+            logits = model(mx.array([chunk]), cache=cache)
+            if decoding.echo:
+                # Each position's logits score the prompt's next token (the lm head runs on
+                # every position only here: otherwise only the cache is evaluated).
+                targets = prompt[done + 1 : done + len(chunk) + 1]
+                scored += as_tokens(*prompt_scores(logits[0], targets, decoding.top_logprobs or 0))
             mx.eval([c.state for c in cache])
+            done += len(chunk)
+        if decoding.echo:
+            yield PromptScores(tuple(scored))
         step = last
         position = len(prompt)
         while True:
             logits = model(mx.array([step]), cache=cache)[:, -1, :]
-            token = sampler(logits)
+            token = picker.pick(logits)
             yield token
             position += 1
             if position >= self.n_ctx:
                 return
-            step = [token]
+            step = [token.id]
 
     def piece(self, token: int) -> bytes:
         return self.text.piece(token)
+
+    def spelled(self, token: int) -> bytes:
+        return self.text.spelled(token)
 
     def is_end(self, token: int) -> bool:
         return self.text.is_end(token)

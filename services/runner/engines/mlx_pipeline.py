@@ -7,18 +7,25 @@ output layer is tied to it). The ranks form mlx's TCP ring (``mx.distributed``, 
 "next" is rank 0.
 
 Rank 0 (``PipelineHead``) is an ``Engine``: the runner's TaskServer serves tasks with it as with
-a single-process engine. For each request it sends a command down the ring, then the prompt's
-hidden states, chunk by chunk; every rank runs its layers (with its own KV cache) and passes the
-result on; the last rank computes the logits, samples, and sends the token to rank 0, which
-yields it and, when asked for the next one, feeds it back in. When the consumer stops iterating
-(a stop string, the limit, a cancel), rank 0 sends "stop", so that every rank drops the request
-and waits for the next command: nothing is ever in flight between two tokens. Ranks > 0
-(``PipelineFollower``) run ``follow()`` until rank 0 sends "shutdown"; if the connection to a
-neighbour is lost, mlx raises and ``follow()`` raises ``PipelineBroken``.
+a single-process engine. For each request it sends START down the ring with the whole decoding
+(sampling parameters, seed, grammar, log-probabilities, echo), then the prompt's hidden states,
+chunk by chunk; every rank runs its layers (with its own KV cache) and passes the result on; the
+last rank computes the logits and picks the token with the same ``Picker`` as a single process
+(``mlx_sampling``: grammar, penalties, its own random key), and sends it to rank 0 with its
+log-probabilities; rank 0 yields it and, when asked for the next one, feeds it back in. With
+echo, each prefill chunk is also scored there, and the scores come back to rank 0 before the
+next chunk leaves. When the consumer stops iterating (a stop string, the limit, a cancel),
+rank 0 sends STOP, so that every rank drops the request and waits for the next command: nothing
+is ever in flight between two tokens. Ranks > 0 (``PipelineFollower``) run ``follow()`` until
+rank 0 sends SHUTDOWN; if the connection to a neighbour is lost, mlx raises and ``follow()``
+raises ``PipelineBroken``.
 
-Messages from a rank to the next: a ``Header``, then for START the sampling parameters (JSON
-bytes), for RUN the hidden states (1, tokens, hidden). From the last rank to rank 0: one int32,
-the sampled token (or the shutdown acknowledgement).
+Messages from a rank to the next: a ``Header``, then for START the ``StartRequest`` (JSON bytes),
+for RUN the hidden states (1, tokens, hidden). From the last rank to rank 0: a ``Reply`` header,
+then what it announces: a picked token's (id, log-probability) pairs (int32 ids, float32
+log-probabilities, the token first), a chunk's prompt scores (the same, a row per position), an
+error's message (UTF-8 bytes: a grammar the text left), or nothing (a token without
+log-probabilities, the shutdown acknowledgement).
 """
 
 from __future__ import annotations
@@ -37,24 +44,29 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import IntEnum, IntFlag
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import numpy.typing as npt
 from mlx.nn.layers.base import Module
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
+from pydantic import BaseModel, Field
 
-from bus.events import SamplingParams, TaskCreated
+from bus.events import SamplingParams
+from services.runner.decoding import Decoding, Grammar, PromptScores, Token
 from services.runner.engines.base import EngineBroken
-from services.runner.engines.mlx import (
-    MlxText,
-    Sampler,
-    context_length,
-    load_model,
-    prefill_chunks,
+from services.runner.engines.mlx import MlxText, context_length, load_model, prefill_chunks
+from services.runner.engines.mlx_sampling import (
+    Grammars,
+    Picker,
+    as_tokens,
+    check_decoding,
+    prompt_scores,
     resolve_seed,
 )
 from services.runner.generation import InvalidRequest
@@ -66,9 +78,33 @@ log = logging.getLogger(__name__)
 # scales its embeddings, mixture-of-experts models route) would need their own stage code.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
-_START, _RUN, _STOP, _SHUTDOWN = 1, 2, 3, 4
+
+class Command(IntEnum):
+    """What a message from a rank to the next is."""
+
+    START = 1
+    RUN = 2
+    STOP = 3
+    SHUTDOWN = 4
+
+
+class Run(IntFlag):
+    """What the last rank does with a RUN's hidden states, besides its KV cache."""
+
+    SAMPLE = 1  # pick the next token from the last position
+    SCORE = 2  # score the prompt's next token at every position (echo)
+
+
+class Answer(IntEnum):
+    """What a message from the last rank to rank 0 is."""
+
+    TOKEN = 1
+    SCORES = 2
+    ERROR = 3
+    SHUTDOWN_ACK = 4
+
+
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-_SHUTDOWN_ACK = -1
 # A closed connection (POLLRDHUP: the peer's FIN, where the system has it) or a broken one.
 _HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
@@ -142,6 +178,7 @@ class Stage:
         self.norm = norm
         self.head = head
         self.hidden_size = hidden_size
+        self.vocab_size = int(config["vocab_size"])
         self.config = config
         self._tied = tied
         self._window = sliding_window
@@ -210,6 +247,15 @@ class Stage:
         out = self.norm(h[:, -1:, :])
         out = self.head.as_linear(out) if self._tied else self.head(out)
         logits: mx.array = out[:, -1, :]
+        return logits
+
+    def every_logits(self, h: mx.array) -> mx.array:
+        """Every position's logits, shape (tokens, vocab); last rank only."""
+        if self.norm is None or self.head is None:
+            raise RuntimeError("only the last rank computes logits")
+        out = self.norm(h)
+        out = self.head.as_linear(out) if self._tied else self.head(out)
+        logits: mx.array = out[0]
         return logits
 
 
@@ -289,12 +335,12 @@ class Ring:
             ) from exc
         return x
 
-    def send_message(self, header: Header, payload: mx.array | None = None) -> None:
-        """The header and its payload in one evaluation, the payload's send made to depend on
-        the header's: they leave in order, and nothing can come between them."""
+    def send_message(self, header: Header | Reply, *payloads: mx.array) -> None:
+        """The header and its payloads in one evaluation, each send made to depend on the one
+        before: they leave in order, and nothing can come between them."""
         self._check_next()
         sent = mx.distributed.send(header.to_array(), self._next, group=self.group)
-        if payload is not None:
+        for payload in payloads:
             after: Any = mx.depends(payload, sent)
             sent = mx.distributed.send(after, self._next, group=self.group)
         try:
@@ -305,19 +351,34 @@ class Ring:
     def recv_header(self) -> Header:
         return Header(*(int(v) for v in np.array(self.recv((4,), mx.int32))))
 
-    def send_token(self, token: int) -> None:
-        self.send(mx.array([token], dtype=mx.int32))
+    def send_reply(self, reply: Reply) -> None:
+        """From the last rank to rank 0."""
+        if reply.ids is not None and reply.logprobs is not None:
+            ids, lps = mx.array(reply.ids.reshape(-1)), mx.array(reply.logprobs.reshape(-1))
+            self.send_message(reply, ids, lps)
+        elif reply.kind == Answer.ERROR:
+            self.send_message(reply, _bytes_array(reply.message.encode()))
+        else:
+            self.send_message(reply)
 
-    def recv_token(self) -> int:
-        return int(np.array(self.recv((1,), mx.int32))[0])
+    def recv_reply(self) -> Reply:
+        """On rank 0: the last rank's reply, with all it announces."""
+        kind, value, rows, width = (int(v) for v in np.array(self.recv((4,), mx.int32)))
+        if kind == Answer.ERROR:
+            message = np.array(self.recv((value,), mx.uint8)).tobytes()
+            return Reply(kind, message=message.decode(errors="replace"))
+        if rows * width == 0:
+            return Reply(kind, value)
+        ids = np.array(self.recv((rows * width,), mx.int32)).reshape(rows, width)
+        lps = np.array(self.recv((rows * width,), mx.float32)).reshape(rows, width)
+        return Reply(kind, value, ids, lps)
 
 
 @dataclass(frozen=True)
 class Header:
-    """What a message from one rank to the next is: ``command``; for START, ``extra`` is the
-    length of the JSON sampling parameters that follow; for RUN, ``tokens`` hidden states of
-    dtype ``_DTYPES[dtype]`` follow, and ``extra`` is 1 when the last rank must sample the
-    next token from them."""
+    """A message from one rank to the next: ``command``; for START, ``extra`` is the length of
+    the ``StartRequest`` JSON that follows; for RUN, ``tokens`` hidden states of dtype
+    ``_DTYPES[dtype]`` follow, and ``extra`` holds the ``Run`` flags."""
 
     command: int
     tokens: int = 0
@@ -326,6 +387,65 @@ class Header:
 
     def to_array(self) -> mx.array:
         return mx.array([self.command, self.tokens, self.extra, self.dtype], dtype=mx.int32)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A message from the last rank to rank 0 (``Answer``): a TOKEN (``value`` its id), a
+    chunk's SCORES, an ERROR (``message``), the SHUTDOWN_ACK. ``ids`` and ``logprobs``, as
+    ``mlx_sampling.as_tokens`` reads them: one row per token, the token and its alternatives;
+    none for a token when no log-probabilities were asked. On the wire: four int32 (kind,
+    value, rows, width; for an error, value is the message's length), then the int32 ids and
+    the float32 log-probabilities, or the message."""
+
+    kind: int
+    value: int = 0
+    ids: npt.NDArray[np.int32] | None = None
+    logprobs: npt.NDArray[np.float32] | None = None
+    message: str = ""
+
+    def to_array(self) -> mx.array:
+        if self.kind == Answer.ERROR:
+            shape = (len(self.message.encode()), 0, 0)
+        else:
+            shape = (self.value, *(self.ids.shape if self.ids is not None else (0, 0)))
+        return mx.array([self.kind, *shape], dtype=mx.int32)
+
+    def tokens(self) -> list[Token]:
+        """The scores or token, as ``Token``s; raises ``InvalidRequest`` for an error."""
+        if self.kind == Answer.ERROR:
+            raise InvalidRequest(self.message)
+        if self.ids is None or self.logprobs is None:
+            return [Token(self.value)]
+        return as_tokens(self.ids, self.logprobs)
+
+
+class StartRequest(BaseModel):
+    """START's payload: what the last rank needs to pick a request's tokens as one process
+    would, and, with echo, the prompt it scores."""
+
+    params: SamplingParams
+    seed: int
+    grammar: str | None = None
+    triggers: list[str] = Field(default_factory=list)
+    top_logprobs: int | None = None
+    echo: bool = False
+    prompt: list[int] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, decoding: Decoding, seed: int, prompt: list[int]) -> StartRequest:
+        grammar = decoding.grammar
+        return cls(
+            params=decoding.params, seed=seed,
+            grammar=grammar.gbnf if grammar is not None else None,
+            triggers=list(grammar.triggers) if grammar is not None else [],
+            top_logprobs=decoding.top_logprobs, echo=decoding.echo,
+            prompt=prompt if decoding.echo else [],
+        )  # fmt: skip
+
+    def decoding(self) -> Decoding:
+        grammar = Grammar(self.grammar, tuple(self.triggers)) if self.grammar is not None else None
+        return Decoding(self.params, grammar, self.top_logprobs, self.echo)
 
 
 def _poller(sock: socket.socket | None, events: int) -> select.poll | None:
@@ -506,7 +626,7 @@ class PipelineHead:
         self._text: MlxText | None = None
         self._ring: Ring | None = None
         self._broken: str | None = None
-        self._active: weakref.ref[Generator[int, None, None]] | None = None
+        self._active: weakref.ref[Generator[Token | PromptScores, None, None]] | None = None
 
     def load(self) -> None:
         self.load_weights()
@@ -533,11 +653,27 @@ class PipelineHead:
     def n_ctx(self) -> int:
         return self._n_ctx
 
-    def prompt_tokens(self, task: TaskCreated) -> list[int]:
-        return self.text.prompt_tokens(task)
+    @property
+    def n_vocab(self) -> int:
+        return self.text.n_vocab
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.text.chat_template
+
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        return self.text.chat_tokens(messages, tools)
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        return self.text.text_tokens(prompt)
 
     def piece(self, token: int) -> bytes:
         return self.text.piece(token)
+
+    def spelled(self, token: int) -> bytes:
+        return self.text.spelled(token)
 
     def is_end(self, token: int) -> bool:
         return self.text.is_end(token)
@@ -549,18 +685,17 @@ class PipelineHead:
             raise RuntimeError("engine not loaded")
         return self._stage, self._ring
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
         self._parts()
         if not prompt:
             raise InvalidRequest("the prompt is empty")
         if len(prompt) >= self.n_ctx:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens, the context {self.n_ctx}")
+        # Refused here, before anything is sent; the last rank compiles the grammar.
+        check_decoding(decoding, self.n_vocab)
         self._end_active()
-        sampling = params.model_dump(
-            include={"temperature", "top_p", "presence_penalty", "frequency_penalty"}
-        )
-        sampling["seed"] = resolve_seed(params)
-        tokens = self._generate(prompt, json.dumps(sampling).encode())
+        start = StartRequest.of(decoding, resolve_seed(decoding.params), prompt)
+        tokens = self._generate(prompt, decoding, start.model_dump_json().encode())
         self._active = weakref.ref(tokens)
         return tokens
 
@@ -570,61 +705,74 @@ class PipelineHead:
         if previous is not None:
             previous.close()
 
-    def _generate(self, prompt: list[int], sampling: bytes) -> Generator[int, None, None]:
+    def _generate(
+        self, prompt: list[int], decoding: Decoding, start: bytes
+    ) -> Generator[Token | PromptScores, None, None]:
         stage, ring = self._parts()
-        waiting = False  # a token is owed by the last rank
+        owed = False  # a reply is owed by the last rank
         try:
-            ring.send_message(Header(_START, extra=len(sampling)), _bytes_array(sampling))
+            ring.send_message(Header(Command.START, extra=len(start)), _bytes_array(start))
             cache = stage.new_cache()
             *body, last = prefill_chunks(prompt)
+            scored = [Token(prompt[0])]
             for chunk in body:
-                self._run(stage, ring, cache, chunk, sample=False)
-            self._run(stage, ring, cache, last, sample=True)
-            waiting = True
-            token = ring.recv_token()
-            waiting = False
+                self._run(stage, ring, cache, chunk, Run.SCORE if decoding.echo else Run(0))
+                if decoding.echo:
+                    # Waited for before the next chunk leaves: the ring never holds a chunk
+                    # and scores at once (a rank could block sending while its receiver does).
+                    owed = True
+                    reply = ring.recv_reply()
+                    owed = False
+                    scored += reply.tokens()
+            if decoding.echo:
+                yield PromptScores(tuple(scored))
+            step = last
             position = len(prompt)
             while True:
+                self._run(stage, ring, cache, step, Run.SAMPLE)
+                owed = True
+                reply = ring.recv_reply()
+                owed = False
+                token = reply.tokens()[0]
                 yield token
                 position += 1
                 if position >= self.n_ctx:
                     return
-                self._run(stage, ring, cache, [token], sample=True)
-                waiting = True
-                token = ring.recv_token()
-                waiting = False
+                step = [token.id]
         except PipelineBroken as exc:
             self._broken = str(exc)
             raise
         finally:
             # Every way out but a lost ring (the consumer stopped, the context is full, an
-            # error here) leaves the other ranks ready for the next request.
+            # error here or on the last rank) leaves the other ranks ready for the next one.
             if self._broken is None:
                 try:
-                    if waiting:
-                        ring.recv_token()
-                    ring.send_message(Header(_STOP))
+                    if owed:
+                        ring.recv_reply()
+                    ring.send_message(Header(Command.STOP))
                 except PipelineBroken as exc:
                     self._broken = str(exc)
                     raise
 
     def _run(
-        self, stage: Stage, ring: Ring, cache: list[Any], tokens: list[int], sample: bool
+        self, stage: Stage, ring: Ring, cache: list[Any], tokens: list[int], flags: Run
     ) -> None:
         h = stage.hidden(mx.array([tokens]), cache)
         mx.eval(h, [c.state for c in cache])
-        ring.send_message(Header(_RUN, len(tokens), int(sample), _DTYPES.index(h.dtype)), h)
+        header = Header(Command.RUN, len(tokens), int(flags), _DTYPES.index(h.dtype))
+        ring.send_message(header, h)
 
     def shutdown(self) -> None:
         """End every other rank's ``follow()``; returns once all have seen it."""
         if self._ring is None or self._broken is not None:
             return
         self._end_active()
-        self._ring.send_message(Header(_SHUTDOWN))
-        ack = self._ring.recv_token()
+        self._ring.send_message(Header(Command.SHUTDOWN))
+        ack = self._ring.recv_reply()
         self._broken = "the pipeline was shut down"
-        if ack != _SHUTDOWN_ACK:
-            raise PipelineBroken(f"rank {self._shard.world_size - 1} answered {ack} to shutdown")
+        if ack.kind != Answer.SHUTDOWN_ACK:
+            last = self._shard.world_size - 1
+            raise PipelineBroken(f"rank {last} answered {ack.kind} to shutdown")
 
 
 class PipelineFollower:
@@ -641,6 +789,7 @@ class PipelineFollower:
         self._connect_timeout = connect_timeout
         self._stage: Stage | None = None
         self._ring: Ring | None = None
+        self._text: MlxText | None = None
         self.requests = 0
 
     def load(self) -> None:
@@ -649,57 +798,109 @@ class PipelineFollower:
 
     def load_weights(self) -> None:
         self._stage = Stage.load(self._dir, self._shard)
+        if self._shard.last:  # it picks the tokens: the grammars need the vocabulary
+            self._text = MlxText.load(self._dir, self._stage.config)
+            _ = self._text.grammars  # built now, not in the first task with a grammar
 
     def join(self) -> None:
         """Join the ring (see ``connect`` for the timing between ranks)."""
         self._ring = connect(self._shard, self._connect_timeout)
+
+    def _grammars(self) -> Grammars:
+        """The last rank's grammars (for their vocabulary and the triggers' text)."""
+        if self._text is None:
+            raise RuntimeError("only the last rank picks tokens")
+        return self._text.grammars
 
     def follow(self) -> None:
         """Serve rank 0's requests; returns on shutdown, raises ``PipelineBroken`` when a
         neighbour is lost."""
         if self._stage is None or self._ring is None:
             raise RuntimeError("follower not loaded")
-        stage, ring, last = self._stage, self._ring, self._shard.last
-        cache: list[Any] | None = None
-        sampler: Sampler | None = None
+        stage, ring = self._stage, self._ring
+        request: _Request | None = None
         while True:
             header = ring.recv_header()
             command = header.command
-            if command == _SHUTDOWN:
-                if last:
-                    ring.send_token(_SHUTDOWN_ACK)
+            if command == Command.SHUTDOWN:
+                if self._shard.last:
+                    ring.send_reply(Reply(Answer.SHUTDOWN_ACK))
                 else:
                     ring.send_message(header)
                 return
-            if command == _STOP:
-                cache, sampler = None, None
-                if not last:
+            if command == Command.STOP:
+                request = None
+                if not self._shard.last:
                     ring.send_message(header)
-            elif command == _START:
-                sampling = ring.recv((header.extra,), mx.uint8)
-                if not last:
-                    ring.send_message(header, sampling)
-                else:
-                    fields = json.loads(np.array(sampling).tobytes())
-                    sampler = Sampler(SamplingParams.model_validate(fields), int(fields["seed"]))
-                cache = stage.new_cache()
+            elif command == Command.START:
+                payload = ring.recv((header.extra,), mx.uint8)
+                if not self._shard.last:
+                    ring.send_message(header, payload)
+                request = _Request(stage.new_cache())
+                if self._shard.last:
+                    request.begin(np.array(payload).tobytes(), stage, self._grammars)
                 self.requests += 1
-            elif command == _RUN:
-                if cache is None:
+            elif command == Command.RUN:
+                if request is None:
                     raise PipelineBroken(f"rank {ring.rank}: hidden states outside a request")
                 shape = (1, header.tokens, stage.hidden_size)
-                h = stage.hidden(ring.recv(shape, _DTYPES[header.dtype]), cache)
-                if not last:
-                    mx.eval(h, [c.state for c in cache])
+                h = stage.hidden(ring.recv(shape, _DTYPES[header.dtype]), request.cache)
+                if not self._shard.last:
+                    mx.eval(h, [c.state for c in request.cache])
                     ring.send_message(header, h)
-                elif header.extra:  # the chunk whose last position gives the next token
-                    if sampler is None:
-                        raise PipelineBroken(f"rank {ring.rank}: no sampler for the request")
-                    ring.send_token(sampler(stage.logits(h)))
                 else:
-                    mx.eval(h, [c.state for c in cache])
+                    reply = request.run(stage, h, Run(header.extra))
+                    if reply is not None:
+                        ring.send_reply(reply)
             else:
                 raise PipelineBroken(f"rank {ring.rank}: unknown command {command}")
+
+
+@dataclass
+class _Request:
+    """A request as a follower holds it: its KV cache; on the last rank, its picker, the
+    prompt it scores (echo) and how far the prompt has come."""
+
+    cache: list[Any]
+    picker: Picker | None = None
+    error: str = ""
+    top_logprobs: int = 0
+    prompt: list[int] = field(default_factory=list)
+    position: int = 0
+
+    def begin(self, payload: bytes, stage: Stage, grammars: Callable[[], Grammars]) -> None:
+        start = StartRequest.model_validate_json(payload)
+        self.top_logprobs = start.top_logprobs or 0
+        self.prompt = start.prompt
+        try:
+            self.picker = Picker(start.decoding(), start.seed, stage.vocab_size, grammars)
+        except InvalidRequest as exc:  # answered to the first RUN that wants an answer
+            self.error = str(exc)
+
+    def run(self, stage: Stage, h: mx.array, flags: Run) -> Reply | None:
+        """The last rank's part of a RUN; the reply rank 0 waits for, if it waits for one."""
+        begin, self.position = self.position, self.position + h.shape[1]
+        if not flags & (Run.SAMPLE | Run.SCORE):
+            mx.eval(h, [c.state for c in self.cache])
+            return None
+        if self.picker is None:
+            mx.eval(h, [c.state for c in self.cache])
+            return Reply(Answer.ERROR, message=self.error or "the request could not start")
+        try:
+            if flags & Run.SCORE:
+                targets = self.prompt[begin + 1 : begin + h.shape[1] + 1]
+                ids, lps = prompt_scores(stage.every_logits(h), targets, self.top_logprobs)
+                mx.eval([c.state for c in self.cache])
+                return Reply(Answer.SCORES, 0, ids, lps)
+            token = self.picker.pick(stage.logits(h))
+        except InvalidRequest as exc:  # the grammar could not go on: the task fails
+            self.picker, self.error = None, str(exc) or type(exc).__name__
+            return Reply(Answer.ERROR, message=self.error)
+        if token.logprob is None:
+            return Reply(Answer.TOKEN, token.id)
+        ids = np.array([[token.id, *(i for i, _ in token.top)]], dtype=np.int32)
+        lps = np.array([[token.logprob, *(lp for _, lp in token.top)]], dtype=np.float32)
+        return Reply(Answer.TOKEN, token.id, ids, lps)
 
 
 def main(argv: list[str] | None = None) -> int:

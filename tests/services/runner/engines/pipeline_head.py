@@ -1,15 +1,17 @@
 """Rank 0 of an MLX pipeline as its own process, for the tests: serves a script of tasks the
-way the runner's TaskServer does (prompt_tokens, check_request, steps) and prints one JSON line
-per task, then shuts the pipeline down.
+way the runner's TaskServer does (the prompt's tokens, check_request, steps) and prints one JSON
+line per task, then shuts the pipeline down.
 
     python -m tests.services.runner.engines.pipeline_head --model DIR --layers 0:2 \
         --n-layers 4 --hosts 127.0.0.1:5000,127.0.0.1:5001 --script '[{"task": {...}}, ...]'
 
-A script entry is ``{"task": <TaskCreated JSON>, "cancel_after": N}`` (``cancel_after``
-optional: the task is cancelled once N tokens were generated); the output line has the token
-ids, the finish reason, the text and the generation time. ``{"task": ..., "abandon_after": N}``
-takes N tokens and leaves the generation suspended; ``{"wait": true}`` waits for a line on
-stdin. A broken pipeline ends the script: a line ``{"broken": ...}`` and exit status 3. With
+A script entry is ``{"task": <TaskCreated JSON>, "cancel_after": N, "grammar": {"gbnf": ...,
+"triggers": [...]}}`` (``cancel_after`` optional: the task is cancelled once N tokens were
+generated; ``grammar`` optional); the output line has the token ids, the finish reason, the
+text, the log-probabilities (the task's ``logprobs``, ``echo``) and the generation time, or
+``{"invalid": ...}`` for a task that failed. ``{"task": ..., "abandon_after": N}`` takes N
+tokens and leaves the generation suspended; ``{"wait": true}`` waits for a line on stdin. A
+broken pipeline ends the script: a line ``{"broken": ...}`` and exit status 3. With
 ``--hold``, after the script it waits until it is killed, without shutting the pipeline down.
 """
 
@@ -25,30 +27,65 @@ from pathlib import Path
 from typing import Any
 
 from bus.events import TaskCreated
+from services.runner.decoding import Decoding, Grammar, PromptScores, Token
 from services.runner.engines.base import Engine
 from services.runner.engines.mlx_pipeline import PipelineBroken, PipelineHead, PipelineShard
-from services.runner.generation import check_request, steps
+from services.runner.generation import InvalidRequest, ScoredPrompt, check_request, steps
 
 
-def run_task(engine: Engine, task: TaskCreated, cancel_after: int | None = None) -> dict[str, Any]:
+def prompt_of(engine: Engine, task: TaskCreated) -> list[int]:
+    if task.messages is not None:
+        return engine.chat_tokens([m.model_dump(exclude_none=True) for m in task.messages], None)
+    if task.prompt is None:
+        raise InvalidRequest("a completion task needs a prompt")
+    return engine.text_tokens(task.prompt)
+
+
+def decoding_of(task: TaskCreated, grammar: Grammar | None = None) -> Decoding:
+    return Decoding(task.params, grammar, task.logprobs, task.echo)
+
+
+def token_id(item: Token | PromptScores) -> int:
+    assert isinstance(item, Token)
+    return item.id
+
+
+def run_task(
+    engine: Engine,
+    task: TaskCreated,
+    cancel_after: int | None = None,
+    grammar: Grammar | None = None,
+) -> dict[str, Any]:
     """Serve ``task`` as TaskServer does; cancelled once ``cancel_after`` tokens came."""
-    prompt = engine.prompt_tokens(task)
-    limit = check_request(len(prompt), task.params, engine.n_ctx)
+    prompt = prompt_of(engine, task)
+    limit = check_request(len(prompt), task.params, engine.n_ctx, echo=task.echo)
     tokens: list[int] = []
     text = ""
     finish = None
+    logprobs: list[Any] = []
+    scored: list[Any] | None = None
 
     def cancelled() -> bool:
         return cancel_after is not None and len(tokens) >= cancel_after
 
     began = time.perf_counter()
-    for step in steps(engine, prompt, task.params, limit, cancelled):
+    for step in steps(engine, prompt, decoding_of(task, grammar), limit, cancelled):
+        if isinstance(step, ScoredPrompt):
+            scored = [t.model_dump(mode="json") for t in step.tokens]
+            continue
         if step.token_id is not None:
             tokens.append(step.token_id)
+        if step.logprob is not None:
+            logprobs.append(step.logprob.model_dump(mode="json"))
         text += step.text
         finish = step.finish_reason
     seconds = time.perf_counter() - began
-    return {"tokens": tokens, "finish": finish, "text": text, "seconds": seconds}
+    out = {"tokens": tokens, "finish": finish, "text": text, "seconds": seconds}
+    if task.logprobs is not None:
+        out["logprobs"] = logprobs
+    if scored is not None:
+        out["prompt"] = scored
+    return out
 
 
 def main() -> int:
@@ -59,18 +96,19 @@ def main() -> int:
     parser.add_argument("--hosts", required=True)
     parser.add_argument("--script", required=True)
     parser.add_argument("--connect-timeout", type=float, default=60.0)
+    parser.add_argument("--n-ctx", type=int, default=512)
     parser.add_argument("--hold", action="store_true", help="after the script, wait forever")
     args = parser.parse_args()
     start, _, end = args.layers.partition(":")
     hosts = tuple(args.hosts.split(","))
     shard = PipelineShard(0, len(hosts), int(start), int(end), args.n_layers, hosts)
-    head = PipelineHead(args.model, shard, n_ctx=512, connect_timeout=args.connect_timeout)
+    head = PipelineHead(args.model, shard, n_ctx=args.n_ctx, connect_timeout=args.connect_timeout)
     # Loaded in another thread, as the runner does (asyncio.to_thread), generated in this one.
     loader = threading.Thread(target=head.load)
     loader.start()
     loader.join()
     print(json.dumps({"ready": True}), flush=True)
-    abandoned: list[Iterator[int]] = []
+    abandoned: list[Iterator[Token | PromptScores]] = []
     try:
         for entry in json.loads(args.script):
             if entry.get("wait"):
@@ -79,12 +117,18 @@ def main() -> int:
             task = TaskCreated.model_validate(entry["task"])
             if "abandon_after" in entry:
                 # Taken from, then left suspended (not closed) while the next task starts.
-                tokens = head.generate(head.prompt_tokens(task), task.params)
+                tokens = head.generate(prompt_of(head, task), decoding_of(task))
                 abandoned.append(tokens)
-                taken = [next(tokens) for _ in range(entry["abandon_after"])]
+                taken = [token_id(next(tokens)) for _ in range(entry["abandon_after"])]
                 print(json.dumps({"tokens": taken, "abandoned": True}), flush=True)
                 continue
-            print(json.dumps(run_task(head, task, entry.get("cancel_after"))), flush=True)
+            spec = entry.get("grammar")
+            grammar = Grammar(spec["gbnf"], tuple(spec.get("triggers", ()))) if spec else None
+            try:
+                out = run_task(head, task, entry.get("cancel_after"), grammar)
+            except InvalidRequest as exc:  # the task fails, the pipeline goes on
+                out = {"invalid": str(exc)}
+            print(json.dumps(out), flush=True)
     except PipelineBroken as exc:
         print(json.dumps({"broken": str(exc)}), flush=True)
         return 3

@@ -13,9 +13,11 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from bus.events import ChatMessage, SamplingParams, TaskCreated
+from services.models.tiny_mlx import CHATML
+from services.runner.decoding import Decoding, Token
 from services.runner.engines.mlx import PREFILL_STEP, MlxEngine, prefill_chunks
 from services.runner.generation import InvalidRequest
-from tests.services.runner.engines.pipeline_head import run_task
+from tests.services.runner.engines.pipeline_head import prompt_of, run_task
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,14 @@ def completion(prompt: str | None, **params: object) -> TaskCreated:
     )  # fmt: skip
 
 
+def ids(items: object) -> list[int]:
+    assert isinstance(items, list) and all(isinstance(t, Token) for t in items)
+    return [t.id for t in items]
+
+
 def first(engine: MlxEngine, prompt: list[int], n: int, **params: object) -> list[int]:
-    return list(islice(engine.generate(prompt, SamplingParams.model_validate(params)), n))
+    decoding = Decoding(SamplingParams.model_validate(params))
+    return ids(list(islice(engine.generate(prompt, decoding), n)))
 
 
 def mlx_lm_greedy(engine: MlxEngine, prompt: list[int], n: int) -> list[int]:
@@ -63,18 +71,18 @@ def test_greedy_is_mlx_lms_greedy_token_for_token(
 ) -> None:
     engine: MlxEngine = request.getfixturevalue(model)
     for task in [chat("What is the capital city of France?"), completion("Once upon a time")]:
-        prompt = engine.prompt_tokens(task)
+        prompt = prompt_of(engine, task)
         assert first(engine, prompt, 48, temperature=0) == mlx_lm_greedy(engine, prompt, 48)
 
 
 def test_a_long_prompt_is_processed_in_chunks(engine: MlxEngine) -> None:
-    prompt = (engine.prompt_tokens(completion("the sea is blue, " * 80)) * 2)[: PREFILL_STEP + 40]
+    prompt = (prompt_of(engine, completion("the sea is blue, " * 80)) * 2)[: PREFILL_STEP + 40]
     assert [len(c) for c in prefill_chunks(prompt)] == [PREFILL_STEP, 39, 1]
     assert first(engine, prompt, 8, temperature=0) == mlx_lm_greedy(engine, prompt, 8)
 
 
 def test_chat_goes_through_the_template(engine: MlxEngine) -> None:
-    tokens = engine.prompt_tokens(chat("Hi"))
+    tokens = prompt_of(engine, chat("Hi"))
     text = b"".join(engine.text.piece(t) for t in tokens)
     # Special tokens have no text of their own; the template's structure is around them.
     assert text == b"user\nHi\nassistant\n"
@@ -85,19 +93,33 @@ def test_chat_goes_through_the_template(engine: MlxEngine) -> None:
 
 
 def test_a_completion_is_the_plain_prompt(engine: MlxEngine) -> None:
-    tokens = engine.prompt_tokens(completion("hello world"))
+    tokens = prompt_of(engine, completion("hello world"))
     assert b"".join(engine.piece(t) for t in tokens) == b"hello world"
 
 
+def test_tools_reach_the_template(engine: MlxEngine) -> None:
+    assert engine.chat_template == CHATML
+    tok = engine.text._tokenizer
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    tok.chat_template = template
+    try:
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+        tokens = engine.chat_tokens([{"role": "user", "content": "Hi"}], tools)
+        assert b"".join(engine.piece(t) for t in tokens) == b"[get_weather]Hi"
+        assert engine.chat_template == template
+    finally:
+        tok.chat_template = CHATML
+
+
 def test_requests_it_cannot_serve(engine: MlxEngine, tiny_mlx: Path, tmp_path: Path) -> None:
-    with pytest.raises(InvalidRequest, match="needs a prompt"):
-        engine.prompt_tokens(completion(None))
     with pytest.raises(InvalidRequest, match="empty"):
-        engine.prompt_tokens(completion(""))
+        engine.text_tokens("")
     with pytest.raises(InvalidRequest, match="empty"):
-        engine.generate([], SamplingParams())
+        engine.generate([], Decoding(SamplingParams()))
     with pytest.raises(InvalidRequest, match="context"):
-        engine.generate([5] * engine.n_ctx, SamplingParams())
+        engine.generate([5] * engine.n_ctx, Decoding(SamplingParams()))
+    with pytest.raises(InvalidRequest, match="logit_bias names token 400"):
+        engine.generate([5], Decoding(SamplingParams(logit_bias={400: 1.0})))
     # A model without a chat template serves plain prompts only.
     plain = tmp_path / "plain"
     shutil.copytree(tiny_mlx, plain)
@@ -107,8 +129,9 @@ def test_requests_it_cannot_serve(engine: MlxEngine, tiny_mlx: Path, tmp_path: P
     no_template = MlxEngine(plain)
     no_template.load()
     with pytest.raises(InvalidRequest, match="no chat template"):
-        no_template.prompt_tokens(chat("Hi"))
-    assert no_template.prompt_tokens(completion("hi")) == engine.prompt_tokens(completion("hi"))
+        prompt_of(no_template, chat("Hi"))
+    assert no_template.chat_template is None
+    assert prompt_of(no_template, completion("hi")) == prompt_of(engine, completion("hi"))
 
 
 def test_end_tokens_are_the_configs_and_the_tokenizers(engine: MlxEngine) -> None:
@@ -147,24 +170,24 @@ def test_the_served_text_is_the_decoded_tokens(engine: MlxEngine) -> None:
 
 
 def test_generation_stops_where_the_consumer_stops(engine: MlxEngine) -> None:
-    prompt = engine.prompt_tokens(chat("What is the capital city of France?"))
+    prompt = prompt_of(engine, chat("What is the capital city of France?"))
     full = first(engine, prompt, 30, temperature=0)
     cancelled = run_task(engine, chat("What is the capital city of France?", temperature=0,
                                       max_tokens=30), cancel_after=5)  # fmt: skip
     assert cancelled["finish"] == "cancelled" and cancelled["tokens"] == full[:5]
     # An abandoned generation leaves nothing behind.
-    abandoned = engine.generate(prompt, SamplingParams(temperature=0))
-    assert list(islice(abandoned, 3)) == full[:3]
+    abandoned = engine.generate(prompt, Decoding(SamplingParams(temperature=0)))
+    assert ids(list(islice(abandoned, 3))) == full[:3]
     assert first(engine, prompt, 30, temperature=0) == full
-    assert list(islice(abandoned, 3)) == full[3:6]  # and each generation has its own cache
+    assert ids(list(islice(abandoned, 3))) == full[3:6]  # and each generation has its own cache
 
 
 def test_generation_ends_at_the_context(tiny_mlx: Path) -> None:
     engine = MlxEngine(tiny_mlx, n_ctx=24)
     engine.load()
-    prompt = engine.prompt_tokens(chat("What is the capital city of France?"))
+    prompt = prompt_of(engine, chat("What is the capital city of France?"))
     assert len(prompt) == 21
-    assert len(list(engine.generate(prompt, SamplingParams(temperature=0)))) == 3
+    assert len(list(engine.generate(prompt, Decoding(SamplingParams(temperature=0))))) == 3
     # The model's trained context caps the requested one.
     assert MlxEngine(tiny_mlx, n_ctx=4096).n_ctx == 4096
     big = MlxEngine(tiny_mlx, n_ctx=4096)
@@ -173,7 +196,7 @@ def test_generation_ends_at_the_context(tiny_mlx: Path) -> None:
 
 
 def test_sampling_follows_temperature_top_p_and_seed(engine: MlxEngine) -> None:
-    prompt = engine.prompt_tokens(completion("Once upon a time"))
+    prompt = prompt_of(engine, completion("Once upon a time"))
     greedy = first(engine, prompt, 16, temperature=0)
     # The logits are spread (standard deviation 8): raise the temperature to see choices.
     hot = {"temperature": 2.0, "max_tokens": 16}
@@ -185,7 +208,7 @@ def test_sampling_follows_temperature_top_p_and_seed(engine: MlxEngine) -> None:
 
 
 def test_penalties_change_the_output(engine: MlxEngine) -> None:
-    prompt = engine.prompt_tokens(completion("hello hello hello hello"))
+    prompt = prompt_of(engine, completion("hello hello hello hello"))
     greedy = first(engine, prompt, 48, temperature=0)
     penalised = first(engine, prompt, 48, temperature=0, presence_penalty=2.0,
                       frequency_penalty=2.0)  # fmt: skip
@@ -200,5 +223,5 @@ def test_loaded_in_one_thread_served_in_another(tiny_mlx: Path, engine: MlxEngin
     loader = threading.Thread(target=other.load)
     loader.start()
     loader.join()
-    prompt = engine.prompt_tokens(chat("Hi"))
+    prompt = prompt_of(engine, chat("Hi"))
     assert first(other, prompt, 10, temperature=0) == first(engine, prompt, 10, temperature=0)

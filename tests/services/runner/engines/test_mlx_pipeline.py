@@ -18,12 +18,16 @@ from typing import Any
 import mlx.core as mx
 import psutil
 import pytest
+from llama_cpp import llama_grammar
 from mlx.utils import tree_flatten
 
 from bus.events import ChatMessage, SamplingParams, TaskCreated
-from services.runner.engines.mlx import MlxEngine, load_model
+from services.runner.decoding import Grammar
+from services.runner.engines.mlx import PREFILL_STEP, MlxEngine, load_model
 from services.runner.engines.mlx_pipeline import PipelineShard, Stage
-from tests.services.runner.engines.pipeline_head import run_task
+from services.runner.generation import InvalidRequest
+from tests.services.runner.engines.pipeline_head import decoding_of, prompt_of, run_task, token_id
+from tests.services.runner.engines.test_mlx_sampling import free_text, hex_regex
 
 HEAD = "tests.services.runner.engines.pipeline_head"
 FOLLOWER = "services.runner.engines.mlx_pipeline"
@@ -50,10 +54,7 @@ def test_stages_compute_what_the_whole_model_does(
     whole = MlxEngine(path)
     whole.load()
     stages = [Stage.load(path, shard) for shard in shards(*bounds)]
-    prompt = whole.prompt_tokens(
-        TaskCreated(task_id="t", model_id="m", origin="test",
-                    messages=[ChatMessage(role="user", content="Hello there")])
-    )  # fmt: skip
+    prompt = whole.chat_tokens([{"role": "user", "content": "Hello there"}], None)
     whole_cache = whole.model.make_cache()
     caches = [stage.new_cache() for stage in stages]
     step = prompt
@@ -147,7 +148,11 @@ def start(procs: list[subprocess.Popen[str]], module: str, *args: str) -> subpro
 
 
 def run_pipeline(
-    path: Path, bounds: tuple[int, ...], script: list[dict[str, Any]], timeout: float = 90
+    path: Path,
+    bounds: tuple[int, ...],
+    script: list[dict[str, Any]],
+    timeout: float = 90,
+    n_ctx: int = 512,
 ) -> list[dict[str, Any]]:
     """Every rank as its own process; the head serves ``script`` (see pipeline_head). Returns
     the head's results; every rank must have exited 0 after the shutdown."""
@@ -157,7 +162,7 @@ def run_pipeline(
     with processes() as procs:
         # The head first: the last rank connects to it first, and mlx's retries back off.
         head = start(procs, HEAD, "--layers", f"0:{bounds[1]}", "--script", json.dumps(script),
-                     *common)  # fmt: skip
+                     "--n-ctx", str(n_ctx), *common)  # fmt: skip
         followers = []
         for r in range(1, len(bounds) - 1):
             layers = f"{bounds[r]}:{bounds[r + 1]}"
@@ -171,15 +176,15 @@ def run_pipeline(
     return lines[1:-1]
 
 
-def chat(n: int, text: str, **params: object) -> TaskCreated:
+def chat(n: int, text: str, logprobs: int | None = None, **params: object) -> TaskCreated:
     return TaskCreated(
         task_id=f"t{n}", model_id="m", origin="test",
         messages=[ChatMessage(role="user", content=text)],
-        params=SamplingParams.model_validate(params),
+        params=SamplingParams.model_validate(params), logprobs=logprobs,
     )  # fmt: skip
 
 
-SAMPLED = {"temperature": 1.5, "top_p": 0.9, "seed": 11, "max_tokens": 30,
+SAMPLED: dict[str, Any] = {"temperature": 1.5, "top_p": 0.9, "seed": 11, "max_tokens": 30,
            "presence_penalty": 0.5, "frequency_penalty": 0.5}  # fmt: skip
 SCRIPT: list[tuple[TaskCreated, int | str | None]] = [
     (chat(1, "What is the capital city of France?", temperature=0, max_tokens=40), None),
@@ -199,8 +204,8 @@ def expected(path: Path) -> list[dict[str, Any]]:
     out = []
     for task, cancel_after in SCRIPT:
         if isinstance(cancel_after, str):  # "abandon"
-            tokens = engine.generate(engine.prompt_tokens(task), task.params)
-            out.append({"tokens": [next(tokens) for _ in range(3)], "abandoned": True})
+            tokens = engine.generate(prompt_of(engine, task), decoding_of(task))
+            out.append({"tokens": [token_id(next(tokens)) for _ in range(3)], "abandoned": True})
         else:
             out.append(run_task(engine, task, cancel_after))
     return out
@@ -230,6 +235,95 @@ def test_a_split_model_answers_token_for_token_as_one_process(
     assert cancelled["finish"] == "cancelled" and len(cancelled["tokens"]) == 5
     assert full["tokens"][:5] == cancelled["tokens"] and len(full["tokens"]) > 5
     assert all(len(g["tokens"]) > 1 for g in got)
+
+
+def decoding_script(engine: MlxEngine) -> list[dict[str, Any]]:
+    """Tasks with grammars, log-probabilities and prompt scores (see pipeline_head)."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"},
+        "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"]}  # fmt: skip
+    json_grammar = {"gbnf": llama_grammar.json_schema_to_gbnf(json.dumps(schema))}
+    # A lazy grammar that starts inside a token of the free greedy output (test_mlx_sampling).
+    _, greedy, j = free_text(engine)
+    before = b"".join(engine.piece(t.id) for t in greedy[:j])
+    piece = engine.piece(greedy[j].id)
+    lazy = {
+        "gbnf": f'root ::= "{piece[1:].decode()}" [0-9] [0-9] "."',
+        "triggers": [hex_regex(before + piece[:1]) + "(" + hex_regex(piece[1:2]) + ")"],
+    }
+    unfit = {"gbnf": 'root ::= "zzz"', "triggers": [hex_regex(piece)]}
+    story = completion(5, "Once upon a time", temperature=0, max_tokens=30, logprobs=1)
+    # Two prefill chunks, each scored on the last rank.
+    long_text = " ".join(["the sea is blue, hello world."] * 60)
+    assert PREFILL_STEP + 1 < len(engine.text_tokens(long_text)) < 1000
+    return [
+        {"task": js(chat(1, "Hi", temperature=0, max_tokens=60, logprobs=2)),
+         "grammar": json_grammar},
+        {"task": js(chat(2, "Hi", temperature=1.0, seed=5, max_tokens=60, logprobs=0)),
+         "grammar": json_grammar},
+        {"task": completion(3, long_text, temperature=0, max_tokens=4, logprobs=3, echo=True)},
+        {"task": completion(4, "hello world", temperature=0, max_tokens=0, echo=True)},
+        {"task": story, "grammar": lazy},
+        # The trigger's text does not fit this grammar: the last rank fails the task...
+        {"task": story, "grammar": unfit},
+        # ...and serves the next one.
+        {"task": js(chat(7, "Hello there", temperature=1.2, seed=3, max_tokens=20,
+                      top_k=20, min_p=0.05, repeat_penalty=1.3, logit_bias={5: 3.0}))},
+    ]  # fmt: skip
+
+
+def js(task: TaskCreated) -> dict[str, Any]:
+    return task.model_dump(mode="json")
+
+
+def completion(n: int, text: str, **fields: object) -> dict[str, Any]:
+    """A completion task's JSON; ``fields``: sampling parameters, and ``logprobs``, ``echo``."""
+    extra = {k: fields.pop(k) for k in ("logprobs", "echo") if k in fields}
+    task = TaskCreated(task_id=f"t{n}", model_id="m", origin="test", kind="completion",
+                       prompt=text, params=SamplingParams.model_validate(fields))  # fmt: skip
+    return task.model_dump(mode="json") | extra
+
+
+def serve_script(engine: MlxEngine, script: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The script through one process, as pipeline_head serves it."""
+    out = []
+    for entry in script:
+        task = TaskCreated.model_validate(entry["task"])
+        spec = entry.get("grammar")
+        grammar = Grammar(spec["gbnf"], tuple(spec.get("triggers", ()))) if spec else None
+        try:
+            out.append(run_task(engine, task, entry.get("cancel_after"), grammar))
+        except InvalidRequest as exc:
+            out.append({"invalid": str(exc)})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("model", "bounds"), [("tiny_mlx", (0, 2, 4)), ("tiny_mlx_tied", (0, 1, 3, 4))]
+)
+def test_a_split_model_constrains_and_scores_as_one_process(
+    model: str, bounds: tuple[int, ...], request: pytest.FixtureRequest
+) -> None:
+    path: Path = request.getfixturevalue(model)
+    engine = MlxEngine(path, n_ctx=1024)
+    engine.load()
+    script = decoding_script(engine)
+    want = serve_script(engine, script)
+    got = run_pipeline(path, bounds, script, n_ctx=1024)
+    for g, w in zip(got, want, strict=True):
+        g.pop("seconds", None), w.pop("seconds", None)
+    assert got == want
+    # What the script meant to show is there.
+    first, _, echoed, scored_only, lazy, failed, after = want
+    assert json.loads(first["text"], strict=False).keys() == {"name", "n", "ok"}
+    assert len(first["logprobs"]) == len(first["tokens"]) and first["finish"] == "stop"
+    assert len(echoed["prompt"]) > PREFILL_STEP and echoed["prompt"][0]["logprob"] is None
+    assert len(echoed["prompt"][-1]["top"]) == 3 and len(echoed["tokens"]) == 4
+    assert len(scored_only["prompt"]) > 1 and scored_only["tokens"] == []
+    assert lazy["finish"] == "stop" and lazy["text"][-3:-1].isdigit() and lazy["logprobs"]
+    assert "does not fit" in failed["invalid"] and len(after["tokens"]) == 20
 
 
 @pytest.mark.slow

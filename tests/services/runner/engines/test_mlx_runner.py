@@ -18,10 +18,11 @@ from bus.events import (
 )
 from bus.publisher import Publisher
 from services.runner.engines.mlx import MlxEngine
-from services.runner.generation import check_request, steps
+from services.runner.generation import Step, check_request, steps
 from services.runner.spec import RunnerSpec
 from tests.services.event_log import EventLog
 from tests.services.processes import Processes
+from tests.services.runner.engines.pipeline_head import decoding_of, prompt_of
 from tests.services.runner.stages import stages
 
 pytestmark = pytest.mark.slow
@@ -40,10 +41,10 @@ def task(n: int, text: str) -> TaskCreated:
 def reference(model: Path, t: TaskCreated) -> list[int]:
     engine = MlxEngine(model, n_ctx=N_CTX)
     engine.load()
-    prompt = engine.prompt_tokens(t)
+    prompt = prompt_of(engine, t)
     limit = check_request(len(prompt), t.params, engine.n_ctx)
-    return [s.token_id for s in steps(engine, prompt, t.params, limit, lambda: False)
-            if s.token_id is not None]  # fmt: skip
+    return [s.token_id for s in steps(engine, prompt, decoding_of(t), limit, lambda: False)
+            if isinstance(s, Step) and s.token_id is not None]  # fmt: skip
 
 
 @pytest.mark.parametrize("bounds", [(0, 4), (0, 2, 4)], ids=["whole", "two-ranks"])
