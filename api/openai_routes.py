@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import nats.errors
 from fastapi import APIRouter, Depends
@@ -15,17 +16,24 @@ from starlette.types import Message, Receive, Scope, Send
 from api import projection
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError, error_body
-from api.schemas import ChatCompletionRequest, CompletionRequest
+from api.openai_shapes import (
+    FINISH,
+    Echo,
+    Reply,
+    Shape,
+    chat_chunk,
+    chat_completion,
+    completion,
+    completion_chunk,
+)
+from api.schemas import ChatCompletionRequest, CompletionRequest, choice_params
 from api.task_stream import TaskStream
-from bus.events import ChunkGenerated, TaskCreated, new_id
+from bus.events import ChunkGenerated, TaskCreated, Usage, new_id
 from bus.payload import PayloadTooLargeError, check_size
 from bus.publisher import MSG_ID_HEADER
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]
-
-# What a runner's finish reason is called in OpenAI's vocabulary.
-_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "stop"}
 
 
 @router.get("/models")
@@ -61,8 +69,11 @@ async def serve_chat(
     task = TaskCreated(
         task_id=new_id(), model_id=body.model, origin=ctx.origin, kind="chat",
         messages=body.chat_messages(), params=body.sampling(), user=body.user,
+        **body.task_fields(),
     )  # fmt: skip
-    return await _serve(ctx, task, body.stream, body.include_usage, chat=True)
+    shape = Shape(f"chatcmpl-{task.task_id}", task.model_id, chat=True)
+    out = _ChatOut(shape, bool(body.logprobs))
+    return await _serve(ctx, _choices(task, body.n), body.stream, body.include_usage, out)
 
 
 async def serve_completion(
@@ -70,52 +81,162 @@ async def serve_completion(
 ) -> JSONResponse | StreamingResponse:
     task = TaskCreated(
         task_id=new_id(), model_id=body.model, origin=ctx.origin, kind="completion",
-        prompt=body.text(), params=body.sampling(), user=body.user,
+        prompt=body.text(), prompt_token_ids=body.token_ids(), params=body.sampling(),
+        user=body.user, **body.task_fields(),
     )  # fmt: skip
-    return await _serve(ctx, task, body.stream, body.include_usage, chat=False)
+    shape = Shape(f"cmpl-{task.task_id}", task.model_id, chat=False)
+    out = _CompletionOut(shape, body.logprobs is not None, body.echo, body.text())
+    return await _serve(ctx, _choices(task, body.n), body.stream, body.include_usage, out)
+
+
+def _choices(task: TaskCreated, n: int) -> list[TaskCreated]:
+    """A request for ``n`` choices is ``n`` tasks, each with its own seed (``choice_params``);
+    only the first scores the prompt, which the choices share."""
+    return [task] + [
+        task.model_copy(update={"task_id": new_id(), "event_id": new_id(), "echo": False,
+                                "params": choice_params(task.params, i)})
+        for i in range(1, n)
+    ]  # fmt: skip
 
 
 async def _serve(
-    ctx: ApiContext, task: TaskCreated, stream: bool, include_usage: bool, chat: bool
+    ctx: ApiContext, tasks: list[TaskCreated], stream: bool, include_usage: bool, out: _Output
 ) -> JSONResponse | StreamingResponse:
-    _require_storable(ctx, task)
-    if not ctx.serving.fresh(task.model_id):
-        state = await projection.serving(ctx.engine, task.model_id, ctx.reader)
-        projection.require_serving(state, task.model_id)
-        ctx.serving.found(task.model_id)
-    shape = _Shape(task, chat)
+    _require_storable(ctx, tasks[0])
+    model = tasks[0].model_id
+    if not ctx.serving.fresh(model):
+        state = await projection.serving(ctx.engine, model, ctx.reader)
+        projection.require_serving(state, model)
+        ctx.serving.found(model)
     if stream:
-        # The task is stored before the response starts: the runner gets it ~1 ms sooner than
-        # after the streaming machinery's start, and a log that cannot store it gets a 503.
-        ts = _stream(ctx, task)
+        # The tasks are stored before the response starts: the runner gets one ~1 ms sooner
+        # than after the streaming machinery's start, and a log that cannot store it gets a
+        # 503.
+        streams: list[TaskStream] = []
         try:
-            await ts.__aenter__()
+            for task in tasks:
+                ts = _stream(ctx, task)
+                await ts.__aenter__()
+                streams.append(ts)
         except nats.errors.Error as exc:
+            for ts in streams:
+                await ts.__aexit__(type(exc), exc, None)
             raise _log_unavailable(exc) from exc
-        return _TaskEvents(ts, _events(ctx, ts, shape, include_usage))
+        return _TaskEvents(streams, _events(ctx, streams, out, include_usage))
     try:
-        async with _stream(ctx, task) as ts:
-            text = "".join([c.text async for c in ts.chunks()])
-    except nats.errors.Error as exc:  # the task could not be stored
+        async with contextlib.AsyncExitStack() as stack:
+            streams = [await stack.enter_async_context(_stream(ctx, t)) for t in tasks]
+            replies = await asyncio.gather(*(_reply(ts) for ts in streams))
+    except nats.errors.Error as exc:  # a task could not be stored
         raise _log_unavailable(exc) from exc
-    ctx.metrics.task_served(ts)
-    finished = ts.finished
-    assert finished is not None
-    if finished.unavailable is not None:
-        raise _unavailable(finished.unavailable)
-    if finished.failed is not None:
-        raise _task_error(finished.failed.error)
-    assert finished.completed is not None
-    return JSONResponse(shape.whole(text, finished.completed.finish_reason, finished.completed))
+    usages = []
+    for ts in streams:
+        ctx.metrics.task_served(ts)
+        finished = ts.finished
+        assert finished is not None
+        if finished.unavailable is not None:
+            raise _unavailable(finished.unavailable)
+        if finished.failed is not None:
+            raise _task_error(finished.failed.error)
+        assert finished.completed is not None
+        usages.append(finished.completed.usage)
+    return JSONResponse(out.whole(replies, usages, streams[0]))
+
+
+async def _reply(ts: TaskStream) -> Reply:
+    reply = Reply()
+    async for chunk in ts.chunks():
+        reply.add(chunk)
+    return reply
+
+
+class _Output(Protocol):
+    """What one endpoint makes of its tasks' chunks."""
+
+    shape: Shape
+
+    def opening(self, ts: TaskStream, index: int) -> str:
+        """What goes out before a choice's first chunk."""
+        ...
+
+    def events(self, index: int, group: list[ChunkGenerated]) -> str: ...
+
+    def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any: ...
+
+
+class _ChatOut:
+    def __init__(self, shape: Shape, logprobs: bool) -> None:
+        self.shape = shape
+        self._logprobs = logprobs
+
+    def opening(self, ts: TaskStream, index: int) -> str:
+        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}  # fmt: skip
+        return _sse(self.shape.head("chat.completion.chunk") | {"choices": [role]})
+
+    def events(self, index: int, group: list[ChunkGenerated]) -> str:
+        # One event per chunk, each as the client would get it alone.
+        made = (chat_chunk(self.shape, index, [c], False, self._logprobs) for c in group)
+        return "".join(_sse(m) for m in made if m is not None)
+
+    def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
+        return chat_completion(self.shape, replies, usages, self._logprobs)
+
+
+class _CompletionOut:
+    def __init__(self, shape: Shape, logprobs: bool, echo: bool, prompt: str | None) -> None:
+        self.shape = shape
+        self._logprobs = logprobs
+        self._echo = echo
+        self._prompt = prompt
+        self._offsets: dict[int, int] = {}  # per choice, where its next token's text starts
+
+    def _echoed(self, ts: TaskStream) -> Echo | None:
+        if not self._echo:
+            return None
+        scores = ts.prompt_scores
+        text = self._prompt if self._prompt is not None else "".join(t.token for t in scores or [])
+        return Echo(text, scores if self._logprobs else None)
+
+    def _start(self, echo: Echo | None) -> int:
+        if echo is not None:
+            return 0
+        return len(self._prompt) if self._prompt is not None else 0
+
+    def opening(self, ts: TaskStream, index: int) -> str:
+        echo = self._echoed(ts)
+        self._offsets[index] = self._start(echo)
+        if echo is None:
+            return ""
+        # Offsets count the tokens' texts, as the whole response's do.
+        self._offsets[index] = sum(len(t.token) for t in echo.scores or []) or len(echo.text)
+        entries = (echo.scores or []) if self._logprobs else None
+        return _sse(completion_chunk(self.shape, index, echo.text, entries, 0, None))
+
+    def events(self, index: int, group: list[ChunkGenerated]) -> str:
+        out = []
+        for c in group:
+            if not (c.text or c.finish_reason or c.logprob):
+                continue
+            entries = ([c.logprob] if c.logprob else []) if self._logprobs else None
+            finish = FINISH[c.finish_reason] if c.finish_reason else None
+            offset = self._offsets.get(index, 0)
+            out.append(_sse(completion_chunk(self.shape, index, c.text, entries, offset, finish)))
+            self._offsets[index] = offset + (len(c.logprob.token) if c.logprob else len(c.text))
+        return "".join(out)
+
+    def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
+        echo = self._echoed(first)
+        return completion(self.shape, replies, usages, self._logprobs, echo, self._start(echo))
 
 
 class _TaskEvents(StreamingResponse):
-    """The server-sent events of a task whose stream is open (its ``TaskCreated`` stored). The
-    stream is closed however the response ends; one that ends before its last event (the
-    client went away) cancels the task."""
+    """The server-sent events of tasks whose streams are open (their ``TaskCreated`` stored).
+    The streams are closed however the response ends; ending before the last event (the
+    client went away) cancels the tasks."""
 
-    def __init__(self, ts: TaskStream, events: AsyncIterator[str]) -> None:
-        self._ts = ts
+    def __init__(self, streams: list[TaskStream], events: AsyncIterator[str]) -> None:
+        self._streams = streams
         self._sent_all = False
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(self._noting_the_end(events), media_type="text/event-stream",
@@ -154,40 +275,85 @@ class _TaskEvents(StreamingResponse):
             # Starlette ends the response of a client that went away without an exception.
             if failed is None and not self._sent_all:
                 failed = ConnectionResetError("the client went away")
-            await self._ts.__aexit__(type(failed) if failed else None, failed, None)
+            for ts in self._streams:
+                await ts.__aexit__(type(failed) if failed else None, failed, None)
+
+
+async def _groups(streams: list[TaskStream]) -> AsyncIterator[tuple[int, list[ChunkGenerated]]]:
+    """Each stream's chunk groups as they come, with the stream's index; one stream is read
+    directly (the common case, on the path of every token), several through a queue."""
+    if len(streams) == 1:
+        async for group in streams[0].chunk_groups():
+            yield 0, group
+        return
+    queue: asyncio.Queue[tuple[int, list[ChunkGenerated] | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, ts: TaskStream) -> None:
+        try:
+            async for group in ts.chunk_groups():
+                queue.put_nowait((i, group))
+        except BaseException as exc:
+            queue.put_nowait((i, exc))
+            return
+        queue.put_nowait((i, None))
+
+    pumps = [asyncio.ensure_future(pump(i, ts)) for i, ts in enumerate(streams)]
+    try:
+        running = len(pumps)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for p in pumps:
+            p.cancel()
 
 
 async def _events(
-    ctx: ApiContext, ts: TaskStream, shape: _Shape, include_usage: bool
+    ctx: ApiContext, streams: list[TaskStream], out: _Output, include_usage: bool
 ) -> AsyncIterator[str]:
-    """The task's server-sent events, from the open stream ``ts``, to ``data: [DONE]``. A
-    chat's first event (the assistant's role) goes out with the next one, in the same write,
-    and so does the last one with the ``[DONE]``."""
-    unsent = _sse(shape.chunk({"role": "assistant", "content": ""}, None)) if shape.chat else ""
+    """The tasks' server-sent events, to ``data: [DONE]``. A choice's opening (a chat's role)
+    goes out with its first chunk, in the same write, and so does the last event with the
+    ``[DONE]``."""
+    opened: set[int] = set()
+    unsent = ""
     try:
         # One event per chunk, but one write per group of chunks that came together: fewer
         # writes and wake-ups for the API and the client.
-        async for group in ts.chunk_groups():
-            events = [_sse(shape.piece(c)) for c in group if c.text or c.finish_reason]
+        async for i, group in _groups(streams):
+            if i not in opened:
+                opened.add(i)
+                unsent += out.opening(streams[i], i)
+            events = out.events(i, group)
             if events:
-                yield unsent + "".join(events)
+                yield unsent + events
                 unsent = ""
     except TimeoutError:
-        ts.finished = None
+        for ts in streams:
+            ts.finished = None
         yield unsent + _sse(error_body(504, "the task took longer than the API waits")) + _DONE
         return
-    ctx.metrics.task_served(ts)
-    finished = ts.finished
-    assert finished is not None
-    if finished.unavailable is not None or finished.failed is not None:
-        err = (
-            _unavailable(finished.unavailable)
-            if finished.unavailable is not None
-            else _task_error(finished.failed.error if finished.failed else "")
-        )
-        unsent += _sse(error_body(err.status, err.message, code=err.code))
-    elif finished.completed is not None and include_usage:
-        unsent += _sse(shape.usage_chunk(finished.completed))
+    usages = []
+    for ts in streams:
+        ctx.metrics.task_served(ts)
+        finished = ts.finished
+        assert finished is not None
+        if finished.unavailable is not None or finished.failed is not None:
+            err = (
+                _unavailable(finished.unavailable)
+                if finished.unavailable is not None
+                else _task_error(finished.failed.error if finished.failed else "")
+            )
+            yield unsent + _sse(error_body(err.status, err.message, code=err.code)) + _DONE
+            return
+        if finished.completed is not None:
+            usages.append(finished.completed.usage)
+    if include_usage:
+        unsent += _sse(out.shape.usage_chunk(usages))
     yield unsent + _DONE
 
 
@@ -243,47 +409,3 @@ _DONE = "data: [DONE]\n\n"
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-class _Shape:
-    """OpenAI's response objects for one task (chat or text completion)."""
-
-    def __init__(self, task: TaskCreated, chat: bool) -> None:
-        self.chat = chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{task.task_id}"
-        self.model = task.model_id
-        self.created = int(time.time())
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def chunk(self, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return self._head("chat.completion.chunk") | {"choices": [choice]}
-        choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None,
-                  "finish_reason": finish}  # fmt: skip
-        return self._head("text_completion") | {"choices": [choice]}
-
-    def piece(self, c: ChunkGenerated) -> dict[str, Any]:
-        finish = _FINISH[c.finish_reason] if c.finish_reason else None
-        return self.chunk({"content": c.text} if c.text else {}, finish)
-
-    def usage_chunk(self, done: Any) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._head(obj) | {"choices": [], "usage": _usage(done)}
-
-    def whole(self, text: str, finish_reason: str, done: Any) -> dict[str, Any]:
-        finish = _FINISH[finish_reason]
-        if self.chat:
-            message = {"role": "assistant", "content": text, "refusal": None}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-            return self._head("chat.completion") | {"choices": [choice], "usage": _usage(done)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return self._head("text_completion") | {"choices": [choice], "usage": _usage(done)}
-
-
-def _usage(done: Any) -> dict[str, int]:
-    u = done.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens}  # fmt: skip

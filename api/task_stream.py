@@ -29,16 +29,18 @@ from pydantic import ValidationError
 from bus.events import (
     ChunkGenerated,
     EventBase,
+    PromptScored,
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
     TaskFailed,
+    TokenLogprob,
     parse_event,
 )
 from bus.publisher import Publisher
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
-from bus.subjects import EVENTS_PREFIX, chunk_subject, escape_token
+from bus.subjects import chunk_subject, event_subject
 
 # Tasks publishing cancels, kept referenced until done (the event loop holds them weakly).
 _BACKGROUND: set[asyncio.Task[object]] = set()
@@ -84,6 +86,8 @@ class TaskStream:
         self._queue: asyncio.Queue[ChunkGenerated | TaskCompleted | TaskFailed] = asyncio.Queue()
         self._subs: list[Subscription] = []
         self.finished: Finished | None = None
+        # A task with echo: its prompt's scores, by the position of each slice's first token.
+        self._prompt_slices: dict[int, PromptScored] = {}
         # time.monotonic() at the start and at the first and last chunk, for the metrics.
         self.started_at: float | None = None
         self.first_chunk_at: float | None = None
@@ -134,7 +138,7 @@ class TaskStream:
 
     def _outcome_subject(self, kind: str) -> str:
         t = self.task
-        return f"{EVENTS_PREFIX}.task.{escape_token(t.model_id)}.{escape_token(t.task_id)}.{kind}"
+        return event_subject("task", (t.model_id, t.task_id), kind)
 
     async def _catch_up(self, next_idx: int) -> None:
         """Queue the task's outcome and its chunks from ``next_idx`` on, if the log has the
@@ -154,6 +158,8 @@ class TaskStream:
                         chunk = parse_event(msg.data)
                         if isinstance(chunk, ChunkGenerated) and chunk.idx >= next_idx:
                             self._queue.put_nowait(chunk)
+                        elif isinstance(chunk, PromptScored):
+                            self._prompt_slices[chunk.start] = chunk
                 if isinstance(outcome, TaskCompleted | TaskFailed):
                     self._queue.put_nowait(outcome)
                 return
@@ -167,6 +173,18 @@ class TaskStream:
             return
         if isinstance(event, ChunkGenerated | TaskCompleted | TaskFailed):
             self._queue.put_nowait(event)
+        elif isinstance(event, PromptScored):
+            # Published before the first chunk, on the same subject: here before it.
+            self._prompt_slices[event.start] = event
+
+    @property
+    def prompt_scores(self) -> list[TokenLogprob] | None:
+        """The prompt's tokens with their scores (a task with echo), once all arrived."""
+        slices = [self._prompt_slices[k] for k in sorted(self._prompt_slices)]
+        tokens = [t for s in slices for t in s.tokens]
+        if not slices or len(tokens) != slices[0].total:
+            return None
+        return tokens
 
     async def chunks(self) -> AsyncIterator[ChunkGenerated]:
         """The task's chunks in order; afterwards ``finished`` says how it ended."""

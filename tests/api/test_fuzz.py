@@ -366,8 +366,66 @@ _BAD = [
     pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "max_tokens": 5,
                         "max_completion_tokens": 6}, None, "differ",
                  id="max-tokens-disagree"),
-    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "n": 2}, "n", "only n=1",
-                 id="n-2"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "n": 9}, "n",
+                 "less than or equal to 8", id="n-9"),
+    pytest.param(CHAT, {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}, "messages.0",
+        "an image", id="image-part"),
+    pytest.param(CHAT, {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+        "messages.0", "audio", id="audio-part"),
+    pytest.param(CHAT, {"model": "m", "messages": [{"role": "tool", "content": "x"}]},
+                 "messages.0", "tool_call_id", id="tool-message-without-call-id"),
+    pytest.param(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+        "messages.0", "only an assistant", id="user-with-tool-calls"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "response_format": {"type": "xml"}},
+                 "response_format", "not supported", id="response-format-xml"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}}}},
+        "response_format.json_schema.schema", "minimum", id="schema-keyword-unsupported"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"properties": 3}}}},
+        "response_format.json_schema.schema", "properties", id="schema-malformed"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "tools": [
+        {"type": "custom", "custom": {"name": "x"}}]}, "tools.0", "only functions",
+        id="tool-not-a-function"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name",
+        "pattern", id="tool-name-invalid"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+        "tools.0.function.parameters", "type 'object'", id="tool-parameters-not-an-object"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}]},
+        "tools.0.function.parameters", "'not'", id="tool-schema-keyword-unsupported"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}, None,
+        "not among the tools", id="tool-choice-unknown-function"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "tool_choice": "required"}, None,
+                 "needs tools", id="tool-choice-required-without-tools"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "top_logprobs": 2}, None,
+                 "needs logprobs", id="top-logprobs-without-logprobs"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "logprobs": True,
+                        "top_logprobs": 21}, "top_logprobs", "less than or equal to 20",
+                 id="top-logprobs-21"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "logit_bias": {"abc": 1}},
+                 "logit_bias", "token ids", id="logit-bias-not-a-token"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "logit_bias": {"5": 101}},
+                 "logit_bias.5", "less than or equal to 100", id="logit-bias-too-large"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "modalities": ["text", "audio"]},
+                 None, "audio output", id="audio-output"),
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "functions": [{"name": "f"}]},
+                 None, "send tools", id="legacy-functions"),
+    pytest.param(COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 6}, "logprobs",
+                 "less than or equal to 5", id="completions-logprobs-6"),
+    pytest.param(COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, None,
+                 "needs echo", id="completions-max-tokens-0-without-echo"),
+    pytest.param(COMPLETIONS, {"model": "m", "prompt": "x", "suffix": "y"}, None, "suffix",
+                 id="completions-suffix"),
     pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "stop": list("abcde")}, "stop",
                  "at most 4 stop", id="five-stops"),
     pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "temperature": 3}, "temperature",
@@ -528,15 +586,27 @@ async def _sdk(stack: ApiStack) -> AsyncIterator[openai.AsyncOpenAI]:
         await sdk.close()
 
 
-async def test_sdk_raises_bad_request_for_n_2(seeded_stack: ApiStack) -> None:
+async def test_sdk_raises_bad_request_for_what_cannot_be_honoured(
+    seeded_stack: ApiStack,
+) -> None:
     async with _sdk(seeded_stack) as sdk:
         with pytest.raises(openai.BadRequestError) as caught:
             await sdk.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], n=2
+                model="m", messages=[{"role": "user", "content": "hi"}], n=9
             )
         assert caught.value.status_code == 400
         assert caught.value.param == "n" and caught.value.type == "invalid_request_error"
-        assert "only n=1" in caught.value.message
+        assert "less than or equal to 8" in caught.value.message
+
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}],
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                    "type": "object", "properties": {"x": {"type": "string", "format": "email"}},
+                }}}],
+            )  # fmt: skip
+        assert caught.value.param == "tools.0.function.parameters"
+        assert "format" in caught.value.message
 
         with pytest.raises(openai.BadRequestError) as caught:
             await sdk.completions.create(model="m", prompt=["one", "two"])

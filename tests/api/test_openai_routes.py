@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import cast
 
 from starlette.types import Message
 
 from api.openai_routes import _TaskEvents
-from api.task_stream import TaskStream
 
 
 async def test_the_headers_go_out_with_the_first_event() -> None:
@@ -23,7 +21,7 @@ async def test_the_headers_go_out_with_the_first_event() -> None:
         body = bytes(message.get("body", b"")).decode().strip()
         happened.append(f"sent {message['type'].rsplit('.', 1)[-1]} {body}".strip())
 
-    response = _TaskEvents(cast(TaskStream, None), events())
+    response = _TaskEvents([], events())
     await response.stream_response(send)
 
     assert happened == [

@@ -121,7 +121,7 @@ async def test_the_openai_sdk_works_against_shoal_up(up: Up) -> None:
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="no-such-model", messages=question)
     with pytest.raises(openai.BadRequestError):
-        await client.chat.completions.create(model=MODEL, messages=question, n=2)
+        await client.chat.completions.create(model=MODEL, messages=question, n=9)
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(model=MODEL, messages=[])
     too_long: list[ChatCompletionMessageParam] = [{"role": "user", "content": "fox " * 3000}]

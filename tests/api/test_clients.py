@@ -1,0 +1,407 @@
+"""What agents and SDKs send, against one `shoal up` (SmolLM2, llama.cpp), through the real
+clients, unchanged: the `openai` SDK (tool calls, structured output, log-probabilities,
+several choices), the OpenAI Agents SDK, Instructor and langchain-openai.
+
+SmolLM2-135M knows nothing of tools: its template gets the generic format (tools described
+in a system message, the reply constrained to JSON by a grammar), so what these tests check
+is what the constraint guarantees (a call of an offered function, arguments that validate),
+not how clever a 135M model is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import openai
+import pytest
+from openai.types.chat import (
+    ChatCompletionMessage,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageParam,
+    ChatCompletionToolParam,
+)
+from pydantic import BaseModel
+
+from bus.embedded import free_port
+from tests.api.shoal_up import KEY, MODEL, read_until_ready, start, stop
+from tests.services.processes import SHOAL
+
+pytestmark = pytest.mark.slow
+
+WEATHER: ChatCompletionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city's name."},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME: ChatCompletionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The current time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string"}},
+            "required": ["zone"],
+        },
+    },
+}
+ASK: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the weather like in Paris today?"}
+]
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+    coastal: bool
+    climate: Literal["hot", "mild", "cold"]
+    nickname: str | None = None
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The API's /v1 URL of one `shoal up` for the whole module."""
+    data: Path = tmp_path_factory.mktemp("up") / "data"
+    port = free_port("127.0.0.1")
+    proc = start([SHOAL, "up", "--data-dir", str(data), "--port", str(port), "--api-key", KEY,
+                  "--runner-threads", "2"])  # fmt: skip
+    try:
+        asyncio.run(read_until_ready(proc))
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+
+
+def _functions(message: ChatCompletionMessage) -> list[ChatCompletionMessageFunctionToolCall]:
+    calls = message.tool_calls or []
+    assert all(isinstance(c, ChatCompletionMessageFunctionToolCall) for c in calls), calls
+    return [c for c in calls if isinstance(c, ChatCompletionMessageFunctionToolCall)]
+
+
+def _weather_args(arguments: str) -> dict[str, Any]:
+    args = json.loads(arguments)
+    assert isinstance(args, dict) and set(args) == {"city", "unit"}, args
+    assert isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit")
+    return args
+
+
+# --- tool calls -----------------------------------------------------------------------------
+
+
+def test_a_required_tool_call_plain_and_streamed(client: openai.OpenAI) -> None:
+    # One call: allowed several, this model repeats the same call until max_tokens.
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                           tool_choice="required", temperature=0,
+                                           parallel_tool_calls=False)  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = _functions(choice.message)
+    assert calls and all(c.type == "function" for c in calls)
+    assert {c.function.name for c in calls} <= {"get_weather", "get_time"}
+    assert len({c.id for c in calls}) == len(calls) and all(c.id.startswith("call_") for c in calls)
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert isinstance(args, dict)
+
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                            tool_choice="required", temperature=0,
+                                            parallel_tool_calls=False, stream=True)  # fmt: skip
+    streamed: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice_delta in chunk.choices:
+            finish = choice_delta.finish_reason or finish
+            for d in choice_delta.delta.tool_calls or []:
+                call = streamed.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                if d.id:
+                    assert not call["id"], "a call's id comes once, in its first delta"
+                    assert d.function is not None and d.function.name, "with its name"
+                    call["id"] = d.id
+                if d.function is not None:
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls" and len(calls) == 1
+    # Greedy: the stream says what the whole answer said (each task names its own calls).
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c["name"], c["arguments"]) for _, c in sorted(streamed.items())
+    ]
+    assert all(c["id"].startswith("call_") for c in streamed.values())
+
+
+def test_parallel_calls_are_each_a_valid_call(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                           tool_choice="required", temperature=0,
+                                           max_tokens=120)  # fmt: skip
+    choice = reply.choices[0]
+    calls = _functions(choice.message)
+    assert len(calls) > 1 and choice.finish_reason in ("tool_calls", "length")
+    # Cut by max_tokens, the last call may be unfinished; every one before it is whole.
+    whole = calls if choice.finish_reason == "tool_calls" else calls[:-1]
+    for c in whole:
+        assert c.function.name in ("get_weather", "get_time")
+        assert isinstance(json.loads(c.function.arguments), dict)
+
+
+def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[TIME, WEATHER], temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+        )  # fmt: skip
+        calls = _functions(reply.choices[0].message)
+        assert len(calls) == 1 and calls[0].function.name == "get_weather"
+        _weather_args(calls[0].function.arguments)
+
+
+def test_a_full_round_trip_call_result_answer(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    message = first.choices[0].message
+    call = _functions(message)[0]
+    history: list[ChatCompletionMessageParam] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER],
+                                            tool_choice="none", temperature=0,
+                                            max_tokens=40)  # fmt: skip
+    reply = answer.choices[0]
+    assert reply.message.tool_calls is None
+    assert reply.finish_reason in ("stop", "length") and (reply.message.content or "").strip()
+
+
+def test_auto_gives_a_call_or_an_answer_never_anything_else(client: openai.OpenAI) -> None:
+    for seed in range(4):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], temperature=1.0, seed=seed, max_tokens=60
+        )
+        choice = reply.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason in ("tool_calls", "length")
+            assert all(c.function.name == "get_weather" for c in _functions(choice.message))
+        else:
+            assert choice.message.content is not None
+            assert '"response"' not in choice.message.content  # the wrapping is taken off
+
+
+# --- structured output ----------------------------------------------------------------------
+
+
+def test_parse_with_a_pydantic_model_at_any_temperature(client: openai.OpenAI) -> None:
+    question: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Describe the city of Lisbon."}
+    ]
+    # Up to 1.0: hotter, this 135M model writes strings that do not end within max_tokens
+    # (they would still be valid JSON where they did end).
+    for temperature, seed in ((0.0, 0), (0.7, 1), (1.0, 1)):
+        parsed = client.chat.completions.parse(model=MODEL, messages=question,
+                                               response_format=City, temperature=temperature,
+                                               seed=seed, max_tokens=200)  # fmt: skip
+        choice = parsed.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, City)
+
+
+def test_json_object_is_json(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=100, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": 'Reply in JSON: the key "name" is a cat\'s name.'}],
+    )  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
+
+
+# --- log-probabilities and choices ---------------------------------------------------------
+
+
+def test_chat_logprobs_spell_the_content(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3
+    )
+    choice = reply.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    entries = choice.logprobs.content
+    assert "".join(e.token for e in entries) == choice.message.content
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        # Greedy picks the most likely token, whose logprob is the best alternative's.
+        assert math.isclose(e.logprob, e.top_logprobs[0].logprob, abs_tol=1e-5)
+        assert bytes(e.bytes or []).decode(errors="replace") == e.token or not e.token
+
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0,
+                                            max_tokens=12, logprobs=True, top_logprobs=3,
+                                            stream=True)  # fmt: skip
+    streamed = [e for c in stream for ch in c.choices if ch.logprobs and ch.logprobs.content
+                for e in ch.logprobs.content]  # fmt: skip
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in entries
+    ]
+
+
+def test_completion_logprobs_with_echo_score_the_prompt(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True,
+                                       logprobs=2, temperature=0)  # fmt: skip
+    choice = scored.choices[0]
+    assert choice.text.startswith(prompt) and scored.usage is not None
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs is not None
+    assert lp.text_offset is not None
+    assert len(lp.tokens) == scored.usage.prompt_tokens + scored.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    only_prompt = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                            logprobs=0)  # fmt: skip
+    again = only_prompt.choices[0]
+    assert again.text == prompt and again.logprobs is not None
+    assert again.logprobs.token_logprobs == lp.token_logprobs[:-1]  # the same prompt, scored alike
+
+
+def test_several_choices_with_a_seed(client: openai.OpenAI) -> None:
+    story: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
+    reply = client.chat.completions.create(model=MODEL, messages=story, n=3, seed=7,
+                                           temperature=1.0, max_tokens=12)  # fmt: skip
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    texts = [c.message.content for c in reply.choices]
+    assert len(set(texts)) > 1, texts
+    again = client.chat.completions.create(model=MODEL, messages=story, n=3, seed=7,
+                                           temperature=1.0, max_tokens=12)  # fmt: skip
+    assert [c.message.content for c in again.choices] == texts
+    # The prompt is counted once, each choice's tokens each.
+    assert reply.usage is not None and again.usage is not None
+    one = client.chat.completions.create(model=MODEL, messages=story, seed=7, temperature=1.0,
+                                         max_tokens=12)  # fmt: skip
+    assert one.choices[0].message.content == texts[0]  # choice 0 keeps the request's seed
+    assert one.usage is not None and reply.usage.prompt_tokens == one.usage.prompt_tokens
+    assert one.usage.completion_tokens < reply.usage.completion_tokens <= 3 * 12
+
+
+def test_what_cannot_be_honoured_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    image: list[ChatCompletionMessageParam] = [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=image)
+    assert "image" in str(err.value) and err.value.param == "messages.0"
+    schema: dict[str, object] = {
+        "type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}
+    }  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        )  # fmt: skip
+    assert "minimum" in str(err.value)
+
+
+# --- agent frameworks -----------------------------------------------------------------------
+
+
+def test_an_openai_agents_sdk_agent_runs_its_loop(url: str) -> None:
+    """Model, tool, model again, final output. A 135M model given the tool's result calls the
+    tool again rather than answer: once the tool ran, a hook sets the agent's tool_choice to
+    "none" for the next turn."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        RunContextWrapper,
+        RunHooks,
+        Runner,
+        Tool,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    class AnswerAfterTheTool(RunHooks[Any]):
+        async def on_tool_end(
+            self, context: RunContextWrapper[Any], agent: Agent[Any], tool: Tool, result: object
+        ) -> None:
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        asked.append(city)
+        return f"It is sunny and 24 degrees in {city}."
+
+    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=url, api_key=KEY, max_retries=0))  # fmt: skip
+    agent = Agent(name="weather", instructions="Answer questions about the weather.",
+                  tools=[get_weather], model=model, reset_tool_choice=False,
+                  model_settings=ModelSettings(tool_choice="required", temperature=0,
+                                               max_tokens=60))  # fmt: skip
+    result = Runner.run_sync(agent, "What is the weather like in Paris?", max_turns=4,
+                             hooks=AnswerAfterTheTool())  # fmt: skip
+    assert len(asked) == 1 and asked[0].strip(), "the agent called its tool once, with a city"
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert len(result.raw_responses) == 2  # the call, then the answer
+
+
+def test_instructor_extracts_a_pydantic_model(url: str) -> None:
+    import instructor
+
+    client = instructor.from_openai(openai.OpenAI(base_url=url, api_key=KEY, max_retries=0),
+                                    mode=instructor.Mode.TOOLS)  # fmt: skip
+    city = client.chat.completions.create(
+        model=MODEL, response_model=City, temperature=0, max_tokens=200, max_retries=0,
+        messages=[{"role": "user", "content": "Porto is a coastal city in Portugal."}],
+    )  # fmt: skip
+    assert isinstance(city, City)
+
+
+def test_langchain_binds_tools_and_structures_output(url: str) -> None:
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return "sunny"
+
+    llm = ChatOpenAI(model=MODEL, base_url=url, api_key=KEY, temperature=0, max_retries=0,
+                     max_tokens=200)  # fmt: skip
+    message = llm.bind_tools([get_weather], tool_choice="required").invoke(
+        "What is the weather like in Paris?"
+    )
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(message.tool_calls[0]["args"].get("city"), str)
+    for method in ("json_schema", "function_calling"):
+        city = llm.with_structured_output(City, method=method).invoke(
+            "Describe the city of Lisbon."
+        )  # fmt: skip
+        assert isinstance(city, City), method
