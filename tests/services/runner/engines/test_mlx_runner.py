@@ -4,6 +4,7 @@ a 2-rank ring whose ranks find each other through the log."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.js import JetStreamContext
@@ -11,40 +12,54 @@ from nats.js import JetStreamContext
 from bus.embedded import EmbeddedNats
 from bus.events import (
     ChatMessage,
+    ResponseFormat,
     RunnerStateChanged,
     SamplingParams,
     TaskCompleted,
     TaskCreated,
+    Tool,
+    ToolChoice,
 )
 from bus.publisher import Publisher
 from services.runner.engines.mlx import MlxEngine
-from services.runner.generation import Step, check_request, steps
 from services.runner.spec import RunnerSpec
 from tests.services.event_log import EventLog
 from tests.services.processes import Processes
-from tests.services.runner.engines.pipeline_head import decoding_of, prompt_of
+from tests.services.runner.served import Served, calls_of, close, expected, published
 from tests.services.runner.stages import stages
 
 pytestmark = pytest.mark.slow
 
-N_CTX = 256
+N_CTX = 1024  # the tools described in a system message: ~400 of the tiny vocabulary's tokens
 
 
-def task(n: int, text: str) -> TaskCreated:
+def task(n: int, text: str, max_tokens: int = 20, **fields: Any) -> TaskCreated:
     return TaskCreated(
         task_id=f"t{n}", model_id="m", origin="test",
         messages=[ChatMessage(role="user", content=text)],
-        params=SamplingParams(temperature=0.0, max_tokens=20),
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens), **fields,
     )  # fmt: skip
 
 
-def reference(model: Path, t: TaskCreated) -> list[int]:
+SAY = Tool(name="say", parameters={"type": "object", "properties": {"word": {"type": "string"}}})
+# Plain text, a required tool call, a reply in a JSON schema, log-probabilities: the same from
+# a runner (whole or split) as from the engine in this process.
+TASKS = [
+    task(1, "hello there"),
+    task(2, "tell me a story"),
+    # The tiny vocabulary spells the call's JSON a character a token or so.
+    task(3, "say hello", 60, tools=[SAY], tool_choice=ToolChoice(mode="required")),
+    task(4, "a number", response_format=ResponseFormat(
+        type="json_schema", json_schema={"type": "object", "properties": {
+            "n": {"type": "integer"}}, "required": ["n"]})),
+    task(5, "hello", logprobs=2),
+]  # fmt: skip
+
+
+def reference(model: Path) -> list[tuple[list[Served], list[float | None]]]:
     engine = MlxEngine(model, n_ctx=N_CTX)
     engine.load()
-    prompt = prompt_of(engine, t)
-    limit = check_request(len(prompt), t.params, engine.n_ctx)
-    return [s.token_id for s in steps(engine, prompt, decoding_of(t), limit, lambda: False)
-            if isinstance(s, Step) and s.token_id is not None]  # fmt: skip
+    return [expected(engine, t) for t in TASKS]
 
 
 @pytest.mark.parametrize("bounds", [(0, 4), (0, 2, 4)], ids=["whole", "two-ranks"])
@@ -52,8 +67,7 @@ async def test_mlx_runners_answer_token_for_token_as_one_process(
     nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path, tiny_mlx: Path,
     bounds: tuple[int, ...],
 ) -> None:  # fmt: skip
-    tasks = [task(1, "hello there"), task(2, "tell me a story")]
-    expected = [reference(tiny_mlx, t) for t in tasks]
+    wanted = reference(tiny_mlx)
     pipeline = stages(*bounds)
     log = await EventLog().start(js)
     with Processes(tmp_path / "logs") as procs:
@@ -74,10 +88,15 @@ async def test_mlx_runners_answer_token_for_token_as_one_process(
             # Ring members say where they listen (the data-plane address only).
             assert (ready.endpoint is not None) == (len(pipeline) > 1 and shard.rank > 0)
         publisher = Publisher(js)
-        for t, want in zip(tasks, expected, strict=True):
+        for t, (want, want_logprobs) in zip(TASKS, wanted, strict=True):
             await publisher.publish(t)
-            chunks = await log.wait_chunks(t.task_id, timeout=60)
-            assert [c.token_id for c in chunks if c.token_id is not None] == want
+            got, got_logprobs = published(await log.wait_chunks(t.task_id, timeout=60))
+            assert got == want, t.task_id
+            assert close(got_logprobs, want_logprobs, 1e-5), t.task_id
             await log.wait_for(TaskCompleted, lambda e, t=t: e.task_id == t.task_id)  # type: ignore[misc]
-        assert len(want) == 20
     await log.stop()
+    assert len(wanted[0][0]) == 21  # 20 tokens and the end
+    # Random weights, constrained: a call of the tool offered, a reply that starts as JSON.
+    assert calls_of(wanted[2][0])[0]["name"] == "say"
+    assert "".join(text for _, text, _, _ in wanted[3][0]).startswith("{")
+    assert all(v is not None for v in wanted[4][1][:-1])
