@@ -386,9 +386,18 @@ def _require_storable(ctx: ApiContext, task: TaskCreated) -> None:
             413,
             f"The request is too large: as a task on the event log it is {exc.size} bytes,"
             f" more than the {exc.limit} bytes a NATS message may hold. Shorten the prompt.",
-            param="messages" if task.kind == "chat" else "prompt",
+            param=_largest_part(task),
             code="request_too_large",
         ) from None
+
+
+def _largest_part(task: TaskCreated) -> str:
+    """The field that made a task too large: its prompt, messages, or the tools' schemas
+    (which count too)."""
+    if task.kind == "completion":
+        return "prompt"
+    tools = sum(len(t.model_dump_json()) for t in task.tools)
+    return "tools" if tools > sum(len(m.content) for m in task.messages or []) else "messages"
 
 
 def _log_unavailable(exc: Exception) -> ApiError:

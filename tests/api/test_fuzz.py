@@ -548,6 +548,14 @@ async def test_a_prompt_too_large_for_the_log_is_a_413(
     assert (await client.post(CHAT, json=small)).status_code == 503  # no runner, but answering
 
 
+async def test_tools_count_toward_the_size_of_a_request(client: httpx.AsyncClient) -> None:
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "x" * 50_000}}
+             for i in range(22)]  # fmt: skip
+    body = {"model": KNOWN_MODEL, "messages": MESSAGES, "tools": tools}
+    err = _error(await client.post(CHAT, json=body), 413)
+    assert err["code"] == "request_too_large" and err["param"] == "tools"
+
+
 async def test_placement_preview_for_an_unknown_model_is_a_404(client: httpx.AsyncClient) -> None:
     err = _error(await client.post("/v1/placement/preview", json={"model": "nope"}), 404)
     assert err["code"] == "model_not_found" and err["param"] == "model", err

@@ -3,25 +3,28 @@
 `data/log_before_tools.jsonl` is a history's events as the code before tool calling,
 structured output and log-probabilities wrote them (no `tools`, `logprobs`... fields), and
 `data/log_before_tools.rows.json` the projection that code made of them. New fields have
-defaults, so the same log must still give exactly those rows.
+defaults, so `shoal replay` of the same log must still give exactly those rows.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from nats.js import JetStreamContext
-from sqlalchemy.ext.asyncio import AsyncEngine
 
+from bus.embedded import EmbeddedNats
 from bus.events import ChunkGenerated, TaskCreated, parse_event
 from bus.publisher import MSG_ID_HEADER
-from projectors.replay import replay
-from tests.projectors.helpers import db_rows
+from tests.projectors.helpers import db_rows_of
 
 DATA = Path(__file__).parent / "data"
+SHOAL = str(Path(sys.executable).parent / "shoal")
 
 
 def _plain(rows: dict[str, list[dict[str, Any]]]) -> Any:
@@ -34,7 +37,7 @@ def _plain(rows: dict[str, list[dict[str, Any]]]) -> Any:
 
 
 async def test_a_log_from_before_tool_calling_replays_to_the_same_rows(
-    js: JetStreamContext, engine: AsyncEngine
+    nats_server: EmbeddedNats, js: JetStreamContext, db_url: str
 ) -> None:
     lines = (DATA / "log_before_tools.jsonl").read_bytes().splitlines()
     for line in lines:
@@ -47,7 +50,11 @@ async def test_a_log_from_before_tool_calling_replays_to_the_same_rows(
     chunks = [e for e in events if isinstance(e, ChunkGenerated)]
     assert chunks and all(c.logprob is None and c.tool_calls == [] for c in chunks)
 
-    await replay(js, engine)
+    out = await asyncio.to_thread(
+        subprocess.run, [SHOAL, "replay", "--nats", nats_server.url, "--db", db_url],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
 
     expected = json.loads((DATA / "log_before_tools.rows.json").read_text())
-    assert _plain(await db_rows(engine)) == expected
+    assert _plain(await db_rows_of(db_url)) == expected
