@@ -1,6 +1,6 @@
 """A llama-architecture GGUF model converted offline to an MLX (mlx-lm) model directory, for
-tests on real weights: the quantized tensors dequantized to float32, the tokenizer rebuilt from
-the GGUF's vocabulary, merges and chat template.
+tests and benchmarks on real weights: the quantized tensors dequantized to float32, the
+tokenizer rebuilt from the GGUF's vocabulary, merges and chat template.
 
 Only what SmolLM2 needs: byte-level BPE ("gpt2") vocabularies, llama tensors, tied or separate
 output layer.
