@@ -56,6 +56,7 @@ test: lint typecheck pytest
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/projector.py
 	$(BIN)/python bench/engine_overhead.py
+	$(BIN)/python bench/constrained.py
 	$(BIN)/python bench/placement.py
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/soak.py

@@ -7,6 +7,7 @@ A request with ``n`` choices is ``n`` tasks; each choice is made from its own ta
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,8 +84,8 @@ class Shape:
 
 
 def _entry(lp: TokenLogprob) -> dict[str, Any]:
-    return {"token": lp.token, "logprob": lp.logprob, "bytes": lp.bytes,
-            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.bytes),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
                              for t in lp.top]}  # fmt: skip
 
 
@@ -92,7 +93,7 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": [_entry(lp) for lp in entries], "refusal": None}
 
 
-def tool_call_deltas(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+def tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
     """OpenAI's stream pieces of tool calls: the first of a call has its id, type and name."""
     out = []
     for d in deltas:

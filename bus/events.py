@@ -56,6 +56,8 @@ class EventBase(Record):
     @property
     def subject(self) -> str:
         ids = tuple(str(getattr(self, f)) for f in self.subject_fields)
+        if self.on_chunk_stream:  # a task's chunks share one subject, whatever their type
+            return chunk_subject(*ids)
         type_name: str = getattr(self, "type")  # noqa: B009 - every concrete event has it
         return event_subject(self.aggregate, ids, type_name)
 
@@ -63,6 +65,8 @@ class EventBase(Record):
     def subject_pattern(cls) -> str:
         """The subject with field names for ids, for documentation."""
         ids = ".".join(f"<{f}>" for f in cls.subject_fields)
+        if cls.on_chunk_stream:
+            return f"{CHUNKS_PREFIX}.{ids}"
         type_name = cls.model_fields["type"].default
         return f"{EVENTS_PREFIX}.{cls.aggregate}.{ids}.{type_name}"
 
@@ -178,10 +182,13 @@ class SamplingParams(Record):
     )
 
 
+# Chunks are hashable (their consumers keep sets of them): what they hold is in tuples.
+
+
 class TopLogprob(Record):
     token: str
     logprob: float
-    bytes: list[int]
+    bytes: tuple[int, ...]
 
 
 class TokenLogprob(Record):
@@ -190,8 +197,8 @@ class TokenLogprob(Record):
 
     token: str
     logprob: float | None = Field(description="None for a prompt's first token.")
-    bytes: list[int]
-    top: list[TopLogprob] = Field(default_factory=list)
+    bytes: tuple[int, ...]
+    top: tuple[TopLogprob, ...] = ()
 
 
 class ToolCallDelta(Record):
@@ -457,15 +464,7 @@ class ChunkGenerated(EventBase):
     token_id: int | None = None
     finish_reason: FinishReason | None = None
     logprob: TokenLogprob | None = Field(default=None, description="When the task asked.")
-    tool_calls: list[ToolCallDelta] = Field(default_factory=list)
-
-    @property
-    def subject(self) -> str:
-        return chunk_subject(self.task_id)
-
-    @classmethod
-    def subject_pattern(cls) -> str:
-        return f"{CHUNKS_PREFIX}.<task_id>"
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 class PromptScored(EventBase):
@@ -479,15 +478,7 @@ class PromptScored(EventBase):
     task_id: Id
     start: int = Field(description="The position in the prompt of the first token here.")
     total: int = Field(description="Tokens in the whole prompt.")
-    tokens: list[TokenLogprob]
-
-    @property
-    def subject(self) -> str:
-        return chunk_subject(self.task_id)
-
-    @classmethod
-    def subject_pattern(cls) -> str:
-        return f"{CHUNKS_PREFIX}.<task_id>"
+    tokens: tuple[TokenLogprob, ...]
 
 
 Event = Annotated[

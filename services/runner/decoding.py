@@ -8,6 +8,7 @@ must match, how many log-probabilities to report) and yields ``Token``s; the sha
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from bus.events import SamplingParams
@@ -31,6 +32,30 @@ class Grammar:
 
     gbnf: str
     triggers: tuple[str, ...] = ()
+
+
+class Trigger:
+    """A lazy grammar's trigger, matched as llama.cpp does
+    (``llama_grammar_trigger_pattern::find``), on the bytes of the text generated so far: a
+    pattern written ``^...$`` must match all of it (``$`` is the end of the text, not before a
+    last newline as in Python), any other is searched for; the grammar starts at the first
+    capture group that matched something, else at the match. Raises ``re.error`` for a pattern
+    that is no regular expression."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self._whole = pattern.startswith("^") and pattern.endswith("$")
+        self._regex = re.compile(pattern.encode())
+
+    def start(self, text: bytes) -> int | None:
+        """Where in ``text`` the grammar starts, or None while the pattern does not match."""
+        match = self._regex.fullmatch(text) if self._whole else self._regex.search(text)
+        if match is None:
+            return None
+        for group in range(1, self._regex.groups + 1):
+            if match.end(group) > match.start(group):
+                return match.start(group)
+        return match.start()
 
 
 @dataclass(frozen=True)

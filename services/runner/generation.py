@@ -207,7 +207,7 @@ def _logprob(source: TokenSource, token: Token, text: str, piece: bytes) -> Toke
     shows as nothing, the character with the token that completes it), so that the entries'
     texts add up to the text."""
     assert token.logprob is not None
-    return TokenLogprob(token=text, logprob=token.logprob, bytes=list(piece),
+    return TokenLogprob(token=text, logprob=token.logprob, bytes=tuple(piece),
                         top=_alternatives(source, token.top))  # fmt: skip
 
 
@@ -215,14 +215,11 @@ def _scored_prompt(source: TokenSource, tokens: Sequence[Token]) -> Iterator[Tok
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for t in tokens:
         piece = source.piece(t.id)
-        yield TokenLogprob(token=decoder.decode(piece), logprob=t.logprob, bytes=list(piece),
+        yield TokenLogprob(token=decoder.decode(piece), logprob=t.logprob, bytes=tuple(piece),
                            top=_alternatives(source, t.top))  # fmt: skip
 
 
-def _alternatives(source: TokenSource, top: Sequence[tuple[int, float]]) -> list[TopLogprob]:
-    out = []
-    for token_id, logprob in top:
-        piece = source.piece(token_id)
-        out.append(TopLogprob(token=piece.decode(errors="replace"), logprob=logprob,
-                              bytes=list(piece)))  # fmt: skip
-    return out
+def _alternatives(source: TokenSource, top: Sequence[tuple[int, float]]) -> tuple[TopLogprob, ...]:
+    pieces = ((source.piece(token_id), logprob) for token_id, logprob in top)
+    return tuple(TopLogprob(token=piece.decode(errors="replace"), logprob=logprob,
+                            bytes=tuple(piece)) for piece, logprob in pieces)  # fmt: skip

@@ -60,4 +60,4 @@ def prompt_scored(
     total = len(scored.tokens)
     for start in range(0, total, PROMPT_SLICE):
         yield PromptScored(task_id=task.task_id, origin=origin, ts=at, start=start, total=total,
-                           tokens=list(scored.tokens[start : start + PROMPT_SLICE]))  # fmt: skip
+                           tokens=scored.tokens[start : start + PROMPT_SLICE])  # fmt: skip

@@ -346,7 +346,7 @@ class TaskServer:
             token_id=step.token_id,
             finish_reason=step.finish_reason,
             logprob=step.logprob,
-            tool_calls=list(step.tool_calls),
+            tool_calls=step.tool_calls,
             origin=self._me.node_id,
             ts=datetime.fromtimestamp(ts, UTC),
         )

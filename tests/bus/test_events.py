@@ -31,6 +31,7 @@ from bus.events import (
     NodeProfile,
     NodeTimedOut,
     PlacementRejected,
+    PromptScored,
     ResourceProfiled,
     RunnerStateChanged,
     SamplingParams,
@@ -41,6 +42,11 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
     Timings,
+    TokenLogprob,
+    Tool,
+    ToolCallDelta,
+    ToolChoice,
+    TopLogprob,
     Usage,
     parse_event,
 )
@@ -186,8 +192,18 @@ SAMPLES: dict[type[EventBase], EventBase] = {
             ChatMessage(role="system", content="You are terse."),
             ChatMessage(role="user", content="Say hi — in ünïcødé 🐟"),
         ],
-        params=SamplingParams(max_tokens=64, temperature=0.2, stop=["\n\n"], seed=7),
+        params=SamplingParams(
+            max_tokens=64, temperature=0.2, stop=["\n\n"], seed=7, logit_bias={15339: -5.0}
+        ),
         user="alice",
+        tools=[
+            Tool(
+                name="get_weather",
+                parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+            )
+        ],
+        tool_choice=ToolChoice(mode="function", name="get_weather"),
+        logprobs=2,
     ),
     TaskStarted: TaskStarted(
         task_id="task-1",
@@ -205,6 +221,24 @@ SAMPLES: dict[type[EventBase], EventBase] = {
         text=" hello",
         token_id=15339,
         finish_reason=None,
+        logprob=TokenLogprob(
+            token=" hello",
+            logprob=-0.5,
+            bytes=tuple(b" hello"),
+            top=(TopLogprob(token=" hi", logprob=-1.5, bytes=tuple(b" hi")),),
+        ),
+        tool_calls=(ToolCallDelta(index=0, id="call_1", name="get_weather"),),
+    ),
+    PromptScored: PromptScored(
+        task_id="task-1",
+        origin="node-a",
+        ts=TS,
+        start=0,
+        total=2,
+        tokens=(
+            TokenLogprob(token="Hi", logprob=None, bytes=tuple(b"Hi")),
+            TokenLogprob(token="!", logprob=-2.25, bytes=tuple(b"!")),
+        ),
     ),
     TaskCompleted: TaskCompleted(
         task_id="task-1",
@@ -268,7 +302,7 @@ def test_subject(cls: type[EventBase]) -> None:
     tokens = subject.split(".")
     assert all(tokens), subject
     assert "*" not in subject and ">" not in subject and " " not in subject
-    if cls is ChunkGenerated:
+    if cls.on_chunk_stream:
         assert subject == "shoal.chunks.task-1"
         return
     assert subject.startswith(f"shoal.events.{cls.aggregate}.")
@@ -307,7 +341,7 @@ def test_wire_json_is_plain_and_has_envelope(cls: type[EventBase]) -> None:
 @ALL_TYPES
 def test_subject_pattern_names_the_aggregate(cls: type[EventBase]) -> None:
     pattern = cls.subject_pattern()
-    if cls is ChunkGenerated:
+    if cls.on_chunk_stream:
         assert pattern == "shoal.chunks.<task_id>"
         return
     assert pattern.startswith(f"shoal.events.{cls.aggregate}.")

@@ -48,7 +48,7 @@ async def test_a_log_from_before_tool_calling_replays_to_the_same_rows(
     tasks = [e for e in events if isinstance(e, TaskCreated)]
     assert tasks and all(t.tools == [] and t.logprobs is None for t in tasks)
     chunks = [e for e in events if isinstance(e, ChunkGenerated)]
-    assert chunks and all(c.logprob is None and c.tool_calls == [] for c in chunks)
+    assert chunks and all(c.logprob is None and c.tool_calls == () for c in chunks)
 
     out = await asyncio.to_thread(
         subprocess.run, [SHOAL, "replay", "--nats", nats_server.url, "--db", db_url],

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bus.events import SamplingParams
-from services.runner.decoding import LOGPROB_FLOOR, MAX_TOP_LOGPROBS, Grammar, Token
+from services.runner.decoding import LOGPROB_FLOOR, MAX_TOP_LOGPROBS, Grammar, Token, Trigger
 from services.runner.generation import InvalidRequest
 
 Logits = npt.NDArray[np.float32]
@@ -39,6 +39,9 @@ assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 
 # Tokens refused for what they would hand a lazy grammar, before giving up on the request.
 _MAX_REFUSED = 64
+# How many of the best candidates the grammar masks, in turn, when the picked token is refused
+# (see SequenceSampler).
+BEST = (512, 4096)
 
 # llama.cpp reads this seed as "pick one at random": seeds are folded below it.
 _SEEDS = 0xFFFFFFFF
@@ -209,26 +212,6 @@ def _check_trigger(pattern: str) -> None:
         raise InvalidRequest(f"the grammar's trigger {pattern!r} uses syntax llama.cpp lacks")
 
 
-class Trigger:
-    """A trigger pattern matched as llama.cpp does (``llama_grammar_trigger_pattern::find``):
-    the whole text for ``^...$``, else anywhere; the grammar takes the text from the first
-    capture group that matched something, or from the match."""
-
-    def __init__(self, pattern: str) -> None:
-        self.whole = pattern.startswith("^") and pattern.endswith("$")
-        self.regex = re.compile(pattern.encode())
-
-    def start(self, text: bytes) -> int | None:
-        match = self.regex.fullmatch(text) if self.whole else None
-        match = match or self.regex.search(text)
-        if match is None:
-            return None
-        for group in range(1, (match.lastindex or 0) + 1):
-            if match.start(group) != -1 and match.end(group) > match.start(group):
-                return match.start(group)
-        return match.start()
-
-
 def _free(samplers: Iterable[Sampler | None]) -> None:
     for sampler in samplers:
         if sampler:
@@ -259,6 +242,15 @@ class Candidates:
             self.data["logit"][list(banned)] = -np.inf
         self._reset(len(self.data))
 
+    def load_best(self, source: Candidates) -> None:
+        """``source``'s entries with the highest logits, as many as this array holds (most
+        likely first)."""
+        k = len(self.data)
+        logits = source.data["logit"][: source.array.size]
+        best = np.argpartition(logits, -k)[-k:]
+        self.data[:] = source.data[best[np.argsort(-logits[best], kind="stable")]]
+        self._reset(k)
+
     def one(self, token: int) -> None:
         self.data[0] = (token, 1.0, 0.0)
         self._reset(1)
@@ -267,6 +259,9 @@ class Candidates:
         self.array.size = size
         self.array.selected = -1
         self.array.sorted = False
+
+    def any_allowed(self) -> bool:
+        return bool(np.isfinite(self.data["logit"][: self.array.size]).any())
 
     def selected(self) -> tuple[int, float]:
         i = self.array.selected
@@ -281,14 +276,18 @@ class SequenceSampler:
     min-p, temperature, then greedy or a seeded draw) in one chain, and the grammar, if any,
     beside it.
 
-    The grammar is not applied to the whole vocabulary at every token (4 ms for a JSON schema
-    over SmolLM2's 49k tokens, where a token takes 6): as in ``common_sampler_sample``, the
-    chain picks a token, the grammar checks that one alone, and a token it refuses is set
-    aside for the chain to pick again (``retries`` times) before the grammar masks every
-    candidate and the chain picks from what it allows. Greedy, that is the best allowed token;
-    drawn, a draw from the allowed tokens in proportion to their probabilities (exactly so
-    without top-k, top-p and min-p, which cut before the grammar here but after it
-    otherwise, as in llama.cpp). ``grammar_first`` masks every candidate at every token.
+    The grammar is not applied to the whole vocabulary at every token (3-4 ms for a JSON
+    schema over SmolLM2's 49k tokens, where a token takes 6): as in ``common_sampler_sample``,
+    the chain picks a token, the grammar checks that one alone, and a token it refuses is set
+    aside for the chain to pick again (``retries`` times). Then the grammar masks the best
+    candidates by logit (after biases and penalties: the 512 best, then the 4096 best) and the
+    chain picks from what it allows there; only if it allows none of them does it mask every
+    candidate (a key the schema names, which the model did not expect, is often thousands of
+    tokens down). Greedy, that is the best allowed token; drawn, a draw from the allowed
+    tokens in proportion to their probabilities, as if a top-k of 512 (or 4096) came first
+    where those hold an allowed token (top-k, top-p and min-p cut before the grammar here,
+    after it otherwise, as in llama.cpp). ``grammar_first`` masks every candidate at every
+    token.
 
     Only generated tokens are accepted into the chain: penalties count what was generated, not
     the prompt, as OpenAI's do."""
@@ -303,14 +302,16 @@ class SequenceSampler:
         seed: int,
         grammar: CompiledGrammar | None = None,
         grammar_first: bool = False,
-        retries: int = 2,
+        retries: int = 0,
     ) -> None:
         self._vocab = vocab
         self._grammar_first = grammar_first
         self._retries = retries
         self._candidates = Candidates(n_vocab)
+        self._best = [Candidates(k) for k in BEST if k < n_vocab]
         self._one = Candidates(1)
-        self._chain = _chain(params, n_vocab, n_ctx, seed)
+        self._adjust = _adjustments(params, n_vocab, n_ctx)
+        self._chain = _chain(params, seed)
         self._grammar: Sampler | None = None
         self._eager: Sampler | None = None
         self._triggers: list[Trigger] = []
@@ -319,7 +320,7 @@ class SequenceSampler:
             self._eager = grammar.eager  # the cache's: a reference is kept with ``grammar``
             self._triggers = grammar.triggers
         self._compiled = grammar
-        self._free = weakref.finalize(self, _free, [self._chain, self._grammar])
+        self._free = weakref.finalize(self, _free, [self._adjust, self._chain, self._grammar])
         self._text = b""  # generated so far, while a lazy grammar waits for its trigger
 
     def close(self) -> None:
@@ -352,16 +353,28 @@ class SequenceSampler:
             refused.append(token)
         return self._draw_allowed(logits, refused)
 
-    def _draw(self, logits: Logits, banned: Sequence[int]) -> int:
+    def _adjusted(self, logits: Logits, banned: Sequence[int]) -> Candidates:
         self._candidates.load(logits, banned)
-        llama_cpp.llama_sampler_apply(self._chain, self._candidates.pointer)
-        return self._candidates.selected()[0]
+        if self._adjust is not None:
+            llama_cpp.llama_sampler_apply(self._adjust, self._candidates.pointer)
+        return self._candidates
+
+    def _draw(self, logits: Logits, banned: Sequence[int]) -> int:
+        candidates = self._adjusted(logits, banned)
+        llama_cpp.llama_sampler_apply(self._chain, candidates.pointer)
+        return candidates.selected()[0]
 
     def _draw_allowed(self, logits: Logits, banned: Sequence[int]) -> int:
-        self._candidates.load(logits, banned)
-        llama_cpp.llama_sampler_apply(self._grammar, self._candidates.pointer)
-        llama_cpp.llama_sampler_apply(self._chain, self._candidates.pointer)
-        token, logit = self._candidates.selected()
+        candidates = self._adjusted(logits, banned)
+        for best in [] if self._grammar_first else self._best:
+            best.load_best(candidates)
+            llama_cpp.llama_sampler_apply(self._grammar, best.pointer)
+            if best.any_allowed():
+                llama_cpp.llama_sampler_apply(self._chain, best.pointer)
+                return best.selected()[0]
+        llama_cpp.llama_sampler_apply(self._grammar, candidates.pointer)
+        llama_cpp.llama_sampler_apply(self._chain, candidates.pointer)
+        token, logit = candidates.selected()
         if logit == -math.inf:
             # Accepting it would abort the process (llama.cpp's grammar has no way out).
             raise InvalidRequest("the grammar allows no token here")
@@ -375,6 +388,8 @@ class SequenceSampler:
     def _accept(self, token: int) -> None:
         if self._grammar is not None:
             llama_cpp.llama_sampler_accept(self._grammar, token)
+        if self._adjust is not None:
+            llama_cpp.llama_sampler_accept(self._adjust, token)
         llama_cpp.llama_sampler_accept(self._chain, token)
         if self._triggers:
             self._text += token_piece(self._vocab, token)
@@ -405,23 +420,37 @@ class SequenceSampler:
             llama_cpp.llama_sampler_free(check)
 
 
-def _chain(params: SamplingParams, n_vocab: int, n_ctx: int, seed: int) -> Sampler:
-    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+def _new_chain() -> Sampler:
+    return llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
 
-    def add(sampler: Sampler) -> None:
-        llama_cpp.llama_sampler_chain_add(chain, sampler)  # the chain owns it from here
 
-    # In common_sampler's order: biases, penalties, the cuts, the temperature, the draw.
+def _adjustments(params: SamplingParams, n_vocab: int, n_ctx: int) -> Sampler | None:
+    """What changes the logits before any cut, in common_sampler's order: biases, then
+    penalties (over the whole generation: OpenAI's penalties count every generated token).
+    None when there is nothing to change."""
+    penalised = (params.repeat_penalty, params.frequency_penalty, params.presence_penalty)
+    if not params.logit_bias and penalised == (1, 0, 0):
+        return None
+    chain = _new_chain()
     if params.logit_bias:
         biases = (llama_cpp.llama_logit_bias * len(params.logit_bias))(
             *(llama_cpp.llama_logit_bias(token=t, bias=b) for t, b in params.logit_bias.items())
         )
-        add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
-    if (params.repeat_penalty, params.frequency_penalty, params.presence_penalty) != (1, 0, 0):
-        # Over the whole generation (OpenAI's penalties count every generated token).
-        add(llama_cpp.llama_sampler_init_penalties(n_vocab, n_ctx, params.repeat_penalty,
-                                                   params.frequency_penalty,
-                                                   params.presence_penalty))  # fmt: skip
+        bias = llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases)
+        llama_cpp.llama_sampler_chain_add(chain, bias)  # the chain owns it from here
+    if penalised != (1, 0, 0):
+        penalties = llama_cpp.llama_sampler_init_penalties(n_vocab, n_ctx, *penalised)
+        llama_cpp.llama_sampler_chain_add(chain, penalties)
+    return chain
+
+
+def _chain(params: SamplingParams, seed: int) -> Sampler:
+    """The pick, in common_sampler's order: greedy, or the cuts, the temperature, the draw."""
+    chain = _new_chain()
+
+    def add(sampler: Sampler) -> None:
+        llama_cpp.llama_sampler_chain_add(chain, sampler)  # the chain owns it from here
+
     if params.temperature == 0:
         add(llama_cpp.llama_sampler_init_greedy())
         return chain

@@ -33,7 +33,14 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from bus.events import SamplingParams
-from services.runner.decoding import LOGPROB_FLOOR, MAX_TOP_LOGPROBS, Decoding, Grammar, Token
+from services.runner.decoding import (
+    LOGPROB_FLOOR,
+    MAX_TOP_LOGPROBS,
+    Decoding,
+    Grammar,
+    Token,
+    Trigger,
+)
 from services.runner.generation import InvalidRequest
 
 # Compiled grammars kept per vocabulary: a task's tools or schema make its grammar, and a
@@ -89,10 +96,9 @@ def flatten_repetitions(gbnf: str) -> str:
 
 
 @functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
-def _trigger(pattern: str) -> re.Pattern[bytes]:
-    # On bytes, as llama.cpp's std::regex runs on the bytes of the text.
+def _trigger(pattern: str) -> Trigger:
     try:
-        return re.compile(pattern.encode())
+        return Trigger(pattern)
     except re.error as exc:
         raise InvalidRequest(f"the grammar's trigger {pattern!r} is not a regex: {exc}") from exc
 
@@ -175,7 +181,7 @@ class Constraint:
     """One task's grammar: which tokens it allows next, and the tokens picked."""
 
     def __init__(
-        self, matcher: llguidance.LLMatcher, triggers: tuple[re.Pattern[bytes], ...], of: Grammars
+        self, matcher: llguidance.LLMatcher, triggers: tuple[Trigger, ...], of: Grammars
     ) -> None:
         self._matcher = matcher
         self._triggers = triggers
@@ -203,7 +209,8 @@ class Constraint:
                                      f"{self._matcher.get_error()}")  # fmt: skip
             return
         self._text += self._grammars.pieces[token]
-        start = self._trigger_start()
+        # The first pattern that matches, as llama.cpp tries them.
+        start = next((s for t in self._triggers if (s := t.start(self._text)) is not None), None)
         if start is None:
             return
         # As llama.cpp: the grammar holds from the trigger on, and is fed the text from there,
@@ -218,25 +225,6 @@ class Constraint:
                 f"the text that triggered the grammar does not fit it: {rest!r} "
                 f"({self._matcher.get_error()})"
             )
-
-    def _trigger_start(self) -> int | None:
-        """Where the grammar starts in the text, if a trigger matched: llama.cpp's
-        ``llama_grammar_trigger_pattern::find``."""
-        for trigger in self._triggers:
-            pattern = trigger.pattern
-            if pattern.startswith(b"^") and pattern.endswith(b"$"):
-                # The whole text (std::regex's "$" is the end of the text only, not before a
-                # last newline as Python's).
-                match = trigger.fullmatch(self._text)
-            else:
-                match = trigger.search(self._text)
-            if match is None:
-                continue
-            for group in range(1, trigger.groups + 1):
-                if match.end(group) - match.start(group) > 0:
-                    return match.start(group)
-            return match.start()
-        return None
 
 
 class Picker:

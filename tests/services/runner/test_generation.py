@@ -162,9 +162,9 @@ def test_logprob_entries_spell_the_text() -> None:
     out = [s for s in steps(source, [1], decoding, 100, lambda: False) if isinstance(s, Step)]
     entries = [s.logprob for s in out if s.logprob is not None]
     assert "".join(e.token for e in entries) == "x🐟 y" == "".join(s.text for s in out)
-    assert entries[1].token == "" and entries[1].bytes == list(fish[:2])
+    assert entries[1].token == "" and entries[1].bytes == tuple(fish[:2])
     assert [e.logprob for e in entries] == [0.0, -1.0, -2.0, -3.0]
-    assert entries[0].top[0].logprob == -0.1 and entries[0].top[0].bytes == list(b"<end>")
+    assert entries[0].top[0].logprob == -0.1 and entries[0].top[0].bytes == tuple(b"<end>")
     assert out[-1].logprob is None
 
 

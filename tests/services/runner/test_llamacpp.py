@@ -444,7 +444,7 @@ def test_echo_alone_computes_nothing_more(
     out = run_steps(smollm2, prompt, decoding(echo=True, max_tokens=0))
     assert isinstance(out[0], ScoredPrompt) and len(out[0].tokens) == len(prompt)
     assert out[0].tokens[0].logprob is None and out[0].tokens[1].logprob is not None
-    assert out[0].tokens[1].top == []  # no alternatives asked for
+    assert out[0].tokens[1].top == ()  # no alternatives asked for
     assert sampled == [] and in_context(smollm2) == len(prompt) - 1
 
 

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 
 from bus.events import SamplingParams
-from services.runner.decoding import LOGPROB_FLOOR
+from services.runner.decoding import LOGPROB_FLOOR, Trigger
 from services.runner.engines.llamacpp_sampling import (
     TOKEN_DATA,
     Candidates,
-    Trigger,
     check_params,
     scored,
     seed_of,
@@ -63,6 +62,8 @@ def test_triggers_match_as_llama_cpps_do() -> None:
     # ^...$: the whole text.
     assert Trigger(r"^\s*(\{)[\s\S]*$").start(b'  {"a"') == 2
     assert Trigger(r"^\s*(\{)[\s\S]*$").start(b'x  {"a"') is None
+    # "$" is the end of the text, not before a last newline (std::regex, not Python's re).
+    assert Trigger(r"^\{$").start(b"{\n") is None
 
 
 def test_candidates_back_a_token_data_array_with_numpy() -> None:

