@@ -113,8 +113,10 @@ class LlamaCppEngine:
         self._kwargs = llama_kwargs
         self._loaded: _Loaded | None = None
         self._pieces: dict[int, bytes] = {}
-        # The generation whose sequence the context holds (see ``_run``).
+        # The generation whose sequence the context holds (see ``_run``), and the tokens its
+        # KV cache holds (see ``_keep``).
         self._owner: object | None = None
+        self._cached: list[int] = []
         # Apply a grammar to every candidate, every token (llama.cpp's grammar_first), rather
         # than check the token picked first: for measurements.
         self.grammar_first = False
@@ -268,7 +270,8 @@ class LlamaCppEngine:
             if self._owner is not me:
                 raise RuntimeError("a later generation took the context from this one")
 
-        self._reset(seq)
+        # A scored prompt needs every position's logits: it runs whole.
+        kept = 0 if decoding.echo else self._keep(prompt, seq)
         picker = sampler()
         try:
             k = decoding.top_logprobs
@@ -277,7 +280,7 @@ class LlamaCppEngine:
                 yield scores
                 still_mine()
             else:
-                last = self._prefill(prompt, seq)
+                last = self._prefill(prompt, seq, kept)
             batch, ctx, pos = self.loaded.batch, self.llm.ctx, len(prompt)
             while True:
                 logits = self._logits(last)
@@ -289,28 +292,54 @@ class LlamaCppEngine:
                 batch.clear()
                 last = batch.add(token, pos, seq, logits=True)
                 batch.decode(ctx)
+                self._cached.append(token)
                 pos += 1
         finally:
             picker.close()
 
-    def _reset(self, seq: int) -> None:
-        memory = llama_cpp.llama_get_memory(self.llm.ctx)
-        llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)  # a whole sequence: never fails
+    def drop_cache(self) -> None:
+        """Forget what the KV cache holds: the next generation runs its prompt whole (for a
+        caller that used the context itself, or wants a run that does not depend on the last:
+        a prompt run in pieces rounds a little differently from one run whole)."""
+        self._cached = []
 
-    def _prefill(self, prompt: list[int], seq: int) -> int:
-        """Runs the prompt; the batch index of its last position's logits."""
+    def _keep(self, prompt: list[int], seq: int) -> int:
+        """How much of ``prompt`` the KV cache holds already, from the last generation (a
+        chat's system prompt and earlier turns), as llama-cpp-python's own ``generate`` reuses
+        it; the rest of the cache is dropped. The prompt's last token always runs: its logits
+        give the first token."""
+        keep = 0
+        for cached, token in zip(self._cached, prompt[:-1], strict=False):
+            if cached != token:
+                break
+            keep += 1
+        memory = llama_cpp.llama_get_memory(self.llm.ctx)
+        if not llama_cpp.llama_memory_seq_rm(memory, seq, keep, -1):
+            # A cache that cannot drop a part (a recurrent model's) is dropped whole.
+            llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
+            keep = 0
+        self._cached = prompt[:keep]
+        return keep
+
+    def _prefill(self, prompt: list[int], seq: int, start: int = 0) -> int:
+        """Runs the prompt from ``start`` on (the cache holds the tokens before it); the batch
+        index of its last position's logits."""
         batch, last = self.loaded.batch, 0
-        for start in range(0, len(prompt), batch.capacity):
+        for at in range(start, len(prompt), batch.capacity):
             batch.clear()
-            chunk = prompt[start : start + batch.capacity]
-            for i, token in enumerate(chunk, start):
+            chunk = prompt[at : at + batch.capacity]
+            for i, token in enumerate(chunk, at):
                 last = batch.add(token, i, seq, logits=i == len(prompt) - 1)
             batch.decode(self.llm.ctx)
+            self._cached += chunk
         return last
 
     def _prefill_scored(self, prompt: list[int], seq: int, k: int) -> tuple[PromptScores, int]:
         """Runs the prompt with every position's logits: each token's score given the ones
         before it (the first has none), from the position before it."""
+        memory = llama_cpp.llama_get_memory(self.llm.ctx)
+        llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)  # a whole sequence: never fails
+        self._cached = []
         batch, last = self.loaded.batch, 0
         tokens = [Token(prompt[0])]
         size = min(ECHO_CHUNK, batch.capacity)
@@ -320,6 +349,7 @@ class LlamaCppEngine:
             for i, token in enumerate(chunk, start):
                 last = batch.add(token, i, seq, logits=True)
             batch.decode(self.llm.ctx)
+            self._cached += chunk
             for j in range(len(chunk)):
                 if start + j + 1 < len(prompt):
                     tokens.append(scored(self._logits(j), prompt[start + j + 1], k))

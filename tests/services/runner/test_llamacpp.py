@@ -106,9 +106,13 @@ def log_softmax(
     return out
 
 
-def forget(llm: Llama) -> None:
-    """``Llama``'s high-level calls reuse what they believe the cache holds: not here."""
-    llm.reset()  # type: ignore[no-untyped-call]
+def forget(of: LlamaCppEngine | Llama) -> None:
+    """What the cache holds is forgotten, by ``Llama``'s high-level calls (which reuse what
+    they believe it holds) and by the engine: a run as from a fresh context."""
+    if isinstance(of, LlamaCppEngine):
+        of.drop_cache()
+        of = of.llm
+    of.reset()  # type: ignore[no-untyped-call]
 
 
 def token_of(engine: LlamaCppEngine, text: str) -> int:
@@ -188,6 +192,30 @@ def test_unknown_chat_format_is_refused() -> None:
 # --- generation -----------------------------------------------------------------------------
 
 
+def test_a_prompt_that_shares_a_prefix_with_the_last_gives_what_a_fresh_engine_gives(
+    smollm2: LlamaCppEngine,
+) -> None:
+    """The KV cache keeps what the last generation left that the next prompt starts with (a
+    chat's system prompt, its earlier turns). A prompt run in two pieces rounds a little
+    differently from one run whole, but for these prompts the greedy tokens are the same."""
+    fresh = LlamaCppEngine(SMOLLM2, n_ctx=1024)
+    fresh.load()
+    first = smollm2.chat_tokens(user("Tell me about the sea."), None)
+    second = smollm2.chat_tokens(user("Tell me about the mountains."), None)
+    assert first[:20] == second[:20]  # the template's system prompt
+    want = ids(fresh, second, 12, temperature=0)
+    ids(smollm2, first, 12, temperature=0)
+    assert ids(smollm2, second, 12, temperature=0) == want
+    # Stopped after two tokens, or run again whole: the same.
+    ids(smollm2, second, 2, temperature=0)
+    assert ids(smollm2, second, 12, temperature=0) == want
+    echoed = [t.id for t in tokens(smollm2.generate(second, decoding(temperature=0, echo=True)),
+                                   13)]  # fmt: skip
+    assert echoed == want
+    assert ids(smollm2, second[:-3], 1, temperature=0)  # a prompt shorter than the cache
+    assert ids(smollm2, second, 12, temperature=0) == want
+
+
 def test_greedy_is_deterministic_and_coherent(smollm2: LlamaCppEngine) -> None:
     prompt = smollm2.chat_tokens(user(QUESTION), None)
     d = decoding(temperature=0, max_tokens=12)
@@ -201,9 +229,10 @@ def test_greedy_equals_llama_cpp_pythons_own(model: str, request: pytest.Fixture
     engine: LlamaCppEngine = request.getfixturevalue(model)
     for prompt in (engine.chat_tokens(user(QUESTION), None),
                    engine.text_tokens("Once upon a time, in a land far away,")):  # fmt: skip
-        forget(engine.llm)
+        forget(engine)
         theirs = list(islice(engine.llm.generate(prompt, temp=0.0, top_k=40, top_p=1.0,
                                                  min_p=0.0, repeat_penalty=1.0), 24))  # fmt: skip
+        forget(engine)  # Llama.generate used the context
         assert ids(engine, prompt, 24, temperature=0) == theirs
 
 
@@ -355,8 +384,10 @@ def test_a_lazy_grammar_holds_from_its_trigger(smollm2: LlamaCppEngine) -> None:
     unconstrained = []
     for params in [{"temperature": 0}] + [{"temperature": 0.8, "seed": s} for s in (0, 2, 3, 4)]:
         d = decoding(max_tokens=28, logit_bias=bias, **params)
+        forget(smollm2)  # each run as from a fresh context, for the two to be compared
         free = text(smollm2, prompt, d)
         unconstrained.append(free.split("<tool_call>", 1)[1])
+        forget(smollm2)
         out, reason = finish(smollm2, prompt, dataclasses.replace(d, grammar=grammar))
         before, call = out.split("<tool_call>")
         # Free text before the trigger, the grammar after it, then only an end.
