@@ -196,7 +196,50 @@ def _byte_level_alphabet() -> dict[str, int]:
     return alphabet
 
 
-class MlxEngine:
+class MlxTextEngine:
+    """What an MLX engine answers from its tokenizer side (``MlxText``, once loaded), for
+    ``MlxEngine`` and a pipeline's ``PipelineHead`` alike."""
+
+    _text: MlxText | None = None
+    _n_ctx: int
+
+    @property
+    def text(self) -> MlxText:
+        if self._text is None:
+            raise RuntimeError("engine not loaded")
+        return self._text
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.text.n_vocab
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.text.chat_template
+
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        return self.text.chat_tokens(messages, tools)
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        return self.text.text_tokens(prompt)
+
+    def piece(self, token: int) -> bytes:
+        return self.text.piece(token)
+
+    def spelled(self, token: int) -> bytes:
+        return self.text.spelled(token)
+
+    def is_end(self, token: int) -> bool:
+        return self.text.is_end(token)
+
+
+class MlxEngine(MlxTextEngine):
     """A whole MLX model in this process.
 
     ``n_threads`` is accepted for the runner's uniform call and ignored: mlx's CPU backend runs
@@ -225,32 +268,6 @@ class MlxEngine:
         if self._model is None:
             raise RuntimeError("engine not loaded")
         return self._model
-
-    @property
-    def text(self) -> MlxText:
-        if self._text is None:
-            raise RuntimeError("engine not loaded")
-        return self._text
-
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
-    def n_vocab(self) -> int:
-        return self.text.n_vocab
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.text.chat_template
-
-    def chat_tokens(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> list[int]:
-        return self.text.chat_tokens(messages, tools)
-
-    def text_tokens(self, prompt: str) -> list[int]:
-        return self.text.text_tokens(prompt)
 
     def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
         if not prompt:
@@ -291,12 +308,3 @@ class MlxEngine:
             if position >= self.n_ctx:
                 return
             step = [token.id]
-
-    def piece(self, token: int) -> bytes:
-        return self.text.piece(token)
-
-    def spelled(self, token: int) -> bytes:
-        return self.text.spelled(token)
-
-    def is_end(self, token: int) -> bool:
-        return self.text.is_end(token)

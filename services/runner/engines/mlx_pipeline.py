@@ -60,7 +60,13 @@ from pydantic import BaseModel, Field
 from bus.events import SamplingParams
 from services.runner.decoding import Decoding, Grammar, PromptScores, Token
 from services.runner.engines.base import EngineBroken
-from services.runner.engines.mlx import MlxText, context_length, load_model, prefill_chunks
+from services.runner.engines.mlx import (
+    MlxText,
+    MlxTextEngine,
+    context_length,
+    load_model,
+    prefill_chunks,
+)
 from services.runner.engines.mlx_sampling import (
     Grammars,
     Picker,
@@ -601,7 +607,7 @@ def _address(host: str) -> tuple[str, int]:
     return socket.gethostbyname(ip), int(port)
 
 
-class PipelineHead:
+class PipelineHead(MlxTextEngine):
     """Rank 0 of a pipeline, as an ``Engine``. ``load()`` loads this rank's layers and the
     tokenizer, then joins the ring (``load_weights()`` and ``join()``, for a caller that waits
     for the other ranks in between); ``shutdown()`` ends every rank's ``follow()``. After
@@ -642,41 +648,6 @@ class PipelineHead:
     def join(self) -> None:
         """Join the ring (see ``connect`` for the timing between ranks)."""
         self._ring = connect(self._shard, self._connect_timeout)
-
-    @property
-    def text(self) -> MlxText:
-        if self._text is None:
-            raise RuntimeError("engine not loaded")
-        return self._text
-
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
-    def n_vocab(self) -> int:
-        return self.text.n_vocab
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.text.chat_template
-
-    def chat_tokens(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> list[int]:
-        return self.text.chat_tokens(messages, tools)
-
-    def text_tokens(self, prompt: str) -> list[int]:
-        return self.text.text_tokens(prompt)
-
-    def piece(self, token: int) -> bytes:
-        return self.text.piece(token)
-
-    def spelled(self, token: int) -> bytes:
-        return self.text.spelled(token)
-
-    def is_end(self, token: int) -> bool:
-        return self.text.is_end(token)
 
     def _parts(self) -> tuple[Stage, Ring]:
         if self._broken is not None:
