@@ -41,7 +41,7 @@ assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 _MAX_REFUSED = 64
 # How many of the best candidates the grammar masks, in turn, when the picked token is refused
 # (see SequenceSampler).
-BEST = (512, 4096)
+BEST = (512, 4096, 16384)
 
 # llama.cpp reads this seed as "pick one at random": seeds are folded below it.
 _SEEDS = 0xFFFFFFFF
@@ -242,14 +242,10 @@ class Candidates:
             self.data["logit"][list(banned)] = -np.inf
         self._reset(len(self.data))
 
-    def load_best(self, source: Candidates) -> None:
-        """``source``'s entries with the highest logits, as many as this array holds (most
-        likely first)."""
-        k = len(self.data)
-        logits = source.data["logit"][: source.array.size]
-        best = np.argpartition(logits, -k)[-k:]
-        self.data[:] = source.data[best[np.argsort(-logits[best], kind="stable")]]
-        self._reset(k)
+    def load_entries(self, entries: npt.NDArray[np.void]) -> None:
+        """These entries (as many as this array holds), in no order: samplers need none."""
+        self.data[:] = entries
+        self._reset(len(entries))
 
     def one(self, token: int) -> None:
         self.data[0] = (token, 1.0, 0.0)
@@ -280,11 +276,11 @@ class SequenceSampler:
     schema over SmolLM2's 49k tokens, where a token takes 6): as in ``common_sampler_sample``,
     the chain picks a token, the grammar checks that one alone, and a token it refuses is set
     aside for the chain to pick again (``retries`` times). Then the grammar masks the best
-    candidates by logit (after biases and penalties: the 512 best, then the 4096 best) and the
+    candidates by logit (after biases and penalties: the 512 best, the 4096, the 16384) and the
     chain picks from what it allows there; only if it allows none of them does it mask every
     candidate (a key the schema names, which the model did not expect, is often thousands of
     tokens down). Greedy, that is the best allowed token; drawn, a draw from the allowed
-    tokens in proportion to their probabilities, as if a top-k of 512 (or 4096) came first
+    tokens in proportion to their probabilities, as if a top-k of 512 (or more) came first
     where those hold an allowed token (top-k, top-p and min-p cut before the grammar here,
     after it otherwise, as in llama.cpp). ``grammar_first`` masks every candidate at every
     token.
@@ -366,12 +362,19 @@ class SequenceSampler:
 
     def _draw_allowed(self, logits: Logits, banned: Sequence[int]) -> int:
         candidates = self._adjusted(logits, banned)
-        for best in [] if self._grammar_first else self._best:
-            best.load_best(candidates)
-            llama_cpp.llama_sampler_apply(self._grammar, best.pointer)
-            if best.any_allowed():
-                llama_cpp.llama_sampler_apply(self._chain, best.pointer)
-                return best.selected()[0]
+        if self._best and not self._grammar_first:
+            # The widest tier's ids once, each narrower one's among them.
+            adjusted = np.ascontiguousarray(candidates.data["logit"])
+            widest = len(self._best[-1].data)
+            pool = np.argpartition(-adjusted, widest - 1)[:widest]
+            for best in self._best:
+                k = len(best.data)
+                ids = pool if k == widest else pool[np.argpartition(-adjusted[pool], k - 1)[:k]]
+                best.load_entries(candidates.data[ids])
+                llama_cpp.llama_sampler_apply(self._grammar, best.pointer)
+                if best.any_allowed():
+                    llama_cpp.llama_sampler_apply(self._chain, best.pointer)
+                    return best.selected()[0]
         llama_cpp.llama_sampler_apply(self._grammar, candidates.pointer)
         llama_cpp.llama_sampler_apply(self._chain, candidates.pointer)
         token, logit = candidates.selected()
