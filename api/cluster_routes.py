@@ -19,7 +19,8 @@ from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.schemas import InstanceRequest
 from bus.events import InstanceDeleteRequested, InstanceRequested, chunk_stream_type
-from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
+from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, stream_of
+from bus.subjects import ALL_EVENTS, CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors.state import ClusterState
 from services.planner.cluster import cluster_view
 from services.planner.placement import ModelInfo, Placement, PlacementRequest, Rejection, place
@@ -126,7 +127,7 @@ async def preview(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
 async def events(
     request: Request,
     ctx: Ctx,
-    subject: Annotated[str, Query(description="NATS subject filter")] = f"{EVENTS_PREFIX}.>",
+    subject: Annotated[str, Query(description="NATS subject filter")] = ALL_EVENTS,
     last: Annotated[
         int, Query(ge=0, le=10_000, description="Start with this many past events")
     ] = 0,
@@ -142,7 +143,7 @@ async def events(
 def _subject_problem(subject: str) -> str | None:
     """Why ``subject`` is not a filter on Shoal's streams, or None. Checked here, before the
     response starts: NATS's own refusal would come after a 200."""
-    if not subject.startswith((f"{EVENTS_PREFIX}.", f"{CHUNKS_PREFIX}.")):
+    if stream_of(subject) not in (EVENTS_STREAM, CHUNKS_STREAM):
         return f"it must start with {EVENTS_PREFIX}. or {CHUNKS_PREFIX}."
     tokens = subject.split(".")
     for i, token in enumerate(tokens):
@@ -166,8 +167,7 @@ async def _tail(request: Request, ctx: ApiContext, subject: str, last: int) -> A
 
     js = ctx.nc.jetstream()
     if last:
-        stream = "SHOAL_CHUNKS" if subject.startswith(CHUNKS_PREFIX) else "SHOAL_EVENTS"
-        info = await js.stream_info(stream)
+        info = await js.stream_info(stream_of(subject) or EVENTS_STREAM)
         start = max(1, info.state.last_seq - last + 1)
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
     else:

@@ -42,7 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.context import ApiContext, context, require_key
 from bus.events import EVENT_TYPES, EventBase, RunnerState
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
-from bus.subjects import DEADLETTER_PREFIX, EVENTS_PREFIX, unescape_token
+from bus.subjects import ALL_DEAD_LETTERS, dead_letter_origin, event_type_filter
 from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
 from projectors.state import ClusterState
@@ -201,8 +201,7 @@ def event_type_filters() -> dict[str, str]:
         if t.on_chunk_stream:
             continue
         name = str(t.model_fields["type"].default)
-        ids = ".".join("*" for _ in t.subject_fields)
-        out[name] = f"{EVENTS_PREFIX}.{t.aggregate}.{ids}.{name}"
+        out[name] = event_type_filter(t.aggregate, len(t.subject_fields), name)
     return out
 
 
@@ -210,8 +209,7 @@ def dead_letters_by_stream(subjects: Mapping[str, int]) -> dict[str, int]:
     """Counts per dead-letter subject (``shoal.deadletter.<stream>``) -> per original stream."""
     out: dict[str, int] = {}
     for subject, n in subjects.items():
-        if subject.startswith(f"{DEADLETTER_PREFIX}."):
-            stream = unescape_token(subject.rsplit(".", 1)[-1])
+        if (stream := dead_letter_origin(subject)) is not None:
             out[stream] = out.get(stream, 0) + n
     return out
 
@@ -348,7 +346,7 @@ async def read_log(js: JetStreamContext, applied_seq: int | None = None) -> LogR
     messages: dict[str, int] = {}
     dead: dict[str, int] = {}
     for stream in (EVENTS_STREAM, CHUNKS_STREAM, DEADLETTER_STREAM):
-        subjects = f"{DEADLETTER_PREFIX}.>" if stream == DEADLETTER_STREAM else None
+        subjects = ALL_DEAD_LETTERS if stream == DEADLETTER_STREAM else None
         info = await js.stream_info(stream, subjects_filter=subjects)
         last_seq[stream] = info.state.last_seq
         messages[stream] = info.state.messages

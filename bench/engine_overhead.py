@@ -73,7 +73,7 @@ from bus.events import (
 )
 from bus.publisher import Publisher
 from bus.streams import ensure_streams
-from bus.subjects import EVENTS_PREFIX, chunk_subject, escape_token, event_subject
+from bus.subjects import chunk_subject, event_subject
 from services.models.cards import card_for
 from services.models.metadata import read_gguf
 from services.models.resolve import resolve_model
@@ -300,9 +300,7 @@ async def run_on_runner(
     nc: Client, publisher: Publisher, task: TaskCreated, limit: int, server_pid: int = 0
 ) -> Side:
     chunks = await Inbox().start(nc, chunk_subject(task.task_id))
-    task_events = (
-        f"{EVENTS_PREFIX}.task.{escape_token(task.model_id)}.{escape_token(task.task_id)}.*"
-    )
+    task_events = event_subject("task", (task.model_id, task.task_id), "*")
     outcome = await Inbox(until=_is_outcome).start(nc, task_events)
     await nc.flush()  # the subscriptions are on the server before the task is
     try:

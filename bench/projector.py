@@ -46,7 +46,6 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import MSG_ID_HEADER
 from bus.streams import EVENTS_STREAM, ensure_streams
-from bus.subjects import EVENTS_PREFIX
 from projectors import database
 from projectors.projector import DEFAULT_NAME, Projector, tune_gc
 from projectors.replay import replay
@@ -103,13 +102,12 @@ async def table_counts(engine: AsyncEngine) -> tuple[dict[str, int], int]:
 async def publish_history(js: JetStreamContext, n_events: int) -> int:
     """Publish the first ``n_events`` events of a long history that go to SHOAL_EVENTS.
     A task makes about three such events, so ``n_events / 3`` tasks are enough."""
-    events_prefix = EVENTS_PREFIX + "."
     pending: list[asyncio.Future[PubAck]] = []
     published = 0
     for event in history(n_tasks=n_events // 3 + 100, seed=1):
+        if event.on_chunk_stream:
+            continue  # chunks: the projector does not read their stream
         subject = event.subject
-        if not subject.startswith(events_prefix):
-            continue  # ChunkGenerated: the chunk stream, which the projector does not read
         if published == n_events:
             break
         fut = await js.publish_async(

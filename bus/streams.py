@@ -96,6 +96,27 @@ def parse_size(text: str) -> int:
     return value
 
 
+# Each stream and what its subjects start with.
+STREAM_PREFIXES = {
+    EVENTS_STREAM: EVENTS_PREFIX,
+    CHUNKS_STREAM: CHUNKS_PREFIX,
+    DEADLETTER_STREAM: DEADLETTER_PREFIX,
+}
+
+
+def all_subjects(stream: str) -> str:
+    """The filter that matches everything on a stream."""
+    return f"{STREAM_PREFIXES[stream]}.>"
+
+
+def stream_of(subject: str) -> str | None:
+    """The stream that holds a subject (or the subjects a filter matches), or None."""
+    for stream, prefix in STREAM_PREFIXES.items():
+        if subject.startswith(f"{prefix}."):
+            return stream
+    return None
+
+
 def stream_configs(settings: StreamSettings) -> list[StreamConfig]:
     def limits(name: str, prefix: str, max_age: float, max_bytes: int) -> StreamConfig:
         return StreamConfig(

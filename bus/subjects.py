@@ -14,6 +14,10 @@ from urllib.parse import unquote
 EVENTS_PREFIX = "shoal.events"
 CHUNKS_PREFIX = "shoal.chunks"
 DEADLETTER_PREFIX = "shoal.deadletter"
+# Everything on one stream.
+ALL_EVENTS = f"{EVENTS_PREFIX}.>"
+ALL_CHUNKS = f"{CHUNKS_PREFIX}.>"
+ALL_DEAD_LETTERS = f"{DEADLETTER_PREFIX}.>"
 
 # Letters, digits, '-', '_' , ':' and '=' pass unchanged; everything else is %XX (UTF-8 bytes).
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-:=]")
@@ -41,6 +45,29 @@ def chunk_subject(task_id: str) -> str:
 
 def deadletter_subject(stream: str) -> str:
     return f"{DEADLETTER_PREFIX}.{escape_token(stream)}"
+
+
+def aggregate_filter(aggregate: str, *ids: str) -> str:
+    """Every event of an aggregate (``shoal.events.instance.>``), or of one of its members
+    (``shoal.events.instance.<id>.>``)."""
+    return ".".join([EVENTS_PREFIX, aggregate, *(escape_token(i) for i in ids), ">"])
+
+
+def aggregate_prefix(aggregate: str) -> str:
+    """What the subjects of an aggregate's events start with."""
+    return f"{EVENTS_PREFIX}.{aggregate}."
+
+
+def event_type_filter(aggregate: str, n_ids: int, event_type: str) -> str:
+    """Every event of one type (``shoal.events.task.*.*.TaskCreated``)."""
+    return ".".join([EVENTS_PREFIX, aggregate, *("*" * n_ids), event_type])
+
+
+def dead_letter_origin(subject: str) -> str | None:
+    """The stream a dead letter's subject names (``shoal.deadletter.<stream>``), or None."""
+    if not subject.startswith(f"{DEADLETTER_PREFIX}."):
+        return None
+    return unescape_token(subject.rsplit(".", 1)[-1])
 
 
 def model_tasks_filter(model_id: str) -> str:

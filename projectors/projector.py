@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
-from bus.subjects import EVENTS_PREFIX
+from bus.subjects import ALL_EVENTS, aggregate_prefix
 from projectors import database
 from projectors.rules import changes_for
 from projectors.state import Change, ClusterState
@@ -66,7 +66,7 @@ def tune_gc() -> None:
 
 # How long a batch of task events only waits for more (see above).
 TASK_LINGER_S = 0.25
-_TASK_SUBJECTS = f"{EVENTS_PREFIX}.task."
+_TASK_SUBJECTS = aggregate_prefix("task")
 
 # A projection that ran this long before an error starts its retries from the shortest wait
 # again (a restart of the nats-server loses its consumer each time, see run()).
@@ -153,7 +153,7 @@ class Projector:
             self._js,
             EVENTS_STREAM,
             durable=f"projector-{self.name}",
-            filter_subject=f"{EVENTS_PREFIX}.>",
+            filter_subject=ALL_EVENTS,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=self.applied_seq + 1,
             max_ack_pending=self.batch_size * 2,

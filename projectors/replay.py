@@ -20,7 +20,7 @@ from bus.consumer import describe_invalid
 from bus.events import parse_event
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM
-from bus.subjects import EVENTS_PREFIX
+from bus.subjects import ALL_EVENTS
 from projectors import database
 from projectors.projector import DEFAULT_NAME
 from projectors.rules import changes_for
@@ -71,7 +71,7 @@ async def replay(
     state = ClusterState()
     pending: list[Change] = []
     applied = skipped = last_seq = 0
-    async for msg in read_stream(js, EVENTS_STREAM, f"{EVENTS_PREFIX}.>", to_seq=until_seq):
+    async for msg in read_stream(js, EVENTS_STREAM, ALL_EVENTS, to_seq=until_seq):
         md = msg.metadata
         if until_time is not None and md.timestamp > until_time:
             break

@@ -17,33 +17,37 @@ from bus.catalogue_doc import render
 from bus.connection import connect
 from bus.events import parse_event
 from bus.reader import read_stream
-from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM, ensure_streams
-from bus.subjects import CHUNKS_PREFIX, DEADLETTER_PREFIX, EVENTS_PREFIX
+from bus.streams import (
+    CHUNKS_STREAM,
+    DEADLETTER_STREAM,
+    EVENTS_STREAM,
+    STREAM_PREFIXES,
+    all_subjects,
+    ensure_streams,
+    stream_of,
+)
+from bus.subjects import ALL_EVENTS
 from services.cli.event_line import event_line
 from services.cli.options import DEFAULT_NATS, NatsUrl, run_until_signal
 
 app = typer.Typer(help="Watch and export the event log.", no_args_is_help=True)
 
-STREAMS = {
-    "events": (EVENTS_STREAM, EVENTS_PREFIX),
-    "chunks": (CHUNKS_STREAM, CHUNKS_PREFIX),
-    "deadletter": (DEADLETTER_STREAM, DEADLETTER_PREFIX),
-}
+STREAMS = {"events": EVENTS_STREAM, "chunks": CHUNKS_STREAM, "deadletter": DEADLETTER_STREAM}
 
 
 def _stream_of(subject: str) -> str:
-    for stream, prefix in STREAMS.values():
-        if subject == f"{prefix}.>" or subject.startswith(prefix + "."):
-            return stream
-    raise typer.BadParameter(
-        f"{subject!r} is in no Shoal stream: subjects start with "
-        + ", ".join(p for _, p in STREAMS.values())
-    )
+    stream = stream_of(subject)
+    if stream is None:
+        raise typer.BadParameter(
+            f"{subject!r} is in no Shoal stream: subjects start with "
+            + ", ".join(STREAM_PREFIXES.values())
+        )
+    return stream
 
 
 @app.command()
 def tail(
-    subject: Annotated[str, typer.Argument(help="Subject filter.")] = f"{EVENTS_PREFIX}.>",
+    subject: Annotated[str, typer.Argument(help="Subject filter.")] = ALL_EVENTS,
     nats: NatsUrl = DEFAULT_NATS,
     raw: Annotated[bool, typer.Option("--json", help="Print the JSON as stored.")] = False,
     last: Annotated[int, typer.Option(help="Also show this many earlier events.")] = 0,
@@ -106,12 +110,14 @@ def dump_line(msg: Msg) -> dict[str, Any]:
 async def dump_stream(
     nats: str, stream_key: str, from_seq: int, to_seq: int | None, out: TextIO
 ) -> int:
-    stream, prefix = STREAMS[stream_key]
+    stream = STREAMS[stream_key]
     nc = await connect(nats, name="shoal-events-dump")
     n = 0
     try:
         js = nc.jetstream()
-        async for msg in read_stream(js, stream, f"{prefix}.>", from_seq=from_seq, to_seq=to_seq):
+        async for msg in read_stream(
+            js, stream, all_subjects(stream), from_seq=from_seq, to_seq=to_seq
+        ):
             out.write(json.dumps(dump_line(msg), ensure_ascii=False) + "\n")
             n += 1
     finally:

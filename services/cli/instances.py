@@ -35,7 +35,7 @@ from bus.events import (
 )
 from bus.publisher import Publisher
 from bus.streams import StreamSettings, ensure_streams
-from bus.subjects import EVENTS_PREFIX, escape_token
+from bus.subjects import aggregate_filter
 from projectors import database
 from projectors.rules import changes_for
 from projectors.state import ClusterState
@@ -270,7 +270,7 @@ async def _publish_and_wait(
         with contextlib.suppress(ValueError):  # not an event: not an answer either
             got.put_nowait(parse_event(msg.data))
 
-    sub = await nc.subscribe(f"{EVENTS_PREFIX}.instance.{escape_token(request.instance_id)}.>",
+    sub = await nc.subscribe(aggregate_filter("instance", request.instance_id),
                              cb=on_msg)  # fmt: skip
     try:
         await Publisher(nc.jetstream()).publish(request)

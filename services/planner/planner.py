@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
-from bus.subjects import EVENTS_PREFIX
+from bus.subjects import aggregate_filter
 from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, RunnerRow
 from projectors.state import ClusterState
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # What decisions depend on; the tasks table (the big one) is not among them.
 PLANNING_TABLES = (NodeRow.TABLE, DeviceRow.TABLE, ModelRow.TABLE, InstanceRow.TABLE,
                    RunnerRow.TABLE)  # fmt: skip
-WATCHED = [f"{EVENTS_PREFIX}.{a}.>" for a in ("node", "model", "instance", "runner")]
+WATCHED = [aggregate_filter(a) for a in ("node", "model", "instance", "runner")]
 
 
 @dataclass

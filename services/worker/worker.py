@@ -30,7 +30,7 @@ from bus.events import (
 )
 from bus.publisher import Publisher
 from bus.streams import StreamSettings, ensure_streams
-from bus.subjects import EVENTS_PREFIX
+from bus.subjects import aggregate_filter
 from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
@@ -96,7 +96,7 @@ class Worker:
             # Models and instances in one consumer, so they fold in log order (a model is
             # known before an instance of it is placed).
             await self._js.subscribe(
-                f"{EVENTS_PREFIX}.model.>",
+                aggregate_filter("model"),
                 cb=self._on_placement_event,
                 ordered_consumer=True,
                 # A restarted nats-server has lost this (in-memory) consumer; nats-py makes it
@@ -105,7 +105,7 @@ class Worker:
                 idle_heartbeat=ORDERED_HEARTBEAT_S,
                 config=ConsumerConfig(
                     deliver_policy=DeliverPolicy.ALL,
-                    filter_subjects=[f"{EVENTS_PREFIX}.model.>", f"{EVENTS_PREFIX}.instance.>"],
+                    filter_subjects=[aggregate_filter("model"), aggregate_filter("instance")],
                 ),
             ),
         ]  # fmt: skip

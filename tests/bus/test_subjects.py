@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import random
 import re
+from pathlib import Path
 
 import pytest
 
+from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM, all_subjects, stream_of
 from bus.subjects import (
+    ALL_DEAD_LETTERS,
+    ALL_EVENTS,
     CHUNKS_PREFIX,
     DEADLETTER_PREFIX,
     EVENTS_PREFIX,
+    aggregate_filter,
+    aggregate_prefix,
     chunk_subject,
+    dead_letter_origin,
     deadletter_subject,
     escape_token,
     event_subject,
+    event_type_filter,
     model_tasks_filter,
     unescape_token,
 )
@@ -169,3 +177,35 @@ def test_model_tasks_filter_matches_only_that_models_created_tasks() -> None:
     assert not subject_matches(
         model_tasks_filter("Qwen2"), event_subject("task", (model, "t1"), "TaskCreated")
     )
+
+
+def test_filters_of_aggregates_types_and_streams() -> None:
+    assert aggregate_filter("instance") == "shoal.events.instance.>"
+    assert aggregate_filter("instance", "i.1") == "shoal.events.instance.i%2E1.>"
+    assert event_type_filter("task", 2, "TaskCreated") == "shoal.events.task.*.*.TaskCreated"
+    assert "shoal.events.task.m.t.TaskStarted".startswith(aggregate_prefix("task"))
+    assert dead_letter_origin(deadletter_subject("SHOAL_EVENTS")) == "SHOAL_EVENTS"
+    assert dead_letter_origin("shoal.events.node.n.NodeJoined") is None
+    assert stream_of(ALL_EVENTS) == EVENTS_STREAM and stream_of(chunk_subject("t")) == CHUNKS_STREAM
+    assert stream_of("shoal.other.x") is None
+    assert all_subjects(DEADLETTER_STREAM) == ALL_DEAD_LETTERS
+
+
+REPO = Path(__file__).resolve().parents[2]
+# A subject written out by hand: the prefix of a stream in an f-string or a concatenation.
+_HAND_MADE = re.compile(
+    r'f"\{(EVENTS|CHUNKS|DEADLETTER)_PREFIX\}|_PREFIX \+ "|"shoal\.(events|chunks|deadletter)\.'
+)
+
+
+def test_subjects_come_only_from_the_catalogue() -> None:
+    """Outside bus/ (and the tests, which make malformed ones on purpose), subjects are built
+    by the catalogue's functions: a rename there reaches every publisher and filter."""
+    found = [
+        f"{path.relative_to(REPO)}:{n}"
+        for folder in ("api", "services", "projectors", "bench", "migrations")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _HAND_MADE.search(line)
+    ]
+    assert not found, found
