@@ -451,14 +451,20 @@ class TaskCancelled(_TaskEvent):
     reason: str = ""
 
 
-class ChunkGenerated(EventBase):
-    """One generated token. Lives on the chunk stream, not the event stream."""
+class _ChunkStreamEvent(EventBase):
+    """What a task's runner streams to whoever waits for its answer: on the chunk stream, one
+    subject a task (``shoal.chunks.<task_id>``), not on the event stream."""
 
     aggregate: ClassVar[str] = "chunk"
     subject_fields: ClassVar[tuple[str, ...]] = ("task_id",)
     on_chunk_stream: ClassVar[bool] = True
-    type: Literal["ChunkGenerated"] = "ChunkGenerated"
     task_id: Id
+
+
+class ChunkGenerated(_ChunkStreamEvent):
+    """One generated token. Lives on the chunk stream, not the event stream."""
+
+    type: Literal["ChunkGenerated"] = "ChunkGenerated"
     idx: int = Field(description="0, 1, 2... in generation order.")
     text: str = Field(description="The reply's text (a tool call's text is in tool_calls).")
     token_id: int | None = None
@@ -467,15 +473,11 @@ class ChunkGenerated(EventBase):
     tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
-class PromptScored(EventBase):
+class PromptScored(_ChunkStreamEvent):
     """Log-probabilities of a slice of a task's prompt tokens (a task with ``echo``), published
     before its first chunk, on the chunk stream."""
 
-    aggregate: ClassVar[str] = "chunk"
-    subject_fields: ClassVar[tuple[str, ...]] = ("task_id",)
-    on_chunk_stream: ClassVar[bool] = True
     type: Literal["PromptScored"] = "PromptScored"
-    task_id: Id
     start: int = Field(description="The position in the prompt of the first token here.")
     total: int = Field(description="Tokens in the whole prompt.")
     tokens: tuple[TokenLogprob, ...]
