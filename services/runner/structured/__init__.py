@@ -4,7 +4,8 @@ and a parser that reads the reply back into content and tool calls as it streams
 
 ``formats`` says which tool-call format a template speaks, ``schema`` (and ``pattern``)
 which JSON schemas can be honoured, ``grammar`` builds the GBNF grammars, ``messages`` the
-chat, ``parsers`` reads replies and ``plan`` puts them together. Only ``grammar`` needs
+chat, ``parsers`` reads replies (a character at a time, with ``text_reader``) and ``plan``
+puts them together. Only ``grammar`` needs
 llama.cpp, and it imports it when it first builds one.
 """
 

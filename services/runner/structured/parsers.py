@@ -23,8 +23,8 @@ Malformed output is handled so that nothing is lost and nothing is invented:
   shown) counts only at the start of the reply and only if its name is one of the tools offered;
   anything else is content.
 - ``generic``: a reply that is not the JSON object is content as it is; ``{"response": "..."}``
-  gives the string's characters as content (escapes decoded across pieces, ``\\uXXXX`` and
-  surrogate pairs included); a non-string response (a ``response_format`` schema's JSON) is
+  gives the string's characters as content (escapes decoded across pieces, ``\\u`` escapes
+  and surrogate pairs included); a non-string response (a ``response_format`` schema's JSON) is
   content as its JSON text; ``{"tool_calls": [...]}`` gives the calls.
 
 Each parser reads one character at a time, so that where the pieces are cut does not change
@@ -33,7 +33,7 @@ what comes out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,16 +47,15 @@ from services.runner.structured.formats import (
     ToolFormatName,
     call_id,
 )
+from services.runner.structured.text_reader import (
+    WHITESPACE,
+    Broken,
+    Reading,
+    TextReader,
+)
 
-# A reader coroutine: sent one character at a time, None once the text ended.
-Reading = Generator[None, str | None, None]
-_WHITESPACE = " \t\r\n"
-_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
-_CLOSERS = {"{": "}", "[": "]"}
-_HEX = "0123456789abcdefABCDEF"
 _ARGUMENT_KEYS = ("arguments", "parameters")
 Outcome = Literal["call", "cut", "none"]
-Sink = Callable[[str], None]
 
 
 # The format's markers, which some models' vocabularies hold as special tokens (Mistral's
@@ -86,24 +85,14 @@ def make_parser(spec: ParserSpec) -> ToolReplyParser:
     return ToolReplyParser(spec)
 
 
-class _Broken(Exception):
-    """The text stopped being what was expected at ``char`` (None: at the end)."""
-
-    def __init__(self, char: str | None) -> None:
-        super().__init__(char)
-        self.char = char
-
-
-class ToolReplyParser:
+class ToolReplyParser(TextReader):
     """A ``ReplyParser`` for one reply in ``spec.format``."""
 
     def __init__(self, spec: ParserSpec) -> None:
         self._spec = spec
         self._text: list[str] = []
         self._deltas: list[ToolCallDelta] = []
-        self._back: list[str] = []  # characters to read again, last first
-        self._record: list[str] | None = None  # what the call being read has consumed
-        self._ended = False
+        super().__init__()
         self._calls = 0
         self._wrapped = False  # generic: the reply is the JSON object
         self._gap = ""  # the whitespace before the marker just read
@@ -181,34 +170,6 @@ class ToolReplyParser:
         if text:
             self._deltas.append(ToolCallDelta(index=index, arguments=text))
 
-    # --- input ------------------------------------------------------------------------
-
-    def _char(self) -> Generator[None, str | None, str | None]:
-        if self._back:
-            char = self._back.pop()
-        elif self._ended:
-            return None
-        else:
-            sent = yield
-            if sent is None:
-                self._ended = True
-                return None
-            char = sent
-        if self._record is not None:
-            self._record.append(char)
-        return char
-
-    def _unread(self, char: str | None) -> None:
-        if char is None:
-            return
-        self._back.append(char)
-        if self._record:
-            self._record.pop()
-
-    def _unread_all(self, chars: str) -> None:
-        for char in reversed(chars):
-            self._unread(char)
-
     def _begin(self, lead: str) -> None:
         """Keep what is read from here on (after ``lead``), in case it is not a call."""
         self._record = [lead]
@@ -223,29 +184,9 @@ class ToolReplyParser:
         kept, self._record = self._record or [], None
         self._back.extend(reversed("".join(kept)))
 
-    def _skip_space(self) -> Generator[None, str | None, str | None]:
-        """The next character that is not whitespace (consumed), None at the end."""
-        while True:
-            char = yield from self._char()
-            if char is None or char not in _WHITESPACE:
-                return char
-
     def _after_call(self) -> Reading:
         """Whitespace next to a call is no content."""
         self._unread((yield from self._skip_space()))
-
-    def _word(self, word: str) -> Generator[None, str | None, bool]:
-        """Whether ``word`` comes next; consumed if so, else left to be read again."""
-        seen: list[str] = []
-        for expected in word:
-            char = yield from self._char()
-            if char != expected:
-                self._unread(char)
-                while seen:
-                    self._unread(seen.pop())
-                return False
-            seen.append(char)
-        return True
 
     # --- content ----------------------------------------------------------------------
 
@@ -266,123 +207,10 @@ class ToolReplyParser:
                     self._gap = held[: -len(marker)]
                     return marker
             keep = _marker_start(held, markers)
-            while keep > 0 and held[keep - 1] in _WHITESPACE:
+            while keep > 0 and held[keep - 1] in WHITESPACE:
                 keep -= 1
             self._emit(held[:keep])
             held = held[keep:]
-
-    # --- JSON -------------------------------------------------------------------------
-
-    def _string(self, out: Sink | None = None) -> Generator[None, str | None, str]:
-        """A JSON string's characters after its opening quote, decoded, up to and with the
-        closing quote: to ``out`` as they come, or returned."""
-        parts: list[str] = []
-        put = out or parts.append
-        while True:
-            char = yield from self._char()
-            if char is None:
-                raise _Broken(None)
-            if char == '"':
-                return "".join(parts)
-            if char != "\\":
-                put(char)
-                continue
-            escape = yield from self._char()
-            if escape is None:
-                raise _Broken(None)
-            if escape != "u":
-                put(_ESCAPES.get(escape, escape))  # an unknown escape: the character
-                continue
-            code = yield from self._hex4()
-            if code is None:
-                put("\ufffd")
-            elif 0xD800 <= code < 0xDC00:
-                low = yield from self._low_surrogate()
-                put("\ufffd" if low is None else chr(0x10000 + ((code - 0xD800) << 10) + low))
-            else:
-                put("\ufffd" if 0xDC00 <= code < 0xE000 else chr(code))
-
-    def _hex4(self) -> Generator[None, str | None, int | None]:
-        digits = ""
-        for _ in range(4):
-            char = yield from self._char()
-            if char is None or char not in _HEX:
-                self._unread(char)
-                self._unread_all(digits)
-                return None
-            digits += char
-        return int(digits, 16)
-
-    def _low_surrogate(self) -> Generator[None, str | None, int | None]:
-        """After a high surrogate: the low one's offset, or None (what came instead is read
-        again as it is)."""
-        seen = ""
-        for expected in "\\uXXXX":
-            char = yield from self._char()
-            ok = char == expected if expected != "X" else (char or "g") in _HEX
-            if not ok:
-                self._unread(char)
-                self._unread_all(seen)
-                return None
-            seen += char or ""
-        code = int(seen[2:], 16)
-        if not 0xDC00 <= code < 0xE000:
-            self._unread_all(seen)
-            return None
-        return code - 0xDC00
-
-    def _raw_string(self, out: Sink) -> Generator[None, str | None, None]:
-        """A JSON string after its opening quote, as written, to ``out``."""
-        while True:
-            char = yield from self._char()
-            if char is None:
-                raise _Broken(None)
-            out(char)
-            if char == '"':
-                return
-            if char == "\\":
-                escaped = yield from self._char()
-                if escaped is None:
-                    raise _Broken(None)
-                out(escaped)
-
-    def _value(self, first: str | None, out: Sink, decode: bool = False) -> Reading:
-        """A JSON value whose first character is ``first`` (consumed), as written, to
-        ``out``; with ``decode`` a string's characters, decoded, instead."""
-        if first == '"':
-            if decode:
-                yield from self._string(out)
-            else:
-                out(first)
-                yield from self._raw_string(out)
-            return
-        if first is not None and first in _CLOSERS:
-            out(first)
-            open_ = [first]
-            while open_:
-                char = yield from self._char()
-                if char is None:
-                    raise _Broken(None)
-                if char in "}]" and char != _CLOSERS[open_[-1]]:
-                    raise _Broken(char)
-                out(char)
-                if char == '"':
-                    yield from self._raw_string(out)
-                elif char in _CLOSERS:
-                    open_.append(char)
-                elif char in "}]":
-                    open_.pop()
-            return
-        if first is not None and (first.isalnum() or first == "-"):
-            # A number, true, false or null: the text up to what cannot be part of one.
-            out(first)
-            while True:
-                char = yield from self._char()
-                if char is None or not (char.isalnum() or char in "+-."):
-                    self._unread(char)
-                    return
-                out(char)
-        raise _Broken(first)
 
     # --- calls ------------------------------------------------------------------------
 
@@ -394,7 +222,7 @@ class ToolReplyParser:
         before = self._calls
         try:
             yield from self._call_object(names)
-        except _Broken as broken:
+        except Broken as broken:
             self._unread(broken.char)
             if self._calls == before:
                 return "none"
@@ -419,16 +247,16 @@ class ToolReplyParser:
         char = yield from self._skip_space()
         while char != "}":
             if char != '"':
-                raise _Broken(char)
+                raise Broken(char)
             key = yield from self._string()
             char = yield from self._skip_space()
             if char != ":":
-                raise _Broken(char)
+                raise Broken(char)
             char = yield from self._skip_space()
             if key == "name" and index is None and char == '"':
                 name = yield from self._string()
                 if names is not None and name not in names:
-                    raise _Broken(None)
+                    raise Broken(None)
                 index = self._open_call(name)
                 self._arguments(index, "".join(early))
             elif key in _ARGUMENT_KEYS and not have_arguments:
@@ -440,9 +268,9 @@ class ToolReplyParser:
             if char == ",":
                 char = yield from self._skip_space()
             elif char != "}":
-                raise _Broken(char)
+                raise Broken(char)
         if index is None:
-            raise _Broken(None)
+            raise Broken(None)
         if not wrote:
             self._arguments(index, "{}")
 
@@ -591,7 +419,7 @@ class ToolReplyParser:
         if char == "{":
             try:
                 yield from self._wrapper()
-            except _Broken as broken:
+            except Broken as broken:
                 self._unread(broken.char)
             if not self._wrapped:
                 self._rewind()
@@ -605,11 +433,11 @@ class ToolReplyParser:
         char = yield from self._skip_space()
         while char != "}":
             if char != '"':
-                raise _Broken(char)
+                raise Broken(char)
             key = yield from self._string()
             char = yield from self._skip_space()
             if char != ":":
-                raise _Broken(char)
+                raise Broken(char)
             char = yield from self._skip_space()
             if key == "response":
                 self._decided()
@@ -625,14 +453,14 @@ class ToolReplyParser:
                     if listed != "closed":
                         return
                 elif char != "]":
-                    raise _Broken(char)
+                    raise Broken(char)
             else:
                 yield from self._value(char, _drop)
             char = yield from self._skip_space()
             if char == ",":
                 char = yield from self._skip_space()
             elif char != "}":
-                raise _Broken(char)
+                raise Broken(char)
 
     def _decided(self) -> None:
         """The reply is the generic JSON object: what it said before is no content."""
