@@ -114,7 +114,8 @@ def mlx_head_main(args: argparse.Namespace) -> None:
     from services.runner.decoding import Decoding
     from services.runner.engines.base import Engine
     from services.runner.engines.mlx import MlxEngine
-    from services.runner.engines.mlx_pipeline import PipelineHead, PipelineShard
+    from services.runner.engines.mlx_pipeline import PipelineHead
+    from services.runner.engines.mlx_ring import PipelineShard
 
     hosts: list[str] = json.loads(args.endpoints)
     engine: Engine

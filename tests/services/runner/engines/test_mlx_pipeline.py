@@ -24,7 +24,8 @@ from mlx.utils import tree_flatten
 from bus.events import ChatMessage, SamplingParams, TaskCreated
 from services.runner.decoding import Grammar
 from services.runner.engines.mlx import PREFILL_STEP, MlxEngine, load_model
-from services.runner.engines.mlx_pipeline import PipelineShard, Stage
+from services.runner.engines.mlx_ring import PipelineShard
+from services.runner.engines.mlx_stage import Stage
 from services.runner.generation import InvalidRequest
 from tests.services.runner.engines.pipeline_head import decoding_of, prompt_of, run_task, token_id
 from tests.services.runner.engines.test_mlx_sampling import free_text, hex_regex
