@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from projectors.projector import DEFAULT_NAME
 
@@ -19,9 +20,30 @@ class ApiConfig:
     task_timeout_s: float = 600.0
     # How long a model found able to serve is taken to still be (api/serving_verdicts.py).
     serving_ttl_s: float = 1.0
+    # Names clients may use for a model (alias -> model id), besides instances' own aliases.
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    # The model of a request that names none.
+    default_model: str | None = None
+    # Origins whose browser pages may call the API (CORS); none: same-origin only.
+    cors_origins: tuple[str, ...] = ()
 
 
 def keys_from_env(value: str | None = None) -> frozenset[str]:
     """``SHOAL_API_KEYS``: keys separated by commas or whitespace."""
     text = os.environ.get("SHOAL_API_KEYS", "") if value is None else value
     return frozenset(k for k in text.replace(",", " ").split() if k)
+
+
+def parse_aliases(
+    items: list[str] | tuple[str, ...] | None, env: str | None = None
+) -> dict[str, str]:
+    """``NAME=MODEL`` items (``--alias``, repeatable) and ``SHOAL_MODEL_ALIASES`` (the same,
+    separated by commas or whitespace); the command line wins."""
+    text = os.environ.get("SHOAL_MODEL_ALIASES", "") if env is None else env
+    aliases: dict[str, str] = {}
+    for item in [*text.replace(",", " ").split(), *(items or ())]:
+        name, sep, model = item.partition("=")
+        if not sep or not name.strip() or not model.strip():
+            raise ValueError(f"an alias is NAME=MODEL, not {item!r}")
+        aliases[name.strip()] = model.strip()
+    return aliases

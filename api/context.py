@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hmac
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.config import ApiConfig
 from api.errors import ApiError
+from api.model_names import NamesCache
 from api.serving_verdicts import ServingVerdicts
 from bus.events import EventBase
 from bus.publisher import Publisher
@@ -34,6 +35,8 @@ class ApiContext:
     origin: str = f"api@{socket.gethostname()}"
     # The same SQLite database, for the check every request makes (projection.serving).
     reader: Engine | None = None
+    # The names clients call models by, as last read (api/model_names.py).
+    names: NamesCache = field(default_factory=lambda: NamesCache(1.0))
 
     async def publish(self, event: EventBase) -> None:
         """Store ``event`` on the log (counted in the metrics)."""
@@ -55,21 +58,29 @@ def _context(request: Request) -> ApiContext:
 
 
 async def require_key(request: Request) -> None:
-    """With API keys configured, every endpoint but /healthz needs ``Authorization: Bearer``.
+    """With API keys configured, every endpoint but the health checks needs a key, as
+    ``Authorization: Bearer`` (OpenAI's and Ollama's clients) or ``x-api-key`` (Anthropic's).
     The key given is never echoed back or logged."""
-    refused = key_refusal(_context(request).config.api_keys, request.headers.get("authorization"))
+    headers = request.headers
+    refused = key_refusal(
+        _context(request).config.api_keys, headers.get("authorization"), headers.get("x-api-key")
+    )
     if refused is not None:
         raise refused
 
 
-def key_refusal(keys: frozenset[str], authorization: str | None) -> ApiError | None:
-    """The 401 for a request with this ``Authorization`` header, or None when it may pass."""
+def key_refusal(
+    keys: frozenset[str], authorization: str | None, x_api_key: str | None = None
+) -> ApiError | None:
+    """The 401 for a request with these headers, or None when it may pass."""
     if not keys:
         return None
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
-        return ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`",
-                        code="invalid_api_key")  # fmt: skip
+        given = x_api_key or ""
+    if not given.strip():
+        return ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`"
+                        " (or `x-api-key: <key>`)", code="invalid_api_key")  # fmt: skip
     if not any(hmac.compare_digest(given.strip(), k) for k in keys):
         return ApiError(401, "Incorrect API key provided", code="invalid_api_key")
     return None

@@ -1,14 +1,18 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in each client's own shape, chosen by the path the request came to:
 
-Every error the API returns goes through here, so that OpenAI's SDKs raise their own error
-classes (``BadRequestError`` for 400, ``AuthenticationError`` for 401, ``NotFoundError`` for
-404...). FastAPI's own 422 list for an invalid body becomes one 400 that names the field.
+- OpenAI (``/v1/...``): ``{"error": {"message", "type", "param", "code"}}``;
+- Anthropic (``/v1/messages...``): ``{"type": "error", "error": {"type", "message"}}``;
+- Ollama (``/api/...``): ``{"error": "message"}``.
+
+Every error the API returns goes through here, so that each SDK raises its own error classes
+(``BadRequestError`` for 400, ``AuthenticationError`` for 401, ``NotFoundError`` for 404...).
+FastAPI's own 422 list for an invalid body becomes one 400 that names the field.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +35,30 @@ _TYPES = {
 }
 
 
+# Anthropic's error types by status (its SDK picks its exception class by the status).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+Dialect = Literal["openai", "anthropic", "ollama"]
+
+
+def dialect_of(path: str) -> Dialect:
+    """Whose client calls this path, for the shape of its errors."""
+    if path.startswith("/api/"):
+        return "ollama"
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    return "openai"
+
+
 class ApiError(Exception):
     def __init__(
         self, status: int, message: str, param: str | None = None, code: str | None = None
@@ -49,11 +77,22 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(err: ApiError) -> JSONResponse:
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def dialect_error_body(err: ApiError, dialect: Dialect) -> dict[str, Any]:
+    if dialect == "anthropic":
+        return anthropic_error_body(err.status, err.message)
+    if dialect == "ollama":
+        return {"error": err.message}
+    return error_body(err.status, err.message, err.param, err.code)
+
+
+def error_response(err: ApiError, dialect: Dialect = "openai") -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return JSONResponse(
-        error_body(err.status, err.message, err.param, err.code), err.status, headers=headers
-    )
+    return JSONResponse(dialect_error_body(err, dialect), err.status, headers=headers)
 
 
 _WHERE = {"body", "query", "path", "header"}
@@ -87,20 +126,22 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc, dialect_of(request.url.path))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(400, message, param), 400)
+        return error_response(ApiError(400, message, param), dialect_of(request.url.path))
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        return JSONResponse(error_body(exc.status_code, message), exc.status_code)
+        err = ApiError(exc.status_code, message)
+        return error_response(err, dialect_of(request.url.path))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return JSONResponse(error_body(500, "internal error; the API's log has the details"), 500)
+        err = ApiError(500, "internal error; the API's log has the details")
+        return error_response(err, dialect_of(request.url.path))

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from api.reply import Reply
 from bus.events import ChunkGenerated, FinishReason, TokenLogprob, ToolCallDelta, Usage
 
 # A runner's finish reason in OpenAI's vocabulary.
@@ -23,33 +24,8 @@ FINISH: dict[FinishReason, str] = {
 }
 
 
-@dataclass
-class _Call:
-    id: str = ""
-    name: str = ""
-    arguments: str = ""
-
-
-@dataclass
-class Reply:
-    """One choice as its chunks arrive."""
-
-    text: str = ""
-    calls: dict[int, _Call] = field(default_factory=dict)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish: str | None = None
-
-    def add(self, chunk: ChunkGenerated) -> None:
-        self.text += chunk.text
-        for d in chunk.tool_calls:
-            call = self.calls.setdefault(d.index, _Call())
-            call.id = d.id or call.id
-            call.name = d.name or call.name
-            call.arguments += d.arguments
-        if chunk.logprob is not None:
-            self.logprobs.append(chunk.logprob)
-        if chunk.finish_reason is not None:
-            self.finish = FINISH[chunk.finish_reason]
+def finish(reply: Reply) -> str:
+    return FINISH[reply.finish_reason] if reply.finish_reason else "stop"
 
 
 def usage(usages: list[Usage]) -> dict[str, int]:
@@ -140,11 +116,11 @@ def chat_completion(
             message["tool_calls"] = [
                 {"id": c.id, "type": "function",
                  "function": {"name": c.name, "arguments": c.arguments}}
-                for _, c in sorted(r.calls.items())
+                for c in r.tool_calls()
             ]  # fmt: skip
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(r.logprobs) if logprobs else None,
-                        "finish_reason": r.finish or "stop"})  # fmt: skip
+                        "finish_reason": finish(r)})  # fmt: skip
     return shape.head("chat.completion") | {"choices": choices, "usage": usage(usages)}
 
 
@@ -209,5 +185,5 @@ def completion(
         start = 0 if echo else prompt_chars
         lp = completion_logprobs(entries, start) if entries is not None else None
         choices.append({"index": i, "text": text, "logprobs": lp,
-                        "finish_reason": r.finish or "stop"})  # fmt: skip
+                        "finish_reason": finish(r)})  # fmt: skip
     return shape.head("text_completion") | {"choices": choices, "usage": usage(usages)}

@@ -13,7 +13,7 @@ import typer
 import uvicorn
 
 from api.app import create_app
-from api.config import ApiConfig, keys_from_env
+from api.config import ApiConfig, keys_from_env, parse_aliases
 from bus.embedded import port_in_use
 from services.cli.options import (
     DEFAULT_DB,
@@ -35,6 +35,16 @@ TlsKey = Annotated[
     Path | None,
     typer.Option("--tls-key", envvar="SHOAL_API_TLS_KEY", exists=True, dir_okay=False,
                  help="The key of --tls-cert (PEM)."),
+]  # fmt: skip
+Aliases = Annotated[
+    list[str] | None,
+    typer.Option("--alias", help="NAME=MODEL: clients may call MODEL by NAME (repeatable; or"
+                 " SHOAL_MODEL_ALIASES), e.g. the model names an SDK sends."),
+]  # fmt: skip
+CorsOrigins = Annotated[
+    list[str] | None,
+    typer.Option("--cors-origin", help="An origin whose browser pages may call the API"
+                 " (repeatable; '*' for any, without credentials). None by default."),
 ]  # fmt: skip
 ApiKeys = Annotated[
     list[str] | None,
@@ -84,6 +94,14 @@ async def serve_until(server: ApiServer, stop: asyncio.Event) -> None:
     await task
 
 
+def cli_aliases(items: list[str] | None) -> dict[str, str]:
+    try:
+        return parse_aliases(items)
+    except ValueError as exc:
+        typer.echo(f"error: --alias: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 def check_port_free(host: str, port: int, what: str, option: str) -> None:
     if port_in_use(host, port):
         typer.echo(f"error: port {port} on {host} is already in use: choose another {what}"
@@ -99,13 +117,21 @@ def api(
     api_key: ApiKeys = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
+    alias: Aliases = None,
+    default_model: Annotated[
+        str | None, typer.Option(help="The model of requests that name none.")
+    ] = None,
+    cors_origin: CorsOrigins = None,
 ) -> None:
-    """Serve the HTTP API: /v1/chat/completions, /v1/completions, /v1/models, cluster control."""
+    """Serve the HTTP API: OpenAI's, Anthropic's and Ollama's endpoints, and cluster control."""
     setup_logging()
     tls = api_tls(tls_cert, tls_key)
     check_port_free(host, port, "API", "--port")
     keys = frozenset(api_key or ()) | keys_from_env()
-    config = ApiConfig(nats_url=nats, db_url=db, api_keys=keys)
+    config = ApiConfig(
+        nats_url=nats, db_url=db, api_keys=keys, aliases=cli_aliases(alias),
+        default_model=default_model, cors_origins=tuple(cors_origin or ()),
+    )  # fmt: skip
     typer.echo(f"API on {api_url(host, port, tls)}" + (" (API keys required)" if keys else ""))
 
     async def main(stop: asyncio.Event) -> None:

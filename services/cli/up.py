@@ -32,13 +32,16 @@ from projectors import database
 from projectors.projector import Projector, tune_gc
 from projectors.store import load_state
 from services.cli.api import (
+    Aliases,
     ApiKeys,
+    CorsOrigins,
     TlsCert,
     TlsKey,
     api_server,
     api_tls,
     api_url,
     check_port_free,
+    cli_aliases,
     serve_until,
 )
 from services.cli.models import publish_model
@@ -79,6 +82,8 @@ def up(
     ] = None,
     data_host: DataHost = None,
     api_key: ApiKeys = None,
+    alias: Aliases = None,
+    cors_origin: CorsOrigins = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     nats_tls_cert: Annotated[
@@ -117,6 +122,7 @@ def up(
         typer.echo("error: --nats-tls-cert and --nats-tls-key go together", err=True)
         raise typer.Exit(1)
     keys = frozenset(api_key or ()) | keys_from_env()
+    aliases = cli_aliases(alias)
     security = NatsSecurity.from_env()
     exposed = refuse_exposure(host, nats_host, keys, security)
     if exposed:
@@ -149,9 +155,11 @@ def up(
                 nats_url=server.url, node_id=load_node_id(worker_dir, None), data_dir=worker_dir,
                 memory_limit=limit, runner_threads=runner_threads, data_host=data_host,
             ))  # fmt: skip
-            api = api_server(
-                ApiConfig(nats_url=server.url, db_url=db_url, api_keys=keys), host, port, tls
-            )
+            config = ApiConfig(
+                nats_url=server.url, db_url=db_url, api_keys=keys, aliases=aliases,
+                default_model=None if no_model else model, cors_origins=tuple(cors_origin or ()),
+            )  # fmt: skip
+            api = api_server(config, host, port, tls)
             tasks += [
                 asyncio.create_task(Planner(nc, engine, origin="planner@up").run(stop)),
                 asyncio.create_task(worker.run(stop)),
@@ -163,7 +171,8 @@ def up(
             if no_model:
                 typer.echo(f"ready: {url} (no model requested; Ctrl-C stops)")
             else:
-                waiting = asyncio.create_task(_serve_model(nc, engine, model, data / "models"))
+                own = [name for name, target in aliases.items() if target == model]
+                waiting = asyncio.create_task(_serve_model(nc, engine, model, data / "models", own))
                 await _first(waiting, *tasks, stop.wait())
                 if waiting.done() and waiting.exception() is None:
                     typer.echo(f"ready: {model} answers at {url}/chat/completions (Ctrl-C stops)")
@@ -221,9 +230,12 @@ async def _first(*aws: Awaitable[object]) -> None:
             raise error
 
 
-async def _serve_model(nc: Client, engine: AsyncEngine, model_id: str, models_dir: Path) -> None:
-    """Make the model known and ask for an instance of it, unless a live one exists already
-    (a restart), then wait until one of its runners is ready, showing each step's progress."""
+async def _serve_model(
+    nc: Client, engine: AsyncEngine, model_id: str, models_dir: Path, aliases: list[str]
+) -> None:
+    """Make the model known and ask for an instance of it (called by ``aliases`` too, so that
+    every API process knows them), unless a live one exists already (a restart), then wait
+    until one of its runners is ready, showing each step's progress."""
     async with engine.connect() as conn:
         state = await load_state(conn, PLANNING_TABLES)
     js = nc.jetstream()
@@ -243,7 +255,10 @@ async def _serve_model(nc: Client, engine: AsyncEngine, model_id: str, models_di
         if not live:
             await Publisher(js).publish(
                 InstanceRequested(
-                    instance_id=f"{model_id}-up", model_id=model_id, origin="shoal-up"
+                    instance_id=f"{model_id}-up",
+                    model_id=model_id,
+                    origin="shoal-up",
+                    aliases=aliases,
                 )
             )
         while True:

@@ -3,16 +3,18 @@ tests that need one start `shoal up`)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from bus.embedded import EmbeddedNats, free_port
+from tests.api.shoal_up import wait_healthy
+from tests.api.up_cluster import up_cluster
 from tests.services.processes import Processes
+
+__all__ = ["ApiStack", "up_cluster", "wait_healthy"]
 
 
 @dataclass
@@ -28,17 +30,6 @@ class ApiStack:
         self.procs.start(name, "api", "--nats", self.nats_url, "--db", self.db_url,
                          "--port", str(port), *extra)  # fmt: skip
         return f"http://127.0.0.1:{port}"
-
-
-async def wait_healthy(url: str, timeout: float = 30) -> None:
-    async with httpx.AsyncClient() as client, asyncio.timeout(timeout):
-        while True:
-            try:
-                if (await client.get(f"{url}/healthz")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.1)
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
 MODEL = "smollm2-135m"
 KEY = "test-key-1"
 REPO = Path(__file__).resolve().parents[2]
@@ -58,3 +60,14 @@ def stop(proc: subprocess.Popen[str]) -> str:
         rest, _ = proc.communicate()
         raise
     return rest
+
+
+async def wait_healthy(url: str, timeout: float = 30) -> None:
+    async with httpx.AsyncClient() as client, asyncio.timeout(timeout):
+        while True:
+            try:
+                if (await client.get(f"{url}/healthz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)

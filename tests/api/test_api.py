@@ -168,3 +168,59 @@ async def test_a_request_whose_last_runner_stops_gets_503_not_a_hang(
         )
         cancel = parse_event((await cancels.next_msg(timeout=5)).data)
         assert isinstance(cancel, TaskCancelled) and "runners: Stopped" in cancel.reason
+
+
+async def test_model_names_aliases_default_cors_and_health(
+    api_stack: ApiStack, js: JetStreamContext
+) -> None:
+    await _cluster(js)
+    await Publisher(js).publish(InstanceRequested(instance_id="m-1", model_id="m", origin="test",
+                                                  aliases=["from-instance"]))  # fmt: skip
+    url = api_stack.start_api("named", "--alias", "gpt-x=m", "--api-key", "k1",
+                              "--cors-origin", "https://app.example")  # fmt: skip
+    await wait_healthy(url)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        assert (await client.get("/health")).json()["status"] == "ok"
+        # Anthropic's SDK sends its key as x-api-key.
+        assert (await client.get("/v1/models", headers={"x-api-key": "wrong"})).status_code == 401
+        client.headers.update({"x-api-key": "k1"})
+        body = await _until(client, "/v1/models", lambda b: len(b.get("data", [])) == 3)
+        assert {m["id"]: m.get("alias_of") for m in body["data"]} == {
+            "m": None, "gpt-x": "m", "from-instance": "m"}  # fmt: skip
+
+        # No model, an alias, an instance's alias, `:latest`: all mean `m` (503: no runner).
+        for named in ({}, {"model": "gpt-x"}, {"model": "from-instance"}, {"model": "m:latest"}):
+            body = {"messages": CHAT["messages"]} | named
+            err = _error(await client.post("/v1/chat/completions", json=body), 503)
+            assert "model `m` cannot answer now" in err["message"], err
+
+        await Publisher(js).publish(ModelAdded(model_id="m2", origin="test", n_layers=10,
+                                               size_bytes=MiB))  # fmt: skip
+        await Publisher(js).publish(InstanceRequested(instance_id="m2-1", model_id="m2",
+                                                      origin="test"))  # fmt: skip
+        await _until(client, "/v1/models", lambda b: len(b.get("data", [])) == 4)
+        await asyncio.sleep(1.1)  # the names read a moment ago are forgotten
+        err = _error(await client.post("/v1/chat/completions",
+                                       json={"messages": CHAT["messages"]}), 400)  # fmt: skip
+        assert err["param"] == "model" and "m, m2" in err["message"], err
+
+        # A browser page of the allowed origin may call; another origin's preflight fails.
+        preflight = {
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        }
+        ok = await client.options(
+            "/v1/chat/completions", headers={"Origin": "https://app.example"} | preflight
+        )
+        assert ok.status_code == 200
+        assert ok.headers["access-control-allow-origin"] == "https://app.example"
+        other = await client.options(
+            "/v1/chat/completions", headers={"Origin": "https://evil.example"} | preflight
+        )
+        assert "access-control-allow-origin" not in other.headers
+        plain = await client.get("/v1/models", headers={"Origin": "https://app.example"})
+        assert plain.headers["access-control-allow-origin"] == "https://app.example"
+    async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
+        # Without --cors-origin, no CORS headers at all (the dashboard is same-origin).
+        r = await client.get("/v1/models", headers={"Origin": "https://app.example"})
+        assert "access-control-allow-origin" not in r.headers

@@ -10,11 +10,9 @@ not how clever a 135M model is.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,10 +27,9 @@ from openai.types.chat import (
 )
 from pydantic import BaseModel
 
-from bus.embedded import free_port
 from services.runner.engines.llamacpp import LlamaCppEngine
-from tests.api.shoal_up import KEY, MODEL, read_until_ready, start, stop
-from tests.services.processes import SHOAL
+from tests.api.shoal_up import KEY, MODEL
+from tests.api.up_cluster import UpCluster
 
 pytestmark = pytest.mark.slow
 
@@ -80,18 +77,10 @@ class City(BaseModel):
     nickname: str | None = None
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The API's /v1 URL of one `shoal up` for the whole module."""
-    data: Path = tmp_path_factory.mktemp("up") / "data"
-    port = free_port("127.0.0.1")
-    proc = start([SHOAL, "up", "--data-dir", str(data), "--port", str(port), "--api-key", KEY,
-                  "--runner-threads", "2"])  # fmt: skip
-    try:
-        asyncio.run(read_until_ready(proc))
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        stop(proc)
+@pytest.fixture
+def url(up_cluster: UpCluster) -> str:
+    """The API's /v1 URL of the session's `shoal up`."""
+    return f"{up_cluster.base}/v1"
 
 
 @pytest.fixture

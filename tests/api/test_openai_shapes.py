@@ -6,7 +6,6 @@ import json
 
 from api.openai_shapes import (
     Echo,
-    Reply,
     Shape,
     chat_chunk,
     chat_completion,
@@ -15,6 +14,7 @@ from api.openai_shapes import (
     tool_call_deltas,
     usage,
 )
+from api.reply import Reply
 from bus.events import ChunkGenerated, TokenLogprob, ToolCallDelta, TopLogprob, Usage
 
 

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Message
 
-from api.openai_routes import _TaskEvents
+from api.serving import TaskEvents
 
 
 async def test_the_headers_go_out_with_the_first_event() -> None:
@@ -21,7 +21,7 @@ async def test_the_headers_go_out_with_the_first_event() -> None:
         body = bytes(message.get("body", b"")).decode().strip()
         happened.append(f"sent {message['type'].rsplit('.', 1)[-1]} {body}".strip())
 
-    response = _TaskEvents([], events())
+    response = TaskEvents([], events(), "text/event-stream")
     await response.stream_response(send)
 
     assert happened == [

@@ -1,0 +1,303 @@
+"""A request's tasks served, whatever the dialect: each dialect's routes build the tasks and an
+``Output`` (what the dialect makes of chunks), and ``serve`` does the rest, the same for all:
+it checks that the model can answer, stores the tasks on the log, follows their chunks and
+outcome, and answers whole or as a stream. There is one serving path; a dialect only
+translates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats.errors
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
+
+from api import projection
+from api.context import ApiContext
+from api.errors import ApiError
+from api.reply import Reply
+from api.task_stream import TaskStream
+from bus.events import ChunkGenerated, TaskCreated, Usage
+from bus.payload import PayloadTooLargeError, check_size
+from bus.publisher import MSG_ID_HEADER
+
+
+class Output:
+    """What one dialect makes of its tasks' chunks; one instance per request. A stream is
+    ``opening`` (per task, before its first chunk), ``events`` (per group of chunks that came
+    together), then ``closing`` or ``failure``; a whole answer is ``whole``."""
+
+    media_type = "text/event-stream"
+
+    def opening(self, ts: TaskStream, index: int) -> str:
+        return ""
+
+    def events(self, index: int, group: list[ChunkGenerated]) -> str:
+        raise NotImplementedError
+
+    def closing(self, replies: list[Reply], usages: list[Usage]) -> str:
+        return ""
+
+    def failure(self, err: ApiError) -> str:
+        """The end of a stream that failed after it started (its status is sent already)."""
+        raise NotImplementedError
+
+    def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
+        raise NotImplementedError
+
+    async def done(self, replies: list[Reply], usages: list[Usage]) -> None:
+        """Told once the tasks completed, streamed or not (a dialect that keeps answers)."""
+
+
+async def serve(
+    ctx: ApiContext, tasks: list[TaskCreated], stream: bool, out: Output
+) -> JSONResponse | StreamingResponse:
+    """Serve ``tasks`` (one per choice: they share the model) with ``out``; a refusal before
+    anything is sent raises ``ApiError``, which the app renders in the path's dialect."""
+    require_storable(ctx, tasks[0])
+    await require_serving(ctx, tasks[0].model_id)
+    if stream:
+        # The tasks are stored before the response starts: the runner gets one ~1 ms sooner
+        # than after the streaming machinery's start, and a log that cannot store it gets a
+        # 503.
+        streams: list[TaskStream] = []
+        try:
+            for task in tasks:
+                ts = task_stream(ctx, task)
+                await ts.__aenter__()
+                streams.append(ts)
+        except nats.errors.Error as exc:
+            for ts in streams:
+                await ts.__aexit__(type(exc), exc, None)
+            raise log_unavailable(exc) from exc
+        return TaskEvents(streams, _events(ctx, streams, out), out.media_type)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            streams = [await stack.enter_async_context(task_stream(ctx, t)) for t in tasks]
+            replies = await asyncio.gather(*(_reply(ts) for ts in streams))
+    except nats.errors.Error as exc:  # a task could not be stored
+        raise log_unavailable(exc) from exc
+    usages = _outcomes(ctx, streams)
+    await out.done(replies, usages)
+    return JSONResponse(out.whole(replies, usages, streams[0]))
+
+
+async def require_serving(ctx: ApiContext, model_id: str) -> None:
+    """The 404 or 503 of a model that cannot answer now (its yes remembered a moment)."""
+    if not ctx.serving.fresh(model_id):
+        state = await projection.serving(ctx.engine, model_id, ctx.reader)
+        projection.require_serving(state, model_id)
+        ctx.serving.found(model_id)
+
+
+def _outcomes(ctx: ApiContext, streams: list[TaskStream]) -> list[Usage]:
+    """The tasks' usages, or the error of the first that did not complete."""
+    usages = []
+    for ts in streams:
+        ctx.metrics.task_served(ts)
+        finished = ts.finished
+        assert finished is not None
+        if finished.unavailable is not None:
+            raise unavailable(finished.unavailable)
+        if finished.failed is not None:
+            raise task_error(finished.failed.error)
+        assert finished.completed is not None
+        usages.append(finished.completed.usage)
+    return usages
+
+
+async def _reply(ts: TaskStream) -> Reply:
+    reply = Reply()
+    async for chunk in ts.chunks():
+        reply.add(chunk)
+    return reply
+
+
+class TaskEvents(StreamingResponse):
+    """The streamed answer of tasks whose streams are open (their ``TaskCreated`` stored).
+    The streams are closed however the response ends; ending before the last event (the
+    client went away) cancels the tasks."""
+
+    def __init__(
+        self, streams: list[TaskStream], events: AsyncIterator[str], media_type: str
+    ) -> None:
+        self._streams = streams
+        self._sent_all = False
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(self._noting_the_end(events), media_type=media_type, headers=headers)
+
+    async def _noting_the_end(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for event in events:
+            yield event
+        self._sent_all = True
+
+    async def stream_response(self, send: Send) -> None:
+        """The headers go out with the first event (the first token, with the assistant's
+        role before it), not before: sent while the runner processes the prompt, they and the
+        client's reading of them took CPU from it (~1.5 ms of its time to first token on 2
+        cores); a client still learns at once that a request was refused (4xx, 503)."""
+        held: list[Message] = []
+
+        async def send_with_first_body(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                held.append(message)
+                return
+            while held:
+                await send(held.pop())
+            await send(message)
+
+        await super().stream_response(send_with_first_body)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        failed: BaseException | None = None
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException as exc:
+            failed = exc
+            raise
+        finally:
+            # Starlette ends the response of a client that went away without an exception.
+            if failed is None and not self._sent_all:
+                failed = ConnectionResetError("the client went away")
+            for ts in self._streams:
+                await ts.__aexit__(type(failed) if failed else None, failed, None)
+
+
+async def _groups(streams: list[TaskStream]) -> AsyncIterator[tuple[int, list[ChunkGenerated]]]:
+    """Each stream's chunk groups as they come, with the stream's index; one stream is read
+    directly (the common case, on the path of every token), several through a queue."""
+    if len(streams) == 1:
+        async for group in streams[0].chunk_groups():
+            yield 0, group
+        return
+    queue: asyncio.Queue[tuple[int, list[ChunkGenerated] | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, ts: TaskStream) -> None:
+        try:
+            async for group in ts.chunk_groups():
+                queue.put_nowait((i, group))
+        except BaseException as exc:
+            queue.put_nowait((i, exc))
+            return
+        queue.put_nowait((i, None))
+
+    pumps = [asyncio.ensure_future(pump(i, ts)) for i, ts in enumerate(streams)]
+    try:
+        running = len(pumps)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for p in pumps:
+            p.cancel()
+
+
+async def _events(ctx: ApiContext, streams: list[TaskStream], out: Output) -> AsyncIterator[str]:
+    """The tasks' streamed events to the dialect's end. A task's opening goes out with its
+    first chunk, in the same write, and so does the last event with the closing."""
+    opened: set[int] = set()
+    replies = [Reply() for _ in streams]
+    unsent = ""
+    try:
+        # One event per chunk, but one write per group of chunks that came together: fewer
+        # writes and wake-ups for the API and the client.
+        async for i, group in _groups(streams):
+            if i not in opened:
+                opened.add(i)
+                unsent += out.opening(streams[i], i)
+            for chunk in group:
+                replies[i].add(chunk)
+            events = out.events(i, group)
+            if events:
+                yield unsent + events
+                unsent = ""
+    except TimeoutError:
+        for ts in streams:
+            ts.finished = None
+        yield unsent + out.failure(ApiError(504, "the task took longer than the API waits"))
+        return
+    try:
+        usages = _outcomes(ctx, streams)
+    except ApiError as err:
+        yield unsent + out.failure(err)
+        return
+    await out.done(replies, usages)
+    yield unsent + out.closing(replies, usages)
+
+
+def task_stream(ctx: ApiContext, task: TaskCreated) -> TaskStream:
+    async def recheck() -> str | None:
+        try:
+            state = await projection.serving(ctx.engine, task.model_id, ctx.reader)
+            projection.require_serving(state, task.model_id)
+        except ApiError as err:
+            return err.message
+        return None
+
+    return TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s, recheck,
+                      on_published=ctx.metrics.event_published)  # fmt: skip
+
+
+def unavailable(why: str) -> ApiError:
+    return ApiError(503, f"{why} (the request was accepted, then its last runner stopped)",
+                    code="model_not_ready")  # fmt: skip
+
+
+def require_storable(ctx: ApiContext, task: TaskCreated) -> None:
+    """A request whose task is larger than a NATS message may be is refused with a 413 here:
+    sent, the server would close the API's connection."""
+    try:
+        check_size(ctx.nc.jetstream(), task.subject, task.to_json(),
+                   {MSG_ID_HEADER: task.event_id})  # fmt: skip
+    except PayloadTooLargeError as exc:
+        raise ApiError(
+            413,
+            f"The request is too large: as a task on the event log it is {exc.size} bytes,"
+            f" more than the {exc.limit} bytes a NATS message may hold. Shorten the prompt.",
+            param=_largest_part(task),
+            code="request_too_large",
+        ) from None
+
+
+def _largest_part(task: TaskCreated) -> str:
+    """The field that made a task too large: its prompt, messages, or the tools' schemas
+    (which count too)."""
+    if task.kind == "completion":
+        return "prompt"
+    tools = sum(len(t.model_dump_json()) for t in task.tools)
+    return "tools" if tools > sum(len(m.content) for m in task.messages or []) else "messages"
+
+
+def log_unavailable(exc: Exception) -> ApiError:
+    why = f"the event log did not store the request ({type(exc).__name__}): NATS JetStream"
+    return ApiError(503, f"{why} is unavailable; try again", code="log_unavailable")
+
+
+def task_error(error: str) -> ApiError:
+    # The runner rejects requests it cannot serve (prompt longer than the context...) with
+    # a message meant for the caller: that is a bad request, anything else a server error.
+    if error.startswith("invalid request"):
+        return ApiError(400, error, code="invalid_request")
+    return ApiError(500, f"the task failed: {error}", code="task_failed")
+
+
+def sse(payload: dict[str, Any], event: str | None = None) -> str:
+    """One server-sent event, compact JSON; with ``event``, a named one (Anthropic's,
+    Responses')."""
+    data = f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"event: {event}\n{data}" if event else data
+
+
+def ndjson(payload: dict[str, Any]) -> str:
+    """One line of newline-delimited JSON (Ollama's streams)."""
+    return json.dumps(payload, separators=(",", ":")) + "\n"

@@ -1,0 +1,57 @@
+"""One `shoal up` (SmolLM2-135M on llama.cpp) for every SDK test of the session, with an alias
+for the model, and a second `shoal api` process reading the same log and database: what one
+API process stored, the other must serve."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bus.embedded import free_port
+from tests.api.shoal_up import KEY, MODEL, read_until_ready, start, stop, wait_healthy
+from tests.services.processes import SHOAL
+
+ALIAS = "claude-shoal-test"
+
+
+@dataclass(frozen=True)
+class UpCluster:
+    base: str  # http://127.0.0.1:PORT of `shoal up`'s API
+    second: str  # the same, of the second API process
+    key: str
+    model: str
+    alias: str
+    nats_url: str
+    db_url: str
+
+
+def _after(lines: list[str], label: str) -> str:
+    """The value of one of `shoal up`'s start lines (``NATS      nats://...``)."""
+    line = next(x for x in lines if x.startswith(label))
+    return line.removeprefix(label).split()[0]
+
+
+@pytest.fixture(scope="session")
+def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
+    data: Path = tmp_path_factory.mktemp("up") / "data"
+    port, second_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    up = start([SHOAL, "up", "--data-dir", str(data), "--port", str(port), "--api-key", KEY,
+                "--runner-threads", "2", "--alias", f"{ALIAS}={MODEL}"])  # fmt: skip
+    second: subprocess.Popen[str] | None = None
+    try:
+        lines = asyncio.run(read_until_ready(up))
+        nats_url, db_url = _after(lines, "NATS"), _after(lines, "database")
+        second = start([SHOAL, "api", "--nats", nats_url, "--db", db_url, "--port",
+                        str(second_port), "--api-key", KEY])  # fmt: skip
+        base, other = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{second_port}"
+        asyncio.run(wait_healthy(other))
+        yield UpCluster(base, other, KEY, MODEL, ALIAS, nats_url, db_url)
+    finally:
+        if second is not None:
+            stop(second)
+        stop(up)
