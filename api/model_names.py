@@ -103,6 +103,6 @@ async def model_names(ctx: ApiContext) -> ModelNames:
 
 async def resolve_model(ctx: ApiContext, name: str | None, role: InstanceRole = "chat") -> str:
     """The model id a request's ``model`` means (see ``ModelNames.resolve``)."""
-    if name and ctx.serving.fresh(name):
+    if name and ctx.serving.fresh(name, role):
         return name  # an id that was just served: no read on the path of most requests
     return (await model_names(ctx)).resolve(name, role)

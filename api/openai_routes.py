@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from api import projection
-from api.anthropic import model_list
+from api.anthropic import model_entry, model_list
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError, error_body
 from api.model_names import names_from, resolve_model
@@ -37,19 +37,35 @@ async def list_models(
 ) -> dict[str, Any]:
     """Models known to the cluster, and the aliases clients may call them by, in OpenAI's list
     shape, or in Anthropic's to its SDK (which always sends ``anthropic-version``)."""
+    listed = await _listed(ctx)
+    if anthropic_version is not None:
+        return model_list([(name, created) for name, _, created in listed])
+    return {"object": "list", "data": [_model(*entry) for entry in listed]}
+
+
+@router.get("/models/{model}")
+async def get_model(
+    model: str, ctx: Ctx, anthropic_version: Annotated[str | None, Header()] = None
+) -> dict[str, Any]:
+    """One model or alias (the SDKs' ``models.retrieve``)."""
+    for entry in await _listed(ctx):
+        if entry[0] == model:
+            return model_entry(model, entry[2]) if anthropic_version else _model(*entry)
+    raise ApiError(404, f"The model `{model}` does not exist", param="model",
+                   code="model_not_found")  # fmt: skip
+
+
+async def _listed(ctx: ApiContext) -> list[tuple[str, str, int]]:
+    """(name, model id, when the model was added) of every name clients may use."""
     state = await projection.cluster(ctx.engine)
     names = names_from(state, ctx.config.aliases, ctx.config.default_model)
     created = {m.model_id: int(m.added_at.timestamp()) if m.added_at else 0 for m in state.models()}
-    if anthropic_version is not None:
-        return model_list([(name, created.get(model, 0)) for name, model in names.listed()])
-    return {
-        "object": "list",
-        "data": [
-            {"id": name, "object": "model", "owned_by": "shoal", "created": created.get(model, 0)}
-            | ({} if name == model else {"alias_of": model})
-            for name, model in names.listed()
-        ],
-    }
+    return [(name, model, created.get(model, 0)) for name, model in names.listed()]
+
+
+def _model(name: str, model: str, created: int) -> dict[str, Any]:
+    alias = {} if name == model else {"alias_of": model}
+    return {"id": name, "object": "model", "owned_by": "shoal", "created": created} | alias
 
 
 @router.post("/chat/completions", response_model=None)

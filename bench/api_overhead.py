@@ -60,6 +60,9 @@ request sent to the last stream ended. The two replicas get ``--replica-threads`
 (default 1: two runners of one thread fill two cores as one runner of two threads does; two of
 two threads each on two cores slow everything down several times over); unless that equals
 ``--threads``, it is a second `shoal up`, started once the first one is stopped.
+
+What the other dialects (Anthropic's, Responses', Ollama's) add over OpenAI chat is measured by
+bench/dialects.py, through one `shoal up`.
 """
 
 from __future__ import annotations

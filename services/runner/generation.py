@@ -93,6 +93,8 @@ class Step:
     finish_reason: FinishReason | None = None
     logprob: TokenLogprob | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    # On the final marker of a reply that a stop string ended: that string.
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ def steps(
     matcher = StopMatcher(decoding.params.stop)
     idx = 0
     finish: FinishReason = "length"
+    stopped_by: str | None = None
     if limit > 0 or decoding.echo:
         for item in source.generate(prompt, decoding):
             if isinstance(item, PromptScores):
@@ -184,6 +187,7 @@ def steps(
             idx += 1
             if out.stopped:  # what came after the stop string is dropped with it
                 finish = "stop"
+                stopped_by = out.stop
                 decoder.reset()
                 break
             if idx >= limit:
@@ -198,8 +202,9 @@ def steps(
     parsed = reply.feed(tail)
     rest = reply.finish()
     if finish == "stop" and reply.called:
-        finish = "tool_calls"
-    yield Step(idx, parsed.text + rest.text, None, finish, tool_calls=parsed.calls + rest.calls)
+        finish, stopped_by = "tool_calls", None
+    yield Step(idx, parsed.text + rest.text, None, finish, tool_calls=parsed.calls + rest.calls,
+               stop_sequence=stopped_by)  # fmt: skip
 
 
 def _logprob(source: TokenSource, token: Token, text: str, piece: bytes) -> TokenLogprob:

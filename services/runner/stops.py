@@ -13,6 +13,7 @@ from dataclasses import dataclass
 class Emitted:
     text: str  # safe to show now
     stopped: bool  # a stop string was found; ``text`` ends just before it
+    stop: str | None = None  # the stop string that was found
 
 
 class StopMatcher:
@@ -22,10 +23,12 @@ class StopMatcher:
 
     def feed(self, piece: str) -> Emitted:
         text = self._held + piece
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := text.find(s)) >= 0]
+        if found:
+            # The one that starts first ended the text; of two starting there, the first sent.
+            cut, stop = min(found, key=lambda f: f[0])
             self._held = ""
-            return Emitted(text[:cut], stopped=True)
+            return Emitted(text[:cut], stopped=True, stop=stop)
         keep = self._longest_partial_suffix(text)
         self._held = text[len(text) - keep :] if keep else ""
         return Emitted(text[: len(text) - keep], stopped=False)

@@ -187,6 +187,8 @@ async def test_model_names_aliases_default_cors_and_health(
         body = await _until(client, "/v1/models", lambda b: len(b.get("data", [])) == 3)
         assert {m["id"]: m.get("alias_of") for m in body["data"]} == {
             "m": None, "gpt-x": "m", "from-instance": "m"}  # fmt: skip
+        assert (await client.get("/v1/models/gpt-x")).json()["alias_of"] == "m"
+        _error(await client.get("/v1/models/nope"), 404)
 
         # No model, an alias, an instance's alias, `:latest`: all mean `m` (503: no runner).
         for named in ({}, {"model": "gpt-x"}, {"model": "from-instance"}, {"model": "m:latest"}):

@@ -1,5 +1,5 @@
-"""Bad input against the HTTP API: every refusal is a 4xx in OpenAI's error shape, never a 5xx,
-a 422 or a hang.
+"""Bad input against the HTTP API: every refusal is a 4xx in its dialect's error shape (OpenAI's,
+Anthropic's under /v1/messages, Ollama's under /api/), never a 5xx, a 422 or a hang.
 
 Three parts:
 
@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis.core.result import Ok
 
+from api.errors import Dialect, dialect_of
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.events import (
@@ -193,22 +194,48 @@ async def client(seeded_stack: ApiStack) -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
-# --- OpenAI's error shape -----------------------------------------------------------------
+# --- each dialect's error shape -------------------------------------------------------------
 
 
-def _shape_problems(status: int, content: bytes, content_type: str) -> list[str]:
-    """What is wrong with an error response, given OpenAI's shape:
-    ``{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}``."""
+def _shape_problems(
+    status: int, content: bytes, content_type: str, dialect: Dialect = "openai"
+) -> list[str]:
+    """What is wrong with an error response, given its dialect's shape: OpenAI's
+    ``{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}``,
+    Anthropic's ``{"type": "error", "error": {"type": str, "message": str}}``, Ollama's
+    ``{"error": str}``."""
     if not content_type.startswith("application/json"):
         return [f"content-type is {content_type!r}, not JSON"]
     try:
         body = json.loads(content)
     except ValueError:
         return [f"body is not JSON: {content[:200]!r}"]
-    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
-        return [f"body is not {{'error': {{...}}}}: {content[:300]!r}"]
-    err = body["error"]
     problems = []
+    if status == 422:
+        problems.append("422: FastAPI's status, where every dialect (and this API) answers 400")
+    if dialect == "ollama":
+        if not isinstance(body, dict) or set(body) != {"error"} or not body["error"]:
+            return [*problems, f"body is not {{'error': '...'}}: {content[:300]!r}"]
+        if not isinstance(body["error"], str):
+            problems.append(f"error is {body['error']!r}, not a string")
+        return problems
+    if dialect == "anthropic":
+        if not isinstance(body, dict) or body.get("type") != "error" or set(body) != {
+            "type", "error"} or not isinstance(body["error"], dict):  # fmt: skip
+            return [
+                *problems,
+                f"body is not {{'type': 'error', 'error': {{...}}}}: {content[:300]!r}",
+            ]
+        err = body["error"]
+        if set(err) != {"type", "message"}:
+            problems.append(f"error keys are {sorted(err)}, not ['message', 'type']")
+        for key in ("type", "message"):
+            if not isinstance(err.get(key), str) or not err.get(key):
+                problems.append(f"{key} is {err.get(key)!r}, not a non-empty string")
+        return problems
+    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
+        return [*problems, f"body is not {{'error': {{...}}}}: {content[:300]!r}"]
+    err = body["error"]
     if set(err) != ERROR_KEYS:
         problems.append(f"error keys are {sorted(err)}, not {sorted(ERROR_KEYS)}")
     if not isinstance(err.get("message"), str) or not err.get("message"):
@@ -218,8 +245,6 @@ def _shape_problems(status: int, content: bytes, content_type: str) -> list[str]
     for key in ("param", "code"):
         if err.get(key) is not None and not isinstance(err[key], str):
             problems.append(f"{key} is {err[key]!r}, neither a string nor null")
-    if status == 422:
-        problems.append("422: FastAPI's status, where OpenAI (and this API) answer 400")
     return problems
 
 
@@ -262,16 +287,22 @@ def _call_problems(case: Case, url: str, session: requests.Session) -> list[str]
         content_type = next(
             (v[0] for k, v in response.headers.items() if k.lower() == "content-type" and v), ""
         )
-        problems += _shape_problems(status, response.content, content_type)
+        problems += _shape_problems(status, response.content, content_type,
+                                    dialect_of(case.path))  # fmt: skip
     return problems
 
 
 def _model_not_ready(status: int, content: bytes) -> bool:
-    """The one 5xx expected here: the known model has no runner (503 model_not_ready)."""
+    """The one 5xx expected here: the known model has no runner (503 model_not_ready, in
+    whichever dialect)."""
     try:
-        return status == 503 and json.loads(content)["error"]["code"] == "model_not_ready"
+        error = json.loads(content)["error"]
     except (ValueError, TypeError, KeyError):
         return False
+    if isinstance(error, dict) and "code" in error:
+        return status == 503 and error["code"] == "model_not_ready"
+    message = error.get("message") if isinstance(error, dict) else error
+    return status == 503 and isinstance(message, str) and "cannot answer now" in message
 
 
 def _fuzz(
@@ -344,7 +375,6 @@ _BAD = [
     pytest.param(CHAT, b"this is not json", None, "not valid JSON", id="body-not-json"),
     pytest.param(CHAT, b'["model", "m"]', None, "valid dictionary", id="json-not-an-object"),
     pytest.param(CHAT, b'"just a string"', None, "valid dictionary", id="json-a-string"),
-    pytest.param(CHAT, {"messages": MESSAGES}, "model", "Field required", id="missing-model"),
     pytest.param(CHAT, {"model": "", "messages": MESSAGES}, "model", "at least 1",
                  id="empty-model"),
     pytest.param(CHAT, {"model": "m"}, "messages", "Field required", id="missing-messages"),
@@ -493,10 +523,12 @@ async def test_unknown_model_is_a_404_model_not_found(client: httpx.AsyncClient)
 
 
 async def test_known_model_without_a_runner_is_a_503_saying_why(client: httpx.AsyncClient) -> None:
-    for stream in (False, True):
-        body = {"model": KNOWN_MODEL, "messages": MESSAGES, "stream": stream}
+    # Without `model`, the request goes to the only model the cluster knows.
+    for named, stream in ((True, False), (True, True), (False, False)):
+        body = {"messages": MESSAGES, "stream": stream} | ({"model": KNOWN_MODEL} if named else {})
         err = _error(await client.post(CHAT, json=body), 503)
         assert err["code"] == "model_not_ready", err
+        assert f"model `{KNOWN_MODEL}`" in err["message"], err
         assert "no instance of it is running" in err["message"], err
 
 

@@ -90,6 +90,18 @@ def test_stop_string_across_tokens_is_never_shown() -> None:
     assert [s.token_id for s in out] == [1, 2, 3, 4, None]  # tokens up to the stop count
 
 
+def test_the_stop_string_that_ended_it_is_on_the_final_marker() -> None:
+    out = run(Scripted([b"a", b" xy", b"END", b"b"]), stop=["END", "xy"])
+    assert text(out) == "a " and out[-1].finish_reason == "stop"
+    assert out[-1].stop_sequence == "xy" and all(s.stop_sequence is None for s in out[:-1])
+    # Two found in one piece: the one that starts first.
+    assert StopMatcher(["END", "xy"]).feed("aENDxy").stop == "END"
+    assert StopMatcher(["xy", "END"]).feed("aENDxy").stop == "END"
+    # Ended by the end token or by the limit: none.
+    assert run(Scripted([b"a"]), stop=["xy"])[-1].stop_sequence is None
+    assert run(Scripted([b"a", b"b"]), limit=1, stop=["b"])[-1].stop_sequence is None
+
+
 def test_held_back_text_that_was_not_a_stop_is_released() -> None:
     out = run(Scripted([b"a", b"\n", b"b"]), stop=["\n\n"])
     assert text(out) == "a\nb"
@@ -113,7 +125,7 @@ def test_stop_matcher_directly() -> None:
     m = StopMatcher(["END", "xy"])
     assert m.feed("abE") == Emitted("ab", False)
     assert m.feed("N") == Emitted("", False)
-    assert m.feed("Dzz") == Emitted("", True)
+    assert m.feed("Dzz") == Emitted("", True, "END")
     m = StopMatcher(["END"])
     assert m.feed("EN") == Emitted("", False)
     assert m.feed("X") == Emitted("ENX", False)
