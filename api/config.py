@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from projectors.projector import DEFAULT_NAME
 
@@ -26,6 +27,12 @@ class ApiConfig:
     default_model: str | None = None
     # Origins whose browser pages may call the API (CORS); none: same-origin only.
     cors_origins: tuple[str, ...] = ()
+    # Where a model pulled through the API (Ollama's /api/pull) is fetched to before it is
+    # added, as `shoal models add` does (`shoal up` gives its own data directory's).
+    models_dir: Path = field(
+        default_factory=lambda: Path(os.environ.get("SHOAL_DATA_DIR", Path.home() / ".shoal"))
+        / "models"
+    )
 
 
 def keys_from_env(value: str | None = None) -> frozenset[str]:

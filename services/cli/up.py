@@ -158,6 +158,7 @@ def up(
             config = ApiConfig(
                 nats_url=server.url, db_url=db_url, api_keys=keys, aliases=aliases,
                 default_model=None if no_model else model, cors_origins=tuple(cors_origin or ()),
+                models_dir=data / "models",
             )  # fmt: skip
             api = api_server(config, host, port, tls)
             tasks += [
