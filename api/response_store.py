@@ -1,0 +1,123 @@
+"""Stored responses of the Responses API, on the log: written as ``ResponseStored`` (a later
+one replaces an earlier) and ``ResponseDeleted``, read from the projection's ``responses`` table
+(so any API process serves them, and ``shoal replay`` rebuilds them), or from the log itself
+when the projector has not written the latest yet: a GET right after the POST, on another API
+process, finds the response all the same.
+
+A response too large for one NATS message (1 MiB by default: its output, input items and the
+conversation so far) is answered but not stored: a warning in the API's log, and the answer
+says ``"store": false``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import nats.errors
+from nats.js.errors import NotFoundError
+from pydantic import ValidationError
+from sqlalchemy import select
+
+from api.context import ApiContext
+from api.serving import log_unavailable
+from bus.events import ChatMessage, ResponseDeleted, ResponseStored, parse_event
+from bus.payload import PayloadTooLargeError
+from bus.streams import EVENTS_STREAM
+from bus.subjects import event_subject
+from projectors.rows import ResponseRow, TaskRow
+from projectors.tables import responses, tasks
+
+log = logging.getLogger(__name__)
+
+# A response in one of these states changes no more (but for a cancel that came too late).
+FINISHED = frozenset({"completed", "incomplete", "failed", "cancelled"})
+ACTIVE = frozenset({"queued", "in_progress"})
+
+
+async def store(ctx: ApiContext, event: ResponseStored) -> bool:
+    """Put ``event`` on the log; False (and a warning) when it could not be."""
+    try:
+        await ctx.publish(event)
+    except PayloadTooLargeError as exc:
+        log.warning("response %s is not stored: %s", event.response_id, exc)
+        return False
+    except (nats.errors.Error, TimeoutError) as exc:
+        log.warning("response %s is not stored: the log is unavailable (%r)",
+                    event.response_id, exc)  # fmt: skip
+        return False
+    return True
+
+
+async def delete(ctx: ApiContext, response_id: str) -> None:
+    try:
+        await ctx.publish(ResponseDeleted(response_id=response_id, origin=ctx.origin))
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise log_unavailable(exc) from exc
+
+
+async def find(ctx: ApiContext, response_id: str) -> ResponseStored | None:
+    """The response as last stored; None for one never stored, or deleted."""
+    row = await _row(ctx, response_id)
+    if row is not None and (row.deleted_at is not None or row.status in FINISHED):
+        return None if row.deleted_at is not None else _from_row(row)
+    # Not written yet, or still running: the log may know more than the projection.
+    try:
+        deleted, latest = await _from_log(ctx, response_id)
+    except (nats.errors.Error, TimeoutError) as exc:
+        if row is not None:
+            return _from_row(row)
+        raise log_unavailable(exc) from exc
+    if deleted:
+        return None
+    if latest is not None:
+        return latest
+    # Gone from the log (its retention), kept by the projection.
+    return _from_row(row) if row is not None else None
+
+
+async def task(ctx: ApiContext, task_id: str) -> TaskRow | None:
+    async with ctx.engine.connect() as conn:
+        found = (await conn.execute(select(tasks).where(tasks.c.task_id == task_id))).mappings()
+        row = found.first()
+    return TaskRow(**row) if row is not None else None
+
+
+async def _row(ctx: ApiContext, response_id: str) -> ResponseRow | None:
+    query = select(responses).where(responses.c.response_id == response_id)
+    async with ctx.engine.connect() as conn:
+        row = (await conn.execute(query)).mappings().first()
+    return ResponseRow(**row) if row is not None else None
+
+
+def _from_row(row: ResponseRow) -> ResponseStored:
+    return ResponseStored(
+        response_id=row.response_id, origin="projection", task_id=row.task_id,
+        model_id=row.model_id, status=row.status, response=row.response or {},
+        input_items=row.input_items or [],
+        conversation=[ChatMessage.model_validate(m) for m in row.conversation or []],
+    )  # fmt: skip
+
+
+async def _from_log(ctx: ApiContext, response_id: str) -> tuple[bool, ResponseStored | None]:
+    """Whether the log has the response deleted, and its latest ``ResponseStored``."""
+    js = ctx.nc.jetstream()
+
+    async def last(kind: str) -> bytes | None:
+        try:
+            msg = await js.get_last_msg(
+                EVENTS_STREAM, event_subject("response", (response_id,), kind)
+            )
+        except NotFoundError:
+            return None
+        return msg.data or b""
+
+    if await last("ResponseDeleted") is not None:
+        return True, None
+    data = await last("ResponseStored")
+    if data is None:
+        return False, None
+    try:
+        event = parse_event(data)
+    except ValidationError:
+        return False, None
+    return False, event if isinstance(event, ResponseStored) else None
