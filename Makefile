@@ -57,9 +57,11 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python bench/projector.py
 	$(BIN)/python bench/engine_overhead.py
 	$(BIN)/python bench/constrained.py
+	$(BIN)/python bench/dialects.py
 	$(BIN)/python bench/placement.py
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/embeddings.py
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache

@@ -7,13 +7,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
-from api import cluster_routes, errors, metrics, openai_routes
+from api import anthropic_routes, cluster_routes, errors, metrics, ollama_routes, openai_routes
 from api.config import ApiConfig
 from api.context import ApiContext
 from api.dashboard import install as install_dashboard
+from api.embeddings_routes import router as embeddings_router
 from api.fast_lane import FastLane
+from api.responses_routes import router as responses_router
 from api.serving_verdicts import ServingVerdicts
 from bus.connection import connect
 from projectors import database
@@ -46,7 +49,22 @@ def create_app(config: ApiConfig) -> FastAPI:
     errors.install(app)
     app.add_middleware(FastLane)  # inside the metrics' middleware, which counts its answers
     metrics.install(app, counted)
+    if config.cors_origins:
+        # Outermost: a browser's preflight is answered before keys are asked for. A wildcard
+        # never comes with credentials (browsers refuse that pair, and it would be unsafe).
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_origins),
+            allow_credentials="*" not in config.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["*"],
+        )
+    app.include_router(anthropic_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(embeddings_router)
+    app.include_router(responses_router)
+    app.include_router(ollama_routes.router)
     app.include_router(cluster_routes.router)
     app.include_router(cluster_routes.health)
     install_dashboard(app)  # the page at / and its files at /static

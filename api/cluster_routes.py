@@ -6,7 +6,7 @@ import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
@@ -18,13 +18,22 @@ from api import projection
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.schemas import InstanceRequest
-from bus.events import InstanceDeleteRequested, InstanceRequested, chunk_stream_type
+from bus.events import (
+    InstanceDeleteRequested,
+    InstanceRequested,
+    InstanceRole,
+    chunk_stream_type,
+)
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, stream_of
 from bus.subjects import ALL_EVENTS, CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors.state import ClusterState
 from services.planner.cluster import cluster_view
 from services.planner.placement import ModelInfo, Placement, PlacementRequest, Rejection, place
-from services.planner.placement_spec import PlacementSpecError, parse_placement_spec
+from services.planner.placement_spec import (
+    PlacementSpecError,
+    instance_role,
+    parse_placement_spec,
+)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 health = APIRouter()
@@ -32,6 +41,7 @@ Ctx = Annotated[ApiContext, Depends(context)]
 
 
 @health.get("/healthz")
+@health.get("/health")  # what load balancers and llama.cpp's and vLLM's clients probe
 async def healthz(ctx: Ctx) -> dict[str, Any]:
     """Liveness and what this API process can reach (no key needed)."""
     db_ok = True
@@ -85,7 +95,8 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
     cannot be placed now is refused with the reason, unless ``queue`` is true."""
     s = await projection.cluster(ctx.engine)
     spec = _spec_text(body.placement)
-    result = _preview(s, body.model, body.replicas, body.context_length, spec)
+    role = _role(s, body, spec)
+    result = _preview(s, body.model, body.replicas, body.context_length, spec, role)
     if isinstance(result, Rejection) and not body.queue:
         raise ApiError(
             400, f"{body.model} cannot be placed: {result.reason}", code="placement_rejected"
@@ -94,11 +105,12 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
     await ctx.publish(
         InstanceRequested(
             instance_id=instance_id, model_id=body.model, origin=ctx.origin, placement=spec,
-            replicas=body.replicas, context_length=body.context_length,
+            replicas=body.replicas, context_length=body.context_length, aliases=body.aliases,
+            role=role,
         )
     )  # fmt: skip
     return {"id": instance_id, "object": "instance", "model": body.model, "status": "requested",
-            "preview": _plan(result)}  # fmt: skip
+            "role": role, "preview": _plan(result)}  # fmt: skip
 
 
 @router.delete("/instances/{instance_id}", status_code=202)
@@ -119,7 +131,8 @@ async def delete_instance(instance_id: str, ctx: Ctx) -> dict[str, Any]:
 async def preview(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
     """Where the model would be placed now, or why it cannot be (the planner's own function)."""
     s = await projection.cluster(ctx.engine)
-    result = _preview(s, body.model, body.replicas, body.context_length, _spec_text(body.placement))
+    spec = _spec_text(body.placement)
+    result = _preview(s, body.model, body.replicas, body.context_length, spec, _role(s, body, spec))
     return {"model": body.model, **_plan(result)}
 
 
@@ -216,8 +229,27 @@ def _spec_text(placement: str | dict[str, object] | None) -> str | None:
     return text_
 
 
+def _role(s: ClusterState, body: InstanceRequest, spec: str | None) -> InstanceRole:
+    """The role asked for (or the placement's one); embeddings need an engine that has them."""
+    try:
+        role = cast(InstanceRole, instance_role(spec, body.role))
+    except PlacementSpecError as exc:
+        raise ApiError(400, f"invalid placement: {exc}", param="placement") from None
+    model = s.model(body.model)
+    engine = (model.engines or ["llamacpp"])[0] if model is not None else "llamacpp"
+    if role == "embed" and engine == "mlx":
+        raise ApiError(400, f"{body.model} runs on the mlx engine, and embeddings are not"
+                       " supported on the mlx engine", param="role")  # fmt: skip
+    return role
+
+
 def _preview(
-    s: ClusterState, model_id: str, replicas: int, context: int | None, spec: str | None
+    s: ClusterState,
+    model_id: str,
+    replicas: int,
+    context: int | None,
+    spec: str | None,
+    role: InstanceRole = "chat",
 ) -> Placement | Rejection:
     model = s.model(model_id)
     if model is None:
@@ -226,7 +258,7 @@ def _preview(
         )
     info = ModelInfo.of(model)
     request = PlacementRequest(instance_id="preview", model=info, replicas=replicas,
-                               context_length=context, spec=spec)  # fmt: skip
+                               context_length=context, spec=spec, role=role)  # fmt: skip
     return place(cluster_view(s), request)
 
 

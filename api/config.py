@@ -30,8 +30,9 @@ class ApiConfig:
     # Where a model pulled through the API (Ollama's /api/pull) is fetched to before it is
     # added, as `shoal models add` does (`shoal up` gives its own data directory's).
     models_dir: Path = field(
-        default_factory=lambda: Path(os.environ.get("SHOAL_DATA_DIR", Path.home() / ".shoal"))
-        / "models"
+        default_factory=lambda: (
+            Path(os.environ.get("SHOAL_DATA_DIR", Path.home() / ".shoal")) / "models"
+        )
     )
 
 

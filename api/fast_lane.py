@@ -1,8 +1,8 @@
 """The requests that carry a model's work, answered before FastAPI's per-request machinery.
 
-A ``POST /v1/chat/completions`` or ``/v1/completions`` whose JSON body validates is served here:
-the same key rule (``context.key_refusal``), the same pydantic model, the same
-``openai_routes.serve_chat`` / ``serve_completion``. FastAPI's routing, dependency solving and
+A ``POST`` to one of ``LANES``' paths (each dialect's generation endpoints) whose JSON body
+validates is served here: the same key rule (``context.key_refusal``), the same pydantic model,
+the same serve function as its FastAPI route. FastAPI's routing, dependency solving and
 body parsing took ~0.8 ms of each request's time to first token on a 2-core machine (measured
 in place: llama.cpp's threads leave the caches cold between requests); read here, the body
 costs a pydantic ``model_validate_json``.
@@ -15,19 +15,47 @@ routes, which also serve what comes past this lane.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.anthropic import MessagesRequest
+from api.anthropic_routes import serve_messages
 from api.context import ApiContext, key_refusal
-from api.errors import ApiError, error_response
+from api.embeddings import EmbeddingsRequest
+from api.embeddings_routes import serve_embeddings
+from api.errors import ApiError, dialect_of, error_response
+from api.ollama import ChatRequest as OllamaChatRequest
+from api.ollama import EmbedRequest as OllamaEmbedRequest
+from api.ollama import GenerateRequest as OllamaGenerateRequest
+from api.ollama_routes import serve_chat as serve_ollama_chat
+from api.ollama_routes import serve_embed as serve_ollama_embed
+from api.ollama_routes import serve_generate as serve_ollama_generate
 from api.openai_routes import serve_chat, serve_completion
+from api.responses import ResponsesRequest
+from api.responses_routes import serve_responses
 from api.schemas import ChatCompletionRequest, CompletionRequest
 
-_BODIES: dict[str, type[BaseModel]] = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest,
+
+@dataclass(frozen=True)
+class Lane:
+    body: type[BaseModel]
+    serve: Callable[[ApiContext, Any], Awaitable[Response]]
+
+
+LANES: dict[str, Lane] = {
+    "/v1/chat/completions": Lane(ChatCompletionRequest, serve_chat),
+    "/v1/completions": Lane(CompletionRequest, serve_completion),
+    "/v1/embeddings": Lane(EmbeddingsRequest, serve_embeddings),
+    "/v1/messages": Lane(MessagesRequest, serve_messages),
+    "/v1/responses": Lane(ResponsesRequest, serve_responses),
+    "/api/chat": Lane(OllamaChatRequest, serve_ollama_chat),
+    "/api/generate": Lane(OllamaGenerateRequest, serve_ollama_generate),
+    "/api/embed": Lane(OllamaEmbedRequest, serve_ollama_embed),
 }
 
 
@@ -46,8 +74,8 @@ class FastLane:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        model = _BODIES.get(path)
-        if model is None or scope["type"] != "http" or scope["method"] != "POST":
+        lane = LANES.get(path)
+        if lane is None or scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         headers = _headers(scope)
@@ -56,31 +84,30 @@ class FastLane:
             return
         ctx: ApiContext = scope["app"].state.ctx
         scope["route"] = LaneRoute(path)  # for the metrics' route label
-        refused = key_refusal(ctx.config.api_keys, headers.get("authorization"))
+        dialect = dialect_of(path)
+        refused = key_refusal(
+            ctx.config.api_keys, headers.get("authorization"), headers.get("x-api-key")
+        )
         if refused is not None:
-            await error_response(refused)(scope, receive, send)
+            await error_response(refused, dialect)(scope, receive, send)
             return
         messages, body = await _read_body(receive)
         try:
-            request = model.model_validate_json(body) if body else None
+            request = lane.body.model_validate_json(body) if body else None
         except ValidationError:
             request = None
         if request is None:  # FastAPI says what is wrong with it
             await self.app(scope, _replay(messages, receive), send)
             return
         try:
-            if isinstance(request, ChatCompletionRequest):
-                response = await serve_chat(ctx, request)
-            else:
-                assert isinstance(request, CompletionRequest)
-                response = await serve_completion(ctx, request)
+            response = await lane.serve(ctx, request)
         except ApiError as err:
-            response = error_response(err)
+            response = error_response(err, dialect)
         await response(scope, receive, send)
 
 
 def _headers(scope: Scope) -> dict[str, str]:
-    wanted = (b"content-type", b"authorization")
+    wanted = (b"content-type", b"authorization", b"x-api-key")
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in wanted}
 
 

@@ -10,6 +10,7 @@ from sqlalchemy import Connection, Engine, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
+from bus.events import InstanceRole
 from projectors.rows import InstanceRow, ModelRow, Row, RunnerRow
 from projectors.state import ClusterState, Put
 from projectors.store import load_state
@@ -74,15 +75,20 @@ async def recent_tasks(engine: AsyncEngine, limit: int) -> list[dict[str, Any]]:
         return [dict(r) for r in (await conn.execute(query)).mappings()]
 
 
-def require_serving(state: ClusterState, model_id: str) -> None:
-    """Raise the error a request for ``model_id`` gets when it cannot be served now: 404 for a
-    model the cluster does not know, 503 (saying why) for one with no runner ready."""
+def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "chat") -> None:
+    """Raise the error a request for ``model_id`` gets when it cannot be served now by an
+    instance of ``role``: 404 for a model the cluster does not know, 400 for one served only
+    in the other role (saying how to ask for this one), 503 (saying why) for one with no
+    runner ready."""
     instances = [i for i in state.instances() if i.model_id == model_id]
     if state.model(model_id) is None and not instances:
         known = ", ".join(sorted(r.model_id for r in state.models())) or "none yet"
         raise ApiError(404, f"The model `{model_id}` does not exist (known models: {known})",
                        param="model", code="model_not_found")  # fmt: skip
-    live = [i for i in instances if i.status in ("requested", "placed", "rejected")]
+    alive = [i for i in instances if i.status in ("requested", "placed", "rejected")]
+    live = [i for i in alive if i.role == role]
+    if alive and not live:
+        raise _wrong_role(model_id, role)
     for inst in live:
         # A rejected instance's runners are being stopped; only a pipeline's head serves.
         heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
@@ -90,6 +96,21 @@ def require_serving(state: ClusterState, model_id: str) -> None:
             return
     raise ApiError(503, f"model `{model_id}` cannot answer now: {_why_not(state, live)}",
                    code="model_not_ready")  # fmt: skip
+
+
+def _wrong_role(model_id: str, role: InstanceRole) -> ApiError:
+    """A model whose instances all serve the other role: chat and embed instances are apart
+    (an embedding-mode engine generates nothing)."""
+    if role == "embed":
+        body = f'{{"model": "{model_id}", "role": "embed"}}'
+        return ApiError(400, f"model `{model_id}` is served for chat only, not for embeddings:"
+                        f" ask for an embed instance of it with POST /v1/instances {body}"
+                        f" (or `shoal instances create {model_id} --role embed`)",
+                        param="model", code="model_not_embedding")  # fmt: skip
+    body = f'{{"model": "{model_id}"}}'
+    return ApiError(400, f"model `{model_id}` is served for embeddings only: ask for a chat"
+                    f" instance of it with POST /v1/instances {body} (or `shoal instances"
+                    f" create {model_id}`)", param="model", code="model_not_chat")  # fmt: skip
 
 
 def _why_not(state: ClusterState, live: list[InstanceRow]) -> str:

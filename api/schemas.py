@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from bus.events import (
     INT32_MAX,
     ChatMessage,
+    InstanceRole,
     ResponseFormat,
     SamplingParams,
     Tool,
@@ -185,7 +186,8 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: Annotated[str, Field(min_length=1)]
+    # None: the cluster's default model (api/model_names.py).
+    model: Annotated[str, Field(min_length=1)] | None = None
     max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -377,3 +379,11 @@ class InstanceRequest(_Body):
     replicas: Annotated[int, Field(ge=1, le=64)] = 1
     context_length: Count | None = None
     queue: bool = Field(default=False, description="Request it even if it cannot be placed now.")
+    aliases: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=32)
+    ] = Field(default_factory=list, description="Other names clients may call the model by.")
+    role: InstanceRole | None = Field(
+        default=None,
+        description="What the instance serves: 'chat' (generation) or 'embed' (embeddings);"
+        " default: the placement's one role, else chat.",
+    )

@@ -22,7 +22,7 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.reply import Reply
 from api.task_stream import TaskStream
-from bus.events import ChunkGenerated, TaskCreated, Usage
+from bus.events import ChunkGenerated, InstanceRole, TaskCreated, Usage
 from bus.payload import PayloadTooLargeError, check_size
 from bus.publisher import MSG_ID_HEADER
 
@@ -87,12 +87,13 @@ async def serve(
     return JSONResponse(out.whole(replies, usages, streams[0]))
 
 
-async def require_serving(ctx: ApiContext, model_id: str) -> None:
-    """The 404 or 503 of a model that cannot answer now (its yes remembered a moment)."""
-    if not ctx.serving.fresh(model_id):
+async def require_serving(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> None:
+    """The 404, 400 or 503 of a model that cannot answer now in ``role`` (its yes remembered
+    a moment)."""
+    if not ctx.serving.fresh(model_id, role):
         state = await projection.serving(ctx.engine, model_id, ctx.reader)
-        projection.require_serving(state, model_id)
-        ctx.serving.found(model_id)
+        projection.require_serving(state, model_id, role)
+        ctx.serving.found(model_id, role)
 
 
 def _outcomes(ctx: ApiContext, streams: list[TaskStream]) -> list[Usage]:

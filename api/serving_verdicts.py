@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from bus.events import InstanceRole
+
 
 class ServingVerdicts:
     """Models found able to serve (a ready runner at the head of a live instance), remembered
@@ -20,13 +22,14 @@ class ServingVerdicts:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl_s = ttl_s
         self._clock = clock
-        self._found_at: dict[str, float] = {}
+        self._found_at: dict[tuple[str, InstanceRole], float] = {}
 
-    def fresh(self, model_id: str) -> bool:
-        """Whether ``model_id`` was found able to serve less than ``ttl_s`` ago."""
-        found_at = self._found_at.get(model_id)
+    def fresh(self, model_id: str, role: InstanceRole = "chat") -> bool:
+        """Whether ``model_id`` was found able to serve (in ``role``) less than ``ttl_s``
+        ago."""
+        found_at = self._found_at.get((model_id, role))
         return found_at is not None and self._clock() - found_at < self._ttl_s
 
-    def found(self, model_id: str) -> None:
+    def found(self, model_id: str, role: InstanceRole = "chat") -> None:
         if self._ttl_s > 0:
-            self._found_at[model_id] = self._clock()
+            self._found_at[(model_id, role)] = self._clock()

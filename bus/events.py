@@ -228,6 +228,8 @@ class Timings(Record):
 
 RunnerState = Literal["Assigned", "Downloading", "Loading", "Ready", "Running", "Failed", "Stopped"]
 FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
+# What an instance serves: generation (chat and completions) or embeddings.
+InstanceRole = Literal["chat", "embed"]
 
 
 # --- nodes --------------------------------------------------------------------------------
@@ -316,6 +318,11 @@ class InstanceRequested(_InstanceEvent):
     placement: str | None = Field(default=None, description="Manual placement spec (JSON).")
     replicas: Int32 = 1
     context_length: Int32 | None = None
+    role: InstanceRole = "chat"
+    aliases: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list,
+        description="Other names clients may call the model by (an SDK's own model names).",
+    )
 
 
 class InstancePlaced(_InstanceEvent):
@@ -418,6 +425,25 @@ class TaskCreated(_TaskEvent):
     echo: bool = Field(default=False, description="Score the prompt's tokens too (PromptScored).")
 
 
+class EmbeddingsRequested(_TaskEvent):
+    """A request for embeddings of several inputs, for an embed instance's runners (its own
+    type, so that chat runners of the same model, which pull ``TaskCreated``, never take it).
+    Answered by ``EmbeddingsComputed`` on the chunk stream, then ``TaskCompleted``."""
+
+    type: Literal["EmbeddingsRequested"] = "EmbeddingsRequested"
+    texts: list[str] | None = Field(default=None, description="The inputs as text.")
+    token_ids: list[list[int]] | None = Field(
+        default=None, description="The inputs as token ids (when not sent as texts)."
+    )
+    dimensions: int | None = Field(
+        default=None, ge=1, description="Keep this many leading dimensions, normalised; None: all."
+    )
+    truncate: bool = Field(
+        default=False, description="Cut an input longer than the context short (Ollama's way)."
+    )
+    user: str | None = Field(default=None, max_length=255)
+
+
 class TaskStarted(_TaskEvent):
     """A runner took the task."""
 
@@ -471,6 +497,9 @@ class ChunkGenerated(_ChunkStreamEvent):
     finish_reason: FinishReason | None = None
     logprob: TokenLogprob | None = Field(default=None, description="When the task asked.")
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    stop_sequence: str | None = Field(
+        default=None, description="On the last chunk: the stop sequence that ended the task."
+    )
 
 
 class PromptScored(_ChunkStreamEvent):
@@ -481,6 +510,59 @@ class PromptScored(_ChunkStreamEvent):
     start: int = Field(description="The position in the prompt of the first token here.")
     total: int = Field(description="Tokens in the whole prompt.")
     tokens: tuple[TokenLogprob, ...]
+
+
+class EmbeddingsComputed(_ChunkStreamEvent):
+    """The vectors of a slice of an embeddings task's inputs, L2-normalised, as base64 of
+    float32 little-endian (``bus.vectors``), one row of ``dimensions`` after the other: 64
+    vectors of 576 dimensions are 197 KB, far below a NATS message's 1 MiB, and larger answers
+    come in several slices. Published before the task's ``TaskCompleted``."""
+
+    type: Literal["EmbeddingsComputed"] = "EmbeddingsComputed"
+    start: int = Field(description="The index of this slice's first input.")
+    total: int = Field(description="Inputs in the whole task.")
+    dimensions: int = Field(description="Floats per vector.")
+    vectors: str = Field(description="base64 of float32 little-endian, vector after vector.")
+
+
+# --- responses ----------------------------------------------------------------------------
+
+# Where a response of the Responses API stands (OpenAI's words).
+ResponseStatus = Literal["completed", "incomplete", "failed", "in_progress", "cancelled", "queued"]
+
+
+class _ResponseEvent(EventBase):
+    aggregate: ClassVar[str] = "response"
+    subject_fields: ClassVar[tuple[str, ...]] = ("response_id",)
+    response_id: Id
+
+
+class ResponseStored(_ResponseEvent):
+    """A response of the Responses API (``POST /v1/responses`` with ``store``), as its client
+    got it, or as it stands while it runs in the background; a later one replaces it. Any API
+    process serves it from here, and continues it (``previous_response_id``)."""
+
+    type: Literal["ResponseStored"] = "ResponseStored"
+    task_id: str = Field(default="", description="The task that made it.")
+    model_id: str = ""
+    status: ResponseStatus = "completed"
+    response: dict[str, Any] = Field(
+        default_factory=dict, description="The response object, as the API answers it."
+    )
+    input_items: list[dict[str, Any]] = Field(
+        default_factory=list, description="The request's input items, with their ids."
+    )
+    conversation: list[ChatMessage] = Field(
+        default_factory=list,
+        description="The conversation up to its output included (not its instructions): what"
+        " a request that continues it starts from.",
+    )
+
+
+class ResponseDeleted(_ResponseEvent):
+    """A stored response was deleted: it is no longer served nor continued."""
+
+    type: Literal["ResponseDeleted"] = "ResponseDeleted"
 
 
 Event = Annotated[
@@ -496,12 +578,16 @@ Event = Annotated[
     | InstanceDeleted
     | RunnerStateChanged
     | TaskCreated
+    | EmbeddingsRequested
     | TaskStarted
     | ChunkGenerated
     | PromptScored
+    | EmbeddingsComputed
     | TaskCompleted
     | TaskFailed
-    | TaskCancelled,
+    | TaskCancelled
+    | ResponseStored
+    | ResponseDeleted,
     Field(discriminator="type"),
 ]
 
@@ -518,12 +604,16 @@ EVENT_TYPES: tuple[type[EventBase], ...] = (
     InstanceDeleted,
     RunnerStateChanged,
     TaskCreated,
+    EmbeddingsRequested,
     TaskStarted,
     ChunkGenerated,
     PromptScored,
+    EmbeddingsComputed,
     TaskCompleted,
     TaskFailed,
     TaskCancelled,
+    ResponseStored,
+    ResponseDeleted,
 )
 
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
@@ -537,4 +627,8 @@ def parse_event(data: bytes | str) -> Event:
 def chunk_stream_type(data: bytes) -> str:
     """The type of an event on the chunk stream, whose subjects do not name it (for feeds that
     show events without parsing them)."""
-    return "PromptScored" if b'"type":"PromptScored"' in data[:400] else "ChunkGenerated"
+    head = data[:400]
+    for kind in ("PromptScored", "EmbeddingsComputed"):
+        if f'"type":"{kind}"'.encode() in head:
+            return kind
+    return "ChunkGenerated"

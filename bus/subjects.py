@@ -73,3 +73,9 @@ def dead_letter_origin(subject: str) -> str | None:
 def model_tasks_filter(model_id: str) -> str:
     """The filter a runner's consumer uses to pull only its model's new tasks."""
     return f"{EVENTS_PREFIX}.task.{escape_token(model_id)}.*.TaskCreated"
+
+
+def model_embeddings_filter(model_id: str) -> str:
+    """The filter an embed runner's consumer uses to pull only its model's embedding requests
+    (chat runners of the same model pull ``TaskCreated`` only, so neither takes the other's)."""
+    return f"{EVENTS_PREFIX}.task.{escape_token(model_id)}.*.EmbeddingsRequested"

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from bus.events import ShardAssignment
+from bus.events import InstanceRole, ShardAssignment
 
 JsonList = list[Any]
+JsonDict = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,8 @@ class InstanceRow:
     needed_bytes: int | None = None
     generation: int = 0  # planner decisions (placed or rejected) applied so far
     avoid: JsonList | None = None  # 'node:device's where its runners kept failing
+    role: InstanceRole = "chat"
+    aliases: JsonList | None = None  # other names the model is called by through this instance
 
     def key(self) -> tuple[str]:
         return (self.instance_id,)
@@ -165,5 +168,28 @@ class TaskRow:
         return (self.task_id,)
 
 
-Row = NodeRow | DeviceRow | ModelRow | InstanceRow | RunnerRow | TaskRow
-ROW_TYPES: tuple[type[Row], ...] = (NodeRow, DeviceRow, ModelRow, InstanceRow, RunnerRow, TaskRow)
+@dataclass(frozen=True, slots=True)
+class ResponseRow:
+    """A stored response of the Responses API (``ResponseStored``); a deleted one keeps only
+    its id, task and times, so that nothing stores it again."""
+
+    TABLE: ClassVar[str] = "responses"
+    response_id: str
+    status: str  # queued | in_progress | completed | incomplete | failed | cancelled
+    task_id: str = ""
+    model_id: str = ""
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    deleted_at: datetime | None = None
+    response: JsonDict | None = None  # the response object, as the API answers it
+    input_items: JsonList | None = None
+    conversation: JsonList | None = None  # ChatMessage dicts, for previous_response_id
+
+    def key(self) -> tuple[str]:
+        return (self.response_id,)
+
+
+Row = NodeRow | DeviceRow | ModelRow | InstanceRow | RunnerRow | TaskRow | ResponseRow
+ROW_TYPES: tuple[type[Row], ...] = (
+    NodeRow, DeviceRow, ModelRow, InstanceRow, RunnerRow, TaskRow, ResponseRow,
+)  # fmt: skip

@@ -14,6 +14,8 @@ from typing import Any, TypeVar, cast
 
 from bus.events import (
     ChunkGenerated,
+    EmbeddingsComputed,
+    EmbeddingsRequested,
     Event,
     InstanceDeleted,
     InstanceDeleteRequested,
@@ -27,6 +29,8 @@ from bus.events import (
     PlacementRejected,
     PromptScored,
     ResourceProfiled,
+    ResponseDeleted,
+    ResponseStored,
     RunnerStateChanged,
     TaskCancelled,
     TaskCompleted,
@@ -34,7 +38,15 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
-from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, RunnerRow, TaskRow
+from projectors.rows import (
+    DeviceRow,
+    InstanceRow,
+    ModelRow,
+    NodeRow,
+    ResponseRow,
+    RunnerRow,
+    TaskRow,
+)
 from projectors.state import Change, ClusterState, Delete, Put
 
 TERMINAL_TASK = frozenset({"completed", "failed", "cancelled"})
@@ -198,6 +210,8 @@ def _instance_requested(state: ClusterState, e: InstanceRequested) -> list[Chang
         replicas=e.replicas,
         context_length=e.context_length,
         requested_at=e.ts,
+        role=e.role,
+        aliases=list(e.aliases) or None,
     )
     return [Put(row)]
 
@@ -334,6 +348,15 @@ def _task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
     return [Put(row)]
 
 
+@_rule(EmbeddingsRequested)
+def _embeddings_requested(state: ClusterState, e: EmbeddingsRequested) -> list[Change]:
+    if state.task(e.task_id) is not None:
+        return []
+    row = TaskRow(task_id=e.task_id, model_id=e.model_id, status="pending", kind="embedding",
+                  user=e.user, created_at=e.ts)  # fmt: skip
+    return [Put(row)]
+
+
 @_rule(TaskStarted)
 def _task_started(state: ClusterState, e: TaskStarted) -> list[Change]:
     old = state.task(e.task_id)
@@ -393,5 +416,53 @@ def _task_cancelled(state: ClusterState, e: TaskCancelled) -> list[Change]:
 
 @_rule(ChunkGenerated)
 @_rule(PromptScored)
-def _chunk(state: ClusterState, e: ChunkGenerated | PromptScored) -> list[Change]:
+@_rule(EmbeddingsComputed)
+def _chunk(
+    state: ClusterState, e: ChunkGenerated | PromptScored | EmbeddingsComputed
+) -> list[Change]:
     return []  # chunks live on their own stream; the projection keeps only task outcomes
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+def _response(state: ClusterState, response_id: str) -> ResponseRow | None:
+    row = state.tables[ResponseRow.TABLE].get((response_id,))
+    return row if isinstance(row, ResponseRow) else None
+
+
+@_rule(ResponseStored)
+def _response_stored(state: ClusterState, e: ResponseStored) -> list[Change]:
+    old = _response(state, e.response_id)
+    if old is not None and old.deleted_at is not None:
+        return []  # deleted stays deleted (a background response that ended afterwards)
+    row = ResponseRow(
+        response_id=e.response_id,
+        status=e.status,
+        task_id=e.task_id,
+        model_id=e.model_id,
+        created_at=old.created_at if old is not None else e.ts,
+        updated_at=e.ts,
+        response=dict(e.response),
+        input_items=list(e.input_items),
+        conversation=[m.model_dump(mode="json") for m in e.conversation],
+    )
+    return [Put(row)]
+
+
+@_rule(ResponseDeleted)
+def _response_deleted(state: ClusterState, e: ResponseDeleted) -> list[Change]:
+    old = _response(state, e.response_id)
+    if old is not None and old.deleted_at is not None:
+        return []
+    # Only the id, task and times are kept: what was said is gone.
+    row = ResponseRow(
+        response_id=e.response_id,
+        status="deleted",
+        task_id=old.task_id if old is not None else "",
+        model_id=old.model_id if old is not None else "",
+        created_at=old.created_at if old is not None else e.ts,
+        updated_at=e.ts,
+        deleted_at=e.ts,
+    )
+    return [Put(row)]

@@ -119,6 +119,8 @@ instances = Table(
     Column("needed_bytes", BigInteger),
     Column("generation", Integer, nullable=False),
     Column("avoid", JSON),
+    Column("role", String(20), nullable=False, server_default="chat"),
+    Column("aliases", JSON),
 )
 
 runners = Table(
@@ -172,6 +174,21 @@ tasks = Table(
     Index("ix_tasks_status", "status"),
 )
 
+responses = Table(
+    "responses",
+    metadata,
+    _id("response_id"),
+    Column("status", String(20), nullable=False),
+    Column("task_id", String(200), nullable=False),
+    Column("model_id", String(200), nullable=False),
+    Column("created_at", UtcDateTime),
+    Column("updated_at", UtcDateTime),
+    Column("deleted_at", UtcDateTime),
+    Column("response", JSON),
+    Column("input_items", JSON),
+    Column("conversation", JSON),
+)
+
 # Where each projector stands in each stream: written in the same transaction as the rows.
 projector_offsets = Table(
     "projector_offsets",
@@ -182,5 +199,5 @@ projector_offsets = Table(
 )
 
 STATE_TABLES: dict[str, Table] = {
-    t.name: t for t in (nodes, devices, models, instances, runners, tasks)
+    t.name: t for t in (nodes, devices, models, instances, runners, tasks, responses)
 }

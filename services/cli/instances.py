@@ -16,7 +16,7 @@ import secrets
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, cast
 
 import typer
 from nats.aio.client import Client
@@ -30,6 +30,7 @@ from bus.events import (
     InstanceDeleteRequested,
     InstancePlaced,
     InstanceRequested,
+    InstanceRole,
     PlacementRejected,
     parse_event,
 )
@@ -52,7 +53,11 @@ from services.planner.placement import (
     gib,
     place,
 )
-from services.planner.placement_spec import PlacementSpecError, parse_placement_spec
+from services.planner.placement_spec import (
+    PlacementSpecError,
+    instance_role,
+    parse_placement_spec,
+)
 from services.planner.planner import PLANNING_TABLES
 
 app = typer.Typer(help="Instances: models being served, and where.", no_args_is_help=True)
@@ -69,7 +74,19 @@ Spec = Annotated[
 Replicas = Annotated[int, typer.Option(min=1, help="Copies of the model to serve.")]
 Context = Annotated[
     int | None,
-    typer.Option("--context", min=1, help="Context length in tokens [default: 2048, or less]."),
+    typer.Option(
+        "--context",
+        min=1,
+        help="Context length in tokens [default: 2048, or less; an embed instance's: 512].",
+    ),
+]
+Role = Annotated[
+    InstanceRole | None,
+    typer.Option(
+        "--role",
+        help="What it serves: chat (generation) or embed (embeddings)"
+        "; default: the placement's one role, else chat.",
+    ),
 ]
 
 
@@ -105,6 +122,13 @@ async def _projection(db: str) -> ClusterState:
         await engine.dispose()
 
 
+def _role(spec: str | None, role: str | None) -> InstanceRole:
+    try:
+        return cast(InstanceRole, instance_role(spec, role))
+    except PlacementSpecError as exc:
+        _fail(f"invalid placement: {exc}")
+
+
 def _request(
     state: ClusterState,
     instance_id: str,
@@ -112,12 +136,14 @@ def _request(
     replicas: int,
     context: int | None,
     spec: str | None,
+    role: InstanceRole = "chat",
 ) -> PlacementRequest:
     model = state.model(model_id)
     info = ModelInfo.of(model) if model else None
-    return PlacementRequest(
-        instance_id=instance_id, model=info, replicas=replicas, context_length=context, spec=spec
-    )
+    if role == "embed" and model is not None and (model.engines or ["llamacpp"])[0] == "mlx":
+        _fail(f"{model_id} runs on the mlx engine: embeddings are not supported on the mlx engine")
+    return PlacementRequest(instance_id=instance_id, model=info, replicas=replicas,
+                            context_length=context, spec=spec, role=role)  # fmt: skip
 
 
 def describe(result: Placement | Rejection, model_id: str) -> str:
@@ -144,14 +170,17 @@ def preview(
     placement: Spec = None,
     replicas: Replicas = 1,
     context: Context = None,
+    role: Role = None,
     db: DbUrl = DEFAULT_DB,
 ) -> None:
     """Show where MODEL would be placed now (exit status 1 if it cannot be)."""
     spec = _read_spec(placement)
+    chosen = _role(spec, role)
     state = asyncio.run(_projection(db))
     if state.model(model) is None:
         _fail(f"model {model!r} is not known to the cluster: add it with `shoal models add`")
-    result = place(cluster_view(state), _request(state, "preview", model, replicas, context, spec))
+    request = _request(state, "preview", model, replicas, context, spec, chosen)
+    result = place(cluster_view(state), request)
     typer.echo(describe(result, model))
     if isinstance(result, Rejection):
         raise typer.Exit(1)
@@ -163,6 +192,7 @@ def create(
     placement: Spec = None,
     replicas: Replicas = 1,
     context: Context = None,
+    role: Role = None,
     instance_id: Annotated[
         str | None, typer.Option("--id", help="Instance id [default: MODEL-<random>].")
     ] = None,
@@ -178,6 +208,7 @@ def create(
     spec = _read_spec(placement)
     if spec is not None and replicas != 1:
         _fail("give replicas in the placement spec, not with --replicas")
+    chosen = _role(spec, role)
     iid = instance_id or f"{model}-{secrets.token_hex(3)}"
 
     async def main() -> Event | None:
@@ -198,13 +229,13 @@ def create(
                 typer.echo(f"added model {model}")
                 state.commit(changes_for(state, added))
             result = place(
-                cluster_view(state), _request(state, iid, model, replicas, context, spec)
+                cluster_view(state), _request(state, iid, model, replicas, context, spec, chosen)
             )
             if isinstance(result, Rejection) and not queue:
                 _fail(f"{model} {describe(result, model)} (--queue requests it anyway)")
             requested = InstanceRequested(
                 instance_id=iid, model_id=model, origin=f"shoal-cli@{socket.gethostname()}",
-                placement=spec, replicas=replicas, context_length=context,
+                placement=spec, replicas=replicas, context_length=context, role=chosen,
             )  # fmt: skip
             outcomes = (InstancePlaced, PlacementRejected)
             return await _publish_and_wait(nc, requested, wait, outcomes)
@@ -301,7 +332,8 @@ def list_instances(
             continue
         runners = sorted(state.runners_of(inst.instance_id), key=lambda r: (r.replica, r.rank))
         rows.append({
-            "instance_id": inst.instance_id, "model_id": inst.model_id, "status": inst.status,
+            "instance_id": inst.instance_id, "model_id": inst.model_id, "role": inst.role,
+            "status": inst.status,
             "replicas": inst.replicas, "generation": inst.generation, "reason": inst.reason,
             "shards": [
                 {"runner_id": r.runner_id, "node": r.node_id, "device": r.device,
@@ -315,15 +347,15 @@ def list_instances(
             typer.echo(json.dumps(row))
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("id", "model", "status", "replicas", "shards", "reason"):
+    for column in ("id", "model", "role", "status", "replicas", "shards", "reason"):
         table.add_column(column)
     for row in rows:
         shards = "\n".join(
             f"{s['node']}:{s['device']} [{s['layers'][0]}:{s['layers'][1]}] {s['state']}"
             for s in row["shards"]
         )
-        table.add_row(row["instance_id"], row["model_id"], row["status"], str(row["replicas"]),
-                      shards or "-", row["reason"] or "")  # fmt: skip
+        table.add_row(row["instance_id"], row["model_id"], row["role"], row["status"],
+                      str(row["replicas"]), shards or "-", row["reason"] or "")  # fmt: skip
     Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)
     if not rows:
         typer.echo("(no instances; `shoal instances create MODEL` asks for one)")

@@ -13,14 +13,18 @@ from projectors.rows import ModelRow
 
 # The context a runner gets when the request names none (capped at the model's own).
 DEFAULT_CONTEXT_LENGTH = 2048
+# An embed instance's: the longest input it takes, and what one batch of inputs holds. Small,
+# so that such an instance needs little beyond its weights.
+DEFAULT_EMBED_CONTEXT_LENGTH = 512
 
 
-def context_for(model_context: int, requested: int | None) -> int:
-    """The context an instance is served with: what was asked for, else the default, never
-    more than the model was trained for (when that is known)."""
+def context_for(model_context: int, requested: int | None, role: str = "chat") -> int:
+    """The context an instance is served with: what was asked for, else the default (of its
+    role), never more than the model was trained for (when that is known)."""
     if requested is not None:
         return requested
-    return min(DEFAULT_CONTEXT_LENGTH, model_context) if model_context else DEFAULT_CONTEXT_LENGTH
+    default = DEFAULT_EMBED_CONTEXT_LENGTH if role == "embed" else DEFAULT_CONTEXT_LENGTH
+    return min(default, model_context) if model_context else default
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,7 @@ def shard_need(state: ClusterState, runner: RunnerRow) -> int:
     model = state.model(inst.model_id) if inst is not None else None
     if inst is None or model is None:
         return 0
-    ctx = context_for(model.context_length, inst.context_length)
+    ctx = context_for(model.context_length, inst.context_length, inst.role)
     return Footprint.of(model).need_bytes(ctx, runner.end_layer - runner.start_layer)
 
 

@@ -173,6 +173,7 @@ def _place(
         replicas=inst.replicas,
         context_length=inst.context_length,
         spec=inst.placement,
+        role=inst.role,
         generation=inst.generation + 1,
         avoid=why.avoid,
         current=tuple(r.shard() for r in runners) if inst.status == "placed" else (),

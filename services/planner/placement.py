@@ -93,7 +93,7 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
     replicas = request.replicas
     if not 1 <= replicas <= MAX_REPLICAS:
         return Rejection(f"replicas must be between 1 and {MAX_REPLICAS}, not {replicas}")
-    ctx = context_for(model.context_length, request.context_length)
+    ctx = context_for(model.context_length, request.context_length, request.role)
     if ctx > INT32_MAX:
         return Rejection(f"a context of {ctx} tokens is more than any engine takes")
     if model.context_length and ctx > model.context_length:

@@ -38,6 +38,7 @@ from typing import Any
 # A new role is one new row here: parsing, checks and messages all read this table.
 ROLES: dict[str, str] = {
     "chat": "the model that answers chat completions",
+    "embed": "the model that computes embeddings",
 }
 DEFAULT_ROLE = "chat"
 MAX_REPLICAS = 64
@@ -244,6 +245,20 @@ def parse_placement_spec(raw: str) -> PlacementSpec:
         except PlacementSpecError as exc:
             raise PlacementSpecError(f"role {role!r}: {exc}") from None
     return PlacementSpec(roles)
+
+
+def instance_role(raw: str | None, asked: str | None = None) -> str:
+    """The role an instance request is for: the one asked for, else the placement's only
+    role (``{"embed": {...}}`` asks for an embed instance), else the default. A placement
+    without an entry for that role is refused."""
+    if raw is None:
+        if asked is not None:
+            _check_role(asked)
+        return asked or DEFAULT_ROLE
+    spec = parse_placement_spec(raw)
+    role = asked or (next(iter(spec.roles)) if len(spec.roles) == 1 else DEFAULT_ROLE)
+    spec.for_role(role)
+    return role
 
 
 def _parse_entry(entry: object) -> RolePlacement:

@@ -23,9 +23,11 @@ from bus.connection import connect
 from bus.streams import ensure_streams
 from services.models.cards import card_for
 from services.models.resolve import resolve_model
+from services.runner.embed_serve import EmbeddingServer
+from services.runner.embedding import Embedder
 from services.runner.engines.base import Engine, EngineBroken
 from services.runner.peers import PeerLost, Peers, StopWhileWaiting
-from services.runner.serve import RunnerIdentity, StateReporter, TaskServer
+from services.runner.serve import RunnerIdentity, StateReporter, TaskPuller, TaskServer
 from services.runner.spec import RunnerSpec
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,13 @@ async def run_llamacpp(
     offload = await connect_stages(spec, peers, state) if spec.peers else {}
     path = await model_path(spec, state)
     await state.report("Loading", progress=0.0)
+    if spec.role == "embed":
+        from services.runner.engines.llamacpp_embed import LlamaCppEmbedder
+
+        embedder = LlamaCppEmbedder(path, n_ctx=spec.n_ctx, n_threads=spec.n_threads, **offload)
+        await asyncio.to_thread(embedder.load)
+        await serve_embeddings(spec, nc, me, embedder, state, peers, stop)
+        return
     engine = LlamaCppEngine(
         path, n_ctx=spec.n_ctx, chat_format=spec.chat_format, n_threads=spec.n_threads, **offload
     )
@@ -115,6 +124,8 @@ async def run_mlx(
     stop: asyncio.Event,
 ) -> None:
     """A whole MLX model, or one rank of an MLX ring: the head serves, the others follow."""
+    if spec.role == "embed":
+        raise UnsupportedEngine("embeddings are not supported on the mlx engine")
     from services.runner.engines.mlx import MlxEngine
     from services.runner.mlx_stages import follow, load_head, ring_shard
 
@@ -148,7 +159,29 @@ async def serve_tasks(
 ) -> None:
     """Serve tasks with a loaded engine until asked to stop, or until a stage it depends on is
     lost (``PeerLost``)."""
-    server = TaskServer(nc, engine, me, Path(spec.task_file) if spec.task_file else None)
+    await _serve(TaskServer(nc, engine, me, _task_file(spec)), state, peers, stop)
+
+
+async def serve_embeddings(
+    spec: RunnerSpec,
+    nc: Client,
+    me: RunnerIdentity,
+    embedder: Embedder,
+    state: StateReporter,
+    peers: Peers,
+    stop: asyncio.Event,
+) -> None:
+    """An embed instance's: embeddings tasks, as ``serve_tasks`` serves generation ones."""
+    await _serve(EmbeddingServer(nc, embedder, me, _task_file(spec)), state, peers, stop)
+
+
+def _task_file(spec: RunnerSpec) -> Path | None:
+    return Path(spec.task_file) if spec.task_file else None
+
+
+async def _serve(
+    server: TaskPuller, state: StateReporter, peers: Peers, stop: asyncio.Event
+) -> None:
     await server.start()
     await state.report("Ready", progress=1.0)
     halt = asyncio.Event()

@@ -2,6 +2,9 @@
 
 The replicas of a model share one durable pull consumer (``tasks-<model>``), and each pulls one
 task only when it is free, so a task goes to one runner and an idle runner takes the next one.
+An embed instance's runners pull ``EmbeddingsRequested`` through a consumer of their own
+(``embeddings-<model>``, ``embed_serve.py``), so that chat and embed runners of one model
+never take each other's tasks.
 A task is acked when it is started: it is served at most once, and a runner that dies
 mid-generation has its task failed by its worker, not retried behind the client's back.
 """
@@ -29,6 +32,7 @@ from nats.js.errors import NotFoundError
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import (
     ChunkGenerated,
+    EmbeddingsRequested,
     FinishReason,
     RunnerState,
     RunnerStateChanged,
@@ -67,6 +71,14 @@ def tasks_consumer_name(model_id: str) -> str:
     return f"tasks-{escape_token(model_id).replace('%', '_')}"
 
 
+def embeddings_consumer_name(model_id: str) -> str:
+    return f"embeddings-{escape_token(model_id).replace('%', '_')}"
+
+
+# A request a runner pulls: a generation task or an embeddings one.
+Pulled = TaskCreated | EmbeddingsRequested
+
+
 def cancel_subject(task: TaskCreated) -> str:
     return event_subject("task", (task.model_id, task.task_id), "TaskCancelled")
 
@@ -103,7 +115,7 @@ class CurrentTask:
     def __init__(self, path: Path | None) -> None:
         self._path = path
 
-    def begin(self, task: TaskCreated) -> None:
+    def begin(self, task: Pulled) -> None:
         if self._path is not None:
             self._path.write_text(task.model_dump_json(include={"task_id", "model_id"}))
 
@@ -121,14 +133,14 @@ class CurrentTask:
             return None
 
 
-class TaskServer:
-    def __init__(
-        self, nc: Client, engine: Engine, me: RunnerIdentity, task_file: Path | None = None
-    ) -> None:
+class TaskPuller:
+    """Pulls a model's requests of one kind from its shared consumer, one at a time, and
+    serves each (``serve_pulled``); what a chat and an embed runner have in common."""
+
+    def __init__(self, nc: Client, me: RunnerIdentity, task_file: Path | None = None) -> None:
         self._nc = nc
         self._current = CurrentTask(task_file)
         self._js = nc.jetstream()
-        self._engine = engine
         self._me = me
         self._events = Publisher(self._js)
         self._chunks = ChunkPublisher(self._js)
@@ -138,14 +150,22 @@ class TaskServer:
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.served = 0
 
+    def consumer_names(self) -> tuple[str, str]:
+        """The durable consumer and its filter."""
+        raise NotImplementedError
+
+    async def serve_pulled(self, task: Pulled) -> None:
+        raise NotImplementedError
+
     async def start(self) -> None:
         """Bind to the model's task consumer. Done before the runner reports Ready, so that a
         task published once it is Ready cannot be missed."""
+        durable, filter_subject = self.consumer_names()
         self._consumer = EventConsumer(
             self._js,
             EVENTS_STREAM,
-            durable=tasks_consumer_name(self._me.model_id),
-            filter_subject=model_tasks_filter(self._me.model_id),
+            durable=durable,
+            filter_subject=filter_subject,
             # Tasks from before any runner of the model existed were answered 503 by the API.
             deliver_policy=DeliverPolicy.NEW,
             ack_wait=30.0,
@@ -167,8 +187,8 @@ class TaskServer:
                     continue
                 for d in delivered:
                     await d.ack()
-                    if isinstance(d.event, TaskCreated) and not await self._taken(d):
-                        await self.serve(d.event)
+                    if isinstance(d.event, Pulled) and not await self._taken(d):
+                        await self.serve_pulled(d.event)
         finally:
             await self._consumer.stop()
 
@@ -176,7 +196,7 @@ class TaskServer:
         """Whether a task delivered again was taken already: its ack was lost (the consumer's
         leader lost in a cluster), and its runner went on with it. Served again, the client
         would have got one answer and the log two. Only redeliveries pay for the look."""
-        assert isinstance(d.event, TaskCreated)
+        assert isinstance(d.event, Pulled)
         if d.msg.metadata.num_delivered <= 1:
             return False
         if not await self._logged(d.event, "TaskStarted", "TaskCompleted", "TaskFailed",
@@ -196,6 +216,47 @@ class TaskServer:
             except (nats.errors.Error, TimeoutError) as exc:  # the log is not back yet
                 log.warning("the task consumer could not be made yet: %r", exc)
                 await asyncio.sleep(1.0)
+
+    async def _logged(self, task: Pulled, *kinds: str) -> bool:
+        """Whether the log holds an event of one of these kinds for ``task``."""
+        for kind in kinds:
+            try:
+                subject = event_subject("task", (task.model_id, task.task_id), kind)
+                await self._js.get_last_msg(EVENTS_STREAM, subject)
+                return True
+            except NotFoundError:
+                pass
+        return False
+
+    async def _fail(self, task: Pulled, error: str) -> None:
+        await self._events.publish(
+            TaskFailed(
+                task_id=task.task_id,
+                model_id=task.model_id,
+                origin=self._me.node_id,
+                runner_id=self._me.runner_id,
+                error=error,
+            ),
+            msg_id=f"done:{task.task_id}",
+        )
+
+
+class TaskServer(TaskPuller):
+    """A chat runner's: generation tasks (``TaskCreated``)."""
+
+    def __init__(
+        self, nc: Client, engine: Engine, me: RunnerIdentity, task_file: Path | None = None
+    ) -> None:
+        super().__init__(nc, me, task_file)
+        self._engine = engine
+
+    def consumer_names(self) -> tuple[str, str]:
+        model = self._me.model_id
+        return tasks_consumer_name(model), model_tasks_filter(model)
+
+    async def serve_pulled(self, task: Pulled) -> None:
+        if isinstance(task, TaskCreated):
+            await self.serve(task)
 
     async def serve(self, task: TaskCreated) -> None:
         received = time.perf_counter()
@@ -256,17 +317,6 @@ class TaskServer:
         delivered it again)."""
         if await self._logged(task, "TaskCancelled", "TaskFailed"):
             flag.set()
-
-    async def _logged(self, task: TaskCreated, *kinds: str) -> bool:
-        """Whether the log holds an event of one of these kinds for ``task``."""
-        for kind in kinds:
-            try:
-                subject = event_subject("task", (task.model_id, task.task_id), kind)
-                await self._js.get_last_msg(EVENTS_STREAM, subject)
-                return True
-            except NotFoundError:
-                pass
-        return False
 
     async def _generate(
         self,
@@ -347,18 +397,7 @@ class TaskServer:
             finish_reason=step.finish_reason,
             logprob=step.logprob,
             tool_calls=step.tool_calls,
+            stop_sequence=step.stop_sequence,
             origin=self._me.node_id,
             ts=datetime.fromtimestamp(ts, UTC),
-        )
-
-    async def _fail(self, task: TaskCreated, error: str) -> None:
-        await self._events.publish(
-            TaskFailed(
-                task_id=task.task_id,
-                model_id=task.model_id,
-                origin=self._me.node_id,
-                runner_id=self._me.runner_id,
-                error=error,
-            ),
-            msg_id=f"done:{task.task_id}",
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from bus.events import ShardAssignment
+from bus.events import InstanceRole, ShardAssignment
 
 
 class RunnerSpec(BaseModel):
@@ -15,6 +15,8 @@ class RunnerSpec(BaseModel):
     instance_id: str
     model_id: str
     shard: ShardAssignment
+    # What the instance serves: generation tasks, or embeddings (an embedding-mode engine).
+    role: InstanceRole = "chat"
     engine: str = "llamacpp"
     # A model added with `shoal models add --path` has its file here; a built-in model card is
     # resolved (and, for a hub model, downloaded) by the runner.

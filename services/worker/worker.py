@@ -188,12 +188,13 @@ class Worker:
             instance_id=row.instance_id,
             model_id=inst.model_id,
             shard=shard,
+            role=inst.role,
             engine=(model.engines or ["llamacpp"])[0] if model is not None else "llamacpp",
             model_path=model.path if model is not None else None,
             chat_format=model.chat_format if model is not None else None,
             # The context placement counted memory for.
             n_ctx=context_for(
-                model.context_length if model is not None else 0, inst.context_length
+                model.context_length if model is not None else 0, inst.context_length, inst.role
             ),
             n_threads=self.config.runner_threads,
             cache_dir=str(self.config.models_dir),

@@ -354,7 +354,11 @@ def test_openapi_operations_never_fail_on_generated_requests(tmp_path: Path) -> 
         labels = {op.label for op in operations}
         assert {f"POST {CHAT}", f"POST {COMPLETIONS}", "POST /v1/instances",
                 "DELETE /v1/instances/{instance_id}", "POST /v1/placement/preview",
-                "GET /v1/state", "GET /healthz"} <= labels, labels  # fmt: skip
+                "GET /v1/state", "GET /healthz", "POST /v1/messages",
+                "POST /v1/messages/count_tokens", "POST /v1/responses",
+                "GET /v1/responses/{response_id}", "POST /v1/embeddings", "POST /api/chat",
+                "POST /api/generate", "POST /api/embed", "GET /api/tags",
+                }  <= labels, labels  # fmt: skip
         assert "GET /v1/events" not in labels
 
         problems: list[str] = []

@@ -7,6 +7,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
 from api.projection import require_serving, serving
+from bus.events import InstanceRole
 from projectors import database
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState, Put
@@ -74,3 +75,45 @@ async def test_serving_reads_the_model_s_instances_and_runners_from_the_database
     finally:
         if reader is not None:
             reader.dispose()
+
+
+def with_instance(
+    state: ClusterState, instance_id: str, role: InstanceRole, runner_state: str
+) -> None:
+    state.commit([Put(InstanceRow(instance_id=instance_id, model_id="m", status="placed",
+                                  role=role)),
+                  Put(RunnerRow(runner_id=f"{instance_id}-r", instance_id=instance_id,
+                                node_id="n", device="cpu", state=runner_state))])  # fmt: skip
+
+
+def test_embeddings_need_an_embed_instance_and_say_how_to_ask_for_one() -> None:
+    chat_only = cluster("placed", (0, "Ready"))
+    require_serving(chat_only, "m")
+    require_serving(chat_only, "m", "chat")
+    with pytest.raises(ApiError) as err:
+        require_serving(chat_only, "m", "embed")
+    assert (err.value.status, err.value.param) == (400, "model")
+    assert "served for chat only" in err.value.message
+    assert 'POST /v1/instances {"model": "m", "role": "embed"}' in err.value.message
+    assert "shoal instances create m --role embed" in err.value.message
+
+
+def test_chat_needs_a_chat_instance() -> None:
+    state = ClusterState()
+    state.commit([Put(ModelRow(model_id="m", n_layers=30, size_bytes=1))])
+    with_instance(state, "e", "embed", "Ready")
+    require_serving(state, "m", "embed")
+    with pytest.raises(ApiError) as err:
+        require_serving(state, "m")
+    assert err.value.status == 400 and "served for embeddings only" in err.value.message
+
+
+def test_chat_and_embed_instances_of_one_model_serve_each_their_own() -> None:
+    state = cluster("placed", (0, "Ready"))
+    with_instance(state, "e", "embed", "Loading")
+    require_serving(state, "m", "chat")
+    with pytest.raises(ApiError) as err:  # the embed one exists, but is not ready yet: 503
+        require_serving(state, "m", "embed")
+    assert err.value.status == 503 and "instance e is starting" in err.value.message
+    with_instance(state, "e", "embed", "Ready")
+    require_serving(state, "m", "embed")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bus.embedded import free_port
+from tests.api.embed_instance import add_embed_instance
 from tests.api.shoal_up import KEY, MODEL, read_until_ready, start, stop, wait_healthy
 from tests.services.processes import SHOAL
 
@@ -50,6 +51,7 @@ def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
                         str(second_port), "--api-key", KEY])  # fmt: skip
         base, other = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{second_port}"
         asyncio.run(wait_healthy(other))
+        asyncio.run(add_embed_instance(base, KEY, MODEL))  # for the embeddings' tests
         yield UpCluster(base, other, KEY, MODEL, ALIAS, nats_url, db_url)
     finally:
         if second is not None:

@@ -17,6 +17,8 @@ from bus.events import (
     SCHEMA_VERSION,
     ChatMessage,
     ChunkGenerated,
+    EmbeddingsComputed,
+    EmbeddingsRequested,
     Event,
     EventBase,
     GpuInfo,
@@ -33,6 +35,8 @@ from bus.events import (
     PlacementRejected,
     PromptScored,
     ResourceProfiled,
+    ResponseDeleted,
+    ResponseStored,
     RunnerStateChanged,
     SamplingParams,
     ShardAssignment,
@@ -48,9 +52,10 @@ from bus.events import (
     ToolChoice,
     TopLogprob,
     Usage,
+    chunk_stream_type,
     parse_event,
 )
-from bus.subjects import model_tasks_filter, unescape_token
+from bus.subjects import model_embeddings_filter, model_tasks_filter, unescape_token
 
 GiB = 1024**3
 TS = datetime(2026, 11, 1, 12, 0, 0, 123456, tzinfo=UTC)
@@ -205,6 +210,24 @@ SAMPLES: dict[type[EventBase], EventBase] = {
         tool_choice=ToolChoice(mode="function", name="get_weather"),
         logprobs=2,
     ),
+    EmbeddingsRequested: EmbeddingsRequested(
+        task_id="task-1",
+        model_id=MODEL,
+        origin="api",
+        ts=TS,
+        texts=["The cat sat on the mat.", "Ünïcødé 🐟"],
+        dimensions=256,
+        user="alice",
+    ),
+    EmbeddingsComputed: EmbeddingsComputed(
+        task_id="task-1",
+        origin="node-a",
+        ts=TS,
+        start=0,
+        total=2,
+        dimensions=2,
+        vectors="mpkZP83MTL8AAIA/AAAAAA==",
+    ),
     TaskStarted: TaskStarted(
         task_id="task-1",
         model_id=MODEL,
@@ -261,6 +284,21 @@ SAMPLES: dict[type[EventBase], EventBase] = {
     TaskCancelled: TaskCancelled(
         task_id="task-3", model_id=MODEL, origin="api", ts=TS, reason="client disconnected"
     ),
+    ResponseStored: ResponseStored(
+        response_id="resp_task-1",
+        origin="api",
+        ts=TS,
+        task_id="task-1",
+        model_id=MODEL,
+        status="completed",
+        response={"id": "resp_task-1", "object": "response", "output": [{"type": "message"}]},
+        input_items=[{"type": "message", "id": "item_task-1_0", "role": "user"}],
+        conversation=[
+            ChatMessage(role="user", content="Say hi"),
+            ChatMessage(role="assistant", content="Hi 🐟"),
+        ],
+    ),
+    ResponseDeleted: ResponseDeleted(response_id="resp_task-1", origin="api", ts=TS),
 }
 
 ALL_TYPES = pytest.mark.parametrize("cls", EVENT_TYPES, ids=lambda c: c.__name__)
@@ -510,3 +548,43 @@ async def test_model_tasks_filter_selects_that_models_tasks_on_real_nats(nc: Cli
     await sentinel.unsubscribe()
     assert [m.subject for m in got] == [e.subject for e in wanted]
     assert [parse_event(m.data) for m in got] == wanted
+
+
+async def test_chat_and_embed_runners_of_one_model_filter_apart_on_real_nats(nc: Client) -> None:
+    """An embed runner's filter takes its model's EmbeddingsRequested and nothing else; a chat
+    runner's (model_tasks_filter) takes none of them."""
+    embeds: list[Msg] = []
+    chats: list[Msg] = []
+    done = asyncio.Event()
+
+    async def on_embed(msg: Msg) -> None:
+        embeds.append(msg)
+
+    async def on_chat(msg: Msg) -> None:
+        chats.append(msg)
+
+    async def on_sentinel(msg: Msg) -> None:
+        done.set()
+
+    subs = [
+        await nc.subscribe(model_embeddings_filter(MODEL), cb=on_embed),
+        await nc.subscribe(model_tasks_filter(MODEL), cb=on_chat),
+        await nc.subscribe("shoal.test.sentinel", cb=on_sentinel),
+    ]
+    embed = EmbeddingsRequested(task_id="e.1", model_id=MODEL, origin="api", texts=["x"])
+    chat = TaskCreated(task_id="c1", model_id=MODEL, origin="api")
+    other = EmbeddingsRequested(task_id="e2", model_id="smollm2-135m", origin="api", texts=["x"])
+    for e in (embed, chat, other):
+        await nc.publish(e.subject, e.to_json())
+    await nc.publish("shoal.test.sentinel", b"")
+    await asyncio.wait_for(done.wait(), 5)
+    for sub in subs:
+        await sub.unsubscribe()
+    assert [parse_event(m.data) for m in embeds] == [embed]
+    assert [parse_event(m.data) for m in chats] == [chat]
+    assert embed.subject == "shoal.events.task.Qwen2%2E5-0%2E5B.e%2E1.EmbeddingsRequested"
+
+
+def test_the_chunk_stream_s_types_are_told_apart_unparsed() -> None:
+    for cls in (ChunkGenerated, PromptScored, EmbeddingsComputed):
+        assert chunk_stream_type(SAMPLES[cls].to_json()) == cls.__name__

@@ -7,6 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 from bus.events import (
     ChunkGenerated,
+    EmbeddingsComputed,
+    EmbeddingsRequested,
     GpuInfo,
     InstanceDeleted,
     InstanceDeleteRequested,
@@ -336,6 +338,52 @@ def test_failed_task() -> None:
     )
     t = state.task("t")
     assert t is not None and (t.status, t.error, t.finished_at) == ("failed", "too long", at(1))
+
+
+def test_an_embeddings_task_is_a_task_row() -> None:
+    requested = EmbeddingsRequested(task_id="e", model_id="m", origin="api", ts=at(0),
+                                    texts=["a", "b"], user="u")  # fmt: skip
+    state = fold(
+        [
+            requested,
+            TaskStarted(
+                task_id="e", model_id="m", origin="a", ts=at(1), runner_id="r", instance_id="i"
+            ),
+            EmbeddingsComputed(task_id="e", origin="a", ts=at(1.5), start=0, total=2,
+                               dimensions=1, vectors="AACAPwAAgD8="),
+            TaskCompleted(
+                task_id="e", model_id="m", origin="a", ts=at(2), runner_id="r",
+                finish_reason="stop", usage=Usage(prompt_tokens=9, completion_tokens=0),
+                timings=Timings(ttft_ms=50.0, tokens_per_s=0.0, total_ms=50.0),
+            ),
+        ]
+    )  # fmt: skip
+    t = state.task("e")
+    assert t is not None
+    assert (t.kind, t.status, t.user, t.runner_id, t.instance_id) == (
+        "embedding", "completed", "u", "r", "i"
+    )  # fmt: skip
+    assert (t.prompt_tokens, t.completion_tokens, t.max_tokens) == (9, 0, None)
+    assert (t.created_at, t.started_at, t.finished_at) == (at(0), at(1), at(2))
+    # A request again (a redelivery, a second API) changes nothing; the vectors never do.
+    assert changes_for(state, requested) == []
+    assert changes_for(ClusterState(), EmbeddingsComputed(
+        task_id="x", origin="a", start=0, total=1, dimensions=1, vectors="AACAPw=="
+    )) == []  # fmt: skip
+
+
+def test_a_failed_embeddings_task() -> None:
+    state = fold(
+        [
+            EmbeddingsRequested(task_id="e", model_id="m", origin="api", ts=at(0),
+                                token_ids=[[1, 2]]),
+            TaskFailed(task_id="e", model_id="m", origin="a", ts=at(1),
+                       error="invalid request: input 0 has 900 tokens"),
+        ]
+    )  # fmt: skip
+    t = state.task("e")
+    assert t is not None and (t.kind, t.status) == ("embedding", "failed")
+    assert t.error == "invalid request: input 0 has 900 tokens"
 
 
 def test_events_for_unknown_rows_change_nothing() -> None:

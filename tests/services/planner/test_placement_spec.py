@@ -136,8 +136,12 @@ EXAMPLE = "a placement is a JSON object keyed by role, e.g. {"
         ("", "the placement is not valid JSON: Expecting value: line 1 column 1"),
         ("[]", f"{EXAMPLE}"),
         ('"chat"', "not the string 'chat'"),
-        ("{}", "the placement is empty: give an entry for at least one role (known roles: chat)"),
-        ('{"embedx": {"devices": ["n:cpu"]}}', "unknown role 'embedx' (known roles: chat)"),
+        (
+            "{}",
+            "the placement is empty: give an entry for at least one role"
+            " (known roles: chat, embed)",
+        ),
+        ('{"embedx": {"devices": ["n:cpu"]}}', "unknown role 'embedx' (known roles: chat, embed)"),
         (
             '{"chat": {"devices": ["n:cpu"]}, "chat": {"devices": ["m:cpu"]}}',
             "the placement has the key 'chat' twice in one object",
@@ -330,12 +334,11 @@ def test_roles_know_the_default() -> None:
 
 def test_for_role_of_an_unknown_role() -> None:
     spec = parse_placement_spec(chat({"devices": ["n:cpu"]}))
-    with pytest.raises(PlacementSpecError, match=re.escape("unknown role 'embed' (known roles:")):
-        spec.for_role("embed")
+    with pytest.raises(PlacementSpecError, match=re.escape("unknown role 'rerank' (known roles:")):
+        spec.for_role("rerank")
 
 
-def test_a_new_role_is_one_row_in_roles(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(ROLES, "embed", "the model that embeds text")
+def test_the_embed_role_has_its_own_entry() -> None:
     spec = parse_placement_spec('{"embed": {"devices": ["node-a:cpu"]}}')
     assert spec.for_role("embed").devices == devs("node-a:cpu")
     with pytest.raises(
@@ -343,8 +346,14 @@ def test_a_new_role_is_one_row_in_roles(monkeypatch: pytest.MonkeyPatch) -> None
         match=re.escape("the placement has no entry for role 'chat' (it has: embed)"),
     ):
         spec.for_role("chat")
-    with pytest.raises(PlacementSpecError, match=re.escape("(known roles: chat, embed)")):
-        parse_placement_spec('{"rerank": {"devices": ["node-a:cpu"]}}')
+
+
+def test_a_new_role_is_one_row_in_roles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(ROLES, "rerank", "the model that ranks passages")
+    spec = parse_placement_spec('{"rerank": {"devices": ["node-a:cpu"]}}')
+    assert spec.for_role("rerank").devices == devs("node-a:cpu")
+    with pytest.raises(PlacementSpecError, match=re.escape("(known roles: chat, embed, rerank)")):
+        parse_placement_spec('{"summarise": {"devices": ["node-a:cpu"]}}')
 
 
 def test_a_spec_cannot_be_changed_through_its_roles() -> None:

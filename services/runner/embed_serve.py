@@ -1,0 +1,89 @@
+"""Serving embeddings: an embed instance's runners pull ``EmbeddingsRequested`` from their
+model's own consumer (``embeddings-<model>``), compute all its inputs together, and publish
+the vectors (``EmbeddingsComputed`` on the task's chunk subject), then ``TaskCompleted`` with
+the prompt tokens, or ``TaskFailed``.
+
+Everything but the work is ``TaskPuller``'s, as for chat runners: one request at a time, acked
+when started, a redelivered one that was taken already not served twice, the task noted for
+the worker in case the runner dies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from nats.aio.client import Client
+
+from bus.events import EmbeddingsRequested, TaskCompleted, TaskStarted, Timings, Usage
+from bus.subjects import model_embeddings_filter
+from bus.vectors import Vectors
+from services.runner.embedding import Embedder, computed_events, cut, embedding_inputs
+from services.runner.engines.base import EngineBroken
+from services.runner.generation import InvalidRequest
+from services.runner.serve import Pulled, RunnerIdentity, TaskPuller, embeddings_consumer_name
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddingServer(TaskPuller):
+    def __init__(
+        self, nc: Client, embedder: Embedder, me: RunnerIdentity, task_file: Path | None = None
+    ) -> None:
+        super().__init__(nc, me, task_file)
+        self._embedder = embedder
+
+    def consumer_names(self) -> tuple[str, str]:
+        model = self._me.model_id
+        return embeddings_consumer_name(model), model_embeddings_filter(model)
+
+    async def serve_pulled(self, task: Pulled) -> None:
+        if isinstance(task, EmbeddingsRequested):
+            await self.serve(task)
+
+    async def serve(self, task: EmbeddingsRequested) -> None:
+        received = time.perf_counter()
+        me = self._me
+        self._current.begin(task)
+        started = TaskStarted(task_id=task.task_id, model_id=task.model_id, origin=me.node_id,
+                              runner_id=me.runner_id, instance_id=me.instance_id)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        try:
+            # Announced once computed, not meanwhile: the publishing's CPU (here, in the
+            # nats-server, in the log's consumers) would be taken from llama.cpp's threads.
+            computing = loop.run_in_executor(self._engine_thread, self._compute, task)
+            try:
+                tokens, vectors = await computing
+            finally:
+                await asyncio.gather(self._events.publish(started), self._state.report("Running"))
+            for event in computed_events(task, vectors, me.node_id, time.time()):
+                await self._chunks.publish(event)
+            await self._chunks.flush()
+            total_ms = (time.perf_counter() - received) * 1000
+            await self._events.publish(
+                TaskCompleted(
+                    task_id=task.task_id, model_id=task.model_id, origin=me.node_id,
+                    runner_id=me.runner_id, finish_reason="stop",
+                    usage=Usage(prompt_tokens=tokens, completion_tokens=0),
+                    # Nothing is generated: the answer comes whole, at its first "token".
+                    timings=Timings(ttft_ms=total_ms, tokens_per_s=0.0, total_ms=total_ms),
+                ),
+                msg_id=f"done:{task.task_id}",
+            )  # fmt: skip
+        except InvalidRequest as exc:
+            await self._fail(task, f"invalid request: {exc}")
+        except Exception as exc:  # an engine error fails this task, not the runner...
+            log.exception("embeddings task %s failed", task.task_id)
+            await self._fail(task, f"engine error: {exc}")
+            if isinstance(exc, EngineBroken):  # ...unless the engine cannot go on
+                raise
+        finally:
+            self._current.end()
+            self.served += 1
+            await self._state.report("Ready")
+
+    def _compute(self, task: EmbeddingsRequested) -> tuple[int, Vectors]:
+        """(prompt tokens, vectors): on the engine's thread."""
+        inputs = embedding_inputs(self._embedder, task)
+        return sum(map(len, inputs)), cut(self._embedder.embed(inputs), task.dimensions)
