@@ -20,7 +20,10 @@ Figures, one definition for all, from the client's side:
 - TTFT: from just before the request is sent to the first line carrying text;
 - tokens/s: ``(n - 1) / (last text line - first text line)``, ``n`` the completion tokens each
   dialect reports (OpenAI's usage chunk, Anthropic's ``message_delta``, Responses'
-  ``response.completed``, Ollama's ``eval_count``).
+  ``response.completed``/``.incomplete``, Ollama's ``eval_count``).
+
+The sampling is the same for all (greedy, no top-k or top-p: Ollama's defaults differ, so its
+request says so).
 
 Two phases. Tokens/s: ``--repeat`` rounds of every prompt through every dialect in turn (the
 order rotates between rounds); per round, each dialect's tokens/s over OpenAI chat's on the
@@ -107,7 +110,7 @@ def _anthropic_line(event: dict[str, Any]) -> tuple[str, int | None]:
 def _responses_line(event: dict[str, Any]) -> tuple[str, int | None]:
     if event.get("type") == "response.output_text.delta":
         return event["delta"], None
-    if event.get("type") == "response.completed":
+    if event.get("type") in ("response.completed", "response.incomplete"):  # at the limit
         return "", event["response"]["usage"]["output_tokens"]
     return "", None
 
@@ -133,7 +136,9 @@ DIALECTS = (
         "stream": True, "store": False}, _responses_line),
     Dialect("api/chat", "/api/chat", lambda p, n: {
         "model": MODEL_ID, "messages": _messages(p), "stream": True,
-        "options": {"num_predict": n, "temperature": 0}}, _ollama_line, sse=False),
+        # Ollama's own defaults are top_k 40 and top_p 0.9: the others' are sent.
+        "options": {"num_predict": n, "temperature": 0, "top_k": 0, "top_p": 1}},
+        _ollama_line, sse=False),
 )  # fmt: skip
 
 
