@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
 
-import nats.errors
 import numpy as np
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from api.context import ApiContext
 from api.errors import ApiError
 from api.serving import task_error
+from api.task_stream import (
+    RECHECK_S,
+    Recheck,
+    outcome_subject,
+    publish_in_background,
+    stored_outcome,
+)
 from bus.events import (
     EmbeddingsComputed,
     EmbeddingsRequested,
@@ -32,19 +36,10 @@ from bus.events import (
     TaskFailed,
     parse_event,
 )
-from bus.reader import read_stream
-from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
-from bus.subjects import chunk_subject, event_subject
+from bus.subjects import chunk_subject
 from bus.vectors import Vectors, decode_vectors
 
-RECHECK_S = 2.0
-
-# Why the model cannot serve the task now (None: it can).
-Recheck = Callable[[], Awaitable[str | None]]
 Outcome = TaskCompleted | TaskFailed
-
-# Cancels being published, kept referenced until done (the event loop holds tasks weakly).
-_BACKGROUND: set[asyncio.Task[object]] = set()
 
 
 class Unavailable(Exception):
@@ -67,8 +62,8 @@ class EmbeddingTask:
         subs: list[Subscription] = []
         published = False
         try:
-            for subject in (chunk_subject(t.task_id), self._subject("TaskCompleted"),
-                            self._subject("TaskFailed")):  # fmt: skip
+            for subject in (chunk_subject(t.task_id), outcome_subject(t, "TaskCompleted"),
+                            outcome_subject(t, "TaskFailed")):  # fmt: skip
                 subs.append(await nc.subscribe(subject, cb=self._on_msg))
             await self._ctx.publish(t)
             published = True
@@ -118,9 +113,6 @@ class EmbeddingTask:
             return None
         return np.concatenate(parts)
 
-    def _subject(self, kind: str) -> str:
-        return event_subject("task", (self.task.model_id, self.task.task_id), kind)
-
     async def _on_msg(self, msg: Msg) -> None:
         try:
             event = parse_event(msg.data)
@@ -131,31 +123,16 @@ class EmbeddingTask:
 
     async def _catch_up(self) -> None:
         """Queue the outcome, and the stored vectors, if the log has the outcome."""
-        js = self._ctx.nc.jetstream()
-        try:
-            for kind in ("TaskFailed", "TaskCompleted"):
-                try:
-                    stored = await js.get_last_msg(EVENTS_STREAM, self._subject(kind))
-                except NotFoundError:
-                    continue
-                outcome = parse_event(stored.data or b"")
-                if isinstance(outcome, TaskCompleted):
-                    subject = chunk_subject(self.task.task_id)
-                    async for msg in read_stream(js, CHUNKS_STREAM, subject):
-                        chunk = parse_event(msg.data)
-                        if isinstance(chunk, EmbeddingsComputed):
-                            self._queue.put_nowait(chunk)
-                if isinstance(outcome, TaskCompleted | TaskFailed):
-                    self._queue.put_nowait(outcome)
-                return
-        except (nats.errors.Error, TimeoutError, ValidationError):
-            return  # NATS is not back yet: the next quiet spell looks again
+        outcome, stored = await stored_outcome(self._ctx.nc, self.task)
+        for chunk in stored:
+            if isinstance(chunk, EmbeddingsComputed):
+                self._queue.put_nowait(chunk)
+        if outcome is not None:
+            self._queue.put_nowait(outcome)
 
     def _cancel(self) -> None:
         """Published from a task of its own: the request's own task may be being cancelled."""
         t = self.task
         cancel = TaskCancelled(task_id=t.task_id, model_id=t.model_id, origin=self._ctx.origin,
                                reason="no longer awaited")  # fmt: skip
-        publishing = asyncio.get_running_loop().create_task(self._ctx.publish(cancel))
-        _BACKGROUND.add(publishing)
-        publishing.add_done_callback(_BACKGROUND.discard)
+        publish_in_background(self._ctx.publish, cancel)

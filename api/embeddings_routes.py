@@ -11,16 +11,13 @@ import nats.errors
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from api import projection
 from api.context import ApiContext, context, require_key
 from api.embedding_task import EmbeddingTask, Unavailable
 from api.embeddings import EmbeddingsRequest, embeddings_response
 from api.errors import ApiError
 from api.model_names import resolve_model
-from api.serving import log_unavailable, require_serving, unavailable
+from api.serving import log_unavailable, recheck, require_serving, require_storable, unavailable
 from bus.events import EmbeddingsRequested, new_id
-from bus.payload import PayloadTooLargeError, check_size
-from bus.publisher import MSG_ID_HEADER
 from bus.vectors import Vectors
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
@@ -65,19 +62,10 @@ async def embed(
         truncate=truncate, user=user, texts=texts or None,
         token_ids=None if texts else [list(i) for i in inputs if not isinstance(i, str)],
     )  # fmt: skip
-    _require_storable(ctx, task)
+    require_storable(ctx, task, "input", "Send fewer inputs.")
     await require_serving(ctx, model_id, "embed")
-
-    async def recheck() -> str | None:
-        try:
-            state = await projection.serving(ctx.engine, model_id, ctx.reader)
-            projection.require_serving(state, model_id, "embed")
-        except ApiError as err:
-            return err.message
-        return None
-
     try:
-        vectors, done = await EmbeddingTask(ctx, task, recheck).run()
+        vectors, done = await EmbeddingTask(ctx, task, recheck(ctx, model_id, "embed")).run()
     except nats.errors.Error as exc:
         raise log_unavailable(exc) from exc
     except Unavailable as exc:
@@ -85,22 +73,6 @@ async def embed(
     except TimeoutError:
         raise ApiError(504, "the task took longer than the API waits") from None
     return Embedded(vectors, done.usage.prompt_tokens)
-
-
-def _require_storable(ctx: ApiContext, task: EmbeddingsRequested) -> None:
-    """A request larger than a NATS message may be is a 413 here (sent, the server would close
-    the API's connection)."""
-    try:
-        check_size(ctx.nc.jetstream(), task.subject, task.to_json(),
-                   {MSG_ID_HEADER: task.event_id})  # fmt: skip
-    except PayloadTooLargeError as exc:
-        raise ApiError(
-            413,
-            f"The request is too large: as a task on the event log it is {exc.size} bytes,"
-            f" more than the {exc.limit} bytes a NATS message may hold. Send fewer inputs.",
-            param="input",
-            code="request_too_large",
-        ) from None
 
 
 @router.post("/embeddings")

@@ -21,8 +21,8 @@ from api import projection
 from api.context import ApiContext
 from api.errors import ApiError
 from api.reply import Reply
-from api.task_stream import TaskStream
-from bus.events import ChunkGenerated, InstanceRole, TaskCreated, Usage
+from api.task_stream import Recheck, TaskStream
+from bus.events import ChunkGenerated, EventBase, InstanceRole, TaskCreated, Usage
 from bus.payload import PayloadTooLargeError, check_size
 from bus.publisher import MSG_ID_HEADER
 
@@ -237,16 +237,24 @@ async def _events(ctx: ApiContext, streams: list[TaskStream], out: Output) -> As
 
 
 def task_stream(ctx: ApiContext, task: TaskCreated) -> TaskStream:
-    async def recheck() -> str | None:
+    why_not = recheck(ctx, task.model_id)
+    return TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s, why_not,
+                      on_published=ctx.metrics.event_published)  # fmt: skip
+
+
+def recheck(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> Recheck:
+    """Why ``model_id`` cannot serve in ``role`` now, asked afresh (None: it can): a task
+    waiting for its first chunk asks it now and then."""
+
+    async def why_not() -> str | None:
         try:
-            state = await projection.serving(ctx.engine, task.model_id, ctx.reader)
-            projection.require_serving(state, task.model_id)
+            state = await projection.serving(ctx.engine, model_id, ctx.reader)
+            projection.require_serving(state, model_id, role)
         except ApiError as err:
             return err.message
         return None
 
-    return TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s, recheck,
-                      on_published=ctx.metrics.event_published)  # fmt: skip
+    return why_not
 
 
 def unavailable(why: str) -> ApiError:
@@ -254,18 +262,23 @@ def unavailable(why: str) -> ApiError:
                     code="model_not_ready")  # fmt: skip
 
 
-def require_storable(ctx: ApiContext, task: TaskCreated) -> None:
+def require_storable(
+    ctx: ApiContext, event: EventBase, param: str | None = None, advice: str = "Shorten the prompt."
+) -> None:
     """A request whose task is larger than a NATS message may be is refused with a 413 here:
-    sent, the server would close the API's connection."""
+    sent, the server would close the API's connection. ``param``: the request's field that
+    made it large (for a ``TaskCreated``, found from the task)."""
     try:
-        check_size(ctx.nc.jetstream(), task.subject, task.to_json(),
-                   {MSG_ID_HEADER: task.event_id})  # fmt: skip
+        check_size(ctx.nc.jetstream(), event.subject, event.to_json(),
+                   {MSG_ID_HEADER: event.event_id})  # fmt: skip
     except PayloadTooLargeError as exc:
+        if param is None and isinstance(event, TaskCreated):
+            param = _largest_part(event)
         raise ApiError(
             413,
             f"The request is too large: as a task on the event log it is {exc.size} bytes,"
-            f" more than the {exc.limit} bytes a NATS message may hold. Shorten the prompt.",
-            param=_largest_part(task),
+            f" more than the {exc.limit} bytes a NATS message may hold. {advice}",
+            param=param,
             code="request_too_large",
         ) from None
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
@@ -28,6 +29,7 @@ from pydantic import ValidationError
 
 from bus.events import (
     ChunkGenerated,
+    EmbeddingsRequested,
     EventBase,
     PromptScored,
     TaskCancelled,
@@ -67,6 +69,50 @@ class Finished:
     unavailable: str | None = None
 
 
+def outcome_subject(task: TaskCreated | EmbeddingsRequested, kind: str) -> str:
+    """The subject of a task's ``TaskCompleted`` or ``TaskFailed``."""
+    return event_subject("task", (task.model_id, task.task_id), kind)
+
+
+async def stored_outcome(
+    nc: Client, task: TaskCreated | EmbeddingsRequested
+) -> tuple[TaskCompleted | TaskFailed | None, list[EventBase]]:
+    """The task's outcome if the log has it, and then (completed) its stored chunk-stream
+    events: what subscriptions miss while this process reconnects to NATS. Once the outcome
+    is stored so is every chunk (a runner flushes its chunks first). (None, []) when the log
+    has no outcome, or cannot be read now (NATS is not back yet: ask again later)."""
+    js = nc.jetstream()
+    try:
+        for kind in ("TaskFailed", "TaskCompleted"):
+            try:
+                stored = await js.get_last_msg(EVENTS_STREAM, outcome_subject(task, kind))
+            except NotFoundError:
+                continue
+            outcome = parse_event(stored.data or b"")
+            if not isinstance(outcome, TaskCompleted | TaskFailed):
+                return None, []
+            chunks: list[EventBase] = []
+            if isinstance(outcome, TaskCompleted):
+                subject = chunk_subject(task.task_id)
+                chunks = [
+                    parse_event(m.data) async for m in read_stream(js, CHUNKS_STREAM, subject)
+                ]
+            return outcome, chunks
+    except (nats.errors.Error, TimeoutError, ValidationError):
+        pass
+    return None, []
+
+
+def publish_in_background(
+    publish: Callable[[EventBase], Coroutine[Any, Any, None]], event: EventBase
+) -> None:
+    """Publish ``event`` from a task of its own (a cancel): the request's own task is being
+    cancelled, and the server (anyio) cancels every await it makes from here on."""
+    publishing = asyncio.get_running_loop().create_task(publish(event))
+    _BACKGROUND.add(publishing)
+    publishing.add_done_callback(_BACKGROUND.discard)
+
+
 class TaskStream:
     def __init__(
         self,
@@ -98,8 +144,8 @@ class TaskStream:
         t = self.task
         self._subs = [
             await self._nc.subscribe(chunk_subject(t.task_id), cb=self._on_msg),
-            await self._nc.subscribe(self._outcome_subject("TaskCompleted"), cb=self._on_msg),
-            await self._nc.subscribe(self._outcome_subject("TaskFailed"), cb=self._on_msg),
+            await self._nc.subscribe(outcome_subject(t, "TaskCompleted"), cb=self._on_msg),
+            await self._nc.subscribe(outcome_subject(t, "TaskFailed"), cb=self._on_msg),
         ]
         try:
             await self._publish(t)
@@ -113,17 +159,13 @@ class TaskStream:
     ) -> None:
         await self._unsubscribe()
         if self.finished is None or self.finished.unavailable is not None:
-            # The client went away (or the wait timed out): stop the runner's work. Published
-            # from a task of its own: the request's own task is being cancelled, and the server
-            # (anyio) cancels every await it makes from here on.
+            # The client went away (or the wait timed out): stop the runner's work.
             reason = "the client went away" if kind is not None else "no longer awaited"
             if self.finished is not None and self.finished.unavailable is not None:
                 reason = self.finished.unavailable
             cancel = TaskCancelled(task_id=self.task.task_id, model_id=self.task.model_id,
                                    origin=self._origin, reason=reason)  # fmt: skip
-            publishing = asyncio.get_running_loop().create_task(self._publish(cancel))
-            _BACKGROUND.add(publishing)
-            publishing.add_done_callback(_BACKGROUND.discard)
+            publish_in_background(self._publish, cancel)
 
     async def _unsubscribe(self) -> None:
         for sub in self._subs:
@@ -136,35 +178,17 @@ class TaskStream:
         if self._on_published is not None:
             self._on_published(event)
 
-    def _outcome_subject(self, kind: str) -> str:
-        t = self.task
-        return event_subject("task", (t.model_id, t.task_id), kind)
-
     async def _catch_up(self, next_idx: int) -> None:
         """Queue the task's outcome and its chunks from ``next_idx`` on, if the log has the
-        outcome: the subscriptions may have missed them while this process reconnected. Once
-        the outcome is stored so is every chunk (a runner flushes its chunks first)."""
-        js = self._nc.jetstream()
-        try:
-            for kind in ("TaskFailed", "TaskCompleted"):
-                try:
-                    stored = await js.get_last_msg(EVENTS_STREAM, self._outcome_subject(kind))
-                except NotFoundError:
-                    continue
-                outcome = parse_event(stored.data or b"")
-                if isinstance(outcome, TaskCompleted):
-                    subject = chunk_subject(self.task.task_id)
-                    async for msg in read_stream(js, CHUNKS_STREAM, subject):
-                        chunk = parse_event(msg.data)
-                        if isinstance(chunk, ChunkGenerated) and chunk.idx >= next_idx:
-                            self._queue.put_nowait(chunk)
-                        elif isinstance(chunk, PromptScored):
-                            self._prompt_slices[chunk.start] = chunk
-                if isinstance(outcome, TaskCompleted | TaskFailed):
-                    self._queue.put_nowait(outcome)
-                return
-        except (nats.errors.Error, TimeoutError, ValidationError):
-            return  # NATS is not back yet: the next quiet spell looks again
+        outcome (``stored_outcome``)."""
+        outcome, stored = await stored_outcome(self._nc, self.task)
+        for chunk in stored:
+            if isinstance(chunk, ChunkGenerated) and chunk.idx >= next_idx:
+                self._queue.put_nowait(chunk)
+            elif isinstance(chunk, PromptScored):
+                self._prompt_slices[chunk.start] = chunk
+        if outcome is not None:
+            self._queue.put_nowait(outcome)
 
     async def _on_msg(self, msg: Msg) -> None:
         try:

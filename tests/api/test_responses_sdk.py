@@ -25,28 +25,26 @@ from openai.types.responses import (
     ResponseOutputMessage,
 )
 
+from tests.api.asks import (
+    HELLO,
+    WEATHER_DESCRIPTION,
+    WEATHER_NAME,
+    WEATHER_PARAMETERS,
+    WEATHER_QUESTION,
+)
 from tests.api.up_cluster import UpCluster
 
 pytestmark = pytest.mark.slow
 
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "description": "The city's name."},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+WEATHER_SCHEMA = WEATHER_PARAMETERS
 WEATHER: FunctionToolParam = {
     "type": "function",
-    "name": "get_weather",
-    "description": "The current weather in a city.",
+    "name": WEATHER_NAME,
+    "description": WEATHER_DESCRIPTION,
     "parameters": WEATHER_SCHEMA,
     "strict": True,
 }
-ASK = "What is the weather like in Paris today?"
-HELLO = "Say hello in one short sentence."
+ASK = WEATHER_QUESTION
 
 
 def _client(base: str, key: str) -> openai.OpenAI:

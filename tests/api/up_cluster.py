@@ -5,7 +5,6 @@ API process stored, the other must serve."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,15 @@ import pytest
 
 from bus.embedded import free_port
 from tests.api.embed_instance import add_embed_instance
-from tests.api.shoal_up import KEY, MODEL, read_until_ready, start, stop, wait_healthy
+from tests.api.shoal_up import (
+    KEY,
+    MODEL,
+    Drained,
+    read_until_ready,
+    start,
+    stop,
+    wait_healthy,
+)
 from tests.services.processes import SHOAL
 
 ALIAS = "claude-shoal-test"
@@ -43,17 +50,20 @@ def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     port, second_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     up = start([SHOAL, "up", "--data-dir", str(data), "--port", str(port), "--api-key", KEY,
                 "--runner-threads", "2", "--alias", f"{ALIAS}={MODEL}"])  # fmt: skip
-    second: subprocess.Popen[str] | None = None
+    drained: list[Drained] = []
     try:
         lines = asyncio.run(read_until_ready(up))
+        drained.append(Drained(up))
         nats_url, db_url = _after(lines, "NATS"), _after(lines, "database")
         second = start([SHOAL, "api", "--nats", nats_url, "--db", db_url, "--port",
                         str(second_port), "--api-key", KEY])  # fmt: skip
+        drained.append(Drained(second))
         base, other = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{second_port}"
         asyncio.run(wait_healthy(other))
         asyncio.run(add_embed_instance(base, KEY, MODEL))  # for the embeddings' tests
         yield UpCluster(base, other, KEY, MODEL, ALIAS, nats_url, db_url)
     finally:
-        if second is not None:
-            stop(second)
-        stop(up)
+        for proc in reversed(drained):
+            proc.stop()
+        if not drained:
+            stop(up)
