@@ -25,14 +25,18 @@ Figures, one definition for all, from the client's side:
 The sampling is the same for all (greedy, no top-k or top-p: Ollama's defaults differ, so its
 request says so).
 
-Two phases. Tokens/s: ``--repeat`` rounds of every prompt through every dialect in turn (the
-order rotates between rounds); per round, each dialect's tokens/s over OpenAI chat's on the
-same prompt; reported as the median ratio (target >= 0.98). TTFT: ``--first-tokens`` rounds of
-one-token requests through every dialect in turn; per round, each dialect's TTFT minus OpenAI
-chat's; reported as the median difference (target <= +1 ms). Consecutive requests always have
-different prompts, so no request finds its prompt in llama.cpp's cache. A TTFT varies by
-several ms from one request to the next on two busy cores: the median of the differences over
-many rounds is what can be judged. Exit status 1 when a target is missed.
+First, in this process, what each dialect's translation costs per request, with no server:
+validating the body, making the task (and its JSON for the log), the stream's opening and the
+first chunk's event, timed over many requests (CPU microseconds: that is all a dialect adds to
+a TTFT). Then two phases against the server. Tokens/s: ``--repeat`` rounds of every prompt
+through every dialect in turn (the order rotates between rounds); per round, each dialect's
+tokens/s over OpenAI chat's on the same prompt; reported as the median ratio (target >= 0.98).
+TTFT: ``--first-tokens`` rounds of one-token requests through every dialect in turn,
+consecutive requests always with different prompts (no request finds its prompt in llama.cpp's
+cache); per prompt, each dialect's median TTFT minus OpenAI chat's; reported as the median of
+those differences (target <= +1 ms). A TTFT varies by several ms from one request to the next
+on two busy cores: only medians over many rounds can be judged. Exit status 1 when a target is
+missed.
 """
 
 from __future__ import annotations
@@ -47,13 +51,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
+from api.anthropic import MessagesOut, MessagesRequest, task_for
+from api.ollama import ChatRequest as OllamaChatRequest
+from api.ollama import OllamaOut
+from api.openai_routes import _ChatOut
+from api.openai_shapes import Shape
+from api.responses import ResponsesRequest, task_messages
+from api.responses_shapes import Head, ResponsesOut
+from api.schemas import ChatCompletionRequest
+from api.serving import Output
 from bench.api_overhead import MODEL_ID, PROMPTS, ShoalUp
+from bus.events import ChunkGenerated, TaskCreated, new_id
+
+if TYPE_CHECKING:
+    from api.task_stream import TaskStream
 
 TPS_TARGET = 0.98  # each dialect's tokens/s at least this fraction of OpenAI chat's
 TTFT_TARGET_MS = 1.0  # at most this much added to OpenAI chat's time to first token
@@ -168,6 +185,81 @@ async def stream(client: httpx.AsyncClient, base: str, d: Dialect, prompt: str, 
     return seen
 
 
+# --- in process: the translation alone -------------------------------------------------------
+
+_FIRST = ChunkGenerated(task_id="t", model_id=MODEL_ID, origin="runner", idx=0, text="Once")
+
+
+# The openings timed here do not read their task's stream (Ollama's keeps it for the end).
+_NO_STREAM = cast("TaskStream", None)
+
+
+def _first_events(task: TaskCreated, out: Output) -> Output:
+    """``out`` once the task's JSON, the opening and the first chunk's event are made."""
+    made = task.to_json().decode() + out.opening(_NO_STREAM, 0) + out.events(0, [_FIRST])
+    assert made
+    return out
+
+
+def _openai(raw: bytes) -> Output:
+    b = ChatCompletionRequest.model_validate_json(raw)
+    task = TaskCreated(task_id=new_id(), model_id=MODEL_ID, origin="api", kind="chat",
+                       messages=b.chat_messages(), params=b.sampling(),
+                       **b.task_fields())  # fmt: skip
+    out = _ChatOut(Shape("chatcmpl-x", MODEL_ID, chat=True), False, b.include_usage)
+    return _first_events(task, out)
+
+
+def _anthropic(raw: bytes) -> Output:
+    b = MessagesRequest.model_validate_json(raw)
+    task = task_for(b, MODEL_ID, "api", b.sampling())
+    out = MessagesOut("msg_x", MODEL_ID)
+    return _first_events(task, out)
+
+
+def _responses(raw: bytes) -> Output:
+    b = ResponsesRequest.model_validate_json(raw)
+    task = TaskCreated(task_id=new_id(), model_id=MODEL_ID, origin="api", kind="chat",
+                       messages=task_messages(b.instructions, b.input_messages()),
+                       params=b.sampling(), **b.task_fields())  # fmt: skip
+    head = Head(f"resp_{task.task_id}", task.task_id, MODEL_ID, int(time.time()), b.echoed())
+    out = ResponsesOut(head, True, None)
+    return _first_events(task, out)
+
+
+def _ollama(raw: bytes) -> Output:
+    b = OllamaChatRequest.model_validate_json(raw)
+    task = TaskCreated(task_id=new_id(), model_id=MODEL_ID, origin="api", **b.task_fields())
+    out = OllamaOut(MODEL_ID, True, False)
+    return _first_events(task, out)
+
+
+TRANSLATE: dict[str, Callable[[bytes], Output]] = {
+    REFERENCE: _openai, "messages": _anthropic, "responses": _responses, "api/chat": _ollama,
+}  # fmt: skip
+
+
+def _cpu_us(work: Callable[[int], object], n: int) -> float:
+    """CPU microseconds per call of ``work(i)`` (median of 5 runs of ``n``, after one)."""
+    runs = []
+    for _ in range(6):
+        start = time.process_time()
+        for i in range(n):
+            work(i)
+        runs.append((time.process_time() - start) / n * 1e6)
+    return statistics.median(runs[1:])
+
+
+def translation_us(d: Dialect, n: int = 3000) -> tuple[float, float]:
+    """CPU microseconds of ``d``'s translation: per request (up to its first event) and per
+    further chunk."""
+    raw = json.dumps(d.body(PROMPTS[0], 128)).encode()
+    translate = TRANSLATE[d.name]
+    out = translate(raw)
+    chunks = [_FIRST.model_copy(update={"idx": i + 1, "text": " word"}) for i in range(n)]
+    return _cpu_us(lambda _: translate(raw), n), _cpu_us(lambda i: out.events(0, [chunks[i]]), n)
+
+
 def _med(values: list[float]) -> float:
     good = [v for v in values if v == v]  # NaN: a run without two text lines
     return statistics.median(good) if good else float("nan")
@@ -175,16 +267,9 @@ def _med(values: list[float]) -> float:
 
 async def measure(base: str, args: argparse.Namespace) -> bool:
     prompts = PROMPTS
-    k = 0  # every request's prompt differs from the one before it (len(PROMPTS) > dialects)
-
-    def next_prompt() -> str:
-        nonlocal k
-        k += 1
-        return prompts[k % len(prompts)]
-
     async with httpx.AsyncClient(timeout=600) as client:
-        for d in DIALECTS:  # warm-up, and a check that every dialect answers
-            await stream(client, base, d, next_prompt(), 16)
+        for i, d in enumerate(DIALECTS):  # warm-up, and a check that every dialect answers
+            await stream(client, base, d, prompts[i % len(prompts)], 16)
 
         tps: dict[str, list[float]] = {d.name: [] for d in DIALECTS}
         texts: dict[str, set[str]] = {}
@@ -198,14 +283,23 @@ async def measure(base: str, args: argparse.Namespace) -> bool:
                 for name, seen in round_.items():
                     tps[name].append(seen.tps / round_[REFERENCE].tps)
 
-        ttft: dict[str, list[float]] = {d.name: [] for d in DIALECTS}
-        absolute: dict[str, list[float]] = {d.name: [] for d in DIALECTS}
+        # A TTFT depends on the prompt's length: each dialect's is compared with the
+        # reference's on the same prompt (per prompt, the medians' difference).
+        by_prompt: dict[tuple[str, int], list[float]] = {}
         for r in range(args.first_tokens):
             order = DIALECTS[r % len(DIALECTS) :] + DIALECTS[: r % len(DIALECTS)]
-            got = {d.name: await stream(client, base, d, next_prompt(), 1) for d in order}
-            for name, seen in got.items():
-                ttft[name].append(seen.ttft_ms - got[REFERENCE].ttft_ms)
-                absolute[name].append(seen.ttft_ms)
+            for j, d in enumerate(order):
+                p = (r + j) % len(prompts)  # never the prompt of the request before
+                seen = await stream(client, base, d, prompts[p], 1)
+                by_prompt.setdefault((d.name, p), []).append(seen.ttft_ms)
+        ttft: dict[str, list[float]] = {d.name: [] for d in DIALECTS}
+        absolute: dict[str, list[float]] = {d.name: [] for d in DIALECTS}
+        for d in DIALECTS:
+            for p in range(len(prompts)):
+                mine, ref = by_prompt.get((d.name, p), []), by_prompt.get((REFERENCE, p), [])
+                if mine and ref:
+                    ttft[d.name].append(_med(mine) - _med(ref))
+                absolute[d.name] += mine
 
     print(f"\n{args.repeat} rounds x {len(prompts)} prompts of {args.tokens} tokens;"
           f" {args.first_tokens} rounds of one-token requests\n")  # fmt: skip
@@ -227,6 +321,14 @@ async def measure(base: str, args: argparse.Namespace) -> bool:
 
 
 async def run(args: argparse.Namespace) -> int:
+    costs = {d.name: translation_us(d) for d in DIALECTS}
+    print("translation, in process, CPU: per request (body, task, opening, first event) and per"
+          " further chunk")  # fmt: skip
+    ref_request, ref_chunk = costs[REFERENCE]
+    for d in DIALECTS:
+        request, chunk = costs[d.name]
+        print(f"  {d.name:<18} {request:6.1f} us ({request - ref_request:+6.1f})"
+              f"   {chunk:5.1f} us ({chunk - ref_chunk:+5.1f})")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="shoal-bench-dialects-") as tmp:
         up = ShoalUp(Path(tmp), "dialects", args.threads)
         await up.start()

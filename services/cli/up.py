@@ -169,6 +169,9 @@ def up(
             typer.echo(f"API       {url}" + (" (API keys required)" if keys else ""))
             typer.echo(f"NATS      {server.url} ({security.describe()})")
             typer.echo(f"database  {db_url}")
+            root = url.removesuffix("/v1")
+            typer.echo(f"clients   OpenAI {url}, Anthropic and Ollama {root}"
+                       f" (/v1/messages, /api/chat)")  # fmt: skip
             if no_model:
                 typer.echo(f"ready: {url} (no model requested; Ctrl-C stops)")
             else:
