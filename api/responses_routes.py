@@ -182,7 +182,7 @@ async def _in_background(
     ctx: ApiContext, task: TaskCreated, out: ResponsesOut, keep: Keep
 ) -> JSONResponse:
     """Answer at once with the queued response, and serve it here meanwhile."""
-    require_storable(ctx, task)
+    require_storable(ctx, task, out.too_large_param)
     await require_serving(ctx, task.model_id)
     queued = out.head.response("queued", [])
     if not await keep(queued, None):

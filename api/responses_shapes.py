@@ -253,6 +253,8 @@ class ResponsesOut(Output):
     of the finished response before the client gets its end, and a response it could not keep
     says ``"store": false``."""
 
+    too_large_param = "input"
+
     def __init__(self, head: Head, streaming: bool, keep: Keep | None) -> None:
         self.head = head
         self._streaming = streaming

@@ -33,6 +33,9 @@ class Output:
     together), then ``closing`` or ``failure``; a whole answer is ``whole``."""
 
     media_type = "text/event-stream"
+    # The request's field named by the 413 of a task too large for the log (None: the task's
+    # own largest part, as OpenAI's chat and completions call it).
+    too_large_param: str | None = None
 
     def opening(self, ts: TaskStream, index: int) -> str:
         return ""
@@ -59,7 +62,7 @@ async def serve(
 ) -> JSONResponse | StreamingResponse:
     """Serve ``tasks`` (one per choice: they share the model) with ``out``; a refusal before
     anything is sent raises ``ApiError``, which the app renders in the path's dialect."""
-    require_storable(ctx, tasks[0])
+    require_storable(ctx, tasks[0], out.too_large_param)
     await require_serving(ctx, tasks[0].model_id)
     if stream:
         # The tasks are stored before the response starts: the runner gets one ~1 ms sooner

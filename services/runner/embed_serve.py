@@ -39,8 +39,14 @@ class EmbeddingServer(TaskPuller):
         return embeddings_consumer_name(model), model_embeddings_filter(model)
 
     async def serve_pulled(self, task: Pulled) -> None:
-        if isinstance(task, EmbeddingsRequested):
-            await self.serve(task)
+        if not isinstance(task, EmbeddingsRequested):
+            return
+        # Cancelled while it waited (its client went away): the vectors are for no one. (A
+        # request is computed whole, so one cancelled once it started is computed anyway.)
+        if await self._logged(task, "TaskCancelled"):
+            log.info("embeddings task %s was cancelled before it started", task.task_id)
+            return
+        await self.serve(task)
 
     async def serve(self, task: EmbeddingsRequested) -> None:
         received = time.perf_counter()

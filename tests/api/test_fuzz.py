@@ -567,17 +567,26 @@ async def test_oversized_prompt_is_refused_quickly_without_a_5xx(
     _error(r, r.status_code)
 
 
-@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+# Where a dialect puts its text, and the field its 413 names.
+_TEXT_FIELD = {CHAT: "messages", COMPLETIONS: "prompt", "/v1/responses": "input",
+               "/v1/embeddings": "input"}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(_TEXT_FIELD))
 async def test_a_prompt_too_large_for_the_log_is_a_413(
     client: httpx.AsyncClient, path: str
 ) -> None:
     """Larger than a NATS message may be (1 MiB): refused before anything is published, and
     the API keeps answering (the server would have closed its connection)."""
     text = "x" * (1024**2 + 10)
+    field = _TEXT_FIELD[path]
     body: dict[str, object] = {"model": KNOWN_MODEL}
-    body |= {"messages": [{"role": "user", "content": text}]} if path == CHAT else {"prompt": text}
-    err = _error(await client.post(path, json=body | {"stream": True}), 413)
+    body[field] = [{"role": "user", "content": text}] if field == "messages" else text
+    if path != "/v1/embeddings":
+        body["stream"] = True
+    err = _error(await client.post(path, json=body), 413)
     assert err["code"] == "request_too_large" and "more than the 1048576 bytes" in err["message"]
+    assert err["param"] == field, err
     after = await client.post(path, json=body | {"model": "no-such-model"})
     assert after.status_code == 413  # the size is the request's own problem, whatever the model
     small = {"model": KNOWN_MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -17,6 +17,7 @@ from bus.events import (
     EmbeddingsComputed,
     EmbeddingsRequested,
     SamplingParams,
+    TaskCancelled,
     TaskCompleted,
     TaskCreated,
     TaskFailed,
@@ -40,6 +41,10 @@ async def test_chat_and_embed_runners_of_one_model_take_only_their_own_tasks(
     nc: Client, js: JetStreamContext
 ) -> None:
     log = await EventLog().start(js)
+    pub = Publisher(js)
+    # A request whose client went away while it waited (its cancel is on the log first): not
+    # computed.
+    await pub.publish(TaskCancelled(task_id="e0", model_id=MODEL, origin="t"))
     engine = LlamaCppEngine(GGUF, n_threads=1)
     engine.load()
     embedder = LlamaCppEmbedder(GGUF, n_ctx=64, n_threads=1)
@@ -50,8 +55,10 @@ async def test_chat_and_embed_runners_of_one_model_take_only_their_own_tasks(
     servers = [chat, embed]
     for server in servers:
         await server.start()
+    await pub.publish(
+        EmbeddingsRequested(task_id="e0", model_id=MODEL, origin="t", texts=["Hello."])
+    )
     serving = [asyncio.create_task(s.serve_forever(stop)) for s in servers]
-    pub = Publisher(js)
     tasks = [
         EmbeddingsRequested(task_id="e1", model_id=MODEL, origin="t", dimensions=32,
                             texts=["The cat sat on the mat.", "Stock markets fell."]),
@@ -74,7 +81,8 @@ async def test_chat_and_embed_runners_of_one_model_take_only_their_own_tasks(
         await log.stop()
     started = {e.task_id: e.runner_id for e in log.of(TaskStarted)}
     assert started == {"e1": "embed-r", "c1": "chat-r", "e2": "embed-r", "e3": "embed-r"}
-    assert (chat.served, embed.served) == (1, 3)
+    assert (chat.served, embed.served) == (1, 3)  # not e0
+    assert not log.of(EmbeddingsComputed, lambda e: e.task_id == "e0")
     computed = log.of(EmbeddingsComputed, lambda e: e.task_id == "e1")
     assert [(c.start, c.total, c.dimensions) for c in computed] == [(0, 2, 32)]
     v = decode_vectors(computed[0].vectors, 32)
