@@ -479,7 +479,13 @@ class MessagesOut(Output):
 
 class TokenCountOut(Output):
     """``count_tokens``' answer: the prompt's tokens as the model read them (chat template,
-    tools and all)."""
+    tools and all). Never streamed: only the whole answer is made."""
+
+    def events(self, index: int, group: list[ChunkGenerated]) -> str:
+        return ""
+
+    def failure(self, err: ApiError) -> str:
+        return sse(anthropic_error_body(err.status, err.message), "error")
 
     def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
         return {"input_tokens": usages[0].prompt_tokens}

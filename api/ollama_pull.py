@@ -21,7 +21,7 @@ from typing import Any
 from api import projection
 from api.context import ApiContext
 from api.errors import ApiError
-from api.ollama import serving_instance
+from api.ollama_models import serving_instance
 from bus.events import InstanceRequested
 from projectors.rows import ModelRow
 from projectors.state import ClusterState

@@ -24,14 +24,10 @@ from api.ollama import (
     GenerateRequest,
     NamedRequest,
     OllamaOut,
-    digest,
     embedded,
     loaded,
-    running,
-    serving_instance,
-    show,
-    tag,
 )
+from api.ollama_models import digest, running, serving_instance, show, tag
 from api.ollama_pull import live_instance, placement_refusal, pull_lines
 from api.serving import ndjson, require_serving, serve
 from bus.events import InstanceDeleteRequested, TaskCreated, new_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,7 +28,7 @@ from bus.payload import PayloadTooLargeError, check_size
 from bus.publisher import MSG_ID_HEADER
 
 
-class Output:
+class Output(ABC):
     """What one dialect makes of its tasks' chunks; one instance per request. A stream is
     ``opening`` (per task, before its first chunk), ``events`` (per group of chunks that came
     together), then ``closing`` or ``failure``; a whole answer is ``whole``."""
@@ -40,21 +41,24 @@ class Output:
     def opening(self, ts: TaskStream, index: int) -> str:
         return ""
 
+    @abstractmethod
     def events(self, index: int, group: list[ChunkGenerated]) -> str:
-        raise NotImplementedError
+        """The stream's events for chunks of task ``index`` that came together."""
 
     def closing(self, replies: list[Reply], usages: list[Usage]) -> str:
         return ""
 
+    @abstractmethod
     def failure(self, err: ApiError) -> str:
         """The end of a stream that failed after it started (its status is sent already)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
-        raise NotImplementedError
+        """The whole answer (JSON) of the tasks' replies."""
 
-    async def done(self, replies: list[Reply], usages: list[Usage]) -> None:
-        """Told once the tasks completed, streamed or not (a dialect that keeps answers)."""
+    async def done(self, replies: list[Reply], usages: list[Usage]) -> None:  # noqa: B027
+        """Optional: told once the tasks completed, streamed or not (for a dialect that keeps
+        its answers)."""
 
 
 async def serve(

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ class CurrentTask:
             return None
 
 
-class TaskPuller:
+class TaskPuller(ABC):
     """Pulls a model's requests of one kind from its shared consumer, one at a time, and
     serves each (``serve_pulled``); what a chat and an embed runner have in common."""
 
@@ -150,12 +151,13 @@ class TaskPuller:
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.served = 0
 
+    @abstractmethod
     def consumer_names(self) -> tuple[str, str]:
         """The durable consumer and its filter."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def serve_pulled(self, task: Pulled) -> None:
-        raise NotImplementedError
+        """Serve one request pulled (of the kind this puller serves)."""
 
     async def start(self) -> None:
         """Bind to the model's task consumer. Done before the runner reports Ready, so that a

@@ -20,11 +20,13 @@ from api.ollama import (
     NamedRequest,
     OllamaOut,
     Options,
-    capabilities,
     chat_messages,
-    details,
     done_fields,
     loaded,
+)
+from api.ollama_models import (
+    capabilities,
+    details,
     running,
     serving_instance,
     show,
