@@ -22,10 +22,11 @@ from datetime import UTC, datetime
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from bus.events import NodeTimedOut
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
 from bus.subjects import aggregate_filter
@@ -97,6 +98,9 @@ class Planner:
         # meanwhile, so silence counts only from the next round (``_heard_since``).
         self._log_failed = False
         self._heard_since: datetime | None = None
+        # The events stream's leader when last asked: after a change (its server lost) the
+        # stream had no leader for seconds, and heartbeats could not be stored meanwhile.
+        self._leader: str | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
@@ -109,6 +113,7 @@ class Planner:
         )
         # Subscribed first, then the current end of the log: nothing falls in between.
         info = await self._js.stream_info(EVENTS_STREAM)
+        self._note_leader(info)
         self._seen(info.state.last_seq)
         log.info("planner %s watching from seq %d", self.origin, info.state.last_seq)
         loop = asyncio.get_running_loop()
@@ -140,6 +145,7 @@ class Planner:
             # deciding meanwhile on the picture from before the restart, while the clock moves,
             # timed out every node whose heartbeats were in fact arriving.
             info = await self._probe.stream_info(EVENTS_STREAM)
+            self._note_leader(info)
             # This round loads what it found: no need to wake the next one for it.
             self._seen(info.state.last_seq, wake=False)
             target = self._seen_seq
@@ -151,6 +157,13 @@ class Planner:
             return []  # stopping: the projector may be gone already
         self._loaded = (target, state)
         decisions = decide(state, datetime.now(UTC), self.policy, self.origin, self._heard_since)
+        if any(isinstance(d.event, NodeTimedOut) for d in decisions):
+            # Before a node is timed out: was its silence the log's? (A stream whose leader
+            # changed could store nothing for a while, and its nodes' heartbeats are only now
+            # being stored again.)
+            self._note_leader(await self._probe.stream_info(EVENTS_STREAM))
+            decisions = decide(state, datetime.now(UTC), self.policy, self.origin,
+                               self._heard_since)  # fmt: skip
         for d in decisions:
             ack = await self._pub.publish(d.event, msg_id=d.msg_id)
             # The next round must see this decision in the projection, or it would decide it
@@ -167,6 +180,13 @@ class Planner:
             log.info("%s %s", d.msg_id, _summary(d))
         self.stats.rounds += 1
         return decisions
+
+    def _note_leader(self, info: StreamInfo) -> None:
+        leader = info.cluster.leader if info.cluster is not None else None
+        if self._leader is not None and leader != self._leader:
+            log.info("the events stream has a new leader (%s): silence counts from now", leader)
+            self._heard_since = datetime.now(UTC)
+        self._leader = leader
 
     async def _on_event(self, msg: Msg) -> None:
         if msg.subject.endswith(".RunnerStateChanged") and not _may_matter(msg.data):

@@ -149,8 +149,7 @@ async def test_losing_a_nats_server_while_serving(tmp_path: Path) -> None:
             check_tasks_ended(stored)
             check_answered(outcomes, errors_allowed=True, log=stored)
             failed = [o for o in outcomes if o.kind != "completed"]
-            print("failed:", [str(o) for o in failed])
-            assert {o.api for o in failed} <= {f"api{VICTIM}"}
+            assert {o.api for o in failed} <= {f"api{VICTIM}"}, [str(o) for o in failed]
             assert "reconnected to" in procs.log(f"api{VICTIM}")
             created_ids = Counter(e.task_id for e in stored.of(TaskCreated))
             assert set(created_ids.values()) == {1}

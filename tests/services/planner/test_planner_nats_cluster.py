@@ -1,0 +1,78 @@
+"""The planner on a 3-server NATS cluster: a change of the events stream's leader (its server
+lost) leaves heartbeats unstorable for the seconds of an election; nodes are not timed out for
+that, and one that really fell silent still is."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from bus.connection import connect
+from bus.events import NodeJoined, NodeProfile, NodeTimedOut, ResourceProfiled
+from bus.publisher import Publisher
+from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
+from tests.bus.nats_cluster import NatsCluster, make_leader, stream_info
+from tests.services.event_log import EventLog
+from tests.services.processes import Processes
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_S = 1.0  # timed out after 3 missed
+
+
+async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed_out(
+    tmp_path: Path,
+) -> None:
+    """While a stream elects a leader (its leader's server lost) nothing can be stored, and a
+    node's heartbeats land only once it has one: the planner counts silence from the change
+    it sees (here a leader moved by hand, then a node silent past its time-out)."""
+    db = f"sqlite:///{tmp_path / 'shoal.db'}"
+    env = {**os.environ, "SHOAL_STREAM_REPLICAS": "3"}
+    async with NatsCluster(tmp_path / "nats") as cluster:
+        nc = await connect(cluster.urls_from(0), name="test")
+        js = nc.jetstream()
+        await ensure_streams(js, StreamSettings(replicas=3))
+        log = await EventLog().start(js)
+        pub = Publisher(js)
+        with Processes(tmp_path / "logs", env) as procs:
+            procs.start("projector", "projector", "--nats", cluster.urls_from(0), "--db", db)
+            procs.start("planner", "planner", "--nats", cluster.urls_from(0), "--db", db)
+            beating = {"a", "b"}
+            profile = NodeProfile(ram_total=2**31, ram_available=2**30, cpu_count=2,
+                                  memory_offered=2**30)  # fmt: skip
+
+            async def heartbeats() -> None:
+                for node in sorted(beating):
+                    await pub.publish(NodeJoined(node_id=node, origin=node,
+                                                 heartbeat_s=HEARTBEAT_S))  # fmt: skip
+                while True:
+                    for node in sorted(beating):
+                        await pub.publish(ResourceProfiled(node_id=node, origin=node,
+                                                           profile=profile))  # fmt: skip
+                    await asyncio.sleep(HEARTBEAT_S)
+
+            beat = asyncio.create_task(heartbeats())
+            try:
+                leader = (await stream_info(nc, EVENTS_STREAM)).cluster
+                first = "n1" if leader is None or leader.leader != "n1" else "n2"
+                await make_leader(nc, EVENTS_STREAM, first)
+                await asyncio.sleep(5 * HEARTBEAT_S)  # the planner has looked at the stream
+                beating.discard("a")
+                await asyncio.sleep(HEARTBEAT_S)
+                await make_leader(nc, EVENTS_STREAM, "n0" if first != "n0" else "n2")
+                await asyncio.sleep(3.5 * HEARTBEAT_S)  # past a's time-out: still online
+                beating.add("a")
+                await asyncio.sleep(3 * HEARTBEAT_S)
+                assert not log.of(NodeTimedOut)
+                beating.discard("a")  # a really falls silent; b goes on
+                timed_out = await log.wait_for(NodeTimedOut, timeout=15)
+                await asyncio.sleep(3 * HEARTBEAT_S)
+            finally:
+                beat.cancel()
+            assert timed_out.node_id == "a"
+            assert [e.node_id for e in log.of(NodeTimedOut)] == ["a"]
+        await log.stop()
+        await nc.close()
