@@ -214,6 +214,9 @@ class ToolCallDelta(Record):
 class Usage(Record):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = Field(
+        0, description="Of the prompt tokens, those the runner's cache held: not computed again."
+    )
 
     @property
     def total_tokens(self) -> int:

@@ -89,3 +89,11 @@ class PromptScores:
     likely alternatives there; the first token has none (``logprob`` None, ``top`` empty)."""
 
     tokens: tuple[Token, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class PromptCached:
+    """How many of the prompt's first tokens the engine's cache held already (not computed
+    again): before the first token, from an engine that keeps caches between generations."""
+
+    tokens: int

@@ -38,20 +38,20 @@ class EmbeddingServer(TaskPuller):
         model = self._me.model_id
         return embeddings_consumer_name(model), model_embeddings_filter(model)
 
-    async def serve_pulled(self, task: Pulled) -> None:
+    async def serve_pulled(self, task: Pulled) -> bool:
         if not isinstance(task, EmbeddingsRequested):
-            return
+            return False
         # Cancelled while it waited (its client went away): the vectors are for no one. (A
         # request is computed whole, so one cancelled once it started is computed anyway.)
         if await self._logged(task, "TaskCancelled"):
             log.info("embeddings task %s was cancelled before it started", task.task_id)
-            return
+            return False
         await self.serve(task)
+        return True
 
     async def serve(self, task: EmbeddingsRequested) -> None:
         received = time.perf_counter()
         me = self._me
-        self._current.begin(task)
         started = TaskStarted(task_id=task.task_id, model_id=task.model_id, origin=me.node_id,
                               runner_id=me.runner_id, instance_id=me.instance_id)  # fmt: skip
         loop = asyncio.get_running_loop()
@@ -62,7 +62,7 @@ class EmbeddingServer(TaskPuller):
             try:
                 tokens, vectors = await computing
             finally:
-                await asyncio.gather(self._events.publish(started), self._state.report("Running"))
+                await asyncio.gather(self._events.publish(started), self.report_running())
             for event in computed_events(task, vectors, me.node_id, time.time()):
                 await self._chunks.publish(event)
             await self._chunks.flush()
@@ -84,10 +84,6 @@ class EmbeddingServer(TaskPuller):
             await self._fail(task, f"engine error: {exc}")
             if isinstance(exc, EngineBroken):  # ...unless the engine cannot go on
                 raise
-        finally:
-            self._current.end()
-            self.served += 1
-            await self._state.report("Ready")
 
     def _compute(self, task: EmbeddingsRequested) -> tuple[int, Vectors]:
         """(prompt tokens, vectors): on the engine's thread."""

@@ -13,15 +13,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bus.events import FinishReason, SamplingParams, TokenLogprob, ToolCallDelta, TopLogprob
-from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.stops import StopMatcher
 
 
 class TokenSource(Protocol):
-    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
-        """Token ids after ``prompt``, picked as ``decoding`` says, until the caller stops;
-        first, when ``decoding.echo``, the prompt's own ``PromptScores``. Lazy: nothing is
-        computed before the first ``next()``."""
+    def generate(
+        self, prompt: list[int], decoding: Decoding
+    ) -> Iterator[Token | PromptScores | PromptCached]:
+        """Token ids after ``prompt``, picked as ``decoding`` says, until the caller stops
+        (or the engine stops after an end token, its context full or ``max_tokens`` made);
+        first, when ``decoding.echo``, the prompt's own ``PromptScores``, and when a cache held
+        the prompt's start, ``PromptCached``. Lazy: nothing is computed before the first
+        ``next()``."""
         ...
 
     def piece(self, token: int) -> bytes:
@@ -150,11 +154,13 @@ def steps(
     limit: int,
     cancelled: Callable[[], bool],
     reply: ReplyParser | None = None,
+    on_cached: Callable[[int], None] | None = None,
 ) -> Iterator[Step | ScoredPrompt]:
     """Generate at most ``limit`` tokens. Every token gives a Step; the last Step has the
     finish reason: "stop" (end token or stop string), "tool_calls" (stopped after a tool
     call), "length" (limit), "cancelled". With ``decoding.echo`` a ``ScoredPrompt`` comes
-    first, even with a limit of 0."""
+    first, even with a limit of 0. ``on_cached`` is told how many of the prompt's tokens the
+    engine's cache held (when it says)."""
     reply = reply or PlainReply()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     matcher = StopMatcher(decoding.params.stop)
@@ -163,6 +169,10 @@ def steps(
     stopped_by: str | None = None
     if limit > 0 or decoding.echo:
         for item in source.generate(prompt, decoding):
+            if isinstance(item, PromptCached):
+                if on_cached is not None:
+                    on_cached(item.tokens)
+                continue
             if isinstance(item, PromptScores):
                 yield ScoredPrompt(tuple(_scored_prompt(source, item.tokens)))
                 if limit == 0:

@@ -56,6 +56,23 @@ from services.runner.step_feed import StepFeed
 log = logging.getLogger(__name__)
 
 
+def _reap(serving: set[asyncio.Task[None]]) -> None:
+    """Forget the tasks served; raise the error of one that ended with one (a task's own
+    errors are reported as its failure: what comes here is an engine that cannot go on)."""
+    for task in [t for t in serving if t.done()]:
+        serving.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            raise exc
+
+
+async def _first_done(serving: set[asyncio.Task[None]], stop: asyncio.Event) -> None:
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({*serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+
+
 @dataclass(frozen=True)
 class RunnerIdentity:
     runner_id: str
@@ -108,56 +125,77 @@ class StateReporter:
         )
 
 
-class CurrentTask:
-    """The task a runner is serving, noted in a local file for its worker: a runner that dies
-    (killed, or aborted by its engine) cannot say which task it leaves unfinished, and its
+class CurrentTasks:
+    """The tasks a runner is serving, noted in a local file for its worker: a runner that dies
+    (killed, or aborted by its engine) cannot say which tasks it leaves unfinished, and their
     TaskStarted may not have got out yet. Writing it costs a local write, not a round trip."""
 
     def __init__(self, path: Path | None) -> None:
         self._path = path
+        self._tasks: dict[str, str] = {}  # task id: model id
 
     def begin(self, task: Pulled) -> None:
-        if self._path is not None:
-            self._path.write_text(task.model_dump_json(include={"task_id", "model_id"}))
+        self._tasks[task.task_id] = task.model_id
+        self._write()
 
-    def end(self) -> None:
-        if self._path is not None:
+    def end(self, task: Pulled) -> None:
+        self._tasks.pop(task.task_id, None)
+        self._write()
+
+    def _write(self) -> None:
+        if self._path is None:
+            return
+        if not self._tasks:
             self._path.unlink(missing_ok=True)
+            return
+        noted = [{"task_id": t, "model_id": m} for t, m in self._tasks.items()]
+        self._path.write_text(json.dumps(noted))
 
     @staticmethod
-    def read(path: Path) -> tuple[str, str] | None:
-        """(task id, model id) of the task left unfinished, if any."""
+    def read(path: Path) -> list[tuple[str, str]]:
+        """(task id, model id) of each task left unfinished."""
         try:
             noted = json.loads(path.read_text())
-            return str(noted["task_id"]), str(noted["model_id"])
+            if isinstance(noted, dict):  # one task, as a runner of one slot wrote it before
+                noted = [noted]
+            return [(str(n["task_id"]), str(n["model_id"])) for n in noted]
         except (OSError, ValueError, KeyError, TypeError):
-            return None
+            return []
 
 
 class TaskPuller(ABC):
-    """Pulls a model's requests of one kind from its shared consumer, one at a time, and
-    serves each (``serve_pulled``); what a chat and an embed runner have in common."""
+    """Pulls a model's requests of one kind from its shared consumer and serves each
+    (``serve_pulled``), up to ``slots`` at once: a new one is pulled only while a slot is free
+    (so an idle replica takes the next one, and a busy one leaves it). What a chat and an embed
+    runner have in common."""
 
-    def __init__(self, nc: Client, me: RunnerIdentity, task_file: Path | None = None) -> None:
+    def __init__(
+        self, nc: Client, me: RunnerIdentity, task_file: Path | None = None, slots: int = 1
+    ) -> None:
         self._nc = nc
-        self._current = CurrentTask(task_file)
+        self.slots = slots
+        self._current = CurrentTasks(task_file)
         self._js = nc.jetstream()
         self._me = me
         self._events = Publisher(self._js)
         self._chunks = ChunkPublisher(self._js)
         self._state = StateReporter(nc, me)
         self._consumer: EventConsumer | None = None
-        # Generation runs here, off the event loop (see step_feed.py); always the same thread.
-        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        # Generation runs here, off the event loop (see step_feed.py); one thread per slot (with
+        # one slot, always the same thread).
+        self._engine_thread = ThreadPoolExecutor(slots, thread_name_prefix="engine")
         self.served = 0
+        self._busy = 0  # tasks being served
+        self._reported_running = False
 
     @abstractmethod
     def consumer_names(self) -> tuple[str, str]:
         """The durable consumer and its filter."""
 
     @abstractmethod
-    async def serve_pulled(self, task: Pulled) -> None:
-        """Serve one request pulled (of the kind this puller serves)."""
+    async def serve_pulled(self, task: Pulled) -> bool:
+        """Serve one request pulled (of the kind this puller serves); whether it was (not: a
+        request of another kind, or cancelled before it started)."""
 
     async def start(self) -> None:
         """Bind to the model's task consumer. Done before the runner reports Ready, so that a
@@ -175,11 +213,18 @@ class TaskPuller(ABC):
         await self._consumer.start()
 
     async def serve_forever(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop``; the tasks in flight then finish. A task's error that the
+        engine cannot go past (``EngineBroken``) ends it, once the others finished."""
         if self._consumer is None:
             await self.start()
         assert self._consumer is not None
+        serving: set[asyncio.Task[None]] = set()
         try:
             while not stop.is_set():
+                _reap(serving)
+                if len(serving) >= self.slots:
+                    await _first_done(serving, stop)
+                    continue
                 try:
                     delivered = await self._consumer.fetch(1, timeout=PULL_WAIT_S, stop=stop)
                 except ConsumerGone:  # deleted by hand: made again, for the tasks from now on
@@ -190,9 +235,31 @@ class TaskPuller(ABC):
                 for d in delivered:
                     await d.ack()
                     if isinstance(d.event, Pulled) and not await self._taken(d):
-                        await self.serve_pulled(d.event)
+                        serving.add(asyncio.create_task(self._serve_one(d.event)))
         finally:
+            if serving:
+                await asyncio.wait(serving)
             await self._consumer.stop()
+        _reap(serving)
+
+    async def _serve_one(self, task: Pulled) -> None:
+        self._busy += 1
+        self._current.begin(task)
+        try:
+            if await self.serve_pulled(task):
+                self.served += 1
+        finally:
+            self._current.end(task)
+            self._busy -= 1
+            if self._busy == 0 and self._reported_running:
+                self._reported_running = False
+                await self._state.report("Ready")
+
+    async def report_running(self) -> None:
+        """Running, once a task of an idle runner started (Ready again when none is left)."""
+        if not self._reported_running:
+            self._reported_running = True
+            await self._state.report("Running")
 
     async def _taken(self, d: Delivered) -> bool:
         """Whether a task delivered again was taken already: its ack was lost (the consumer's
@@ -249,16 +316,18 @@ class TaskServer(TaskPuller):
     def __init__(
         self, nc: Client, engine: Engine, me: RunnerIdentity, task_file: Path | None = None
     ) -> None:
-        super().__init__(nc, me, task_file)
+        super().__init__(nc, me, task_file, slots=engine.slots)
         self._engine = engine
 
     def consumer_names(self) -> tuple[str, str]:
         model = self._me.model_id
         return tasks_consumer_name(model), model_tasks_filter(model)
 
-    async def serve_pulled(self, task: Pulled) -> None:
-        if isinstance(task, TaskCreated):
-            await self.serve(task)
+    async def serve_pulled(self, task: Pulled) -> bool:
+        if not isinstance(task, TaskCreated):
+            return False
+        await self.serve(task)
+        return True
 
     async def serve(self, task: TaskCreated) -> None:
         received = time.perf_counter()
@@ -268,7 +337,6 @@ class TaskServer(TaskPuller):
         async def on_cancel(_msg: Msg) -> None:
             cancelled.set()
 
-        self._current.begin(task)
         sub = await self._nc.subscribe(cancel_subject(task), cb=on_cancel)
         started = TaskStarted(
             task_id=task.task_id,
@@ -289,7 +357,7 @@ class TaskServer(TaskPuller):
             await work()
 
         async def announce() -> None:
-            await asyncio.gather(self._events.publish(started), self._state.report("Running"))
+            await asyncio.gather(self._events.publish(started), self.report_running())
 
         announced = asyncio.ensure_future(after_first(announce))
         already = asyncio.ensure_future(after_first(lambda: self._was_cancelled(task, cancelled)))
@@ -309,9 +377,6 @@ class TaskServer(TaskPuller):
         finally:
             already.cancel()
             await sub.unsubscribe()
-            self._current.end()
-            self.served += 1
-            await self._state.report("Ready")
 
     async def _was_cancelled(self, task: TaskCreated, flag: asyncio.Event) -> None:
         """A cancel published before this runner subscribed is in the log; so is the failure of
@@ -336,10 +401,13 @@ class TaskServer(TaskPuller):
         feed = StepFeed(loop, CHUNK_WINDOW_S)
         stopping = threading.Event()  # this coroutine was cancelled: the engine stops too
 
+        cached = [0]  # the prompt's tokens the engine's cache held (read once it is done)
+
         def generate() -> None:
             try:
                 for step in steps(engine, prompt, job.decoding, limit,
-                                  lambda: cancelled() or stopping.is_set(), job.reply):  # fmt: skip
+                                  lambda: cancelled() or stopping.is_set(), job.reply,
+                                  on_cached=lambda n: cached.__setitem__(0, n)):  # fmt: skip
                     feed.put(step)
             finally:
                 feed.close()
@@ -380,7 +448,9 @@ class TaskServer(TaskPuller):
                 origin=me.node_id,
                 runner_id=me.runner_id,
                 finish_reason=finish,
-                usage=Usage(prompt_tokens=len(prompt), completion_tokens=n),
+                usage=Usage(
+                    prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=cached[0]
+                ),
                 timings=Timings(
                     ttft_ms=(first - received) * 1000,
                     tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,

@@ -35,7 +35,7 @@ from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
 from services.models.footprint import context_for
-from services.runner.serve import CurrentTask
+from services.runner.serve import CurrentTasks
 from services.runner.spec import RunnerSpec
 from services.worker.profile import collect_profile, rss_bytes
 from services.worker.reconcile import describe_exit, desired_runners, plan
@@ -215,11 +215,10 @@ class Worker:
             )
         )  # fmt: skip
         task_file = Path(spec.task_file) if spec.task_file else None
-        left = CurrentTask.read(task_file) if task_file is not None else None
+        left = CurrentTasks.read(task_file) if task_file is not None else []
         if task_file is not None:
             task_file.unlink(missing_ok=True)
-        if left is not None:
-            task_id, model_id = left
+        for task_id, model_id in left:
             # Same message id as the runner's own outcome: if it got one out, this is dropped.
             await self._pub.publish(
                 TaskFailed(

@@ -14,7 +14,14 @@ class EngineBroken(RuntimeError):
 
 class Engine(TokenSource, Protocol):
     @property
-    def n_ctx(self) -> int: ...
+    def n_ctx(self) -> int:
+        """The context of one generation."""
+        ...
+
+    @property
+    def slots(self) -> int:
+        """How many generations it decodes at once (the runner serves as many tasks)."""
+        ...
 
     @property
     def chat_template(self) -> str | None:

@@ -22,7 +22,7 @@ from llama_cpp import Llama
 
 from bus.vectors import Vectors
 from services.models.metadata import read_gguf_fields
-from services.runner.engines.llamacpp import _Batch
+from services.runner.engines.llamacpp_batch import Batch
 from services.runner.generation import InvalidRequest
 
 POOLING_NAMES = {
@@ -55,7 +55,7 @@ class LlamaCppEmbedder:
         self._n_threads = n_threads or os.cpu_count() or 1
         self._kwargs = kwargs
         self._llm: Llama | None = None
-        self._batch: _Batch | None = None
+        self._batch: Batch | None = None
         self.pooling = "mean"
 
     def load(self) -> None:
@@ -72,7 +72,7 @@ class LlamaCppEmbedder:
             n_threads_batch=self._n_threads, verbose=False, **kwargs,
         )  # fmt: skip
         self._llm = llm
-        self._batch = _Batch(llm.n_batch)
+        self._batch = Batch(llm.n_batch)
         self.pooling = POOLING_NAMES[pooling]
 
     @property

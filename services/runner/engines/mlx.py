@@ -202,6 +202,8 @@ class MlxTextEngine:
 
     _text: MlxText | None = None
     _n_ctx: int
+    # One generation at a time.
+    slots = 1
 
     @property
     def text(self) -> MlxText:

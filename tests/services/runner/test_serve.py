@@ -13,12 +13,19 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from bus.consumer import EventConsumer
-from bus.events import ChatMessage, SamplingParams, TaskCompleted, TaskCreated, TaskStarted
+from bus.events import (
+    ChatMessage,
+    RunnerStateChanged,
+    SamplingParams,
+    TaskCompleted,
+    TaskCreated,
+    TaskStarted,
+)
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
 from bus.subjects import model_tasks_filter
 from services.runner.engines.llamacpp import LlamaCppEngine
-from services.runner.serve import RunnerIdentity, TaskServer, tasks_consumer_name
+from services.runner.serve import CurrentTasks, RunnerIdentity, TaskServer, tasks_consumer_name
 from tests.services.event_log import EventLog
 
 pytestmark = pytest.mark.slow
@@ -68,3 +75,51 @@ async def test_a_task_delivered_again_is_served_only_if_nobody_took_it(
     assert "taken" not in log.chunks and log.chunks["orphan"]
     assert [e.runner_id for e in log.of(TaskStarted, lambda e: e.task_id == "taken")] == ["r0"]
     assert not log.of(TaskCompleted, lambda e: e.task_id == "taken")
+
+
+async def test_a_runner_with_slots_serves_that_many_tasks_at_once(
+    nc: Client, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """Three slots, four tasks at once: three start before any ends, the fourth takes the first
+    free slot; the task file lists every task in flight; Running and Ready are said once per
+    busy spell; a prompt seen before is mostly cached."""
+    log = await EventLog().start(js)
+    engine = LlamaCppEngine(GGUF, n_threads=2, slots=3)
+    engine.load()
+    task_file = tmp_path / "runner.task"
+    server = TaskServer(nc, engine, RunnerIdentity("r1", "i", MODEL, "n"), task_file)
+    await server.start()
+    stop = asyncio.Event()
+    serving = asyncio.create_task(server.serve_forever(stop))
+    pub = Publisher(js)
+    long = SamplingParams(max_tokens=24, temperature=0.0)
+    tasks = [chat(f"t{i}").model_copy(update={"params": long}) for i in range(4)]
+    in_flight: set[int] = set()
+
+    async def watch_file() -> None:
+        while True:
+            in_flight.add(len(CurrentTasks.read(task_file)))
+            await asyncio.sleep(0.005)
+
+    watching = asyncio.create_task(watch_file())
+    try:
+        for task in tasks:
+            await pub.publish(task)
+        ids = {t.task_id for t in tasks}
+        await log.wait_count(TaskCompleted, lambda e: e.task_id in ids, len(ids), timeout=60)
+        await pub.publish(chat("again"))  # the same prompt as t0..t3: its slot's cache has it
+        again = await log.wait_for(TaskCompleted, lambda e: e.task_id == "again", timeout=30)
+    finally:
+        watching.cancel()
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+        await log.stop()
+    order = [(type(e).__name__, e.task_id) for e in log.events
+             if isinstance(e, TaskStarted | TaskCompleted)]  # fmt: skip
+    first_end = next(i for i, (kind, _) in enumerate(order) if kind == "TaskCompleted")
+    assert sum(kind == "TaskStarted" for kind, _ in order[:first_end]) == 3
+    assert server.served == 5 and max(in_flight) == 3 and not task_file.exists()
+    states = [e.state for e in log.of(RunnerStateChanged)]
+    assert states == ["Running", "Ready", "Running", "Ready"]
+    prompt = engine.chat_tokens([{"role": "user", "content": "Say hi."}], None)
+    assert again.usage.cached_tokens == len(prompt) - 1
