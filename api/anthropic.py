@@ -364,9 +364,11 @@ def stop_sequence(reply: Reply) -> str | None:
 
 
 def usage(u: Usage | None) -> dict[str, int]:
-    return {"input_tokens": u.prompt_tokens if u else 0,
+    """Anthropic counts a prompt's cached part apart from its ``input_tokens``."""
+    cached = u.cached_tokens if u else 0
+    return {"input_tokens": u.prompt_tokens - cached if u else 0,
             "output_tokens": u.completion_tokens if u else 0,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}  # fmt: skip
 
 
 def tool_input(arguments: str) -> dict[str, Any]:

@@ -28,12 +28,15 @@ def finish(reply: Reply) -> str:
     return FINISH[reply.finish_reason] if reply.finish_reason else "stop"
 
 
-def usage(usages: list[Usage]) -> dict[str, int]:
-    """Several choices share one prompt: it is counted once."""
+def usage(usages: list[Usage]) -> dict[str, Any]:
+    """Several choices share one prompt: it is counted once (its cached part as the first
+    choice's runner had it)."""
     prompt = usages[0].prompt_tokens if usages else 0
+    cached = usages[0].cached_tokens if usages else 0
     completion = sum(u.completion_tokens for u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 class Shape:

@@ -82,7 +82,7 @@ def call_item(item_id: str, call: Call, status: str) -> Json:
 
 def usage(u: Usage) -> Json:
     return {"input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.total_tokens}  # fmt: skip

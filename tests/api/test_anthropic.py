@@ -228,6 +228,11 @@ def test_a_whole_message() -> None:
                   "cache_read_input_tokens": 0},
     }  # fmt: skip
     assert whole_message("m", "x", reply(""), USAGE)["content"] == [{"type": "text", "text": ""}]
+    # A prompt's cached part is counted apart from its input tokens, as Anthropic does.
+    cached = Usage(prompt_tokens=12, completion_tokens=5, cached_tokens=10)
+    assert whole_message("m", "x", reply("Hi"), cached)["usage"] == {
+        "input_tokens": 2, "output_tokens": 5, "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 10}  # fmt: skip
 
 
 @pytest.mark.parametrize(

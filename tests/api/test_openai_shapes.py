@@ -54,7 +54,8 @@ def test_a_reply_with_tool_calls_is_openais_message() -> None:
         {"id": "call_2", "type": "function", "function": {"name": "time", "arguments": "{}"}},
     ]  # fmt: skip
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
 
 
 def test_streamed_tool_calls_are_openais_deltas() -> None:
@@ -121,5 +122,6 @@ def test_completion_logprobs_with_echo_count_offsets_from_the_prompt() -> None:
 
 
 def test_choices_share_the_prompt_in_usage() -> None:
-    usages = [Usage(prompt_tokens=5, completion_tokens=n) for n in (2, 3)]
-    assert usage(usages) == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    usages = [Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=4) for n in (2, 3)]
+    assert usage(usages) == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
+                             "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
