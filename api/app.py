@@ -11,6 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
 from api import anthropic_routes, cluster_routes, errors, metrics, ollama_routes, openai_routes
+from api.admission import Admission
 from api.config import ApiConfig
 from api.context import ApiContext
 from api.dashboard import install as install_dashboard
@@ -31,7 +32,8 @@ def create_app(config: ApiConfig) -> FastAPI:
         engine = database.create_engine(config.db_url)
         reader = database.sqlite_reader(config.db_url)
         verdicts = ServingVerdicts(config.serving_ttl_s)
-        app.state.ctx = ApiContext(config, nc, engine, counted, verdicts, reader=reader)
+        app.state.ctx = ApiContext(config, nc, engine, counted, verdicts, reader=reader,
+                                   admission=Admission(config.max_queued))  # fmt: skip
         try:
             yield
         finally:

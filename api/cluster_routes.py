@@ -15,6 +15,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from sqlalchemy import text
 
 from api import projection
+from api.admission import AdmissionState
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.schemas import InstanceRequest
@@ -28,7 +29,14 @@ from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, stream_of
 from bus.subjects import ALL_EVENTS, CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors.state import ClusterState
 from services.planner.cluster import cluster_view
-from services.planner.placement import ModelInfo, Placement, PlacementRequest, Rejection, place
+from services.planner.placement import (
+    ModelInfo,
+    Placement,
+    PlacementRequest,
+    Rejection,
+    place,
+    slots_problem,
+)
 from services.planner.placement_spec import (
     PlacementSpecError,
     instance_role,
@@ -72,6 +80,14 @@ async def state(ctx: Ctx, tasks: Annotated[int, Query(ge=0, le=1000)] = 50) -> d
     }
 
 
+@router.get("/admission")
+async def admission(ctx: Ctx) -> AdmissionState:
+    """This API process's admission control, per model it has served: its capacity (the
+    serving runners' slots), tasks in flight, requests queued and refused, and waiting times.
+    Each API process answers for itself."""
+    return AdmissionState(origin=ctx.origin, models=ctx.admission.snapshot())
+
+
 @router.get("/instances")
 async def list_instances(
     ctx: Ctx, include_deleted: Annotated[bool, Query()] = False
@@ -96,7 +112,7 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
     s = await projection.cluster(ctx.engine)
     spec = _spec_text(body.placement)
     role = _role(s, body, spec)
-    result = _preview(s, body.model, body.replicas, body.context_length, spec, role)
+    result = _preview(s, body.model, body.replicas, body.context_length, spec, role, body.slots)
     if isinstance(result, Rejection) and not body.queue:
         raise ApiError(
             400, f"{body.model} cannot be placed: {result.reason}", code="placement_rejected"
@@ -106,7 +122,7 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
         InstanceRequested(
             instance_id=instance_id, model_id=body.model, origin=ctx.origin, placement=spec,
             replicas=body.replicas, context_length=body.context_length, aliases=body.aliases,
-            role=role,
+            role=role, slots=body.slots,
         )
     )  # fmt: skip
     return {"id": instance_id, "object": "instance", "model": body.model, "status": "requested",
@@ -132,7 +148,8 @@ async def preview(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
     """Where the model would be placed now, or why it cannot be (the planner's own function)."""
     s = await projection.cluster(ctx.engine)
     spec = _spec_text(body.placement)
-    result = _preview(s, body.model, body.replicas, body.context_length, spec, _role(s, body, spec))
+    role = _role(s, body, spec)
+    result = _preview(s, body.model, body.replicas, body.context_length, spec, role, body.slots)
     return {"model": body.model, **_plan(result)}
 
 
@@ -250,6 +267,7 @@ def _preview(
     context: int | None,
     spec: str | None,
     role: InstanceRole = "chat",
+    slots: int | None = None,
 ) -> Placement | Rejection:
     model = s.model(model_id)
     if model is None:
@@ -257,9 +275,25 @@ def _preview(
             404, f"The model `{model_id}` does not exist", param="model", code="model_not_found"
         )
     info = ModelInfo.of(model)
+    _check_slots(info, role, slots, spec)
     request = PlacementRequest(instance_id="preview", model=info, replicas=replicas,
-                               context_length=context, spec=spec, role=role)  # fmt: skip
+                               context_length=context, spec=spec, role=role,
+                               slots=slots)  # fmt: skip
     return place(cluster_view(s), request)
+
+
+def _check_slots(info: ModelInfo, role: InstanceRole, slots: int | None, spec: str | None) -> None:
+    """Slots the instance could not have are refused here, naming the field, rather than
+    rejected by placement."""
+    if slots is None:
+        return
+    in_spec = parse_placement_spec(spec).for_role(role).slots if spec is not None else None
+    if in_spec is not None and in_spec != slots:
+        raise ApiError(400, f"slots: {slots}, but the placement gives {in_spec}: give it once",
+                       param="slots")  # fmt: skip
+    problem = slots_problem(info, role, slots)
+    if problem is not None:
+        raise ApiError(400, f"slots: {problem}", param="slots")
 
 
 def _plan(result: Placement | Rejection) -> dict[str, Any]:
@@ -267,7 +301,7 @@ def _plan(result: Placement | Rejection) -> dict[str, Any]:
         return {"placeable": False, "reason": result.reason, "needed_bytes": result.needed_bytes,
                 "available_bytes": result.available_bytes}  # fmt: skip
     return {
-        "placeable": True, "context_length": result.context_length,
+        "placeable": True, "context_length": result.context_length, "slots": result.slots,
         "need_bytes_per_replica": result.need_bytes,
         "shards": [s.model_dump(exclude={"runner_id"}) | {"bytes": result.shard_bytes[s.runner_id]}
                    for s in result.shards],

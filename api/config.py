@@ -19,6 +19,9 @@ class ApiConfig:
     projector: str = DEFAULT_NAME
     # How long a request may wait for its task to finish (queueing included).
     task_timeout_s: float = 600.0
+    # How many requests may wait in this process for a slot of a model (api/admission.py);
+    # None: 16 per slot of the model.
+    max_queued: int | None = None
     # How long a model found able to serve is taken to still be (api/serving_verdicts.py).
     serving_ttl_s: float = 1.0
     # Names clients may use for a model (alias -> model id), besides instances' own aliases.

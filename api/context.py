@@ -13,6 +13,8 @@ from nats.aio.client import Client
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from api import admission
+from api.admission import Admission
 from api.config import ApiConfig
 from api.errors import ApiError
 from api.model_names import NamesCache
@@ -37,6 +39,8 @@ class ApiContext:
     reader: Engine | None = None
     # The names clients call models by, as last read (api/model_names.py).
     names: NamesCache = field(default_factory=lambda: NamesCache(1.0))
+    # How many of each model's tasks this process lets run at once, and who waits (the queue).
+    admission: Admission = field(default_factory=Admission)
 
     async def publish(self, event: EventBase) -> None:
         """Store ``event`` on the log (counted in the metrics)."""
@@ -62,11 +66,20 @@ async def require_key(request: Request) -> None:
     ``Authorization: Bearer`` (OpenAI's and Ollama's clients) or ``x-api-key`` (Anthropic's).
     The key given is never echoed back or logged."""
     headers = request.headers
-    refused = key_refusal(
-        _context(request).config.api_keys, headers.get("authorization"), headers.get("x-api-key")
-    )
+    authorization, x_api_key = headers.get("authorization"), headers.get("x-api-key")
+    refused = key_refusal(_context(request).config.api_keys, authorization, x_api_key)
     if refused is not None:
         raise refused
+    # For admission's fairness between keys, and to hear a queued request's client leave.
+    admission.note_caller(given_key(authorization, x_api_key), request.receive)
+
+
+def given_key(authorization: str | None, x_api_key: str | None = None) -> str:
+    """The key a request sent: its ``Authorization: Bearer`` value, else ``x-api-key``."""
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        given = x_api_key or ""
+    return given.strip()
 
 
 def key_refusal(
@@ -75,12 +88,10 @@ def key_refusal(
     """The 401 for a request with these headers, or None when it may pass."""
     if not keys:
         return None
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        given = x_api_key or ""
-    if not given.strip():
+    given = given_key(authorization, x_api_key)
+    if not given:
         return ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`"
                         " (or `x-api-key: <key>`)", code="invalid_api_key")  # fmt: skip
-    if not any(hmac.compare_digest(given.strip(), k) for k in keys):
+    if not any(hmac.compare_digest(given, k) for k in keys):
         return ApiError(401, "Incorrect API key provided", code="invalid_api_key")
     return None

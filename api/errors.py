@@ -12,6 +12,7 @@ FastAPI's own 422 list for an invalid body becomes one 400 that names the field.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -30,9 +31,12 @@ _TYPES = {
     409: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
-    429: "rate_limit_error",
+    429: "requests",  # what OpenAI sends for a limit on requests (with this code)
     503: "service_unavailable",
 }
+
+# A model's queue is full (api/admission.py): OpenAI's code for a 429.
+QUEUE_FULL = "rate_limit_exceeded"
 
 
 # Anthropic's error types by status (its SDK picks its exception class by the status).
@@ -46,6 +50,9 @@ _ANTHROPIC_TYPES = {
     503: "overloaded_error",
     504: "timeout_error",
 }
+# Anthropic's type for an error of this code, where its status says otherwise: a full queue is
+# the server's overload, not the account's rate limit (still a 429, which its SDK retries).
+_ANTHROPIC_TYPES_BY_CODE = {QUEUE_FULL: "overloaded_error"}
 
 Dialect = Literal["openai", "anthropic", "ollama"]
 
@@ -61,13 +68,15 @@ def dialect_of(path: str) -> Dialect:
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ) -> None:
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})  # sent with the error (a 429's Retry-After)
 
 
 def error_body(
@@ -77,22 +86,22 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    kind = _ANTHROPIC_TYPES.get(status, "api_error")
+def anthropic_error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES_BY_CODE.get(code or "") or _ANTHROPIC_TYPES.get(status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def dialect_error_body(err: ApiError, dialect: Dialect) -> dict[str, Any]:
     if dialect == "anthropic":
-        return anthropic_error_body(err.status, err.message)
+        return anthropic_error_body(err.status, err.message, err.code)
     if dialect == "ollama":
         return {"error": err.message}
     return error_body(err.status, err.message, err.param, err.code)
 
 
 def error_response(err: ApiError, dialect: Dialect = "openai") -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return JSONResponse(dialect_error_body(err, dialect), err.status, headers=headers)
+    headers = ({"WWW-Authenticate": "Bearer"} if err.status == 401 else {}) | err.headers
+    return JSONResponse(dialect_error_body(err, dialect), err.status, headers=headers or None)
 
 
 _WHERE = {"body", "query", "path", "header"}

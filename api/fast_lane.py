@@ -23,9 +23,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import admission
 from api.anthropic import MessagesRequest
 from api.anthropic_routes import serve_messages
-from api.context import ApiContext, key_refusal
+from api.context import ApiContext, given_key, key_refusal
 from api.embeddings import EmbeddingsRequest
 from api.embeddings_routes import serve_embeddings
 from api.errors import ApiError, dialect_of, error_response
@@ -85,12 +86,12 @@ class FastLane:
         ctx: ApiContext = scope["app"].state.ctx
         scope["route"] = LaneRoute(path)  # for the metrics' route label
         dialect = dialect_of(path)
-        refused = key_refusal(
-            ctx.config.api_keys, headers.get("authorization"), headers.get("x-api-key")
-        )
+        authorization, x_api_key = headers.get("authorization"), headers.get("x-api-key")
+        refused = key_refusal(ctx.config.api_keys, authorization, x_api_key)
         if refused is not None:
             await error_response(refused, dialect)(scope, receive, send)
             return
+        admission.note_caller(given_key(authorization, x_api_key), receive)  # as require_key
         messages, body = await _read_body(receive)
         try:
             request = lane.body.model_validate_json(body) if body else None

@@ -33,7 +33,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -50,6 +50,7 @@ from projectors.store import load_state
 from projectors.tables import projector_offsets
 
 if TYPE_CHECKING:
+    from api.admission import ModelAdmission
     from api.task_stream import TaskStream
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 # or a long prompt on CPU).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 TOKENS_PER_S_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+# From admitted at once to waiting as long as the API waits for a task (600 s by default).
+QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 # Each source of cluster-wide values gets this long per scrape; one that does not answer is
 # left out (shoal_metrics_source_up says so) rather than holding up the scrape. Two in turn
@@ -107,6 +110,10 @@ class ApiMetrics:
                                       buckets=TOKENS_PER_S_BUCKETS, registry=r)  # fmt: skip
         self.published = Counter("shoal_events_published", "Events this API process published.",
                                  ["type"], registry=r)  # fmt: skip
+        self.queue_wait = Histogram("shoal_admission_wait_seconds", "How long admitted requests "
+                                    "waited in this API's queue for a slot of their model.",
+                                    ["model"], buckets=QUEUE_WAIT_BUCKETS,
+                                    registry=r)  # fmt: skip
         ProcessCollector(registry=r)
         GCCollector(registry=r)
 
@@ -115,6 +122,9 @@ class ApiMetrics:
         self.requests.labels(*labels).inc()
         if status >= 400:
             self.errors.labels(*labels).inc()
+
+    def queue_waited(self, model: str, seconds: float) -> None:
+        self.queue_wait.labels(model).observe(seconds)
 
     def event_published(self, event: EventBase) -> None:
         self.published.labels(getattr(event, "type", type(event).__name__)).inc()
@@ -146,6 +156,30 @@ def token_timing(
     if tokens < 2 or last is None or last <= first:
         return ttft, None
     return ttft, (tokens - 1) / (last - first)
+
+
+def admission_families(models: Sequence[ModelAdmission]) -> list[Metric]:
+    """This process's admission control, per model, as it stands (api/admission.py)."""
+    gauges = {
+        "capacity": _gauge("shoal_admission_capacity", "Tasks of the model this API lets be in "
+                           "flight at once: its serving runners' slots.", ["model"]),
+        "in_flight": _gauge("shoal_admission_in_flight", "Tasks this API published that have not "
+                            "ended yet.", ["model"]),
+        "queued": _gauge("shoal_admission_queued", "Requests waiting in this API for a slot.",
+                         ["model"]),
+        "max_queued": _gauge("shoal_admission_max_queued", "How many requests may wait; past "
+                             "it, a 429.", ["model"]),
+        "oldest_wait_s": _gauge("shoal_admission_oldest_wait_seconds", "How long the request "
+                                "queued longest has waited (0: none waits).", ["model"]),
+    }  # fmt: skip
+    rejected = CounterMetricFamily("shoal_admission_rejected", "Requests refused with a 429: "
+                                   "the model's queue in this API was full.",
+                                   labels=["model"])  # fmt: skip
+    for m in models:
+        for name, family in gauges.items():
+            family.add_metric([m.model], float(getattr(m, name)))
+        rejected.add_metric([m.model], m.rejected)
+    return [*gauges.values(), rejected]
 
 
 def endpoint_of(scope: Scope, root_path_before: str) -> str:
@@ -439,7 +473,9 @@ async def exposition(ctx: ApiContext) -> bytes:
     applied = projection.applied_seq.get(ctx.config.projector) if projection else None
     events = await _read_or_none("event log", read_log(ctx.nc.jetstream(), applied))
     cluster = _Families(cluster_families(events, projection, ctx.config.projector))
-    return generate_latest(ctx.metrics.registry) + generate_latest(cluster)
+    admitting = _Families(admission_families(ctx.admission.snapshot()))
+    return (generate_latest(ctx.metrics.registry) + generate_latest(admitting)
+            + generate_latest(cluster))  # fmt: skip
 
 
 router = APIRouter(dependencies=[Depends(require_key)])

@@ -98,6 +98,16 @@ def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "ch
                    code="model_not_ready")  # fmt: skip
 
 
+def serving_slots(state: ClusterState, model_id: str, role: InstanceRole = "chat") -> int:
+    """How many tasks of ``model_id`` can run at once in ``role``: the slots of its serving
+    pipeline heads (rank 0, Ready or Running) in placed instances, a runner without a count
+    (older logs) counting 1. The capacity of admission control (api/admission.py)."""
+    placed = {i.instance_id for i in state.instances()
+              if i.model_id == model_id and i.role == role and i.status == "placed"}  # fmt: skip
+    return sum(r.slots or 1 for r in state.runners()
+               if r.instance_id in placed and r.rank == 0 and r.state in SERVING)  # fmt: skip
+
+
 def _wrong_role(model_id: str, role: InstanceRole) -> ApiError:
     """A model whose instances all serve the other role: chat and embed instances are apart
     (an embedding-mode engine generates nothing)."""

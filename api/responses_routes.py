@@ -20,7 +20,7 @@ import nats.errors
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api import response_store
+from api import admission, response_store
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.model_names import resolve_model
@@ -183,7 +183,11 @@ async def _in_background(
 ) -> JSONResponse:
     """Answer at once with the queued response, and serve it here meanwhile."""
     require_storable(ctx, task, out.too_large_param)
-    await require_serving(ctx, task.model_id)
+    capacity = await require_serving(ctx, task.model_id)
+    # A full queue is a 429 now; once answered, the response waits for its turn whatever the
+    # bound (admission.in_background).
+    if (refused := ctx.admission.refusal(task.model_id, 1, capacity)) is not None:
+        raise refused
     queued = out.head.response("queued", [])
     if not await keep(queued, None):
         raise ApiError(503, "the response could not be stored on the event log, and a"
@@ -195,6 +199,7 @@ async def _in_background(
 
 
 async def _background(ctx: ApiContext, task: TaskCreated, out: ResponsesOut, keep: Keep) -> None:
+    admission.in_background()
     try:
         await serve(ctx, [task], False, out)  # stores the response when done (out.done)
     except ApiError as err:

@@ -22,6 +22,7 @@ from bus.events import (
     ToolCall,
     ToolChoice,
 )
+from services.models.footprint import MAX_SLOTS
 from services.runner.structured import schema_problem
 
 MAX_STOPS = 4
@@ -378,6 +379,11 @@ class InstanceRequest(_Body):
     )
     replicas: Annotated[int, Field(ge=1, le=64)] = 1
     context_length: Count | None = None
+    slots: Annotated[int, Field(ge=1, le=MAX_SLOTS, strict=True)] | None = Field(
+        default=None,
+        description="Tasks each replica serves at once, each with a KV cache of the whole"
+        " context; default: as many as fit, up to 8.",
+    )
     queue: bool = Field(default=False, description="Request it even if it cannot be placed now.")
     aliases: Annotated[
         list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=32)

@@ -18,11 +18,12 @@ import nats.errors
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from api import projection
+from api import admission, projection
+from api.admission import Permit
 from api.context import ApiContext
 from api.errors import ApiError
 from api.reply import Reply
-from api.task_stream import Recheck, TaskStream
+from api.task_stream import Closed, Recheck, TaskStream
 from bus.events import ChunkGenerated, EventBase, InstanceRole, TaskCreated, Usage
 from bus.payload import PayloadTooLargeError, check_size
 from bus.publisher import MSG_ID_HEADER
@@ -67,7 +68,19 @@ async def serve(
     """Serve ``tasks`` (one per choice: they share the model) with ``out``; a refusal before
     anything is sent raises ``ApiError``, which the app renders in the path's dialect."""
     require_storable(ctx, tasks[0], out.too_large_param)
-    await require_serving(ctx, tasks[0].model_id)
+    capacity = await require_serving(ctx, tasks[0].model_id)
+    # Before anything is published or sent: a full queue is a 429 a stream gets too.
+    permit = await admit(ctx, tasks[0].model_id, len(tasks), capacity)
+    try:
+        return await _serve(ctx, tasks, stream, out, permit)
+    except BaseException:
+        permit.close()  # the slots of tasks whose streams did not close them
+        raise
+
+
+async def _serve(
+    ctx: ApiContext, tasks: list[TaskCreated], stream: bool, out: Output, permit: Permit
+) -> JSONResponse | StreamingResponse:
     if stream:
         # The tasks are stored before the response starts: the runner gets one ~1 ms sooner
         # than after the streaming machinery's start, and a log that cannot store it gets a
@@ -75,7 +88,7 @@ async def serve(
         streams: list[TaskStream] = []
         try:
             for task in tasks:
-                ts = task_stream(ctx, task)
+                ts = task_stream(ctx, task, permit.task_done)
                 await ts.__aenter__()
                 streams.append(ts)
         except nats.errors.Error as exc:
@@ -85,7 +98,8 @@ async def serve(
         return TaskEvents(streams, _events(ctx, streams, out), out.media_type)
     try:
         async with contextlib.AsyncExitStack() as stack:
-            streams = [await stack.enter_async_context(task_stream(ctx, t)) for t in tasks]
+            streams = [await stack.enter_async_context(task_stream(ctx, t, permit.task_done))
+                       for t in tasks]  # fmt: skip
             replies = await asyncio.gather(*(_reply(ts) for ts in streams))
     except nats.errors.Error as exc:  # a task could not be stored
         raise log_unavailable(exc) from exc
@@ -94,13 +108,25 @@ async def serve(
     return JSONResponse(out.whole(replies, usages, streams[0]))
 
 
-async def require_serving(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> None:
+async def require_serving(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> int:
     """The 404, 400 or 503 of a model that cannot answer now in ``role`` (its yes remembered
-    a moment)."""
-    if not ctx.serving.fresh(model_id, role):
+    a moment); else its serving slots (the capacity admission control lets run at once)."""
+    slots = ctx.serving.slots(model_id, role)
+    if slots is None:
         state = await projection.serving(ctx.engine, model_id, ctx.reader)
         projection.require_serving(state, model_id, role)
-        ctx.serving.found(model_id, role)
+        slots = projection.serving_slots(state, model_id, role)
+        ctx.serving.found(model_id, role, slots)
+    return slots
+
+
+async def admit(ctx: ApiContext, model_id: str, tasks: int, capacity: int) -> Permit:
+    """A place for a request's ``tasks`` tasks among the model's ``capacity`` slots, waiting
+    in this API's queue if they are taken (api/admission.py); a full queue is a 429."""
+    permit = await ctx.admission.enter(model_id, tasks, capacity, admission.CALLER.get(),
+                                       ctx.config.task_timeout_s)  # fmt: skip
+    ctx.metrics.queue_waited(model_id, permit.ticket.waited_s)
+    return permit
 
 
 def _outcomes(ctx: ApiContext, streams: list[TaskStream]) -> list[Usage]:
@@ -243,10 +269,10 @@ async def _events(ctx: ApiContext, streams: list[TaskStream], out: Output) -> As
     yield unsent + out.closing(replies, usages)
 
 
-def task_stream(ctx: ApiContext, task: TaskCreated) -> TaskStream:
+def task_stream(ctx: ApiContext, task: TaskCreated, on_closed: Closed | None = None) -> TaskStream:
     why_not = recheck(ctx, task.model_id)
     return TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s, why_not,
-                      on_published=ctx.metrics.event_published)  # fmt: skip
+                      on_published=ctx.metrics.event_published, on_closed=on_closed)  # fmt: skip
 
 
 def recheck(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> Recheck:

@@ -23,6 +23,7 @@ class ServingVerdicts:
         self._ttl_s = ttl_s
         self._clock = clock
         self._found_at: dict[tuple[str, InstanceRole], float] = {}
+        self._slots: dict[tuple[str, InstanceRole], int] = {}
 
     def fresh(self, model_id: str, role: InstanceRole = "chat") -> bool:
         """Whether ``model_id`` was found able to serve (in ``role``) less than ``ttl_s``
@@ -30,6 +31,12 @@ class ServingVerdicts:
         found_at = self._found_at.get((model_id, role))
         return found_at is not None and self._clock() - found_at < self._ttl_s
 
-    def found(self, model_id: str, role: InstanceRole = "chat") -> None:
+    def slots(self, model_id: str, role: InstanceRole = "chat") -> int | None:
+        """The slots ``model_id`` was found to serve with (api/admission.py's capacity), while
+        the verdict is ``fresh``; None when it is not."""
+        return self._slots.get((model_id, role), 1) if self.fresh(model_id, role) else None
+
+    def found(self, model_id: str, role: InstanceRole = "chat", slots: int = 1) -> None:
         if self._ttl_s > 0:
             self._found_at[(model_id, role)] = self._clock()
+            self._slots[(model_id, role)] = slots

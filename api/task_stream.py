@@ -57,6 +57,8 @@ RECHECK_S = 2.0
 Recheck = Callable[[], Awaitable[str | None]]
 # Told of each event the stream published (for the API's metrics).
 Published = Callable[[EventBase], None]
+# Told once when the API stops following the task, however that is (admission's slot frees).
+Closed = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,12 @@ class TaskStream:
         timeout_s: float,
         recheck: Recheck | None = None,
         on_published: Published | None = None,
+        on_closed: Closed | None = None,
     ) -> None:
         self._nc = nc
         self._recheck = recheck
         self._on_published = on_published
+        self._on_closed = on_closed
         self.task = task
         self._origin = origin
         self._timeout_s = timeout_s
@@ -150,13 +154,20 @@ class TaskStream:
         try:
             await self._publish(t)
         except BaseException:  # not stored: nothing to follow
+            self._closed()
             await self._unsubscribe()
             raise
         return self
 
+    def _closed(self) -> None:
+        if self._on_closed is not None:
+            told, self._on_closed = self._on_closed, None
+            told()
+
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._closed()
         await self._unsubscribe()
         if self.finished is None or self.finished.unavailable is not None:
             # The client went away (or the wait timed out): stop the runner's work.

@@ -321,6 +321,11 @@ class InstanceRequested(_InstanceEvent):
     placement: str | None = Field(default=None, description="Manual placement spec (JSON).")
     replicas: Int32 = 1
     context_length: Int32 | None = None
+    slots: Int32 | None = Field(
+        default=None,
+        description="Tasks each replica serves at once (a KV cache of context_length each);"
+        " None: as many as fit, up to 8, chosen at placement.",
+    )
     role: InstanceRole = "chat"
     aliases: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
         default_factory=list,
@@ -342,6 +347,11 @@ class InstancePlaced(_InstanceEvent):
     reason: str = Field(default="", description="Why it was placed again, when it was.")
     avoid: list[str] = Field(
         default_factory=list, description="'node:device's its runners kept failing on."
+    )
+    slots: Int32 | None = Field(
+        default=None,
+        description="Tasks each replica serves at once, as placed (memory counted for the KV"
+        " cache of each); None (older logs): 1.",
     )
 
 
@@ -391,6 +401,9 @@ class RunnerStateChanged(EventBase):
     exit_code: int | None = None
     endpoint: str | None = Field(default=None, description="Data-plane endpoint (host:port).")
     pid: int | None = None
+    slots: Int32 | None = Field(
+        default=None, description="On Ready: how many tasks the runner serves at once."
+    )
 
 
 # --- tasks --------------------------------------------------------------------------------

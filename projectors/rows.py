@@ -97,6 +97,8 @@ class InstanceRow:
     avoid: JsonList | None = None  # 'node:device's where its runners kept failing
     role: InstanceRole = "chat"
     aliases: JsonList | None = None  # other names the model is called by through this instance
+    requested_slots: int | None = None  # as asked for; None: chosen at placement
+    slots: int | None = None  # tasks each replica serves at once, as placed; None: 1
 
     def key(self) -> tuple[str]:
         return (self.instance_id,)
@@ -128,6 +130,7 @@ class RunnerRow:
     last_failed_at: datetime | None = None
     failure_times: JsonList | None = None  # ISO times of the latest failures, oldest first
     updated_at: datetime | None = None
+    slots: int | None = None  # tasks the runner serves at once, as it said when Ready; None: 1
 
     def key(self) -> tuple[str]:
         return (self.runner_id,)

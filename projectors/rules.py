@@ -212,6 +212,7 @@ def _instance_requested(state: ClusterState, e: InstanceRequested) -> list[Chang
         requested_at=e.ts,
         role=e.role,
         aliases=list(e.aliases) or None,
+        requested_slots=e.slots,
     )
     return [Put(row)]
 
@@ -234,7 +235,7 @@ def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
         old, status="placed", placed_at=e.ts, placements=old.placements + 1,
         reason=e.reason or None, needed_bytes=None,
         generation=e.generation if e.generation is not None else old.generation + 1,
-        avoid=list(e.avoid) or old.avoid,
+        avoid=list(e.avoid) or old.avoid, slots=e.slots,
     )  # fmt: skip
     # A new placement replaces the old shards; a shard it keeps unchanged (same runner, same
     # place, same layers) keeps its runner's state, because that runner keeps running.
@@ -280,7 +281,7 @@ def _placement_rejected(state: ClusterState, e: PlacementRejected) -> list[Chang
     inst = replace(
         old, status="rejected", reason=e.reason, needed_bytes=e.needed_bytes,
         generation=e.generation if e.generation is not None else old.generation + 1,
-        avoid=list(e.avoid) or old.avoid,
+        avoid=list(e.avoid) or old.avoid, slots=None,  # no runners, no slots
     )  # fmt: skip
     return [Put(inst), *_drop_runners(state, e.instance_id)]
 
@@ -319,6 +320,8 @@ def _runner_state_changed(state: ClusterState, e: RunnerStateChanged) -> list[Ch
         exit_code=e.exit_code,
         endpoint=e.endpoint if e.endpoint is not None else old.endpoint,
         pid=e.pid if e.pid is not None else old.pid,
+        # Said on Ready; a process started anew (Assigned) has not said it yet.
+        slots=e.slots if e.slots is not None else None if e.state == "Assigned" else old.slots,
         failures=old.failures + 1 if failed else old.failures,
         last_failed_at=e.ts if failed else old.last_failed_at,
         failure_times=[*(old.failure_times or []), e.ts.isoformat()][-RECENT_FAILURES:]

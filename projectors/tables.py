@@ -121,6 +121,8 @@ instances = Table(
     Column("avoid", JSON),
     Column("role", String(20), nullable=False, server_default="chat"),
     Column("aliases", JSON),
+    Column("requested_slots", Integer),
+    Column("slots", Integer),
 )
 
 runners = Table(
@@ -147,6 +149,7 @@ runners = Table(
     Column("last_failed_at", UtcDateTime),
     Column("updated_at", UtcDateTime),
     Column("failure_times", JSON),
+    Column("slots", Integer),
 )
 
 tasks = Table(

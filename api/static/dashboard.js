@@ -9,7 +9,7 @@ import { EventFeed } from "./events.js";
 import { renderInstances } from "./instances.js";
 import { renderNodes } from "./nodes.js";
 import { setupRequestForm } from "./request.js";
-import { renderTasks } from "./tasks.js";
+import { renderAdmission, renderTasks } from "./tasks.js";
 
 const POLL_MS = 2000;
 // Events after which the state is worth reading again at once, rather than at the next poll
@@ -51,9 +51,14 @@ function refresh() {
   if (refreshing || later) return;
   refreshing = (async () => {
     try {
-      const state = await api("v1/state?tasks=8");
+      // This API process's queues beside the cluster's state (an older API has none).
+      const [state, admission] = await Promise.all([
+        api("v1/state?tasks=8"),
+        api("v1/admission").catch(() => null),
+      ]);
       setConnection("connected", "good");
       draw(state);
+      renderAdmission($("admission"), admission);
     } catch (err) {
       setConnection(err.status === 401 ? "needs API key" : "unreachable", "bad");
     } finally {

@@ -24,3 +24,24 @@ export function renderTasks(container, state) {
   );
   container.replaceChildren(h("table", { class: "tasks" }, h("thead", {}, head), h("tbody", {}, rows)));
 }
+
+// This API process's admission control (GET /v1/admission): per model, its slots in use, the
+// requests waiting here for one, and those refused with a 429.
+export function renderAdmission(container, admission) {
+  const models = (admission && admission.models) || [];
+  if (!models.length) {
+    container.replaceChildren();
+    return;
+  }
+  const lines = models.map((m) => {
+    const facts = [
+      `${m.in_flight}/${m.capacity} slots busy`,
+      `${m.queued} queued (at most ${m.max_queued})`,
+      m.queued ? `oldest waiting ${m.oldest_wait_s.toFixed(1)} s` : null,
+      `mean wait ${m.mean_wait_s.toFixed(2)} s`,
+      m.rejected ? `${m.rejected} refused (429)` : null,
+    ].filter(Boolean);
+    return h("p", { class: "sub" }, h("strong", {}, m.model), ` · ${facts.join(" · ")}`);
+  });
+  container.replaceChildren(...lines);
+}

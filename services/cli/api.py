@@ -46,6 +46,12 @@ CorsOrigins = Annotated[
     typer.Option("--cors-origin", help="An origin whose browser pages may call the API"
                  " (repeatable; '*' for any, without credentials). None by default."),
 ]  # fmt: skip
+MaxQueued = Annotated[
+    int | None,
+    typer.Option("--max-queued", min=0, help="Requests that may wait in the API for a busy"
+                 " model (per model); past it, a 429 with Retry-After [default: 16 per slot of"
+                 " the model's runners]."),
+]  # fmt: skip
 ApiKeys = Annotated[
     list[str] | None,
     typer.Option("--api-key", help="A key clients must send as a Bearer token (repeatable; or"
@@ -122,6 +128,7 @@ def api(
         str | None, typer.Option(help="The model of requests that name none.")
     ] = None,
     cors_origin: CorsOrigins = None,
+    max_queued: MaxQueued = None,
 ) -> None:
     """Serve the HTTP API: OpenAI's, Anthropic's and Ollama's endpoints, and cluster control."""
     setup_logging()
@@ -130,7 +137,7 @@ def api(
     keys = frozenset(api_key or ()) | keys_from_env()
     config = ApiConfig(
         nats_url=nats, db_url=db, api_keys=keys, aliases=cli_aliases(alias),
-        default_model=default_model, cors_origins=tuple(cors_origin or ()),
+        default_model=default_model, cors_origins=tuple(cors_origin or ()), max_queued=max_queued,
     )  # fmt: skip
     typer.echo(f"API on {api_url(host, port, tls)}" + (" (API keys required)" if keys else ""))
 

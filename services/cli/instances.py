@@ -44,6 +44,7 @@ from projectors.store import load_state
 from services.cli.models import publish_model
 from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl, default_data_dir
 from services.models.cards import builtin_cards
+from services.models.footprint import MAX_SLOTS
 from services.planner.cluster import cluster_view
 from services.planner.placement import (
     ModelInfo,
@@ -52,6 +53,7 @@ from services.planner.placement import (
     Rejection,
     gib,
     place,
+    slots_problem,
 )
 from services.planner.placement_spec import (
     PlacementSpecError,
@@ -78,6 +80,16 @@ Context = Annotated[
         "--context",
         min=1,
         help="Context length in tokens [default: 2048, or less; an embed instance's: 512].",
+    ),
+]
+Slots = Annotated[
+    int | None,
+    typer.Option(
+        "--slots",
+        min=1,
+        max=MAX_SLOTS,
+        help="Tasks each replica serves at once, each with a KV cache of the whole context"
+        " [default: as many as fit, up to 8].",
     ),
 ]
 Role = Annotated[
@@ -111,6 +123,14 @@ def _read_spec(spec: str | None) -> str | None:
     return spec
 
 
+def _check_slots(spec: str | None, slots: int | None) -> None:
+    if spec is None or slots is None:
+        return
+    in_spec = [r.slots for r in parse_placement_spec(spec).roles.values() if r.slots is not None]
+    if in_spec and in_spec != [slots] * len(in_spec):
+        _fail("give slots in the placement spec or with --slots, not both")
+
+
 async def _projection(db: str) -> ClusterState:
     engine = database.create_engine(db)
     try:
@@ -137,13 +157,19 @@ def _request(
     context: int | None,
     spec: str | None,
     role: InstanceRole = "chat",
+    slots: int | None = None,
 ) -> PlacementRequest:
     model = state.model(model_id)
     info = ModelInfo.of(model) if model else None
     if role == "embed" and model is not None and (model.engines or ["llamacpp"])[0] == "mlx":
         _fail(f"{model_id} runs on the mlx engine: embeddings are not supported on the mlx engine")
+    if slots is not None and info is not None:
+        problem = slots_problem(info, role, slots)
+        if problem is not None:
+            _fail(f"--slots: {problem}")
     return PlacementRequest(instance_id=instance_id, model=info, replicas=replicas,
-                            context_length=context, spec=spec, role=role)  # fmt: skip
+                            context_length=context, spec=spec, role=role,
+                            slots=slots)  # fmt: skip
 
 
 def describe(result: Placement | Rejection, model_id: str) -> str:
@@ -153,7 +179,8 @@ def describe(result: Placement | Rejection, model_id: str) -> str:
     replicas = len({s.replica for s in result.shards})
     lines = [
         f"{model_id}: {replicas} replica{'s' if replicas > 1 else ''}, context"
-        f" {result.context_length} tokens, {gib(result.need_bytes)} per replica"
+        f" {result.context_length} tokens, {result.slots} slot{'s' if result.slots > 1 else ''},"
+        f" {gib(result.need_bytes)} per replica"
     ]
     for s in result.shards:
         lines.append(
@@ -170,16 +197,18 @@ def preview(
     placement: Spec = None,
     replicas: Replicas = 1,
     context: Context = None,
+    slots: Slots = None,
     role: Role = None,
     db: DbUrl = DEFAULT_DB,
 ) -> None:
     """Show where MODEL would be placed now (exit status 1 if it cannot be)."""
     spec = _read_spec(placement)
+    _check_slots(spec, slots)
     chosen = _role(spec, role)
     state = asyncio.run(_projection(db))
     if state.model(model) is None:
         _fail(f"model {model!r} is not known to the cluster: add it with `shoal models add`")
-    request = _request(state, "preview", model, replicas, context, spec, chosen)
+    request = _request(state, "preview", model, replicas, context, spec, chosen, slots)
     result = place(cluster_view(state), request)
     typer.echo(describe(result, model))
     if isinstance(result, Rejection):
@@ -192,6 +221,7 @@ def create(
     placement: Spec = None,
     replicas: Replicas = 1,
     context: Context = None,
+    slots: Slots = None,
     role: Role = None,
     instance_id: Annotated[
         str | None, typer.Option("--id", help="Instance id [default: MODEL-<random>].")
@@ -208,6 +238,7 @@ def create(
     spec = _read_spec(placement)
     if spec is not None and replicas != 1:
         _fail("give replicas in the placement spec, not with --replicas")
+    _check_slots(spec, slots)
     chosen = _role(spec, role)
     iid = instance_id or f"{model}-{secrets.token_hex(3)}"
 
@@ -228,14 +259,14 @@ def create(
                 )
                 typer.echo(f"added model {model}")
                 state.commit(changes_for(state, added))
-            result = place(
-                cluster_view(state), _request(state, iid, model, replicas, context, spec, chosen)
-            )
+            ask = _request(state, iid, model, replicas, context, spec, chosen, slots)
+            result = place(cluster_view(state), ask)
             if isinstance(result, Rejection) and not queue:
                 _fail(f"{model} {describe(result, model)} (--queue requests it anyway)")
             requested = InstanceRequested(
                 instance_id=iid, model_id=model, origin=f"shoal-cli@{socket.gethostname()}",
                 placement=spec, replicas=replicas, context_length=context, role=chosen,
+                slots=slots,
             )  # fmt: skip
             outcomes = (InstancePlaced, PlacementRejected)
             return await _publish_and_wait(nc, requested, wait, outcomes)
@@ -248,7 +279,8 @@ def create(
         shards = ", ".join(
             f"{s.node_id}:{s.device}[{s.start_layer}:{s.end_layer}]" for s in outcome.shards
         )
-        typer.echo(f"placed {iid} on {shards}")
+        n = outcome.slots or 1
+        typer.echo(f"placed {iid} on {shards}, {n} slot{'s' if n > 1 else ''} each")
     elif isinstance(outcome, PlacementRejected):
         _fail(f"{iid} rejected: {outcome.reason}")
     elif wait > 0:
@@ -334,11 +366,12 @@ def list_instances(
         rows.append({
             "instance_id": inst.instance_id, "model_id": inst.model_id, "role": inst.role,
             "status": inst.status,
-            "replicas": inst.replicas, "generation": inst.generation, "reason": inst.reason,
+            "replicas": inst.replicas, "slots": inst.slots, "generation": inst.generation,
+            "reason": inst.reason,
             "shards": [
                 {"runner_id": r.runner_id, "node": r.node_id, "device": r.device,
                  "replica": r.replica, "rank": r.rank, "layers": [r.start_layer, r.end_layer],
-                 "state": r.state}
+                 "state": r.state, "slots": r.slots}
                 for r in runners
             ],
         })  # fmt: skip
@@ -347,7 +380,7 @@ def list_instances(
             typer.echo(json.dumps(row))
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("id", "model", "role", "status", "replicas", "shards", "reason"):
+    for column in ("id", "model", "role", "status", "replicas", "slots", "shards", "reason"):
         table.add_column(column)
     for row in rows:
         shards = "\n".join(
@@ -355,7 +388,8 @@ def list_instances(
             for s in row["shards"]
         )
         table.add_row(row["instance_id"], row["model_id"], row["role"], row["status"],
-                      str(row["replicas"]), shards or "-", row["reason"] or "")  # fmt: skip
+                      str(row["replicas"]), str(row["slots"] or "-"), shards or "-",
+                      row["reason"] or "")  # fmt: skip
     Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)
     if not rows:
         typer.echo("(no instances; `shoal instances create MODEL` asks for one)")

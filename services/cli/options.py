@@ -14,6 +14,7 @@ import typer
 import uvloop
 
 from bus.connection import DEFAULT_NATS_URL
+from services.models.footprint import MAX_SLOTS
 
 NatsUrl = Annotated[
     str,
@@ -34,6 +35,17 @@ DataHost = Annotated[
         help="Address this node's pipeline stages listen on (llama.cpp RPC, MLX ring) "
         "[default: the local address NATS is reached from]. Trusted networks only: "
         "llama.cpp's RPC has no authentication.",
+    ),
+]
+RunnerSlots = Annotated[
+    int | None,
+    typer.Option(
+        "--slots",
+        min=1,
+        max=MAX_SLOTS,
+        help="Tasks each runner of this node serves at once, whatever its instance was placed"
+        " with [default: the placement's]. Each holds a KV cache of the whole context: mind"
+        " the memory.",
     ),
 ]
 DEFAULT_NATS = DEFAULT_NATS_URL

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
+import urllib.request
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -12,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from api.admission import AdmissionState
 from projectors import database
 from projectors.store import table_rows
 from services.cli.options import DEFAULT_DB, DbUrl
@@ -22,13 +25,35 @@ GiB = 1024**3
 _COLUMNS: dict[str, tuple[str, ...]] = {
     "nodes": ("node_id", "status", "hostname", "ram_available", "memory_offered", "cpu_count",
               "cpu_load", "last_seen"),
-    "instances": ("instance_id", "model_id", "status", "replicas", "placements", "reason"),
-    "runners": ("runner_id", "instance_id", "node_id", "device", "state", "layers",
+    "instances": ("instance_id", "model_id", "status", "replicas", "slots", "placements",
+                  "reason"),
+    "runners": ("runner_id", "instance_id", "node_id", "device", "state", "layers", "slots",
                 "failures", "error"),
     "tasks": ("task_id", "model_id", "status", "runner_id", "prompt_tokens",
               "completion_tokens", "ttft_ms", "tokens_per_s", "created_at"),
 }  # fmt: skip
 _TABLES = ("nodes", "devices", "models", "instances", "runners", "tasks")
+# What `shoal state` shows of an API's admission control (GET /v1/admission).
+_ADMISSION = ("model", "capacity", "in_flight", "queued", "max_queued", "keys_waiting",
+              "oldest_wait_s", "mean_wait_s", "admitted", "rejected")  # fmt: skip
+DEFAULT_API = "http://127.0.0.1:8000"
+ApiUrl = Annotated[
+    str,
+    typer.Option(envvar="SHOAL_API_URL", help="An API process whose admission queues to show"
+                 " too, if it answers (GET /v1/admission)."),
+]  # fmt: skip
+
+
+def read_admission(api: str, key: str | None, timeout_s: float = 2.0) -> AdmissionState | None:
+    """The API's ``GET /v1/admission``, or None when it does not answer (not running, another
+    address, a wrong key): the projection alone is still shown."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(f"{api.rstrip('/')}/v1/admission", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            return AdmissionState.model_validate_json(answer.read())
+    except (OSError, ValueError):  # URLError and HTTPError are OSErrors
+        return None
 
 
 async def read_state(db: str, recent_tasks: int) -> dict[str, list[dict[str, Any]]]:
@@ -80,11 +105,17 @@ def state(
     db: DbUrl = DEFAULT_DB,
     as_json: Annotated[bool, typer.Option("--json", help="All columns, as JSON.")] = False,
     tasks: Annotated[int, typer.Option(help="How many recent tasks to show.")] = 20,
+    api: ApiUrl = DEFAULT_API,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="SHOAL_API_KEY", help="Its key, if it has keys.")
+    ] = None,
 ) -> None:
-    """Print nodes, instances, runners and recent tasks."""
+    """Print nodes, instances, runners and recent tasks, and the API's queues."""
     data = asyncio.run(read_state(db, tasks))
+    admission = read_admission(api, api_key)
     if as_json:
-        typer.echo(json.dumps(data, default=str, indent=2))
+        queues = admission.model_dump() if admission else None
+        typer.echo(json.dumps(data | {"admission": queues}, default=str, indent=2))
         return
     console = Console()
     for name, columns in _COLUMNS.items():
@@ -93,4 +124,12 @@ def state(
             table.add_column(col.replace("_", " "))
         for row in data[name]:
             table.add_row(*(_styled(c, row) for c in columns))
+        console.print(table)
+    if admission is not None:
+        table = Table(title=f"admission ({api}, {admission.origin})", title_justify="left")
+        for col in _ADMISSION:
+            table.add_column(col.replace("_", " "))
+        for model in admission.models:
+            row = model.model_dump()
+            table.add_row(*(_cell(c, row[c]) for c in _ADMISSION))
         console.print(table)

@@ -35,6 +35,7 @@ from services.cli.api import (
     Aliases,
     ApiKeys,
     CorsOrigins,
+    MaxQueued,
     TlsCert,
     TlsKey,
     api_server,
@@ -45,7 +46,13 @@ from services.cli.api import (
     serve_until,
 )
 from services.cli.models import publish_model
-from services.cli.options import DataHost, default_data_dir, run_until_signal, setup_logging
+from services.cli.options import (
+    DataHost,
+    RunnerSlots,
+    default_data_dir,
+    run_until_signal,
+    setup_logging,
+)
 from services.cli.up_progress import UpProgress, model_steps, weights_step
 from services.models.cards import builtin_cards
 from services.planner.planner import PLANNING_TABLES, Planner
@@ -81,9 +88,11 @@ def up(
         int | None, typer.Option(help="Threads per runner [default: every core].")
     ] = None,
     data_host: DataHost = None,
+    slots: RunnerSlots = None,
     api_key: ApiKeys = None,
     alias: Aliases = None,
     cors_origin: CorsOrigins = None,
+    max_queued: MaxQueued = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     nats_tls_cert: Annotated[
@@ -154,11 +163,12 @@ def up(
             worker = Worker(worker_nc, WorkerConfig(
                 nats_url=server.url, node_id=load_node_id(worker_dir, None), data_dir=worker_dir,
                 memory_limit=limit, runner_threads=runner_threads, data_host=data_host,
+                slots=slots,
             ))  # fmt: skip
             config = ApiConfig(
                 nats_url=server.url, db_url=db_url, api_keys=keys, aliases=aliases,
                 default_model=None if no_model else model, cors_origins=tuple(cors_origin or ()),
-                models_dir=data / "models",
+                models_dir=data / "models", max_queued=max_queued,
             )  # fmt: skip
             api = api_server(config, host, port, tls)
             tasks += [

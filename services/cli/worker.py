@@ -16,6 +16,7 @@ from services.cli.options import (
     DEFAULT_NATS,
     DataHost,
     NatsUrl,
+    RunnerSlots,
     default_data_dir,
     run_until_signal,
     setup_logging,
@@ -49,6 +50,7 @@ def worker(
         ),
     ] = None,
     data_host: DataHost = None,
+    slots: RunnerSlots = None,
 ) -> None:
     """Join the cluster as a worker: heartbeat, and run the runners placed on this node."""
     setup_logging()
@@ -61,6 +63,7 @@ def worker(
         heartbeat_s=heartbeat,
         runner_threads=runner_threads,
         data_host=data_host,
+        slots=slots,
         stream_settings=StreamSettings.from_env(),
     )
     typer.echo(f"worker {config.node_id} joining {nats}")

@@ -1,8 +1,9 @@
 """How much memory a model takes to serve, from the facts ``ModelAdded`` carries.
 
 Placement runs on these numbers only, so it needs no model file: the weights (the file size),
-the KV cache (bytes per token of context, times the context), and the engine's working memory
-(compute buffers, logits, tokenizer tables), which every runner pays once.
+the KV cache (bytes per token of context, times the context, times the slots: each task served
+at once has a context of its own), and the engine's working memory (compute buffers, logits,
+tokenizer tables), which every runner pays once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ DEFAULT_CONTEXT_LENGTH = 2048
 # An embed instance's: the longest input it takes, and what one batch of inputs holds. Small,
 # so that such an instance needs little beyond its weights.
 DEFAULT_EMBED_CONTEXT_LENGTH = 512
+# Slots (tasks a runner serves at once): when the request names none, placement gives as many
+# as fit beside the weights, up to this; a request may ask for up to MAX_SLOTS.
+DEFAULT_MAX_SLOTS = 8
+MAX_SLOTS = 64
 
 
 def context_for(model_context: int, requested: int | None, role: str = "chat") -> int:
@@ -43,11 +48,12 @@ class Footprint:
             overhead_bytes=model.overhead_bytes,
         )
 
-    def need_bytes(self, n_ctx: int, layers: int | None = None) -> int:
-        """Memory for ``layers`` of the model (all by default) at ``n_ctx`` tokens. Weights and
-        KV cache are taken in proportion to the layers: the embeddings and output head are not
-        per layer, but they are small next to the blocks of any model worth splitting."""
-        share = self.weights_bytes + self.kv_bytes_per_token * n_ctx
+    def need_bytes(self, n_ctx: int, layers: int | None = None, slots: int = 1) -> int:
+        """Memory for ``layers`` of the model (all by default) at ``n_ctx`` tokens for each of
+        ``slots`` tasks at once. Weights and KV cache are taken in proportion to the layers:
+        the embeddings and output head are not per layer, but they are small next to the
+        blocks of any model worth splitting."""
+        share = self.weights_bytes + self.kv_bytes_per_token * n_ctx * slots
         if layers is not None and layers != self.n_layers:
             share = -(-share * layers // self.n_layers)  # round up: never promise too little
         return share + self.overhead_bytes

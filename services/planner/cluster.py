@@ -60,13 +60,15 @@ class ClusterView:
 
 
 def shard_need(state: ClusterState, runner: RunnerRow) -> int:
-    """Memory the runner of this shard needs (0 when its model is unknown)."""
+    """Memory the runner of this shard needs (0 when its model is unknown): a KV cache for
+    each of its slots, as many as it said it serves, else as many as it was placed with."""
     inst = state.instance(runner.instance_id)
     model = state.model(inst.model_id) if inst is not None else None
     if inst is None or model is None:
         return 0
     ctx = context_for(model.context_length, inst.context_length, inst.role)
-    return Footprint.of(model).need_bytes(ctx, runner.end_layer - runner.start_layer)
+    slots = runner.slots or inst.slots or 1
+    return Footprint.of(model).need_bytes(ctx, runner.end_layer - runner.start_layer, slots)
 
 
 def charges_of(state: ClusterState, runners: Iterable[RunnerRow]) -> dict[str, int]:

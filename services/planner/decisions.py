@@ -177,6 +177,8 @@ def _place(
         generation=inst.generation + 1,
         avoid=why.avoid,
         current=tuple(r.shard() for r in runners) if inst.status == "placed" else (),
+        slots=inst.requested_slots,
+        current_slots=inst.slots,
     )
     result = place(view, request)
     msg_id = f"placement:{inst.instance_id}:{request.generation}"
@@ -185,7 +187,7 @@ def _place(
         event: DecisionEvent = InstancePlaced(
             instance_id=inst.instance_id, model_id=inst.model_id, origin=origin,
             shards=list(result.shards), generation=request.generation, reason=reason,
-            avoid=sorted(why.avoid), ts=now,
+            avoid=sorted(why.avoid), slots=result.slots, ts=now,
         )  # fmt: skip
         emit(event, msg_id)
     elif inst.status != "rejected":

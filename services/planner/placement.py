@@ -10,6 +10,13 @@ Automatic placement, per replica:
    remainder, at least one layer each), as exo does. The roomiest node is the head (rank 0).
 3. Nothing fits: a ``Rejection`` that says what was needed and what each device has.
 
+Each replica serves ``slots`` tasks at once, and holds a KV cache of the whole context for each.
+A request (or its placement spec) that names the slots gets exactly that many, or a rejection.
+Otherwise the devices are chosen as for one slot, and the instance gets as many slots as fit
+on them beside the weights, up to ``DEFAULT_MAX_SLOTS`` (one for an embed instance or an MLX
+model, which serve one task at a time); an instance placed again keeps at most the slots it
+has, so that the runners it keeps need not restart.
+
 Manual placement follows a placement spec (``placement_spec.py``): the listed devices, split
 by ``tensor_split`` (or by room when it is absent), checked against the live cluster.
 
@@ -22,10 +29,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from bus.events import INT32_MAX, ShardAssignment
 from projectors.rows import ModelRow
-from services.models.footprint import Footprint, context_for
+from services.models.cards import Engine
+from services.models.footprint import DEFAULT_MAX_SLOTS, MAX_SLOTS, Footprint, context_for
 from services.planner.cluster import ClusterView, Device
 from services.planner.layers import split_layers
 from services.planner.placement_spec import (
@@ -46,10 +55,12 @@ class ModelInfo:
     model_id: str
     footprint: Footprint
     context_length: int = 0  # trained context; 0 when unknown
+    engine: Engine = "llamacpp"
 
     @classmethod
     def of(cls, model: ModelRow) -> ModelInfo:
-        return cls(model.model_id, Footprint.of(model), model.context_length)
+        engine = cast(Engine, (model.engines or ["llamacpp"])[0])
+        return cls(model.model_id, Footprint.of(model), model.context_length, engine)
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,8 @@ class PlacementRequest:
     avoid: frozenset[str] = frozenset()  # 'node:device's not to use (runners failed there)
     current: tuple[ShardAssignment, ...] = ()  # the shards placed now, when placing again
     role: str = DEFAULT_ROLE
+    slots: int | None = None  # tasks each replica serves at once; None: as many as fit
+    current_slots: int | None = None  # what the shards placed now serve (None: 1)
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class Placement:
     need_bytes: int  # one whole replica
     context_length: int
     kept_replicas: tuple[int, ...] = ()
+    slots: int = 1  # tasks each replica serves at once
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,22 @@ class Rejection:
 
 # One replica's stages: (device, layers) in rank order.
 Stages = list[tuple[Device, int]]
+
+
+def max_slots(model: ModelInfo, role: str) -> int:
+    """The most slots an instance may ask for: one for an embed instance or an MLX model,
+    whose runners serve one task (or batch) at a time."""
+    return 1 if role == "embed" or model.engine == "mlx" else MAX_SLOTS
+
+
+def slots_problem(model: ModelInfo, role: str, slots: int) -> str | None:
+    """Why an instance of ``model`` cannot have ``slots`` slots, or None."""
+    if not 1 <= slots <= MAX_SLOTS:
+        return f"slots must be between 1 and {MAX_SLOTS}, not {slots}"
+    if slots > max_slots(model, role):
+        what = "an embed instance" if role == "embed" else f"{model.model_id} (mlx engine)"
+        return f"{what} serves one task at a time: slots must be 1, not {slots}"
+    return None
 
 
 def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Rejection:
@@ -101,46 +131,102 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
             f"a context of {ctx} tokens is more than {model.model_id} was trained for"
             f" ({model.context_length})"
         )
-    fp = model.footprint
     manual: list[tuple[tuple[DeviceRef, ...], tuple[float, ...] | None]] | None = None
+    asked = request.slots
     if request.spec is not None:
         try:
             role = parse_placement_spec(request.spec).for_role(request.role)
         except PlacementSpecError as exc:
             return Rejection(f"invalid placement: {exc}")
         manual, replicas = role.groups(), role.replicas  # the spec caps its replicas
-    need = fp.need_bytes(ctx)
+        asked = role.slots if role.slots is not None else asked
+    if asked is not None:
+        problem = slots_problem(model, request.role, asked)
+        if problem is None and ctx * asked > INT32_MAX:
+            problem = f"{asked} slots of {ctx} tokens are more than any engine takes"
+        if problem is not None:
+            return Rejection(problem)
+        placed = _place(cluster, request, model, ctx, asked, replicas, manual)
+        if isinstance(placed, Rejection):
+            return placed
+        return _placement(request, model.footprint, ctx, asked, *placed)
+    # The devices as for one slot (a GPU for one slot beats a CPU for eight), then as many
+    # slots as fit on them; placed again, no more than the kept runners serve.
+    placed = _place(cluster, request, model, ctx, 1, replicas, manual)
+    if isinstance(placed, Rejection):
+        return placed
+    stages, kept = placed
+    limit = min(max_slots(model, request.role), DEFAULT_MAX_SLOTS, INT32_MAX // ctx)
+    if kept:
+        limit = min(limit, request.current_slots or 1)
+    fp = model.footprint
+    slots = next(
+        (n for n in range(limit, 1, -1) if _fits(cluster, _charges(stages.values(), fp, ctx * n))),
+        1,
+    )
+    return _placement(request, fp, ctx, slots, stages, kept)
+
+
+def _fits(cluster: ClusterView, charges: dict[str, int]) -> bool:
+    return all(need <= cluster.devices[ref].usable for ref, need in charges.items())
+
+
+def _place(
+    cluster: ClusterView,
+    request: PlacementRequest,
+    model: ModelInfo,
+    ctx: int,
+    slots: int,
+    replicas: int,
+    manual: list[tuple[tuple[DeviceRef, ...], tuple[float, ...] | None]] | None,
+) -> tuple[dict[int, Stages], tuple[int, ...]] | Rejection:
+    """Each replica's stages for ``slots`` slots of ``ctx`` tokens, and the replicas kept."""
+    fp = model.footprint
+    tokens = ctx * slots  # the KV cache a whole replica holds
     spec_refs = None if manual is None else [[str(r) for r in devices] for devices, _ in manual]
     kept = _kept_replicas(cluster, request, replicas, spec_refs)
-    view = cluster.reserve(_charges(kept.values(), fp, ctx))
+    view = cluster.reserve(_charges(kept.values(), fp, tokens))
     placed: dict[int, Stages] = dict(kept)
     for replica in range(replicas):
         if replica in placed:
             continue
         if manual is not None:
             devices, weights = manual[replica]
-            result = _manual(view, fp, ctx, devices, weights, request.avoid)
+            result = _manual(view, fp, tokens, devices, weights, request.avoid)
         else:
-            result = _auto(view, fp, ctx, request.avoid, _used(placed.values()))
+            result = _auto(view, fp, tokens, request.avoid, _used(placed.values()))
         if isinstance(result, Rejection):
-            return _for_replica(result, replica, replicas, model, ctx, view, request.avoid)
+            return _for_replica(result, replica, replicas, model, ctx, slots, view, request.avoid)
         placed[replica] = result
-        view = view.reserve(_charges([result], fp, ctx))
+        view = view.reserve(_charges([result], fp, tokens))
+    return placed, tuple(sorted(kept))
+
+
+def _placement(
+    request: PlacementRequest,
+    fp: Footprint,
+    ctx: int,
+    slots: int,
+    placed: dict[int, Stages],
+    kept: tuple[int, ...],
+) -> Placement:
+    tokens = ctx * slots
     shards = tuple(
         shard
-        for replica in range(replicas)
+        for replica in sorted(placed)
         for shard in _shards(request, replica, placed[replica], fp.n_layers)
     )
-    charges = _charges(placed.values(), fp, ctx)
-    shard_bytes = {s.runner_id: fp.need_bytes(ctx, s.end_layer - s.start_layer) for s in shards}
-    return Placement(shards, charges, shard_bytes, need, ctx, tuple(sorted(kept)))
+    charges = _charges(placed.values(), fp, tokens)
+    shard_bytes = {s.runner_id: fp.need_bytes(tokens, s.end_layer - s.start_layer)
+                   for s in shards}  # fmt: skip
+    return Placement(shards, charges, shard_bytes, fp.need_bytes(tokens), ctx, kept, slots)
 
 
 def _auto(
-    view: ClusterView, fp: Footprint, ctx: int, avoid: frozenset[str], used: set[str]
+    view: ClusterView, fp: Footprint, tokens: int, avoid: frozenset[str], used: set[str]
 ) -> Stages | Rejection:
     candidates = [d for d in view.devices.values() if d.ref not in avoid]
-    need = fp.need_bytes(ctx)
+    need = fp.need_bytes(tokens)
     used_nodes = {ref.rpartition(":")[0] for ref in used}
     fitting = [d for d in candidates if d.usable >= need]
     tiers = (
@@ -154,23 +240,24 @@ def _auto(
             return [(best, fp.n_layers)]
     fresh = [d for d in candidates if d.node_id not in used_nodes]
     for pool in (fresh, candidates) if used_nodes else (candidates,):
-        stages = _split(pool, fp, ctx)
+        stages = _split(pool, fp, tokens)
         if stages is not None:
             return stages
     return Rejection("does not fit")  # _for_replica words it
 
 
-def _split(pool: Iterable[Device], fp: Footprint, ctx: int) -> Stages | None:
+def _split(pool: Iterable[Device], fp: Footprint, tokens: int) -> Stages | None:
     """The fewest nodes (one device each, the roomiest first) that hold the model between
-    them, layers in proportion to each one's room for layers; None when no number does."""
+    them, layers in proportion to each one's room for layers; None when no number does.
+    (``tokens``, here and below: the KV cache a replica holds, its context times its slots.)"""
     best: dict[str, Device] = {}
     for d in pool:
         other = best.get(d.node_id)
         if other is None or (d.usable, d.kind == "gpu") > (other.usable, other.kind == "gpu"):
             best[d.node_id] = d
     nodes = sorted(best.values(), key=lambda d: (-d.usable, d.ref))
-    body = fp.need_bytes(ctx) - fp.overhead_bytes  # weights and KV cache, to be divided
-    smallest_share = fp.need_bytes(ctx, 1)
+    body = fp.need_bytes(tokens) - fp.overhead_bytes  # weights and KV cache, to be divided
+    smallest_share = fp.need_bytes(tokens, 1)
     room = 0
     for k in range(1, min(len(nodes), fp.n_layers) + 1):
         if nodes[k - 1].usable < smallest_share:
@@ -180,7 +267,7 @@ def _split(pool: Iterable[Device], fp: Footprint, ctx: int) -> Stages | None:
             continue
         chosen = nodes[:k]
         layers = split_layers(fp.n_layers, [d.usable - fp.overhead_bytes for d in chosen])
-        if all(fp.need_bytes(ctx, n) <= d.usable for d, n in zip(chosen, layers, strict=True)):
+        if all(fp.need_bytes(tokens, n) <= d.usable for d, n in zip(chosen, layers, strict=True)):
             return list(zip(chosen, layers, strict=True))
     return None
 
@@ -188,7 +275,7 @@ def _split(pool: Iterable[Device], fp: Footprint, ctx: int) -> Stages | None:
 def _manual(
     view: ClusterView,
     fp: Footprint,
-    ctx: int,
+    tokens: int,
     refs: Sequence[DeviceRef],
     weights: Sequence[float] | None,
     avoid: frozenset[str],
@@ -208,7 +295,7 @@ def _manual(
         weights = [max(d.usable - fp.overhead_bytes, 1) for d in devices]
     layers = split_layers(fp.n_layers, weights)
     for device, n in zip(devices, layers, strict=True):
-        need = fp.need_bytes(ctx, n)
+        need = fp.need_bytes(tokens, n)
         if need > device.usable:
             share = "the whole model" if n == fp.n_layers else f"{n} of {fp.n_layers} layers"
             return Rejection(
@@ -265,11 +352,11 @@ def _used(placed: Iterable[Stages]) -> set[str]:
     return {device.ref for stages in placed for device, _ in stages}
 
 
-def _charges(placed: Iterable[Stages], fp: Footprint, ctx: int) -> dict[str, int]:
+def _charges(placed: Iterable[Stages], fp: Footprint, tokens: int) -> dict[str, int]:
     charges: dict[str, int] = defaultdict(int)
     for stages in placed:
         for device, n in stages:
-            charges[device.ref] += fp.need_bytes(ctx, n)
+            charges[device.ref] += fp.need_bytes(tokens, n)
     return dict(charges)
 
 
@@ -307,6 +394,7 @@ def _for_replica(
     replicas: int,
     model: ModelInfo,
     ctx: int,
+    slots: int,
     view: ClusterView,
     avoid: frozenset[str],
 ) -> Rejection:
@@ -317,7 +405,7 @@ def _for_replica(
             prefix + rejection.reason, rejection.needed_bytes, rejection.available_bytes
         )
     fp = model.footprint
-    need = fp.need_bytes(ctx)
+    need = fp.need_bytes(ctx, slots=slots)
     usable = {ref: max(d.usable, 0) for ref, d in view.devices.items() if ref not in avoid}
     avoided = sorted(avoid & set(view.devices))
     failing = ", where its runners kept failing"
@@ -330,9 +418,10 @@ def _for_replica(
     largest = sorted(usable.items(), key=lambda kv: (-kv[1], kv[0]))
     shown = ", ".join(f"{ref} {gib(b)}" for ref, b in largest[:8])
     more = f" and {len(largest) - 8} more" if len(largest) > 8 else ""
+    each = f" for each of {slots} slots" if slots > 1 else ""
     reason = (
-        f"{model.model_id} needs {gib(need)} for a context of {ctx} tokens (weights"
-        f" {gib(fp.weights_bytes)}, KV cache {gib(fp.kv_bytes_per_token * ctx)}, engine"
+        f"{model.model_id} needs {gib(need)} for a context of {ctx} tokens{each} (weights"
+        f" {gib(fp.weights_bytes)}, KV cache {gib(fp.kv_bytes_per_token * ctx * slots)}, engine"
         f" {gib(fp.overhead_bytes)} per runner), more than any device or set of nodes can"
         f" hold. Usable now (90% of what is offered, less what is placed): {shown}{more}"
         f"{not_used}"

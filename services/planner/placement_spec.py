@@ -1,8 +1,8 @@
 """The manual placement spec: which devices run each role, and how.
 
 A placement is a JSON object keyed by role. Each role's entry names the devices to use, each
-qualified by the node it sits on, and optionally how to weight the model's layers across them
-and how many replicas to run::
+qualified by the node it sits on, and optionally how to weight the model's layers across them,
+how many replicas to run and how many tasks each serves at once::
 
     {"chat": {"devices": ["node-a:gpu0", "node-b:cpu"], "tensor_split": [3, 1], "replicas": 1}}
 
@@ -12,6 +12,8 @@ and how many replicas to run::
 - ``tensor_split`` (optional): one positive weight per device; a device's share of the model's
   layers is proportional to its weight. Without it the runner chooses.
 - ``replicas`` (optional, default 1): how many copies of the model serve the role.
+- ``slots`` (optional): how many tasks each replica serves at once, each with a KV cache of
+  the whole context; without it, as many as fit (up to 8), chosen at placement.
 
 How replicas use the devices:
 
@@ -35,6 +37,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from services.models.footprint import MAX_SLOTS
+
 # A new role is one new row here: parsing, checks and messages all read this table.
 ROLES: dict[str, str] = {
     "chat": "the model that answers chat completions",
@@ -43,7 +47,7 @@ ROLES: dict[str, str] = {
 DEFAULT_ROLE = "chat"
 MAX_REPLICAS = 64
 
-_KEYS = ("devices", "replicas", "tensor_split")
+_KEYS = ("devices", "replicas", "slots", "tensor_split")
 _EXAMPLE = '{"chat": {"devices": ["node-a:gpu0", "node-b:cpu"], "tensor_split": [3, 1]}}'
 _DEVICE_FORM = "write node:device, e.g. node-a:cpu or node-b:gpu0"
 # What parse_device accepts (after lowercasing), and the canonical form DeviceRef holds.
@@ -120,6 +124,7 @@ class RolePlacement:
     devices: tuple[DeviceRef, ...]
     tensor_split: tuple[float, ...] | None = None
     replicas: int = 1
+    slots: int | None = None  # None: chosen at placement
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -159,6 +164,13 @@ class RolePlacement:
             raise PlacementSpecError(
                 f"'replicas' is {self.replicas}: at most {MAX_REPLICAS} replicas of one instance"
             )
+        if self.slots is not None:
+            if isinstance(self.slots, bool) or not isinstance(self.slots, int):
+                raise PlacementSpecError(f"'slots' must be a whole number, not {self.slots!r}")
+            if not 1 <= self.slots <= MAX_SLOTS:
+                raise PlacementSpecError(
+                    f"'slots' is {self.slots}: it must be between 1 and {MAX_SLOTS}"
+                )
         count = len(self.devices)
         if count != 1 and count % self.replicas != 0:
             raise PlacementSpecError(
@@ -210,6 +222,8 @@ class PlacementSpec:
                 entry["tensor_split"] = [_weight_json(w) for w in placement.tensor_split]
             if placement.replicas != 1:
                 entry["replicas"] = placement.replicas
+            if placement.slots is not None:
+                entry["slots"] = placement.slots
             out[role] = entry
         return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
@@ -264,8 +278,8 @@ def instance_role(raw: str | None, asked: str | None = None) -> str:
 def _parse_entry(entry: object) -> RolePlacement:
     if not isinstance(entry, dict):
         raise PlacementSpecError(
-            "the entry must be a JSON object with 'devices' and optionally 'tensor_split' and "
-            f'\'replicas\', e.g. {{"devices": ["node-a:cpu"]}}, not {_kind(entry)}'
+            "the entry must be a JSON object with 'devices' and optionally 'tensor_split', "
+            f"'replicas' and 'slots', e.g. {{\"devices\": [\"node-a:cpu\"]}}, not {_kind(entry)}"
         )
     for key in entry:
         if key not in _KEYS:
@@ -277,10 +291,12 @@ def _parse_entry(entry: object) -> RolePlacement:
     # null for an optional key means "not given", as when the key is left out.
     tensor_split = entry.get("tensor_split")
     replicas = entry.get("replicas")
+    slots = entry.get("slots")
     return RolePlacement(
         devices=_parse_devices(entry["devices"]),
         tensor_split=None if tensor_split is None else _parse_tensor_split(tensor_split),
-        replicas=1 if replicas is None else _parse_replicas(replicas),
+        replicas=1 if replicas is None else _parse_whole(replicas, "replicas"),
+        slots=None if slots is None else _parse_whole(slots, "slots"),
     )
 
 
@@ -320,12 +336,12 @@ def _parse_tensor_split(value: object) -> tuple[float, ...]:
     return tuple(weights)
 
 
-def _parse_replicas(value: object) -> int:
+def _parse_whole(value: object, key: str) -> int:
     if isinstance(value, float) and value.is_integer():
         return int(value)  # 2.0 is 2: some JSON writers emit whole numbers as floats
     if isinstance(value, bool) or not isinstance(value, int):
         shown = repr(value) if isinstance(value, float) else _kind(value)
-        raise PlacementSpecError(f"'replicas' must be a whole number, not {shown}")
+        raise PlacementSpecError(f"'{key}' must be a whole number, not {shown}")
     return value
 
 

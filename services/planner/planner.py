@@ -278,7 +278,8 @@ def _summary(d: Decision) -> str:
         where = ", ".join(
             f"{s.node_id}:{s.device}[{s.start_layer}:{s.end_layer}]" for s in e.shards
         )
-        return f"placed {e.model_id} on {where}" + (f" ({e.reason})" if e.reason else "")
+        slots = f", {e.slots} slots" if e.slots is not None and e.slots > 1 else ""
+        return f"placed {e.model_id} on {where}{slots}" + (f" ({e.reason})" if e.reason else "")
     if e.type == "PlacementRejected":
         return f"rejected {e.model_id}: {e.reason}"
     if e.type == "NodeTimedOut":

@@ -109,8 +109,9 @@ async def run_llamacpp(
         await serve_embeddings(spec, nc, me, embedder, state, peers, stop)
         return
     engine = LlamaCppEngine(
-        path, n_ctx=spec.n_ctx, chat_format=spec.chat_format, n_threads=spec.n_threads, **offload
-    )
+        path, n_ctx=spec.n_ctx, slots=spec.slots, chat_format=spec.chat_format,
+        n_threads=spec.n_threads, **offload,
+    )  # fmt: skip
     await asyncio.to_thread(engine.load)
     await serve_tasks(spec, nc, me, engine, state, peers, stop)
 
@@ -129,6 +130,9 @@ async def run_mlx(
     from services.runner.engines.mlx import MlxEngine
     from services.runner.mlx_stages import follow, load_head, ring_shard
 
+    if spec.slots > 1:
+        log.warning("runner %s: the mlx engine serves one task at a time, not %d",
+                    spec.runner_id, spec.slots)  # fmt: skip
     path = await model_path(spec, state)
     if not spec.peers:
         await state.report("Loading", progress=0.0)
@@ -183,7 +187,7 @@ async def _serve(
     server: TaskPuller, state: StateReporter, peers: Peers, stop: asyncio.Event
 ) -> None:
     await server.start()
-    await state.report("Ready", progress=1.0)
+    await state.report("Ready", progress=1.0, slots=server.slots)
     halt = asyncio.Event()
     watchers = [
         asyncio.create_task(_set_when(stop.wait(), halt)),

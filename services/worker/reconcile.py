@@ -35,6 +35,12 @@ def plan(desired: Mapping[str, object], running: Iterable[str]) -> Plan:
     return Plan(start=want - have, stop=have - want)
 
 
+def runner_slots(placed: int | None, override: int | None = None) -> int:
+    """Tasks a runner serves at once: the worker's ``--slots`` when given, else what its
+    instance was placed with (None: placed before slots were, one)."""
+    return override or placed or 1
+
+
 def restart_delay(consecutive_failures: int, base: float = 0.5, cap: float = 30.0) -> float:
     """Exponential backoff, bounded: 0.5 s, 1 s, 2 s ... at most ``cap``."""
     if consecutive_failures <= 0:

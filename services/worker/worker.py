@@ -38,7 +38,7 @@ from services.models.footprint import context_for
 from services.runner.serve import CurrentTasks
 from services.runner.spec import RunnerSpec
 from services.worker.profile import collect_profile, rss_bytes
-from services.worker.reconcile import describe_exit, desired_runners, plan
+from services.worker.reconcile import describe_exit, desired_runners, plan, runner_slots
 from services.worker.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class WorkerConfig:
     # Where this node's runners listen for the other stages of a pipeline (llama.cpp RPC, MLX
     # ring). None: the local address this machine reaches NATS from.
     data_host: str | None = None
+    # Tasks each of this node's runners serves at once, whatever its instance was placed with
+    # (the operator answers for the memory). None: the placement's.
+    slots: int | None = None
 
     @property
     def models_dir(self) -> Path:
@@ -197,6 +200,7 @@ class Worker:
                 model.context_length if model is not None else 0, inst.context_length, inst.role
             ),
             n_threads=self.config.runner_threads,
+            slots=runner_slots(inst.slots, self.config.slots),
             cache_dir=str(self.config.models_dir),
             peers=sorted(peers, key=lambda s: s.rank),
             data_host=self.config.data_host or data_host_towards(self.config.nats_url),

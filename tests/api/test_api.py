@@ -73,6 +73,9 @@ async def test_cluster_endpoints_and_why_a_model_cannot_answer(
 
         preview = (await client.post("/v1/placement/preview", json={"model": "m"})).json()
         assert preview["placeable"] and [s["node_id"] for s in preview["shards"]] == ["n1"]
+        assert preview["slots"] == 8  # as many as fit, up to 8 (2 MiB of KV cache each)
+        asked = {"model": "m", "slots": 3}
+        assert (await client.post("/v1/placement/preview", json=asked)).json()["slots"] == 3
         bad = {"model": "m", "placement": {"chat": {"devices": ["zz:cpu"]}}}
         err = _error(await client.post("/v1/instances", json=bad), 400)
         assert "unknown node 'zz'" in err["message"]
@@ -82,6 +85,7 @@ async def test_cluster_endpoints_and_why_a_model_cannot_answer(
         iid = created.json()["id"]
         inst = await _until(client, f"/v1/instances/{iid}", lambda b: b.get("status") == "placed")
         assert [(s["node_id"], s["state"]) for s in inst["shards"]] == [("n1", "Assigned")]
+        assert (inst["requested_slots"], inst["slots"]) == (None, 8)
         err = _error(await client.post("/v1/chat/completions", json=CHAT), 503)
         assert f"instance {iid} is starting (runners: Assigned)" in err["message"]
 

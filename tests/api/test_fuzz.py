@@ -495,6 +495,19 @@ _BAD = [
     pytest.param("/v1/instances", {"model": KNOWN_MODEL, "context_length": 0},
                  "context_length", "greater than or equal to 1",
                  id="instances-context-length-0"),
+    pytest.param("/v1/instances", {"model": KNOWN_MODEL, "slots": 65}, "slots",
+                 "less than or equal to 64", id="instances-65-slots"),
+    pytest.param("/v1/instances", {"model": KNOWN_MODEL, "slots": 0}, "slots",
+                 "greater than or equal to 1", id="instances-0-slots"),
+    pytest.param("/v1/instances", {"model": KNOWN_MODEL, "slots": "4"}, "slots",
+                 "valid integer", id="instances-slots-a-string"),
+    pytest.param("/v1/placement/preview", {"model": KNOWN_MODEL, "slots": 2.5}, "slots",
+                 "valid integer", id="preview-slots-a-fraction"),
+    pytest.param("/v1/instances", {"model": KNOWN_MODEL, "role": "embed", "slots": 2}, "slots",
+                 "an embed instance serves one task at a time", id="instances-embed-slots"),
+    pytest.param("/v1/instances", {"model": KNOWN_MODEL, "slots": 2,
+                                   "placement": {"chat": {"devices": [f"{NODE}:cpu"], "slots": 3}}},
+                 "slots", "the placement gives 3", id="instances-slots-twice"),
 ]
 # fmt: on
 

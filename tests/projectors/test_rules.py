@@ -260,6 +260,47 @@ def test_runner_states_and_failures() -> None:
     )  # fmt: skip
 
 
+def test_slots_asked_for_placed_and_reported() -> None:
+    asked = InstanceRequested(instance_id="i1", model_id="m", origin="api", ts=at(0), slots=4)
+    state = fold([asked, placed().model_copy(update={"slots": 4})])
+    inst = state.instance("i1")
+    assert inst is not None and (inst.requested_slots, inst.slots) == (4, 4)
+
+    def report(state_name: str, t: float, slots: int | None = None) -> RunnerStateChanged:
+        return RunnerStateChanged(runner_id="i1-0-0", instance_id="i1", node_id="a",
+                                  state=state_name, origin="a", ts=at(t), slots=slots)  # fmt: skip
+
+    runner = state.runner("i1-0-0")
+    assert runner is not None and runner.slots is None  # not said until Ready
+    state = fold([report("Loading", 2), report("Ready", 3, slots=4), report("Running", 4)], state)
+    runner = state.runner("i1-0-0")
+    assert runner is not None and runner.slots == 4  # kept through later reports
+    # A process started anew has not said its slots yet.
+    state = fold([report("Failed", 5), report("Assigned", 6)], state)
+    runner = state.runner("i1-0-0")
+    assert runner is not None and runner.slots is None
+
+    rejected = PlacementRejected(instance_id="i1", model_id="m", origin="p", ts=at(7),
+                                 reason="no room")  # fmt: skip
+    inst = fold([rejected], state).instance("i1")
+    assert inst is not None and (inst.requested_slots, inst.slots) == (4, None)
+
+
+def test_events_without_slots_project_none() -> None:
+    """An older log (no slots anywhere) folds to NULL slots: one task at a time."""
+    state = fold(
+        [
+            InstanceRequested(instance_id="i1", model_id="m", origin="api", ts=at(0)),
+            placed(),
+            RunnerStateChanged(runner_id="i1-0-0", instance_id="i1", node_id="a", state="Ready",
+                               origin="a", ts=at(2)),
+        ]
+    )  # fmt: skip
+    inst, runner = state.instance("i1"), state.runner("i1-0-0")
+    assert inst is not None and (inst.requested_slots, inst.slots) == (None, None)
+    assert runner is not None and runner.slots is None
+
+
 def test_rejection_and_deletion() -> None:
     state = fold(
         [

@@ -92,6 +92,7 @@ async def cluster(
                         runner_id=RUNNER, node_id=NODE, start_layer=0, end_layer=30, n_layers=30
                     )
                 ],
+                slots=2,
             )
         )
         await log.wait_for(RunnerStateChanged, _is_runner("Ready"), timeout=60)  # type: ignore[arg-type]
@@ -124,8 +125,10 @@ async def test_worker_serves_a_chat_task(
     assert profile.profile.ram_total > 0 and profile.profile.cpu_count >= 1
     states = [e.state for e in log.of(RunnerStateChanged, lambda e: e.runner_id == RUNNER)]
     assert states[:3] == ["Assigned", "Loading", "Ready"]
-    pid = log.of(RunnerStateChanged, _is_runner("Ready"))[-1].pid  # type: ignore[arg-type]
-    assert pid is not None and '"n_threads":2' in " ".join(psutil.Process(pid).cmdline())
+    ready = log.of(RunnerStateChanged, _is_runner("Ready"))[-1]  # type: ignore[arg-type]
+    assert ready.pid is not None
+    assert '"n_threads":2' in " ".join(psutil.Process(ready.pid).cmdline())
+    assert ready.slots == 2  # as placed: the worker's spec, the engine, its report
 
     task = chat("task-paris", "What is the capital city of France? Answer in one word.")
     await Publisher(js).publish(task)

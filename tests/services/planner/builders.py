@@ -36,7 +36,7 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 # A shard's place in a placement, for comparing whole layouts at once:
 # (replica, rank, 'node:device', start_layer, end_layer).
-Slot = tuple[int, int, str, int, int]
+Where = tuple[int, int, str, int, int]
 
 
 def at(seconds: float) -> datetime:
@@ -113,6 +113,7 @@ def request(
     replicas: int = 1,
     spec: str | None = None,
     context_length: int | None = None,
+    slots: int | None = None,
     t: float = 1,
 ) -> InstanceRequested:
     return InstanceRequested(
@@ -123,6 +124,7 @@ def request(
         placement=spec,
         replicas=replicas,
         context_length=context_length,
+        slots=slots,
     )
 
 
@@ -156,6 +158,7 @@ def placed(
     *,
     model_id: str = "m",
     generation: int | None = None,
+    slots: int | None = None,
     t: float = 2,
 ) -> InstancePlaced:
     return InstancePlaced(
@@ -165,6 +168,7 @@ def placed(
         ts=at(t),
         shards=list(shards),
         generation=generation,
+        slots=slots,
     )
 
 
@@ -238,7 +242,10 @@ def ask(
     generation: int = 1,
     avoid: Iterable[str] = (),
     current: Sequence[ShardAssignment] = (),
+    slots: int | None = 1,
+    current_slots: int | None = None,
 ) -> PlacementRequest:
+    """A request; for one slot unless told (``slots=None``: as many as fit)."""
     return PlacementRequest(
         instance_id=instance_id,
         model=info(added) if added is not None else None,
@@ -248,6 +255,8 @@ def ask(
         generation=generation,
         avoid=frozenset(avoid),
         current=tuple(current),
+        slots=slots,
+        current_slots=current_slots,
     )
 
 
@@ -261,7 +270,7 @@ def rejection(result: Placement | Rejection) -> Rejection:
     return result
 
 
-def slots(shards: Iterable[ShardAssignment]) -> list[Slot]:
+def layout(shards: Iterable[ShardAssignment]) -> list[Where]:
     """Where each shard runs, in replica and rank order."""
     return sorted(
         (s.replica, s.rank, f"{s.node_id}:{s.device}", s.start_layer, s.end_layer) for s in shards

@@ -26,22 +26,22 @@ from services.planner.decisions import (
 from tests.services.planner.builders import (
     POLICY,
     GiB,
-    Slot,
+    Where,
     at,
     failures,
     fold_all,
     heartbeat,
+    layout,
     model,
     node,
     request,
     runner_state,
     settle,
-    slots,
     usable,
 )
 
 
-def runner_slots(state: ClusterState, instance_id: str) -> list[Slot]:
+def runner_layout(state: ClusterState, instance_id: str) -> list[Where]:
     """Where the projection says the instance's runners are."""
     return sorted(
         (r.replica, r.rank, f"{r.node_id}:{r.device}", r.start_layer, r.end_layer)
@@ -69,7 +69,7 @@ def placed_on_a() -> ClusterState:
     on a at t=2 (runner i-g1-r0-s0)."""
     state = fold_all(node("a", 20 * GiB), node("b", 15 * GiB), model(size=8 * GiB), request())
     assert msg_ids(settle(state, 2)) == ["placement:i:1"]
-    assert runner_slots(state, "i") == [(0, 0, "a:cpu", 0, 32)]
+    assert runner_layout(state, "i") == [(0, 0, "a:cpu", 0, 32)]
     return state
 
 
@@ -169,11 +169,11 @@ def test_a_requested_instance_is_placed_once() -> None:
     event = the(InstancePlaced, decisions)
     assert (event.instance_id, event.model_id, event.generation) == ("i", "m", 1)
     assert (event.reason, event.avoid) == ("", [])
-    assert slots(event.shards) == [(0, 0, "a:cpu", 0, 32)]
+    assert layout(event.shards) == [(0, 0, "a:cpu", 0, 32)]
     inst = state.instance("i")
     assert inst is not None
     assert (inst.status, inst.generation, inst.placements) == ("placed", 1, 1)
-    assert runner_slots(state, "i") == [(0, 0, "a:cpu", 0, 32)]
+    assert runner_layout(state, "i") == [(0, 0, "a:cpu", 0, 32)]
     # The decision is in the projection: nothing more to decide, however often asked.
     assert settle(state, 3) == []
     assert settle(state, 4) == []
@@ -225,7 +225,7 @@ def test_an_unknown_model_is_rejected_then_placed_once_it_is_added() -> None:
     fold_all(model("ghost", size=GiB, t=4), state=state)
     decisions = settle(state, 5)
     assert msg_ids(decisions) == ["placement:i:2"]
-    assert slots(the(InstancePlaced, decisions).shards) == [(0, 0, "a:cpu", 0, 32)]
+    assert layout(the(InstancePlaced, decisions).shards) == [(0, 0, "a:cpu", 0, 32)]
 
 
 def test_instances_are_placed_in_request_order_each_seeing_the_ones_before() -> None:
@@ -239,7 +239,7 @@ def test_instances_are_placed_in_request_order_each_seeing_the_ones_before() -> 
     )
     decisions = settle(state, 3)
     assert msg_ids(decisions) == ["placement:zz-early:1", "placement:aa-late:1"]
-    assert slots(the(InstancePlaced, decisions).shards) == [(0, 0, "a:cpu", 0, 32)]
+    assert layout(the(InstancePlaced, decisions).shards) == [(0, 0, "a:cpu", 0, 32)]
     rejected = the(PlacementRejected, decisions)
     assert rejected.instance_id == "aa-late"
     assert rejected.available_bytes == {"a:cpu": 8 * GiB, "b:cpu": usable(2 * GiB)}
@@ -263,7 +263,7 @@ def test_a_rejected_instance_is_told_once_and_placed_when_a_node_joins() -> None
     fold_all(node("b", 20 * GiB, t=11), state=state)
     decisions = settle(state, 12)
     assert msg_ids(decisions) == ["placement:i:2"]
-    assert slots(the(InstancePlaced, decisions).shards) == [(0, 0, "b:cpu", 0, 32)]
+    assert layout(the(InstancePlaced, decisions).shards) == [(0, 0, "b:cpu", 0, 32)]
     assert settle(state, 13) == []
 
 
@@ -282,7 +282,7 @@ def test_an_instance_being_deleted_is_deleted_once() -> None:
     assert (deleted.instance_id, deleted.reason) == ("i", "not needed")
     inst = state.instance("i")
     assert inst is not None and inst.status == "deleted"
-    assert runner_slots(state, "i") == []
+    assert runner_layout(state, "i") == []
     assert settle(state, 5) == []
 
 
@@ -296,7 +296,7 @@ def test_memory_freed_by_a_deletion_is_placed_on_in_the_same_round() -> None:
     )
     decisions = settle(state, 4)
     assert msg_ids(decisions) == ["deleted:x", "placement:y:1"]
-    assert slots(the(InstancePlaced, decisions).shards) == [(0, 0, "a:cpu", 0, 32)]
+    assert layout(the(InstancePlaced, decisions).shards) == [(0, 0, "a:cpu", 0, 32)]
 
 
 # --- nodes that go ------------------------------------------------------------------------
@@ -309,9 +309,9 @@ def test_an_instance_on_a_timed_out_node_is_placed_again_on_the_remaining_node()
     assert msg_ids(decisions) == ["timedout:a:2025-01-01T00:00:00+00:00", "placement:i:2"]
     again = the(InstancePlaced, decisions)
     assert (again.generation, again.reason) == (2, "node a is timed out")
-    assert slots(again.shards) == [(0, 0, "b:cpu", 0, 32)]
+    assert layout(again.shards) == [(0, 0, "b:cpu", 0, 32)]
     assert [s.runner_id for s in again.shards] == ["i-g2-r0-s0"]
-    assert runner_slots(state, "i") == [(0, 0, "b:cpu", 0, 32)]
+    assert runner_layout(state, "i") == [(0, 0, "b:cpu", 0, 32)]
     assert settle(state, 31) == []
 
 
@@ -320,7 +320,7 @@ def test_an_instance_on_a_node_that_left_is_placed_again() -> None:
     fold_all(NodeLeft(node_id="a", origin="a", ts=at(5)), state=state)
     again = the(InstancePlaced, settle(state, 6))
     assert again.reason == "node a is left"
-    assert slots(again.shards) == [(0, 0, "b:cpu", 0, 32)]
+    assert layout(again.shards) == [(0, 0, "b:cpu", 0, 32)]
     assert settle(state, 7) == []
 
 
@@ -336,12 +336,12 @@ def test_an_instance_that_no_longer_fits_is_rejected_and_placed_when_its_node_re
     )
     assert rejected.generation == 2
     assert rejected.available_bytes == {"b:cpu": usable(5 * GiB)}
-    assert runner_slots(state, "i") == []
+    assert runner_layout(state, "i") == []
     assert settle(state, 31) == []
     fold_all(heartbeat("a", 20 * GiB, t=40), state=state)
     decisions = settle(state, 41)
     assert msg_ids(decisions) == ["placement:i:3"]
-    assert slots(the(InstancePlaced, decisions).shards) == [(0, 0, "a:cpu", 0, 32)]
+    assert layout(the(InstancePlaced, decisions).shards) == [(0, 0, "a:cpu", 0, 32)]
     assert settle(state, 42) == []
 
 
@@ -354,7 +354,7 @@ def test_placing_again_keeps_the_healthy_replica_and_its_runner() -> None:
         request(replicas=2),
     )
     settle(state, 2)
-    assert runner_slots(state, "i") == [(0, 0, "a:cpu", 0, 32), (1, 0, "b:cpu", 0, 32)]
+    assert runner_layout(state, "i") == [(0, 0, "a:cpu", 0, 32), (1, 0, "b:cpu", 0, 32)]
     fold_all(
         runner_state("i-g1-r0-s0", "i", "a", "Ready", t=5),
         runner_state("i-g1-r1-s0", "i", "b", "Ready", t=5),
@@ -450,10 +450,10 @@ def test_devices_to_avoid_accumulate_as_runners_keep_failing() -> None:
     )
     settle(state, 2)
     fold_all(failures("i-g1-r0-s0", "i", "a", [3, 4, 5]), state=state)
-    assert slots(the(InstancePlaced, settle(state, 6)).shards) == [(0, 0, "b:cpu", 0, 32)]
+    assert layout(the(InstancePlaced, settle(state, 6)).shards) == [(0, 0, "b:cpu", 0, 32)]
     fold_all(failures("i-g2-r0-s0", "i", "b", [7, 8, 9]), state=state)
     again = the(InstancePlaced, settle(state, 10))
-    assert slots(again.shards) == [(0, 0, "c:cpu", 0, 32)]
+    assert layout(again.shards) == [(0, 0, "c:cpu", 0, 32)]
     assert again.avoid == ["a:cpu", "b:cpu"]
     assert settle(state, 11) == []
 
@@ -476,7 +476,7 @@ def test_a_runner_failing_on_the_only_device_rejects_the_instance() -> None:
     assert rejected.generation == 2
     inst = state.instance("i")
     assert inst is not None and inst.status == "rejected"
-    assert runner_slots(state, "i") == []
+    assert runner_layout(state, "i") == []
 
 
 def test_after_rejecting_a_failing_instance_later_rounds_decide_nothing() -> None:
@@ -489,7 +489,7 @@ def test_a_manual_spec_on_a_failing_device_is_rejected_with_the_reason() -> None
     spec = '{"chat": {"devices": ["a:cpu"]}}'
     state = fold_all(node("a", 20 * GiB), node("b", 20 * GiB), model(size=8 * GiB))
     fold_all(request(spec=spec), state=state)
-    assert slots(the(InstancePlaced, settle(state, 2)).shards) == [(0, 0, "a:cpu", 0, 32)]
+    assert layout(the(InstancePlaced, settle(state, 2)).shards) == [(0, 0, "a:cpu", 0, 32)]
     fold_all(failures("i-g1-r0-s0", "i", "a", [10, 11, 12]), state=state)
     rejected = the(PlacementRejected, settle(state, 13))
     assert rejected.reason == (
@@ -535,8 +535,8 @@ def test_a_busy_cluster_settles_in_one_round() -> None:
         ]
     ]
     # 36 GiB each: one on a (28 left), two on b then a (28, 20 left), three split 28:20.
-    assert runner_slots(state, "one") == [(0, 0, "a:cpu", 0, 32)]
-    assert runner_slots(state, "two") == [(0, 0, "b:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
-    assert runner_slots(state, "three") == [(0, 0, "b:cpu", 0, 14), (0, 1, "a:cpu", 14, 24)]
+    assert runner_layout(state, "one") == [(0, 0, "a:cpu", 0, 32)]
+    assert runner_layout(state, "two") == [(0, 0, "b:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
+    assert runner_layout(state, "three") == [(0, 0, "b:cpu", 0, 14), (0, 1, "a:cpu", 14, 24)]
     ghost = state.instance("ghost")
     assert ghost is not None and ghost.status == "rejected"

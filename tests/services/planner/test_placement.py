@@ -20,6 +20,7 @@ from tests.services.planner.builders import (
     ask,
     at,
     gpu,
+    layout,
     model,
     node,
     placed,
@@ -27,7 +28,6 @@ from tests.services.planner.builders import (
     rejection,
     request,
     shard,
-    slots,
     usable,
     view,
 )
@@ -44,7 +44,7 @@ def chat(devices: list[str], **extra: object) -> str:
 def test_a_model_that_fits_one_node_goes_to_the_roomiest() -> None:
     cluster = view(node("a", 10 * GiB), node("b", 20 * GiB), node("c", 15 * GiB))
     result = placement(place(cluster, ask(model(size=8 * GiB, n_layers=32))))
-    assert slots(result.shards) == [(0, 0, "b:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "b:cpu", 0, 32)]
     (s,) = result.shards
     assert (s.runner_id, s.world_size, s.n_layers, s.tensor_split) == ("i-g1-r0-s0", 1, 32, None)
     assert result.charges == {"b:cpu": 8 * GiB}
@@ -76,7 +76,7 @@ def test_the_need_may_reach_ninety_percent_of_the_offer_and_no_further(
     result = place(cluster, ask(model(size=size, n_layers=1, kv=kv, overhead=overhead)))
     need = size + kv * 2048 + overhead
     if fits:
-        assert slots(placement(result).shards) == [(0, 0, "a:cpu", 0, 1)]
+        assert layout(placement(result).shards) == [(0, 0, "a:cpu", 0, 1)]
         assert placement(result).charges == {"a:cpu": 9 * GiB}
     else:
         assert rejection(result).needed_bytes == need == 9 * GiB + 1
@@ -86,26 +86,26 @@ def test_the_need_may_reach_ninety_percent_of_the_offer_and_no_further(
 def test_a_gpu_that_fits_is_preferred_to_a_roomier_cpu() -> None:
     cluster = view(node("a", 64 * GiB, gpus=[gpu(0, 24 * GiB)]))
     result = placement(place(cluster, ask(model(size=16 * GiB))))
-    assert slots(result.shards) == [(0, 0, "a:gpu0", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "a:gpu0", 0, 32)]
     assert result.charges == {"a:gpu0": 16 * GiB}
 
 
 def test_a_gpu_on_another_node_is_preferred_to_a_roomier_cpu() -> None:
     cluster = view(node("a", 64 * GiB), node("b", 10 * GiB, gpus=[gpu(0, 24 * GiB)]))
     result = placement(place(cluster, ask(model(size=16 * GiB))))
-    assert slots(result.shards) == [(0, 0, "b:gpu0", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "b:gpu0", 0, 32)]
 
 
 def test_of_the_gpus_that_fit_the_roomiest_wins() -> None:
     cluster = view(node("a", 64 * GiB, gpus=[gpu(0, 16 * GiB), gpu(1, 24 * GiB)]))
     result = placement(place(cluster, ask(model(size=8 * GiB))))
-    assert slots(result.shards) == [(0, 0, "a:gpu1", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "a:gpu1", 0, 32)]
 
 
 def test_a_gpu_too_small_falls_back_to_the_cpu() -> None:
     cluster = view(node("a", 64 * GiB, gpus=[gpu(0, 8 * GiB)]))
     result = placement(place(cluster, ask(model(size=16 * GiB))))
-    assert slots(result.shards) == [(0, 0, "a:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 32)]
 
 
 def test_the_context_sets_the_kv_cache_part_of_the_need() -> None:
@@ -116,7 +116,7 @@ def test_the_context_sets_the_kv_cache_part_of_the_need() -> None:
     assert (default.context_length, default.need_bytes) == (2048, 6 * GiB)
     longer = placement(place(cluster, ask(added, context_length=8192)))
     assert (longer.context_length, longer.need_bytes) == (8192, 12 * GiB)
-    assert slots(longer.shards) == [(0, 0, "b:cpu", 0, 32)]
+    assert layout(longer.shards) == [(0, 0, "b:cpu", 0, 32)]
 
 
 def test_the_default_context_is_capped_at_what_the_model_was_trained_for() -> None:
@@ -136,7 +136,7 @@ def test_a_context_beyond_the_trained_one_is_rejected() -> None:
 def test_avoided_devices_are_not_used() -> None:
     cluster = view(node("a", 20 * GiB), node("b", 10 * GiB))
     result = placement(place(cluster, ask(model(size=8 * GiB), avoid={"a:cpu"})))
-    assert slots(result.shards) == [(0, 0, "b:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "b:cpu", 0, 32)]
 
 
 # --- split over nodes ---------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_a_model_too_big_for_any_node_is_split_over_the_fewest_nodes() -> None:
         node("e", 10 * GiB),
     )
     result = placement(place(cluster, ask(model(size=24 * GiB, n_layers=24))))
-    assert slots(result.shards) == [(0, 0, "a:cpu", 0, 16), (0, 1, "b:cpu", 16, 24)]
+    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 16), (0, 1, "b:cpu", 16, 24)]
     assert [(s.world_size, s.tensor_split) for s in result.shards] == [(2, [16.0, 8.0])] * 2
     assert [s.runner_id for s in result.shards] == ["i-g1-r0-s0", "i-g1-r0-s1"]
     assert all(s.n_layers == 24 for s in result.shards)
@@ -164,13 +164,13 @@ def test_a_model_too_big_for_any_node_is_split_over_the_fewest_nodes() -> None:
 def test_the_roomiest_node_is_the_head_whatever_its_name() -> None:
     cluster = view(node("alpha", 10 * GiB), node("zulu", 20 * GiB))
     result = placement(place(cluster, ask(model(size=24 * GiB, n_layers=24))))
-    assert slots(result.shards) == [(0, 0, "zulu:cpu", 0, 16), (0, 1, "alpha:cpu", 16, 24)]
+    assert layout(result.shards) == [(0, 0, "zulu:cpu", 0, 16), (0, 1, "alpha:cpu", 16, 24)]
 
 
 def test_a_split_uses_three_nodes_when_two_are_not_enough() -> None:
     cluster = view(*(node(n, 10 * GiB) for n in "abcd"))
     result = placement(place(cluster, ask(model(size=24 * GiB, n_layers=24))))
-    assert slots(result.shards) == [
+    assert layout(result.shards) == [
         (0, 0, "a:cpu", 0, 8),
         (0, 1, "b:cpu", 8, 16),
         (0, 2, "c:cpu", 16, 24),
@@ -184,7 +184,7 @@ def test_layers_are_split_by_the_room_left_after_each_runners_engine_overhead() 
     # so 24 layers go 18:6. (By raw room, 16:8, b would need 5.33 + 4 > 9 GiB.)
     cluster = view(node("a", 20 * GiB), node("b", 10 * GiB))
     result = placement(place(cluster, ask(model(size=16 * GiB, n_layers=24, overhead=4 * GiB))))
-    assert slots(result.shards) == [(0, 0, "a:cpu", 0, 18), (0, 1, "b:cpu", 18, 24)]
+    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 18), (0, 1, "b:cpu", 18, 24)]
     assert result.charges == {"a:cpu": 12 * GiB + 4 * GiB, "b:cpu": 4 * GiB + 4 * GiB}
     assert result.shard_bytes == {"i-g1-r0-s0": 16 * GiB, "i-g1-r0-s1": 8 * GiB}
     assert result.need_bytes == 20 * GiB
@@ -196,7 +196,7 @@ def test_a_split_takes_the_roomiest_device_of_each_node() -> None:
         node("b", 10 * GiB, gpus=[gpu(0, 4 * GiB)]),
     )
     result = placement(place(cluster, ask(model(size=24 * GiB, n_layers=24))))
-    assert slots(result.shards) == [(0, 0, "a:gpu0", 0, 16), (0, 1, "b:cpu", 16, 24)]
+    assert layout(result.shards) == [(0, 0, "a:gpu0", 0, 16), (0, 1, "b:cpu", 16, 24)]
 
 
 def usable_of_all(cluster: ClusterView) -> list[int]:
@@ -208,7 +208,7 @@ def test_a_model_that_fits_three_nodes_split_by_room_is_placed() -> None:
     cluster = view(node("a", 40 * GiB), node("b", 30 * GiB), node("c", 20 * GiB))
     assert usable_of_all(cluster) == [36 * GiB, 27 * GiB, 18 * GiB]
     result = placement(place(cluster, ask(model(size=72 * GiB, n_layers=4))))
-    assert slots(result.shards) == [
+    assert layout(result.shards) == [
         (0, 0, "a:cpu", 0, 2),
         (0, 1, "b:cpu", 2, 3),
         (0, 2, "c:cpu", 3, 4),
@@ -295,7 +295,7 @@ def test_replicas_go_to_distinct_nodes_when_there_are_enough() -> None:
     cluster = view(node("a", 20 * GiB), node("b", 15 * GiB), node("c", 10 * GiB))
     result = placement(place(cluster, ask(model(size=8 * GiB), replicas=2)))
     # Replica 1 takes b (13.5 GiB) rather than what is left on a (10 GiB).
-    assert slots(result.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "b:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "b:cpu", 0, 32)]
     assert [s.runner_id for s in result.shards] == ["i-g1-r0-s0", "i-g1-r1-s0"]
     assert result.charges == {"a:cpu": 8 * GiB, "b:cpu": 8 * GiB}
     assert result.need_bytes == 8 * GiB
@@ -304,20 +304,20 @@ def test_replicas_go_to_distinct_nodes_when_there_are_enough() -> None:
 def test_replicas_share_a_device_when_only_one_node_has_room_for_both() -> None:
     cluster = view(node("a", 30 * GiB), node("b", 10 * GiB))
     result = placement(place(cluster, ask(model(size=10 * GiB), replicas=2)))
-    assert slots(result.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
     assert result.charges == {"a:cpu": 20 * GiB}
 
 
 def test_replicas_on_one_node_take_another_device_before_sharing_one() -> None:
     cluster = view(node("a", 30 * GiB, gpus=[gpu(0, 24 * GiB)]))
     result = placement(place(cluster, ask(model(size=10 * GiB), replicas=2)))
-    assert slots(result.shards) == [(0, 0, "a:gpu0", 0, 32), (1, 0, "a:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "a:gpu0", 0, 32), (1, 0, "a:cpu", 0, 32)]
 
 
 def test_each_replica_of_a_split_model_takes_nodes_the_others_do_not_use() -> None:
     cluster = view(*(node(n, 10 * GiB) for n in "abcd"))
     result = placement(place(cluster, ask(model(size=12 * GiB, n_layers=12), replicas=2)))
-    assert slots(result.shards) == [
+    assert layout(result.shards) == [
         (0, 0, "a:cpu", 0, 6),
         (0, 1, "b:cpu", 6, 12),
         (1, 0, "c:cpu", 0, 6),
@@ -351,10 +351,10 @@ def test_memory_held_by_other_instances_counts() -> None:
     ]
     added = model(size=8 * GiB)
     result = placement(place(view(*history), ask(added)))
-    assert slots(result.shards) == [(0, 0, "a:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 32)]
     # Without x (as when x itself is placed again) b is the roomiest.
     result = placement(place(view(*history, excluding="x"), ask(added)))
-    assert slots(result.shards) == [(0, 0, "b:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "b:cpu", 0, 32)]
 
 
 # --- manual placement ---------------------------------------------------------------------
@@ -363,7 +363,7 @@ def test_memory_held_by_other_instances_counts() -> None:
 def test_a_manual_spec_puts_the_model_on_the_device_it_names() -> None:
     cluster = view(node("a", 20 * GiB), node("b", 10 * GiB))
     result = placement(place(cluster, ask(model(size=4 * GiB), spec=chat(["b:cpu"]))))
-    assert slots(result.shards) == [(0, 0, "b:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "b:cpu", 0, 32)]
     assert result.shards[0].tensor_split is None
     assert result.charges == {"b:cpu": 4 * GiB}
 
@@ -372,7 +372,7 @@ def test_a_manual_tensor_split_of_3_to_1_gives_18_and_6_of_24_layers() -> None:
     cluster = view(node("a", 10 * GiB, gpus=[gpu(0, 24 * GiB)]), node("b", 20 * GiB))
     spec = chat(["a:gpu0", "b:cpu"], tensor_split=[3, 1])
     result = placement(place(cluster, ask(model(size=12 * GiB, n_layers=24), spec=spec)))
-    assert slots(result.shards) == [(0, 0, "a:gpu0", 0, 18), (0, 1, "b:cpu", 18, 24)]
+    assert layout(result.shards) == [(0, 0, "a:gpu0", 0, 18), (0, 1, "b:cpu", 18, 24)]
     assert [(s.world_size, s.tensor_split) for s in result.shards] == [(2, [18.0, 6.0])] * 2
     assert result.charges == {"a:gpu0": 9 * GiB, "b:cpu": 3 * GiB}
 
@@ -382,14 +382,14 @@ def test_a_manual_split_without_tensor_split_goes_by_room_in_the_order_given() -
     result = placement(
         place(cluster, ask(model(size=6 * GiB, n_layers=24), spec=chat(["b:cpu", "a:cpu"])))
     )
-    assert slots(result.shards) == [(0, 0, "b:cpu", 0, 8), (0, 1, "a:cpu", 8, 24)]
+    assert layout(result.shards) == [(0, 0, "b:cpu", 0, 8), (0, 1, "a:cpu", 8, 24)]
 
 
 def test_manual_replicas_take_one_block_of_devices_each() -> None:
     cluster = view(*(node(n, 10 * GiB) for n in "abcd"))
     spec = chat(["a:cpu", "b:cpu", "c:cpu", "d:cpu"], replicas=2, tensor_split=[3, 1, 1, 1])
     result = placement(place(cluster, ask(model(size=4 * GiB, n_layers=24), spec=spec)))
-    assert slots(result.shards) == [
+    assert layout(result.shards) == [
         (0, 0, "a:cpu", 0, 18),
         (0, 1, "b:cpu", 18, 24),
         (1, 0, "c:cpu", 0, 12),
@@ -402,14 +402,14 @@ def test_manual_replicas_over_two_devices_take_one_each() -> None:
     cluster = view(node("a", 10 * GiB), node("b", 10 * GiB))
     spec = chat(["a:cpu", "b:cpu"], replicas=2)
     result = placement(place(cluster, ask(model(size=4 * GiB), spec=spec)))
-    assert slots(result.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "b:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "b:cpu", 0, 32)]
     assert [s.runner_id for s in result.shards] == ["i-g1-r0-s0", "i-g1-r1-s0"]
 
 
 def test_manual_replicas_on_one_device_share_it_until_it_is_full() -> None:
     cluster = view(node("a", 20 * GiB))
     fits = placement(place(cluster, ask(model(size=8 * GiB), spec=chat(["a:cpu"], replicas=2))))
-    assert slots(fits.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
+    assert layout(fits.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
     assert fits.charges == {"a:cpu": 16 * GiB}
     full = rejection(place(cluster, ask(model(size=10 * GiB), spec=chat(["a:cpu"], replicas=2))))
     assert full.reason == (
@@ -513,7 +513,7 @@ def _two_replicas() -> tuple[list[Event | list[Event]], Placement]:
         node("c", 10 * GiB),
     ]
     first = placement(place(view(*nodes), ask(model(size=8 * GiB), replicas=2)))
-    assert slots(first.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "b:cpu", 0, 32)]
+    assert layout(first.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "b:cpu", 0, 32)]
     return nodes, first
 
 
@@ -524,7 +524,7 @@ def test_placing_again_keeps_the_replicas_that_are_fine_with_their_runners() -> 
         place(cluster, ask(model(size=8 * GiB), replicas=2, generation=2, current=first.shards))
     )
     assert again.kept_replicas == (0,)
-    assert slots(again.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "c:cpu", 0, 32)]
+    assert layout(again.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "c:cpu", 0, 32)]
     assert again.shards[0] == first.shards[0]
     assert [s.runner_id for s in again.shards] == ["i-g1-r0-s0", "i-g2-r1-s0"]
     assert again.charges == {"a:cpu": 8 * GiB, "c:cpu": 8 * GiB}
@@ -535,7 +535,7 @@ def test_placing_again_moves_a_replica_off_an_avoided_device() -> None:
     req = ask(model(size=8 * GiB), replicas=2, generation=2, current=first.shards, avoid={"b:cpu"})
     again = placement(place(view(*nodes), req))
     assert again.kept_replicas == (0,)
-    assert slots(again.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "c:cpu", 0, 32)]
+    assert layout(again.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "c:cpu", 0, 32)]
     assert [s.runner_id for s in again.shards] == ["i-g1-r0-s0", "i-g2-r1-s0"]
 
 
@@ -559,7 +559,7 @@ def test_placing_again_counts_the_memory_of_the_kept_replicas() -> None:
     ]
     req = ask(model(size=8 * GiB), replicas=2, generation=2, current=first.shards)
     again = placement(place(view(*nodes, gone), req))
-    assert slots(again.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
+    assert layout(again.shards) == [(0, 0, "a:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
     assert again.charges == {"a:cpu": 16 * GiB}
     # ...but a replica of 10 GiB does not fit in the 8 GiB the kept one leaves.
     req = ask(model(size=10 * GiB), replicas=2, generation=2, current=first.shards)
@@ -577,7 +577,7 @@ def test_placing_again_under_a_spec_keeps_only_replicas_where_the_spec_puts_them
         place(cluster, ask(model(size=GiB), spec=swapped, generation=2, current=first.shards))
     )
     assert again.kept_replicas == ()
-    assert slots(again.shards) == [(0, 0, "b:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
+    assert layout(again.shards) == [(0, 0, "b:cpu", 0, 32), (1, 0, "a:cpu", 0, 32)]
     same = placement(
         place(cluster, ask(model(size=GiB), spec=spec, generation=2, current=first.shards))
     )

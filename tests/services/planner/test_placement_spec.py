@@ -120,6 +120,23 @@ def test_whole_float_replicas_are_accepted() -> None:
     assert isinstance(spec.for_role("chat").replicas, int)
 
 
+def test_slots_are_optional_whole_numbers_up_to_64() -> None:
+    assert parse_placement_spec(chat({"devices": ["n:cpu"]})).for_role("chat").slots is None
+    spec = parse_placement_spec(chat({"devices": ["n:cpu"], "slots": 4.0}))
+    assert spec.for_role("chat").slots == 4 and isinstance(spec.for_role("chat").slots, int)
+    assert spec.to_json() == '{"chat":{"devices":["n:cpu"],"slots":4}}'
+    assert parse_placement_spec(spec.to_json()) == spec
+    for bad, message in [
+        (0, "'slots' is 0: it must be between 1 and 64"),
+        (65, "'slots' is 65: it must be between 1 and 64"),
+        (1.5, "'slots' must be a whole number, not 1.5"),
+        ("4", "'slots' must be a whole number, not the string '4'"),
+        (True, "'slots' must be a whole number, not true"),
+    ]:
+        with pytest.raises(PlacementSpecError, match=re.escape(f"role 'chat': {message}")):
+            parse_placement_spec(chat({"devices": ["n:cpu"], "slots": bad}))
+
+
 def test_device_names_are_normalised_in_the_spec() -> None:
     spec = parse_placement_spec(chat({"devices": ["Node-A:GPU01", "node-b:CPU"]}))
     assert [str(d) for d in spec.for_role("chat").devices] == ["Node-A:gpu1", "node-b:cpu"]
@@ -151,7 +168,8 @@ EXAMPLE = "a placement is a JSON object keyed by role, e.g. {"
         (chat("n:cpu"), "role 'chat': the entry must be a JSON object"),
         (
             chat({"devices": ["n:cpu"], "split": [1]}),
-            "role 'chat': unknown key 'split' (allowed keys: devices, replicas, tensor_split)",
+            "role 'chat': unknown key 'split' (allowed keys: devices, replicas, slots,"
+            " tensor_split)",
         ),
         # devices
         (chat({}), "role 'chat': 'devices' is missing: list at least one device"),

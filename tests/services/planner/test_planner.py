@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 from collections import Counter
@@ -148,9 +149,9 @@ async def test_cli_preview_create_list_delete(
         # A built-in model is added on the way; the planner places it where the spec says.
         spec = '{"chat": {"devices": ["n-b:cpu"]}}'
         created = await shoal("instances", "create", "smollm2-135m", "--placement", spec,
-                              "--id", "inst-1")  # fmt: skip
+                              "--id", "inst-1", "--slots", "2")  # fmt: skip
         assert created.returncode == 0, created.stderr
-        assert "placed inst-1 on n-b:cpu[0:30]" in created.stdout
+        assert "placed inst-1 on n-b:cpu[0:30], 2 slots each" in created.stdout
 
         # Automatic placement now prefers n-a, which has the most room left.
         preview = await shoal("placement", "preview", "smollm2-135m")
@@ -171,6 +172,10 @@ async def test_cli_preview_create_list_delete(
                               '{"chat": {"devices": ["n-b:cpu"], "replicas": 2}}')  # fmt: skip
         assert refused.returncode == 1 and "--queue requests it anyway" in refused.stderr
 
+        listed = await shoal("instances", "list", "--json")
+        (row,) = [json.loads(line) for line in listed.stdout.splitlines()]
+        assert (row["instance_id"], row["slots"]) == ("inst-1", 2)
+        assert [(s["node"], s["state"]) for s in row["shards"]] == [("n-b", "Assigned")]
         listed = await shoal("instances", "list")
         assert "inst-1" in listed.stdout and "n-b:cpu [0:30] Assigned" in listed.stdout
         deleted = await shoal("instances", "delete", "inst-1")

@@ -6,7 +6,13 @@ import signal
 
 from bus.events import InstanceDeleteRequested, InstancePlaced, InstanceRequested, ShardAssignment
 from projectors.rules import fold
-from services.worker.reconcile import describe_exit, desired_runners, plan, restart_delay
+from services.worker.reconcile import (
+    describe_exit,
+    desired_runners,
+    plan,
+    restart_delay,
+    runner_slots,
+)
 
 
 def _placed(instance: str, nodes: list[str]) -> InstancePlaced:
@@ -48,6 +54,20 @@ def test_plan() -> None:
     p = plan({"r1": 1, "r2": 2}, ["r2", "r3"])
     assert (p.start, p.stop) == (frozenset({"r1"}), frozenset({"r3"}))
     assert plan({}, []).start == frozenset()
+
+
+def test_runner_slots_are_the_placements_unless_the_worker_says() -> None:
+    state = fold(
+        [
+            InstanceRequested(instance_id="i", model_id="m", origin="api"),
+            _placed("i", ["a"]).model_copy(update={"slots": 4}),
+            InstanceRequested(instance_id="old", model_id="m", origin="api"),
+            _placed("old", ["a"]),  # logged before slots were
+        ]
+    )
+    placed = {i: row.slots for i in ("i", "old") if (row := state.instance(i)) is not None}
+    assert [runner_slots(placed["i"]), runner_slots(placed["old"])] == [4, 1]
+    assert [runner_slots(placed["i"], 2), runner_slots(placed["old"], 2)] == [2, 2]
 
 
 def test_restart_delay_is_bounded() -> None:
