@@ -38,8 +38,11 @@ log = logging.getLogger(__name__)
 # buffer as large as the largest batch's logits for the context's life (n_batch of 512 with
 # Gemma's 262k vocabulary: 512 MiB), so such prompts go in smaller chunks.
 ECHO_CHUNK = 64
-# Tokens a sequence may be sampled ahead of its consumer (who is normally right behind).
-LOOKAHEAD = 2
+# How long a step waits for the consumers still handling their last token. A step waits for
+# them (normally microseconds): their work then happens between decodes, not during one, where
+# it would take a core from llama.cpp's threads (which spin-wait); and a sequence left out
+# would wait a whole step. A consumer that is late longer is left out of this step.
+STRAGGLER_S = 0.02
 
 
 # --- the pure parts ---------------------------------------------------------------------------
@@ -167,7 +170,11 @@ class _Sequence:
     def runnable(self) -> bool:
         if self.finished or self.released:
             return False
-        return self.prefill_left > 0 or self.sampled - self.taken < LOOKAHEAD
+        return self.prefill_left > 0 or self.taken == self.sampled
+
+    def behind(self) -> bool:
+        """Decoding, its consumer not yet done with its last token."""
+        return not (self.finished or self.released) and self.taken < self.sampled
 
     def put(self, item: object) -> None:
         self.outbox.put(item)
@@ -268,14 +275,22 @@ class BatchDecoder:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                waited_from: float | None = None
                 while True:
                     if self._closed:
                         return
                     self._settle()
                     ready = [s for s in self._active.values() if s.runnable()]
-                    if ready:
+                    if not any(s.behind() for s in self._active.values()):
+                        if ready:
+                            break
+                        self._cond.wait()
+                        continue
+                    now = time.monotonic()
+                    waited_from = waited_from or now
+                    if ready and now - waited_from >= STRAGGLER_S:
                         break
-                    self._cond.wait()
+                    self._cond.wait(STRAGGLER_S)
             try:
                 self._step(ready)
             except Exception as exc:  # a failed decode ends the sequences that were in it
