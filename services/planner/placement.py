@@ -101,9 +101,14 @@ Stages = list[tuple[Device, int]]
 
 
 def max_slots(model: ModelInfo, role: str) -> int:
-    """The most slots an instance may ask for: one for an embed instance or an MLX model,
-    whose runners serve one task (or batch) at a time."""
-    return 1 if role == "embed" or model.engine == "mlx" else MAX_SLOTS
+    """The most slots an instance may ask for: one for an embed instance, whose runners
+    serve one request (a batch of inputs) at a time."""
+    return 1 if role == "embed" else MAX_SLOTS
+
+
+def _one_task_at_a_time(model: ModelInfo, placed: dict[int, Stages]) -> bool:
+    """An MLX model split over several stages (a ring) decodes one task at a time."""
+    return model.engine == "mlx" and any(len(stages) > 1 for stages in placed.values())
 
 
 def slots_problem(model: ModelInfo, role: str, slots: int) -> str | None:
@@ -111,8 +116,7 @@ def slots_problem(model: ModelInfo, role: str, slots: int) -> str | None:
     if not 1 <= slots <= MAX_SLOTS:
         return f"slots must be between 1 and {MAX_SLOTS}, not {slots}"
     if slots > max_slots(model, role):
-        what = "an embed instance" if role == "embed" else f"{model.model_id} (mlx engine)"
-        return f"{what} serves one task at a time: slots must be 1, not {slots}"
+        return f"an embed instance serves one task at a time: slots must be 1, not {slots}"
     return None
 
 
@@ -149,6 +153,9 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
         placed = _place(cluster, request, model, ctx, asked, replicas, manual)
         if isinstance(placed, Rejection):
             return placed
+        if asked > 1 and _one_task_at_a_time(model, placed[0]):
+            return Rejection(f"{model.model_id} (mlx engine) split over several machines serves"
+                             f" one task at a time: slots must be 1, not {asked}")  # fmt: skip
         return _placement(request, model.footprint, ctx, asked, *placed)
     # The devices as for one slot (a GPU for one slot beats a CPU for eight), then as many
     # slots as fit on them; placed again, no more than the kept runners serve.
@@ -157,6 +164,8 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
         return placed
     stages, kept = placed
     limit = min(max_slots(model, request.role), DEFAULT_MAX_SLOTS, INT32_MAX // ctx)
+    if _one_task_at_a_time(model, stages):
+        limit = 1
     if kept:
         limit = min(limit, request.current_slots or 1)
     fp = model.footprint

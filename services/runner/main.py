@@ -130,16 +130,19 @@ async def run_mlx(
     from services.runner.engines.mlx import MlxEngine
     from services.runner.mlx_stages import follow, load_head, ring_shard
 
-    if spec.slots > 1:
-        log.warning("runner %s: the mlx engine serves one task at a time, not %d",
-                    spec.runner_id, spec.slots)  # fmt: skip
     path = await model_path(spec, state)
     if not spec.peers:
         await state.report("Loading", progress=0.0)
-        engine = MlxEngine(path, n_ctx=spec.n_ctx)
+        engine = MlxEngine(path, n_ctx=spec.n_ctx, slots=spec.slots)
         await asyncio.to_thread(engine.load)
-        await serve_tasks(spec, nc, me, engine, state, peers, stop)
+        try:
+            await serve_tasks(spec, nc, me, engine, state, peers, stop)
+        finally:
+            await asyncio.to_thread(engine.close)
         return
+    if spec.slots > 1:
+        log.warning("runner %s: an mlx ring serves one task at a time, not %d",
+                    spec.runner_id, spec.slots)  # fmt: skip
     shard = await ring_shard(spec, peers, state)
     if shard.rank > 0:
         await follow(path, spec, shard, state, stop)

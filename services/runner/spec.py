@@ -23,7 +23,7 @@ class RunnerSpec(BaseModel):
     model_path: str | None = None
     chat_format: str | None = None
     n_ctx: int = 2048
-    # Tasks served at once, each with a KV cache of n_ctx (llama.cpp; MLX serves one).
+    # Tasks served at once, each with a KV cache of n_ctx (an MLX ring serves one).
     slots: int = 1
     # llama.cpp threads; None = every core. Several runners on one machine must share the cores:
     # llama.cpp's threads spin-wait, and oversubscribed they fall to seconds per token.

@@ -10,7 +10,9 @@ and the model loader. How tokens are picked (sampling, grammars, log-probabiliti
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import logging
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +25,18 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
 from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.engines.mlx_batch import MlxBatchDecoder, SequencePicker, batchable
 from services.runner.engines.mlx_sampling import (
     Grammars,
     Picker,
     as_tokens,
+    check_decoding,
     prompt_scores,
     resolve_seed,
 )
 from services.runner.generation import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 # The prompt but its last token is run through the model in chunks of this many tokens, and
 # the last token alone, as mlx-lm's generate_step does (prefill_step_size): a long prompt's
@@ -119,6 +125,10 @@ class MlxText:
         return token in self._end
 
     @property
+    def ends(self) -> list[int]:
+        return sorted(self._end)
+
+    @property
     def grammars(self) -> Grammars:
         """llguidance's view of the vocabulary, and the grammars compiled for it: built at the
         first use (about 0.1 s for 49k tokens), then kept."""
@@ -202,7 +212,7 @@ class MlxTextEngine:
 
     _text: MlxText | None = None
     _n_ctx: int
-    # One generation at a time.
+    # One generation at a time (a pipeline's head; ``MlxEngine`` may batch several).
     slots = 1
 
     @property
@@ -242,18 +252,32 @@ class MlxTextEngine:
 
 
 class MlxEngine(MlxTextEngine):
-    """A whole MLX model in this process.
+    """A whole MLX model in this process, decoding ``slots`` generations at once.
+
+    With one slot a generation runs on its consumer's thread, one forward pass per token (as
+    mlx-lm's ``generate_step``); with more, every generation goes through one decoding thread
+    and mlx-lm's ``BatchGenerator`` (``mlx_batch``), which steps them together. A model whose
+    caches mlx-lm cannot batch keeps one slot (and says so in the log).
 
     ``n_threads`` is accepted for the runner's uniform call and ignored: mlx's CPU backend runs
     a stream's operations on one thread, and the mlx[cpu] wheel's bundled BLAS is the
     single-threaded reference one, so there are no threads to size."""
 
-    def __init__(self, model_dir: Path, *, n_ctx: int = 2048, n_threads: int | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, *, n_ctx: int = 2048, slots: int = 1, n_threads: int | None = None
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
         self._dir = model_dir
         self._requested_ctx = n_ctx
         self._model: Module | None = None
         self._text: MlxText | None = None
         self._n_ctx = n_ctx
+        self.slots = slots
+        self._decoder: MlxBatchDecoder | None = None
+        # Grammars are compiled and copied on the consumers' threads (a bad one is refused by
+        # ``generate``), one at a time.
+        self._grammar_lock = threading.Lock()
 
     def load(self) -> None:
         model, config = load_model(self._dir)
@@ -264,6 +288,20 @@ class MlxEngine(MlxTextEngine):
         _ = self._text.grammars  # built now, not in the first task with a grammar
         self._n_ctx = context_length(self._requested_ctx, config)
         self._model = model
+        if self.slots > 1 and not batchable(model):
+            log.warning("%s: mlx-lm cannot batch this model's cache, it serves one task at a "
+                        "time, not %d", self._dir.name, self.slots)  # fmt: skip
+            self.slots = 1
+        if self.slots > 1:
+            self._decoder = MlxBatchDecoder(
+                model, slots=self.slots, n_ctx=self._n_ctx, ends=self._text.ends,
+                prefill_step=PREFILL_STEP,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the decoding thread (with several slots); generations in flight fail."""
+        if self._decoder is not None:
+            self._decoder.close()
 
     @property
     def model(self) -> Module:
@@ -276,8 +314,24 @@ class MlxEngine(MlxTextEngine):
             raise InvalidRequest("the prompt is empty")
         if len(prompt) >= self.n_ctx:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens, the context {self.n_ctx}")
-        picker = self.text.picker(decoding, resolve_seed(decoding.params))
-        return self._generate(prompt, decoding, picker)
+        if self._decoder is None:
+            picker = self.text.picker(decoding, resolve_seed(decoding.params))
+            return self._generate(prompt, decoding, picker)
+        return self._decoder.generate(prompt, decoding, self._sequence_picker(prompt, decoding))
+
+    def _sequence_picker(
+        self, prompt: list[int], decoding: Decoding
+    ) -> Callable[[], SequencePicker]:
+        """What makes a batched generation's picker on the decoding thread; what can be refused
+        is refused here."""
+        n_vocab = self.text.n_vocab
+        check_decoding(decoding, n_vocab)
+        constraint = None
+        if decoding.grammar is not None:
+            with self._grammar_lock:
+                constraint = self.text.grammars.constraint(decoding.grammar)
+        seed = resolve_seed(decoding.params)
+        return lambda: SequencePicker(decoding, seed, n_vocab, len(prompt), constraint)
 
     def _generate(
         self, prompt: list[int], decoding: Decoding, picker: Picker

@@ -1,5 +1,6 @@
-"""Picking the next token for the MLX engines (one process, or a pipeline's last rank) as a
-task's ``Decoding`` says: sampling parameters, a grammar, log-probabilities.
+"""Picking the next token for the MLX engines (one process, each sequence of a batch, or a
+pipeline's last rank) as a task's ``Decoding`` says: sampling parameters, a grammar,
+log-probabilities.
 
 Grammars are llama.cpp's GBNF, followed with llguidance: the GBNF is converted to llguidance's
 Lark dialect (``gbnf_to_lark``), compiled once per grammar text for the model's vocabulary and
@@ -48,6 +49,9 @@ from services.runner.generation import InvalidRequest
 GRAMMAR_CACHE_SIZE = 32
 # Penalties count every generated token (mlx-lm's processors look at a window of this many).
 _ALL = 2**31 - 1
+
+# mlx-lm's logits processor: (tokens generated so far, logits) -> logits.
+Processor = Callable[[mx.array, mx.array], mx.array]
 
 
 def resolve_seed(params: SamplingParams) -> int:
@@ -250,15 +254,7 @@ class Picker:
         self._top_logprobs = decoding.top_logprobs
         self._key = mx.random.key(seed % 2**64)
         self._generated: list[int] = []
-        self._processors: list[Callable[[mx.array, mx.array], mx.array]] = make_logits_processors(
-            logit_bias=dict(params.logit_bias) or None,
-            repetition_penalty=params.repeat_penalty if params.repeat_penalty != 1.0 else None,
-            repetition_context_size=_ALL,
-            presence_penalty=params.presence_penalty or None,
-            presence_context_size=_ALL,
-            frequency_penalty=params.frequency_penalty or None,
-            frequency_context_size=_ALL,
-        )
+        self._processors = penalty_processors(params)
         self._constraint: Constraint | None = None
         if decoding.grammar is not None:
             if grammars is None:
@@ -280,18 +276,10 @@ class Picker:
             x = mx.where(mx.array(allowed), x, -math.inf)
         # Log-probabilities in the logits' dtype, as mlx-lm's samplers take them.
         logprobs = x - mx.logsumexp(x, keepdims=True)
-        if params.temperature == 0:
-            choice = mx.argmax(logprobs, axis=-1)
-        else:
+        key = None
+        if params.temperature != 0:
             self._key, key = mx.random.split(self._key)
-            logprobs = logprobs.astype(mx.float32)
-            if 0 < params.top_k < self._n_vocab:
-                logprobs = apply_top_k(logprobs, params.top_k)
-            if params.top_p < 1.0:
-                logprobs = apply_top_p(logprobs, params.top_p)
-            if params.min_p > 0.0:
-                logprobs = apply_min_p(logprobs, params.min_p)
-            choice = mx.random.categorical(logprobs * (1 / params.temperature), axis=-1, key=key)
+        choice = draw(logprobs, params, self._n_vocab, key)
         if self._top_logprobs is None:
             token = int(np.array(choice)[0])
             picked = Token(token)
@@ -303,6 +291,46 @@ class Picker:
         if self._constraint is not None:
             self._constraint.accept(token)
         return picked
+
+
+def penalty_processors(params: SamplingParams) -> list[Processor]:
+    """mlx-lm's processors for the logit bias and the penalties (``processor(generated, logits)``
+    with the tokens generated so far; in float32: they update their input in place)."""
+    processors: list[Processor] = make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        repetition_penalty=params.repeat_penalty if params.repeat_penalty != 1.0 else None,
+        repetition_context_size=_ALL,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=_ALL,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=_ALL,
+    )
+    return processors
+
+
+def draw(
+    logprobs: mx.array, params: SamplingParams, n_vocab: int, key: mx.array | None
+) -> mx.array:
+    """The token picked from ``logprobs`` (rows, vocab; processed, masked): greedy at
+    temperature 0 (``key`` unused), else top_k, top_p, min_p and a draw at the temperature with
+    ``key``. One id per row."""
+    if params.temperature == 0:
+        return mx.argmax(logprobs, axis=-1)
+    assert key is not None
+    logprobs = logprobs.astype(mx.float32)
+    if 0 < params.top_k < n_vocab:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    if params.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0.0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    return mx.random.categorical(logprobs * (1 / params.temperature), axis=-1, key=key)
+
+
+def scored(logits: mx.array, token: int, k: int) -> Token:
+    """``token`` picked from ``logits`` (1, vocab; the raw ones), with its log-probability and
+    the ``k`` most likely tokens'."""
+    return as_tokens(*_scores(logits, mx.array([token], dtype=mx.int32), k))[0]
 
 
 def _scores(

@@ -62,10 +62,11 @@ def reference(model: Path) -> list[tuple[list[Served], list[float | None]]]:
     return [expected(engine, t) for t in TASKS]
 
 
-@pytest.mark.parametrize("bounds", [(0, 4), (0, 2, 4)], ids=["whole", "two-ranks"])
+@pytest.mark.parametrize(("bounds", "slots"), [((0, 4), 1), ((0, 4), 3), ((0, 2, 4), 1)],
+                         ids=["whole", "whole-batched", "two-ranks"])  # fmt: skip
 async def test_mlx_runners_answer_token_for_token_as_one_process(
     nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path, tiny_mlx: Path,
-    bounds: tuple[int, ...],
+    bounds: tuple[int, ...], slots: int,
 ) -> None:  # fmt: skip
     wanted = reference(tiny_mlx)
     pipeline = stages(*bounds)
@@ -76,7 +77,7 @@ async def test_mlx_runners_answer_token_for_token_as_one_process(
                 nats_url=nats_server.url, node_id=shard.node_id, instance_id="i", model_id="m",
                 shard=shard, engine="mlx", model_path=str(tiny_mlx), n_ctx=N_CTX,
                 cache_dir=str(tmp_path / shard.node_id),
-                peers=[s for s in pipeline if s is not shard], peer_timeout_s=60,
+                peers=[s for s in pipeline if s is not shard], peer_timeout_s=60, slots=slots,
             )  # fmt: skip
             procs.start(shard.runner_id, "runner", "--spec", spec.model_dump_json())
         for shard in pipeline:
@@ -87,9 +88,14 @@ async def test_mlx_runners_answer_token_for_token_as_one_process(
             )
             # Ring members say where they listen (the data-plane address only).
             assert (ready.endpoint is not None) == (len(pipeline) > 1 and shard.rank > 0)
+            assert ready.slots == (slots if shard.rank == 0 else None)
         publisher = Publisher(js)
+        if slots > 1:  # all at once: decoded together, each as alone
+            for t in TASKS:
+                await publisher.publish(t)
         for t, (want, want_logprobs) in zip(TASKS, wanted, strict=True):
-            await publisher.publish(t)
+            if slots == 1:
+                await publisher.publish(t)
             got, got_logprobs = published(await log.wait_chunks(t.task_id, timeout=60))
             assert got == want, t.task_id
             assert close(got_logprobs, want_logprobs, 1e-5), t.task_id
