@@ -4,7 +4,8 @@ sequence in flight, as llama.cpp's own server does with its parallel slots.
 A context holds ``slots`` sequences (``n_seq_max``; each its own part of the KV cache, the
 context promised to one task). Generations are admitted between steps: a new one takes a free
 slot (the one whose cache shares the longest prefix with its prompt, so that a conversation's
-next turn is not computed again: ``pick_slot``), and its prompt goes in chunks
+next turn or a shared system prompt is not computed again: ``pick_slot``), and its prompt goes
+in chunks
 beside the others' next tokens, so that a long prompt holds everyone's next token back by one
 batch of ``n_batch`` tokens at most. Each sequence has its own sampler (``SequenceSampler``);
 a sequence's error (a grammar it cannot follow) ends it alone.
@@ -86,28 +87,51 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# A slot's cache counts for a prompt when it holds more than this share of it (llama.cpp's
+# server: --slot-prompt-similarity, 0.1); fewer common tokens than that are not worth a slot.
+SIMILARITY = 0.1
+# Common tokens from which a prefix is copied into another slot rather than computed again
+# (a copy moves the slot's whole KV cache: milliseconds, where 16 tokens of prompt take tens).
+MIN_COPY = 16
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    """The slot a prompt takes, how many of its first tokens are there already, and the slot
+    they are copied from first (None: the slot's own cache has them)."""
+
+    slot: int
+    keep: int
+    copy_from: int | None = None
+
+
 def pick_slot(
     free: Sequence[int],
     cached: Mapping[int, Sequence[int]],
     last_used: Mapping[int, float],
     prompt: Sequence[int],
-) -> tuple[int, int]:
-    """The free slot a prompt takes, and how many of its tokens that slot's cache holds
-    already (never the whole prompt: its last token must run, its logits give the first
-    token). The longest common prefix wins, where it keeps at least half of what the slot
-    holds: another conversation's long cache is not given up to save a shared system prompt.
-    Otherwise (and among equals) the slot used least recently, so that the caches used last
-    are kept for their conversations' next turns."""
+) -> SlotChoice:
+    """The free slot whose cache shares the longest prefix with the prompt (never the whole
+    prompt: its last token must run, its logits give the first token), if that is more than
+    ``SIMILARITY`` of it; otherwise the slot used least recently (an empty one first). When
+    the best slot's own conversation would lose most of its cache for that prefix (a new chat
+    sharing a system prompt with it), the prefix is copied to the slot used least recently
+    instead, and the conversation keeps its slot for its next turn."""
 
     def reuse(slot: int) -> int:
         return common_prefix(cached.get(slot, ()), prompt[: len(prompt) - 1])
 
-    def worth(slot: int) -> int:
-        kept = reuse(slot)
-        return kept if 2 * kept >= len(cached.get(slot, ())) else 0
+    def age(slot: int) -> float:
+        return last_used.get(slot, 0.0)
 
-    slot = max(free, key=lambda s: (worth(s), -last_used.get(s, 0.0)))
-    return slot, reuse(slot)
+    oldest = min(free, key=age)
+    best = max(free, key=lambda s: (reuse(s), -age(s)))
+    kept = reuse(best)
+    if kept <= SIMILARITY * len(prompt):
+        return SlotChoice(oldest, reuse(oldest))
+    if best != oldest and kept >= MIN_COPY and 2 * kept < len(cached.get(best, ())):
+        return SlotChoice(oldest, kept, copy_from=best)
+    return SlotChoice(best, kept)
 
 
 # --- the decoder ------------------------------------------------------------------------------
@@ -318,9 +342,14 @@ class BatchDecoder:
 
     def _admit(self, seq: _Sequence) -> None:
         free = [s for s in range(self.slots) if s not in self._active]
-        slot, keep = pick_slot(free, self._cached, self._last_used, seq.prompt)
+        choice = pick_slot(free, self._cached, self._last_used, seq.prompt)
+        slot, keep = choice.slot, choice.keep
         if seq.decoding.echo:
             keep = 0  # a scored prompt needs every position's logits: it runs whole
+        elif choice.copy_from is not None:
+            # Another slot's cells, whole (llama.cpp copies across sequences only so), at the
+            # next decode; what is past the common prefix is dropped below.
+            llama_cpp.llama_memory_seq_cp(self._memory, choice.copy_from, slot, -1, -1)
         if not llama_cpp.llama_memory_seq_rm(self._memory, slot, keep, -1):
             # A cache that cannot drop a part (a recurrent model's) is dropped whole.
             llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)

