@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from bus.events import SamplingParams
 
@@ -97,3 +98,22 @@ class PromptCached:
     again): before the first token, from an engine that keeps caches between generations."""
 
     tokens: int
+
+
+class Sink(Protocol):
+    """Where an engine that decodes on a thread of its own (a batch decoder) hands one
+    generation's items, on that thread."""
+
+    def take(self, item: Token | PromptScores | PromptCached) -> bool:
+        """One item; False: no more are wanted (the generation ends, and its slot is free)."""
+        ...
+
+    def done(self, error: BaseException | None) -> None:
+        """The generation ended: the engine's end (an end token, ``max_tokens``, the context
+        full), a ``take`` that said False, or ``error``. Called once."""
+        ...
+
+    def ready(self) -> bool:
+        """Whether the next token may be decoded now (a consumer pulling at its own pace has
+        taken the last one)."""
+        ...

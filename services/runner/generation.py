@@ -147,6 +147,87 @@ def check_request(
     return min(room, params.max_tokens) if params.max_tokens is not None else room
 
 
+class Stepper:
+    """What ``steps`` does, one engine item at a time: for an engine that pushes its items
+    (a batch decoder calls ``take`` from its own thread) as for one that is pulled from."""
+
+    def __init__(
+        self,
+        source: TokenSource,
+        decoding: Decoding,
+        limit: int,
+        cancelled: Callable[[], bool],
+        reply: ReplyParser | None = None,
+        on_cached: Callable[[int], None] | None = None,
+    ) -> None:
+        self._source = source
+        self._limit = limit
+        self._cancelled = cancelled
+        self._reply = reply or PlainReply()
+        self._on_cached = on_cached
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._matcher = StopMatcher(decoding.params.stop)
+        self._idx = 0
+        self._finish: FinishReason = "length"
+        self._stopped_by: str | None = None
+        # Whether the engine is asked at all (with a limit of 0, only for the prompt's scores).
+        self.wants = limit > 0 or decoding.echo
+
+    def take(
+        self, item: Token | PromptScores | PromptCached
+    ) -> tuple[list[Step | ScoredPrompt], bool]:
+        """The steps an engine item makes, and whether more items are wanted."""
+        source = self._source
+        if isinstance(item, PromptCached):
+            if self._on_cached is not None:
+                self._on_cached(item.tokens)
+            return [], True
+        if isinstance(item, PromptScores):
+            return [ScoredPrompt(tuple(_scored_prompt(source, item.tokens)))], self._limit > 0
+        if self._cancelled():
+            self._finish = "cancelled"
+            return [], False
+        token = item.id
+        if source.is_end(token):
+            self._finish = "stop"
+            return [], False
+        piece = source.piece(token)
+        raw = self._decoder.decode(piece)
+        reply = self._reply
+        if not piece and reply.markers:
+            spelled = source.spelled(token).decode(errors="replace")
+            raw = spelled if spelled in reply.markers else raw
+        out = self._matcher.feed(raw)
+        parsed = reply.feed(out.text)
+        logprob = _logprob(source, item, raw, piece) if item.logprob is not None else None
+        step = Step(self._idx, parsed.text, token, logprob=logprob, tool_calls=parsed.calls)
+        self._idx += 1
+        if out.stopped:  # what came after the stop string is dropped with it
+            self._finish, self._stopped_by = "stop", out.stop
+            self._decoder.reset()
+            return [step], False
+        if self._idx >= self._limit:
+            return [step], False
+        if self._cancelled():
+            self._finish = "cancelled"
+            return [step], False
+        return [step], True
+
+    def finish(self) -> Step:
+        """The last step, once the engine gave its last item (or was told to stop)."""
+        if self._finish == "cancelled":
+            return Step(self._idx, "", None, "cancelled")
+        matcher, reply = self._matcher, self._reply
+        tail = matcher.feed(self._decoder.decode(b"", final=True)).text + matcher.flush()
+        parsed = reply.feed(tail)
+        rest = reply.finish()
+        finish, stopped_by = self._finish, self._stopped_by
+        if finish == "stop" and reply.called:
+            finish, stopped_by = "tool_calls", None
+        return Step(self._idx, parsed.text + rest.text, None, finish,
+                    tool_calls=parsed.calls + rest.calls, stop_sequence=stopped_by)  # fmt: skip
+
+
 def steps(
     source: TokenSource,
     prompt: list[int],
@@ -161,60 +242,14 @@ def steps(
     call), "length" (limit), "cancelled". With ``decoding.echo`` a ``ScoredPrompt`` comes
     first, even with a limit of 0. ``on_cached`` is told how many of the prompt's tokens the
     engine's cache held (when it says)."""
-    reply = reply or PlainReply()
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    matcher = StopMatcher(decoding.params.stop)
-    idx = 0
-    finish: FinishReason = "length"
-    stopped_by: str | None = None
-    if limit > 0 or decoding.echo:
+    stepper = Stepper(source, decoding, limit, cancelled, reply, on_cached)
+    if stepper.wants:
         for item in source.generate(prompt, decoding):
-            if isinstance(item, PromptCached):
-                if on_cached is not None:
-                    on_cached(item.tokens)
-                continue
-            if isinstance(item, PromptScores):
-                yield ScoredPrompt(tuple(_scored_prompt(source, item.tokens)))
-                if limit == 0:
-                    break
-                continue
-            if cancelled():
-                finish = "cancelled"
+            made, more = stepper.take(item)
+            yield from made
+            if not more:
                 break
-            token = item.id
-            if source.is_end(token):
-                finish = "stop"
-                break
-            piece = source.piece(token)
-            raw = decoder.decode(piece)
-            if not piece and reply.markers:
-                spelled = source.spelled(token).decode(errors="replace")
-                raw = spelled if spelled in reply.markers else raw
-            out = matcher.feed(raw)
-            parsed = reply.feed(out.text)
-            logprob = _logprob(source, item, raw, piece) if item.logprob is not None else None
-            yield Step(idx, parsed.text, token, logprob=logprob, tool_calls=parsed.calls)
-            idx += 1
-            if out.stopped:  # what came after the stop string is dropped with it
-                finish = "stop"
-                stopped_by = out.stop
-                decoder.reset()
-                break
-            if idx >= limit:
-                break
-            if cancelled():
-                finish = "cancelled"
-                break
-    if finish == "cancelled":
-        yield Step(idx, "", None, finish)
-        return
-    tail = matcher.feed(decoder.decode(b"", final=True)).text + matcher.flush()
-    parsed = reply.feed(tail)
-    rest = reply.finish()
-    if finish == "stop" and reply.called:
-        finish, stopped_by = "tool_calls", None
-    yield Step(idx, parsed.text + rest.text, None, finish, tool_calls=parsed.calls + rest.calls,
-               stop_sequence=stopped_by)  # fmt: skip
+    yield stepper.finish()
 
 
 def _logprob(source: TokenSource, token: Token, text: str, piece: bytes) -> TokenLogprob:

@@ -48,12 +48,57 @@ from bus.publisher import ChunkPublisher, Publisher
 from bus.puller import ConsumerGone
 from bus.streams import EVENTS_STREAM
 from bus.subjects import escape_token, event_subject, model_tasks_filter
-from services.runner.engines.base import Engine, EngineBroken
-from services.runner.generation import InvalidRequest, ScoredPrompt, Step, check_request, steps
+from services.runner.decoding import PromptCached, PromptScores, Token
+from services.runner.engines.base import Engine, EngineBroken, Pushes
+from services.runner.generation import (
+    InvalidRequest,
+    ScoredPrompt,
+    Step,
+    Stepper,
+    check_request,
+    steps,
+)
 from services.runner.job import prepare, prompt_scored
 from services.runner.step_feed import StepFeed
 
 log = logging.getLogger(__name__)
+
+
+class _FeedSink:
+    """A generation's items from a batch decoder's thread: made into steps there (between two
+    decodes) and put on the feed; the future says when it ended, and how."""
+
+    def __init__(self, stepper: Stepper, feed: StepFeed, ended: asyncio.Future[None]) -> None:
+        self._stepper = stepper
+        self._feed = feed
+        self._ended = ended
+        self._loop = ended.get_loop()
+
+    def take(self, item: Token | PromptScores | PromptCached) -> bool:
+        made, more = self._stepper.take(item)
+        for step in made:
+            self._feed.put(step)
+        return more
+
+    def done(self, error: BaseException | None) -> None:
+        try:
+            if error is None:
+                self._feed.put(self._stepper.finish())
+        except Exception as exc:  # a reply parser's error: the task's, as from the engine
+            error = exc
+        finally:
+            self._feed.close()
+            self._loop.call_soon_threadsafe(self._end, error)
+
+    def _end(self, error: BaseException | None) -> None:
+        if not self._ended.done():
+            if error is None:
+                self._ended.set_result(None)
+            else:
+                self._ended.set_exception(error)
+
+    def ready(self) -> bool:
+        return True
 
 
 def _reap(serving: set[asyncio.Task[None]]) -> None:
@@ -402,17 +447,25 @@ class TaskServer(TaskPuller):
         stopping = threading.Event()  # this coroutine was cancelled: the engine stops too
 
         cached = [0]  # the prompt's tokens the engine's cache held (read once it is done)
+        stepper = Stepper(engine, job.decoding, limit, lambda: cancelled() or stopping.is_set(),
+                          job.reply, on_cached=lambda n: cached.__setitem__(0, n))  # fmt: skip
+        generating: asyncio.Future[None]
+        if isinstance(engine, Pushes) and stepper.wants:
+            # Steps are made on the decoder's thread, between two of its decodes.
+            generating = loop.create_future()
+            engine.submit(prompt, job.decoding, _FeedSink(stepper, feed, generating))
+        else:
 
-        def generate() -> None:
-            try:
-                for step in steps(engine, prompt, job.decoding, limit,
-                                  lambda: cancelled() or stopping.is_set(), job.reply,
-                                  on_cached=lambda n: cached.__setitem__(0, n)):  # fmt: skip
-                    feed.put(step)
-            finally:
-                feed.close()
+            def generate() -> None:
+                try:
+                    for step in steps(engine, prompt, job.decoding, limit,
+                                      lambda: cancelled() or stopping.is_set(), job.reply,
+                                      on_cached=lambda n: cached.__setitem__(0, n)):  # fmt: skip
+                        feed.put(step)
+                finally:
+                    feed.close()
 
-        generating = loop.run_in_executor(self._engine_thread, generate)
+            generating = loop.run_in_executor(self._engine_thread, generate)
         first: float | None = None
         n = 0
         finish: FinishReason = "length"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+from services.runner.decoding import Decoding, Sink
 from services.runner.generation import TokenSource
 
 
@@ -45,3 +46,11 @@ class Engine(TokenSource, Protocol):
 
     @property
     def n_vocab(self) -> int: ...
+
+
+@runtime_checkable
+class Pushes(Protocol):
+    """An engine that can also hand a generation's items to a ``Sink`` on its own decoding
+    thread (``submit``; the checks of ``generate`` are made at once)."""
+
+    def submit(self, prompt: list[int], decoding: Decoding, sink: Sink) -> None: ...

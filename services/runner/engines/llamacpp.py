@@ -19,7 +19,7 @@ import jinja2
 import llama_cpp
 from llama_cpp import Llama, llama_chat_format
 
-from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Sink, Token
 from services.runner.engines.llamacpp_batch import BatchDecoder
 from services.runner.engines.llamacpp_sampling import (
     GrammarCache,
@@ -214,6 +214,15 @@ class LlamaCppEngine:
         """Checks the request at once (``InvalidRequest``); decodes nothing before the first
         ``next()``. Up to ``slots`` generations are decoded together (``BatchDecoder``); more
         wait for a slot."""
+        return self.loaded.decoder.generate(prompt, decoding, self._sampler_for(prompt, decoding))
+
+    def submit(self, prompt: list[int], decoding: Decoding, sink: Sink) -> None:
+        """The same, its items handed to ``sink`` on the decoding thread: a runner's steps
+        are made there, between two decodes, with no thread to wake per token."""
+        self.loaded.decoder.submit(prompt, decoding, self._sampler_for(prompt, decoding), sink)
+
+    def _sampler_for(self, prompt: list[int], decoding: Decoding) -> Callable[[], SequenceSampler]:
+        """The request checked (``InvalidRequest``), and how its sampler is made."""
         if not prompt:
             raise InvalidRequest("the prompt is empty")
         if len(prompt) >= self.n_ctx:
@@ -224,14 +233,9 @@ class LlamaCppEngine:
         m = self.loaded
         check_params(decoding.params, m.n_vocab, decoding.top_logprobs)
         grammar = m.grammars.get(decoding.grammar) if decoding.grammar else None
-        return m.decoder.generate(
-            prompt,
-            decoding,
-            lambda: SequenceSampler(
-                vocab=m.vocab, n_vocab=m.n_vocab, n_ctx=self.n_ctx, params=decoding.params,
-                seed=seed_of(decoding.params), grammar=grammar,
-                grammar_first=self.grammar_first,
-            ),
+        return lambda: SequenceSampler(
+            vocab=m.vocab, n_vocab=m.n_vocab, n_ctx=self.n_ctx, params=decoding.params,
+            seed=seed_of(decoding.params), grammar=grammar, grammar_first=self.grammar_first,
         )  # fmt: skip
 
     def drop_cache(self) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Sink, Token
 from services.runner.engines.llamacpp_sampling import Logits, SequenceSampler, scored
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,31 @@ class Batch:
             raise RuntimeError(f"llama_decode failed ({status})")
 
 
-_END = object()  # a generation's end, in its queue
+_END = object()  # a generation's end, in a pulled generation's queue
+
+
+class _Pulled:
+    """The sink of a generation pulled as a Python generator (``BatchDecoder.generate``): its
+    items queue up for the consumer, who takes them at its own pace, one token ahead at most."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.given = 0  # tokens queued
+        self.taken = 0  # tokens the consumer took
+        self.released = False  # the consumer is gone
+
+    def take(self, item: Token | PromptScores | PromptCached) -> bool:
+        if self.released:
+            return False
+        self.queue.put(item)
+        self.given += isinstance(item, Token)
+        return True
+
+    def done(self, error: BaseException | None) -> None:
+        self.queue.put(error if error is not None else _END)
+
+    def ready(self) -> bool:
+        return self.taken == self.given
 
 
 @dataclass(eq=False)
@@ -176,15 +200,14 @@ class _Sequence:
     decoding: Decoding
     make_sampler: Callable[[], SequenceSampler]
     max_new: int  # tokens it may generate: what the request and the context leave room for
-    outbox: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
+    sink: Sink
     slot: int = -1
     sampler: SequenceSampler | None = None
     prefilled: int = 0  # prompt tokens in the cache
     next_token: int | None = None  # sampled, not yet in the cache
     sampled: int = 0
-    taken: int = 0  # tokens the consumer took
-    finished: bool = False  # nothing more to decode
-    released: bool = False  # the consumer is gone
+    finished: bool = False  # nothing more to decode; its sink was told
+    released: bool = False  # a pulled generation's consumer is gone
     scores: list[Token] = field(default_factory=list)  # echo: the prompt's, so far
 
     @property
@@ -194,18 +217,28 @@ class _Sequence:
     def runnable(self) -> bool:
         if self.finished or self.released:
             return False
-        return self.prefill_left > 0 or self.taken == self.sampled
+        return self.prefill_left > 0 or self.sink.ready()
 
     def behind(self) -> bool:
         """Decoding, its consumer not yet done with its last token."""
-        return not (self.finished or self.released) and self.taken < self.sampled
+        live = not (self.finished or self.released) and self.prefill_left == 0
+        return live and not self.sink.ready()
 
-    def put(self, item: object) -> None:
-        self.outbox.put(item)
+    def emit(self, item: Token | PromptScores | PromptCached) -> bool:
+        """Hand ``item`` over; False (and ended) when no more is wanted, or the sink failed."""
+        try:
+            wanted = self.sink.take(item)
+        except Exception as exc:  # the consumer's own error: this generation's alone
+            self.end(exc)
+            return False
+        if not wanted:
+            self.end()
+        return wanted
 
-    def end(self, item: object = _END) -> None:
-        self.finished = True
-        self.outbox.put(item)
+    def end(self, error: BaseException | None = None) -> None:
+        if not self.finished:
+            self.finished = True
+            self.sink.done(error)
 
 
 class BatchDecoder:
@@ -262,23 +295,45 @@ class BatchDecoder:
         with self._cond:
             return len(self._active) + len(self._waiting)
 
-    def generate(
-        self, prompt: list[int], decoding: Decoding, make_sampler: Callable[[], SequenceSampler]
-    ) -> Generator[Token | PromptScores | PromptCached]:
+    def submit(
+        self,
+        prompt: list[int],
+        decoding: Decoding,
+        make_sampler: Callable[[], SequenceSampler],
+        sink: Sink,
+    ) -> None:
+        """Decode a generation into ``sink`` (called on the decoding thread), from the first
+        free slot."""
+        self._submit(prompt, decoding, make_sampler, sink)
+
+    def _submit(
+        self,
+        prompt: list[int],
+        decoding: Decoding,
+        make_sampler: Callable[[], SequenceSampler],
+        sink: Sink,
+    ) -> _Sequence:
         room = self.n_ctx - len(prompt)
         asked = decoding.params.max_tokens
         seq = _Sequence(list(prompt), decoding, make_sampler,
-                        max_new=room if asked is None else min(asked, room))  # fmt: skip
-        return self._stream(seq)
-
-    def _stream(self, seq: _Sequence) -> Generator[Token | PromptScores | PromptCached]:
-        """The consumer's side: nothing is admitted before the first ``next()``."""
+                        max_new=room if asked is None else min(asked, room), sink=sink)  # fmt: skip
         with self._cond:
             self._waiting.append(seq)
             self._cond.notify()
+        return seq
+
+    def generate(
+        self, prompt: list[int], decoding: Decoding, make_sampler: Callable[[], SequenceSampler]
+    ) -> Generator[Token | PromptScores | PromptCached]:
+        """The same, as a Python generator on the caller's thread; nothing is admitted before
+        the first ``next()``, and a token is decoded once the one before it was taken."""
+        pulled = _Pulled()
+        seq: _Sequence | None = None
         try:
             while True:
-                item = seq.outbox.get()
+                if seq is None:
+                    seq = self._submit(prompt, decoding, make_sampler, pulled)
+                item = pulled.queue.get()
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -287,11 +342,13 @@ class BatchDecoder:
                 yield item
                 if isinstance(item, Token):
                     with self._cond:
-                        seq.taken += 1
+                        pulled.taken += 1
                         self._cond.notify()
         finally:
             with self._cond:
-                seq.released = True
+                pulled.released = True
+                if seq is not None:
+                    seq.released = True
                 self._cond.notify()
 
     # --- the decoding thread ---------------------------------------------------------------------
@@ -327,6 +384,7 @@ class BatchDecoder:
         """Between steps: free the slots of ended or released generations, admit waiting ones."""
         for slot, seq in list(self._active.items()):
             if seq.released or seq.finished:
+                seq.end()
                 del self._active[slot]
                 self._last_used[slot] = time.monotonic()
                 if seq.sampler is not None:
@@ -362,7 +420,7 @@ class BatchDecoder:
             seq.end(exc)
         self._active[slot] = seq
         if keep and not seq.finished:
-            seq.put(PromptCached(keep))
+            seq.emit(PromptCached(keep))
 
     def _forget(self, slot: int) -> None:
         llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
@@ -405,8 +463,8 @@ class BatchDecoder:
             if seq.decoding.echo:
                 self._score(seq, first, start, n)
             if seq.prefill_left == 0:
-                if seq.decoding.echo:
-                    seq.put(PromptScores(tuple(seq.scores)))
+                if seq.decoding.echo and not seq.emit(PromptScores(tuple(seq.scores))):
+                    continue
                 self._sample(seq, first + n - 1)
 
     def _score(self, seq: _Sequence, first: int, start: int, n: int) -> None:
@@ -433,7 +491,8 @@ class BatchDecoder:
             return
         k = seq.decoding.top_logprobs
         seq.sampled += 1
-        seq.put(Token(token) if k is None else scored(logits, token, k))
+        if not seq.emit(Token(token) if k is None else scored(logits, token, k)):
+            return
         pos = len(self._cached[seq.slot])
         if self._is_end(token) or seq.sampled >= seq.max_new or pos + 1 >= self.n_ctx:
             seq.end()  # what is generated fits in the context, as check_request counts
