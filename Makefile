@@ -61,7 +61,9 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python bench/placement.py
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/soak.py --concurrency 64 --requests 500 --max-queued 16
 	$(BIN)/python bench/embeddings.py
+	$(BIN)/python bench/concurrency.py
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache
