@@ -26,8 +26,12 @@ tokens at most). Figures, from the client's side:
   p95 over the requests (Shoal sends chunks in groups at most 50 ms apart, which this
   definition does not mind).
 
+Then the prompt cache, against llama-server and Shoal: the TTFT of a 1,500-token conversation's
+first turn, and of its second (the first's prompt and answer, and a short question).
+
 Ratios are Shoal / llama-server at the same level. Targets (issue 19): tokens/s >= 0.9x at 8
-and 16, >= 0.97x at 1, TTFT p50 at 8 <= 1.25x; a missed target is a FAIL line and exit 1.
+and 16, >= 0.97x at 1, TTFT p50 at 8 <= 1.25x, a second turn >= 5x sooner; a missed target is
+a FAIL line and exit 1.
 """
 
 from __future__ import annotations
@@ -140,6 +144,43 @@ class Level:
         return [s.error for s in self.seen if s.error]
 
 
+# About 1,500 tokens of a conversation's first turn (SmolLM2's tokenizer), for the prompt cache.
+LONG_TURN = " ".join(
+    f"Note {i}: the {TOPICS[i % len(TOPICS)]} kept a diary, and on day {i} it rained."
+    for i in range(64)
+)
+
+
+async def turn(client: httpx.AsyncClient, url: str, model: str,
+               messages: list[dict[str, str]]) -> tuple[float, str]:  # fmt: skip
+    """A streamed chat's TTFT (seconds) and its whole text (16 tokens)."""
+    body = {"model": model, "stream": True, "max_tokens": 16, "temperature": 0,
+            "messages": messages}  # fmt: skip
+    sent, first, text = time.perf_counter(), None, ""
+    async with client.stream("POST", f"{url}/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices") or []:
+                if piece := (choice.get("delta") or {}).get("content"):
+                    first = first or time.perf_counter()
+                    text += piece
+    return (first or time.perf_counter()) - sent, text
+
+
+async def second_turn(url: str, model: str) -> tuple[float, float]:
+    """TTFT of a long conversation's first turn, and of its second (the first's prompt and
+    answer, and a short question): what a prompt cache saves."""
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT) as client:
+        first_msgs = [{"role": "user", "content": f"{LONG_TURN}\nWhat did the diary say?"}]
+        first, answer = await turn(client, url, model, first_msgs)
+        second_msgs = [*first_msgs, {"role": "assistant", "content": answer},
+                       {"role": "user", "content": "And on the last day?"}]  # fmt: skip
+        second, _ = await turn(client, url, model, second_msgs)
+    return first, second
+
+
 async def level(url: str, model: str, name: str, c: int, per_client: int, tokens: int) -> Level:
     limits = httpx.Limits(max_connections=c * 2, max_keepalive_connections=c * 2)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, limits=limits) as client:
@@ -225,7 +266,7 @@ async def add_replica(url: str, model_id: str, proc: Proc) -> None:
 async def run_contender(
     name: str, proc: Proc, url: str, ready_url: str | None, model: str, levels: list[int],
     args: argparse.Namespace, env: dict[str, str] | None = None,
-    replica: tuple[str, str] | None = None,
+    replica: tuple[str, str] | None = None, turns: dict[str, tuple[float, float]] | None = None,
 ) -> list[Level]:  # fmt: skip
     print(f"  {name} ...", file=sys.stderr, flush=True)
     await proc.start(env)
@@ -239,6 +280,8 @@ async def run_contender(
         out = []
         for c in levels:
             out.append(await level(url, model, name, c, args.per_client, args.tokens))
+        if turns is not None:
+            turns[name] = await second_turn(url, model)
         return out
     finally:
         await proc.stop(signal.SIGINT, 30.0)
@@ -247,6 +290,20 @@ async def run_contender(
 # --- report ----------------------------------------------------------------------------------
 
 ANCHOR, PYTHON, SHOAL, SHOAL2 = "llama-server", "llama_cpp.server", "shoal up", "shoal up x2"
+
+
+def turns_table(model_id: str, turns: dict[str, tuple[float, float]]) -> bool:
+    """The prompt cache: a 1,500-token conversation's second turn against its first."""
+    ok = True
+    for name, (first, second) in turns.items():
+        sooner = first / second if second else float("nan")
+        print(f"prompt cache, {name}: first turn TTFT {first * 1000:.0f} ms, second"
+              f" {second * 1000:.0f} ms: {sooner:.1f}x sooner")  # fmt: skip
+        if name == SHOAL:
+            ok = sooner >= 5
+            print(f"{'PASS' if ok else 'FAIL'} {model_id}: second turn {sooner:.1f}x sooner"
+                  " (target >= 5x)")  # fmt: skip
+    return ok
 
 
 def table(model_id: str, results: dict[str, list[Level]]) -> bool:
@@ -296,13 +353,14 @@ async def bench_model(model_id: str, args: argparse.Namespace, tmp: Path, binary
     chat_format = card_for(model_id).chat_format
     levels = args.levels
     results: dict[str, list[Level]] = {}
+    turns: dict[str, tuple[float, float]] = {}
     print(f"{model_id}: {path.name}", file=sys.stderr)
     port = free_port("127.0.0.1")
     argv = llama_cpp_server_argv(binary, path, chat_format, port, args.threads, args.slots)
     proc = Proc(ANCHOR, argv, tmp / f"{model_id}-anchor.log")
     url = f"http://127.0.0.1:{port}"
     results[ANCHOR] = await run_contender(ANCHOR, proc, f"{url}/v1", f"{url}/health", model_id,
-                                          levels, args)  # fmt: skip
+                                          levels, args, turns=turns)  # fmt: skip
     if args.llama_cpp_python:
         port = free_port("127.0.0.1")
         proc = Proc(PYTHON, python_server_argv(path, model_id, chat_format, port, args.threads),
@@ -315,7 +373,8 @@ async def bench_model(model_id: str, args: argparse.Namespace, tmp: Path, binary
     proc = Proc(SHOAL, shoal_argv(tmp, f"{model_id}-1", model_id, port, args.threads, args.slots),
                 tmp / f"{model_id}-shoal.log")  # fmt: skip
     url = f"http://127.0.0.1:{port}/v1"
-    results[SHOAL] = await run_contender(SHOAL, proc, url, None, model_id, levels, args, env)
+    results[SHOAL] = await run_contender(SHOAL, proc, url, None, model_id, levels, args, env,
+                                         turns=turns)  # fmt: skip
     if args.two_replicas and args.threads >= 2:
         port = free_port("127.0.0.1")
         half = args.threads // 2
@@ -324,7 +383,8 @@ async def bench_model(model_id: str, args: argparse.Namespace, tmp: Path, binary
         url = f"http://127.0.0.1:{port}/v1"
         results[SHOAL2] = await run_contender(SHOAL2, proc, url, None, model_id, levels[-2:],
                                               args, env, replica=(url, model_id))  # fmt: skip
-    return table(model_id, results)
+    ok = table(model_id, results)
+    return turns_table(model_id, turns) and ok
 
 
 async def run(args: argparse.Namespace) -> int:
