@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncGenerator
 
@@ -9,7 +10,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.puller import Puller
+from bus.puller import NoResponders, Puller
+
+# How long a read waits for its new consumer to have a leader (on a NATS cluster, a consumer
+# made just after a server was lost may be without one for seconds).
+NO_LEADER_WAIT_S = 15.0
 
 
 async def read_stream(
@@ -41,7 +46,7 @@ async def read_stream(
     await puller.start()
     try:
         while True:
-            msgs = await puller.fetch(batch_size, timeout=2.0)
+            msgs = await _fetch(puller, batch_size)
             if not msgs:
                 return  # nothing left that matches (the rest may have aged out)
             for msg in msgs:
@@ -56,3 +61,15 @@ async def read_stream(
     finally:
         await puller.stop()
         await js.delete_consumer(stream, name)
+
+
+async def _fetch(puller: Puller, batch_size: int) -> list[Msg]:
+    """A batch, asking again while nobody answers for the consumer (no leader yet)."""
+    give_up = asyncio.get_running_loop().time() + NO_LEADER_WAIT_S
+    while True:
+        try:
+            return await puller.fetch(batch_size, timeout=2.0)
+        except NoResponders:
+            if asyncio.get_running_loop().time() > give_up:
+                raise
+            await asyncio.sleep(0.2)

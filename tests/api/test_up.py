@@ -93,7 +93,12 @@ async def test_the_openai_sdk_works_against_shoal_up(up: Up) -> None:
             finish = chunk.choices[0].finish_reason or finish
         usage = chunk.usage or usage
     assert "".join(pieces) == reply.choices[0].message.content  # greedy: the same text
-    assert finish == reply.choices[0].finish_reason and usage == reply.usage
+    assert finish == reply.choices[0].finish_reason and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        reply.usage.prompt_tokens, reply.usage.completion_tokens)  # fmt: skip
+    # The same prompt again: its slot's cache held all of it but the last token.
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
     story: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Tell me a long story about a fox."}
