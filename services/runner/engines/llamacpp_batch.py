@@ -5,15 +5,15 @@ A context holds ``slots`` sequences (``n_seq_max``; each its own part of the KV 
 context promised to one task). Generations are admitted between steps: a new one takes a free
 slot (the one whose cache shares the longest prefix with its prompt, so that a conversation's
 next turn or a shared system prompt is not computed again: ``pick_slot``), and its prompt goes
-in chunks
-beside the others' next tokens, so that a long prompt holds everyone's next token back by one
-batch of ``n_batch`` tokens at most. Each sequence has its own sampler (``SequenceSampler``);
-a sequence's error (a grammar it cannot follow) ends it alone.
+in chunks beside the others' next tokens, so that a long prompt holds everyone's next token
+back by one batch of ``n_batch`` tokens at most. Each sequence has its own sampler
+(``SequenceSampler``); a sequence's error (a grammar it cannot follow) ends it alone.
 
 The decoding runs on one thread of its own, the only one that touches the context. Each
-generation is a Python generator on its consumer's thread (the runner's ``steps``), fed through
-a queue; a consumer that stops taking (a stop string, a cancel) frees its slot at the next step.
-The pure parts (what goes in a step, which slot a prompt takes) are functions, tested alone.
+generation's items go to its ``Sink`` on that thread (the runner makes its steps there, between
+two decodes: ``submit``), or to a Python generator on the caller's thread (``generate``); a sink
+that wants no more (a stop string, a cancel) frees its slot at the next step. The pure parts
+(what goes in a step, which slot a prompt takes) are functions, tested alone.
 """
 
 from __future__ import annotations
