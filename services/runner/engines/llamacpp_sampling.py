@@ -316,6 +316,9 @@ class SequenceSampler:
             self._eager = grammar.eager  # the cache's: a reference is kept with ``grammar``
             self._triggers = grammar.triggers
         self._compiled = grammar
+        # Greedy with nothing to adjust and no grammar: the best logit, read off the logits
+        # (loading them as candidates copies the whole vocabulary: 3 MiB a token for Gemma).
+        self._argmax = params.temperature == 0 and self._adjust is None and grammar is None
         self._free = weakref.finalize(self, _free, [self._adjust, self._chain, self._grammar])
         self._text = b""  # generated so far, while a lazy grammar waits for its trigger
 
@@ -337,6 +340,8 @@ class SequenceSampler:
         return token
 
     def _pick(self, logits: Logits, banned: Sequence[int]) -> int:
+        if self._argmax and not banned:
+            return int(np.argmax(logits))  # the first of equal bests, as llama.cpp's greedy
         if self._grammar is None:
             return self._draw(logits, banned)
         if self._grammar_first:
