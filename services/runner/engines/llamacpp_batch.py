@@ -60,10 +60,14 @@ class Need:
 
 
 def plan_step(needs: Sequence[Need], capacity: int, echo_chunk: int = ECHO_CHUNK) -> dict[int, int]:
-    """How many tokens each sequence puts in the next batch of ``capacity``: every decoding
-    sequence its next token first (a prompt never holds the others' tokens back by more than
-    one batch), then prompts in the order given, as much as is left; a scored prompt at most
-    ``echo_chunk`` a step."""
+    """How many tokens each sequence (by key: its slot) puts in the next batch of
+    ``capacity``: every decoding sequence its next token first (a prompt never holds the
+    others' tokens back by more than one batch), then prompts in the order given, as much as is
+    left; a scored prompt at most ``echo_chunk`` a step.
+
+    The plan lists the sequences by key, the order they go in the batch: with a KV cache per
+    sequence, llama.cpp computes a batch in one pass per run of consecutive sequence ids, so
+    that 8 sequences in admission order (0, 2, 4, 6, 3...) took several passes where one does."""
     plan: dict[int, int] = {}
     room = capacity
     for need in needs:
@@ -75,7 +79,7 @@ def plan_step(needs: Sequence[Need], capacity: int, echo_chunk: int = ECHO_CHUNK
             take = min(need.prefill, room, echo_chunk if need.echo else room)
             plan[need.key] = take
             room -= take
-    return plan
+    return dict(sorted(plan.items()))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -433,10 +437,9 @@ class BatchDecoder:
         batch.clear()
         # Per sequence: where its part starts in the batch, how many tokens, where its logits are.
         parts: list[tuple[_Sequence, int, int]] = []
-        for seq in ready:
-            n = plan.get(seq.slot, 0)
-            if n == 0:
-                continue
+        by_slot = {s.slot: s for s in ready}
+        for slot, n in plan.items():
+            seq = by_slot[slot]
             first = batch.n
             cached = self._cached[seq.slot]
             if seq.prefill_left == 0:

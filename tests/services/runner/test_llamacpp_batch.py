@@ -47,6 +47,13 @@ def test_more_decoding_sequences_than_room_take_what_fits() -> None:
     assert plan_step([Need(k) for k in range(5)], capacity=3) == {0: 1, 1: 1, 2: 1}
 
 
+def test_the_batch_lists_sequences_by_slot_whatever_their_admission_order() -> None:
+    # llama.cpp computes one pass per run of consecutive sequence ids.
+    needs = [Need(0), Need(2), Need(4, prefill=9), Need(6), Need(3), Need(5), Need(7), Need(1)]
+    plan = plan_step(needs, capacity=512)
+    assert list(plan.items()) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 9), (5, 1), (6, 1), (7, 1)]
+
+
 # --- which slot ----------------------------------------------------------------------------
 
 
