@@ -95,7 +95,8 @@ class LlamaCppEngine:
             verbose=False,
             **self._kwargs,
         )
-        ctx, n_ctx = _slots_context(llm, self._requested_ctx, self.slots)
+        ctx, n_ctx = _slots_context(llm, self._requested_ctx, self.slots,
+                                    flash_attn_asked="flash_attn" in self._kwargs)  # fmt: skip
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         formatter: Callable[..., Any] | None = None
@@ -254,12 +255,19 @@ class LlamaCppEngine:
 _LLAMA_OWN_CTX = 64
 
 
-def _slots_context(llm: Llama, n_ctx: int, slots: int) -> tuple[Any, int]:
+def _slots_context(
+    llm: Llama, n_ctx: int, slots: int, *, flash_attn_asked: bool
+) -> tuple[Any, int]:
     """A context for ``slots`` sequences of ``n_ctx`` tokens each, with ``Llama``'s settings
-    (threads, flash attention, cache types); and each sequence's context as llama.cpp made it.
+    (threads, cache types; flash attention if ``flash_attn_asked``, else llama.cpp's choice);
+    and each sequence's context as llama.cpp made it.
     Each sequence has its own part of the KV cache (not unified): attention then reads only a
     sequence's own, which is faster when prompts share little."""
     params = llm.context_params
+    if not flash_attn_asked:
+        # As llama.cpp's own server: flash attention where the backend has it (llama-cpp-python
+        # turns it off unless asked); batched decoding gains most from it.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
     params.n_ctx = n_ctx * slots
     params.n_seq_max = slots
     params.n_batch = params.n_ubatch = _N_BATCH

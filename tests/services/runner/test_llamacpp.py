@@ -56,8 +56,11 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> LlamaCppEngine:
 
 @pytest.fixture(scope="module")
 def full_logits() -> Llama:
-    """SmolLM2 keeping every position's logits: the reference for log-probabilities."""
-    return Llama(model_path=str(SMOLLM2), n_ctx=256, logits_all=True, verbose=False)
+    """SmolLM2 keeping every position's logits: the reference for log-probabilities. As the
+    engine computes: flash attention on, a prompt in chunks of ``ECHO_CHUNK`` (flash attention
+    rounds differently for other shapes)."""
+    return Llama(model_path=str(SMOLLM2), n_ctx=256, n_batch=ECHO_CHUNK, n_ubatch=ECHO_CHUNK,
+                 logits_all=True, flash_attn=True, verbose=False)  # fmt: skip
 
 
 def user(text: str) -> list[dict[str, Any]]:
@@ -232,8 +235,9 @@ def test_greedy_equals_llama_cpp_pythons_own(model: str, request: pytest.Fixture
     """What the engine served before its low-level rewrite: ``Llama.generate``."""
     engine: LlamaCppEngine = request.getfixturevalue(model)
     threads = os.cpu_count()  # as the engine's: a sum split differently rounds differently
+    # Flash attention on, as the engine has it (llama.cpp's choice where it is not asked for).
     own = Llama(model_path=str(engine.path), n_ctx=engine.n_ctx, n_threads=threads,
-                n_threads_batch=threads, verbose=False)  # fmt: skip
+                n_threads_batch=threads, flash_attn=True, verbose=False)  # fmt: skip
     for prompt in (engine.chat_tokens(user(QUESTION), None),
                    engine.text_tokens("Once upon a time, in a land far away,")):  # fmt: skip
         forget(engine)
@@ -397,7 +401,7 @@ def test_a_lazy_grammar_holds_from_its_trigger(smollm2: LlamaCppEngine) -> None:
     # Towards writing the marker, away from digits: unconstrained, some calls lose theirs.
     bias = {token_of(smollm2, str(d)): -10.0 for d in range(10)} | {token_of(smollm2, "<"): 4.0}
     unconstrained = []
-    for params in [{"temperature": 0}] + [{"temperature": 0.8, "seed": s} for s in (0, 2, 3, 4)]:
+    for params in [{"temperature": 0}] + [{"temperature": 0.8, "seed": s} for s in (0, 2, 5, 11)]:
         d = decoding(max_tokens=28, logit_bias=bias, **params)
         forget(smollm2)  # each run as from a fresh context, for the two to be compared
         free = text(smollm2, prompt, d)

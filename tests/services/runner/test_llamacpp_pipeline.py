@@ -115,7 +115,8 @@ def weights_not_repacked() -> Iterator[None]:
 def reference(
     path: Path, tasks: list[TaskCreated], chat_format: str | None, repack: bool
 ) -> list[tuple[list[Served], list[float | None]]]:
-    engine = LlamaCppEngine(path, n_ctx=N_CTX, n_threads=1, chat_format=chat_format)
+    engine = LlamaCppEngine(path, n_ctx=N_CTX, n_threads=1, chat_format=chat_format,
+                            flash_attn=False)  # as a pipeline's head has it  # fmt: skip
     with nullcontext() if repack else weights_not_repacked():
         engine.load()
     return [expected(engine, t) for t in tasks]
