@@ -94,6 +94,15 @@ class Seen:
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, i: int, tokens: int) -> Seen:
+    seen = await _one(client, url, model, i, tokens)
+    if seen.error and seen.error.startswith("RemoteProtocolError") and seen.first is None:
+        # llama-server now and then closes a kept-alive connection as it is reused, before any
+        # answer: asked again on a new connection, as a client would.
+        seen = await _one(client, url, model, i, tokens)
+    return seen
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, tokens: int) -> Seen:
     body = {"model": model, "stream": True, "max_tokens": tokens, "temperature": 0,
             "messages": [{"role": "user", "content": prompt(i)}],
             "stream_options": {"include_usage": True}}  # fmt: skip
@@ -222,7 +231,9 @@ def llama_cpp_server_argv(binary: Path, path: Path, chat_format: str | None, por
     argv = [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-c", str(N_CTX * slots),
             "--parallel", str(slots), "--cont-batching", "--no-webui"]  # fmt: skip
-    return argv + (["--chat-template", chat_format] if chat_format else [])
+    # --no-jinja: with Jinja on (llama-server's default) a --chat-template name is taken as a
+    # template's text, and Gemma's prompts came out as the 3 tokens of "gemma".
+    return argv + (["--no-jinja", "--chat-template", chat_format] if chat_format else [])
 
 
 def python_server_argv(path: Path, model_id: str, chat_format: str | None, port: int,
