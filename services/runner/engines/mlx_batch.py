@@ -8,25 +8,20 @@ temperature, filters and random key, as ``mlx_sampling.Picker`` picks for one), 
 its stops. mlx-lm's prefill keeps no logits of the prompt, so a prompt that is scored (echo) is
 run here, a chunk a step beside the others, and inserted with the cache it made.
 
-The decoding runs on one thread of its own, the only one that makes MLX calls (mlx streams are
-per thread). Each generation is a Python generator on its consumer's thread (the runner's
-``steps``), fed through a queue; a consumer that stops taking (a stop string, a cancel) frees its
-slot at the next step. A sequence's error (a grammar it cannot follow) ends it alone; a failed
+The decoding runs on one thread of its own (``batch_thread``: admission, the consumers' queues,
+a freed slot). A sequence's error (a grammar it cannot follow) ends it alone; a failed
 step ends the sequences that were in it, and the next step starts a fresh ``BatchGenerator``.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import math
-import queue
-import threading
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +30,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.engines.batch_thread import DecodingThread, Generation, max_new
 from services.runner.engines.mlx_sampling import (
     Constraint,
     as_tokens,
@@ -45,10 +41,6 @@ from services.runner.engines.mlx_sampling import (
 )
 
 log = logging.getLogger(__name__)
-
-# Tokens a sequence may be ahead of its consumer before it stops asking for steps (it is still
-# stepped while another sequence asks: a batch steps all its sequences).
-LOOKAHEAD = 2
 
 
 def batchable(model: Module) -> bool:
@@ -132,9 +124,6 @@ class SequencePicker:
         return scored(self._raw.popleft(), token, self._top_logprobs)
 
 
-_END = object()  # a generation's end, in its queue
-
-
 @dataclass
 class _Scoring:
     """A scored prompt (echo) being run: its cache, how far, the scores so far."""
@@ -145,32 +134,14 @@ class _Scoring:
 
 
 @dataclass(eq=False)
-class _Sequence:
-    prompt: list[int]
-    decoding: Decoding
-    make_picker: Callable[[], SequencePicker]
-    max_new: int
-    outbox: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
+class _Sequence(Generation):
+    make_picker: Callable[[], SequencePicker] | None = None
     picker: SequencePicker | None = None
     uid: int | None = None  # in the BatchGenerator
     scoring: _Scoring | None = None
-    given: int = 0  # tokens put in the outbox
-    taken: int = 0  # tokens the consumer took
-    finished: bool = False  # nothing more to decode
-    released: bool = False  # the consumer is gone
-
-    def wants(self) -> bool:
-        return not (self.finished or self.released) and self.given - self.taken < LOOKAHEAD
-
-    def put(self, item: object) -> None:
-        self.outbox.put(item)
-
-    def end(self, item: object = _END) -> None:
-        self.finished = True
-        self.outbox.put(item)
 
 
-class MlxBatchDecoder:
+class MlxBatchDecoder(DecodingThread[_Sequence]):
     """Decodes up to ``slots`` generations of ``model`` together (see the module's doc); each
     has ``n_ctx`` of context, and stops at one of ``ends``."""
 
@@ -178,125 +149,34 @@ class MlxBatchDecoder:
         self, model: Module, *, slots: int, n_ctx: int, ends: Sequence[int], prefill_step: int,
     ) -> None:  # fmt: skip
         self._model = model
-        self.slots = slots
         self.n_ctx = n_ctx
         self._ends = [[int(t)] for t in ends]
         self._prefill_step = prefill_step
-        self._cond = threading.Condition()
-        self._waiting: list[_Sequence] = []  # admitted in this order as slots free up
-        self._active: list[_Sequence] = []  # admitted, in admission order
         self._by_uid: dict[int, _Sequence] = {}
         self._generator: BatchGenerator | None = None
-        self._closed = False
-        self._parked = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlx-batch", daemon=True)
-        self._thread.start()
-        # Stopped before the interpreter finalizes: a thread that returns from an MLX call
-        # then is ended inside it, and the C++ unwinding aborts the process.
-        atexit.register(self.close)
-
-    def close(self) -> None:
-        """Fail the generations in flight and park the decoding thread. It never ends: the
-        thread-local state MLX keeps for it (mx.compile's cache) is freed at a thread's end,
-        and where that is during the interpreter's finalization (a thread ending is still
-        running its thread-local destructors after ``join``) the process aborts."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._parked.wait(timeout=60)
-        atexit.unregister(self.close)
-
-    @property
-    def busy(self) -> int:
-        """Generations admitted or waiting for a slot."""
-        with self._cond:
-            return len(self._active) + len(self._waiting)
+        super().__init__(slots, "mlx-batch")
 
     def generate(
         self, prompt: list[int], decoding: Decoding, make_picker: Callable[[], SequencePicker]
     ) -> Generator[Token | PromptScores]:
-        room = self.n_ctx - len(prompt)
-        asked = decoding.params.max_tokens
-        seq = _Sequence(list(prompt), decoding, make_picker,
-                        max_new=room if asked is None else min(asked, room))  # fmt: skip
+        seq = _Sequence(list(prompt), decoding, max_new(prompt, decoding, self.n_ctx),
+                        make_picker=make_picker)  # fmt: skip
         return self._stream(seq)
-
-    def _stream(self, seq: _Sequence) -> Generator[Token | PromptScores]:
-        """The consumer's side: nothing is admitted before the first ``next()``."""
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the engine was closed")
-            self._waiting.append(seq)
-            self._cond.notify()
-        try:
-            while True:
-                item = seq.outbox.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, Token | PromptScores)
-                yield item
-                if isinstance(item, Token):
-                    with self._cond:
-                        seq.taken += 1
-                        self._cond.notify()
-        finally:
-            with self._cond:
-                seq.released = True
-                self._cond.notify()
 
     # --- the decoding thread ---------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except Exception:  # a bug: what is in flight fails, and the engine serves no more
-            log.exception("the mlx decoding thread failed")
-            with self._cond:
-                self._closed = True
-                self._park()
-
-    def _loop(self) -> None:
-        self._generator = self._new_generator()
-        while True:
-            with self._cond:
-                while True:
-                    if self._closed:
-                        self._park()
-                    self._settle()
-                    if any(s.wants() for s in self._active):
-                        break
-                    self._cond.wait()
-            self._step()
-
-    def _park(self) -> NoReturn:
-        for seq in self._active + self._waiting:
-            seq.end(RuntimeError("the engine was closed"))
-        self._active, self._waiting = [], []
+    def _discard(self) -> None:
         self._by_uid.clear()
         if self._generator is not None:
             with contextlib.suppress(Exception):
                 self._generator.close()  # type: ignore[no-untyped-call]
             self._generator = None  # its caches are freed here, on this thread
-        self._parked.set()
-        while True:
-            self._cond.wait()
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
             self._model, stop_tokens=self._ends, completion_batch_size=self.slots,
             prefill_batch_size=self.slots, prefill_step_size=self._prefill_step,
         )  # fmt: skip
-
-    def _settle(self) -> None:
-        """Between steps: drop ended or released generations, admit waiting ones."""
-        for seq in [s for s in self._active if s.released or s.finished]:
-            self._active.remove(seq)
-            self._forget(seq)
-        self._waiting = [s for s in self._waiting if not s.released]
-        while self._waiting and len(self._active) < self.slots:
-            self._admit(self._waiting.pop(0))
 
     def _forget(self, seq: _Sequence) -> None:
         """Out of the generator (its cache is freed), if it is still there."""
@@ -307,27 +187,22 @@ class MlxBatchDecoder:
             seq.uid = None
 
     def _admit(self, seq: _Sequence) -> None:
-        if seq.max_new <= 0 and not seq.decoding.echo:
-            seq.end()  # nothing to generate
-            return
-        try:
-            seq.picker = seq.make_picker()
-            if seq.decoding.echo:
-                cache = make_prompt_cache(self._model)
-                seq.scoring = _Scoring(cache, scores=[Token(seq.prompt[0])])
-            else:
-                self._insert(seq, seq.prompt)
-        except Exception as exc:
-            seq.end(exc)
-            return
-        self._active.append(seq)
+        assert seq.make_picker is not None
+        seq.picker = seq.make_picker()
+        if seq.decoding.echo:
+            cache = make_prompt_cache(self._model)
+            seq.scoring = _Scoring(cache, scores=[Token(seq.prompt[0])])
+        else:
+            self._insert(seq, seq.prompt)
 
     def _insert(
         self, seq: _Sequence, prompt: list[int], cache: list[Any] | None = None,
         cached: list[int] | None = None,
     ) -> None:  # fmt: skip
         """Into the generator: ``prompt`` to run, after what ``cache`` holds (``cached``)."""
-        assert self._generator is not None and seq.picker is not None
+        if self._generator is None:
+            self._generator = self._new_generator()
+        assert seq.picker is not None
         (uid,) = self._generator.insert(
             [prompt], max_tokens=[seq.max_new],
             caches=None if cache is None else [cache],
@@ -370,7 +245,6 @@ class MlxBatchDecoder:
                 self._forget(to)
                 to.end(exc)
                 continue
-            to.given += 1
             to.put(token)
             if response.finish_reason is not None:  # an end token, or max_new made
                 del self._by_uid[response.uid]
