@@ -13,7 +13,10 @@ and time to first token, and the ratio to one node. Target: 2 nodes >= 0.85x one
 tokens/s. Exit status 1 when it is missed.
 
 MLX (the tiny random-weight model from ``tests/models/tiny_mlx.py``): 1 process, and 2 ranks of
-an ``mx.distributed`` ring on loopback (``services.runner.engines.mlx_pipeline``).
+an ``mx.distributed`` ring on loopback (``services.runner.engines.mlx_pipeline``), each with
+``MLX_SLOTS`` slots, serving one stream and then ``MLX_SLOTS`` at once: aggregate tokens/s (all
+streams' tokens over the time from the first request to the last token), and the ratio of the
+batched streams to one.
 
 The machine has 2 cores: all stages share them, and only one stage computes at a time, so
 ``--threads`` is the same for every process.
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ from services.runner.engines import ggml_rpc
 TARGET = 0.85
 N_LAYERS = 18
 MLX_LAYERS = 8
+MLX_SLOTS = 4
 # As Shoal's workers run pipeline stages (services/worker/supervisor.py); a whole model runs
 # with the default.
 PIPELINE_ENV = {**os.environ, "GOMP_SPINCOUNT": "10000"}
@@ -100,7 +105,7 @@ def head_main(args: argparse.Namespace) -> None:
                 break
         results.append({"ttft_ms": (times[0] - sent) * 1000,
                         "tps": (len(times) - 1) / (times[-1] - times[0])})  # fmt: skip
-    print(json.dumps(results[1:]))
+    print(json.dumps(results))
 
 
 def rpc_main(args: argparse.Namespace) -> None:
@@ -122,25 +127,37 @@ def mlx_head_main(args: argparse.Namespace) -> None:
     if hosts:
         half = MLX_LAYERS // 2
         shard = PipelineShard(0, 2, 0, half, MLX_LAYERS, tuple(hosts))
-        head = PipelineHead(Path(args.model), shard, n_ctx=1024)
+        head = PipelineHead(Path(args.model), shard, n_ctx=1024, slots=MLX_SLOTS)
         head.load()
         engine = head
     else:
-        whole = MlxEngine(Path(args.model), n_ctx=1024)
+        whole = MlxEngine(Path(args.model), n_ctx=1024, slots=MLX_SLOTS)
         whole.load()
         engine = whole
     greedy = SamplingParams(temperature=0.0)
-    results = []
-    for prompt in [WARMUP, *json.loads(args.prompts)]:
+
+    def stream(prompt: str) -> list[float]:
         tokens = engine.text_tokens(prompt)
-        sent = time.perf_counter()
         times: list[float] = []
         for _ in engine.generate(tokens, Decoding(greedy)):
             times.append(time.perf_counter())
             if len(times) >= args.tokens:
                 break
-        results.append({"ttft_ms": (times[0] - sent) * 1000,
-                        "tps": (len(times) - 1) / (times[-1] - times[0])})  # fmt: skip
+        return times
+
+    results = []
+    prompts = json.loads(args.prompts)
+    stream(WARMUP)
+    for concurrency in (1, MLX_SLOTS):
+        for i in range(len(prompts)):
+            batch = [prompts[(i + j) % len(prompts)] for j in range(concurrency)]
+            sent = time.perf_counter()
+            with ThreadPoolExecutor(concurrency) as pool:
+                streams = list(pool.map(stream, batch))
+            last = max(times[-1] for times in streams)
+            results.append({"concurrency": concurrency,
+                            "ttft_ms": (min(t[0] for t in streams) - sent) * 1000,
+                            "tps": sum(len(t) for t in streams) / (last - sent)})  # fmt: skip
     if hosts:
         head.shutdown()
     print(json.dumps(results[1:]))
@@ -243,13 +260,18 @@ def bench_mlx(args: argparse.Namespace, tmp: Path) -> None:
                 if follower is not None:
                     follower.wait(30)
             print(f"  repeat {rep + 1}, MLX {ranks} rank(s): done", flush=True)
-    one = med([f["tps"] for f in figures[1]])
-    print(f"\nMLX, tiny random model ({MLX_LAYERS} layers), {args.tokens} tokens (medians)")
-    print(f"{'ranks':>5} {'tokens/s':>9} {'ratio':>6} {'TTFT ms':>8}")
+
+    def tps(ranks: int, concurrency: int) -> float:
+        return med([f["tps"] for f in figures[ranks] if f["concurrency"] == concurrency])
+
+    print(f"\nMLX, tiny random model ({MLX_LAYERS} layers, {MLX_SLOTS} slots), {args.tokens} "
+          "tokens a stream, aggregate tokens/s (medians)")  # fmt: skip
+    print(f"{'ranks':>5} {'1 stream':>9} {f'{MLX_SLOTS} streams':>10} {'batched/1':>10} "
+          f"{'vs 1 rank':>10}")  # fmt: skip
     for ranks in (1, 2):
-        tps = med([f["tps"] for f in figures[ranks]])
-        ttft = med([f["ttft_ms"] for f in figures[ranks]])
-        print(f"{ranks:>5} {tps:>9.1f} {tps / one:>5.2f}x {ttft:>8.1f}")
+        one, many = tps(ranks, 1), tps(ranks, MLX_SLOTS)
+        print(f"{ranks:>5} {one:>9.1f} {many:>10.1f} {many / one:>9.2f}x "
+              f"{many / tps(1, MLX_SLOTS):>9.2f}x")  # fmt: skip
 
 
 def main() -> None:

@@ -140,9 +140,6 @@ async def run_mlx(
         finally:
             await asyncio.to_thread(engine.close)
         return
-    if spec.slots > 1:
-        log.warning("runner %s: an mlx ring serves one task at a time, not %d",
-                    spec.runner_id, spec.slots)  # fmt: skip
     shard = await ring_shard(spec, peers, state)
     if shard.rank > 0:
         await follow(path, spec, shard, state, stop)

@@ -3,9 +3,9 @@
 mlx's ring needs every rank's address before any rank can join it. Each stage takes a free
 port on its node's data-plane address and reports it (``Loading`` with ``endpoint``), waits
 until every other stage of the pipeline has reported one, loads its layers and joins the ring.
-Rank 0 then serves tasks with the pipeline as its engine; the other ranks follow it until the
-head shuts the pipeline down or the ring breaks, when they exit and are restarted (the whole
-ring forms again).
+Rank 0 then serves tasks with the pipeline as its engine (``slots`` at once); the other ranks
+follow it until the head shuts the pipeline down or the ring breaks, when they exit and are
+restarted (the whole ring forms again).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ async def ring_shard(spec: RunnerSpec, peers: Peers, state: StateReporter) -> Pi
 
 
 async def load_head(model: Path, spec: RunnerSpec, shard: PipelineShard) -> PipelineHead:
-    head = PipelineHead(model, shard, n_ctx=spec.n_ctx, connect_timeout=RING_TIMEOUT_S)
+    head = PipelineHead(model, shard, n_ctx=spec.n_ctx, slots=spec.slots,
+                        connect_timeout=RING_TIMEOUT_S)  # fmt: skip
     await asyncio.to_thread(head.load)
     return head
 

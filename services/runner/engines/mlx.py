@@ -212,8 +212,7 @@ class MlxTextEngine:
 
     _text: MlxText | None = None
     _n_ctx: int
-    # One generation at a time (a pipeline's head; ``MlxEngine`` may batch several).
-    slots = 1
+    slots = 1  # generations decoded at once
 
     @property
     def text(self) -> MlxText:

@@ -3,12 +3,14 @@ mlx's ring backend and how a lost neighbour is seen on them, and the messages th
 each other (commands down the ring, ``Reply``s from the last rank to rank 0, ``StartRequest``).
 How the ranks use them is ``mlx_pipeline``.
 
-Messages from a rank to the next: a ``Header``, then for START the ``StartRequest`` (JSON bytes),
-for RUN the hidden states (1, tokens, hidden). From the last rank to rank 0: a ``Reply`` header,
-then what it announces: a picked token's (id, log-probability) pairs (int32 ids, float32
-log-probabilities, the token first), a chunk's prompt scores (the same, a row per position), an
-error's message (UTF-8 bytes: a grammar the text left), or nothing (a token without
-log-probabilities, the shutdown acknowledgement).
+Messages from a rank to the next: a ``Header`` naming the command and the sequence's slot, then
+for START the ``StartRequest`` (JSON bytes), for RUN a prefill chunk's hidden states (1, tokens,
+hidden), for STEP the decoding batch's slots (int32, one a row) and its hidden states (rows, 1,
+hidden). From the last rank to rank 0: a ``Reply`` header (one for a RUN that asks for one, one
+a row for a STEP, in the rows' order), then what it announces: a picked token's
+(id, log-probability) pairs (int32 ids, float32 log-probabilities, the token first), a chunk's
+prompt scores (the same, a row per position), an error's message (UTF-8 bytes: a grammar the
+text left), or nothing (a token without log-probabilities, the shutdown acknowledgement).
 """
 
 from __future__ import annotations
@@ -49,16 +51,17 @@ log = logging.getLogger(__name__)
 class Command(IntEnum):
     """What a message from a rank to the next is."""
 
-    START = 1
-    RUN = 2
-    STOP = 3
+    START = 1  # a sequence begins in a slot
+    RUN = 2  # a chunk of its prompt
+    STOP = 3  # it ends: its slot is free
     SHUTDOWN = 4
+    STEP = 5  # a token for every sequence of the decoding batch
 
 
 class Run(IntFlag):
     """What the last rank does with a RUN's hidden states, besides its KV cache."""
 
-    SAMPLE = 1  # pick the next token from the last position
+    SAMPLE = 1  # pick the next token from the last position; the sequence joins the batch
     SCORE = 2  # score the prompt's next token at every position (echo)
 
 
@@ -211,7 +214,7 @@ class Ring:
             raise PipelineBroken(f"rank {self.rank}: sending to rank {self._next}: {exc}") from exc
 
     def recv_header(self) -> Header:
-        return Header(*(int(v) for v in np.array(self.recv((4,), mx.int32))))
+        return Header(*(int(v) for v in np.array(self.recv((5,), mx.int32))))
 
     def send_reply(self, reply: Reply) -> None:
         """From the last rank to rank 0."""
@@ -238,17 +241,20 @@ class Ring:
 
 @dataclass(frozen=True)
 class Header:
-    """A message from one rank to the next: ``command``; for START, ``extra`` is the length of
-    the ``StartRequest`` JSON that follows; for RUN, ``tokens`` hidden states of dtype
-    ``DTYPES[dtype]`` follow, and ``extra`` holds the ``Run`` flags."""
+    """A message from one rank to the next: ``command``, for the sequence in ``slot`` (START,
+    RUN, STOP); for START, ``extra`` is the length of the ``StartRequest`` JSON that follows;
+    for RUN, ``tokens`` hidden states of dtype ``DTYPES[dtype]`` follow, and ``extra`` holds
+    the ``Run`` flags; for STEP, ``tokens`` is the batch's rows."""
 
     command: int
+    slot: int = 0
     tokens: int = 0
     extra: int = 0
     dtype: int = 0
 
     def to_array(self) -> mx.array:
-        return mx.array([self.command, self.tokens, self.extra, self.dtype], dtype=mx.int32)
+        fields = [self.command, self.slot, self.tokens, self.extra, self.dtype]
+        return mx.array(fields, dtype=mx.int32)
 
 
 @dataclass(frozen=True)

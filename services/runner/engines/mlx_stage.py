@@ -1,5 +1,6 @@
 """One rank's part of an MLX model: its layers (rank 0 also the embedding, the last rank the
-final norm and the output layer), with their KV cache, as ``mlx_pipeline`` runs them.
+final norm and the output layer), and the KV caches of the sequences in flight, as
+``mlx_pipeline`` runs them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from services.runner.engines.mlx import (
     load_model,
 )
-from services.runner.engines.mlx_ring import PipelineShard
+from services.runner.engines.mlx_ring import PipelineBroken, PipelineShard
 
 # Architectures whose forward pass is exactly: embedding, the decoder layers (each with its KV
 # cache and the causal mask), final norm, output layer (or the tied embedding). Others (Gemma
@@ -126,3 +127,72 @@ class Stage:
 
 def _sliding(layer: Module) -> bool:
     return bool(getattr(layer, "use_sliding", False))
+
+
+class StageCaches:
+    """One rank's KV caches of the sequences in flight, by slot.
+
+    A sequence's prompt runs with caches of its own (a batch of one, as in one process). Once
+    its first token is picked it joins the decoding batch: mlx-lm's batch caches (one row a
+    sequence, left-padded to a common length, as ``BatchGenerator`` keeps them), through which
+    every decoding step runs all the rows at once. Each rank makes the same changes in the same
+    order (the head's commands), so a row is the same sequence on every rank; a step whose rows
+    are not this rank's is refused (``PipelineBroken``: the ring is out of step)."""
+
+    def __init__(self, stage: Stage, rank: int) -> None:
+        self._stage = stage
+        self._rank = rank
+        self._prefilling: dict[int, list[Any]] = {}
+        self._batch: list[Any] | None = None
+        self.rows: list[int] = []  # the decoding batch's slots, in row order
+
+    def start(self, slot: int) -> None:
+        if slot in self._prefilling or slot in self.rows:
+            raise PipelineBroken(f"rank {self._rank}: slot {slot} started twice")
+        self._prefilling[slot] = self._stage.new_cache()
+
+    def prefill(self, slot: int, x: mx.array) -> mx.array:
+        """A chunk of the prompt in ``slot``: ``x`` of shape (1, tokens[, hidden])."""
+        return self._stage.hidden(x, self._own(slot))
+
+    def join(self, slot: int) -> None:
+        """The sequence in ``slot`` has its first token: into the decoding batch."""
+        rows = [type(c).merge([c]) for c in self._own(slot)]
+        del self._prefilling[slot]
+        if self._batch is None:
+            self._batch = rows
+        else:
+            for batch, row in zip(self._batch, rows, strict=True):
+                batch.extend(row)
+        self.rows.append(slot)
+
+    def drop(self, slot: int) -> None:
+        """The sequence in ``slot`` ended (wherever it was): its caches are freed."""
+        if self._prefilling.pop(slot, None) is not None or slot not in self.rows:
+            return
+        i = self.rows.index(slot)
+        del self.rows[i]
+        if not self.rows:
+            self._batch = None
+            return
+        assert self._batch is not None
+        keep = mx.array([j for j in range(len(self.rows) + 1) if j != i])
+        for c in self._batch:
+            c.filter(keep)
+
+    def step(self, slots: list[int], x: mx.array) -> mx.array:
+        """A token for every row: ``x`` of shape (rows, 1[, hidden]), in ``slots``' order."""
+        if slots != self.rows or self._batch is None:
+            raise PipelineBroken(f"rank {self._rank}: a step for slots {slots}, not {self.rows}")
+        return self._stage.hidden(x, self._batch)
+
+    def evaluate(self, h: mx.array) -> None:
+        """``h`` and every cache it updated."""
+        mx.eval(h, [c.state for c in self._batch or ()],
+                [[c.state for c in cache] for cache in self._prefilling.values()])  # fmt: skip
+
+    def _own(self, slot: int) -> list[Any]:
+        cache = self._prefilling.get(slot)
+        if cache is None:
+            raise PipelineBroken(f"rank {self._rank}: slot {slot} is not being prefilled")
+        return cache

@@ -154,6 +154,7 @@ def run_pipeline(
     script: list[dict[str, Any]],
     timeout: float = 90,
     n_ctx: int = 512,
+    slots: int = 1,
 ) -> list[dict[str, Any]]:
     """Every rank as its own process; the head serves ``script`` (see pipeline_head). Returns
     the head's results; every rank must have exited 0 after the shutdown."""
@@ -163,7 +164,7 @@ def run_pipeline(
     with processes() as procs:
         # The head first: the last rank connects to it first, and mlx's retries back off.
         head = start(procs, HEAD, "--layers", f"0:{bounds[1]}", "--script", json.dumps(script),
-                     "--n-ctx", str(n_ctx), *common)  # fmt: skip
+                     "--n-ctx", str(n_ctx), "--slots", str(slots), *common)  # fmt: skip
         followers = []
         for r in range(1, len(bounds) - 1):
             layers = f"{bounds[r]}:{bounds[r + 1]}"
@@ -189,7 +190,7 @@ SAMPLED: dict[str, Any] = {"temperature": 1.5, "top_p": 0.9, "seed": 11, "max_to
            "presence_penalty": 0.5, "frequency_penalty": 0.5}  # fmt: skip
 SCRIPT: list[tuple[TaskCreated, int | str | None]] = [
     (chat(1, "What is the capital city of France?", temperature=0, max_tokens=40), None),
-    # Left suspended after 3 tokens: the next task ends it first.
+    # Left suspended after 3 tokens, holding one of the two slots while the others run.
     (chat(5, "Hello there", temperature=0), "abandon"),
     (chat(2, "Write a short poem about the sea.", temperature=0, max_tokens=40), None),
     # Cancelled after 5 tokens, then the same task in full: the ranks forgot the first one.
@@ -228,7 +229,7 @@ def test_a_split_model_answers_token_for_token_as_one_process(
 ) -> None:
     path: Path = request.getfixturevalue(model)
     want = expected(path)
-    got = run_pipeline(path, bounds, [script_entry(*entry) for entry in SCRIPT])
+    got = run_pipeline(path, bounds, [script_entry(*entry) for entry in SCRIPT], slots=2)
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
     assert [g.get("finish") for g in got] == [w.get("finish") for w in want]
     assert [g.get("text") for g in got] == [w.get("text") for w in want]
@@ -325,6 +326,34 @@ def test_a_split_model_constrains_and_scores_as_one_process(
     assert len(scored_only["prompt"]) > 1 and scored_only["tokens"] == []
     assert lazy["finish"] == "stop" and lazy["text"][-3:-1].isdigit() and lazy["logprobs"]
     assert "does not fit" in failed["invalid"] and len(after["tokens"]) == 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_split_model_decodes_tasks_together_as_each_alone(tiny_mlx: Path) -> None:
+    """Every task of the decoding script in flight at once, on three ranks: each gets what it
+    gets alone in one process, decoding steps serve several at once, and the ring serves the
+    next task after them."""
+    engine = MlxEngine(tiny_mlx, n_ctx=1024)
+    engine.load()
+    script = decoding_script(engine)
+    script[0] = script[0] | {"cancel_after": 7}
+    want = serve_script(engine, script)
+    after = {"task": js(chat(8, "What is the capital city of France?", temperature=0,
+                             max_tokens=12))}  # fmt: skip
+    want_after = serve_script(engine, [after])
+    got = run_pipeline(tiny_mlx, (0, 1, 3, 4), [{"together": script}, after], n_ctx=1024,
+                       slots=len(script))  # fmt: skip
+    together, alone = got
+    for g, w in zip([*together["together"], alone], [*want, *want_after], strict=True):
+        g.pop("seconds", None), w.pop("seconds", None)
+        assert g == w
+    assert want[0]["finish"] == "cancelled" and "does not fit" in want[5]["invalid"]
+    # A sequence is stepped with the others even when its consumer is not asking yet (up to
+    # its own limit): how wide a step is depends on the threads' timing, not how many steps
+    # the longest task takes (46 tokens) against all of them (86).
+    assert together["widest"] >= 3
+    assert together["passes"] < 0.8 * sum(len(w.get("tokens", [])) for w in want)
 
 
 @pytest.mark.slow

@@ -62,8 +62,10 @@ def reference(model: Path) -> list[tuple[list[Served], list[float | None]]]:
     return [expected(engine, t) for t in TASKS]
 
 
-@pytest.mark.parametrize(("bounds", "slots"), [((0, 4), 1), ((0, 4), 3), ((0, 2, 4), 1)],
-                         ids=["whole", "whole-batched", "two-ranks"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("bounds", "slots"), [((0, 4), 1), ((0, 4), 3), ((0, 2, 4), 1), ((0, 2, 4), 3)],
+    ids=["whole", "whole-batched", "two-ranks", "two-ranks-batched"],
+)
 async def test_mlx_runners_answer_token_for_token_as_one_process(
     nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path, tiny_mlx: Path,
     bounds: tuple[int, ...], slots: int,
