@@ -1,6 +1,7 @@
 """Pipeline stages on loopback: one model on 1, 2 and 3 "nodes", side by side in one run.
 
     .venv/bin/python bench/pipeline.py [--tokens 128] [--repeat 3] [--threads 2] [--no-mlx]
+                                       [--no-llama]
 
 llama.cpp (gemma3-270m, Q4_K_M, 18 layers): a "node" is a process. One node is the head alone;
 with two or three, the later layers are on ggml RPC servers in processes of their own (what a
@@ -283,6 +284,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-mlx", action="store_true")
+    parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--model", default="")
     parser.add_argument("--endpoints", default="[]")
     parser.add_argument("--endpoint", default="")
@@ -298,7 +300,7 @@ def main() -> None:
         mlx_head_main(args)
         return
     with tempfile.TemporaryDirectory(prefix="shoal-pipeline-") as tmp:
-        ok = bench_llama(args, Path(tmp))
+        ok = args.no_llama or bench_llama(args, Path(tmp))
         if not args.no_mlx:
             bench_mlx(args, Path(tmp))
     sys.exit(0 if ok else 1)

@@ -13,9 +13,9 @@ Automatic placement, per replica:
 Each replica serves ``slots`` tasks at once, and holds a KV cache of the whole context for each.
 A request (or its placement spec) that names the slots gets exactly that many, or a rejection.
 Otherwise the devices are chosen as for one slot, and the instance gets as many slots as fit
-on them beside the weights, up to ``DEFAULT_MAX_SLOTS`` (one for an embed instance or an MLX
-model, which serve one task at a time); an instance placed again keeps at most the slots it
-has, so that the runners it keeps need not restart.
+on them beside the weights, up to ``DEFAULT_MAX_SLOTS`` (one for an embed instance, which
+serves one request at a time); an instance placed again keeps at most the slots it has, so
+that the runners it keeps need not restart.
 
 Manual placement follows a placement spec (``placement_spec.py``): the listed devices, split
 by ``tensor_split`` (or by room when it is absent), checked against the live cluster.
@@ -106,11 +106,6 @@ def max_slots(model: ModelInfo, role: str) -> int:
     return 1 if role == "embed" else MAX_SLOTS
 
 
-def _one_task_at_a_time(model: ModelInfo, placed: dict[int, Stages]) -> bool:
-    """An MLX model split over several stages (a ring) decodes one task at a time."""
-    return model.engine == "mlx" and any(len(stages) > 1 for stages in placed.values())
-
-
 def slots_problem(model: ModelInfo, role: str, slots: int) -> str | None:
     """Why an instance of ``model`` cannot have ``slots`` slots, or None."""
     if not 1 <= slots <= MAX_SLOTS:
@@ -153,9 +148,6 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
         placed = _place(cluster, request, model, ctx, asked, replicas, manual)
         if isinstance(placed, Rejection):
             return placed
-        if asked > 1 and _one_task_at_a_time(model, placed[0]):
-            return Rejection(f"{model.model_id} (mlx engine) split over several machines serves"
-                             f" one task at a time: slots must be 1, not {asked}")  # fmt: skip
         return _placement(request, model.footprint, ctx, asked, *placed)
     # The devices as for one slot (a GPU for one slot beats a CPU for eight), then as many
     # slots as fit on them; placed again, no more than the kept runners serve.
@@ -164,8 +156,6 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
         return placed
     stages, kept = placed
     limit = min(max_slots(model, request.role), DEFAULT_MAX_SLOTS, INT32_MAX // ctx)
-    if _one_task_at_a_time(model, stages):
-        limit = 1
     if kept:
         limit = min(limit, request.current_slots or 1)
     fp = model.footprint

@@ -103,7 +103,7 @@ def test_every_stage_of_a_pipeline_fits_its_share() -> None:
     assert sorted(result.shard_bytes.values()) == [9 * GiB, 9 * GiB]
 
 
-def test_embed_instances_and_mlx_rings_have_one_slot() -> None:
+def test_embed_instances_have_one_slot_and_mlx_rings_batch() -> None:
     cluster = view(node("a", 100 * GiB))
     embed = replace(auto(two_gib()), role="embed")
     assert placement(place(cluster, embed)).slots == 1
@@ -111,11 +111,12 @@ def test_embed_instances_and_mlx_rings_have_one_slot() -> None:
     assert mlx.model is not None
     mlx = replace(mlx, model=replace(mlx.model, engine="mlx"))
     assert placement(place(cluster, mlx)).slots == 8  # a whole MLX model batches
-    # Split over two nodes (a ring), it decodes one task at a time (a llama.cpp model: 3).
+    # Split over two nodes (a ring), as many as fit, as a llama.cpp pipeline.
     two = view(node("a", 3 * GiB), node("b", 3 * GiB))
+    split = placement(place(two, mlx))
+    assert len(split.shards) == 2 and split.slots == 3
     assert placement(place(two, auto(two_gib()))).slots == 3
-    assert placement(place(two, mlx)).slots == 1
-    assert "one task at a time" in rejection(place(two, replace(mlx, slots=2))).reason
+    assert placement(place(two, replace(mlx, slots=2))).slots == 2
     reason = rejection(place(cluster, replace(embed, slots=4))).reason
     assert reason == "an embed instance serves one task at a time: slots must be 1, not 4"
 

@@ -63,7 +63,8 @@ def reference(model: Path) -> list[tuple[list[Served], list[float | None]]]:
 
 
 @pytest.mark.parametrize(
-    ("bounds", "slots"), [((0, 4), 1), ((0, 4), 3), ((0, 2, 4), 1), ((0, 2, 4), 3)],
+    ("bounds", "slots"),
+    [((0, 4), 1), ((0, 4), 3), ((0, 2, 4), 1), ((0, 2, 4), 3)],
     ids=["whole", "whole-batched", "two-ranks", "two-ranks-batched"],
 )
 async def test_mlx_runners_answer_token_for_token_as_one_process(
