@@ -417,8 +417,19 @@ class _TaskEvent(EventBase):
     model_id: Id
 
 
+class Resume(Record):
+    """A task taken up again after the runner serving it was lost: what it had generated (each
+    stored chunk's token, from idx 0), so that the next runner goes on from there."""
+
+    attempt: Annotated[int, Field(ge=1)] = Field(description="1 for the first resume, 2...")
+    tokens: list[int] = Field(default_factory=list, description="Generated so far, in order.")
+    runner_id: str | None = Field(default=None, description="The runner that was lost.")
+    reason: str = ""
+
+
 class TaskCreated(_TaskEvent):
-    """A request for generation: chat messages or a plain prompt."""
+    """A request for generation: chat messages or a plain prompt. Published again, with
+    ``resume``, when its runner was lost mid-generation: the continuation."""
 
     type: Literal["TaskCreated"] = "TaskCreated"
     kind: Literal["chat", "completion"] = "chat"
@@ -439,6 +450,9 @@ class TaskCreated(_TaskEvent):
         " each; None: none.",
     )
     echo: bool = Field(default=False, description="Score the prompt's tokens too (PromptScored).")
+    resume: Resume | None = Field(
+        default=None, description="A continuation: where the lost runner had got to."
+    )
 
 
 class EmbeddingsRequested(_TaskEvent):

@@ -166,6 +166,7 @@ class TaskRow:
     total_ms: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    resumes: int = 0  # continuations after a lost runner
 
     def key(self) -> tuple[str]:
         return (self.task_id,)

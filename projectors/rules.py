@@ -337,8 +337,12 @@ def _runner_state_changed(state: ClusterState, e: RunnerStateChanged) -> list[Ch
 
 @_rule(TaskCreated)
 def _task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
-    if state.task(e.task_id) is not None:
-        return []
+    old = state.task(e.task_id)
+    if old is not None:
+        if e.resume is None or old.status in TERMINAL_TASK or old.resumes >= e.resume.attempt:
+            return []
+        # A continuation: waiting for a runner again, as often resumed as it says.
+        return [Put(replace(old, status="pending", resumes=e.resume.attempt))]
     row = TaskRow(
         task_id=e.task_id,
         model_id=e.model_id,

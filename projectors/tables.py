@@ -173,6 +173,7 @@ tasks = Table(
     Column("total_ms", Float),
     Column("finish_reason", String(20)),
     Column("error", Text),
+    Column("resumes", Integer, nullable=False, server_default="0"),
     Index("ix_tasks_created_at", "created_at"),
     Index("ix_tasks_status", "status"),
 )

@@ -69,6 +69,9 @@ class Decoding:
     top_logprobs: int | None = None
     # Score the prompt first: a ``PromptScores`` before the first token.
     echo: bool = False
+    # A resumed task's tokens generated before: the engine's prompt ends with them, and its
+    # sampler takes them as its own (penalties, the grammar) before it picks the next one.
+    generated: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

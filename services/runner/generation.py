@@ -213,6 +213,17 @@ class Stepper:
             return [step], False
         return [step], True
 
+    def replay(self, tokens: Sequence[int]) -> bool:
+        """Take tokens generated before (a resumed task) as if the engine gave them, their
+        steps dropped (they were published): the text, stops and tool calls go on from there.
+        Whether more tokens are wanted."""
+        more = self.wants
+        for token in tokens:
+            if not more:
+                break
+            _, more = self.take(Token(token))
+        return more
+
     def finish(self) -> Step:
         """The last step, once the engine gave its last item (or was told to stop)."""
         if self._finish == "cancelled":
@@ -241,10 +252,11 @@ def steps(
     finish reason: "stop" (end token or stop string), "tool_calls" (stopped after a tool
     call), "length" (limit), "cancelled". With ``decoding.echo`` a ``ScoredPrompt`` comes
     first, even with a limit of 0. ``on_cached`` is told how many of the prompt's tokens the
-    engine's cache held (when it says)."""
+    engine's cache held (when it says). A resumed task's ``decoding.generated`` tokens count as
+    generated (their steps are not given again), and the engine goes on after them."""
     stepper = Stepper(source, decoding, limit, cancelled, reply, on_cached)
-    if stepper.wants:
-        for item in source.generate(prompt, decoding):
+    if stepper.replay(decoding.generated):
+        for item in source.generate(prompt + list(decoding.generated), decoding):
             made, more = stepper.take(item)
             yield from made
             if not more:

@@ -3,8 +3,9 @@ read the reply (content and tool calls, in the model's format)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from bus.events import PromptScored, TaskCreated
@@ -42,7 +43,28 @@ def prepare(engine: Engine, task: TaskCreated) -> Job:
         grammar, reply = plan.grammar, plan.parser()
     if not prompt:
         raise InvalidRequest("the prompt is empty")
-    return Job(prompt, Decoding(task.params, grammar, task.logprobs, task.echo), reply)
+    decoding = Decoding(task.params, grammar, task.logprobs, task.echo)
+    if task.resume is not None:
+        decoding = resumed(decoding, task.resume.tokens)
+        _in_vocabulary(engine, decoding.generated, "the generated text")
+    return Job(prompt, decoding, reply)
+
+
+def resumed(decoding: Decoding, generated: Sequence[int]) -> Decoding:
+    """How a task resumed after ``generated`` goes on: after those tokens, its prompt's scores
+    not given again, and a seed of its own for what follows (``continued_seed``)."""
+    params = decoding.params
+    if params.seed is not None:
+        params = params.model_copy(update={"seed": continued_seed(params.seed, len(generated))})
+    return replace(decoding, params=params, echo=False, generated=tuple(generated))
+
+
+def continued_seed(seed: int, position: int) -> int:
+    """The seed a seeded task goes on with after ``position`` generated tokens: a resumed
+    draw cannot continue the lost runner's random state, so it takes a new one that the task's
+    seed and the position fix (the same resume draws the same tokens)."""
+    digest = hashlib.sha256(f"{seed}:{position}".encode()).digest()
+    return int.from_bytes(digest[:4])
 
 
 def _in_vocabulary(engine: Engine, tokens: Iterable[int], what: str) -> None:

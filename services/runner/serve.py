@@ -5,8 +5,10 @@ task only when it is free, so a task goes to one runner and an idle runner takes
 An embed instance's runners pull ``EmbeddingsRequested`` through a consumer of their own
 (``embeddings-<model>``, ``embed_serve.py``), so that chat and embed runners of one model
 never take each other's tasks.
-A task is acked when it is started: it is served at most once, and a runner that dies
-mid-generation has its task failed by its worker, not retried behind the client's back.
+A task is acked when it is started: it is served at most once. A runner that dies
+mid-generation has its tasks continued by its worker (``services/worker/resume.py``): each
+comes again as a ``TaskCreated`` with ``resume``, and the runner that takes it goes on after
+the tokens already published, at the next chunk index.
 """
 
 from __future__ import annotations
@@ -313,7 +315,9 @@ class TaskPuller(ABC):
         assert isinstance(d.event, Pulled)
         if d.msg.metadata.num_delivered <= 1:
             return False
-        if not await self._logged(d.event, "TaskStarted", "TaskCompleted", "TaskFailed",
+        # A continuation's TaskStarted may be the lost runner's, from before it.
+        started = () if isinstance(d.event, TaskCreated) and d.event.resume else ("TaskStarted",)
+        if not await self._logged(d.event, *started, "TaskCompleted", "TaskFailed",
                                   "TaskCancelled"):  # fmt: skip
             return False
         log.warning("task %s came again, but it was taken already: not served twice",
@@ -450,10 +454,11 @@ class TaskServer(TaskPuller):
         stepper = Stepper(engine, job.decoding, limit, lambda: cancelled() or stopping.is_set(),
                           job.reply, on_cached=lambda n: cached.__setitem__(0, n))  # fmt: skip
         generating: asyncio.Future[None]
-        if isinstance(engine, Pushes) and stepper.wants:
+        generated = list(job.decoding.generated)  # a resumed task's, published before
+        if isinstance(engine, Pushes) and stepper.replay(generated):
             # Steps are made on the decoder's thread, between two of its decodes.
             generating = loop.create_future()
-            engine.submit(prompt, job.decoding, _FeedSink(stepper, feed, generating))
+            engine.submit(prompt + generated, job.decoding, _FeedSink(stepper, feed, generating))
         else:
 
             def generate() -> None:
@@ -467,7 +472,7 @@ class TaskServer(TaskPuller):
 
             generating = loop.run_in_executor(self._engine_thread, generate)
         first: float | None = None
-        n = 0
+        n = len(generated)
         finish: FinishReason = "length"
         try:
             # What was generated before an engine error still counts: every step is published.

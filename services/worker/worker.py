@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import nats.errors
 import psutil
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -25,6 +26,7 @@ from bus.events import (
     NodeLeft,
     ResourceProfiled,
     RunnerStateChanged,
+    TaskCreated,
     TaskFailed,
     parse_event,
 )
@@ -39,6 +41,7 @@ from services.runner.serve import CurrentTasks
 from services.runner.spec import RunnerSpec
 from services.worker.profile import collect_profile, rss_bytes
 from services.worker.reconcile import describe_exit, desired_runners, plan, runner_slots
+from services.worker.resume import after_lost_runner, message_id
 from services.worker.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -223,14 +226,22 @@ class Worker:
         if task_file is not None:
             task_file.unlink(missing_ok=True)
         for task_id, model_id in left:
-            # Same message id as the runner's own outcome: if it got one out, this is dropped.
-            await self._pub.publish(
-                TaskFailed(
-                    task_id=task_id, model_id=model_id, origin=self.node_id,
-                    runner_id=spec.runner_id, error=f"the runner serving this task {cause}",
-                ),
-                msg_id=f"done:{task_id}",
-            )  # fmt: skip
+            # Continued from the log (resume.py), or failed where it cannot be.
+            try:
+                outcome = await after_lost_runner(
+                    self._js, task_id, model_id, runner_id=spec.runner_id, cause=cause,
+                    origin=self.node_id,
+                )  # fmt: skip
+            except (nats.errors.Error, TimeoutError, ValidationError) as exc:
+                log.warning("task %s: the log could not be read to resume it: %r", task_id, exc)
+                outcome = TaskFailed(task_id=task_id, model_id=model_id, origin=self.node_id,
+                                     runner_id=spec.runner_id,
+                                     error=f"the runner serving this task {cause}")  # fmt: skip
+            if isinstance(outcome, TaskCreated):
+                log.info("task %s: resumed after %d tokens (attempt %d)", task_id,
+                         len(outcome.resume.tokens) if outcome.resume else 0,
+                         outcome.resume.attempt if outcome.resume else 0)  # fmt: skip
+            await self._pub.publish(outcome, msg_id=message_id(outcome))
 
 
 def data_host_towards(nats_url: str) -> str:

@@ -27,7 +27,7 @@ from bus.events import InstancePlaced, InstanceRequested, NodeJoined, RunnerStat
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
 from projectors import database
-from projectors.rows import RunnerRow
+from projectors.rows import RunnerRow, TaskRow
 from projectors.store import load_state, read_offset
 from services.cli.models import publish_model
 from services.models.cards import builtin_cards
@@ -149,6 +149,11 @@ class Cluster:
         async with self.engine.connect() as conn:
             state = await load_state(conn, [RunnerRow.TABLE])
         return state.runner(runner_id)
+
+    async def task(self, task_id: str) -> TaskRow | None:
+        async with self.engine.connect() as conn:
+            state = await load_state(conn, [TaskRow.TABLE])
+        return state.task(task_id)
 
     async def runner_state(self, runner_id: str) -> str | None:
         row = await self.runner(runner_id)

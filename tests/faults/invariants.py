@@ -210,10 +210,11 @@ async def chat(
     max_tokens: int = 8,
     deadline_s: float = 60.0,
     first_chunk: asyncio.Event | None = None,
+    out: Outcome | None = None,
 ) -> Outcome:
     """One chat completion through the API at ``url``; ``first_chunk`` is set when a stream's
-    first content arrives."""
-    out = Outcome(label, api, stream)
+    first content arrives. ``out``, when given, is filled in as the answer comes."""
+    out = out or Outcome(label, api, stream)
     body = {
         "model": MODEL, "stream": stream, "max_tokens": max_tokens, "temperature": 0,
         "messages": [{"role": "user", "content": content}],

@@ -21,6 +21,7 @@ from bus.events import (
     NodeTimedOut,
     PlacementRejected,
     ResourceProfiled,
+    Resume,
     RunnerStateChanged,
     ShardAssignment,
     TaskCancelled,
@@ -368,6 +369,30 @@ def test_cancel_is_final() -> None:
     t = state.task("t")
     assert t is not None and t.status == "cancelled" and t.error == "gone"
     assert t.runner_id == "r"  # but who had it is still recorded
+
+
+def test_a_resumed_task_waits_again_and_counts_its_resumes() -> None:
+    created = TaskCreated(task_id="t", model_id="m", origin="api", ts=at(0), user="u")
+    started = TaskStarted(
+        task_id="t", model_id="m", origin="a", ts=at(1), runner_id="r", instance_id="i"
+    )
+
+    def resumed(attempt: int, ts: float) -> TaskCreated:
+        resume = Resume(attempt=attempt, tokens=[1, 2], runner_id="r")
+        return created.model_copy(update={"resume": resume, "ts": at(ts), "origin": "node"})
+
+    state = fold([created, started, resumed(1, 2)])
+    t = state.task("t")
+    assert t is not None and (t.status, t.resumes, t.user) == ("pending", 1, "u")
+    assert (t.created_at, t.runner_id) == (at(0), "r")  # as first asked, where it ran
+    # Started again, and the same continuation seen twice counts once.
+    state = fold([created, started, resumed(1, 2), started, resumed(1, 3)])
+    t = state.task("t")
+    assert t is not None and (t.status, t.resumes) == ("running", 1)
+    # An ended task is not taken up again; one never resumed says 0.
+    failed = TaskFailed(task_id="t", model_id="m", origin="a", ts=at(2), error="x")
+    t = fold([created, started, failed, resumed(1, 3)]).task("t")
+    assert t is not None and (t.status, t.resumes) == ("failed", 0)
 
 
 def test_failed_task() -> None:

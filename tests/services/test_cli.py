@@ -49,7 +49,7 @@ def test_db_upgrade(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'x.db'}"
     first, second = shoal("db", "upgrade", "--db", url), shoal("db", "upgrade", "--db", url)
     assert first.returncode == second.returncode == 0
-    assert "revision 0005" in second.stdout
+    assert "revision 0006" in second.stdout
 
 
 def test_bad_database_url_is_a_clear_error(tmp_path: Path) -> None:

@@ -234,10 +234,17 @@ class LlamaCppEngine:
         m = self.loaded
         check_params(decoding.params, m.n_vocab, decoding.top_logprobs)
         grammar = m.grammars.get(decoding.grammar) if decoding.grammar else None
-        return lambda: SequenceSampler(
-            vocab=m.vocab, n_vocab=m.n_vocab, n_ctx=self.n_ctx, params=decoding.params,
-            seed=seed_of(decoding.params), grammar=grammar, grammar_first=self.grammar_first,
-        )  # fmt: skip
+        seed = seed_of(decoding.params)
+
+        def make() -> SequenceSampler:
+            sampler = SequenceSampler(
+                vocab=m.vocab, n_vocab=m.n_vocab, n_ctx=self.n_ctx, params=decoding.params,
+                seed=seed, grammar=grammar, grammar_first=self.grammar_first,
+            )  # fmt: skip
+            sampler.take_generated(decoding.generated)
+            return sampler
+
+        return make
 
     def drop_cache(self) -> None:
         """Forget what the KV caches hold: the next generations run their prompts whole (for

@@ -339,6 +339,12 @@ class SequenceSampler:
         self._accept(token)
         return token
 
+    def take_generated(self, tokens: Sequence[int]) -> None:
+        """Tokens this sequence generated before (a resumed task), accepted as if picked: the
+        penalties count them and the grammar goes on after them."""
+        for token in tokens:
+            self._accept(token)
+
     def _pick(self, logits: Logits, banned: Sequence[int]) -> int:
         if self._argmax and not banned:
             return int(np.argmax(logits))  # the first of equal bests, as llama.cpp's greedy

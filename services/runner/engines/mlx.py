@@ -329,8 +329,12 @@ class MlxEngine(MlxTextEngine):
         if decoding.grammar is not None:
             with self._grammar_lock:
                 constraint = self.text.grammars.constraint(decoding.grammar)
+            for token in decoding.generated:  # a resumed task's grammar goes on after them
+                constraint.accept(token)
         seed = resolve_seed(decoding.params)
-        return lambda: SequencePicker(decoding, seed, n_vocab, len(prompt), constraint)
+        # The penalties count what was generated, a resumed task's earlier tokens too.
+        before = len(prompt) - len(decoding.generated)
+        return lambda: SequencePicker(decoding, seed, n_vocab, before, constraint)
 
     def _generate(
         self, prompt: list[int], decoding: Decoding, picker: Picker

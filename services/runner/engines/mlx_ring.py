@@ -299,6 +299,7 @@ class StartRequest(BaseModel):
     top_logprobs: int | None = None
     echo: bool = False
     prompt: list[int] = Field(default_factory=list)
+    generated: list[int] = Field(default_factory=list)  # a resumed task's, before
 
     @classmethod
     def of(cls, decoding: Decoding, seed: int, prompt: list[int]) -> StartRequest:
@@ -308,12 +309,13 @@ class StartRequest(BaseModel):
             grammar=grammar.gbnf if grammar is not None else None,
             triggers=list(grammar.triggers) if grammar is not None else [],
             top_logprobs=decoding.top_logprobs, echo=decoding.echo,
-            prompt=prompt if decoding.echo else [],
+            prompt=prompt if decoding.echo else [], generated=list(decoding.generated),
         )  # fmt: skip
 
     def decoding(self) -> Decoding:
         grammar = Grammar(self.grammar, tuple(self.triggers)) if self.grammar is not None else None
-        return Decoding(self.params, grammar, self.top_logprobs, self.echo)
+        return Decoding(self.params, grammar, self.top_logprobs, self.echo,
+                        tuple(self.generated))  # fmt: skip
 
 
 def _poller(sock: socket.socket | None, events: int) -> select.poll | None:

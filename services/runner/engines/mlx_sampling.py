@@ -260,6 +260,15 @@ class Picker:
             if grammars is None:
                 raise InvalidRequest("this engine cannot follow a grammar")
             self._constraint = grammars().constraint(decoding.grammar)
+        self.take_generated(decoding.generated)
+
+    def take_generated(self, tokens: Sequence[int]) -> None:
+        """Tokens generated before (a resumed task), as if picked: the penalties count them
+        and the grammar goes on after them."""
+        for token in tokens:
+            self._generated.append(token)
+            if self._constraint is not None:
+                self._constraint.accept(token)
 
     def pick(self, logits: mx.array) -> Token:
         """``logits``: the last position's, shape (1, vocab)."""

@@ -1,0 +1,65 @@
+"""What a worker publishes for a task its lost runner left unfinished: the continuation, with the
+tokens of the stored chunks, or the failure where it cannot go on."""
+
+from __future__ import annotations
+
+from bus.events import ChunkGenerated, Resume, SamplingParams, TaskCreated, TaskFailed
+from services.worker.resume import MAX_RESUMES, continuation, generated_tokens, message_id
+
+TASK = TaskCreated(task_id="t1", model_id="m", origin="api", prompt="hi", kind="completion",
+                   params=SamplingParams(max_tokens=50, temperature=0))  # fmt: skip
+
+
+def chunk(idx: int, token: int | None = None, finish: bool = False) -> ChunkGenerated:
+    return ChunkGenerated(task_id="t1", idx=idx, text=f"<{idx}>", origin="r",
+                          token_id=None if finish else (token if token is not None else 100 + idx),
+                          finish_reason="stop" if finish else None)  # fmt: skip
+
+
+def lost(created: TaskCreated, chunks: list[ChunkGenerated], **kw: object) -> object:
+    return continuation(created, chunks, cancelled=bool(kw.get("cancelled", False)),
+                        runner_id="r0", cause="killed by SIGKILL", origin="node-a")  # fmt: skip
+
+
+def test_the_tokens_are_the_stored_chunks_from_zero_without_a_gap() -> None:
+    assert generated_tokens([chunk(2), chunk(0), chunk(1)]) == ([100, 101, 102], False)
+    # A gap: what follows it is not known to be the task's next tokens.
+    assert generated_tokens([chunk(0), chunk(2)]) == ([100], False)
+    assert generated_tokens([]) == ([], False)
+    assert generated_tokens([chunk(0), chunk(1, finish=True)]) == ([100], True)
+
+
+def test_a_lost_task_is_continued_after_its_stored_tokens() -> None:
+    out = lost(TASK, [chunk(0), chunk(1), chunk(2)])
+    assert isinstance(out, TaskCreated) and out.resume is not None
+    why = "the runner serving this task killed by SIGKILL"
+    assert out.resume == Resume(attempt=1, tokens=[100, 101, 102], runner_id="r0", reason=why)
+    # The task as asked, on its own subject: the model's replicas pull it as any task.
+    assert out.model_dump(exclude={"resume", "origin", "event_id", "ts"}) == TASK.model_dump(
+        exclude={"resume", "origin", "event_id", "ts"}
+    )
+    assert out.subject == TASK.subject and out.origin == "node-a" and out.ts > TASK.ts
+    # One continuation per attempt, whoever publishes it.
+    assert message_id(out) == "resume:t1:1"
+    again = lost(TASK, [chunk(0), chunk(1), chunk(2)])
+    assert isinstance(again, TaskCreated) and again.event_id == out.event_id
+
+
+def test_a_continuation_lost_again_counts_its_attempts_up_to_the_limit() -> None:
+    resumed = TASK.model_copy(update={"resume": Resume(attempt=1, tokens=[100])})
+    second = lost(resumed, [chunk(0), chunk(1)])
+    assert isinstance(second, TaskCreated) and second.resume is not None
+    assert second.resume.attempt == 2 and second.resume.tokens == [100, 101]
+    assert message_id(second) == "resume:t1:2"
+    last = TASK.model_copy(update={"resume": Resume(attempt=MAX_RESUMES, tokens=[100])})
+    failed = lost(last, [chunk(0)])
+    assert isinstance(failed, TaskFailed) and message_id(failed) == "done:t1"
+    assert failed.error == (f"the runner serving this task killed by SIGKILL (resumed "
+                            f"{MAX_RESUMES} times already)")  # fmt: skip
+
+
+def test_a_cancelled_or_ended_task_fails_as_before() -> None:
+    for out in (lost(TASK, [chunk(0)], cancelled=True),
+                lost(TASK, [chunk(0), chunk(1, finish=True)])):  # fmt: skip
+        assert isinstance(out, TaskFailed) and out.runner_id == "r0"
+        assert out.error == "the runner serving this task killed by SIGKILL"
