@@ -25,9 +25,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from projectors.rows import ROW_TYPES, Row
+from projectors.rows import ROW_TYPES, Row, TaskRow
+from projectors.rules import TERMINAL_TASK
 from projectors.state import Change, ClusterState, Put, collapse
-from projectors.tables import STATE_TABLES, UtcDateTime, projector_offsets
+from projectors.tables import STATE_TABLES, UtcDateTime, projector_offsets, tasks
 
 ROW_TYPE_BY_TABLE: dict[str, type[Row]] = {t.TABLE: t for t in ROW_TYPES}
 _FIELDS: dict[str, tuple[str, ...]] = {t.TABLE: tuple(f.name for f in fields(t)) for t in ROW_TYPES}
@@ -152,6 +153,17 @@ async def load_state(conn: AsyncConnection, tables: Iterable[str] | None = None)
             row = row_type(**r)
             rows[row.key()] = row
     return state
+
+
+async def unfinished_tasks(conn: AsyncConnection, runner_ids: Iterable[str]) -> list[TaskRow]:
+    """The tasks started by these runners that have not ended."""
+    ids = list(runner_ids)
+    if not ids:
+        return []
+    result = await conn.execute(
+        select(tasks).where(tasks.c.runner_id.in_(ids), tasks.c.status.not_in(TERMINAL_TASK))
+    )
+    return [TaskRow(**r) for r in result.mappings()]
 
 
 async def write_changes(conn: AsyncConnection, changes: Iterable[Change]) -> int:

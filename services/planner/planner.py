@@ -26,14 +26,14 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import NodeTimedOut
+from bus.events import NodeTimedOut, TaskCreated
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
 from bus.subjects import aggregate_filter
 from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, RunnerRow
 from projectors.state import ClusterState
-from projectors.store import load_state, read_offset
+from projectors.store import load_state, read_offset, unfinished_tasks
 from services.planner.decisions import (
     Decision,
     PlannerPolicy,
@@ -41,6 +41,7 @@ from services.planner.decisions import (
     heartbeat_may_matter,
     next_timeout,
 )
+from services.resume import QUIET_S, after_lost_runner, message_id
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,8 @@ class Planner:
             decisions = decide(state, datetime.now(UTC), self.policy, self.origin,
                                self._heard_since)  # fmt: skip
         for d in decisions:
+            if isinstance(d.event, NodeTimedOut):  # its tasks go on elsewhere (resume.py)
+                await self._resume_tasks_of(d.event.node_id, state)
             ack = await self._pub.publish(d.event, msg_id=d.msg_id)
             # The next round must see this decision in the projection, or it would decide it
             # again (harmlessly, but for nothing).
@@ -180,6 +183,27 @@ class Planner:
             log.info("%s %s", d.msg_id, _summary(d))
         self.stats.rounds += 1
         return decisions
+
+    async def _resume_tasks_of(self, node_id: str, state: ClusterState) -> None:
+        """Continue the tasks a node's runners left unfinished: its worker is gone and cannot.
+        Published before the node's ``NodeTimedOut``, so that a planner stopped in between
+        leaves the decision to the next round (a continuation's message id makes a repeat
+        harmless)."""
+        runners = [r.runner_id for r in state.runners() if r.node_id == node_id]
+        async with self._engine.connect() as conn:
+            left = await unfinished_tasks(conn, runners)
+        for task in left:
+            outcome = await after_lost_runner(
+                self._js, task.task_id, task.model_id, runner_id=task.runner_id or "",
+                cause=f"was on node {node_id}, which timed out", origin=self.origin,
+                quiet_s=QUIET_S,
+            )  # fmt: skip
+            if outcome is None:
+                log.info("task %s: its chunks still come, not resumed", task.task_id)
+                continue
+            await self._pub.publish(outcome, msg_id=message_id(outcome))
+            log.info("task %s: %s", task.task_id,
+                     "resumed" if isinstance(outcome, TaskCreated) else "failed")  # fmt: skip
 
     def _note_leader(self, info: StreamInfo) -> None:
         leader = info.cluster.leader if info.cluster is not None else None

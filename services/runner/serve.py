@@ -6,7 +6,7 @@ An embed instance's runners pull ``EmbeddingsRequested`` through a consumer of t
 (``embeddings-<model>``, ``embed_serve.py``), so that chat and embed runners of one model
 never take each other's tasks.
 A task is acked when it is started: it is served at most once. A runner that dies
-mid-generation has its tasks continued by its worker (``services/worker/resume.py``): each
+mid-generation has its tasks continued (``services/resume.py``, by its worker or a planner): each
 comes again as a ``TaskCreated`` with ``resume``, and the runner that takes it goes on after
 the tokens already published, at the next chunk index.
 """

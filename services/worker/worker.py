@@ -37,11 +37,11 @@ from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
 from services.models.footprint import context_for
+from services.resume import after_lost_runner, message_id
 from services.runner.serve import CurrentTasks
 from services.runner.spec import RunnerSpec
 from services.worker.profile import collect_profile, rss_bytes
 from services.worker.reconcile import describe_exit, desired_runners, plan, runner_slots
-from services.worker.resume import after_lost_runner, message_id
 from services.worker.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -237,6 +237,7 @@ class Worker:
                 outcome = TaskFailed(task_id=task_id, model_id=model_id, origin=self.node_id,
                                      runner_id=spec.runner_id,
                                      error=f"the runner serving this task {cause}")  # fmt: skip
+            assert outcome is not None  # a runner known dead: continued or failed
             if isinstance(outcome, TaskCreated):
                 log.info("task %s: resumed after %d tokens (attempt %d)", task_id,
                          len(outcome.resume.tokens) if outcome.resume else 0,

@@ -1,5 +1,6 @@
-"""SIGKILL the worker that serves an instance, under load through the API: its node times out,
-the instance is placed on the other worker and serves again; every request gets an answer.
+"""SIGKILL the worker that serves an instance and its runner, under load through the API: its
+node times out, the instance is placed on the other worker and serves again, and the tasks that
+were running on the lost node go on there; every request gets an answer.
 
 tests/services/planner/test_failover.py shows the re-placement itself with three workers and
 tasks published directly; this is the same fault seen by API clients, with the invariants."""
@@ -7,13 +8,18 @@ tasks published directly; this is the same fault seen by API clients, with the i
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
-from bus.events import InstancePlaced, NodeTimedOut, TaskCompleted
+from bus.events import InstancePlaced, NodeTimedOut, TaskCompleted, TaskCreated
 from tests.faults.cluster import running_cluster
 from tests.faults.invariants import (
+    Outcome,
+    chat,
     check_answered,
     check_log_and_projection,
     check_tasks_ended,
@@ -21,6 +27,8 @@ from tests.faults.invariants import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+STORY = "Write a long story about a fish."
 
 
 async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path) -> None:
@@ -36,12 +44,26 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
         first = await c.wait_serving("inst")
         assert first.node_id == "w-a"
 
+        # Four long answers streaming from w-a (it has four slots) when it is killed.
+        stories = [Outcome(f"story{i}", "api", True) for i in range(4)]
+        client = httpx.AsyncClient(timeout=httpx.Timeout(90, connect=10))
+        streaming = [
+            asyncio.create_task(chat(client, "api", c.apis["api"], label=o.label, stream=True,
+                                     content=f"{STORY} Call it Fin {i}.", max_tokens=120,
+                                     deadline_s=90, out=o))
+            for i, o in enumerate(stories)
+        ]  # fmt: skip
+        async with asyncio.timeout(60):
+            while not all(o.task_id and len(c.log.chunks.get(o.task_id, [])) >= 5
+                          for o in stories):  # fmt: skip
+                await asyncio.sleep(0.01)
         during = asyncio.create_task(load(["api"], c.apis, 8, label="during", concurrency=4,
                                           max_tokens=32, deadline_s=60))  # fmt: skip
-        async with asyncio.timeout(60):
-            while not any(c.log.chunks.values()):
-                await asyncio.sleep(0.01)
+        # The machine is lost: its worker and its runner at once (a runner whose worker alone
+        # dies finishes what it serves first).
         c.kill("w-a")
+        assert first.pid is not None
+        os.kill(first.pid, signal.SIGKILL)
         timed_out = await c.log.wait_for(NodeTimedOut, timeout=30)
         assert timed_out.node_id == "w-a"
         again = await c.log.wait_for(InstancePlaced, lambda e: e.generation == 2, timeout=30)
@@ -52,6 +74,17 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
         answered = await during
         print("during:", *answered, sep="\n  ")
         check_answered(answered, errors_allowed=True)
+        # The answers streaming from w-a went on on w-b, their streams paused (a planner
+        # resumed them: w-a's worker was gone).
+        told = await asyncio.gather(*streaming)
+        await client.aclose()
+        print("stories:", *told, sep="\n  ")
+        check_answered(told)
+        assert all(o.finish_reason == "length" for o in told), told
+        resumed = {e.task_id: e for e in c.log.of(TaskCreated, lambda e: e.resume is not None)}
+        assert set(resumed) == {o.task_id for o in told}
+        assert all(e.resume and "node w-a" in e.resume.reason and len(e.resume.tokens) >= 5
+                   for e in resumed.values())  # fmt: skip
         after = await load(["api"], c.apis, 4, label="after", concurrency=2)
         print("after:", *after, sep="\n  ")
         check_answered(after)
@@ -59,6 +92,10 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
         await c.stop_all_but_projector()
         log = await check_log_and_projection(c)
         check_answered([*answered, *after], errors_allowed=True, log=log)
+        check_answered(told, log=log)
+        for o in told:
+            assert o.task_id is not None
+            assert sorted(ch.idx for ch in log.chunks[o.task_id]) == list(range(121))
         check_tasks_ended(log)
         served_by = {e.task_id: e.runner_id for e in log.of(TaskCompleted)}
         assert {served_by[o.task_id] for o in after if o.task_id} == {moved.runner_id}

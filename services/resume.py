@@ -9,6 +9,10 @@ prompt and those tokens and goes on at the next chunk index: the client's stream
 goes on. Its message id, ``resume:<task>:<attempt>``, makes one continuation of a failure
 however many times it is published.
 
+A node that times out is not known to have lost its runners: one whose worker died finishes
+what it serves (its worker's death sends it SIGTERM), and a planner continues only the tasks
+whose chunks stopped coming (for ``QUIET_S``).
+
 Not continued, but failed as before: a task that was cancelled, one whose last chunk was stored
 (it ended; only its outcome was lost), and one resumed ``MAX_RESUMES`` times already.
 """
@@ -16,6 +20,7 @@ Not continued, but failed as before: a task that was cancelled, one whose last c
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime, timedelta
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -26,6 +31,8 @@ from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 from bus.subjects import chunk_subject, event_subject
 
 MAX_RESUMES = 3
+# A task of a timed-out node whose chunks came this recently still has its runner.
+QUIET_S = 2.0
 
 
 def generated_tokens(chunks: Iterable[ChunkGenerated]) -> tuple[list[int], bool]:
@@ -76,10 +83,25 @@ def message_id(event: TaskCreated | TaskFailed) -> str:
     return f"done:{event.task_id}"
 
 
+def still_streaming(chunks: Iterable[ChunkGenerated], now: datetime, within_s: float) -> bool:
+    """Whether the task's newest stored chunk is younger than ``within_s``: its runner goes on
+    (a runner whose worker died finishes what it serves before it exits)."""
+    return any(now - c.ts < timedelta(seconds=within_s) for c in chunks)
+
+
 async def after_lost_runner(
-    js: JetStreamContext, task_id: str, model_id: str, *, runner_id: str, cause: str, origin: str
-) -> TaskCreated | TaskFailed:
-    """The continuation (or failure) of a task left unfinished by a runner, from the log."""
+    js: JetStreamContext,
+    task_id: str,
+    model_id: str,
+    *,
+    runner_id: str,
+    cause: str,
+    origin: str,
+    quiet_s: float | None = None,
+) -> TaskCreated | TaskFailed | None:
+    """The continuation (or failure) of a task left unfinished by a runner, from the log.
+    With ``quiet_s`` (a runner not known to be dead): None while the task's chunks still come
+    (``still_streaming``)."""  # fmt: skip
     subject = event_subject("task", (model_id, task_id), "TaskCreated")
     error = f"the runner serving this task {cause}"
     try:
@@ -94,6 +116,8 @@ async def after_lost_runner(
         async for m in read_stream(js, CHUNKS_STREAM, chunk_subject(task_id))
         if isinstance(event := parse_event(m.data), ChunkGenerated)
     ]
+    if quiet_s is not None and still_streaming(chunks, utc_now(), quiet_s):
+        return None
     try:
         await js.get_last_msg(EVENTS_STREAM, event_subject("task", (model_id, task_id),
                                                            "TaskCancelled"))  # fmt: skip

@@ -4,7 +4,7 @@ tokens of the stored chunks, or the failure where it cannot go on."""
 from __future__ import annotations
 
 from bus.events import ChunkGenerated, Resume, SamplingParams, TaskCreated, TaskFailed
-from services.worker.resume import MAX_RESUMES, continuation, generated_tokens, message_id
+from services.resume import MAX_RESUMES, continuation, generated_tokens, message_id
 
 TASK = TaskCreated(task_id="t1", model_id="m", origin="api", prompt="hi", kind="completion",
                    params=SamplingParams(max_tokens=50, temperature=0))  # fmt: skip
