@@ -117,31 +117,40 @@ class Cluster:
     async def add_model(self) -> None:
         await publish_model(self.js, builtin_cards()[MODEL], self.tmp / "models", lambda _: None)
 
-    async def request_instance(self, instance_id: str) -> None:
+    async def request_instance(self, instance_id: str, replicas: int = 1) -> None:
         await Publisher(self.js).publish(
-            InstanceRequested(instance_id=instance_id, model_id=MODEL, origin="test")
+            InstanceRequested(
+                instance_id=instance_id, model_id=MODEL, origin="test", replicas=replicas
+            )  # fmt: skip
         )
 
     async def wait_serving(self, instance_id: str, timeout: float = 90) -> RunnerStateChanged:
         """Until a runner of the latest placement of ``instance_id`` is serving, in the log and
         in the projection (which the API reads); that runner's latest Ready event (its pid)."""
         async with asyncio.timeout(timeout):
-            while True:
-                placed = self.log.of(InstancePlaced, lambda e: e.instance_id == instance_id)
-                shards = {s.runner_id for s in placed[-1].shards} if placed else set()
-                latest: dict[str, RunnerStateChanged] = {}
-                ready: dict[str, RunnerStateChanged] = {}
-                for e in self.log.of(RunnerStateChanged):
-                    if e.runner_id not in shards:
-                        continue
-                    latest[e.runner_id] = e
-                    if e.state == "Ready":
-                        ready[e.runner_id] = e
-                # Its latest state, not an earlier Ready: a runner may have died since.
-                for runner_id, e in latest.items():
-                    if e.state in SERVING and await self.runner_state(runner_id) in SERVING:
-                        return ready[runner_id]
+            while not (serving := await self.serving(instance_id)):
                 await asyncio.sleep(0.1)
+        return serving[0]
+
+    async def serving(self, instance_id: str) -> list[RunnerStateChanged]:
+        """The latest Ready event of each runner of the latest placement of ``instance_id``
+        that is serving now, in the log and in the projection."""
+        placed = self.log.of(InstancePlaced, lambda e: e.instance_id == instance_id)
+        shards = {s.runner_id for s in placed[-1].shards} if placed else set()
+        latest: dict[str, RunnerStateChanged] = {}
+        ready: dict[str, RunnerStateChanged] = {}
+        for e in self.log.of(RunnerStateChanged):
+            if e.runner_id not in shards:
+                continue
+            latest[e.runner_id] = e
+            if e.state == "Ready":
+                ready[e.runner_id] = e
+        # Its latest state, not an earlier Ready: a runner may have died since.
+        return [
+            ready[runner_id]
+            for runner_id, e in latest.items()
+            if e.state in SERVING and await self.runner_state(runner_id) in SERVING
+        ]
 
     # --- the projection -----------------------------------------------------------------
 

@@ -12,12 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bus.events import RunnerStateChanged, TaskCreated
+from bus.events import RunnerStateChanged, TaskCreated, TaskStarted
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM
 from bus.subjects import chunk_subject
 from tests.faults.cluster import Cluster, running_cluster
 from tests.faults.invariants import (
+    Log,
     Outcome,
     chat,
     check_answered,
@@ -32,6 +33,12 @@ STORY = "Write a long story about a fish."
 
 async def stored_chunks(c: Cluster, task_id: str) -> int:
     return len([m async for m in read_stream(c.js, CHUNKS_STREAM, chunk_subject(task_id))])
+
+
+def pause_s(log: Log, task_id: str, at: int) -> float:
+    """How long the stream stood still at chunk ``at``: from the chunk before to it."""
+    ts = {chunk.idx: chunk.ts for chunk in log.chunks[task_id]}
+    return (ts[at] - ts[at - 1]).total_seconds()
 
 
 async def killed_after(c: Cluster, out: Outcome, chunks: int, pid: int) -> None:
@@ -99,3 +106,53 @@ async def test_a_runner_killed_mid_stream_goes_on_from_the_log(tmp_path: Path) -
         task = await c.task(killed.task_id)
         assert task is not None and task.resumes == 1 and task.status == "completed"
         assert task.completion_tokens == 120
+        # The pause: the runner's restart (from its death to Ready again) and a prefill.
+        pause = pause_s(log, killed.task_id, len(resumed.resume.tokens))
+        restart = (again.ts - dead.ts).total_seconds()
+        print(f"one replica: the stream paused {pause:.2f} s (the runner restarted in "
+              f"{restart:.2f} s)")  # fmt: skip
+        assert pause <= restart + 2.0
+
+
+async def test_a_replicas_runner_killed_mid_stream_goes_on_on_the_other(tmp_path: Path) -> None:
+    async with running_cluster(tmp_path) as c:
+        await c.start_projector()
+        c.start_planner()
+        await c.start_worker("w-a")
+        url = await c.start_api()
+        await c.add_model()
+        await c.request_instance("inst", replicas=2)
+        async with asyncio.timeout(90):
+            while len(ready := await c.serving("inst")) < 2:
+                await asyncio.sleep(0.1)
+        async with httpx.AsyncClient(timeout=60) as client:
+            out = Outcome("killed", "api", True)
+            streaming = asyncio.create_task(
+                chat(client, "api", url, label="killed", stream=True, content=STORY,
+                     max_tokens=120, out=out)
+            )  # fmt: skip
+            async with asyncio.timeout(60):
+                while out.task_id is None or not c.log.of(
+                    TaskStarted, lambda e: e.task_id == out.task_id
+                ):
+                    await asyncio.sleep(0.02)
+            first = c.log.of(TaskStarted, lambda e: e.task_id == out.task_id)[0]
+            serving = next(r for r in ready if r.runner_id == first.runner_id)
+            other = next(r for r in ready if r.runner_id != first.runner_id)
+            assert serving.pid is not None
+            await killed_after(c, out, 20, serving.pid)
+            killed = await streaming
+        assert killed.kind == "completed" and killed.finish_reason == "length", killed
+        await c.stop_all_but_projector()
+        log = await check_log_and_projection(c)
+        check_answered([killed], log=log)
+        check_tasks_ended(log)
+        assert killed.task_id is not None
+        resumed = next(e for e in log.of(TaskCreated) if e.resume and e.task_id == killed.task_id)
+        assert resumed.resume is not None
+        # The other replica took it at once, while the killed runner was still restarting.
+        starts = [e.runner_id for e in log.of(TaskStarted) if e.task_id == killed.task_id]
+        assert starts == [serving.runner_id, other.runner_id]
+        pause = pause_s(log, killed.task_id, len(resumed.resume.tokens))
+        print(f"two replicas: the stream paused {pause:.2f} s")
+        assert pause <= 2.0
