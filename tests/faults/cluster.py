@@ -121,7 +121,7 @@ class Cluster:
         await Publisher(self.js).publish(
             InstanceRequested(
                 instance_id=instance_id, model_id=MODEL, origin="test", replicas=replicas
-            )  # fmt: skip
+            )
         )
 
     async def wait_serving(self, instance_id: str, timeout: float = 90) -> RunnerStateChanged:
