@@ -19,6 +19,9 @@ class ApiConfig:
     projector: str = DEFAULT_NAME
     # How long a request may wait for its task to finish (queueing included).
     task_timeout_s: float = 600.0
+    # How long a task waits for its model to serve again (its runner restarting, its instance
+    # placed anew) before it fails: a task resumed after its runner was lost, or one queued.
+    resume_within_s: float = 60.0
     # How many requests may wait in this process for a slot of a model (api/admission.py);
     # None: 16 per slot of the model.
     max_queued: int | None = None

@@ -18,6 +18,9 @@ from projectors.tables import instances, models, runners, tasks
 from services.planner.planner import PLANNING_TABLES
 
 SERVING = frozenset({"Ready", "Running"})
+# A head runner in one of these serves again soon: it is starting, or failed and is restarted
+# by its worker.
+STARTING = frozenset({"Assigned", "Downloading", "Loading", "Failed"})
 
 
 async def cluster(engine: AsyncEngine) -> ClusterState:
@@ -96,6 +99,20 @@ def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "ch
             return
     raise ApiError(503, f"model `{model_id}` cannot answer now: {_why_not(state, live)}",
                    code="model_not_ready")  # fmt: skip
+
+
+def coming_back(state: ClusterState, model_id: str, role: InstanceRole = "chat") -> bool:
+    """Whether ``model_id`` may serve in ``role`` soon, though it cannot now: an instance of it
+    waits for its placement, or a placed one's head runner is starting (again)."""
+    for inst in state.instances():
+        if inst.model_id != model_id or inst.role != role:
+            continue
+        if inst.status == "requested":
+            return True
+        heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
+        if inst.status == "placed" and any(r.state in STARTING for r in heads):
+            return True
+    return False
 
 
 def serving_slots(state: ClusterState, model_id: str, role: InstanceRole = "chat") -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
@@ -276,15 +277,27 @@ def task_stream(ctx: ApiContext, task: TaskCreated, on_closed: Closed | None = N
 
 
 def recheck(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> Recheck:
-    """Why ``model_id`` cannot serve in ``role`` now, asked afresh (None: it can): a task
-    waiting for its first chunk asks it now and then."""
+    """Why a task of ``model_id`` in ``role`` should stop waiting, asked afresh (None: it may
+    wait): a task whose chunks stopped coming (none yet, or its runner lost) asks it now and
+    then. It waits while the model serves, and for ``resume_within_s`` while it is coming back
+    (a runner restarting, an instance placed anew); not for a model that cannot come back."""
+    down_since: float | None = None
 
     async def why_not() -> str | None:
+        nonlocal down_since
+        state = await projection.serving(ctx.engine, model_id, ctx.reader)
         try:
-            state = await projection.serving(ctx.engine, model_id, ctx.reader)
             projection.require_serving(state, model_id, role)
         except ApiError as err:
-            return err.message
+            now = time.monotonic()
+            down_since = down_since if down_since is not None else now
+            waited = now - down_since
+            if waited < ctx.config.resume_within_s and projection.coming_back(
+                state, model_id, role
+            ):
+                return None
+            return err.message + (f" for {waited:.0f} s" if waited >= 1 else "")
+        down_since = None
         return None
 
     return why_not

@@ -48,8 +48,9 @@ from bus.subjects import chunk_subject, event_subject
 _BACKGROUND: set[asyncio.Task[object]] = set()
 
 
-# Until its first chunk, a task's model is checked this often to still have a runner to serve
-# it: the last one may stop (its instance rejected, deleted) after the request was accepted.
+# While a task's chunks do not come (none yet, or its runner was lost), its model is checked
+# this often to still have a runner to serve it, or one coming back: the last one may stop
+# (its instance rejected, deleted) after the request was accepted.
 # And after this long without news, the log is asked for the task's outcome (see above).
 RECHECK_S = 2.0
 
@@ -240,7 +241,7 @@ class TaskStream:
                     async with asyncio.timeout(RECHECK_S):
                         events = [await self._queue.get()]
                 except TimeoutError:
-                    recheck = self._recheck if next_idx == 0 else None
+                    recheck = self._recheck
                     if recheck is not None and (why := await recheck()) is not None:
                         self.finished = Finished(unavailable=why)
                         return
