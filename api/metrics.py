@@ -35,7 +35,7 @@ from prometheus_client import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -47,7 +47,7 @@ from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
 from projectors.state import ClusterState
 from projectors.store import load_state
-from projectors.tables import projector_offsets
+from projectors.tables import projector_offsets, tasks
 
 if TYPE_CHECKING:
     from api.admission import ModelAdmission
@@ -273,6 +273,7 @@ class ProjectionReading:
     nodes: list[NodeRow]
     devices: list[DeviceRow]
     runners: list[RunnerRow]
+    resumes: int = 0  # tasks' continuations after a lost runner, all tasks together
 
 
 def cluster_families(
@@ -361,7 +362,10 @@ def _projection_families(p: ProjectionReading) -> list[Metric]:
         if d.kind == "gpu" and d.node_id in online_ids:
             gpu.add_metric([d.node_id, d.device, "total"], d.memory_total)
             gpu.add_metric([d.node_id, d.device, "used"], d.memory_used)
-    return [applied, runners, nodes, memory, load, gpu]
+    resumes = CounterMetricFamily("shoal_task_resumes", "Continuations of tasks after the "
+                                  "runner serving them was lost (services/resume.py).")  # fmt: skip
+    resumes.add_metric([], p.resumes)
+    return [applied, runners, nodes, memory, load, gpu, resumes]
 
 
 def _gauge(name: str, documentation: str, labels: Sequence[str]) -> GaugeMetricFamily:
@@ -439,8 +443,9 @@ async def read_projection(engine: AsyncEngine, projector: str) -> ProjectionRead
         rows = await conn.execute(select(t.c.projector, t.c.last_seq)
                                   .where(t.c.stream == EVENTS_STREAM))  # fmt: skip
         applied = {projector: 0} | {str(name): int(seq) for name, seq in rows}
+        resumes = await conn.scalar(select(func.coalesce(func.sum(tasks.c.resumes), 0)))
     devices = [d for d in state.rows(DeviceRow.TABLE) if isinstance(d, DeviceRow)]
-    return ProjectionReading(applied, state.nodes(), devices, state.runners())
+    return ProjectionReading(applied, state.nodes(), devices, state.runners(), int(resumes or 0))
 
 
 T = TypeVar("T")

@@ -102,13 +102,12 @@ def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "ch
 
 
 def coming_back(state: ClusterState, model_id: str, role: InstanceRole = "chat") -> bool:
-    """Whether ``model_id`` may serve in ``role`` soon, though it cannot now: an instance of it
-    waits for its placement, or a placed one's head runner is starting (again)."""
+    """Whether ``model_id`` may serve in ``role`` soon, though it cannot now: a placed instance
+    of it has a head runner starting (again). (One waiting for room to be placed may wait for
+    ever: not soon.)"""
     for inst in state.instances():
         if inst.model_id != model_id or inst.role != role:
             continue
-        if inst.status == "requested":
-            return True
         heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
         if inst.status == "placed" and any(r.state in STARTING for r in heads):
             return True

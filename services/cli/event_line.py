@@ -30,13 +30,21 @@ def event_line(event: Event, seq: int | None = None, stored_at: datetime | None 
     colour = "red" if event.type in _FAILURE_TYPES else _COLOURS.get(event.aggregate, "white")
     if event.type == "RunnerStateChanged" and event.state == "Failed":
         colour = "red"
-    fields = " ".join(
+    name: str = event.type
+    resumed = ""
+    if event.type == "TaskCreated" and event.resume is not None:
+        # A continuation: after how much, and why (its prompt is the first TaskCreated's).
+        r = event.resume
+        name, colour = "TaskCreated (resumed)", "yellow"
+        resumed = (f"attempt={r.attempt} after={len(r.tokens)} tokens lost={r.runner_id} "
+                   f"why={_short(r.reason)} ")  # fmt: skip
+    fields = resumed + " ".join(
         f"{k}={_short(v)}"
         for k, v in event.model_dump(exclude_none=True).items()
-        if k not in _SKIP and v not in ([], {}, "")
+        if k not in _SKIP and k != "resume" and v not in ([], {}, "")
     )
     prefix = f"#{seq} " if seq is not None else ""
-    return f"{prefix}[dim]{ts}[/dim] [bold {colour}]{event.type}[/] {_escape(fields)}"
+    return f"{prefix}[dim]{ts}[/dim] [bold {colour}]{name}[/] {_escape(fields)}"
 
 
 def _escape(text: str) -> str:

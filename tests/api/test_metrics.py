@@ -200,6 +200,7 @@ def test_cluster_families_from_readings() -> None:
                            memory_used=2 * MiB),
                  DeviceRow(node_id="n1", device="cpu", kind="cpu", memory_total=8 * MiB)],
         runners=[_runner("a", "Ready"), _runner("b", "Ready"), _runner("c", "Loading")],
+        resumes=3,
     )  # fmt: skip
     s = parse(generate_latest(_Families(cluster_families(events, projection))).decode())
     assert value(s, "shoal_metrics_source_up", source="nats") == 1
@@ -215,6 +216,7 @@ def test_cluster_families_from_readings() -> None:
     assert runners == {"Assigned": 0, "Downloading": 0, "Loading": 1, "Ready": 2, "Running": 0,
                        "Failed": 0, "Stopped": 0}  # fmt: skip
     assert value(s, "shoal_nodes", status="left") == 1
+    assert value(s, "shoal_task_resumes_total") == 3
     memory = with_name(s, "shoal_node_memory_bytes")
     assert {dict(k)["node"] for k in memory} == {"n1"}  # a node that left has no current profile
     assert value(s, "shoal_node_memory_bytes", node="n1", kind="offered") == 4 * MiB

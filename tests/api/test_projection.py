@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
-from api.projection import require_serving, serving
+from api.projection import coming_back, require_serving, serving
 from bus.events import InstanceRole
 from projectors import database
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
@@ -44,6 +44,16 @@ def test_a_rejected_instance_does_not_serve_and_says_why() -> None:
     with pytest.raises(ApiError) as err:
         require_serving(cluster("rejected", (0, "Ready")), "m")
     assert err.value.status == 503 and "could not be placed: it needs 199 MiB" in err.value.message
+
+
+def test_a_model_is_coming_back_while_a_placed_instance_s_head_starts_again() -> None:
+    """A waiting task waits for it (``resume_within_s``); for nothing else."""
+    for head in ("Assigned", "Downloading", "Loading", "Failed"):
+        assert coming_back(cluster("placed", (0, head), (1, "Ready")), "m"), head
+    assert not coming_back(cluster("placed", (0, "Stopped")), "m")
+    assert not coming_back(cluster("rejected", (0, "Loading")), "m")
+    assert not coming_back(cluster("requested"), "m")  # waiting for room may be for ever
+    assert not coming_back(cluster("placed", (0, "Loading")), "other")
 
 
 def test_an_unknown_model_is_404() -> None:
