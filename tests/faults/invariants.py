@@ -211,14 +211,16 @@ async def chat(
     deadline_s: float = 60.0,
     first_chunk: asyncio.Event | None = None,
     out: Outcome | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Outcome:
     """One chat completion through the API at ``url``; ``first_chunk`` is set when a stream's
-    first content arrives. ``out``, when given, is filled in as the answer comes."""
+    first content arrives. ``out``, when given, is filled in as the answer comes; ``extra``
+    goes into the request's body."""
     out = out or Outcome(label, api, stream)
     body = {
         "model": MODEL, "stream": stream, "max_tokens": max_tokens, "temperature": 0,
         "messages": [{"role": "user", "content": content}],
-    }  # fmt: skip
+    } | (extra or {})  # fmt: skip
     try:
         async with asyncio.timeout(deadline_s):
             if stream:
@@ -326,8 +328,9 @@ def check_answered(
     outcomes: Sequence[Outcome], *, errors_allowed: bool = False, log: Log | None = None
 ) -> None:
     """(c): every request completed, or (when ``errors_allowed``) failed with a clear error.
-    With the ``log``: a completion's text is exactly its chunks in the log, and a task whose
-    request failed ended (failed or cancelled) in the log as well."""
+    With the ``log``: a completion's text is exactly its chunks in the log, its usage counts
+    each of their tokens once, and a task whose request failed ended (failed or cancelled) in
+    the log as well."""
     bad = [o for o in outcomes if o.kind in ("hang", "cut")]
     assert not bad, "requests without a clear answer:\n" + "\n".join(map(str, bad))
     if not errors_allowed:
@@ -341,5 +344,9 @@ def check_answered(
         if o.kind == "completed":
             assert o.task_id is not None and o.task_id in completed, f"{o}: no TaskCompleted"
             assert o.text == log.text(o.task_id), f"{o}: the text is not the log's chunks"
+            # Each generated token counted once, however often the task was resumed.
+            tokens = sum(c.token_id is not None for c in log.chunks.get(o.task_id, []))
+            usage = completed[o.task_id].usage
+            assert usage.completion_tokens == tokens, f"{o}: {usage} for {tokens} tokens"
         elif o.task_id is not None:
             assert o.task_id in created, f"{o}: the task is not in the log"

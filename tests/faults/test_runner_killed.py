@@ -5,6 +5,7 @@ gives), and the next requests succeed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
@@ -29,6 +30,11 @@ from tests.faults.invariants import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STORY = "Write a long story about a fish."
+PERSON_ASK = "Describe a person who lives in a city by the sea, as JSON."
+PERSON = {"type": "json_schema", "json_schema": {"name": "person", "schema": {
+    "type": "object", "required": ["name", "age", "city"], "properties": {
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+        "city": {"type": "string", "maxLength": 20}}}}}  # fmt: skip
 
 
 async def stored_chunks(c: Cluster, task_id: str) -> int:
@@ -92,12 +98,23 @@ async def test_a_runner_killed_mid_stream_goes_on_from_the_log(tmp_path: Path) -
             after = [
                 await chat(client, "api", url, label=f"after{i}", stream=i == 0) for i in range(2)
             ]
+            # A JSON reply cut mid-object goes on under its schema: still valid JSON.
+            shaped = Outcome("json", "api", True)
+            asking = asyncio.create_task(
+                chat(client, "api", url, label="json", stream=True, content=PERSON_ASK,
+                     max_tokens=200, out=shaped, extra={"response_format": PERSON})
+            )  # fmt: skip
+            assert again.pid is not None
+            await killed_after(c, shaped, 10, again.pid)
+            shaped = await asking
+            assert shaped.kind == "completed" and shaped.finish_reason == "stop", shaped
+            assert json.loads(shaped.text).keys() == {"name", "age", "city"}, shaped
 
         check_answered(after)
         assert all("Paris" in o.text for o in after), after
         await c.stop_all_but_projector()
         log = await check_log_and_projection(c)
-        check_answered([reference, killed, *after], log=log)
+        check_answered([reference, killed, *after, shaped], log=log)
         check_tasks_ended(log)
         # Each chunk once, 0..n: the continuation went on at the next index.
         assert killed.task_id is not None
