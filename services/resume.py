@@ -20,12 +20,13 @@ Not continued, but failed as before: a task that was cancelled, one whose last c
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from bus.events import ChunkGenerated, Resume, TaskCreated, TaskFailed, parse_event, utc_now
+from bus.events import ChunkGenerated, Resume, TaskCreated, TaskFailed, parse_event
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 from bus.subjects import chunk_subject, event_subject
@@ -49,28 +50,36 @@ def generated_tokens(chunks: Iterable[ChunkGenerated]) -> tuple[list[int], bool]
     return tokens, False
 
 
+@dataclass(frozen=True)
+class Logged:
+    """What the log holds of a task a runner left: its latest ``TaskCreated`` (None: no
+    generation task of that id is in the log), its stored chunks, whether it was cancelled."""
+
+    task_id: str
+    model_id: str
+    created: TaskCreated | None
+    chunks: list[ChunkGenerated]
+    cancelled: bool
+
+
 def continuation(
-    created: TaskCreated,
-    chunks: Iterable[ChunkGenerated],
-    *,
-    cancelled: bool,
-    runner_id: str,
-    cause: str,
-    origin: str,
+    task: Logged, *, runner_id: str, cause: str, origin: str, at: datetime,
     max_resumes: int = MAX_RESUMES,
-) -> TaskCreated | TaskFailed:
-    """What follows the loss of ``created``'s runner: its continuation, or its failure."""
-    attempt = (created.resume.attempt if created.resume is not None else 0) + 1
-    tokens, ended = generated_tokens(chunks)
+) -> TaskCreated | TaskFailed:  # fmt: skip
+    """What follows the loss of ``task``'s runner: its continuation (published ``at``), or its
+    failure."""
+    created = task.created
     error = f"the runner serving this task {cause}"
-    if cancelled or ended or attempt > max_resumes:
+    attempt = (created.resume.attempt if created and created.resume else 0) + 1
+    tokens, ended = generated_tokens(task.chunks)
+    if created is None or task.cancelled or ended or attempt > max_resumes:
         if attempt > max_resumes:
             error += f" (resumed {max_resumes} times already)"
-        return TaskFailed(task_id=created.task_id, model_id=created.model_id, origin=origin,
+        return TaskFailed(task_id=task.task_id, model_id=task.model_id, origin=origin,
                           runner_id=runner_id, error=error)  # fmt: skip
     resume = Resume(attempt=attempt, tokens=tokens, runner_id=runner_id, reason=error)
     return TaskCreated.model_validate(
-        created.model_dump() | {"resume": resume, "origin": origin, "ts": utc_now()}
+        created.model_dump() | {"resume": resume, "origin": origin, "ts": at}
         | {"event_id": f"resume-{created.task_id}-{attempt}"}
     )  # fmt: skip
 
@@ -83,46 +92,35 @@ def message_id(event: TaskCreated | TaskFailed) -> str:
     return f"done:{event.task_id}"
 
 
-def still_streaming(chunks: Iterable[ChunkGenerated], now: datetime, within_s: float) -> bool:
+def describe(outcome: TaskCreated | TaskFailed) -> str:
+    if isinstance(outcome, TaskCreated) and outcome.resume is not None:
+        r = outcome.resume
+        return f"resumed after {len(r.tokens)} tokens (attempt {r.attempt})"
+    return f"failed: {outcome.error}" if isinstance(outcome, TaskFailed) else "created"
+
+
+def still_streaming(task: Logged, now: datetime, within_s: float = QUIET_S) -> bool:
     """Whether the task's newest stored chunk is younger than ``within_s``: its runner goes on
     (a runner whose worker died finishes what it serves before it exits)."""
-    return any(now - c.ts < timedelta(seconds=within_s) for c in chunks)
+    return any(now - c.ts < timedelta(seconds=within_s) for c in task.chunks)
 
 
-async def after_lost_runner(
-    js: JetStreamContext,
-    task_id: str,
-    model_id: str,
-    *,
-    runner_id: str,
-    cause: str,
-    origin: str,
-    quiet_s: float | None = None,
-) -> TaskCreated | TaskFailed | None:
-    """The continuation (or failure) of a task left unfinished by a runner, from the log.
-    With ``quiet_s`` (a runner not known to be dead): None while the task's chunks still come
-    (``still_streaming``)."""  # fmt: skip
-    subject = event_subject("task", (model_id, task_id), "TaskCreated")
-    error = f"the runner serving this task {cause}"
+async def read_logged(js: JetStreamContext, task_id: str, model_id: str) -> Logged:
+    ids = (model_id, task_id)
     try:
-        created = parse_event((await js.get_last_msg(EVENTS_STREAM, subject)).data or b"")
+        stored = await js.get_last_msg(EVENTS_STREAM, event_subject("task", ids, "TaskCreated"))
+        created = parse_event(stored.data or b"")
     except NotFoundError:
         created = None
-    if not isinstance(created, TaskCreated):  # not in the log (or not a generation task)
-        return TaskFailed(task_id=task_id, model_id=model_id, origin=origin,
-                          runner_id=runner_id, error=error)  # fmt: skip
     chunks = [
         event
         async for m in read_stream(js, CHUNKS_STREAM, chunk_subject(task_id))
         if isinstance(event := parse_event(m.data), ChunkGenerated)
     ]
-    if quiet_s is not None and still_streaming(chunks, utc_now(), quiet_s):
-        return None
     try:
-        await js.get_last_msg(EVENTS_STREAM, event_subject("task", (model_id, task_id),
-                                                           "TaskCancelled"))  # fmt: skip
+        await js.get_last_msg(EVENTS_STREAM, event_subject("task", ids, "TaskCancelled"))
         cancelled = True
     except NotFoundError:
         cancelled = False
-    return continuation(created, chunks, cancelled=cancelled, runner_id=runner_id, cause=cause,
-                        origin=origin)  # fmt: skip
+    created = created if isinstance(created, TaskCreated) else None
+    return Logged(task_id, model_id, created, chunks, cancelled)

@@ -26,7 +26,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import NodeTimedOut, TaskCreated
+from bus.events import NodeTimedOut
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
 from bus.subjects import aggregate_filter
@@ -41,7 +41,7 @@ from services.planner.decisions import (
     heartbeat_may_matter,
     next_timeout,
 )
-from services.resume import QUIET_S, after_lost_runner, message_id
+from services.resume import continuation, describe, message_id, read_logged, still_streaming
 
 log = logging.getLogger(__name__)
 
@@ -193,17 +193,15 @@ class Planner:
         async with self._engine.connect() as conn:
             left = await unfinished_tasks(conn, runners)
         for task in left:
-            outcome = await after_lost_runner(
-                self._js, task.task_id, task.model_id, runner_id=task.runner_id or "",
-                cause=f"was on node {node_id}, which timed out", origin=self.origin,
-                quiet_s=QUIET_S,
-            )  # fmt: skip
-            if outcome is None:
+            logged = await read_logged(self._js, task.task_id, task.model_id)
+            if still_streaming(logged, datetime.now(UTC)):
                 log.info("task %s: its chunks still come, not resumed", task.task_id)
                 continue
+            outcome = continuation(logged, runner_id=task.runner_id or "", origin=self.origin,
+                                   cause=f"was on node {node_id}, which timed out",
+                                   at=datetime.now(UTC))  # fmt: skip
             await self._pub.publish(outcome, msg_id=message_id(outcome))
-            log.info("task %s: %s", task.task_id,
-                     "resumed" if isinstance(outcome, TaskCreated) else "failed")  # fmt: skip
+            log.info("task %s: %s", task.task_id, describe(outcome))
 
     def _note_leader(self, info: StreamInfo) -> None:
         leader = info.cluster.leader if info.cluster is not None else None

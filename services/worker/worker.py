@@ -29,6 +29,7 @@ from bus.events import (
     TaskCreated,
     TaskFailed,
     parse_event,
+    utc_now,
 )
 from bus.publisher import Publisher
 from bus.streams import StreamSettings, ensure_streams
@@ -37,7 +38,7 @@ from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
 from services.models.footprint import context_for
-from services.resume import after_lost_runner, message_id
+from services.resume import continuation, describe, message_id, read_logged
 from services.runner.serve import CurrentTasks
 from services.runner.spec import RunnerSpec
 from services.worker.profile import collect_profile, rss_bytes
@@ -227,21 +228,17 @@ class Worker:
             task_file.unlink(missing_ok=True)
         for task_id, model_id in left:
             # Continued from the log (resume.py), or failed where it cannot be.
+            outcome: TaskCreated | TaskFailed
             try:
-                outcome = await after_lost_runner(
-                    self._js, task_id, model_id, runner_id=spec.runner_id, cause=cause,
-                    origin=self.node_id,
-                )  # fmt: skip
+                logged = await read_logged(self._js, task_id, model_id)
+                outcome = continuation(logged, runner_id=spec.runner_id, cause=cause,
+                                       origin=self.node_id, at=utc_now())  # fmt: skip
             except (nats.errors.Error, TimeoutError, ValidationError) as exc:
                 log.warning("task %s: the log could not be read to resume it: %r", task_id, exc)
                 outcome = TaskFailed(task_id=task_id, model_id=model_id, origin=self.node_id,
                                      runner_id=spec.runner_id,
                                      error=f"the runner serving this task {cause}")  # fmt: skip
-            assert outcome is not None  # a runner known dead: continued or failed
-            if isinstance(outcome, TaskCreated):
-                log.info("task %s: resumed after %d tokens (attempt %d)", task_id,
-                         len(outcome.resume.tokens) if outcome.resume else 0,
-                         outcome.resume.attempt if outcome.resume else 0)  # fmt: skip
+            log.info("task %s: %s", task_id, describe(outcome))
             await self._pub.publish(outcome, msg_id=message_id(outcome))
 
 

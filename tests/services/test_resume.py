@@ -3,8 +3,17 @@ tokens of the stored chunks, or the failure where it cannot go on."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 from bus.events import ChunkGenerated, Resume, SamplingParams, TaskCreated, TaskFailed
-from services.resume import MAX_RESUMES, continuation, generated_tokens, message_id
+from services.resume import (
+    MAX_RESUMES,
+    Logged,
+    continuation,
+    generated_tokens,
+    message_id,
+    still_streaming,
+)
 
 TASK = TaskCreated(task_id="t1", model_id="m", origin="api", prompt="hi", kind="completion",
                    params=SamplingParams(max_tokens=50, temperature=0))  # fmt: skip
@@ -16,9 +25,18 @@ def chunk(idx: int, token: int | None = None, finish: bool = False) -> ChunkGene
                           finish_reason="stop" if finish else None)  # fmt: skip
 
 
-def lost(created: TaskCreated, chunks: list[ChunkGenerated], **kw: object) -> object:
-    return continuation(created, chunks, cancelled=bool(kw.get("cancelled", False)),
-                        runner_id="r0", cause="killed by SIGKILL", origin="node-a")  # fmt: skip
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
+def logged(created: TaskCreated | None, chunks: list[ChunkGenerated], cancelled: bool = False
+           ) -> Logged:  # fmt: skip
+    return Logged("t1", "m", created, chunks, cancelled)
+
+
+def lost(created: TaskCreated | None, chunks: list[ChunkGenerated], cancelled: bool = False
+         ) -> TaskCreated | TaskFailed:  # fmt: skip
+    return continuation(logged(created, chunks, cancelled), runner_id="r0",
+                        cause="killed by SIGKILL", origin="node-a", at=NOW)  # fmt: skip
 
 
 def test_the_tokens_are_the_stored_chunks_from_zero_without_a_gap() -> None:
@@ -38,7 +56,7 @@ def test_a_lost_task_is_continued_after_its_stored_tokens() -> None:
     assert out.model_dump(exclude={"resume", "origin", "event_id", "ts"}) == TASK.model_dump(
         exclude={"resume", "origin", "event_id", "ts"}
     )
-    assert out.subject == TASK.subject and out.origin == "node-a" and out.ts > TASK.ts
+    assert out.subject == TASK.subject and out.origin == "node-a" and out.ts == NOW
     # One continuation per attempt, whoever publishes it.
     assert message_id(out) == "resume:t1:1"
     again = lost(TASK, [chunk(0), chunk(1), chunk(2)])
@@ -58,8 +76,16 @@ def test_a_continuation_lost_again_counts_its_attempts_up_to_the_limit() -> None
                             f"{MAX_RESUMES} times already)")  # fmt: skip
 
 
-def test_a_cancelled_or_ended_task_fails_as_before() -> None:
+def test_a_cancelled_ended_or_unknown_task_fails_as_before() -> None:
     for out in (lost(TASK, [chunk(0)], cancelled=True),
-                lost(TASK, [chunk(0), chunk(1, finish=True)])):  # fmt: skip
+                lost(TASK, [chunk(0), chunk(1, finish=True)]), lost(None, [])):  # fmt: skip
         assert isinstance(out, TaskFailed) and out.runner_id == "r0"
         assert out.error == "the runner serving this task killed by SIGKILL"
+
+
+def test_a_task_whose_chunks_still_come_still_has_its_runner() -> None:
+    fresh = chunk(3).model_copy(update={"ts": NOW - timedelta(seconds=0.5)})
+    stale = chunk(3).model_copy(update={"ts": NOW - timedelta(seconds=5)})
+    assert still_streaming(logged(TASK, [fresh]), NOW)
+    assert not still_streaming(logged(TASK, [stale]), NOW)
+    assert not still_streaming(logged(TASK, []), NOW)  # none yet: it is not known to go on

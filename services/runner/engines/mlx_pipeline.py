@@ -123,8 +123,9 @@ class PipelineHead(MlxTextEngine):
 
     def join(self) -> None:
         """Join the ring (see ``connect`` for the timing between ranks)."""
+        if self._stage is None or self._text is None:
+            raise RuntimeError("load_weights() comes first")
         self._ring = connect(self._shard, self._connect_timeout)
-        assert self._stage is not None and self._text is not None
         self._decoder = _RingDecoder(self._stage, self._ring, slots=self.slots,
                                      n_ctx=self._n_ctx, ends=self._text.ends)  # fmt: skip
 
