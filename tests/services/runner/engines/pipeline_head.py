@@ -21,11 +21,12 @@ the script it waits until it is killed, without shutting the pipeline down.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -61,9 +62,10 @@ def run_task(
     cancel_after: int | None = None,
     grammar: Grammar | None = None,
     on_token: Callable[[], None] = lambda: None,
+    generated: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Serve ``task`` as TaskServer does; cancelled once ``cancel_after`` tokens came.
-    ``on_token`` is called after each token."""
+    ``on_token`` is called after each token; ``generated``: the task is resumed after these."""
     prompt = prompt_of(engine, task)
     limit = check_request(len(prompt), task.params, engine.n_ctx, echo=task.echo)
     tokens: list[int] = []
@@ -76,7 +78,8 @@ def run_task(
         return cancel_after is not None and len(tokens) >= cancel_after
 
     began = time.perf_counter()
-    for step in steps(engine, prompt, decoding_of(task, grammar), limit, cancelled):
+    decoding = dataclasses.replace(decoding_of(task, grammar), generated=tuple(generated))
+    for step in steps(engine, prompt, decoding, limit, cancelled):
         if isinstance(step, ScoredPrompt):
             scored = [t.model_dump(mode="json") for t in step.tokens]
             continue
@@ -107,7 +110,8 @@ def serve_entry(
     """A task entry's output line; a task that fails is ``{"invalid": ...}``."""
     task = TaskCreated.model_validate(entry["task"])
     try:
-        return run_task(engine, task, entry.get("cancel_after"), grammar_of(entry), on_token)
+        return run_task(engine, task, entry.get("cancel_after"), grammar_of(entry), on_token,
+                        entry.get("generated", ()))  # fmt: skip
     except InvalidRequest as exc:  # the task fails, the pipeline goes on
         return {"invalid": str(exc)}
 

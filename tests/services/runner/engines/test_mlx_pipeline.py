@@ -22,12 +22,17 @@ from llama_cpp import llama_grammar
 from mlx.utils import tree_flatten
 
 from bus.events import ChatMessage, SamplingParams, TaskCreated
-from services.runner.decoding import Grammar
 from services.runner.engines.mlx import PREFILL_STEP, MlxEngine, load_model
 from services.runner.engines.mlx_ring import PipelineShard
 from services.runner.engines.mlx_stage import Stage
-from services.runner.generation import InvalidRequest
-from tests.services.runner.engines.pipeline_head import decoding_of, prompt_of, run_task, token_id
+from tests.services.runner.engines.pipeline_head import (
+    decoding_of,
+    grammar_of,
+    prompt_of,
+    run_task,
+    serve_entry,
+    token_id,
+)
 from tests.services.runner.engines.test_mlx_sampling import free_text, hex_regex
 
 HEAD = "tests.services.runner.engines.pipeline_head"
@@ -255,6 +260,9 @@ def decoding_script(engine: MlxEngine) -> list[dict[str, Any]]:
     }
     unfit = {"gbnf": 'root ::= "zzz"', "triggers": [hex_regex(piece)]}
     story = completion(5, "Once upon a time", temperature=0, max_tokens=30, logprobs=1)
+    resumed = {"task": js(chat(9, "Hi", temperature=0, max_tokens=60, frequency_penalty=0.5)),
+               "grammar": json_grammar}  # fmt: skip
+    resumed_task = TaskCreated.model_validate(resumed["task"])
     # Two prefill chunks, each scored on the last rank.
     long_text = " ".join(["the sea is blue, hello world."] * 60)
     assert PREFILL_STEP + 1 < len(engine.text_tokens(long_text)) < 1000
@@ -271,6 +279,10 @@ def decoding_script(engine: MlxEngine) -> list[dict[str, Any]]:
         # ...and serves the next one.
         {"task": js(chat(7, "Hello there", temperature=1.2, seed=3, max_tokens=20,
                       top_k=20, min_p=0.05, repeat_penalty=1.3, logit_bias={5: 3.0}))},
+        # Resumed after the first 6 tokens of its JSON (its runner was lost): the grammar and
+        # the penalties go on after them.
+        resumed | {"generated": run_task(engine, resumed_task, grammar=grammar_of(resumed))[
+            "tokens"][:6]},
     ]  # fmt: skip
 
 
@@ -288,16 +300,7 @@ def completion(n: int, text: str, **fields: object) -> dict[str, Any]:
 
 def serve_script(engine: MlxEngine, script: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The script through one process, as pipeline_head serves it."""
-    out = []
-    for entry in script:
-        task = TaskCreated.model_validate(entry["task"])
-        spec = entry.get("grammar")
-        grammar = Grammar(spec["gbnf"], tuple(spec.get("triggers", ()))) if spec else None
-        try:
-            out.append(run_task(engine, task, entry.get("cancel_after"), grammar))
-        except InvalidRequest as exc:
-            out.append({"invalid": str(exc)})
-    return out
+    return [serve_entry(engine, entry) for entry in script]
 
 
 @pytest.mark.slow
@@ -318,7 +321,9 @@ def test_a_split_model_constrains_and_scores_as_one_process(
         g.pop("seconds", None), w.pop("seconds", None)
     assert got == want
     # What the script meant to show is there.
-    first, _, echoed, scored_only, lazy, failed, after = want
+    first, _, echoed, scored_only, lazy, failed, after, resumed = want
+    whole = serve_entry(engine, {k: v for k, v in script[-1].items() if k != "generated"})
+    assert resumed["tokens"] == whole["tokens"][6:] and resumed["finish"] == "stop"
     assert json.loads(first["text"], strict=False).keys() == {"name", "n", "ok"}
     assert len(first["logprobs"]) == len(first["tokens"]) and first["finish"] == "stop"
     assert len(echoed["prompt"]) > PREFILL_STEP and echoed["prompt"][0]["logprob"] is None
