@@ -20,7 +20,8 @@ from tests.services.processes import Processes
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_S = 2.0  # timed out after 3 missed (margins for a loaded machine)
+HEARTBEAT_S = 2.0
+MISSED = 6  # heartbeats missed before a node times out: room for a slow leader change
 
 
 async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed_out(
@@ -31,6 +32,8 @@ async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed
     it sees (here a leader moved by hand, then a node silent past its time-out)."""
     db = f"sqlite:///{tmp_path / 'shoal.db'}"
     env = {**os.environ, "SHOAL_STREAM_REPLICAS": "3"}
+    loop = asyncio.get_running_loop()
+    timeout_s = MISSED * HEARTBEAT_S
     async with NatsCluster(tmp_path / "nats") as cluster:
         nc = await connect(cluster.urls_from(0), name="test")
         js = nc.jetstream()
@@ -39,8 +42,10 @@ async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed
         pub = Publisher(js)
         with Processes(tmp_path / "logs", env) as procs:
             procs.start("projector", "projector", "--nats", cluster.urls_from(0), "--db", db)
-            procs.start("planner", "planner", "--nats", cluster.urls_from(0), "--db", db)
+            procs.start("planner", "planner", "--nats", cluster.urls_from(0), "--db", db,
+                        "--missed-heartbeats", str(MISSED))  # fmt: skip
             beating = {"a", "b"}
+            last_beat: dict[str, float] = {}
             profile = NodeProfile(ram_total=2**31, ram_available=2**30, cpu_count=2,
                                   memory_offered=2**30)  # fmt: skip
 
@@ -52,6 +57,7 @@ async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed
                     for node in sorted(beating):
                         await pub.publish(ResourceProfiled(node_id=node, origin=node,
                                                            profile=profile))  # fmt: skip
+                        last_beat[node] = loop.time()
                     await asyncio.sleep(HEARTBEAT_S)
 
             beat = asyncio.create_task(heartbeats())
@@ -61,11 +67,20 @@ async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed
                 await make_leader(nc, EVENTS_STREAM, first)
                 await asyncio.sleep(2.5 * HEARTBEAT_S)  # the planner has looked at the stream
                 beating.discard("a")
-                await asyncio.sleep(HEARTBEAT_S)
+                silent_since = last_beat["a"]
+                # The times below follow the measured ones: a leader change can take seconds on
+                # a loaded machine, and a silence longer than the time-out before it is a real
+                # one.
+                await asyncio.sleep(max(0.0, silent_since + HEARTBEAT_S - loop.time()))
                 await make_leader(nc, EVENTS_STREAM, "n0" if first != "n0" else "n2")
-                await asyncio.sleep(2.25 * HEARTBEAT_S)  # past a's time-out: still online
+                changed = loop.time()
+                assert changed - silent_since < timeout_s - HEARTBEAT_S, "the change was too slow"
+                # past a's time-out counted from its last heartbeat, not from the change
+                back = max(changed + HEARTBEAT_S, silent_since + timeout_s + HEARTBEAT_S / 2)
+                await asyncio.sleep(back - loop.time())
                 beating.add("a")
-                await asyncio.sleep(3 * HEARTBEAT_S)
+                await pub.publish(ResourceProfiled(node_id="a", origin="a", profile=profile))
+                await asyncio.sleep(2 * HEARTBEAT_S)
                 assert not log.of(NodeTimedOut)
                 beating.discard("a")  # a really falls silent; b goes on
                 timed_out = await log.wait_for(NodeTimedOut, timeout=30)
