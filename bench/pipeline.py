@@ -120,7 +120,7 @@ def mlx_head_main(args: argparse.Namespace) -> None:
     from services.runner.decoding import Decoding
     from services.runner.engines.base import Engine
     from services.runner.engines.mlx import MlxEngine
-    from services.runner.engines.mlx_pipeline import PipelineHead
+    from services.runner.engines.mlx_head import PipelineHead
     from services.runner.engines.mlx_ring import PipelineShard
 
     hosts: list[str] = json.loads(args.endpoints)

@@ -16,7 +16,8 @@ import threading
 from pathlib import Path
 
 from services.runner.engines import ggml_rpc
-from services.runner.engines.mlx_pipeline import PipelineFollower, PipelineHead
+from services.runner.engines.mlx_follower import PipelineFollower
+from services.runner.engines.mlx_head import PipelineHead
 from services.runner.engines.mlx_ring import PipelineShard
 from services.runner.peers import Peers
 from services.runner.serve import StateReporter

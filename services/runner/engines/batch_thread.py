@@ -6,7 +6,7 @@ from the decoding thread, the only one that makes the engine's calls (mlx stream
 thread; a pipeline's ring is one conversation). A consumer that stops taking (a stop string, a
 cancel) frees its slot at the next step. What a step computes is the subclass's: mlx-lm's
 ``BatchGenerator`` for a whole model (``mlx_batch``), the ring's stages for a split one
-(``mlx_ring_batch``).
+(``mlx_head``).
 """
 
 from __future__ import annotations

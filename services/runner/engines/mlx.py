@@ -1,10 +1,10 @@
 """The MLX engine (mlx-lm), for models in MLX format: a directory with config.json, safetensors
 weights and the Hugging Face tokenizer files.
 
-Besides ``MlxEngine`` (a whole model in one process), this holds the parts that a pipeline stage
-(``mlx_pipeline``) shares with it: the tokenizer side (``MlxText``), the prompt's prefill chunks
-and the model loader. How tokens are picked (sampling, grammars, log-probabilities) is
-``mlx_sampling``.
+Besides ``MlxEngine`` (a whole model in one process), this holds the parts that a pipeline's
+ranks (``mlx_pipeline``) share with it: the tokenizer side (``MlxText``) and what an engine
+answers from it (``MlxTextEngine``), the prompt's prefill chunks and the model loader. How
+tokens are picked (sampling, grammars, log-probabilities) is ``mlx_sampling``.
 """
 
 from __future__ import annotations
@@ -207,12 +207,32 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 class MlxTextEngine:
-    """What an MLX engine answers from its tokenizer side (``MlxText``, once loaded), for
-    ``MlxEngine`` and a pipeline's ``PipelineHead`` alike."""
+    """What an MLX engine answers from its tokenizer side (``MlxText``, once loaded), and the
+    checks of a prompt before it is generated from, for ``MlxEngine`` and a pipeline's
+    ``PipelineHead`` alike."""
 
-    _text: MlxText | None = None
-    _n_ctx: int
-    slots = 1  # generations decoded at once
+    def __init__(self, model_dir: Path, *, n_ctx: int, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self._dir = model_dir
+        self._requested_ctx = n_ctx
+        self._n_ctx = n_ctx
+        self.slots = slots  # generations decoded at once
+        self._text: MlxText | None = None
+
+    def _load_text(self, config: dict[str, Any]) -> MlxText:
+        """The tokenizer side; the context becomes what was asked, within what the model was
+        trained for."""
+        self._text = MlxText.load(self._dir, config)
+        self._n_ctx = context_length(self._requested_ctx, config)
+        return self._text
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """Raises ``InvalidRequest`` for a prompt that cannot be generated from."""
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt) >= self.n_ctx:
+            raise InvalidRequest(f"the prompt has {len(prompt)} tokens, the context {self.n_ctx}")
 
     @property
     def text(self) -> MlxText:
@@ -265,14 +285,8 @@ class MlxEngine(MlxTextEngine):
     def __init__(
         self, model_dir: Path, *, n_ctx: int = 2048, slots: int = 1, n_threads: int | None = None
     ) -> None:
-        if slots < 1:
-            raise ValueError(f"slots must be at least 1, got {slots}")
-        self._dir = model_dir
-        self._requested_ctx = n_ctx
+        super().__init__(model_dir, n_ctx=n_ctx, slots=slots)
         self._model: Module | None = None
-        self._text: MlxText | None = None
-        self._n_ctx = n_ctx
-        self.slots = slots
         self._decoder: MlxBatchDecoder | None = None
         # Grammars are compiled and copied on the consumers' threads (a bad one is refused by
         # ``generate``), one at a time.
@@ -283,9 +297,8 @@ class MlxEngine(MlxTextEngine):
         # Evaluated here, in the loading thread: mlx streams are per thread, and an array still
         # lazy could not be evaluated from the thread that generates.
         mx.eval(model.parameters())  # type: ignore[no-untyped-call]
-        self._text = MlxText.load(self._dir, config)
-        _ = self._text.grammars  # built now, not in the first task with a grammar
-        self._n_ctx = context_length(self._requested_ctx, config)
+        text = self._load_text(config)
+        _ = text.grammars  # built now, not in the first task with a grammar
         self._model = model
         if self.slots > 1 and not batchable(model):
             log.warning("%s: mlx-lm cannot batch this model's cache, it serves one task at a "
@@ -293,7 +306,7 @@ class MlxEngine(MlxTextEngine):
             self.slots = 1
         if self.slots > 1:
             self._decoder = MlxBatchDecoder(
-                model, slots=self.slots, n_ctx=self._n_ctx, ends=self._text.ends,
+                model, slots=self.slots, n_ctx=self._n_ctx, ends=text.ends,
                 prefill_step=PREFILL_STEP,
             )  # fmt: skip
 
@@ -309,10 +322,7 @@ class MlxEngine(MlxTextEngine):
         return self._model
 
     def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
-        if not prompt:
-            raise InvalidRequest("the prompt is empty")
-        if len(prompt) >= self.n_ctx:
-            raise InvalidRequest(f"the prompt has {len(prompt)} tokens, the context {self.n_ctx}")
+        self.check_prompt(prompt)
         if self._decoder is None:
             picker = self.text.picker(decoding, resolve_seed(decoding.params))
             return self._generate(prompt, decoding, picker)

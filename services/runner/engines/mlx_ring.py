@@ -1,16 +1,6 @@
-"""The ring of an MLX pipeline: which rank holds what (``PipelineShard``), the TCP sockets of
-mlx's ring backend and how a lost neighbour is seen on them, and the messages the ranks send
-each other (commands down the ring, ``Reply``s from the last rank to rank 0, ``StartRequest``).
-How the ranks use them is ``mlx_pipeline``.
-
-Messages from a rank to the next: a ``Header`` naming the command and the sequence's slot, then
-for START the ``StartRequest`` (JSON bytes), for RUN a prefill chunk's hidden states (1, tokens,
-hidden), for STEP the decoding batch's slots (int32, one a row) and its hidden states (rows, 1,
-hidden). From the last rank to rank 0: a ``Reply`` header (one for a RUN that asks for one, one
-a row for a STEP, in the rows' order), then what it announces: a picked token's
-(id, log-probability) pairs (int32 ids, float32 log-probabilities, the token first), a chunk's
-prompt scores (the same, a row per position), an error's message (UTF-8 bytes: a grammar the
-text left), or nothing (a token without log-probabilities, the shutdown acknowledgement).
+"""The ring of an MLX pipeline: which rank holds what (``PipelineShard``), joining mlx's TCP ring
+(``connect``), and sending and receiving arrays on it (``Ring``), with a lost neighbour seen on
+the sockets before mlx is called. The messages the ranks send each other are ``mlx_wire``.
 """
 
 from __future__ import annotations
@@ -28,53 +18,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import IntEnum, IntFlag
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
-import numpy.typing as npt
-from pydantic import BaseModel, Field
 
-from bus.events import SamplingParams
-from services.runner.decoding import Decoding, Grammar, Token
 from services.runner.engines.base import EngineBroken
-from services.runner.engines.mlx_sampling import (
-    as_tokens,
-)
-from services.runner.generation import InvalidRequest
 
 log = logging.getLogger(__name__)
 
 
-class Command(IntEnum):
-    """What a message from a rank to the next is."""
-
-    START = 1  # a sequence begins in a slot
-    RUN = 2  # a chunk of its prompt
-    STOP = 3  # it ends: its slot is free
-    SHUTDOWN = 4
-    STEP = 5  # a token for every sequence of the decoding batch
-
-
-class Run(IntFlag):
-    """What the last rank does with a RUN's hidden states, besides its KV cache."""
-
-    SAMPLE = 1  # pick the next token from the last position; the sequence joins the batch
-    SCORE = 2  # score the prompt's next token at every position (echo)
-
-
-class Answer(IntEnum):
-    """What a message from the last rank to rank 0 is."""
-
-    TOKEN = 1
-    SCORES = 2
-    ERROR = 3
-    SHUTDOWN_ACK = 4
-
-
-DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # A closed connection (POLLRDHUP: the peer's FIN, where the system has it) or a broken one.
 _HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
@@ -182,13 +135,6 @@ class Ring:
             f"rank {self.rank}: {doing} rank {peer}: the connection to a peer was lost"
         )
 
-    def send(self, x: mx.array) -> None:
-        self._check_next()
-        try:
-            mx.eval(mx.distributed.send(x, self._next, group=self.group))
-        except RuntimeError as exc:
-            raise PipelineBroken(f"rank {self.rank}: sending to rank {self._next}: {exc}") from exc
-
     def recv(self, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
         self._wait_readable(math.prod(shape) * dtype.size)
         try:
@@ -200,11 +146,11 @@ class Ring:
             ) from exc
         return x
 
-    def send_message(self, header: Header | Reply, *payloads: mx.array) -> None:
-        """The header and its payloads in one evaluation, each send made to depend on the one
-        before: they leave in order, and nothing can come between them."""
+    def send(self, header: mx.array, *payloads: mx.array) -> None:
+        """A message: ``header`` and its ``payloads`` in one evaluation, each send made to
+        depend on the one before, so they leave in order and nothing can come between them."""
         self._check_next()
-        sent = mx.distributed.send(header.to_array(), self._next, group=self.group)
+        sent = mx.distributed.send(header, self._next, group=self.group)
         for payload in payloads:
             after: Any = mx.depends(payload, sent)
             sent = mx.distributed.send(after, self._next, group=self.group)
@@ -212,110 +158,6 @@ class Ring:
             mx.eval(sent)
         except RuntimeError as exc:
             raise PipelineBroken(f"rank {self.rank}: sending to rank {self._next}: {exc}") from exc
-
-    def recv_header(self) -> Header:
-        return Header(*(int(v) for v in np.array(self.recv((5,), mx.int32))))
-
-    def send_reply(self, reply: Reply) -> None:
-        """From the last rank to rank 0."""
-        if reply.ids is not None and reply.logprobs is not None:
-            ids, lps = mx.array(reply.ids.reshape(-1)), mx.array(reply.logprobs.reshape(-1))
-            self.send_message(reply, ids, lps)
-        elif reply.kind == Answer.ERROR:
-            self.send_message(reply, bytes_array(reply.message.encode()))
-        else:
-            self.send_message(reply)
-
-    def recv_reply(self) -> Reply:
-        """On rank 0: the last rank's reply, with all it announces."""
-        kind, value, rows, width = (int(v) for v in np.array(self.recv((4,), mx.int32)))
-        if kind == Answer.ERROR:
-            message = np.array(self.recv((value,), mx.uint8)).tobytes()
-            return Reply(kind, message=message.decode(errors="replace"))
-        if rows * width == 0:
-            return Reply(kind, value)
-        ids = np.array(self.recv((rows * width,), mx.int32)).reshape(rows, width)
-        lps = np.array(self.recv((rows * width,), mx.float32)).reshape(rows, width)
-        return Reply(kind, value, ids, lps)
-
-
-@dataclass(frozen=True)
-class Header:
-    """A message from one rank to the next: ``command``, for the sequence in ``slot`` (START,
-    RUN, STOP); for START, ``extra`` is the length of the ``StartRequest`` JSON that follows;
-    for RUN, ``tokens`` hidden states of dtype ``DTYPES[dtype]`` follow, and ``extra`` holds
-    the ``Run`` flags; for STEP, ``tokens`` is the batch's rows."""
-
-    command: int
-    slot: int = 0
-    tokens: int = 0
-    extra: int = 0
-    dtype: int = 0
-
-    def to_array(self) -> mx.array:
-        fields = [self.command, self.slot, self.tokens, self.extra, self.dtype]
-        return mx.array(fields, dtype=mx.int32)
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A message from the last rank to rank 0 (``Answer``): a TOKEN (``value`` its id), a
-    chunk's SCORES, an ERROR (``message``), the SHUTDOWN_ACK. ``ids`` and ``logprobs``, as
-    ``mlx_sampling.as_tokens`` reads them: one row per token, the token and its alternatives;
-    none for a token when no log-probabilities were asked. On the wire: four int32 (kind,
-    value, rows, width; for an error, value is the message's length), then the int32 ids and
-    the float32 log-probabilities, or the message."""
-
-    kind: int
-    value: int = 0
-    ids: npt.NDArray[np.int32] | None = None
-    logprobs: npt.NDArray[np.float32] | None = None
-    message: str = ""
-
-    def to_array(self) -> mx.array:
-        if self.kind == Answer.ERROR:
-            shape = (len(self.message.encode()), 0, 0)
-        else:
-            shape = (self.value, *(self.ids.shape if self.ids is not None else (0, 0)))
-        return mx.array([self.kind, *shape], dtype=mx.int32)
-
-    def tokens(self) -> list[Token]:
-        """The scores or token, as ``Token``s; raises ``InvalidRequest`` for an error."""
-        if self.kind == Answer.ERROR:
-            raise InvalidRequest(self.message)
-        if self.ids is None or self.logprobs is None:
-            return [Token(self.value)]
-        return as_tokens(self.ids, self.logprobs)
-
-
-class StartRequest(BaseModel):
-    """START's payload: what the last rank needs to pick a request's tokens as one process
-    would, and, with echo, the prompt it scores."""
-
-    params: SamplingParams
-    seed: int
-    grammar: str | None = None
-    triggers: list[str] = Field(default_factory=list)
-    top_logprobs: int | None = None
-    echo: bool = False
-    prompt: list[int] = Field(default_factory=list)
-    generated: list[int] = Field(default_factory=list)  # a resumed task's, before
-
-    @classmethod
-    def of(cls, decoding: Decoding, seed: int, prompt: list[int]) -> StartRequest:
-        grammar = decoding.grammar
-        return cls(
-            params=decoding.params, seed=seed,
-            grammar=grammar.gbnf if grammar is not None else None,
-            triggers=list(grammar.triggers) if grammar is not None else [],
-            top_logprobs=decoding.top_logprobs, echo=decoding.echo,
-            prompt=prompt if decoding.echo else [], generated=list(decoding.generated),
-        )  # fmt: skip
-
-    def decoding(self) -> Decoding:
-        grammar = Grammar(self.grammar, tuple(self.triggers)) if self.grammar is not None else None
-        return Decoding(self.params, grammar, self.top_logprobs, self.echo,
-                        tuple(self.generated))  # fmt: skip
 
 
 def _poller(sock: socket.socket | None, events: int) -> select.poll | None:
@@ -332,10 +174,6 @@ def _buffered(sock: socket.socket, up_to: int) -> int:
         return len(sock.recv(up_to, socket.MSG_PEEK | socket.MSG_DONTWAIT))
     except (BlockingIOError, ConnectionError):
         return 0
-
-
-def bytes_array(data: bytes) -> mx.array:
-    return mx.array(np.frombuffer(data, dtype=np.uint8))
 
 
 def connect(shard: PipelineShard, timeout: float) -> Ring:

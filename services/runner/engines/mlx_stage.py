@@ -1,6 +1,6 @@
 """One rank's part of an MLX model: its layers (rank 0 also the embedding, the last rank the
 final norm and the output layer), and the KV caches of the sequences in flight, as
-``mlx_pipeline`` runs them.
+a pipeline's ranks run them (``mlx_pipeline``).
 """
 
 from __future__ import annotations
