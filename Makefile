@@ -53,17 +53,20 @@ pytest: $(VENV)/.installed-test | $(CHROMIUM)
 
 test: lint typecheck pytest
 
+# Benchmarks run as modules from here, where `bench` and `tests` (bench.projector's histories)
+# are found.
 bench: $(VENV)/.installed-test
-	$(BIN)/python bench/projector.py
-	$(BIN)/python bench/engine_overhead.py
-	$(BIN)/python bench/constrained.py
-	$(BIN)/python bench/dialects.py
-	$(BIN)/python bench/placement.py
-	$(BIN)/python bench/pipeline.py
-	$(BIN)/python bench/soak.py
-	$(BIN)/python bench/soak.py --concurrency 64 --requests 500 --max-queued 16
-	$(BIN)/python bench/embeddings.py
-	$(BIN)/python bench/concurrency.py
+	$(BIN)/python -m bench.projector
+	$(BIN)/python -m bench.engine_overhead
+	$(BIN)/python -m bench.api_overhead
+	$(BIN)/python -m bench.constrained
+	$(BIN)/python -m bench.dialects
+	$(BIN)/python -m bench.placement
+	$(BIN)/python -m bench.pipeline
+	$(BIN)/python -m bench.soak
+	$(BIN)/python -m bench.soak --concurrency 64 --requests 500 --max-queued 16
+	$(BIN)/python -m bench.embeddings
+	$(BIN)/python -m bench.concurrency
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache

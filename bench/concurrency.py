@@ -1,14 +1,14 @@
 """Many users at once: Shoal against llama.cpp's own server, side by side, in one run.
 
-    .venv/bin/python bench/concurrency.py [--models smollm2-135m,gemma3-270m] [--levels 1,4,8,16]
-                                          [--tokens 128] [--threads 2] [--slots 8]
-                                          [--per-client 2] [--no-llama-cpp-python]
+    .venv/bin/python -m bench.concurrency [--models smollm2-135m,gemma3-270m]
+                                          [--levels 1,4,8,16] [--tokens 128] [--threads 2]
+                                          [--slots 8] [--per-client 2] [--no-llama-cpp-python]
                                           [--no-two-replicas]
 
 Contenders, one after the other (never two at once), each serving the same GGUF with the same
 threads (``--threads`` for generation and prompts):
 
-1. ``llama-server`` (llama.cpp's server, built by ``bench/llama_server.py`` from the llama.cpp
+1. ``llama-server`` (llama.cpp's server, built by ``bench.llama_server`` from the llama.cpp
    that llama-cpp-python's source distribution carries: the same engine version, the same CPU
    build flags) with ``--parallel SLOTS --cont-batching`` and ``SLOTS x 2048`` of context;
 2. ``llama_cpp.server`` (llama-cpp-python's own server; one request at a time);
@@ -49,9 +49,15 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-
-from bench.api_overhead import PROMPTS, SHOAL_BIN, Proc
+from bench.common.chat import PROMPTS
+from bench.common.processes import (
+    Proc,
+    python_server_argv,
+    serving_replicas,
+    shoal_env,
+    shoal_up_argv,
+    wait_shoal_ready,
+)
 from bench.llama_server import llama_server
 from bus.embedded import free_port
 from services.models.cards import card_for
@@ -236,40 +242,13 @@ def llama_cpp_server_argv(binary: Path, path: Path, chat_format: str | None, por
     return argv + (["--no-jinja", "--chat-template", chat_format] if chat_format else [])
 
 
-def python_server_argv(path: Path, model_id: str, chat_format: str | None, port: int,
-                       threads: int) -> list[str]:  # fmt: skip
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--model_alias",
-            model_id, "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-            "--n_threads_batch", str(threads), "--n_ctx", str(N_CTX),
-            "--interrupt_requests", "False"]  # fmt: skip
-    return argv + (["--chat_format", chat_format] if chat_format else [])
-
-
-def shoal_argv(
-    tmp: Path, tag: str, model_id: str, port: int, threads: int, slots: int
-) -> list[str]:
-    return [str(SHOAL_BIN), "up", "--data-dir", str(tmp / f"up-{tag}"), "--port", str(port),
-            "--nats-port", str(free_port("127.0.0.1")), "--runner-threads", str(threads),
-            "--model", model_id, "--slots", str(slots)]  # fmt: skip
-
-
-async def shoal_ready(proc: Proc) -> None:
-    async def ready() -> bool:
-        return any(line.startswith("ready:") for line in proc.log().splitlines())
-
-    await proc.wait_for(ready, "ready line")
-
-
 async def add_replica(url: str, model_id: str, proc: Proc) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         r = await client.post(f"{url}/instances", json={"model": model_id, "queue": True})
         r.raise_for_status()
 
         async def two() -> bool:
-            listed = (await client.get(f"{url}/instances")).json()["data"]
-            serving = [i for i in listed if i.get("model_id") == model_id and any(
-                s.get("state") in ("Ready", "Running") for s in i.get("shards", []))]  # fmt: skip
-            return len(serving) >= 2
+            return await serving_replicas(client, url, model_id) >= 2
 
         await proc.wait_for(two, "two ready replicas")
 
@@ -283,7 +262,7 @@ async def run_contender(
     await proc.start(env)
     try:
         if ready_url is None:
-            await shoal_ready(proc)
+            await wait_shoal_ready(proc)
         else:
             await wait_http(proc, ready_url, "health")
         if replica is not None:
@@ -374,23 +353,23 @@ async def bench_model(model_id: str, args: argparse.Namespace, tmp: Path, binary
                                           levels, args, turns=turns)  # fmt: skip
     if args.llama_cpp_python:
         port = free_port("127.0.0.1")
-        proc = Proc(PYTHON, python_server_argv(path, model_id, chat_format, port, args.threads),
-                    tmp / f"{model_id}-python.log")  # fmt: skip
+        argv = python_server_argv(path, model_id, port, args.threads, N_CTX, chat_format)
+        proc = Proc(PYTHON, argv, tmp / f"{model_id}-python.log")
         url = f"http://127.0.0.1:{port}"
         results[PYTHON] = await run_contender(PYTHON, proc, f"{url}/v1", f"{url}/v1/models",
                                               model_id, levels, args)  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "SHOAL_API_KEYS"}
+    env = shoal_env()
     port = free_port("127.0.0.1")
-    proc = Proc(SHOAL, shoal_argv(tmp, f"{model_id}-1", model_id, port, args.threads, args.slots),
-                tmp / f"{model_id}-shoal.log")  # fmt: skip
+    argv = shoal_up_argv(tmp / f"up-{model_id}-1", model_id, port, args.threads, args.slots)
+    proc = Proc(SHOAL, argv, tmp / f"{model_id}-shoal.log")
     url = f"http://127.0.0.1:{port}/v1"
     results[SHOAL] = await run_contender(SHOAL, proc, url, None, model_id, levels, args, env,
                                          turns=turns)  # fmt: skip
     if args.two_replicas and args.threads >= 2:
         port = free_port("127.0.0.1")
         half = args.threads // 2
-        proc = Proc(SHOAL2, shoal_argv(tmp, f"{model_id}-2", model_id, port, half, args.slots),
-                    tmp / f"{model_id}-shoal2.log")  # fmt: skip
+        argv = shoal_up_argv(tmp / f"up-{model_id}-2", model_id, port, half, args.slots)
+        proc = Proc(SHOAL2, argv, tmp / f"{model_id}-shoal2.log")
         url = f"http://127.0.0.1:{port}/v1"
         results[SHOAL2] = await run_contender(SHOAL2, proc, url, None, model_id, levels[-2:],
                                               args, env, replica=(url, model_id))  # fmt: skip

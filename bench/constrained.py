@@ -1,8 +1,8 @@
 """Constrained decoding: a JSON-schema reply and a required tool call against free generation of
 the same length, on both engines, side by side.
 
-    .venv/bin/python bench/constrained.py [--engines llamacpp,mlx] [--rounds 7]
-                                          [--tokens 96] [--mlx-tokens 48]
+    .venv/bin/python -m bench.constrained [--engines llamacpp,mlx] [--rounds 7]
+                                           [--tokens 96] [--mlx-tokens 48]
 
 Everything runs in this process, through the runner's own path for a task: ``prepare`` (the
 reply plan, its grammar, the prompt through the chat template) and ``steps`` (the engine's

