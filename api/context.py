@@ -49,7 +49,7 @@ class ApiContext:
 
 
 # The dependencies are coroutines although they never wait: FastAPI runs a plain function in a
-# worker thread, two thread hops on every request (~1 ms of its time to first token).
+# worker thread, two thread hops on every request, paid out of its time to first token.
 
 
 async def context(request: Request) -> ApiContext:

@@ -3,9 +3,8 @@
 A ``POST`` to one of ``LANES``' paths (each dialect's generation endpoints) whose JSON body
 validates is served here: the same key rule (``context.key_refusal``), the same pydantic model,
 the same serve function as its FastAPI route. FastAPI's routing, dependency solving and
-body parsing took ~0.8 ms of each request's time to first token on a 2-core machine (measured
-in place: llama.cpp's threads leave the caches cold between requests); read here, the body
-costs a pydantic ``model_validate_json``.
+body parsing are paid out of each request's time to first token (docs/api.md says how much);
+read here, the body costs a pydantic ``model_validate_json``.
 
 Everything else goes on to FastAPI unchanged, the body read here replayed: other paths, a body
 that is not JSON or does not validate (FastAPI makes the 400 that names the field, errors.py),

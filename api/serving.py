@@ -83,9 +83,8 @@ async def _serve(
     ctx: ApiContext, tasks: list[TaskCreated], stream: bool, out: Output, permit: Permit
 ) -> JSONResponse | StreamingResponse:
     if stream:
-        # The tasks are stored before the response starts: the runner gets one ~1 ms sooner
-        # than after the streaming machinery's start, and a log that cannot store it gets a
-        # 503.
+        # The tasks are stored before the response starts: the runner gets one without waiting
+        # for the streaming machinery's start, and a log that cannot store it gets a 503.
         streams: list[TaskStream] = []
         try:
             for task in tasks:
@@ -174,8 +173,8 @@ class TaskEvents(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         """The headers go out with the first event (the first token, with the assistant's
         role before it), not before: sent while the runner processes the prompt, they and the
-        client's reading of them took CPU from it (~1.5 ms of its time to first token on 2
-        cores); a client still learns at once that a request was refused (4xx, 503)."""
+        client's reading of them took CPU from it, out of its time to first token; a client
+        still learns at once that a request was refused (4xx, 503)."""
         held: list[Message] = []
 
         async def send_with_first_body(message: Message) -> None:

@@ -11,8 +11,8 @@ from bus.events import InstanceRole
 
 class ServingVerdicts:
     """Models found able to serve (a ready runner at the head of a live instance), remembered
-    for ``ttl_s``. Every chat and completion request asks, and the database read (1.5-2 ms on
-    2 busy cores) is part of its time to first token.
+    for ``ttl_s``. Every chat and completion request asks, and the database read is part of
+    its time to first token.
 
     Only a yes is remembered: a model that becomes able to serve is seen by the next request.
     One that stops being able is refused within ``ttl_s`` at the latest; a request accepted

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX, chunk_subject, event_subject
+from bus.subjects import (
+    CHUNKS_PREFIX,
+    EVENTS_PREFIX,
+    chunk_subject,
+    event_subject,
+    event_type_filter,
+)
 
 SCHEMA_VERSION = 1
 
@@ -42,24 +48,35 @@ class Record(BaseModel):
 
 
 class EventBase(Record):
+    """Every event. A concrete event is a class whose name does not start with ``_``: its
+    name is its ``type``, written once (``__init_subclass__`` makes the field a Literal of it,
+    which the discriminated union ``Event`` needs)."""
+
     aggregate: ClassVar[str]
     # The fields whose values name the subject, after the aggregate.
     subject_fields: ClassVar[tuple[str, ...]]
     # Token chunks and prompt scores live on the chunk stream, everything else on the events'.
     on_chunk_stream: ClassVar[bool] = False
 
+    type: str = Field(default="", description="The event type: its class's name.")
     event_id: str = Field(default_factory=new_id, description="Unique id; the default Nats-Msg-Id.")
     ts: datetime = Field(default_factory=utc_now, description="When the fact happened (UTC).")
     origin: str = Field(description="Node id (or service name) that published the event.")
     v: int = Field(default=SCHEMA_VERSION, description="Schema version of this event type.")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        if not cls.__name__.startswith("_"):
+            # Before pydantic collects the fields (it does once this returns).
+            cls.__annotations__["type"] = cast(Any, Literal)[cls.__name__]
+            cls.type = cls.__name__
+        super().__init_subclass__(**kwargs)
 
     @property
     def subject(self) -> str:
         ids = tuple(str(getattr(self, f)) for f in self.subject_fields)
         if self.on_chunk_stream:  # a task's chunks share one subject, whatever their type
             return chunk_subject(*ids)
-        type_name: str = getattr(self, "type")  # noqa: B009 - every concrete event has it
-        return event_subject(self.aggregate, ids, type_name)
+        return event_subject(self.aggregate, ids, self.type)
 
     @classmethod
     def subject_pattern(cls) -> str:
@@ -67,8 +84,7 @@ class EventBase(Record):
         ids = ".".join(f"<{f}>" for f in cls.subject_fields)
         if cls.on_chunk_stream:
             return f"{CHUNKS_PREFIX}.{ids}"
-        type_name = cls.model_fields["type"].default
-        return f"{EVENTS_PREFIX}.{cls.aggregate}.{ids}.{type_name}"
+        return f"{EVENTS_PREFIX}.{cls.aggregate}.{ids}.{cls.__name__}"
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
@@ -247,7 +263,6 @@ class _NodeEvent(EventBase):
 class NodeJoined(_NodeEvent):
     """A worker started on a machine and joined the cluster."""
 
-    type: Literal["NodeJoined"] = "NodeJoined"
     hostname: str = ""
     addresses: list[str] = Field(default_factory=list, description="Data-plane addresses.")
     version: str = ""
@@ -259,14 +274,12 @@ class NodeJoined(_NodeEvent):
 class NodeLeft(_NodeEvent):
     """A worker stopped cleanly."""
 
-    type: Literal["NodeLeft"] = "NodeLeft"
     reason: str = "shutdown"
 
 
 class NodeTimedOut(_NodeEvent):
     """A node's heartbeats stopped; decided by a planner."""
 
-    type: Literal["NodeTimedOut"] = "NodeTimedOut"
     last_seen: datetime
     missed_heartbeats: int
 
@@ -274,7 +287,6 @@ class NodeTimedOut(_NodeEvent):
 class ResourceProfiled(_NodeEvent):
     """The node's resources; sent periodically, so it is also the heartbeat."""
 
-    type: Literal["ResourceProfiled"] = "ResourceProfiled"
     profile: NodeProfile
 
 
@@ -286,7 +298,6 @@ class ModelAdded(EventBase):
 
     aggregate: ClassVar[str] = "model"
     subject_fields: ClassVar[tuple[str, ...]] = ("model_id",)
-    type: Literal["ModelAdded"] = "ModelAdded"
     model_id: Id
     family: str = ""
     n_layers: int
@@ -316,7 +327,6 @@ class _InstanceEvent(EventBase):
 class InstanceRequested(_InstanceEvent):
     """Someone asked for a model to be served."""
 
-    type: Literal["InstanceRequested"] = "InstanceRequested"
     model_id: Id
     placement: str | None = Field(default=None, description="Manual placement spec (JSON).")
     replicas: Int32 = 1
@@ -336,7 +346,6 @@ class InstanceRequested(_InstanceEvent):
 class InstancePlaced(_InstanceEvent):
     """A planner decided where an instance's shards run. A later one replaces the earlier."""
 
-    type: Literal["InstancePlaced"] = "InstancePlaced"
     model_id: Id
     shards: list[ShardAssignment]
     generation: int | None = Field(
@@ -358,7 +367,6 @@ class InstancePlaced(_InstanceEvent):
 class PlacementRejected(_InstanceEvent):
     """A planner found no way to place an instance; the reason says what was missing."""
 
-    type: Literal["PlacementRejected"] = "PlacementRejected"
     model_id: Id
     reason: str
     needed_bytes: int | None = None
@@ -372,14 +380,12 @@ class PlacementRejected(_InstanceEvent):
 class InstanceDeleteRequested(_InstanceEvent):
     """Someone asked for an instance to stop being served."""
 
-    type: Literal["InstanceDeleteRequested"] = "InstanceDeleteRequested"
     reason: str = ""
 
 
 class InstanceDeleted(_InstanceEvent):
     """An instance is gone; its runners stop."""
 
-    type: Literal["InstanceDeleted"] = "InstanceDeleted"
     reason: str = ""
 
 
@@ -391,7 +397,6 @@ class RunnerStateChanged(EventBase):
 
     aggregate: ClassVar[str] = "runner"
     subject_fields: ClassVar[tuple[str, ...]] = ("runner_id",)
-    type: Literal["RunnerStateChanged"] = "RunnerStateChanged"
     runner_id: Id
     instance_id: Id
     node_id: Id
@@ -431,7 +436,6 @@ class TaskCreated(_TaskEvent):
     """A request for generation: chat messages or a plain prompt. Published again, with
     ``resume``, when its runner was lost mid-generation: the continuation."""
 
-    type: Literal["TaskCreated"] = "TaskCreated"
     kind: Literal["chat", "completion"] = "chat"
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
@@ -460,7 +464,6 @@ class EmbeddingsRequested(_TaskEvent):
     type, so that chat runners of the same model, which pull ``TaskCreated``, never take it).
     Answered by ``EmbeddingsComputed`` on the chunk stream, then ``TaskCompleted``."""
 
-    type: Literal["EmbeddingsRequested"] = "EmbeddingsRequested"
     texts: list[str] | None = Field(default=None, description="The inputs as text.")
     token_ids: list[list[int]] | None = Field(
         default=None, description="The inputs as token ids (when not sent as texts)."
@@ -477,7 +480,6 @@ class EmbeddingsRequested(_TaskEvent):
 class TaskStarted(_TaskEvent):
     """A runner took the task."""
 
-    type: Literal["TaskStarted"] = "TaskStarted"
     runner_id: Id
     instance_id: Id
 
@@ -485,7 +487,6 @@ class TaskStarted(_TaskEvent):
 class TaskCompleted(_TaskEvent):
     """Generation ended normally (stop or length), with usage and timings."""
 
-    type: Literal["TaskCompleted"] = "TaskCompleted"
     runner_id: Id
     finish_reason: FinishReason
     usage: Usage
@@ -495,7 +496,6 @@ class TaskCompleted(_TaskEvent):
 class TaskFailed(_TaskEvent):
     """The task could not be served; the error says why."""
 
-    type: Literal["TaskFailed"] = "TaskFailed"
     runner_id: str | None = None
     error: str
 
@@ -503,7 +503,6 @@ class TaskFailed(_TaskEvent):
 class TaskCancelled(_TaskEvent):
     """The client gave up on the task (e.g. disconnected); runners stop generating."""
 
-    type: Literal["TaskCancelled"] = "TaskCancelled"
     reason: str = ""
 
 
@@ -520,7 +519,6 @@ class _ChunkStreamEvent(EventBase):
 class ChunkGenerated(_ChunkStreamEvent):
     """One generated token. Lives on the chunk stream, not the event stream."""
 
-    type: Literal["ChunkGenerated"] = "ChunkGenerated"
     idx: int = Field(description="0, 1, 2... in generation order.")
     text: str = Field(description="The reply's text (a tool call's text is in tool_calls).")
     token_id: int | None = None
@@ -536,7 +534,6 @@ class PromptScored(_ChunkStreamEvent):
     """Log-probabilities of a slice of a task's prompt tokens (a task with ``echo``), published
     before its first chunk, on the chunk stream."""
 
-    type: Literal["PromptScored"] = "PromptScored"
     start: int = Field(description="The position in the prompt of the first token here.")
     total: int = Field(description="Tokens in the whole prompt.")
     tokens: tuple[TokenLogprob, ...]
@@ -548,7 +545,6 @@ class EmbeddingsComputed(_ChunkStreamEvent):
     vectors of 576 dimensions are 197 KB, far below a NATS message's 1 MiB, and larger answers
     come in several slices. Published before the task's ``TaskCompleted``."""
 
-    type: Literal["EmbeddingsComputed"] = "EmbeddingsComputed"
     start: int = Field(description="The index of this slice's first input.")
     total: int = Field(description="Inputs in the whole task.")
     dimensions: int = Field(description="Floats per vector.")
@@ -572,7 +568,6 @@ class ResponseStored(_ResponseEvent):
     got it, or as it stands while it runs in the background; a later one replaces it. Any API
     process serves it from here, and continues it (``previous_response_id``)."""
 
-    type: Literal["ResponseStored"] = "ResponseStored"
     task_id: str = Field(default="", description="The task that made it.")
     model_id: str = ""
     status: ResponseStatus = "completed"
@@ -591,8 +586,6 @@ class ResponseStored(_ResponseEvent):
 
 class ResponseDeleted(_ResponseEvent):
     """A stored response was deleted: it is no longer served nor continued."""
-
-    type: Literal["ResponseDeleted"] = "ResponseDeleted"
 
 
 Event = Annotated[
@@ -621,30 +614,34 @@ Event = Annotated[
     Field(discriminator="type"),
 ]
 
-EVENT_TYPES: tuple[type[EventBase], ...] = (
-    NodeJoined,
-    NodeLeft,
-    NodeTimedOut,
-    ResourceProfiled,
-    ModelAdded,
-    InstanceRequested,
-    InstancePlaced,
-    PlacementRejected,
-    InstanceDeleteRequested,
-    InstanceDeleted,
-    RunnerStateChanged,
-    TaskCreated,
-    EmbeddingsRequested,
-    TaskStarted,
-    ChunkGenerated,
-    PromptScored,
-    EmbeddingsComputed,
-    TaskCompleted,
-    TaskFailed,
-    TaskCancelled,
-    ResponseStored,
-    ResponseDeleted,
-)
+# The catalogue, in the union's order: the union is the one list of event types.
+EVENT_TYPES: tuple[type[EventBase], ...] = get_args(get_args(Event)[0])
+
+
+def event_type_filters() -> dict[str, str]:
+    """Event type -> the subject filter matching exactly its events on SHOAL_EVENTS
+    (``shoal.events.task.*.*.TaskCreated``); types on the chunk stream have none."""
+    return {
+        t.__name__: event_type_filter(t.aggregate, len(t.subject_fields), t.__name__)
+        for t in EVENT_TYPES
+        if not t.on_chunk_stream
+    }
+
+
+_FILTER_TOKENS = {name: f.split(".") for name, f in event_type_filters().items()}
+
+
+def subject_event_type(subject: str) -> str | None:
+    """The event type a subject of SHOAL_EVENTS names (its filter matches), or None: what the
+    log holds counted by type, malformed events included, without parsing them."""
+    tokens = subject.split(".")
+    pattern = _FILTER_TOKENS.get(tokens[-1])
+    if pattern is None or len(pattern) != len(tokens):
+        return None
+    if any(p != "*" and p != t for p, t in zip(pattern, tokens, strict=True)):
+        return None
+    return tokens[-1]
+
 
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
@@ -658,7 +655,12 @@ def chunk_stream_type(data: bytes) -> str:
     """The type of an event on the chunk stream, whose subjects do not name it (for feeds that
     show events without parsing them)."""
     head = data[:400]
-    for kind in ("PromptScored", "EmbeddingsComputed"):
-        if f'"type":"{kind}"'.encode() in head:
+    for kind, marker in _CHUNK_TYPE_MARKERS:
+        if marker in head:
             return kind
-    return "ChunkGenerated"
+    return ChunkGenerated.__name__
+
+
+_CHUNK_TYPE_MARKERS = tuple(
+    (t.__name__, f'"type":"{t.__name__}"'.encode()) for t in (PromptScored, EmbeddingsComputed)
+)

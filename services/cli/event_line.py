@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from bus.events import Event
+from bus.events import (
+    Event,
+    NodeTimedOut,
+    PlacementRejected,
+    RunnerStateChanged,
+    TaskCreated,
+    TaskFailed,
+)
 
 # Colour by kind of aggregate (rich markup).
 _COLOURS = {
@@ -15,7 +22,7 @@ _COLOURS = {
     "task": "green",
     "chunk": "white",
 }
-_FAILURE_TYPES = {"TaskFailed", "PlacementRejected", "NodeTimedOut"}
+_FAILURE_TYPES = (TaskFailed, PlacementRejected, NodeTimedOut)
 _SKIP = {"event_id", "ts", "origin", "v", "type"}
 
 
@@ -27,12 +34,12 @@ def _short(value: object, limit: int = 60) -> str:
 def event_line(event: Event, seq: int | None = None, stored_at: datetime | None = None) -> str:
     """``#seq HH:MM:SS.mmm Type key=value ...`` with rich colour markup."""
     ts = (stored_at or event.ts).strftime("%H:%M:%S.%f")[:-3]
-    colour = "red" if event.type in _FAILURE_TYPES else _COLOURS.get(event.aggregate, "white")
-    if event.type == "RunnerStateChanged" and event.state == "Failed":
+    colour = "red" if isinstance(event, _FAILURE_TYPES) else _COLOURS.get(event.aggregate, "white")
+    if isinstance(event, RunnerStateChanged) and event.state == "Failed":
         colour = "red"
-    name: str = event.type
+    name = event.type
     resumed = ""
-    if event.type == "TaskCreated" and event.resume is not None:
+    if isinstance(event, TaskCreated) and event.resume is not None:
         # A continuation: after how much, and why (its prompt is the first TaskCreated's).
         r = event.resume
         name, colour = "TaskCreated (resumed)", "yellow"

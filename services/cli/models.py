@@ -32,7 +32,7 @@ from services.models.cards import (
 )
 
 # services.models.metadata and .resolve are imported inside the commands: they pull in gguf
-# (numpy) and huggingface_hub, a fifth of a second that every other `shoal` command would pay.
+# (numpy) and huggingface_hub, whose import every other `shoal` command would pay.
 
 app = typer.Typer(help="Model cards, and adding models to the cluster.", no_args_is_help=True)
 

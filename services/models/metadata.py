@@ -5,10 +5,10 @@ own metadata, never from a name or a guess.
 
 GGUF: the header is parsed here with the ``gguf`` package's definitions (magic, value types,
 key names, file types). ``gguf.GGUFReader`` itself is not used for this: it turns every
-element of every array into numpy objects, which takes 2 s for SmolLM2 and 9 s for Gemma 3
-(262,144 vocabulary strings) on a small machine, and placement needs none of the vocabulary,
-only its length. This parser skips arrays it does not need, reads the same header in
-milliseconds, and a test checks it against ``GGUFReader`` field by field.
+element of every array into numpy objects, slow for a large vocabulary (Gemma 3 has 262,144
+strings; docs/models.md has the figures), and placement needs none of the vocabulary, only its
+length. This parser skips arrays it does not need, and a test checks it against
+``GGUFReader`` field by field.
 
 MLX: a model directory's ``config.json`` (Hugging Face layout).
 """

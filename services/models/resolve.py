@@ -209,8 +209,8 @@ def _package_version(source: PackageSource) -> str:
 
 def _assembled_is_current(target: Path, source: PackageSource) -> bool:
     """True when ``target`` was assembled (and checked by the package) from the installed
-    version. ``assemble()`` on an existing file re-hashes all of it, about a second for
-    250 MB; every runner start would pay that, so the stamp stands in for it."""
+    version. ``assemble()`` on an existing file re-hashes all of it, which every runner start
+    would pay, so the stamp stands in for it."""
     try:
         stamp = _stamp(target).read_text().split()
         size = target.stat().st_size

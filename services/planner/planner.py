@@ -26,7 +26,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import NodeTimedOut
+from bus.events import InstancePlaced, NodeTimedOut, PlacementRejected
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
 from bus.subjects import aggregate_filter
@@ -83,8 +83,8 @@ class Planner:
         self.tick_s = tick_s
         # With nothing happening, a round is due only when a node could time out, but at least
         # this often (it also asks the log whether the subscription missed anything). Idle
-        # rounds every tick took ~6 ms/s of CPU from this process and ~3 from the nats-server
-        # (bench/api_overhead.py: that is taken from a runner's threads on the same machine).
+        # rounds every tick took CPU here and in the nats-server, from a runner's threads on
+        # the same machine (docs/placement.md).
         self.max_idle_s = max_idle_s
         # Rounds start at most this often: on a big cluster heartbeats arrive all the time, and
         # one round per batch of them is enough.
@@ -216,8 +216,8 @@ class Planner:
             # round then would compete with the runner's prompt processing for the CPU.
             return
         if msg.subject.endswith(".ResourceProfiled") and not self._heartbeat_may_matter(msg.data):
-            # Every node's heartbeat (every 2 s from `shoal up`'s worker) woke a round: ~20 ms
-            # of CPU each, mostly loading the planning tables, taken from the runners.
+            # Every node's heartbeat (every 2 s from `shoal up`'s worker) woke a round, mostly
+            # loading the planning tables, its CPU taken from the runners.
             return
         self._seen(msg.metadata.sequence.stream)
 
@@ -296,14 +296,14 @@ def _may_matter(data: bytes) -> bool:
 
 def _summary(d: Decision) -> str:
     e = d.event
-    if e.type == "InstancePlaced":
+    if isinstance(e, InstancePlaced):
         where = ", ".join(
             f"{s.node_id}:{s.device}[{s.start_layer}:{s.end_layer}]" for s in e.shards
         )
         slots = f", {e.slots} slots" if e.slots is not None and e.slots > 1 else ""
         return f"placed {e.model_id} on {where}{slots}" + (f" ({e.reason})" if e.reason else "")
-    if e.type == "PlacementRejected":
+    if isinstance(e, PlacementRejected):
         return f"rejected {e.model_id}: {e.reason}"
-    if e.type == "NodeTimedOut":
+    if isinstance(e, NodeTimedOut):
         return f"node {e.node_id} timed out after {e.missed_heartbeats} missed heartbeats"
     return f"instance {e.instance_id} deleted"

@@ -8,7 +8,7 @@ loop, while the engine computes the next token.
 
 Why: run on the loop, each token paid for a turn of the loop and its own chunk event in the
 pause between two forward passes, when llama.cpp's caches have just been flushed and its other
-threads spin idle; that pause was ~480 us a token, against ~150 us in-process.
+threads spin idle: that pause grew to several times the in-process one (docs/runners.md).
 """
 
 from __future__ import annotations

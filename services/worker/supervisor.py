@@ -32,10 +32,9 @@ def runner_command(spec: RunnerSpec) -> list[str]:
 def _pipeline_env(spec: RunnerSpec) -> dict[str, str]:
     """A pipeline's stages compute one after the other. libgomp's idle threads spin for about
     300,000 iterations (a few ms) before they sleep: between tokens, one stage's spinning
-    threads took the cores from the stage computing when stages share a machine (2 stages of
-    SmolLM2 on 2 cores: 0.54x one process). 10,000 still spins through ggml's barriers within a
-    graph (OMP_WAIT_POLICY=PASSIVE, which sleeps at each one, halved one process's speed) and
-    sleeps soon after (0.92x, bench/pipeline.py)."""
+    threads took the cores from the stage computing when stages share a machine. 10,000 still
+    spins through ggml's barriers within a graph (OMP_WAIT_POLICY=PASSIVE, which sleeps at each
+    one, is slower still) and sleeps soon after. docs/runners.md has the figures."""
     return {"GOMP_SPINCOUNT": "10000"} if spec.shard.world_size > 1 else {}
 
 

@@ -54,6 +54,7 @@ from bus.events import (
     Usage,
     chunk_stream_type,
     parse_event,
+    subject_event_type,
 )
 from bus.subjects import model_embeddings_filter, model_tasks_filter, unescape_token
 
@@ -321,6 +322,40 @@ def test_catalogue_and_union_agree() -> None:
     assert len(set(EVENT_TYPES)) == len(EVENT_TYPES)
     names = [c.model_fields["type"].default for c in EVENT_TYPES]
     assert names == [c.__name__ for c in EVENT_TYPES]
+
+
+@ALL_TYPES
+def test_an_event_s_type_is_its_class_s_name(cls: type[EventBase]) -> None:
+    """Written once, as the class: the field is made a Literal of it, which the union's
+    discriminator needs, and which refuses another type's name."""
+    assert SAMPLES[cls].type == cls.__name__
+    annotation = cls.model_fields["type"].annotation
+    assert typing.get_origin(annotation) is typing.Literal
+    assert typing.get_args(annotation) == (cls.__name__,)
+    doc = json.loads(SAMPLES[cls].to_json())
+    other = next(c.__name__ for c in EVENT_TYPES if c is not cls)
+    with pytest.raises(pydantic.ValidationError):
+        cls.model_validate({**doc, "type": other})
+    with pytest.raises(pydantic.ValidationError):
+        cls(**{**dict(SAMPLES[cls]), "type": other})
+
+
+@ALL_TYPES
+def test_a_subject_names_its_event_s_type(cls: type[EventBase]) -> None:
+    subject = SAMPLES[cls].subject
+    assert subject_event_type(subject) == (None if cls.on_chunk_stream else cls.__name__)
+
+
+def test_subjects_of_no_event_type() -> None:
+    for subject in (
+        "shoal.events.node.n1.Mystery",  # no such type
+        "shoal.events.task.n1.NodeJoined",  # a node event's name on another aggregate
+        "shoal.events.node.n1.extra.NodeJoined",  # one id too many
+        "shoal.chunks.NodeJoined",  # a task id on the chunk stream
+        "elsewhere.events.node.n1.NodeJoined",
+        "NodeJoined",
+    ):
+        assert subject_event_type(subject) is None, subject
 
 
 def test_catalogue_has_at_least_the_designed_events() -> None:

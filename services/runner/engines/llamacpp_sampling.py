@@ -272,8 +272,8 @@ class SequenceSampler:
     min-p, temperature, then greedy or a seeded draw) in one chain, and the grammar, if any,
     beside it.
 
-    The grammar is not applied to the whole vocabulary at every token (3-4 ms for a JSON
-    schema over SmolLM2's 49k tokens, where a token takes 6): as in ``common_sampler_sample``,
+    The grammar is not applied to the whole vocabulary at every token (on a small model that
+    costs about as much as the token itself; docs/runners.md): as in ``common_sampler_sample``,
     the chain picks a token, the grammar checks that one alone, and a token it refuses is set
     aside for the chain to pick again (``retries`` times). Then the grammar masks the best
     candidates by logit (after biases and penalties: the 512 best, the 4096, the 16384) and the

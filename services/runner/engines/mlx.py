@@ -131,7 +131,7 @@ class MlxText:
     @property
     def grammars(self) -> Grammars:
         """llguidance's view of the vocabulary, and the grammars compiled for it: built at the
-        first use (about 0.1 s for 49k tokens), then kept."""
+        first use (a pass over the whole vocabulary), then kept."""
         if self._grammars is None:
             tok = self._tokenizer
             names: list[str | None] = tok.convert_ids_to_tokens(list(range(len(self._pieces))))
