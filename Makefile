@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 DATA   ?= data
 UP_ARGS ?=
 
-# llama-cpp-python compiles llama.cpp at install (about 4 minutes on 2 cores); the RPC backend
+# llama-cpp-python compiles llama.cpp at install (minutes: README.md); the RPC backend
 # lets one model span several machines. GGML_NATIVE=off builds for any x86-64 with AVX2
 # rather than for the building CPU's every extension: pip caches the wheel it builds, and a
 # native wheel cached on one machine dies with SIGILL on another. --no-cache-dir for the same

@@ -3,7 +3,7 @@ llama-cpp-python's source distribution carries (``vendor/llama.cpp``): the same 
 as Shoal's, with the same CPU build flags (the Makefile's ``CMAKE_ARGS``), so that a benchmark
 against it compares serving, not builds.
 
-    .venv/bin/python -m bench.llama_server   # builds it (8 minutes on 2 cores), prints its path
+    .venv/bin/python -m bench.llama_server   # builds it (saying how long it took), prints its path
 
 The build is kept in ``.bench/`` (by version) and reused.
 """
@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +37,7 @@ def llama_server(cache: Path = CACHE) -> Path:
     flags = shlex.split(os.environ.get("CMAKE_ARGS", DEFAULT_CMAKE_ARGS))
     build = where / "build"
     print(f"building llama-server {version} from {source} ({' '.join(flags)})", file=sys.stderr)
+    started = time.monotonic()
     subprocess.run(
         ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -45,6 +47,7 @@ def llama_server(cache: Path = CACHE) -> Path:
     jobs = str(os.cpu_count() or 1)
     subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs],
                    check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    print(f"built in {time.monotonic() - started:.0f} s", file=sys.stderr)
     return binary
 
 
