@@ -37,11 +37,10 @@ medians of Shoal / in-process and Shoal / llama_cpp.server tokens/s (targets >= 
 
 The TTFT target (Shoal at most 10 ms more than in-process) is judged on a phase of its own, the
 first tokens: ``--first-tokens`` rounds of one-token requests, every prompt to each contender in
-turn as above. A TTFT differs by +-20 ms from one run to the next (the prompt is processed on
-every core, and anything else running takes from it), and on a busy machine the middle half of
-the differences spans 40 ms: far more than the difference being measured. A dozen triples leave
-the median uncertain by 5-10 ms, the ~120 requests of this phase (a minute) by 2-4. Exit status
-1 when a target is missed.
+turn as above. A TTFT varies from one run to the next by far more than the difference being
+measured (the prompt is processed on every core, and anything else running takes from it; the
+report gives the middle half of the differences): a dozen triples leave the median uncertain,
+this phase's many short requests much less so. Exit status 1 when a target is missed.
 
 Diagnostics: "other" is how many cores processes outside this bench used during each run (from
 /proc; on a shared machine that is the main noise, and the medians are also given over the

@@ -34,8 +34,8 @@ tokens/s over OpenAI chat's on the same prompt; reported as the median ratio (ta
 TTFT: ``--first-tokens`` rounds of one-token requests through every dialect in turn,
 consecutive requests always with different prompts (no request finds its prompt in llama.cpp's
 cache); per prompt, each dialect's median TTFT minus OpenAI chat's; reported as the median of
-those differences (target <= +1 ms). A TTFT varies by several ms from one request to the next
-on two busy cores: only medians over many rounds can be judged. Exit status 1 when a target is
+those differences (target <= +1 ms). A TTFT varies from one request to the next by more than
+that on busy cores: only medians over many rounds can be judged. Exit status 1 when a target is
 missed.
 """
 

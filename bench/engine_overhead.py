@@ -13,7 +13,7 @@ run once through the runner and once in-process, one after the other and never a
 time (the machine may have few cores); a warm-up pair with another prompt comes first and is
 not counted. The sides strictly alternate (runner, in-process, runner, ...), so every measured
 run follows a run of the other side: a side that runs twice in a row starts warm and gets its
-first token 10-20 ms sooner, which would swamp the TTFT difference being measured.
+first token sooner, by more than the TTFT difference being measured.
 
 - runner, as a client sees it: ``TaskCreated`` is published to JetStream and its ack awaited;
   the chunks on ``shoal.chunks.<task_id>`` are timestamped on arrival (core NATS subscription,
