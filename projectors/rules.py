@@ -8,9 +8,9 @@ clock), so folding the same log always gives the same rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any, TypeVar, cast
+from typing import assert_never
 
 from bus.events import (
     ChunkGenerated,
@@ -52,22 +52,54 @@ from projectors.state import Change, ClusterState, Delete, Put
 TERMINAL_TASK = frozenset({"completed", "failed", "cancelled"})
 RECENT_FAILURES = 10  # failure times kept per runner, for the planner's "fails too often"
 
-E = TypeVar("E")
-Rule = Callable[[ClusterState, Any], list[Change]]
-_RULES: dict[type[Any], Rule] = {}
-
-
-def _rule(event_type: type[E]) -> Callable[[Callable[[ClusterState, E], list[Change]]], Rule]:
-    def register(fn: Callable[[ClusterState, E], list[Change]]) -> Rule:
-        _RULES[event_type] = cast(Rule, fn)
-        return cast(Rule, fn)
-
-    return register
-
 
 def changes_for(state: ClusterState, event: Event) -> list[Change]:
-    rule = _RULES.get(type(event))
-    return rule(state, event) if rule is not None else []
+    # Exhaustive: mypy fails on assert_never below when an event type has no case, so a new
+    # type gets a rule, or is declared projection-free, as it is added.
+    match event:
+        # The most frequent first: each case is an isinstance check.
+        case TaskCreated():
+            return _task_created(state, event)
+        case TaskStarted():
+            return _task_started(state, event)
+        case TaskCompleted():
+            return _task_completed(state, event)
+        case TaskFailed():
+            return _task_failed(state, event)
+        case TaskCancelled():
+            return _task_cancelled(state, event)
+        case EmbeddingsRequested():
+            return _embeddings_requested(state, event)
+        case ResourceProfiled():
+            return _resource_profiled(state, event)
+        case RunnerStateChanged():
+            return _runner_state_changed(state, event)
+        case NodeJoined():
+            return _node_joined(state, event)
+        case NodeLeft():
+            return _node_left(state, event)
+        case NodeTimedOut():
+            return _node_timed_out(state, event)
+        case ModelAdded():
+            return _model_added(state, event)
+        case InstanceRequested():
+            return _instance_requested(state, event)
+        case InstancePlaced():
+            return _instance_placed(state, event)
+        case PlacementRejected():
+            return _placement_rejected(state, event)
+        case InstanceDeleteRequested():
+            return _instance_delete_requested(state, event)
+        case InstanceDeleted():
+            return _instance_deleted(state, event)
+        case ResponseStored():
+            return _response_stored(state, event)
+        case ResponseDeleted():
+            return _response_deleted(state, event)
+        case ChunkGenerated() | PromptScored() | EmbeddingsComputed():
+            return []  # projection-free: the chunk stream's; the projection keeps task outcomes
+        case _:
+            assert_never(event)
 
 
 def fold(events: Iterable[Event], state: ClusterState | None = None) -> ClusterState:
@@ -81,7 +113,6 @@ def fold(events: Iterable[Event], state: ClusterState | None = None) -> ClusterS
 # --- nodes --------------------------------------------------------------------------------
 
 
-@_rule(NodeJoined)
 def _node_joined(state: ClusterState, e: NodeJoined) -> list[Change]:
     old = state.node(e.node_id) or NodeRow(node_id=e.node_id, status="online")
     row = replace(
@@ -98,7 +129,6 @@ def _node_joined(state: ClusterState, e: NodeJoined) -> list[Change]:
     return [Put(row)]
 
 
-@_rule(NodeLeft)
 def _node_left(state: ClusterState, e: NodeLeft) -> list[Change]:
     old = state.node(e.node_id)
     if old is None:
@@ -106,7 +136,6 @@ def _node_left(state: ClusterState, e: NodeLeft) -> list[Change]:
     return [Put(replace(old, status="left", left_at=e.ts))]
 
 
-@_rule(NodeTimedOut)
 def _node_timed_out(state: ClusterState, e: NodeTimedOut) -> list[Change]:
     old = state.node(e.node_id)
     if old is None or old.status == "left":
@@ -139,7 +168,6 @@ def _device_rows(node_id: str, p: NodeProfile) -> list[DeviceRow]:
     return [cpu, *gpus]
 
 
-@_rule(ResourceProfiled)
 def _resource_profiled(state: ClusterState, e: ResourceProfiled) -> list[Change]:
     p = e.profile
     old = state.node(e.node_id) or NodeRow(node_id=e.node_id, status="online", joined_at=e.ts)
@@ -172,7 +200,6 @@ def _resource_profiled(state: ClusterState, e: ResourceProfiled) -> list[Change]
 # --- models -------------------------------------------------------------------------------
 
 
-@_rule(ModelAdded)
 def _model_added(state: ClusterState, e: ModelAdded) -> list[Change]:
     row = ModelRow(
         model_id=e.model_id,
@@ -198,7 +225,6 @@ def _drop_runners(state: ClusterState, instance_id: str) -> list[Change]:
     return [Delete(RunnerRow.TABLE, r.key()) for r in state.runners_of(instance_id)]
 
 
-@_rule(InstanceRequested)
 def _instance_requested(state: ClusterState, e: InstanceRequested) -> list[Change]:
     if state.instance(e.instance_id) is not None:
         return []  # the first request for an id is the one that counts
@@ -224,7 +250,6 @@ def _is_next_decision(old: InstanceRow, generation: int | None) -> bool:
     return generation is None or generation == old.generation + 1
 
 
-@_rule(InstancePlaced)
 def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
     old = state.instance(e.instance_id) or InstanceRow(
         instance_id=e.instance_id, model_id=e.model_id, status="requested"
@@ -271,7 +296,6 @@ def _same_shard(a: RunnerRow, b: RunnerRow) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
-@_rule(PlacementRejected)
 def _placement_rejected(state: ClusterState, e: PlacementRejected) -> list[Change]:
     old = state.instance(e.instance_id) or InstanceRow(
         instance_id=e.instance_id, model_id=e.model_id, status="requested"
@@ -286,7 +310,6 @@ def _placement_rejected(state: ClusterState, e: PlacementRejected) -> list[Chang
     return [Put(inst), *_drop_runners(state, e.instance_id)]
 
 
-@_rule(InstanceDeleteRequested)
 def _instance_delete_requested(state: ClusterState, e: InstanceDeleteRequested) -> list[Change]:
     old = state.instance(e.instance_id)
     if old is None or old.status == "deleted":
@@ -294,7 +317,6 @@ def _instance_delete_requested(state: ClusterState, e: InstanceDeleteRequested) 
     return [Put(replace(old, status="deleting", reason=e.reason or old.reason))]
 
 
-@_rule(InstanceDeleted)
 def _instance_deleted(state: ClusterState, e: InstanceDeleted) -> list[Change]:
     old = state.instance(e.instance_id)
     if old is None:
@@ -306,7 +328,6 @@ def _instance_deleted(state: ClusterState, e: InstanceDeleted) -> list[Change]:
 # --- runners ------------------------------------------------------------------------------
 
 
-@_rule(RunnerStateChanged)
 def _runner_state_changed(state: ClusterState, e: RunnerStateChanged) -> list[Change]:
     old = state.runner(e.runner_id)
     if old is None:
@@ -335,7 +356,6 @@ def _runner_state_changed(state: ClusterState, e: RunnerStateChanged) -> list[Ch
 # --- tasks --------------------------------------------------------------------------------
 
 
-@_rule(TaskCreated)
 def _task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
     old = state.task(e.task_id)
     if old is not None:
@@ -355,7 +375,6 @@ def _task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
     return [Put(row)]
 
 
-@_rule(EmbeddingsRequested)
 def _embeddings_requested(state: ClusterState, e: EmbeddingsRequested) -> list[Change]:
     if state.task(e.task_id) is not None:
         return []
@@ -364,7 +383,6 @@ def _embeddings_requested(state: ClusterState, e: EmbeddingsRequested) -> list[C
     return [Put(row)]
 
 
-@_rule(TaskStarted)
 def _task_started(state: ClusterState, e: TaskStarted) -> list[Change]:
     old = state.task(e.task_id)
     if old is None:
@@ -376,7 +394,6 @@ def _task_started(state: ClusterState, e: TaskStarted) -> list[Change]:
     return [Put(row)]
 
 
-@_rule(TaskCompleted)
 def _task_completed(state: ClusterState, e: TaskCompleted) -> list[Change]:
     old = state.task(e.task_id)
     if old is None:
@@ -398,7 +415,6 @@ def _task_completed(state: ClusterState, e: TaskCompleted) -> list[Change]:
     return [Put(row)]
 
 
-@_rule(TaskFailed)
 def _task_failed(state: ClusterState, e: TaskFailed) -> list[Change]:
     old = state.task(e.task_id)
     if old is None or old.status in TERMINAL_TASK:
@@ -413,7 +429,6 @@ def _task_failed(state: ClusterState, e: TaskFailed) -> list[Change]:
     return [Put(row)]
 
 
-@_rule(TaskCancelled)
 def _task_cancelled(state: ClusterState, e: TaskCancelled) -> list[Change]:
     old = state.task(e.task_id)
     if old is None or old.status in TERMINAL_TASK:
@@ -421,26 +436,11 @@ def _task_cancelled(state: ClusterState, e: TaskCancelled) -> list[Change]:
     return [Put(replace(old, status="cancelled", finished_at=e.ts, error=e.reason or None))]
 
 
-@_rule(ChunkGenerated)
-@_rule(PromptScored)
-@_rule(EmbeddingsComputed)
-def _chunk(
-    state: ClusterState, e: ChunkGenerated | PromptScored | EmbeddingsComputed
-) -> list[Change]:
-    return []  # chunks live on their own stream; the projection keeps only task outcomes
-
-
 # --- responses ----------------------------------------------------------------------------
 
 
-def _response(state: ClusterState, response_id: str) -> ResponseRow | None:
-    row = state.tables[ResponseRow.TABLE].get((response_id,))
-    return row if isinstance(row, ResponseRow) else None
-
-
-@_rule(ResponseStored)
 def _response_stored(state: ClusterState, e: ResponseStored) -> list[Change]:
-    old = _response(state, e.response_id)
+    old = state.response(e.response_id)
     if old is not None and old.deleted_at is not None:
         return []  # deleted stays deleted (a background response that ended afterwards)
     row = ResponseRow(
@@ -457,9 +457,8 @@ def _response_stored(state: ClusterState, e: ResponseStored) -> list[Change]:
     return [Put(row)]
 
 
-@_rule(ResponseDeleted)
 def _response_deleted(state: ClusterState, e: ResponseDeleted) -> list[Change]:
-    old = _response(state, e.response_id)
+    old = state.response(e.response_id)
     if old is not None and old.deleted_at is not None:
         return []
     # Only the id, task and times are kept: what was said is gone.

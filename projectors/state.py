@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from projectors.rows import (
-    ROW_TYPES,
     DeviceRow,
     InstanceRow,
     ModelRow,
     NodeRow,
+    ResponseRow,
     Row,
     RunnerRow,
     TaskRow,
@@ -42,72 +42,97 @@ class Delete:
 Change = Put | Delete
 
 
-@dataclass
 class ClusterState:
-    """Every table of the projection as a dict from primary key to row."""
+    """Every table of the projection, each a dict from primary key to its own row type."""
 
-    tables: dict[str, dict[tuple[Any, ...], Row]] = field(
-        default_factory=lambda: {t.TABLE: {} for t in ROW_TYPES}
-    )
+    def __init__(self) -> None:
+        self.node_rows: dict[tuple[str], NodeRow] = {}
+        self.device_rows: dict[tuple[str, str], DeviceRow] = {}
+        self.model_rows: dict[tuple[str], ModelRow] = {}
+        self.instance_rows: dict[tuple[str], InstanceRow] = {}
+        self.runner_rows: dict[tuple[str], RunnerRow] = {}
+        self.task_rows: dict[tuple[str], TaskRow] = {}
+        self.response_rows: dict[tuple[str], ResponseRow] = {}
+        # The same dicts by table name, for changes, which name their table. Each row type has
+        # a table of its own (its TABLE), so a row put through here lands in its typed dict.
+        self._by_name: dict[str, dict[Any, Any]] = {
+            NodeRow.TABLE: self.node_rows,
+            DeviceRow.TABLE: self.device_rows,
+            ModelRow.TABLE: self.model_rows,
+            InstanceRow.TABLE: self.instance_rows,
+            RunnerRow.TABLE: self.runner_rows,
+            TaskRow.TABLE: self.task_rows,
+            ResponseRow.TABLE: self.response_rows,
+        }
+
+    @property
+    def tables(self) -> Mapping[str, Mapping[tuple[Any, ...], Row]]:
+        """Every table by name, read-only: for code that handles all tables alike."""
+        return self._by_name
 
     # Typed look-ups used by the rules.
     def node(self, node_id: str) -> NodeRow | None:
-        row = self.tables[NodeRow.TABLE].get((node_id,))
-        return row if isinstance(row, NodeRow) else None
+        return self.node_rows.get((node_id,))
 
     def model(self, model_id: str) -> ModelRow | None:
-        row = self.tables[ModelRow.TABLE].get((model_id,))
-        return row if isinstance(row, ModelRow) else None
+        return self.model_rows.get((model_id,))
 
     def instance(self, instance_id: str) -> InstanceRow | None:
-        row = self.tables[InstanceRow.TABLE].get((instance_id,))
-        return row if isinstance(row, InstanceRow) else None
+        return self.instance_rows.get((instance_id,))
 
     def runner(self, runner_id: str) -> RunnerRow | None:
-        row = self.tables[RunnerRow.TABLE].get((runner_id,))
-        return row if isinstance(row, RunnerRow) else None
+        return self.runner_rows.get((runner_id,))
 
     def task(self, task_id: str) -> TaskRow | None:
-        row = self.tables[TaskRow.TABLE].get((task_id,))
-        return row if isinstance(row, TaskRow) else None
+        return self.task_rows.get((task_id,))
+
+    def response(self, response_id: str) -> ResponseRow | None:
+        return self.response_rows.get((response_id,))
 
     def nodes(self) -> list[NodeRow]:
-        return [r for r in self.tables[NodeRow.TABLE].values() if isinstance(r, NodeRow)]
+        return list(self.node_rows.values())
+
+    def devices(self) -> list[DeviceRow]:
+        return list(self.device_rows.values())
 
     def models(self) -> list[ModelRow]:
-        return [r for r in self.tables[ModelRow.TABLE].values() if isinstance(r, ModelRow)]
+        return list(self.model_rows.values())
 
     def instances(self) -> list[InstanceRow]:
-        rows = self.tables[InstanceRow.TABLE].values()
-        return [r for r in rows if isinstance(r, InstanceRow)]
+        return list(self.instance_rows.values())
 
     def runners(self) -> list[RunnerRow]:
-        return [r for r in self.tables[RunnerRow.TABLE].values() if isinstance(r, RunnerRow)]
+        return list(self.runner_rows.values())
+
+    def tasks(self) -> list[TaskRow]:
+        return list(self.task_rows.values())
 
     def devices_of(self, node_id: str) -> Iterator[DeviceRow]:
-        for row in self.tables[DeviceRow.TABLE].values():
-            if isinstance(row, DeviceRow) and row.node_id == node_id:
-                yield row
+        return (row for row in self.device_rows.values() if row.node_id == node_id)
 
     def runners_of(self, instance_id: str) -> Iterator[RunnerRow]:
-        for row in self.tables[RunnerRow.TABLE].values():
-            if isinstance(row, RunnerRow) and row.instance_id == instance_id:
-                yield row
+        return (row for row in self.runner_rows.values() if row.instance_id == instance_id)
 
     def copy(self) -> ClusterState:
         """A copy whose tables can change without changing these (rows are immutable)."""
-        return ClusterState({name: dict(rows) for name, rows in self.tables.items()})
+        other = ClusterState()
+        for name, rows in self._by_name.items():
+            other._by_name[name].update(rows)
+        return other
 
     def rows(self, table: str) -> list[Row]:
-        return list(self.tables[table].values())
+        return list(self._by_name[table].values())
+
+    def put(self, row: Row) -> None:
+        self._by_name[row.TABLE][row.key()] = row
 
     def commit(self, changes: Iterable[Change]) -> None:
         """Make ``changes`` part of this state (the one place state is mutated)."""
         for ch in changes:
             if isinstance(ch, Put):
-                self.tables[ch.table][ch.key] = ch.row
+                self._by_name[ch.row.TABLE][ch.row.key()] = ch.row
             else:
-                self.tables[ch.table].pop(ch.key, None)
+                self._by_name[ch.table].pop(ch.key, None)
 
 
 def collapse(changes: Iterable[Change]) -> dict[tuple[str, tuple[Any, ...]], Change]:

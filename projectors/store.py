@@ -148,10 +148,8 @@ async def load_state(conn: AsyncConnection, tables: Iterable[str] | None = None)
         table = STATE_TABLES[name]
         row_type = ROW_TYPE_BY_TABLE[name]
         result = await conn.execute(select(table))
-        rows = state.tables[name]
         for r in result.mappings():
-            row = row_type(**r)
-            rows[row.key()] = row
+            state.put(row_type(**r))
     return state
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from projectors.rows import DeviceRow, NodeRow, RunnerRow
+from projectors.rows import RunnerRow
 from projectors.state import ClusterState
 from services.models.footprint import Footprint, context_for
 
@@ -89,24 +89,18 @@ def cluster_view(state: ClusterState, excluding_instance: str | None = None) -> 
     one being placed again)."""
     node_status: dict[str, str] = {}
     offered: dict[str, int] = {}
-    for row in state.rows(NodeRow.TABLE):
-        assert isinstance(row, NodeRow)
-        node_status[row.node_id] = row.status
-        if row.status == "online":
-            offered[row.node_id] = row.memory_offered
+    for node in state.nodes():
+        node_status[node.node_id] = node.status
+        if node.status == "online":
+            offered[node.node_id] = node.memory_offered
     devices: dict[str, Device] = {}
-    for row in state.rows(DeviceRow.TABLE):
-        assert isinstance(row, DeviceRow)
+    for row in state.devices():
         if row.node_id not in offered:
             continue
         capacity = offered[row.node_id] if row.kind == "cpu" else row.memory_total
         d = Device(row.node_id, row.device, row.kind, capacity)
         devices[d.ref] = d
-    holding = [
-        row
-        for row in state.rows(RunnerRow.TABLE)
-        if isinstance(row, RunnerRow) and row.instance_id != excluding_instance
-    ]
+    holding = [row for row in state.runners() if row.instance_id != excluding_instance]
     for ref, need in charges_of(state, holding).items():
         if ref in devices:
             devices[ref] = replace(devices[ref], reserved=need)

@@ -102,8 +102,7 @@ def decide(
     # Built once, after time-outs and deletions, and kept up to date with each placement:
     # rebuilt per instance, it made a large cluster's round slow (docs/placement.md).
     runners: dict[str, list[RunnerRow]] = defaultdict(list)
-    for row in scratch.rows(RunnerRow.TABLE):
-        assert isinstance(row, RunnerRow)
+    for row in scratch.runners():
         runners[row.instance_id].append(row)
     view: ClusterView | None = None
     for inst in instances:

@@ -20,8 +20,8 @@ class Plan:
 def desired_runners(state: ClusterState, node_id: str) -> dict[str, RunnerRow]:
     """The shards placed on ``node_id`` of instances that are placed (not deleting/deleted)."""
     out: dict[str, RunnerRow] = {}
-    for row in state.rows(RunnerRow.TABLE):
-        if not isinstance(row, RunnerRow) or row.node_id != node_id:
+    for row in state.runners():
+        if row.node_id != node_id:
             continue
         inst = state.instance(row.instance_id)
         if inst is not None and inst.status == "placed":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from bus.events import (
+    EVENT_TYPES,
     ChunkGenerated,
     EmbeddingsComputed,
     EmbeddingsRequested,
@@ -20,6 +22,7 @@ from bus.events import (
     NodeProfile,
     NodeTimedOut,
     PlacementRejected,
+    PromptScored,
     ResourceProfiled,
     Resume,
     RunnerStateChanged,
@@ -31,10 +34,12 @@ from bus.events import (
     TaskStarted,
     Timings,
     Usage,
+    parse_event,
 )
-from projectors.rows import DeviceRow, NodeRow, RunnerRow
+from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, Row, RunnerRow, TaskRow
 from projectors.rules import changes_for, fold
 from projectors.state import ClusterState, Delete, Put
+from tests.bus.test_events import SAMPLES
 from tests.history import history
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -480,3 +485,32 @@ def test_fold_of_a_history_is_deterministic() -> None:
 def test_puts_carry_their_key() -> None:
     row = NodeRow(node_id="a", status="online")
     assert Put(row).table == "nodes" and Put(row).key == ("a",)
+
+
+# What the chunk stream carries: no rows (the projection keeps task outcomes).
+PROJECTION_FREE = {ChunkGenerated, PromptScored, EmbeddingsComputed}
+
+
+def test_every_event_type_has_a_rule_or_changes_nothing() -> None:
+    """``changes_for`` is a match that mypy checks is exhaustive; here each type's sample runs
+    through it (an event type without a case would reach assert_never and raise)."""
+    assert set(SAMPLES) == set(EVENT_TYPES)
+    for cls, sample in SAMPLES.items():
+        changes = changes_for(ClusterState(), parse_event(sample.to_json()))
+        if cls in PROJECTION_FREE:
+            assert changes == [], cls.__name__
+
+
+def test_the_state_keeps_each_table_s_own_row_type() -> None:
+    state = fold(list(history(n_tasks=20, seed=5)))
+    typed: list[tuple[type[Row], Sequence[Row]]] = [
+        (NodeRow, state.nodes()), (DeviceRow, state.devices()), (ModelRow, state.models()),
+        (InstanceRow, state.instances()), (RunnerRow, state.runners()), (TaskRow, state.tasks()),
+    ]  # fmt: skip
+    for row_type, rows in typed:
+        assert rows and all(type(r) is row_type for r in rows), row_type
+        assert rows == state.rows(row_type.TABLE)
+    copy = state.copy()
+    copy.commit([Delete(NodeRow.TABLE, state.nodes()[0].key())])
+    assert len(copy.nodes()) == len(state.nodes()) - 1
+    assert copy.tables != state.tables and copy.task_rows == state.task_rows
