@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import sqlalchemy
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, event
+from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -18,8 +25,17 @@ import migrations
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 
 
+# How long a projector waits for another one's hold on the database to go: a process killed a
+# moment ago may still hold it (PostgreSQL ends its session once it notices).
+HOLD_WAIT_S = 5.0
+
+
 class DatabaseUrlError(ValueError):
     pass
+
+
+class ProjectorRunning(RuntimeError):
+    """Another projector of the same name holds this database."""
 
 
 def async_url(url: str) -> URL:
@@ -85,3 +101,71 @@ async def current_revision(engine: AsyncEngine) -> str | None:
 
     async with engine.connect() as conn:
         return await conn.run_sync(lambda c: MigrationContext.configure(c).get_current_revision())
+
+
+@contextlib.asynccontextmanager
+async def projector_hold(
+    engine: AsyncEngine, name: str, wait_s: float = HOLD_WAIT_S
+) -> AsyncIterator[None]:
+    """Hold the database for the projector ``name`` while the block runs, or raise
+    ``ProjectorRunning`` when another process (or another projector in this one) holds it
+    after ``wait_s``: a second projector fails at once instead of taking the first one's
+    consumer. PostgreSQL: a session advisory lock; SQLite: ``flock`` on a file beside the
+    database. Both go with the process that holds them, however it ends. (The tracking row's
+    compare-and-set catches what this cannot: a hold lost with its PostgreSQL connection.)"""
+    if engine.dialect.name == "postgresql":
+        async with _advisory_lock(engine, name, wait_s):
+            yield
+        return
+    database = engine.url.database
+    if not database or database == ":memory:":
+        yield  # a database of its process alone
+        return
+    path = Path(f"{database}.projector-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    async def take() -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    try:
+        await _retry(take, wait_s, f"projector {name!r} already runs on {database}")
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+@contextlib.asynccontextmanager
+async def _advisory_lock(engine: AsyncEngine, name: str, wait_s: float) -> AsyncIterator[None]:
+    digest = hashlib.sha256(f"shoal-projector:{name}".encode()).digest()
+    key = int.from_bytes(digest[:8], "big", signed=True)
+    conn = await engine.connect()
+    try:
+
+        async def take() -> bool:
+            taken = await conn.scalar(text("SELECT pg_try_advisory_lock(:key)"), {"key": key})
+            await conn.commit()  # a session lock: no transaction left open while it is held
+            return bool(taken)
+
+        await _retry(take, wait_s, f"projector {name!r} already runs on this database")
+        yield
+    finally:
+        try:
+            await conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+            await conn.commit()
+            await conn.close()
+        except Exception:
+            # The pool would keep the session, and the lock with it: close it for good.
+            await conn.invalidate()
+
+
+async def _retry(take: Callable[[], Awaitable[bool]], wait_s: float, refusal: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while not await take():
+        if loop.time() >= deadline:
+            raise ProjectorRunning(refusal)
+        await asyncio.sleep(0.2)

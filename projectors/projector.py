@@ -8,7 +8,9 @@ a backup never applies an event twice or skips one.
 
 The projector keeps the projection in memory too (it is the only writer, so memory and database
 cannot drift) and runs the pure rules against it; only the net row changes of a batch are
-written. Run exactly one projector per database.
+written. One projector per database and name: a second one fails at start (it cannot hold the
+database), and the tracking row moves by compare-and-set, so that no projector ever overwrites
+another's.
 
 A batch of task events only (most of the log) waits ``task_linger_s`` for more before it is
 written: fewer transactions under load, and none while a runner processes the prompt of the
@@ -38,6 +40,7 @@ from projectors import database
 from projectors.rules import changes_for
 from projectors.state import Change, ClusterState
 from projectors.store import (
+    OffsetConflict,
     UnstorableError,
     check_storable,
     load_state,
@@ -128,6 +131,17 @@ class Projector:
         stop = stop or asyncio.Event()
         await ensure_streams(self._js, self._stream_settings)
         await database.upgrade(self._engine)
+        try:
+            async with database.projector_hold(self._engine, self.name):
+                await self._run(stop)
+        except (database.ProjectorRunning, OffsetConflict) as exc:
+            log.critical("projector %s stops: %s", self.name, exc)
+            raise
+        finally:
+            if self.consumer is not None:
+                await self.consumer.stop()
+
+    async def _run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         backoff = 0.5
         while not stop.is_set():
@@ -140,8 +154,6 @@ class Projector:
                     backoff = 0.5
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
-        if self.consumer is not None:
-            await self.consumer.stop()
 
     async def _project(self, stop: asyncio.Event) -> None:
         async with self._engine.connect() as conn:
@@ -190,7 +202,7 @@ class Projector:
         changes, failed = fold_batch(self.state, batch, self.applied_seq)
         async with self._engine.begin() as conn:
             await write_changes(conn, changes)
-            await write_offset(conn, self.name, EVENTS_STREAM, last_seq)
+            await write_offset(conn, self.name, EVENTS_STREAM, last_seq, self.applied_seq)
         self.applied_seq = last_seq
         for d, exc in failed:
             reason = (

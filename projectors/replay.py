@@ -70,7 +70,7 @@ async def replay(
     await _ensure_empty(engine)
     state = ClusterState()
     pending: list[Change] = []
-    applied = skipped = last_seq = 0
+    applied = skipped = last_seq = committed = 0
     async for msg in read_stream(js, EVENTS_STREAM, ALL_EVENTS, to_seq=until_seq):
         md = msg.metadata
         if until_time is not None and md.timestamp > until_time:
@@ -92,14 +92,19 @@ async def replay(
         pending.extend(ch)
         applied += 1
         if len(pending) >= commit_every:
-            await _commit(engine, pending, name, last_seq)
+            committed = await _commit(engine, pending, name, last_seq, committed)
             pending = []
-    await _commit(engine, pending, name, last_seq)
+    await _commit(engine, pending, name, last_seq, committed)
     return ReplayResult(applied=applied, skipped=skipped, last_seq=last_seq)
 
 
-async def _commit(engine: AsyncEngine, changes: list[Change], name: str, last_seq: int) -> None:
+async def _commit(
+    engine: AsyncEngine, changes: list[Change], name: str, last_seq: int, committed: int
+) -> int:
+    """Write ``changes`` and the tracking row (moved from ``committed``, the last commit's
+    sequence); returns the sequence committed."""
     async with engine.begin() as conn:
         await write_changes(conn, changes)
-        if last_seq:
-            await write_offset(conn, name, EVENTS_STREAM, last_seq)
+        if last_seq > committed:
+            await write_offset(conn, name, EVENTS_STREAM, last_seq, committed)
+    return last_seq

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +20,7 @@ from sqlalchemy import (
     delete,
     select,
     tuple_,
+    update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -190,9 +191,35 @@ async def read_offset(conn: AsyncConnection, projector: str, stream: str) -> int
     return int(seq) if seq is not None else 0
 
 
-async def write_offset(conn: AsyncConnection, projector: str, stream: str, seq: int) -> None:
-    values: Mapping[str, Any] = {"projector": projector, "stream": stream, "last_seq": seq}
-    await conn.execute(_upsert(conn, projector_offsets), [values])
+class OffsetConflict(RuntimeError):
+    """The tracking row is not where this writer last saw it: another projector writes to the
+    same database under the same name. Not retried: the writer stops."""
+
+
+async def write_offset(
+    conn: AsyncConnection, projector: str, stream: str, seq: int, expected: int
+) -> None:
+    """Move the tracking row from ``expected`` (0: there is none yet) to ``seq``, as a
+    compare-and-set: were it moved by another writer meanwhile, ``OffsetConflict``, and the
+    transaction must not commit."""
+    t = projector_offsets
+    if expected == 0:
+        values = {"projector": projector, "stream": stream, "last_seq": seq}
+        insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        stmt: Any = insert(t).values(values).on_conflict_do_nothing()
+    else:
+        stmt = (
+            update(t)
+            .where(t.c.projector == projector, t.c.stream == stream, t.c.last_seq == expected)
+            .values(last_seq=seq)
+        )
+    if (await conn.execute(stmt)).rowcount != 1:
+        found = await read_offset(conn, projector, stream)
+        raise OffsetConflict(
+            f"projector {projector!r}: the tracking row of {stream} is at {found}, not at"
+            f" {expected} where this projector left it: another projector of that name writes"
+            " to this database"
+        )
 
 
 async def table_rows(conn: AsyncConnection, name: str) -> list[dict[str, Any]]:

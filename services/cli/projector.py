@@ -13,6 +13,7 @@ from bus.streams import StreamSettings
 from projectors import database
 from projectors.projector import DEFAULT_NAME, Projector, tune_gc
 from projectors.replay import replay
+from projectors.store import OffsetConflict
 from services.cli.options import (
     DEFAULT_DB,
     DEFAULT_NATS,
@@ -39,6 +40,8 @@ def projector(
             await Projector(
                 nc.jetstream(), engine, name=name, stream_settings=StreamSettings.from_env()
             ).run(stop)
+        except (database.ProjectorRunning, OffsetConflict):
+            raise SystemExit(1) from None  # the projector logged why
         finally:
             await engine.dispose()
             await nc.drain()

@@ -19,10 +19,11 @@ from bus.events import ChatMessage, Event, NodeJoined, TaskCreated
 from bus.streams import EVENTS_STREAM
 from bus.subjects import EVENTS_PREFIX
 from projectors import database
+from projectors.database import ProjectorRunning, projector_hold
 from projectors.projector import ProjectionGap, Projector
 from projectors.rows import ROW_TYPES
 from projectors.rules import fold
-from projectors.store import load_state, read_offset
+from projectors.store import OffsetConflict, load_state, read_offset, write_offset
 from projectors.tables import STATE_TABLES, metadata
 from tests.conftest import MakeDb
 from tests.history import history
@@ -264,3 +265,56 @@ async def test_a_lost_consumer_is_made_again_from_the_database(
         last = await publish_all(js, events[half:])
         await wait_for_seq(projector, last)
     assert await db_rows(engine) == memory_rows(fold(events))
+
+
+async def test_the_tracking_row_moves_by_compare_and_set(engine: AsyncEngine) -> None:
+    await database.upgrade(engine)
+    async with engine.begin() as conn:
+        await write_offset(conn, "p", EVENTS_STREAM, 5, 0)
+    for seq, expected in ((9, 0), (9, 4)):  # a first write again; a writer that is behind
+        with pytest.raises(OffsetConflict, match="is at 5, not at"):
+            async with engine.begin() as conn:
+                await write_offset(conn, "p", EVENTS_STREAM, seq, expected)
+    async with engine.begin() as conn:
+        await write_offset(conn, "p", EVENTS_STREAM, 9, 5)
+        await write_offset(conn, "other", EVENTS_STREAM, 2, 0)  # another name: its own row
+    async with engine.connect() as conn:
+        assert await read_offset(conn, "p", EVENTS_STREAM) == 9
+
+
+async def test_a_projector_behind_the_tracking_row_writes_nothing(
+    js: JetStreamContext, engine: AsyncEngine
+) -> None:
+    """As a second projector on the same database would be: it read the tracking row before
+    the first one moved it. Its commit fails and changes nothing."""
+    events = log_events(n_tasks=10)
+    half = len(events) // 2
+    first = await publish_all(js, events[:half])
+    async with running_projector(js, engine) as projector:
+        await wait_for_seq(projector, first)
+    before = await db_rows(engine)
+    behind = Projector(js, engine)  # applied_seq 0: it has not seen the first one's commits
+    last = await publish_all(js, events[half:])
+    consumer = EventConsumer(js, EVENTS_STREAM, "behind", f"{EVENTS_PREFIX}.>")
+    await consumer.start()
+    try:
+        batch = await consumer.fetch(10_000, timeout=2.0)
+        assert len(batch) == last
+        with pytest.raises(OffsetConflict, match=f"is at {first}, not at 0"):
+            await behind.apply_batch(batch, consumer)
+    finally:
+        await consumer.stop()
+    assert await db_rows(engine) == before
+    async with engine.connect() as conn:
+        assert await read_offset(conn, "main", EVENTS_STREAM) == first
+
+
+async def test_one_projector_of_a_name_holds_a_database(engine: AsyncEngine) -> None:
+    async with projector_hold(engine, "main"):
+        with pytest.raises(ProjectorRunning, match="'main' already runs"):
+            async with projector_hold(engine, "main", wait_s=0.3):
+                pass
+        async with projector_hold(engine, "other", wait_s=0.3):
+            pass
+    async with projector_hold(engine, "main", wait_s=0.3):  # let go
+        pass
