@@ -10,7 +10,15 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
-from api import anthropic_routes, cluster_routes, errors, metrics, ollama_routes, openai_routes
+from api import (
+    anthropic_routes,
+    cluster_routes,
+    errors,
+    metrics,
+    metrics_routes,
+    ollama_routes,
+    openai_routes,
+)
 from api.admission import Admission
 from api.config import ApiConfig
 from api.context import ApiContext
@@ -50,7 +58,7 @@ def create_app(config: ApiConfig) -> FastAPI:
     )
     errors.install(app)
     app.add_middleware(FastLane)  # inside the metrics' middleware, which counts its answers
-    metrics.install(app, counted)
+    metrics_routes.install(app, counted)
     if config.cors_origins:
         # Outermost: a browser's preflight is answered before keys are asked for. A wildcard
         # never comes with credentials (browsers refuse that pair, and it would be unsafe).

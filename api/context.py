@@ -6,7 +6,6 @@ from __future__ import annotations
 import hmac
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from nats.aio.client import Client
@@ -17,13 +16,11 @@ from api import admission
 from api.admission import Admission
 from api.config import ApiConfig
 from api.errors import ApiError
+from api.metrics import ApiMetrics
 from api.model_names import NamesCache
 from api.serving_verdicts import ServingVerdicts
 from bus.events import EventBase
 from bus.publisher import Publisher
-
-if TYPE_CHECKING:
-    from api.metrics import ApiMetrics
 
 
 @dataclass

@@ -1,29 +1,28 @@
-"""Prometheus metrics at ``GET /metrics``.
+"""Prometheus metrics at ``GET /metrics`` (served by ``api/metrics_routes.py``).
 
 Two kinds, in one scrape:
 
 - what this API process served: HTTP requests by route, tokens, time to first token, tokens/s,
   events it published. Counted in memory, in a registry of its own (not prometheus_client's
   global one), so each app counts alone; several API processes are several scrape targets;
-- the cluster as the log and the projection show it at scrape time: events in the log by type,
-  durable consumers' backlog, projector lag, dead letters, runners by state, node memory.
-  Read afresh on every scrape, so every API process reports the same values.
+- the cluster as the log and the projection show it at scrape time: events by type (counted by
+  the projector as it applies them, and those past its tracking row), durable consumers'
+  backlog, projector lag, dead letters, runners by state, node memory. Read afresh on every
+  scrape, so every API process reports the same values; a scrape only reads, from the
+  database and from the nats-server (it creates no consumer there).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter as Tally
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, TypeVar, get_args
+from typing import TYPE_CHECKING, TypeVar, get_args
 
-from fastapi import APIRouter, Depends, FastAPI
-from fastapi.responses import Response
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -35,19 +34,15 @@ from prometheus_client import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.context import ApiContext, context, require_key
-from bus.events import EVENT_TYPES, EventBase, RunnerState
+from bus.events import EventBase, RunnerState, event_type_filters, subject_event_type
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
-from bus.subjects import ALL_DEAD_LETTERS, dead_letter_origin, event_type_filter
+from bus.subjects import ALL_DEAD_LETTERS, dead_letter_origin
 from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
-from projectors.state import ClusterState
-from projectors.store import load_state
-from projectors.tables import projector_offsets, tasks
+from projectors.store import load_state, read_progress, task_resumes
 
 if TYPE_CHECKING:
     from api.admission import ModelAdmission
@@ -80,6 +75,10 @@ QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 12
 READ_TIMEOUT_S = 4.0
 # JetStream lists consumers in pages of this many.
 CONSUMER_PAGE = 256
+# Events past the projector's tracking row are read one by one (their subjects name their
+# types) while there are at most this many; further behind, events by type in the log are left
+# out of the scrape (the lag says how far behind it is).
+UNAPPLIED_READ_MAX = 100
 
 RUNNER_STATES: tuple[str, ...] = get_args(RunnerState)
 NODE_STATUSES = ("online", "left", "timed_out")
@@ -227,18 +226,6 @@ class HttpMetrics:
 # --- what the cluster holds, read at scrape time ------------------------------------------
 
 
-def event_type_filters() -> dict[str, str]:
-    """Event type -> the subject filter matching exactly its events on SHOAL_EVENTS
-    (``shoal.events.task.*.*.TaskCreated``)."""
-    out: dict[str, str] = {}
-    for t in EVENT_TYPES:
-        if t.on_chunk_stream:
-            continue
-        name = str(t.model_fields["type"].default)
-        out[name] = event_type_filter(t.aggregate, len(t.subject_fields), name)
-    return out
-
-
 def dead_letters_by_stream(subjects: Mapping[str, int]) -> dict[str, int]:
     """Counts per dead-letter subject (``shoal.deadletter.<stream>``) -> per original stream."""
     out: dict[str, int] = {}
@@ -260,11 +247,11 @@ class ConsumerBacklog:
 class LogReading:
     last_seq: dict[str, int]  # per stream
     messages: dict[str, int]  # per stream
-    events_by_type: dict[str, int]
     dead_letters: dict[str, int]  # per original stream
     consumers: list[ConsumerBacklog] = field(default_factory=list)
-    # Events of each type past the projector's applied sequence (empty: it is not behind).
-    unapplied_by_type: dict[str, int] = field(default_factory=dict)
+    # Events of each type past the projector's applied sequence (empty: it is not behind);
+    # None: too many to read, or nothing to read them after (the projection was not read).
+    unapplied_by_type: dict[str, int] | None = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -274,6 +261,8 @@ class ProjectionReading:
     devices: list[DeviceRow]
     runners: list[RunnerRow]
     resumes: int = 0  # tasks' continuations after a lost runner, all tasks together
+    # Events of each type the projector (the one this API reads) counted up to its sequence.
+    events_by_type: dict[str, int] = field(default_factory=dict)
 
 
 def cluster_families(
@@ -290,27 +279,37 @@ def cluster_families(
         families += _log_families(events)
     if projection is not None:
         families += _projection_families(projection)
-    if events is not None and projection is not None:
         consumed = _gauge("shoal_events_consumed", "Events of each type a projector has "
-                          "applied (the log's, less those past its applied sequence).",
-                          ["consumer", "type"])  # fmt: skip
-        for kind, n in sorted(events.events_by_type.items()):
-            unapplied = events.unapplied_by_type.get(kind, 0)
-            consumed.add_metric([f"projector:{projector}", kind], n - unapplied)
+                          "applied (counted by it, malformed ones too, in the same transaction "
+                          "as its rows).", ["consumer", "type"])  # fmt: skip
+        for kind, n in sorted(_every_type(projection.events_by_type).items()):
+            consumed.add_metric([f"projector:{projector}", kind], n)
         families.append(consumed)
+    if events is not None and projection is not None:
         lag = _gauge("shoal_projector_lag_events", "SHOAL_EVENTS' last sequence minus the "
                      "last one the projector applied.", ["projector"])  # fmt: skip
         last = events.last_seq.get(EVENTS_STREAM, 0)
         for name, seq in sorted(projection.applied_seq.items()):
             lag.add_metric([name], last - seq)
         families.append(lag)
+        if events.unapplied_by_type is not None:
+            in_log = _gauge("shoal_events_in_log", "Events of each type appended to the event "
+                            "log: those the projector counted, and those past its applied "
+                            f"sequence (left out while it is more than {UNAPPLIED_READ_MAX} "
+                            "behind).", ["type"])  # fmt: skip
+            total = Tally(projection.events_by_type) + Tally(events.unapplied_by_type)
+            for kind, n in sorted(_every_type(total).items()):
+                in_log.add_metric([kind], n)
+            families.append(in_log)
     return families
 
 
+def _every_type(counts: Mapping[str, int]) -> dict[str, int]:
+    """``counts`` with a 0 for each type of the events stream that has none."""
+    return dict.fromkeys(event_type_filters(), 0) | dict(counts)
+
+
 def _log_families(r: LogReading) -> list[Metric]:
-    in_log = _gauge("shoal_events_in_log", "Events of each type the event log holds.", ["type"])
-    for kind, n in sorted(r.events_by_type.items()):
-        in_log.add_metric([kind], n)
     messages = _gauge("shoal_stream_messages", "Messages a stream holds.", ["stream"])
     last_seq = _gauge("shoal_stream_last_seq", "A stream's last sequence number.", ["stream"])
     for stream in sorted(r.messages):
@@ -329,7 +328,7 @@ def _log_families(r: LogReading) -> list[Metric]:
     for c in sorted(r.consumers, key=lambda c: (c.stream, c.consumer)):
         pending.add_metric([c.stream, c.consumer], c.pending)
         unacked.add_metric([c.stream, c.consumer], c.ack_pending)
-    return [in_log, messages, last_seq, dead, pending, unacked]
+    return [messages, last_seq, dead, pending, unacked]
 
 
 def _projection_families(p: ProjectionReading) -> list[Metric]:
@@ -373,13 +372,9 @@ def _gauge(name: str, documentation: str, labels: Sequence[str]) -> GaugeMetricF
 
 
 async def read_log(js: JetStreamContext, applied_seq: int | None = None) -> LogReading:
-    """Stream states, events by type, dead letters and durable consumers' backlogs.
-
-    Events by type: per-subject counts (stream info with a subjects filter) cost one entry per
-    subject, and task subjects are per task: 5 MB for 100,000 subjects, and nats-py returns
-    only the server's first page of 100,000. Instead, a short-lived consumer per type, whose
-    ``num_pending`` is the server's own count of matching messages (the 16 took 0.25 s of
-    server time for a log of 900,000 task events)."""
+    """Stream states, dead letters, durable consumers' backlogs, and the events by type past
+    ``applied_seq`` (the projector's tracking row). Requests that only read: per-type counts
+    come from the projection (``read_projection``), not from consumers made for a scrape."""
     last_seq: dict[str, int] = {}
     messages: dict[str, int] = {}
     dead: dict[str, int] = {}
@@ -390,62 +385,52 @@ async def read_log(js: JetStreamContext, applied_seq: int | None = None) -> LogR
         messages[stream] = info.state.messages
         if stream == DEADLETTER_STREAM:
             dead = dead_letters_by_stream(info.state.subjects or {})
-    filters = event_type_filters()
-    counts = await asyncio.gather(*(_count(js, EVENTS_STREAM, f) for f in filters.values()))
-    unapplied: dict[str, int] = {}
-    if applied_seq is not None and applied_seq < last_seq[EVENTS_STREAM]:
-        # Only while the projector is behind: otherwise it has consumed all of them.
-        after = await asyncio.gather(
-            *(_count(js, EVENTS_STREAM, f, applied_seq) for f in filters.values())
-        )
-        unapplied = dict(zip(filters, after, strict=True))
+    unapplied: dict[str, int] | None = None
+    if applied_seq is not None:
+        unapplied = await _types_after(js, applied_seq, last_seq[EVENTS_STREAM])
     consumers: dict[str, ConsumerBacklog] = {}
     listed = 0
     while True:
         page = await js.consumers_info(EVENTS_STREAM, offset=listed)
         listed += len(page)
         for c in page:
-            # Ephemeral consumers (tails, ordered readers, the counts above) come and go.
+            # Ephemeral consumers (tails, ordered readers) come and go.
             if c.config.durable_name:
                 consumers[c.name] = ConsumerBacklog(EVENTS_STREAM, c.name, c.num_pending or 0,
                                                     c.num_ack_pending or 0)  # fmt: skip
         if len(page) < CONSUMER_PAGE:
             break
-    return LogReading(last_seq, messages, dict(zip(filters, counts, strict=True)), dead,
-                      list(consumers.values()), unapplied)  # fmt: skip
+    return LogReading(last_seq, messages, dead, list(consumers.values()), unapplied)
 
 
-async def _count(
-    js: JetStreamContext, stream: str, filter_subject: str, after_seq: int | None = None
-) -> int:
-    """How many messages on ``stream`` match ``filter_subject`` (after ``after_seq``), counted
-    by the server."""
-    config = ConsumerConfig(
-        filter_subject=filter_subject,
-        deliver_policy=DeliverPolicy.ALL if after_seq is None else DeliverPolicy.BY_START_SEQUENCE,
-        opt_start_seq=None if after_seq is None else after_seq + 1,
-        ack_policy=AckPolicy.NONE, mem_storage=True, num_replicas=1,
-        inactive_threshold=30.0,  # removed by the server even if the delete below is lost
-    )  # fmt: skip
-    info = await js.add_consumer(stream, config)
-    with contextlib.suppress(Exception):
-        await js.delete_consumer(stream, info.name)
-    return info.num_pending or 0
+async def _types_after(js: JetStreamContext, after: int, last: int) -> dict[str, int] | None:
+    """Events of each type on SHOAL_EVENTS after sequence ``after`` up to ``last``, by their
+    subjects; None when there are more than UNAPPLIED_READ_MAX."""
+    if last - after > UNAPPLIED_READ_MAX:
+        return None
+
+    async def subject(seq: int) -> str | None:
+        try:
+            return (await js.get_msg(EVENTS_STREAM, seq)).subject
+        except NotFoundError:
+            return None  # removed, or aged out
+
+    subjects = await asyncio.gather(*(subject(seq) for seq in range(after + 1, last + 1)))
+    return dict(Tally(t for s in subjects if s and (t := subject_event_type(s)) is not None))
 
 
 async def read_projection(engine: AsyncEngine, projector: str) -> ProjectionReading:
-    """Nodes, devices, runners, and where each projector stands (``projector``, the one this
-    API reads, at 0 until it has applied anything)."""
+    """Nodes, devices, runners, where each projector stands (``projector``, the one this API
+    reads, at 0 until it has applied anything) and what it counted by type."""
     tables = (NodeRow.TABLE, DeviceRow.TABLE, RunnerRow.TABLE)
-    t = projector_offsets
     async with engine.connect() as conn:
-        state: ClusterState = await load_state(conn, tables)
-        rows = await conn.execute(select(t.c.projector, t.c.last_seq)
-                                  .where(t.c.stream == EVENTS_STREAM))  # fmt: skip
-        applied = {projector: 0} | {str(name): int(seq) for name, seq in rows}
-        resumes = await conn.scalar(select(func.coalesce(func.sum(tasks.c.resumes), 0)))
-    devices = [d for d in state.rows(DeviceRow.TABLE) if isinstance(d, DeviceRow)]
-    return ProjectionReading(applied, state.nodes(), devices, state.runners(), int(resumes or 0))
+        state = await load_state(conn, tables)
+        progress = await read_progress(conn, EVENTS_STREAM)
+        resumes = await task_resumes(conn)
+    applied = {projector: 0} | {name: p.last_seq for name, p in progress.items()}
+    counts = progress[projector].events_by_type if projector in progress else {}
+    return ProjectionReading(applied, state.nodes(), state.devices(), state.runners(), resumes,
+                             counts)  # fmt: skip
 
 
 T = TypeVar("T")
@@ -468,31 +453,19 @@ class _Families(Collector):
         return iter(self._families)
 
 
-async def exposition(ctx: ApiContext) -> bytes:
-    """The text of one scrape: this process's metrics, then the cluster's, read now. The
-    projection first: read the other way round, events published in between could be applied
-    by then and show as a negative lag."""
-    projection = await _read_or_none(
-        "projection", read_projection(ctx.engine, ctx.config.projector)
-    )
-    applied = projection.applied_seq.get(ctx.config.projector) if projection else None
-    events = await _read_or_none("event log", read_log(ctx.nc.jetstream(), applied))
-    cluster = _Families(cluster_families(events, projection, ctx.config.projector))
-    admitting = _Families(admission_families(ctx.admission.snapshot()))
-    return (generate_latest(ctx.metrics.registry) + generate_latest(admitting)
-            + generate_latest(cluster))  # fmt: skip
-
-
-router = APIRouter(dependencies=[Depends(require_key)])
-
-
-@router.get("/metrics", include_in_schema=False)
-async def serve_metrics(ctx: Annotated[ApiContext, Depends(context)]) -> Response:
-    """Prometheus metrics (text format 0.0.4); needs the API key when keys are configured."""
-    return Response(await exposition(ctx), media_type=CONTENT_TYPE)
-
-
-def install(app: FastAPI, metrics: ApiMetrics) -> None:
-    """Count every request, and serve ``GET /metrics``."""
-    app.add_middleware(HttpMetrics, metrics=metrics)
-    app.include_router(router)
+async def exposition(
+    metrics: ApiMetrics,
+    admission: Sequence[ModelAdmission],
+    engine: AsyncEngine,
+    js: JetStreamContext,
+    projector: str,
+) -> bytes:
+    """The text of one scrape: this process's metrics (``metrics``, ``admission``), then the
+    cluster's, read now. The projection first: read the other way round, events published in
+    between could be applied by then and show as a negative lag."""
+    projection = await _read_or_none("projection", read_projection(engine, projector))
+    applied = projection.applied_seq.get(projector) if projection else None
+    events = await _read_or_none("event log", read_log(js, applied))
+    cluster = _Families(cluster_families(events, projection, projector))
+    admitting = _Families(admission_families(admission))
+    return generate_latest(metrics.registry) + generate_latest(admitting) + generate_latest(cluster)

@@ -140,6 +140,8 @@ class EventConsumer:
         self.last_stream_seq = 0
         # The stream sequences of the last fetch, dead letters included, as delivered.
         self.fetched_seqs: list[int] = []
+        # Their subjects (which name the event type, even of a malformed event).
+        self.fetched_subjects: dict[int, str] = {}
 
     async def start(self, *, recreate: bool = False) -> None:
         """Bind to the durable consumer, creating it if needed. ``recreate`` drops an existing
@@ -175,7 +177,8 @@ class EventConsumer:
         """Up to ``batch`` parsed events; an empty list when none came within ``timeout`` (or
         ``stop`` was set meanwhile). Malformed messages are dead-lettered on the way and not
         returned. With ``more``: only the events there already, the rest of a batch whose
-        first part the last fetch got (``fetched_seqs`` then holds both parts)."""
+        first part the last fetch got (``fetched_seqs`` and ``fetched_subjects`` then hold both
+        parts)."""
         if self._puller is None:
             raise RuntimeError("consumer not started")
         pulling = asyncio.ensure_future(self._puller.fetch(batch, timeout, wait=not more))
@@ -200,9 +203,11 @@ class EventConsumer:
         out: list[Delivered] = []
         if not more:
             self.fetched_seqs = []
+            self.fetched_subjects = {}
         for msg in msgs:
             md = msg.metadata
             self.fetched_seqs.append(md.sequence.stream)
+            self.fetched_subjects[md.sequence.stream] = msg.subject
             self.last_stream_seq = max(self.last_stream_seq, md.sequence.stream)
             try:
                 event = parse_event(msg.data)

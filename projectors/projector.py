@@ -1,10 +1,10 @@
 """The live projector: folds SHOAL_EVENTS into the projection database.
 
-Each fetched batch is applied in ONE transaction together with the tracking row
-``(projector, stream, last_seq)``; messages are acked only after the commit. The database, not
-the consumer, is the source of truth for where the projector stands: at every start the durable
-consumer is re-created at ``last_seq + 1``, so a crash, a redelivery or a database restored from
-a backup never applies an event twice or skips one.
+Each fetched batch is applied in ONE transaction together with the events it counted by type
+and the tracking row ``(projector, stream, last_seq)``; messages are acked only after the
+commit. The database, not the consumer, is the source of truth for where the projector stands:
+at every start the durable consumer is re-created at ``last_seq + 1``, so a crash, a
+redelivery or a database restored from a backup never applies an event twice or skips one.
 
 The projector keeps the projection in memory too (it is the only writer, so memory and database
 cannot drift) and runs the pure rules against it; only the net row changes of a batch are
@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -34,6 +35,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
+from bus.events import subject_event_type
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from bus.subjects import ALL_EVENTS, aggregate_prefix
 from projectors import database
@@ -44,8 +46,10 @@ from projectors.store import (
     UnstorableError,
     check_storable,
     load_state,
+    read_counts,
     read_offset,
     write_changes,
+    write_counts,
     write_offset,
 )
 
@@ -104,6 +108,14 @@ def fold_batch(
     return changes, failed
 
 
+def counted(counts: Mapping[str, int], subjects: Iterable[str]) -> dict[str, int]:
+    """The new totals of the types these subjects name (``subject_event_type``), from
+    ``counts``: what to write for a batch of messages. Subjects of no known type count
+    nowhere."""
+    added = Counter(t for s in subjects if (t := subject_event_type(s)) is not None)
+    return {kind: counts.get(kind, 0) + n for kind, n in added.items()}
+
+
 class Projector:
     def __init__(
         self,
@@ -122,6 +134,7 @@ class Projector:
         self._stream_settings = stream_settings
         self.applied_seq = 0
         self.state = ClusterState()
+        self.counts: dict[str, int] = {}  # events by type up to applied_seq
         self.consumer: EventConsumer | None = None
         self.ready = asyncio.Event()
 
@@ -159,6 +172,7 @@ class Projector:
         async with self._engine.connect() as conn:
             self.state = await load_state(conn)
             self.applied_seq = await read_offset(conn, self.name, EVENTS_STREAM)
+            self.counts = await read_counts(conn, self.name, EVENTS_STREAM)
         if self.consumer is not None:
             await self.consumer.stop()
         self.consumer = EventConsumer(
@@ -200,10 +214,15 @@ class Projector:
             return
         await self._check_contiguous(consumer.fetched_seqs)
         changes, failed = fold_batch(self.state, batch, self.applied_seq)
+        subjects = (s for seq, s in consumer.fetched_subjects.items()
+                    if self.applied_seq < seq <= last_seq)  # fmt: skip
+        counts = counted(self.counts, subjects)
         async with self._engine.begin() as conn:
             await write_changes(conn, changes)
+            await write_counts(conn, self.name, EVENTS_STREAM, counts)
             await write_offset(conn, self.name, EVENTS_STREAM, last_seq, self.applied_seq)
         self.applied_seq = last_seq
+        self.counts.update(counts)
         for d, exc in failed:
             reason = (
                 f"cannot be stored: {exc}"

@@ -1,8 +1,9 @@
 """``shoal replay``: rebuild a fresh projection from the log, up to a sequence or a time.
 
 It uses the same rules and the same writer as the live projector, so a replay to the live
-projector's sequence produces exactly its rows. The tracking row is written too, so the rebuilt
-database can be handed to a live projector, which then carries on from there.
+projector's sequence produces exactly its rows, and the same counts of events by type. The
+tracking row is written too, so the rebuilt database can be handed to a live projector, which
+then carries on from there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import describe_invalid
-from bus.events import parse_event
+from bus.events import parse_event, subject_event_type
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM
 from bus.subjects import ALL_EVENTS
@@ -25,8 +26,8 @@ from projectors import database
 from projectors.projector import DEFAULT_NAME
 from projectors.rules import changes_for
 from projectors.state import Change, ClusterState
-from projectors.store import check_storable, write_changes, write_offset
-from projectors.tables import STATE_TABLES, projector_offsets
+from projectors.store import check_storable, write_changes, write_counts, write_offset
+from projectors.tables import STATE_TABLES, event_counts, projector_offsets
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class ReplayResult:
 
 async def _ensure_empty(engine: AsyncEngine) -> None:
     async with engine.connect() as conn:
-        for table in (*STATE_TABLES.values(), projector_offsets):
+        for table in (*STATE_TABLES.values(), projector_offsets, event_counts):
             n = (await conn.execute(select(func.count()).select_from(table))).scalar_one()
             if n:
                 raise ReplayError(
@@ -70,12 +71,16 @@ async def replay(
     await _ensure_empty(engine)
     state = ClusterState()
     pending: list[Change] = []
+    counts: dict[str, int] = {}
     applied = skipped = last_seq = committed = 0
     async for msg in read_stream(js, EVENTS_STREAM, ALL_EVENTS, to_seq=until_seq):
         md = msg.metadata
         if until_time is not None and md.timestamp > until_time:
             break
         last_seq = md.sequence.stream
+        # Counted by subject, malformed ones too, as the projector counts them.
+        if (kind := subject_event_type(msg.subject)) is not None:
+            counts[kind] = counts.get(kind, 0) + 1
         try:
             event = parse_event(msg.data)
             ch = changes_for(state, event)
@@ -92,19 +97,25 @@ async def replay(
         pending.extend(ch)
         applied += 1
         if len(pending) >= commit_every:
-            committed = await _commit(engine, pending, name, last_seq, committed)
+            committed = await _commit(engine, pending, counts, name, last_seq, committed)
             pending = []
-    await _commit(engine, pending, name, last_seq, committed)
+    await _commit(engine, pending, counts, name, last_seq, committed)
     return ReplayResult(applied=applied, skipped=skipped, last_seq=last_seq)
 
 
 async def _commit(
-    engine: AsyncEngine, changes: list[Change], name: str, last_seq: int, committed: int
+    engine: AsyncEngine,
+    changes: list[Change],
+    counts: dict[str, int],
+    name: str,
+    last_seq: int,
+    committed: int,
 ) -> int:
-    """Write ``changes`` and the tracking row (moved from ``committed``, the last commit's
-    sequence); returns the sequence committed."""
+    """Write ``changes``, the counts and the tracking row (moved from ``committed``, the last
+    commit's sequence); returns the sequence committed."""
     async with engine.begin() as conn:
         await write_changes(conn, changes)
+        await write_counts(conn, name, EVENTS_STREAM, counts)
         if last_seq > committed:
             await write_offset(conn, name, EVENTS_STREAM, last_seq, committed)
     return last_seq

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import fields
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,8 +18,11 @@ from sqlalchemy import (
     String,
     Table,
     delete,
+    func,
+    null,
     select,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -29,7 +32,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from projectors.rows import ROW_TYPES, Row, TaskRow
 from projectors.rules import TERMINAL_TASK
 from projectors.state import Change, ClusterState, Put, collapse
-from projectors.tables import STATE_TABLES, UtcDateTime, projector_offsets, tasks
+from projectors.tables import (
+    STATE_TABLES,
+    UtcDateTime,
+    event_counts,
+    projector_offsets,
+    tasks,
+)
 
 ROW_TYPE_BY_TABLE: dict[str, type[Row]] = {t.TABLE: t for t in ROW_TYPES}
 _FIELDS: dict[str, tuple[str, ...]] = {t.TABLE: tuple(f.name for f in fields(t)) for t in ROW_TYPES}
@@ -165,6 +174,11 @@ async def unfinished_tasks(conn: AsyncConnection, runner_ids: Iterable[str]) -> 
     return [TaskRow(**r) for r in result.mappings()]
 
 
+async def task_resumes(conn: AsyncConnection) -> int:
+    """Tasks' continuations after a lost runner, all tasks together."""
+    return int(await conn.scalar(select(func.coalesce(func.sum(tasks.c.resumes), 0))) or 0)
+
+
 async def write_changes(conn: AsyncConnection, changes: Iterable[Change]) -> int:
     """Write the net effect of ``changes`` (last change per row wins). Returns rows written."""
     puts: dict[str, list[dict[str, Any]]] = {}
@@ -220,6 +234,53 @@ async def write_offset(
             f" {expected} where this projector left it: another projector of that name writes"
             " to this database"
         )
+
+
+async def read_counts(conn: AsyncConnection, projector: str, stream: str) -> dict[str, int]:
+    """The events of each type a projector has counted in ``stream``."""
+    t = event_counts
+    q = select(t.c.type, t.c.events).where(t.c.projector == projector, t.c.stream == stream)
+    return {str(kind): int(n) for kind, n in await conn.execute(q)}
+
+
+async def write_counts(
+    conn: AsyncConnection, projector: str, stream: str, counts: Mapping[str, int]
+) -> None:
+    """Set these types' counts (the projector's whole tallies, not increments)."""
+    if counts:
+        rows = [{"projector": projector, "stream": stream, "type": kind, "events": n}
+                for kind, n in counts.items()]  # fmt: skip
+        await conn.execute(_upsert(conn, event_counts), rows)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a projector stands in a stream, and what it has counted there by type."""
+
+    last_seq: int
+    events_by_type: dict[str, int]
+
+
+async def read_progress(conn: AsyncConnection, stream: str) -> dict[str, Progress]:
+    """Every projector's progress in ``stream``. One statement, so that the tracking rows and
+    the counts are of the same commit (PostgreSQL gives each statement its own snapshot)."""
+    o, c = projector_offsets, event_counts
+    q = union_all(
+        select(o.c.projector, null().label("type"), o.c.last_seq.label("n")).where(
+            o.c.stream == stream
+        ),
+        select(c.c.projector, c.c.type, c.c.events).where(c.c.stream == stream),
+    )
+    seqs: dict[str, int] = {}
+    counts: dict[str, dict[str, int]] = {}
+    for name, kind, n in await conn.execute(q):
+        if kind is None:
+            seqs[str(name)] = int(n)
+        else:
+            counts.setdefault(str(name), {})[str(kind)] = int(n)
+    return {
+        name: Progress(seqs.get(name, 0), counts.get(name, {})) for name in seqs.keys() | counts
+    }
 
 
 async def table_rows(conn: AsyncConnection, name: str) -> list[dict[str, Any]]:

@@ -202,6 +202,17 @@ projector_offsets = Table(
     Column("last_seq", BigInteger, nullable=False),
 )
 
+# What the log holds by event type, up to the projector's tracking row (the subject names the
+# type, so malformed events count too): written in the same transaction, for /metrics.
+event_counts = Table(
+    "projector_event_counts",
+    metadata,
+    Column("projector", String(100), primary_key=True),
+    Column("stream", String(100), primary_key=True),
+    Column("type", String(100), primary_key=True),
+    Column("events", BigInteger, nullable=False),
+)
+
 STATE_TABLES: dict[str, Table] = {
     t.name: t for t in (nodes, devices, models, instances, runners, tasks, responses)
 }

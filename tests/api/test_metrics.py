@@ -15,6 +15,8 @@ import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.staticfiles import StaticFiles
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,7 +31,6 @@ from api.metrics import (
     cluster_families,
     dead_letters_by_stream,
     endpoint_of,
-    event_type_filters,
     token_timing,
 )
 from bus.events import (
@@ -41,6 +42,7 @@ from bus.events import (
     ResourceProfiled,
     RunnerStateChanged,
     ShardAssignment,
+    event_type_filters,
 )
 from bus.publisher import Publisher
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
@@ -188,7 +190,6 @@ def test_cluster_families_from_readings() -> None:
     events = LogReading(
         last_seq={"SHOAL_EVENTS": 120, "SHOAL_CHUNKS": 900, "SHOAL_DEADLETTER": 2},
         messages={"SHOAL_EVENTS": 120, "SHOAL_CHUNKS": 800, "SHOAL_DEADLETTER": 2},
-        events_by_type={"NodeJoined": 2, "TaskCreated": 0},
         dead_letters={"SHOAL_EVENTS": 2},
         consumers=[ConsumerBacklog("SHOAL_EVENTS", "tasks-m", 4, 1)],
         unapplied_by_type={"NodeJoined": 1},
@@ -201,6 +202,7 @@ def test_cluster_families_from_readings() -> None:
                  DeviceRow(node_id="n1", device="cpu", kind="cpu", memory_total=8 * MiB)],
         runners=[_runner("a", "Ready"), _runner("b", "Ready"), _runner("c", "Loading")],
         resumes=3,
+        events_by_type={"NodeJoined": 1, "TaskCreated": 0},
     )  # fmt: skip
     s = parse(generate_latest(_Families(cluster_families(events, projection))).decode())
     assert value(s, "shoal_metrics_source_up", source="nats") == 1
@@ -404,3 +406,37 @@ async def test_metrics_need_the_key_when_keys_are_configured(api_stack: ApiStack
         assert ok.status_code == 200 and "shoal_runners" in ok.text
         # And it is not part of the API's schema.
         assert "/metrics" not in (await client.get("/openapi.json")).json()["paths"]
+
+
+# JetStream API requests that change what the server holds.
+_WRITES = ("CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "CONSUMER.DELETE", "STREAM.CREATE",
+           "STREAM.UPDATE", "STREAM.DELETE", "STREAM.PURGE", "STREAM.MSG.DELETE")  # fmt: skip
+
+
+@pytest.mark.slow
+async def test_a_scrape_only_reads_from_the_nats_server(
+    api_stack: ApiStack, js: JetStreamContext, nc: Client
+) -> None:
+    """Counts by type come from the projection, and the few events past the projector's
+    tracking row are read one by one: a scrape creates and deletes no consumer."""
+    await _cluster(js)
+    async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
+        await _until(client, lambda s: value(s, "shoal_projector_lag_events",
+                                             projector="main") == 0)  # fmt: skip
+        api_stack.procs.kill("projector")  # the projector's own pulls would mingle
+        await Publisher(js).publish(NodeJoined(node_id="late", origin="late"))
+        requests: list[str] = []
+
+        async def seen(msg: Msg) -> None:
+            requests.append(msg.subject)
+
+        sub = await nc.subscribe("$JS.API.>", cb=seen)
+        await nc.flush()
+        s = await _scrape(client)
+        await nc.flush()
+        await sub.unsubscribe()
+    assert value(s, "shoal_events_in_log", type="NodeJoined") == 2  # one read past the row
+    assert value(s, "shoal_events_consumed", consumer="projector:main", type="NodeJoined") == 1
+    assert any(r.startswith("$JS.API.STREAM.INFO.") for r in requests), requests
+    assert any(r.startswith("$JS.API.STREAM.MSG.GET.") for r in requests), requests
+    assert not [r for r in requests if r.removeprefix("$JS.API.").startswith(_WRITES)], requests

@@ -44,7 +44,7 @@ from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors import database
 from projectors.replay import replay
 from projectors.store import table_rows
-from projectors.tables import STATE_TABLES, projector_offsets
+from projectors.tables import STATE_TABLES, event_counts, projector_offsets
 from tests.faults.cluster import MODEL, Cluster
 
 Rows = dict[str, list[dict[str, Any]]]
@@ -80,13 +80,17 @@ async def read_log(js: JetStreamContext) -> Log:
 
 
 async def all_rows(engine: AsyncEngine) -> Rows:
-    """Every state table's rows in key order, and the tracking rows."""
+    """Every state table's rows in key order, the tracking rows and the counts by type."""
     async with engine.connect() as conn:
         rows = {name: await table_rows(conn, name) for name in STATE_TABLES}
         offsets = await conn.execute(
             select(projector_offsets).order_by(projector_offsets.c.projector)
         )
         rows[projector_offsets.name] = [dict(r) for r in offsets.mappings()]
+        counts = await conn.execute(
+            select(event_counts).order_by(*event_counts.primary_key.columns)
+        )
+        rows[event_counts.name] = [dict(r) for r in counts.mappings()]
     return rows
 
 
@@ -110,10 +114,10 @@ async def check_log_and_projection(cluster: Cluster, timeout: float = 60) -> Log
     live = await all_rows(cluster.engine)
     assert await cluster.last_seq() == last, "something still publishes"
 
-    # (a) The projection is exactly what the log folds to, tracking row included.
+    # (a) The projection is exactly what the log folds to, tracking row and counts included.
     replay_db = cluster.tmp / f"replay-{time.monotonic_ns()}.db"
     replayed = await replayed_rows(cluster.js, replay_db, last)
-    for table in (*STATE_TABLES, projector_offsets.name):
+    for table in (*STATE_TABLES, projector_offsets.name, event_counts.name):
         assert live[table] == replayed[table], f"table {table}: the projection != a replay"
     assert live[projector_offsets.name] == [
         {"projector": "main", "stream": EVENTS_STREAM, "last_seq": last}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import fields
 
 import pytest
@@ -20,10 +21,19 @@ from bus.streams import EVENTS_STREAM
 from bus.subjects import EVENTS_PREFIX
 from projectors import database
 from projectors.database import ProjectorRunning, projector_hold
-from projectors.projector import ProjectionGap, Projector
+from projectors.projector import ProjectionGap, Projector, counted
+from projectors.replay import replay
 from projectors.rows import ROW_TYPES
 from projectors.rules import fold
-from projectors.store import OffsetConflict, load_state, read_offset, write_offset
+from projectors.store import (
+    OffsetConflict,
+    Progress,
+    load_state,
+    read_counts,
+    read_offset,
+    read_progress,
+    write_offset,
+)
 from projectors.tables import STATE_TABLES, metadata
 from tests.conftest import MakeDb
 from tests.history import history
@@ -55,7 +65,7 @@ def test_rows_and_tables_have_the_same_columns() -> None:
 async def test_migrations_create_exactly_the_tables(engine: AsyncEngine) -> None:
     await database.upgrade(engine)
     await database.upgrade(engine)  # idempotent
-    assert await database.current_revision(engine) == "0006"
+    assert await database.current_revision(engine) == "0007"
 
     def diff(conn: Connection) -> list[object]:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
@@ -64,7 +74,8 @@ async def test_migrations_create_exactly_the_tables(engine: AsyncEngine) -> None
     async with engine.connect() as conn:
         assert await conn.run_sync(diff) == []
         names = await conn.run_sync(lambda c: set(inspect(c).get_table_names()))
-    assert set(STATE_TABLES) | {"projector_offsets", "alembic_version"} == names
+    tracking = {"projector_offsets", "projector_event_counts", "alembic_version"}
+    assert set(STATE_TABLES) | tracking == names
 
 
 async def test_a_projection_from_an_older_schema_upgrades_with_its_rows(
@@ -267,6 +278,48 @@ async def test_a_lost_consumer_is_made_again_from_the_database(
     assert await db_rows(engine) == memory_rows(fold(events))
 
 
+def test_a_batch_s_subjects_count_by_type() -> None:
+    subjects = ["shoal.events.node.a.NodeJoined", "shoal.events.node.b.NodeJoined",
+                "shoal.events.node.a.Mystery", "shoal.events.task.m.t.TaskCreated"]  # fmt: skip
+    assert counted({"NodeJoined": 3, "NodeLeft": 1}, subjects) == {
+        "NodeJoined": 5, "TaskCreated": 1,
+    }  # fmt: skip
+    assert counted({"NodeJoined": 3}, []) == {}
+
+
+async def test_events_are_counted_by_type_with_their_rows(
+    js: JetStreamContext, make_db: MakeDb
+) -> None:
+    """Counted by subject as they are applied, malformed ones too, in the commit of their
+    rows; a replay counts the same."""
+    good = log_events(n_tasks=10)
+    await publish_all(js, good[:5])
+    bad = [(f"{EVENTS_PREFIX}.node.x.NodeJoined", b"{not json"),
+           (f"{EVENTS_PREFIX}.node.x.Mystery", b'{"type": "Mystery"}'),
+           (f"{EVENTS_PREFIX}.task.m.t.TaskFailed", b'{"type": "TaskFailed"}')]  # fmt: skip
+    for subject, data in bad:
+        await js.publish(subject, data)
+    last = await publish_all(js, good[5:])
+    expected = Counter(e.type for e in good) + Counter({"NodeJoined": 1, "TaskFailed": 1})
+
+    live = database.create_engine(await make_db())
+    replayed = database.create_engine(await make_db())
+    try:
+        async with running_projector(js, live, batch_size=7) as projector:
+            await wait_for_seq(projector, last)
+            assert projector.counts == expected
+        async with live.connect() as conn:
+            assert await read_counts(conn, "main", EVENTS_STREAM) == expected
+            progress = await read_progress(conn, EVENTS_STREAM)
+        assert progress == {"main": Progress(last, dict(expected))}
+        await replay(js, replayed)
+        async with replayed.connect() as conn:
+            assert await read_counts(conn, "main", EVENTS_STREAM) == expected
+    finally:
+        await live.dispose()
+        await replayed.dispose()
+
+
 async def test_the_tracking_row_moves_by_compare_and_set(engine: AsyncEngine) -> None:
     await database.upgrade(engine)
     async with engine.begin() as conn:
@@ -307,6 +360,7 @@ async def test_a_projector_behind_the_tracking_row_writes_nothing(
     assert await db_rows(engine) == before
     async with engine.connect() as conn:
         assert await read_offset(conn, "main", EVENTS_STREAM) == first
+        assert sum((await read_counts(conn, "main", EVENTS_STREAM)).values()) == first
 
 
 async def test_one_projector_of_a_name_holds_a_database(engine: AsyncEngine) -> None:

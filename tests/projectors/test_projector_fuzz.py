@@ -25,6 +25,7 @@ streams and empties the databases first.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import cast
@@ -37,13 +38,15 @@ from nats.js import JetStreamContext
 from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import Event, NodeJoined
+from bus.events import Event, NodeJoined, subject_event_type
 from bus.publisher import Publisher
+from bus.streams import EVENTS_STREAM
 from projectors import database
-from projectors.projector import Projector
+from projectors.projector import DEFAULT_NAME, Projector
 from projectors.replay import replay
 from projectors.rules import fold
-from projectors.tables import STATE_TABLES, projector_offsets
+from projectors.store import read_counts
+from projectors.tables import STATE_TABLES, event_counts, projector_offsets
 from tests.bus.test_consumer_fuzz import (
     FUZZ_SETTINGS,
     MESSAGES,
@@ -74,8 +77,13 @@ async def engines(make_db: MakeDb) -> AsyncIterator[tuple[AsyncEngine, AsyncEngi
 async def empty(engine: AsyncEngine) -> None:
     await database.upgrade(engine)
     async with engine.begin() as conn:
-        for table in (*STATE_TABLES.values(), projector_offsets):
+        for table in (*STATE_TABLES.values(), projector_offsets, event_counts):
             await conn.execute(delete(table))
+
+
+async def counts(engine: AsyncEngine) -> dict[str, int]:
+    async with engine.connect() as conn:
+        return await read_counts(conn, DEFAULT_NAME, EVENTS_STREAM)
 
 
 @asynccontextmanager
@@ -149,3 +157,7 @@ async def test_projection_equals_the_fold_of_the_valid_events_and_bad_ones_are_s
         seq,
     )
     assert await db_rows(rebuilt) == expected
+    # Counted by subject as stored, malformed or not, alike live and in a replay.
+    stored = [m.subject for m, s in zip(published.messages, published.seqs, strict=True) if s]
+    by_type = Counter(t for s in [*stored, after.subject] if (t := subject_event_type(s)))
+    assert [await counts(e) for e in (live, rebuilt)] == [by_type, by_type]

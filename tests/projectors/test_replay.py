@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from bus.streams import EVENTS_STREAM
 from projectors import database
 from projectors.replay import ReplayError, replay
 from projectors.rules import fold
-from projectors.store import read_offset
+from projectors.store import read_counts, read_offset
 from tests.conftest import MakeDb
 from tests.history import history
 from tests.projectors.helpers import db_rows, db_rows_of, memory_rows, publish_all
@@ -35,11 +36,14 @@ def log_events(n_tasks: int) -> list[Event]:
 async def test_replay_until_seq(js: JetStreamContext, engine: AsyncEngine) -> None:
     events = log_events(40)
     await publish_all(js, events)
-    result = await replay(js, engine, until_seq=50)
+    result = await replay(js, engine, until_seq=50, commit_every=20)
     assert (result.applied, result.last_seq) == (50, 50)
     assert await db_rows(engine) == memory_rows(fold(events[:50]))
     async with engine.connect() as conn:
         assert await read_offset(conn, "main", EVENTS_STREAM) == 50
+        assert await read_counts(conn, "main", EVENTS_STREAM) == Counter(
+            e.type for e in events[:50]
+        )
 
 
 async def test_replay_until_time(js: JetStreamContext, engine: AsyncEngine) -> None:
@@ -74,6 +78,15 @@ async def _offset(url: str) -> int:
             return await read_offset(conn, "main", EVENTS_STREAM)
     except Exception:
         return 0  # not migrated yet
+    finally:
+        await engine.dispose()
+
+
+async def _counts(url: str) -> dict[str, int]:
+    engine = database.create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await read_counts(conn, "main", EVENTS_STREAM)
     finally:
         await engine.dispose()
 
@@ -139,5 +152,8 @@ async def test_live_projection_survives_sigkill_and_equals_replay(
     assert live == replayed
     log_only = [e for e in all_events if e.type != "ChunkGenerated"]
     assert live == memory_rows(fold(log_only))
+    # The counts by type were committed with the rows, across the kill, as a replay counts.
+    counts = [await _counts(url) for url in (live_url, replay_url)]
+    assert counts[0] == counts[1] == Counter(e.type for e in log_only)
     assert len(live["tasks"]) == 400
     assert {r["status"] for r in live["tasks"]} == {"completed", "failed", "cancelled"}
