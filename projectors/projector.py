@@ -1,10 +1,11 @@
 """The live projector: folds SHOAL_EVENTS into the projection database.
 
 Each fetched batch is applied in ONE transaction together with the events it counted by type
-and the tracking row ``(projector, stream, last_seq)``; messages are acked only after the
-commit. The database, not the consumer, is the source of truth for where the projector stands:
-at every start the durable consumer is re-created at ``last_seq + 1``, so a crash, a
-redelivery or a database restored from a backup never applies an event twice or skips one.
+and the tracking row ``(projector, stream, last_seq)``; its dead letters are published before
+that commit, and messages are acked only after it. The database, not the consumer, is the
+source of truth for where the projector stands: at every start the durable consumer is
+re-created at ``last_seq + 1``, so a crash, a redelivery or a database restored from a backup
+never applies an event twice or skips one.
 
 The projector keeps the projection in memory too (it is the only writer, so memory and database
 cannot drift) and runs the pure rules against it; only the net row changes of a batch are
@@ -24,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import signal
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -114,6 +117,17 @@ def counted(counts: Mapping[str, int], subjects: Iterable[str]) -> dict[str, int
     nowhere."""
     added = Counter(t for s in subjects if (t := subject_event_type(s)) is not None)
     return {kind: counts.get(kind, 0) + n for kind, n in added.items()}
+
+
+# For fault tests only: ``after-dead-letters`` has the projector SIGKILL its own process once it
+# has published a batch's dead letters, before that batch's commit.
+CRASH_ENV = "SHOAL_PROJECTOR_CRASH"
+
+
+def _crash_point(point: str) -> None:
+    if os.environ.get(CRASH_ENV) == point:
+        log.warning("%s=%s: killing this process", CRASH_ENV, point)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Projector:
@@ -217,12 +231,9 @@ class Projector:
         subjects = (s for seq, s in consumer.fetched_subjects.items()
                     if self.applied_seq < seq <= last_seq)  # fmt: skip
         counts = counted(self.counts, subjects)
-        async with self._engine.begin() as conn:
-            await write_changes(conn, changes)
-            await write_counts(conn, self.name, EVENTS_STREAM, counts)
-            await write_offset(conn, self.name, EVENTS_STREAM, last_seq, self.applied_seq)
-        self.applied_seq = last_seq
-        self.counts.update(counts)
+        # Dead letters before the commit: after it, a crash would lose them (the tracking row has
+        # moved past their events). A crash before it has them published again after the
+        # restart, which their message ids (dead:<stream>:<seq>) make harmless.
         for d, exc in failed:
             reason = (
                 f"cannot be stored: {exc}"
@@ -230,6 +241,14 @@ class Projector:
                 else f"projection rule error: {exc!r}"
             )
             await consumer.dead_letter(d.msg, reason)
+        if failed:
+            _crash_point("after-dead-letters")
+        async with self._engine.begin() as conn:
+            await write_changes(conn, changes)
+            await write_counts(conn, self.name, EVENTS_STREAM, counts)
+            await write_offset(conn, self.name, EVENTS_STREAM, last_seq, self.applied_seq)
+        self.applied_seq = last_seq
+        self.counts.update(counts)
         failed_msgs = {id(d.msg) for d, _ in failed}
         for d in batch:
             if id(d.msg) not in failed_msgs:
