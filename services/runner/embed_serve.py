@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from bus.events import EmbeddingsRequested, TaskCompleted, TaskStarted, Timings, Usage
 from bus.subjects import model_embeddings_filter
 from bus.vectors import Vectors
+from services.runner.claim import Claim
 from services.runner.embedding import Embedder, computed_events, cut, embedding_inputs
 from services.runner.engines.base import EngineBroken
 from services.runner.generation import InvalidRequest
@@ -38,7 +39,7 @@ class EmbeddingServer(TaskPuller):
         model = self._me.model_id
         return embeddings_consumer_name(model), model_embeddings_filter(model)
 
-    async def serve_pulled(self, task: Pulled) -> bool:
+    async def serve_pulled(self, task: Pulled, claim: Claim) -> bool:
         if not isinstance(task, EmbeddingsRequested):
             return False
         # Cancelled while it waited (its client went away): the vectors are for no one. (A
@@ -46,10 +47,10 @@ class EmbeddingServer(TaskPuller):
         if await self._logged(task, "TaskCancelled"):
             log.info("embeddings task %s was cancelled before it started", task.task_id)
             return False
-        await self.serve(task)
+        await self.serve(task, claim)
         return True
 
-    async def serve(self, task: EmbeddingsRequested) -> None:
+    async def serve(self, task: EmbeddingsRequested, claim: Claim) -> None:
         received = time.perf_counter()
         me = self._me
         started = TaskStarted(task_id=task.task_id, model_id=task.model_id, origin=me.node_id,
@@ -63,6 +64,7 @@ class EmbeddingServer(TaskPuller):
                 tokens, vectors = await computing
             finally:
                 await asyncio.gather(self._events.publish(started), self.report_running())
+                await claim.done()
             for event in computed_events(task, vectors, me.node_id, time.time()):
                 await self._chunks.publish(event)
             await self._chunks.flush()

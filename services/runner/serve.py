@@ -5,10 +5,11 @@ task only when it is free, so a task goes to one runner and an idle runner takes
 An embed instance's runners pull ``EmbeddingsRequested`` through a consumer of their own
 (``embeddings-<model>``, ``embed_serve.py``), so that chat and embed runners of one model
 never take each other's tasks.
-A task is acked when it is started: it is served at most once. A runner that dies
-mid-generation has its tasks continued (``services/resume.py``, by its worker or a planner): each
-comes again as a ``TaskCreated`` with ``resume``, and the runner that takes it goes on after
-the tokens already published, at the next chunk index.
+A task is acked once its TaskStarted is stored (``claim.py``): a runner lost before that leaves
+it to be delivered again. A runner that dies mid-generation has its tasks continued
+(``services/resume.py``, by its worker or a planner): each comes again as a ``TaskCreated``
+with ``resume``, and the runner that takes it goes on after the tokens already published, at
+the next chunk index.
 """
 
 from __future__ import annotations
@@ -45,11 +46,14 @@ from bus.events import (
     TaskStarted,
     Timings,
     Usage,
+    utc_now,
 )
 from bus.publisher import ChunkPublisher, Publisher
 from bus.puller import ConsumerGone
 from bus.streams import EVENTS_STREAM
 from bus.subjects import escape_token, event_subject, model_tasks_filter
+from services.resume import continuation, describe, message_id, read_logged
+from services.runner.claim import ACK_WAIT_S, Claim, Seen, redelivered
 from services.runner.decoding import PromptCached, PromptScores, Token
 from services.runner.engines.base import Engine, EngineBroken, Pushes
 from services.runner.generation import (
@@ -240,9 +244,10 @@ class TaskPuller(ABC):
         """The durable consumer and its filter."""
 
     @abstractmethod
-    async def serve_pulled(self, task: Pulled) -> bool:
+    async def serve_pulled(self, task: Pulled, claim: Claim) -> bool:
         """Serve one request pulled (of the kind this puller serves); whether it was (not: a
-        request of another kind, or cancelled before it started)."""
+        request of another kind, or cancelled before it started). ``claim.done()`` once its
+        TaskStarted is stored (else it is acked when this returns)."""
 
     async def start(self) -> None:
         """Bind to the model's task consumer. Done before the runner reports Ready, so that a
@@ -255,7 +260,7 @@ class TaskPuller(ABC):
             filter_subject=filter_subject,
             # Tasks from before any runner of the model existed were answered 503 by the API.
             deliver_policy=DeliverPolicy.NEW,
-            ack_wait=30.0,
+            ack_wait=ACK_WAIT_S,
         )
         await self._consumer.start()
 
@@ -280,22 +285,26 @@ class TaskPuller(ABC):
                     await self._remake_consumer(stop)
                     continue
                 for d in delivered:
-                    await d.ack()
-                    if isinstance(d.event, Pulled) and not await self._taken(d):
-                        serving.add(asyncio.create_task(self._serve_one(d.event)))
+                    if isinstance(d.event, Pulled) and not await self._left(d):
+                        serving.add(asyncio.create_task(self._serve_one(d)))
+                    else:
+                        await d.ack()
         finally:
             if serving:
                 await asyncio.wait(serving)
             await self._consumer.stop()
         _reap(serving)
 
-    async def _serve_one(self, task: Pulled) -> None:
+    async def _serve_one(self, d: Delivered) -> None:
+        assert isinstance(d.event, Pulled)
+        task, claim = d.event, Claim(d)
         self._busy += 1
         self._current.begin(task)
         try:
-            if await self.serve_pulled(task):
+            if await self.serve_pulled(task, claim):
                 self.served += 1
         finally:
+            await claim.done()
             self._current.end(task)
             self._busy -= 1
             if self._busy == 0 and self._reported_running:
@@ -308,20 +317,32 @@ class TaskPuller(ABC):
             self._reported_running = True
             await self._state.report("Running")
 
-    async def _taken(self, d: Delivered) -> bool:
-        """Whether a task delivered again was taken already: its ack was lost (the consumer's
-        leader lost in a cluster), and its runner went on with it. Served again, the client
-        would have got one answer and the log two. Only redeliveries pay for the look."""
-        assert isinstance(d.event, Pulled)
+    async def _left(self, d: Delivered) -> bool:
+        """Whether a task JetStream delivered again is not to be served (claim.py). Only
+        redeliveries pay for the look. One whose runner was lost before it said so goes on
+        from the log: its continuation is published, and served as any task."""
+        task = d.event
+        assert isinstance(task, Pulled)
         if d.msg.metadata.num_delivered <= 1:
             return False
-        # A continuation's TaskStarted may be the lost runner's, from before it.
-        started = () if isinstance(d.event, TaskCreated) and d.event.resume else ("TaskStarted",)
-        if not await self._logged(d.event, *started, "TaskCompleted", "TaskFailed",
-                                  "TaskCancelled"):  # fmt: skip
-            return False
-        log.warning("task %s came again, but it was taken already: not served twice",
-                    d.event.task_id)  # fmt: skip
+        seen = Seen(
+            this=d.stream_seq,
+            latest_request=await self._last_seq(task, task.type),
+            started=await self._last_seq(task, "TaskStarted"),
+            ended=any([await self._last_seq(task, kind) > 0
+                       for kind in ("TaskCompleted", "TaskFailed", "TaskCancelled")]),
+        )  # fmt: skip
+        why = redelivered(seen)
+        if why != "lost":
+            log.warning("task %s came again, but it was %s: not served twice", task.task_id, why)
+            return True
+        if not isinstance(task, TaskCreated):
+            return False  # an embeddings request has nothing to go on from: served again
+        logged = await read_logged(self._js, task.task_id, task.model_id)
+        outcome = continuation(logged, runner_id="", origin=self._me.node_id, at=utc_now(),
+                               cause="was lost before it started it")  # fmt: skip
+        await self._events.publish(outcome, msg_id=message_id(outcome))
+        log.info("task %s came again (its runner was lost): %s", task.task_id, describe(outcome))
         return True
 
     async def _remake_consumer(self, stop: asyncio.Event) -> None:
@@ -337,14 +358,15 @@ class TaskPuller(ABC):
 
     async def _logged(self, task: Pulled, *kinds: str) -> bool:
         """Whether the log holds an event of one of these kinds for ``task``."""
-        for kind in kinds:
-            try:
-                subject = event_subject("task", (task.model_id, task.task_id), kind)
-                await self._js.get_last_msg(EVENTS_STREAM, subject)
-                return True
-            except NotFoundError:
-                pass
-        return False
+        return any([await self._last_seq(task, kind) > 0 for kind in kinds])
+
+    async def _last_seq(self, task: Pulled, kind: str) -> int:
+        """The stream sequence of ``task``'s latest event of this kind; 0 if it has none."""
+        subject = event_subject("task", (task.model_id, task.task_id), kind)
+        try:
+            return (await self._js.get_last_msg(EVENTS_STREAM, subject)).seq or 0
+        except NotFoundError:
+            return 0
 
     async def _fail(self, task: Pulled, error: str) -> None:
         await self._events.publish(
@@ -372,13 +394,13 @@ class TaskServer(TaskPuller):
         model = self._me.model_id
         return tasks_consumer_name(model), model_tasks_filter(model)
 
-    async def serve_pulled(self, task: Pulled) -> bool:
+    async def serve_pulled(self, task: Pulled, claim: Claim) -> bool:
         if not isinstance(task, TaskCreated):
             return False
-        await self.serve(task)
+        await self.serve(task, claim)
         return True
 
-    async def serve(self, task: TaskCreated) -> None:
+    async def serve(self, task: TaskCreated, claim: Claim) -> None:
         received = time.perf_counter()
         me = self._me
         cancelled = asyncio.Event()
@@ -407,6 +429,7 @@ class TaskServer(TaskPuller):
 
         async def announce() -> None:
             await asyncio.gather(self._events.publish(started), self.report_running())
+            await claim.done()
 
         announced = asyncio.ensure_future(after_first(announce))
         already = asyncio.ensure_future(after_first(lambda: self._was_cancelled(task, cancelled)))

