@@ -1,7 +1,7 @@
 """Serving through a 3-server NATS cluster (JetStream replicas 3) while one server is lost.
 
 Projector, planner and a worker (SmolLM2 on llama.cpp) are on server n0; three `shoal api`
-processes are each on a different server first, all given every server's URL. 200 streamed
+processes are each on a different server first, all given every server's URL. 120 streamed
 chat requests are spread over the APIs, and partway the server n1 is killed, after being made
 the leader of both streams and of the task and projector consumers (the hardest place to lose).
 
@@ -54,9 +54,9 @@ from tests.services.processes import SHOAL, Processes
 
 pytestmark = pytest.mark.slow
 
-REQUESTS = 200
+REQUESTS = 120
 CONCURRENCY = 8
-LOSE_AFTER = 60  # requests finished before the server is lost
+LOSE_AFTER = 40  # requests finished before the server is lost
 VICTIM = 1
 
 
