@@ -11,6 +11,7 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from bus.object_store import bucket_config
 from bus.subjects import CHUNKS_PREFIX, DEADLETTER_PREFIX, EVENTS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,9 @@ log = logging.getLogger(__name__)
 EVENTS_STREAM = "SHOAL_EVENTS"
 CHUNKS_STREAM = "SHOAL_CHUNKS"
 DEADLETTER_STREAM = "SHOAL_DEADLETTER"
+# The object store bucket that holds model weights, replicated as the streams are (its stream
+# is OBJ_SHOAL_MODELS; bus/object_store.py has the layout).
+MODELS_BUCKET = "SHOAL_MODELS"
 
 DAY = 24 * 3600.0
 
@@ -140,14 +144,25 @@ def stream_configs(settings: StreamSettings) -> list[StreamConfig]:
     ]
 
 
-_COMPARED = ("subjects", "max_age", "max_bytes", "duplicate_window", "num_replicas")
+_COMPARED: tuple[str, ...] = (
+    "subjects",
+    "max_age",
+    "max_bytes",
+    "duplicate_window",
+    "num_replicas",
+)
+# A bucket's stream follows the settings in its replicas only (it keeps files, not a log).
+_BUCKET_COMPARED: tuple[str, ...] = ("subjects", "num_replicas")
 
 
 async def ensure_streams(js: JetStreamContext, settings: StreamSettings | None = None) -> None:
-    """Create missing streams (with ``settings``, or the defaults). Given ``settings``, also
-    update existing streams that differ; without, leave them as they are. Safe to call from
-    every process at every start."""
-    for wanted in stream_configs(settings or StreamSettings()):
+    """Create missing streams and the models bucket (with ``settings``, or the defaults).
+    Given ``settings``, also update existing ones that differ; without, leave them as they
+    are. Safe to call from every process at every start."""
+    chosen = settings or StreamSettings()
+    wanted_all = [(c, _COMPARED) for c in stream_configs(chosen)]
+    wanted_all.append((bucket_config(MODELS_BUCKET, chosen.replicas), _BUCKET_COMPARED))
+    for wanted, compared in wanted_all:
         assert wanted.name is not None
         try:
             current = (await js.stream_info(wanted.name)).config
@@ -156,7 +171,7 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings | None =
             log.info("created stream %s", wanted.name)
             continue
         if settings is not None and any(
-            getattr(current, f) != getattr(wanted, f) for f in _COMPARED
+            getattr(current, f) != getattr(wanted, f) for f in compared
         ):
             await js.update_stream(wanted)
             log.info("updated stream %s", wanted.name)

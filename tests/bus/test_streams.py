@@ -11,12 +11,14 @@ from nats.js.api import RetentionPolicy, StorageType
 from nats.js.errors import NotFoundError
 
 from bus.events import ChunkGenerated, NodeJoined
+from bus.object_store import object_stream
 from bus.publisher import Publisher
 from bus.streams import (
     CHUNKS_STREAM,
     DAY,
     DEADLETTER_STREAM,
     EVENTS_STREAM,
+    MODELS_BUCKET,
     StreamSettings,
     StreamSettingsError,
     ensure_streams,
@@ -26,17 +28,35 @@ from bus.streams import (
 )
 
 ALL_STREAMS = (EVENTS_STREAM, CHUNKS_STREAM, DEADLETTER_STREAM)
+# The models bucket's stream, made with them.
+BUCKET_STREAM = object_stream(MODELS_BUCKET)
 
 
-async def test_creates_the_three_streams(nc: Client, caplog: pytest.LogCaptureFixture) -> None:
+async def test_creates_the_three_streams_and_the_bucket(
+    nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
     js = nc.jetstream()
     for name in ALL_STREAMS:
         with pytest.raises(NotFoundError):
             await js.stream_info(name)
     with caplog.at_level(logging.INFO, logger="bus.streams"):
         await ensure_streams(js)
-    assert {s.config.name for s in await js.streams_info()} == set(ALL_STREAMS)
-    assert sum("created stream" in r.getMessage() for r in caplog.records) == 3
+    assert {s.config.name for s in await js.streams_info()} == {*ALL_STREAMS, BUCKET_STREAM}
+    assert sum("created stream" in r.getMessage() for r in caplog.records) == 4
+    # nats-py's own object store client sees it as a bucket.
+    status = await (await js.object_store(MODELS_BUCKET)).status()
+    assert status.bucket == MODELS_BUCKET and status.replicas == 1
+
+
+async def test_the_bucket_follows_the_replicas_setting_only(
+    js: JetStreamContext, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="bus.streams"):
+        await ensure_streams(js, StreamSettings(duplicate_window=300.0))
+    updated = [r.getMessage() for r in caplog.records if "updated stream" in r.getMessage()]
+    assert f"updated stream {BUCKET_STREAM}" not in updated
+    bucket = (await js.stream_info(BUCKET_STREAM)).config
+    assert bucket.num_replicas == 1 and bucket.allow_rollup_hdrs and bucket.allow_direct
 
 
 async def test_events_stream_config(js: JetStreamContext) -> None:
@@ -94,7 +114,7 @@ async def test_second_call_is_a_noop(
         assert after.created == before[name].created
         assert after.config == before[name].config
         assert after.state.messages == before[name].state.messages
-    assert len(await js.streams_info()) == 3
+    assert len(await js.streams_info()) == 4  # with the models bucket
 
 
 async def test_changed_settings_update_the_streams(
