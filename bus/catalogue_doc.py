@@ -28,6 +28,7 @@ from bus.events import (
     ToolChoice,
     TopLogprob,
     Usage,
+    WeightFile,
 )
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 
@@ -36,6 +37,7 @@ RECORDS: tuple[type[BaseModel], ...] = (
     GpuInfo,
     NetworkInterface,
     ShardAssignment,
+    WeightFile,
     ChatMessage,
     ToolCall,
     Tool,

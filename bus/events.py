@@ -293,6 +293,21 @@ class ResourceProfiled(_NodeEvent):
 # --- models -------------------------------------------------------------------------------
 
 
+class WeightFile(Record):
+    """One file of a model's weights, held in the models bucket (``bus.streams.MODELS_BUCKET``)."""
+
+    name: str = Field(
+        min_length=1,
+        description="Its path in the model's directory: 'model.gguf', 'config.json',"
+        " 'model-00001-of-00002.safetensors'.",
+    )
+    object: str = Field(min_length=1, description="The object holding it in the models bucket.")
+    size: int = Field(ge=0, description="Bytes.")
+    sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the file, hex (the object's digest)."
+    )
+
+
 class ModelAdded(EventBase):
     """A model became known to the cluster, with what placement needs to know."""
 
@@ -306,12 +321,26 @@ class ModelAdded(EventBase):
     engines: list[str] = Field(default_factory=lambda: ["llamacpp"])
     chat_format: str | None = None
     source: str = Field(default="", description="Where the weights come from (package, repo).")
-    path: str | None = None
+    path: str | None = Field(
+        default=None,
+        description="The weights on the disk of `node_id` (or of every node, in"
+        " a log from before `files`): a GGUF file or an MLX directory.",
+    )
     kv_bytes_per_token: int = Field(
         default=0, description="KV cache per token of context, all layers (f16)."
     )
     overhead_bytes: int = Field(
         default=0, description="Engine memory beyond weights and KV cache, per runner."
+    )
+    files: list[WeightFile] = Field(
+        default_factory=list,
+        description="The weights in the models bucket, fetched by each node that runs a shard"
+        " of the model. Empty: they are at `path` (added with --local, or before the bucket).",
+    )
+    node_id: str | None = Field(
+        default=None,
+        description="The node whose disk holds `path` (added with --local): the only one that"
+        " serves the model. None: any node.",
     )
 
 

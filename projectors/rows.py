@@ -73,6 +73,8 @@ class ModelRow:
     added_at: datetime | None = None
     kv_bytes_per_token: int = 0
     overhead_bytes: int = 0
+    files: JsonList | None = None  # [WeightFile] in the models bucket; None: the weights at path
+    node_id: str | None = None  # the only node that serves it (--local); None: any
 
     def key(self) -> tuple[str]:
         return (self.model_id,)

@@ -214,6 +214,9 @@ def _model_added(state: ClusterState, e: ModelAdded) -> list[Change]:
         added_at=e.ts,
         kv_bytes_per_token=e.kv_bytes_per_token,
         overhead_bytes=e.overhead_bytes,
+        # None rather than [] when there are none: the row of an event from before the bucket.
+        files=[f.model_dump() for f in e.files] or None,
+        node_id=e.node_id,
     )
     return [Put(row)]
 

@@ -100,6 +100,8 @@ models = Table(
     Column("added_at", UtcDateTime),
     Column("kv_bytes_per_token", BigInteger, nullable=False),
     Column("overhead_bytes", BigInteger, nullable=False),
+    Column("files", JSON),
+    Column("node_id", String(200)),
 )
 
 instances = Table(

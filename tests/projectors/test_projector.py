@@ -65,7 +65,7 @@ def test_rows_and_tables_have_the_same_columns() -> None:
 async def test_migrations_create_exactly_the_tables(engine: AsyncEngine) -> None:
     await database.upgrade(engine)
     await database.upgrade(engine)  # idempotent
-    assert await database.current_revision(engine) == "0007"
+    assert await database.current_revision(engine) == "0009"
 
     def diff(conn: Connection) -> list[object]:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
