@@ -305,6 +305,7 @@ def _plan(result: Placement | Rejection) -> dict[str, Any]:
         "need_bytes_per_replica": result.need_bytes,
         "shards": [s.model_dump(exclude={"runner_id"}) | {"bytes": result.shard_bytes[s.runner_id]}
                    for s in result.shards],
+        "why": list(result.why),  # by replica: why it went where it did
     }  # fmt: skip
 
 

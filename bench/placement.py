@@ -8,7 +8,7 @@ state is built as the projection builds it, by folding real events with
 ``projectors.rules.fold`` (untimed):
 
 - N nodes (``NodeJoined`` + ``ResourceProfiled``) offering 8-128 GiB of RAM each, drawn at
-  random with a fixed seed; every fourth node also has 1-4 identical GPUs of 8-80 GiB;
+  random with a fixed seed; every fourth node also has 1-4 identical CUDA GPUs of 8-80 GiB;
 - the models (``ModelAdded``, Q4_K_M sizes; KV bytes per token from each model's layers, KV
   heads and head size at f16): Llama 3.2 1B (0.79 GiB, 16 layers), 3.2 3B (1.88 GiB, 28),
   3.1 8B (4.7 GiB, 32), 3.1 70B (40 GiB, 80), 3.1 405B (230 GiB, 126), and a made-up
@@ -19,14 +19,16 @@ state is built as the projection builds it, by folding real events with
   nodes, so that ``cluster_view`` has reservations to count.
 
 A second cluster of N smallish nodes (8-32 GiB, every fourth with 1-2 GPUs of 8-24 GiB), built
-the same way, is where the 70B model cannot fit one device and has to be split.
+the same way, is where the 70B model cannot fit one device and has to be split: over a node's
+GPUs and RAM where one node holds it, else over nodes.
 
 The cases (all requests at the default context, 2048 tokens):
 
 - place only, on a ``ClusterView`` built beforehand:
   ``fit-8b`` (auto, one device), ``split-70b`` (auto, split on the small cluster),
-  ``split-405b`` (auto, split over the biggest nodes), ``replicas-3`` (auto, the 8B three
-  times), ``manual-split`` (the 70B on the two roomiest devices, ``tensor_split`` [3, 1]),
+  ``split-405b`` (auto, split over the biggest node's GPUs, or over nodes), ``replicas-3``
+  (auto, the 8B three times), ``manual-split`` (the 70B on the roomiest CPU, a llama.cpp
+  pipeline's head, and the roomiest device of another node, ``tensor_split`` [3, 1]),
   ``manual-replicas`` (the 70B, 2 replicas over 4 devices, ``tensor_split`` [3, 1, 3, 1]),
   ``reject`` (the 16 TiB model: one of its layers is more than any device has, so the split
   gives up at the first node; what is timed is the scan, the sort and the wording of the

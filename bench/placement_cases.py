@@ -109,11 +109,32 @@ def fit_check(view: ClusterView, added: ModelAdded) -> Check:
     return check
 
 
+def node_holds(view: ClusterView, added: ModelAdded) -> list[str]:
+    """The nodes whose GPUs (as many layers as fit on each) and RAM (the rest) hold the model:
+    llama.cpp's way of spreading one runner over a node's devices."""
+    n = added.n_layers
+    by_node: dict[str, list[Device]] = {}
+    for d in view.devices.values():
+        by_node.setdefault(d.node_id, []).append(d)
+
+    def layers_on(d: Device) -> int:
+        return max((k for k in range(1, n + 1) if need_of(added, k) <= d.usable), default=0)
+
+    return [
+        node_id
+        for node_id, devices in by_node.items()
+        if any(d.kind == "gpu" for d in devices) and sum(map(layers_on, devices)) >= n
+    ]
+
+
 def split_check(view: ClusterView, added: ModelAdded) -> Check:
     require(
         not any(d.usable >= need_of(added) for d in view.devices.values()),
         f"{added.model_id} fits one device: the case would not time a split",
     )
+    nodes = node_holds(view, added)
+    if nodes:
+        return spread_check(view, added, nodes)
     k = fewest_nodes(view, added)
 
     def check(result: object) -> str:
@@ -126,6 +147,26 @@ def split_check(view: ClusterView, added: ModelAdded) -> Check:
             share = need_of(added, s.end_layer - s.start_layer)
             require(share <= view.devices[ref(s)].usable, f"{ref(s)} cannot hold its share")
         return f"split, {k} nodes"
+
+    return check
+
+
+def spread_check(view: ClusterView, added: ModelAdded, nodes: list[str]) -> Check:
+    """One node holds the model across its devices: one runner, layers on its GPUs and RAM."""
+
+    def check(result: object) -> str:
+        p = a_placement(result)
+        require(len(p.shards) == 1, f"expected one runner, got {len(p.shards)}")
+        (s,) = p.shards
+        require(s.node_id in nodes, f"on {s.node_id}, which cannot hold it")
+        require(len(s.devices) > 1, "one runner on one device: no split between devices")
+        require(sum(d.layers for d in s.devices) == added.n_layers, "layers missing")
+        for part in s.devices:
+            share = need_of(added, part.layers)
+            dev = view.devices[f"{s.node_id}:{part.device}"]
+            require(share <= dev.usable, f"{dev.ref} cannot hold its share")
+        check_layers(p, added.n_layers)
+        return f"one node, {len(s.devices)} devices"
 
     return check
 
@@ -202,7 +243,7 @@ def decide_check() -> Check:
             m, replicas = wanted[e.instance_id]
             require({s.replica for s in e.shards} == set(range(replicas)), "replicas missing")
             require(all(s.n_layers == m.n_layers for s in e.shards), "wrong model")
-            split = any(s.world_size > 1 for s in e.shards)
+            split = any(s.world_size > 1 or s.devices for s in e.shards)
             require(split or m is not LLAMA_405B, "the 405B was not split")
             splits += split
         return f"{len(placed)} placed ({splits} split)"
@@ -236,8 +277,22 @@ CASE_NAMES = (
 )
 
 
-def roomiest(view: ClusterView, count: int) -> list[Device]:
-    return sorted(view.devices.values(), key=lambda d: (-d.usable, d.ref))[:count]
+def roomiest(view: ClusterView, count: int, *, cpu: bool = False) -> list[Device]:
+    """The roomiest devices (CPUs only, with ``cpu``), one per node."""
+    chosen: list[Device] = []
+    for d in sorted(view.devices.values(), key=lambda d: (-d.usable, d.ref)):
+        if (not cpu or d.kind == "cpu") and all(c.node_id != d.node_id for c in chosen):
+            chosen.append(d)
+    return chosen[:count]
+
+
+def heads_and_tails(view: ClusterView, count: int) -> tuple[list[Device], list[Device]]:
+    """``count`` roomiest CPUs (a llama.cpp pipeline's head keeps its layers in RAM), and the
+    roomiest device on ``count`` other nodes."""
+    heads = roomiest(view, count, cpu=True)
+    taken = {d.node_id for d in heads}
+    others = [d for d in roomiest(view, len(view.devices)) if d.node_id not in taken]
+    return heads, others[:count]
 
 
 def ask(
@@ -251,12 +306,13 @@ def cases_for(c: Cluster) -> list[Case]:
     n70 = LLAMA_70B.n_layers
     big, second = (n70 * 3 // 4, n70 - n70 * 3 // 4)  # tensor_split [3, 1]
 
-    d = roomiest(v, 2)
+    (head,), (tail,) = heads_and_tails(v, 1)
+    d = [head, tail]
     two = json.dumps({"chat": {"devices": [x.ref for x in d], "tensor_split": [3, 1]}})
     two_expected = [(0, d[0].ref, big), (0, d[1].ref, second)]
 
-    r = roomiest(v, 4)
-    four = [r[0], r[3], r[1], r[2]]  # the two roomiest take the larger shares
+    heads, tails = heads_and_tails(v, 2)
+    four = [heads[0], tails[1], heads[1], tails[0]]  # the heads take the larger shares
     spec = {"devices": [x.ref for x in four], "tensor_split": [3, 1, 3, 1], "replicas": 2}
     four_expected = [
         (0, four[0].ref, big),

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from bus.events import (
+    Accelerator,
     Event,
-    GpuInfo,
     InstancePlaced,
     InstanceRequested,
     ModelAdded,
@@ -141,8 +141,15 @@ def node_events(spec: NodeSpec) -> list[Event]:
         cpu_count=16,
         cpu_model="x86_64",
         memory_offered=spec.offered,
-        gpus=[
-            GpuInfo(index=g, name=f"GPU {m // GiB} GiB", memory_total=m, memory_used=0)
+        accelerators=[
+            Accelerator(
+                backend="cuda",
+                index=g,
+                name=f"GPU {m // GiB} GiB",
+                memory_total=m,
+                memory_free=m,
+                engines=["llamacpp"],
+            )
             for g, m in enumerate(spec.gpus)
         ],
     )
@@ -182,7 +189,7 @@ def background_events(nodes: Sequence[NodeSpec]) -> list[Event]:
             ]
         else:
             on_gpu = bool(a.gpus) and need_of(m) <= a.gpus[0] * 9 // 10
-            device = "gpu0" if on_gpu else "cpu"
+            device = "cuda0" if on_gpu else "cpu"
             shards = [shard(f"{iid}-g1-r0-s0", a.node_id, device, (0, n), n, 0)]
         events.append(
             InstanceRequested(instance_id=iid, model_id=m.model_id, origin="cli", ts=at(1))

@@ -13,7 +13,9 @@ from pydantic_core import PydanticUndefined
 
 from bus.events import (
     EVENT_TYPES,
+    Accelerator,
     ChatMessage,
+    DeviceLayers,
     GpuInfo,
     NetworkInterface,
     NodeProfile,
@@ -34,9 +36,11 @@ from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 
 RECORDS: tuple[type[BaseModel], ...] = (
     NodeProfile,
+    Accelerator,
     GpuInfo,
     NetworkInterface,
     ShardAssignment,
+    DeviceLayers,
     WeightFile,
     ChatMessage,
     ToolCall,

@@ -101,6 +101,41 @@ class GpuInfo(Record):
     utilisation: float | None = Field(default=None, description="Percent, 0-100.")
 
 
+# The backends through which an engine runs on an accelerator (llama.cpp's CUDA, ROCm (HIP),
+# Metal, Vulkan and SYCL; MLX's Metal and CUDA). A device is named by its backend and its
+# index among that backend's devices: 'cuda0', 'metal0'.
+AcceleratorBackend = Literal["cuda", "rocm", "metal", "vulkan", "sycl"]
+ACCELERATOR_BACKENDS: tuple[AcceleratorBackend, ...] = get_args(AcceleratorBackend)
+
+
+class Accelerator(Record):
+    """A GPU (or other accelerator) with memory of its own, as its node's engines see it."""
+
+    backend: AcceleratorBackend
+    index: int = Field(ge=0, description="Its position among the backend's devices (CUDA1: 1).")
+    name: str = ""
+    memory_total: int = Field(
+        description="Bytes the device can hold: the card's memory; for memory shared with the"
+        " CPU (Apple silicon), the GPU's recommended working set."
+    )
+    memory_free: int | None = Field(default=None, description="Bytes free when profiled.")
+    unified: bool = Field(
+        default=False, description="Its memory is the node's RAM (Apple silicon, an iGPU)."
+    )
+    compute_capability: str | None = Field(default=None, description="NVIDIA's, e.g. '9.0'.")
+    utilisation: float | None = Field(default=None, description="Percent, 0-100.")
+    engines: list[str] = Field(
+        default_factory=list,
+        description="The engines on this node that can run on it (llamacpp, mlx); none: seen"
+        " (by NVML) but not usable, e.g. llama.cpp built without CUDA.",
+    )
+
+    @property
+    def device(self) -> str:
+        """The device's name on its node: 'cuda0', 'metal0'."""
+        return f"{self.backend}{self.index}"
+
+
 class NetworkInterface(Record):
     name: str
     addresses: list[str] = Field(default_factory=list)
@@ -119,7 +154,21 @@ class NodeProfile(Record):
     disk_free: int = Field(default=0, description="Bytes free where models live.")
     memory_offered: int = Field(description="Bytes this node offers to placement.")
     interfaces: list[NetworkInterface] = Field(default_factory=list)
-    gpus: list[GpuInfo] = Field(default_factory=list)
+    gpus: list[GpuInfo] = Field(
+        default_factory=list,
+        description="NVIDIA GPUs as workers before `accelerators` reported them (device"
+        " 'gpuN'); a newer worker reports every GPU in `accelerators` and none here.",
+    )
+    accelerators: list[Accelerator] = Field(
+        default_factory=list, description="Every accelerator the node has, with its memory."
+    )
+
+
+class DeviceLayers(Record):
+    """How many of a shard's layers one device of its node holds."""
+
+    device: str = Field(description="'cpu', or an accelerator: 'cuda0', 'metal0'...")
+    layers: int = Field(ge=1)
 
 
 class ShardAssignment(Record):
@@ -127,7 +176,17 @@ class ShardAssignment(Record):
 
     runner_id: Id
     node_id: Id
-    device: str = Field(default="cpu", description="'cpu' or 'gpuN' on that node.")
+    device: str = Field(
+        default="cpu",
+        description="'cpu' or an accelerator on that node: the one that holds"
+        " the shard, or with `devices`, its first accelerator (llama.cpp's main GPU).",
+    )
+    devices: list[DeviceLayers] = Field(
+        default_factory=list,
+        description="The shard's layers divided between devices of its node, in layer order"
+        " (llama.cpp keeps the first layers on the CPU and offloads the rest); empty: all on"
+        " `device`.",
+    )
     replica: int = 0
     rank: int = Field(default=0, description="Position in the pipeline; 0 is the head.")
     world_size: int = 1

@@ -47,12 +47,17 @@ class NodeRow:
 class DeviceRow:
     TABLE: ClassVar[str] = "devices"
     node_id: str
-    device: str  # 'cpu' or 'gpuN'
+    device: str  # 'cpu', an accelerator ('cuda0', 'metal0'), or 'gpuN' from older workers
     kind: str  # cpu | gpu
     name: str = ""
     memory_total: int = 0
     memory_used: int = 0
     utilisation: float | None = None
+    backend: str | None = None  # an accelerator's (cuda, metal...); None: the CPU, or a gpuN
+    memory_free: int | None = None
+    unified: bool = False  # an accelerator whose memory is the node's RAM
+    compute_capability: str | None = None
+    engines: JsonList | None = None  # engines that can run on it; None: any (cpu, gpuN)
 
     def key(self) -> tuple[str, str]:
         return (self.node_id, self.device)
@@ -123,6 +128,7 @@ class RunnerRow:
     end_layer: int = 0
     n_layers: int = 0
     tensor_split: JsonList | None = None
+    devices: JsonList | None = None  # [{device, layers}] across the node's devices; None: device
     progress: float | None = None
     error: str | None = None
     exit_code: int | None = None
@@ -143,7 +149,7 @@ class RunnerRow:
             runner_id=self.runner_id, node_id=self.node_id, device=self.device,
             replica=self.replica, rank=self.rank, world_size=self.world_size,
             start_layer=self.start_layer, end_layer=self.end_layer, n_layers=self.n_layers,
-            tensor_split=self.tensor_split,
+            tensor_split=self.tensor_split, devices=self.devices or [],
         )  # fmt: skip
 
 

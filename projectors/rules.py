@@ -165,7 +165,24 @@ def _device_rows(node_id: str, p: NodeProfile) -> list[DeviceRow]:
         )
         for g in p.gpus
     ]
-    return [cpu, *gpus]
+    accelerators = [
+        DeviceRow(
+            node_id=node_id,
+            device=a.device,
+            kind="gpu",
+            name=a.name,
+            memory_total=a.memory_total,
+            memory_used=a.memory_total - a.memory_free if a.memory_free is not None else 0,
+            utilisation=a.utilisation,
+            backend=a.backend,
+            memory_free=a.memory_free,
+            unified=a.unified,
+            compute_capability=a.compute_capability,
+            engines=list(a.engines),
+        )
+        for a in p.accelerators
+    ]
+    return [cpu, *gpus, *accelerators]
 
 
 def _resource_profiled(state: ClusterState, e: ResourceProfiled) -> list[Change]:
@@ -283,6 +300,7 @@ def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
             end_layer=s.end_layer,
             n_layers=s.n_layers,
             tensor_split=list(s.tensor_split) if s.tensor_split is not None else None,
+            devices=[d.model_dump() for d in s.devices] or None,
             updated_at=e.ts,
         )
         before = kept.pop(s.runner_id, None)
@@ -295,7 +313,7 @@ def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
 
 def _same_shard(a: RunnerRow, b: RunnerRow) -> bool:
     fields = ("instance_id", "node_id", "device", "replica", "rank", "world_size",
-              "start_layer", "end_layer", "n_layers", "tensor_split")  # fmt: skip
+              "start_layer", "end_layer", "n_layers", "tensor_split", "devices")  # fmt: skip
     return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Dialect,
@@ -19,6 +20,7 @@ from sqlalchemy import (
     Table,
     Text,
     TypeDecorator,
+    false,
 )
 
 
@@ -83,6 +85,11 @@ devices = Table(
     Column("memory_total", BigInteger, nullable=False),
     Column("memory_used", BigInteger, nullable=False),
     Column("utilisation", Float),
+    Column("backend", String(20)),
+    Column("memory_free", BigInteger),
+    Column("unified", Boolean, nullable=False, server_default=false()),
+    Column("compute_capability", String(20)),
+    Column("engines", JSON),
 )
 
 models = Table(
@@ -152,6 +159,7 @@ runners = Table(
     Column("updated_at", UtcDateTime),
     Column("failure_times", JSON),
     Column("slots", Integer),
+    Column("devices", JSON),
 )
 
 tasks = Table(

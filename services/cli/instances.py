@@ -182,12 +182,20 @@ def describe(result: Placement | Rejection, model_id: str) -> str:
         f" {result.context_length} tokens, {result.slots} slot{'s' if result.slots > 1 else ''},"
         f" {gib(result.need_bytes)} per replica"
     ]
-    for s in result.shards:
+    for i, s in enumerate(result.shards):
         lines.append(
             f"  replica {s.replica} rank {s.rank}/{s.world_size}  {s.node_id}:{s.device}"
             f"  layers {s.start_layer}-{s.end_layer - 1} ({s.end_layer - s.start_layer})"
             f"  {gib(result.shard_bytes[s.runner_id])}"
         )
+        start = s.start_layer
+        for part in s.devices:  # one runner across several devices of its node
+            end = start + part.layers - 1
+            lines.append(f"    {s.node_id}:{part.device}  layers {start}-{end} ({part.layers})")
+            start = end + 1
+        last = i + 1 == len(result.shards) or result.shards[i + 1].replica != s.replica
+        if last and s.replica < len(result.why):
+            lines.append(f"    why: {result.why[s.replica]}")
     return "\n".join(lines)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,8 +16,7 @@ from rich.table import Table
 
 from bus.connection import connect
 from bus.events import ModelAdded
-from bus.publisher import Publisher
-from bus.streams import StreamSettings, ensure_streams
+from bus.streams import MODELS_BUCKET, StreamSettings, ensure_streams
 from services.cli.options import DEFAULT_NATS, NatsUrl, default_data_dir
 from services.models.cards import (
     ENGINES,
@@ -149,14 +147,33 @@ def add(
         typer.Option(help="llama-cpp-python chat format [default: the GGUF's chat template]."),
     ] = None,
     family: Annotated[str | None, typer.Option(help="Model family, e.g. 'qwen2'.")] = None,
+    local: Annotated[
+        bool,
+        typer.Option(
+            "--local",
+            help="Keep the weights where they are instead of storing them in the models bucket:"
+            " only this machine's node (--node) serves the model.",
+        ),
+    ] = False,
+    node: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NODE",
+            help="With --local: the node whose disk has the weights [default: the worker of"
+            " this machine's data dir].",
+            show_default=False,
+        ),
+    ] = None,
     nats: NatsUrl = DEFAULT_NATS,
     cache_dir: CacheDir = None,
 ) -> None:
-    """Make a model known to the cluster (publishes ModelAdded).
+    """Make a model known to the cluster: its weights go into the models bucket, from which
+    every node that runs a shard of it fetches them (publishes ModelAdded).
 
-    With neither --path nor --hf, ID must be a built-in card (see `shoal models list`)."""
+    With neither --path nor --hf, ID must be a catalogue card (see `shoal models list`)."""
     from services.models.metadata import GgufError
     from services.models.resolve import ModelUnavailable
+    from services.models.shared import WeightsUnavailable
 
     if path is not None and hf is not None:
         _fail("give --path or --hf, not both")
@@ -164,6 +181,9 @@ def add(
         _fail("--hf REPO needs --file FILENAME (and --file goes with --hf)")
     if engine is not None and engine not in ENGINES:
         _fail(f"unknown engine {engine!r}: choose from {', '.join(ENGINES)}")
+    if node is not None and not local:
+        _fail("--node goes with --local (a shared model is served by any node)")
+    local_node = _local_node(node) if local else None
     try:
         card = _card(model_id, path, hf, file, revision, engine, chat_format, family)
     except UnknownModel as exc:
@@ -175,19 +195,39 @@ def add(
         try:
             js = nc.jetstream()
             await ensure_streams(js, StreamSettings.from_env())
-            return await publish_model(js, card, _cache_dir(cache_dir))
+            return await publish_model(js, card, _cache_dir(cache_dir), local_node=local_node)
         finally:
             await nc.close()
 
     try:
         event, weights, seq = asyncio.run(main())
-    except (ModelUnavailable, GgufError) as exc:
+    except (ModelUnavailable, GgufError, WeightsUnavailable) as exc:
         _fail(str(exc))
     typer.echo(
         f"added {event.model_id}: {event.n_layers} layers, context {event.context_length},"
         f" {_size(event.size_bytes)}, engines {','.join(event.engines)} (seq {seq})"
     )
-    typer.echo(f"  weights: {weights}")
+    if event.node_id is not None:
+        typer.echo(f"  weights: {weights}, served by node {event.node_id} only")
+    else:
+        names = ", ".join(f.name for f in event.files)
+        typer.echo(f"  weights: {names} in {MODELS_BUCKET} (from {weights})")
+
+
+def _local_node(node: str | None) -> str:
+    """The node a --local model is kept on: the one given, else this machine's worker."""
+    from services.worker.identity import stored_node_id
+
+    if node:
+        return node
+    # `shoal up` keeps its worker's data in <data dir>/worker.
+    for data_dir in (default_data_dir() / "worker", default_data_dir()):
+        if found := stored_node_id(data_dir):
+            return found
+    _fail(
+        "--local: no worker has run with this machine's data dir"
+        f" ({default_data_dir() / 'worker'}): give --node NODE (see `shoal state`)"
+    )
 
 
 async def publish_model(
@@ -195,35 +235,19 @@ async def publish_model(
     card: ModelCard,
     cache_dir: Path,
     on_progress: Callable[[float], None] | None = None,
+    *,
+    local_node: str | None = None,
 ) -> tuple[ModelAdded, Path, int]:
-    """Fetch the card's weights (if not here yet), read their facts, publish ``ModelAdded``.
-    ``on_progress`` gets fractions (from another thread); by default whole percents are printed.
-    Returns the event, the weights' path and the event's stream sequence."""
-    from services.models.metadata import ModelFacts, model_facts
-    from services.models.resolve import resolve_model
+    """``services.models.add.add_model``, showing progress: ``on_progress`` gets the fetch's
+    fractions and then the store's (from another thread); by default whole percents of each
+    are printed. Returns the event, the weights' path and the event's stream sequence."""
+    from services.models.add import add_model
 
-    def fetch() -> tuple[Path, ModelFacts]:
-        weights = resolve_model(card, cache_dir, on_progress or _progress_printer())
-        return weights, model_facts(weights, card.engines[0])
-
-    # In a thread, so that the connection keeps answering pings during a download.
-    weights, facts = await asyncio.to_thread(fetch)
-    event = ModelAdded(
-        origin=f"shoal-cli@{socket.gethostname()}",
-        model_id=card.id,
-        family=card.family,
-        n_layers=facts.n_layers,
-        context_length=facts.context_length,
-        size_bytes=facts.size_bytes,
-        kv_bytes_per_token=facts.kv_bytes_per_token,
-        overhead_bytes=facts.overhead_bytes,
-        engines=list(card.engines),
-        chat_format=card.chat_format,
-        source=card.source.label(),
-        path=str(weights),
-    )
-    ack = await Publisher(js).publish(event)
-    return event, weights, ack.seq
+    return await add_model(
+        js, card, cache_dir, local_node=local_node,
+        on_fetch=on_progress or _progress_printer("fetching weights"),
+        on_store=on_progress or _progress_printer(f"storing in {MODELS_BUCKET}"),
+    )  # fmt: skip
 
 
 def _card(
@@ -268,7 +292,7 @@ def _card(
     )
 
 
-def _progress_printer() -> Callable[[float], None]:
+def _progress_printer(what: str) -> Callable[[float], None]:
     """Prints each new whole percent; resolve_model already calls it at most once a second."""
     shown: list[int] = []
 
@@ -278,6 +302,6 @@ def _progress_printer() -> Callable[[float], None]:
         percent = int(fraction * 100)
         if not shown or shown[-1] != percent:
             shown.append(percent)
-            print(f"fetching weights: {percent}%", file=sys.stderr, flush=True)
+            print(f"{what}: {percent}%", file=sys.stderr, flush=True)
 
     return show

@@ -1,14 +1,20 @@
 """Placement: where an instance's shards run. ``place(cluster, request)`` is a pure function.
 
-Automatic placement, per replica:
+Automatic placement, per replica (only devices that run the model's engine count):
 
-1. A model that fits one device (its full need: weights, KV cache for the context, engine
-   overhead) goes to one device: a GPU when one fits, else the CPU (RAM) with the most room.
-   Replicas prefer nodes no other replica of the instance uses, then devices none uses.
-2. A model that fits no single device has its layers split over the fewest nodes that can hold
-   it (one device per node, the roomiest first), in proportion to the room each has (largest
-   remainder, at least one layer each), as exo does. The roomiest node is the head (rank 0).
+1. A model that one node holds (its full need: weights, KV cache for the context and slots,
+   engine overhead) goes to one node, in the best way that node's devices allow
+   (``node_plan``): one GPU; else several GPUs of the node, layers in proportion to their
+   room; else as many layers as its GPUs hold and the rest in RAM; else all in RAM. Replicas
+   prefer nodes no other replica of the instance uses, then devices none uses; then the best
+   way, the roomiest device.
+2. A model that no node holds has its layers split over the fewest nodes that can hold it
+   (one device per node, the roomiest first), in proportion to the room each has (largest
+   remainder, at least one layer each), as exo does. The roomiest node is the head (rank 0);
+   a llama.cpp head keeps its layers in RAM (``engine_devices``).
 3. Nothing fits: a ``Rejection`` that says what was needed and what each device has.
+
+Each replica's placement says why it went where it did (``Placement.why``), for the preview.
 
 Each replica serves ``slots`` tasks at once, and holds a KV cache of the whole context for each.
 A request (or its placement spec) that names the slots gets exactly that many, or a rejection.
@@ -27,16 +33,27 @@ are kept as they are (same runners), and only the others are placed anew.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from bus.events import INT32_MAX, ShardAssignment
+from bus.events import INT32_MAX, DeviceLayers, ShardAssignment
 from projectors.rows import ModelRow
 from services.models.cards import Engine
 from services.models.footprint import DEFAULT_MAX_SLOTS, MAX_SLOTS, Footprint, context_for
-from services.planner.cluster import ClusterView, Device
+from services.planner.cluster import ClusterView, Device, device_layers
+from services.planner.engine_devices import ENGINE_DEVICES
 from services.planner.layers import split_layers
+from services.planner.node_plan import (
+    CPU,
+    GPUS,
+    GPUS_AND_CPU,
+    ONE_GPU,
+    Option,
+    Stage,
+    one_device,
+    shared_options,
+)
 from services.planner.placement_spec import (
     DEFAULT_ROLE,
     MAX_REPLICAS,
@@ -56,11 +73,13 @@ class ModelInfo:
     footprint: Footprint
     context_length: int = 0  # trained context; 0 when unknown
     engine: Engine = "llamacpp"
+    node_id: str | None = None  # the only node with the weights (added --local); None: any
 
     @classmethod
     def of(cls, model: ModelRow) -> ModelInfo:
         engine = cast(Engine, (model.engines or ["llamacpp"])[0])
-        return cls(model.model_id, Footprint.of(model), model.context_length, engine)
+        return cls(model.model_id, Footprint.of(model), model.context_length, engine,
+                   model.node_id)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,6 +106,7 @@ class Placement:
     context_length: int
     kept_replicas: tuple[int, ...] = ()
     slots: int = 1  # tasks each replica serves at once
+    why: tuple[str, ...] = ()  # why each replica went where it did, by replica
 
 
 @dataclass(frozen=True)
@@ -96,8 +116,14 @@ class Rejection:
     available_bytes: dict[str, int] = field(default_factory=dict)  # usable per 'node:device'
 
 
-# One replica's stages: (device, layers) in rank order.
-Stages = list[tuple[Device, int]]
+# One replica's stages in rank order (one: a whole model on one node), and why it is so.
+Stages = list[Stage]
+
+
+@dataclass(frozen=True)
+class Placed:
+    stages: Stages
+    why: str
 
 
 def max_slots(model: ModelInfo, role: str) -> int:
@@ -139,6 +165,16 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
             return Rejection(f"invalid placement: {exc}")
         manual, replicas = role.groups(), role.replicas  # the spec caps its replicas
         asked = role.slots if role.slots is not None else asked
+    if model.node_id is not None:
+        # A model kept at a path on one node (added --local) runs there or nowhere.
+        elsewhere = sorted({d.node_id for g, _ in manual or [] for d in g} - {model.node_id})
+        if elsewhere:
+            return Rejection(f"{model.model_id} is kept on node {model.node_id} only (added with"
+                             f" --local), not on {', '.join(elsewhere)}")  # fmt: skip
+        if cluster.node_status.get(model.node_id) != "online":
+            return Rejection(f"{model.model_id} is kept on node {model.node_id} only (added with"
+                             " --local), which is not online")  # fmt: skip
+        cluster = cluster.on_node(model.node_id)
     if asked is not None:
         problem = slots_problem(model, request.role, asked)
         if problem is None and ctx * asked > INT32_MAX:
@@ -154,20 +190,14 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
     placed = _place(cluster, request, model, ctx, 1, replicas, manual)
     if isinstance(placed, Rejection):
         return placed
-    stages, kept = placed
+    chosen, kept = placed
     limit = min(max_slots(model, request.role), DEFAULT_MAX_SLOTS, INT32_MAX // ctx)
     if kept:
         limit = min(limit, request.current_slots or 1)
     fp = model.footprint
-    slots = next(
-        (n for n in range(limit, 1, -1) if _fits(cluster, _charges(stages.values(), fp, ctx * n))),
-        1,
-    )
-    return _placement(request, fp, ctx, slots, stages, kept)
-
-
-def _fits(cluster: ClusterView, charges: dict[str, int]) -> bool:
-    return all(need <= cluster.devices[ref].usable for ref, need in charges.items())
+    stages = [p.stages for p in chosen.values()]
+    slots = next((n for n in range(limit, 1, -1) if cluster.fits(_charges(stages, fp, ctx * n))), 1)
+    return _placement(request, fp, ctx, slots, chosen, kept)
 
 
 def _place(
@@ -178,26 +208,27 @@ def _place(
     slots: int,
     replicas: int,
     manual: list[tuple[tuple[DeviceRef, ...], tuple[float, ...] | None]] | None,
-) -> tuple[dict[int, Stages], tuple[int, ...]] | Rejection:
+) -> tuple[dict[int, Placed], tuple[int, ...]] | Rejection:
     """Each replica's stages for ``slots`` slots of ``ctx`` tokens, and the replicas kept."""
     fp = model.footprint
     tokens = ctx * slots  # the KV cache a whole replica holds
-    spec_refs = None if manual is None else [[str(r) for r in devices] for devices, _ in manual]
+    spec_refs = None if manual is None else [sorted(map(str, devices)) for devices, _ in manual]
     kept = _kept_replicas(cluster, request, replicas, spec_refs)
-    view = cluster.reserve(_charges(kept.values(), fp, tokens))
-    placed: dict[int, Stages] = dict(kept)
+    view = cluster.reserve(_charges([p.stages for p in kept.values()], fp, tokens))
+    placed: dict[int, Placed] = dict(kept)
     for replica in range(replicas):
         if replica in placed:
             continue
         if manual is not None:
             devices, weights = manual[replica]
-            result = _manual(view, fp, tokens, devices, weights, request.avoid)
+            result = _manual(view, fp, tokens, devices, weights, request.avoid, model.engine)
         else:
-            result = _auto(view, fp, tokens, request.avoid, _used(placed.values()))
+            used = _used(placed.values())
+            result = _auto(view, fp, tokens, request.avoid, used, model.engine)
         if isinstance(result, Rejection):
             return _for_replica(result, replica, replicas, model, ctx, slots, view, request.avoid)
         placed[replica] = result
-        view = view.reserve(_charges([result], fp, tokens))
+        view = view.reserve(_charges([result.stages], fp, tokens))
     return placed, tuple(sorted(kept))
 
 
@@ -206,57 +237,119 @@ def _placement(
     fp: Footprint,
     ctx: int,
     slots: int,
-    placed: dict[int, Stages],
+    placed: dict[int, Placed],
     kept: tuple[int, ...],
 ) -> Placement:
     tokens = ctx * slots
-    shards = tuple(
-        shard
-        for replica in sorted(placed)
-        for shard in _shards(request, replica, placed[replica], fp.n_layers)
-    )
-    charges = _charges(placed.values(), fp, tokens)
-    shard_bytes = {s.runner_id: fp.need_bytes(tokens, s.end_layer - s.start_layer)
-                   for s in shards}  # fmt: skip
-    return Placement(shards, charges, shard_bytes, fp.need_bytes(tokens), ctx, kept, slots)
+    shards: list[ShardAssignment] = []
+    shard_bytes: dict[str, int] = {}
+    for replica in sorted(placed):
+        stages = placed[replica].stages
+        for shard, stage in zip(_shards(request, replica, stages, fp.n_layers), stages,
+                                strict=True):  # fmt: skip
+            shards.append(shard)
+            shard_bytes[shard.runner_id] = sum(stage.charges(fp, tokens).values())
+    charges = _charges([p.stages for p in placed.values()], fp, tokens)
+    why = tuple(placed[r].why for r in sorted(placed))
+    return Placement(tuple(shards), charges, shard_bytes, fp.need_bytes(tokens), ctx, kept, slots,
+                     why)  # fmt: skip
 
 
 def _auto(
-    view: ClusterView, fp: Footprint, tokens: int, avoid: frozenset[str], used: set[str]
-) -> Stages | Rejection:
-    candidates = [d for d in view.devices.values() if d.ref not in avoid]
+    view: ClusterView,
+    fp: Footprint,
+    tokens: int,
+    avoid: frozenset[str],
+    used: set[str],
+    engine: Engine,
+) -> Placed | Rejection:
     need = fp.need_bytes(tokens)
+    candidates = [d for d in view.devices.values() if d.ref not in avoid and d.runs(engine)]
     used_nodes = {ref.rpartition(":")[0] for ref in used}
-    fitting = [d for d in candidates if d.usable >= need]
-    tiers = (
-        [d for d in fitting if d.node_id not in used_nodes],  # a node no replica uses
-        [d for d in fitting if d.ref not in used],  # a device none uses
-        fitting,
-    )
-    for tier in tiers:
-        if tier:
-            best = min(tier, key=lambda d: (d.kind != "gpu", -d.usable, d.ref))
-            return [(best, fp.n_layers)]
-    fresh = [d for d in candidates if d.node_id not in used_nodes]
-    for pool in (fresh, candidates) if used_nodes else (candidates,):
-        stages = _split(pool, fp, tokens)
+    gpus = [d for d in candidates if d.is_accelerator and d.usable >= need]
+    cpus = [d for d in candidates if not d.is_accelerator and d.usable >= need]
+    shared: list[Option] | None = None  # made only when no single GPU holds it
+    # A node no replica uses, then devices none uses, then any; in each, the best shape
+    # (node_plan), then the most room. One GPU or the CPU alone is compared over the whole
+    # cluster directly: building every node's ways for each replica made a round slow.
+    tiers: list[Callable[[Iterable[str]], bool]] = [lambda refs: True]
+    if used:
+        tiers[:0] = [lambda refs: not used_nodes.intersection(_node(r) for r in refs),
+                     used.isdisjoint]  # fmt: skip
+    for fresh in tiers:
+        best: Option | None = None
+        on_gpu = [d for d in gpus if fresh([d.ref])]
+        if on_gpu:
+            best = Option(one_device(min(on_gpu, key=_roomiest), fp.n_layers), ONE_GPU)
+        else:
+            if shared is None:
+                shared = _shared(candidates, fp, tokens, engine)
+            spread = [o for o in shared if fresh(o.stage.refs)]
+            in_ram = [d for d in cpus if fresh([d.ref])]
+            if spread:
+                best = min(spread, key=Option.key)
+            elif in_ram:
+                best = Option(one_device(min(in_ram, key=_roomiest), fp.n_layers), CPU)
+        if best is not None:
+            return Placed([best.stage], _why_node(best, bool(gpus), view, fp, tokens, engine,
+                                                  avoid))  # fmt: skip
+    fresh_pool = [d for d in candidates if d.node_id not in used_nodes]
+    for pool in (fresh_pool, candidates) if used_nodes else (candidates,):
+        stages = _split(pool, fp, tokens, engine)
         if stages is not None:
-            return stages
+            return Placed(stages, _why_split(stages, fp, tokens, engine, candidates))
     return Rejection("does not fit")  # _for_replica words it
 
 
-def _split(pool: Iterable[Device], fp: Footprint, tokens: int) -> Stages | None:
+def _node(ref: str) -> str:
+    return ref.rpartition(":")[0]
+
+
+def _roomiest(d: Device) -> tuple[int, str]:
+    return (-d.usable, d.ref)
+
+
+def _shared(
+    candidates: Sequence[Device], fp: Footprint, tokens: int, engine: Engine
+) -> list[Option]:
+    """Every node's ways of holding the model on several of its devices (node_plan), for the
+    nodes whose devices have the room between them."""
+    need = fp.need_bytes(tokens)
+    accelerators: dict[str, list[Device]] = defaultdict(list)
+    cpus: dict[str, Device] = {}
+    for d in candidates:
+        if d.is_accelerator:
+            accelerators[d.node_id].append(d)
+        else:
+            cpus[d.node_id] = d
+    options: list[Option] = []
+    for node_id, devices in accelerators.items():
+        cpu = cpus.get(node_id)
+        room = sum(max(d.usable, 0) for d in devices) + (max(cpu.usable, 0) if cpu else 0)
+        if room >= need:  # every way needs at least the whole model's need between them
+            options += shared_options(devices, cpu, fp, tokens, engine)
+    return options
+
+
+def _split(pool: Iterable[Device], fp: Footprint, tokens: int, engine: Engine) -> Stages | None:
     """The fewest nodes (one device each, the roomiest first) that hold the model between
     them, layers in proportion to each one's room for layers; None when no number does.
-    (``tokens``, here and below: the KV cache a replica holds, its context times its slots.)"""
+    (``tokens``, here and below: the KV cache a replica holds, its context times its slots.)
+    An engine whose pipeline head keeps its layers in RAM has the CPU of the chosen node with
+    the most room in RAM as its head."""
     best: dict[str, Device] = {}
+    cpus: dict[str, Device] = {}
     for d in pool:
+        if not d.is_accelerator:
+            cpus[d.node_id] = d
         other = best.get(d.node_id)
-        if other is None or (d.usable, d.kind == "gpu") > (other.usable, other.kind == "gpu"):
+        key = (d.usable, d.is_accelerator)
+        if other is None or key > (other.usable, other.is_accelerator):
             best[d.node_id] = d
     nodes = sorted(best.values(), key=lambda d: (-d.usable, d.ref))
     body = fp.need_bytes(tokens) - fp.overhead_bytes  # weights and KV cache, to be divided
     smallest_share = fp.need_bytes(tokens, 1)
+    head_in_ram = not ENGINE_DEVICES[engine].accelerated_head
     room = 0
     for k in range(1, min(len(nodes), fp.n_layers) + 1):
         if nodes[k - 1].usable < smallest_share:
@@ -265,9 +358,18 @@ def _split(pool: Iterable[Device], fp: Footprint, tokens: int) -> Stages | None:
         if k < 2 or room < body:
             continue
         chosen = nodes[:k]
-        layers = split_layers(fp.n_layers, [d.usable - fp.overhead_bytes for d in chosen])
+        if head_in_ram:
+            in_ram = [cpus[d.node_id] for d in chosen if d.node_id in cpus]
+            if not in_ram:
+                continue
+            head = min(in_ram, key=lambda d: (-d.usable, d.ref))
+            chosen = [head, *(d for d in chosen if d.node_id != head.node_id)]
+        rooms = [d.usable - fp.overhead_bytes for d in chosen]
+        if min(rooms) <= 0:
+            continue
+        layers = split_layers(fp.n_layers, rooms)
         if all(fp.need_bytes(tokens, n) <= d.usable for d, n in zip(chosen, layers, strict=True)):
-            return list(zip(chosen, layers, strict=True))
+            return [one_device(d, n) for d, n in zip(chosen, layers, strict=True)]
     return None
 
 
@@ -278,7 +380,8 @@ def _manual(
     refs: Sequence[DeviceRef],
     weights: Sequence[float] | None,
     avoid: frozenset[str],
-) -> Stages | Rejection:
+    engine: Engine,
+) -> Placed | Rejection:
     devices: list[Device] = []
     for ref in refs:
         device = _live_device(view, ref)
@@ -286,24 +389,72 @@ def _manual(
             return device
         if device.ref in avoid:
             return Rejection(f"runners of this instance kept failing on {device.ref}")
+        if not device.runs(engine):
+            runs = ", ".join(sorted(device.engines or ())) or "no engine of its node can use it"
+            return Rejection(f"{device.ref} does not run the {engine} engine ({runs})")
         devices.append(device)
     if len(devices) > fp.n_layers:
         return Rejection(f"{len(devices)} devices for a model of {fp.n_layers} layers")
+    by_room = weights is None
     if weights is None:
         # Without tensor_split, by the room each device has for layers (as automatic does).
         weights = [max(d.usable - fp.overhead_bytes, 1) for d in devices]
-    layers = split_layers(fp.n_layers, weights)
+    stages = _spec_stages(devices, split_layers(fp.n_layers, weights), engine)
+    if isinstance(stages, Rejection):
+        return stages
+    charges = _charges([stages], fp, tokens)
+    overfull = set(view.overfull(charges))
+    for stage in stages:
+        for device, n in stage.parts:
+            if device.ref in overfull:
+                need = sum(charges.get(ref, 0) for ref in view.sharing(device.ref))
+                share = "the whole model" if n == fp.n_layers else f"{n} of {fp.n_layers} layers"
+                return Rejection(
+                    f"{device.ref}: its share ({share}) needs {gib(need)} but"
+                    f" {gib(max(device.usable, 0))} is usable there",
+                    needed_bytes=need,
+                    available_bytes={device.ref: max(device.usable, 0)},
+                )
+    how = "each device's usable memory" if by_room else "the spec's tensor_split"
+    return Placed(stages, f"as the placement spec asks, layers in proportion to {how}")
+
+
+def _spec_stages(devices: list[Device], layers: list[int], engine: Engine) -> Stages | Rejection:
+    """The stages a spec's devices make: a node's devices (listed together) are one runner,
+    its CPU's layers first; each node is a stage of a pipeline, in the order listed."""
+    groups: list[list[tuple[Device, int]]] = []
     for device, n in zip(devices, layers, strict=True):
-        need = fp.need_bytes(tokens, n)
-        if need > device.usable:
-            share = "the whole model" if n == fp.n_layers else f"{n} of {fp.n_layers} layers"
+        if groups and groups[-1][0][0].node_id == device.node_id:
+            groups[-1].append((device, n))
+        elif any(g[0][0].node_id == device.node_id for g in groups):
             return Rejection(
-                f"{device.ref}: its share ({share}) needs {gib(need)} but"
-                f" {gib(max(device.usable, 0))} is usable there",
-                needed_bytes=need,
-                available_bytes={device.ref: max(device.usable, 0)},
+                f"the devices of node {device.node_id!r} must be listed together: they make"
+                " one runner"
             )
-    return list(zip(devices, layers, strict=True))
+        else:
+            groups.append([(device, n)])
+    can = ENGINE_DEVICES[engine]
+    stages: Stages = []
+    for rank, group in enumerate(groups):
+        group.sort(key=lambda part: part[0].is_accelerator)  # the CPU's layers first
+        refs = ", ".join(d.ref for d, _ in group)
+        accelerators = [d for d, _ in group if d.is_accelerator]
+        if len(group) > 1 and not (can.several_gpus or can.cpu_spill):
+            return Rejection(f"the {engine} engine runs a shard on one device, not {refs}")
+        if len({d.backend for d in accelerators}) > 1:
+            return Rejection(f"{refs} are of different backends: a runner uses one")
+        if len(groups) > 1 and not can.accelerated_head:
+            if rank == 0 and accelerators:
+                return Rejection(
+                    f"the first stage of a {engine} pipeline keeps its layers in RAM: give"
+                    f" {group[0][0].node_id}:cpu as its device, not {refs}"
+                )
+            if rank > 0 and len(group) > 1:
+                return Rejection(
+                    f"a later stage of a {engine} pipeline serves one device: one of {refs}"
+                )
+        stages.append(Stage(tuple(group)))
+    return stages
 
 
 def _live_device(view: ClusterView, ref: DeviceRef) -> Device | Rejection:
@@ -325,37 +476,37 @@ def _kept_replicas(
     request: PlacementRequest,
     replicas: int,
     groups: list[list[str]] | None,
-) -> dict[int, Stages]:
-    """Replicas of the current placement that can stay: every shard on a live, not avoided
-    device, and (under a spec, whose replicas' devices are ``groups``) exactly where the spec
-    puts that replica."""
+) -> dict[int, Placed]:
+    """Replicas of the current placement that can stay: every shard on live, not avoided
+    devices, and (under a spec, whose replicas' devices are ``groups``, sorted) exactly where
+    the spec puts that replica."""
     by_replica: dict[int, list[ShardAssignment]] = defaultdict(list)
     for shard in request.current:
         by_replica[shard.replica].append(shard)
-    kept: dict[int, Stages] = {}
+    kept: dict[int, Placed] = {}
     for replica, shards in by_replica.items():
         shards.sort(key=lambda s: s.rank)
-        refs = [f"{s.node_id}:{s.device}" for s in shards]
+        parts = [[(f"{s.node_id}:{d}", n) for d, n in device_layers(s)] for s in shards]
+        refs = [ref for stage in parts for ref, _ in stage]
         if replica >= replicas or any(r not in cluster.devices or r in request.avoid for r in refs):
             continue
-        if groups is not None and refs != groups[replica]:
+        if groups is not None and sorted(refs) != groups[replica]:
             continue
-        kept[replica] = [
-            (cluster.devices[r], s.end_layer - s.start_layer)
-            for r, s in zip(refs, shards, strict=True)
-        ]
+        stages = [Stage(tuple((cluster.devices[r], n) for r, n in stage)) for stage in parts]
+        kept[replica] = Placed(stages, "kept where its runners run")
     return kept
 
 
-def _used(placed: Iterable[Stages]) -> set[str]:
-    return {device.ref for stages in placed for device, _ in stages}
+def _used(placed: Iterable[Placed]) -> set[str]:
+    return {ref for p in placed for stage in p.stages for ref in stage.refs}
 
 
 def _charges(placed: Iterable[Stages], fp: Footprint, tokens: int) -> dict[str, int]:
     charges: dict[str, int] = defaultdict(int)
     for stages in placed:
-        for device, n in stages:
-            charges[device.ref] += fp.need_bytes(tokens, n)
+        for stage in stages:
+            for ref, need in stage.charges(fp, tokens).items():
+                charges[ref] += need
     return dict(charges)
 
 
@@ -363,19 +514,21 @@ def _shards(
     request: PlacementRequest, replica: int, stages: Stages, n_layers: int
 ) -> list[ShardAssignment]:
     current = {(s.replica, s.rank): s for s in request.current if s.replica == replica}
-    split = [float(n) for _, n in stages] if len(stages) > 1 else None
+    split = [float(stage.layers) for stage in stages] if len(stages) > 1 else None
     shards: list[ShardAssignment] = []
     start = 0
-    for rank, (device, n) in enumerate(stages):
+    for rank, stage in enumerate(stages):
+        parts = [DeviceLayers(device=d.device, layers=n) for d, n in stage.parts]
         shard = ShardAssignment(
             runner_id=f"{request.instance_id}-g{request.generation}-r{replica}-s{rank}",
-            node_id=device.node_id,
-            device=device.device,
+            node_id=stage.node_id,
+            device=stage.main.device,
+            devices=parts if len(parts) > 1 else [],
             replica=replica,
             rank=rank,
             world_size=len(stages),
             start_layer=start,
-            end_layer=start + n,
+            end_layer=start + stage.layers,
             n_layers=n_layers,
             tensor_split=split,
         )
@@ -383,8 +536,87 @@ def _shards(
         if old is not None and old.model_copy(update={"runner_id": shard.runner_id}) == shard:
             shard = old  # a kept shard keeps its runner
         shards.append(shard)
-        start += n
+        start += stage.layers
     return shards
+
+
+# --- why ------------------------------------------------------------------------------------
+
+
+def _why_node(
+    best: Option,
+    gpu_holds_it: bool,
+    view: ClusterView,
+    fp: Footprint,
+    tokens: int,
+    engine: Engine,
+    avoid: frozenset[str],
+) -> str:
+    """Why a replica went to one node in the way it did, for people. ``gpu_holds_it``: some
+    GPU (used by another replica, when this one went elsewhere) holds the whole model."""
+    need = gib(fp.need_bytes(tokens))
+    stage = best.stage
+    gpus = [(d, n) for d, n in stage.parts if d.is_accelerator]
+    if best.shape == ONE_GPU:
+        d = stage.main
+        return f"one GPU holds it: {d.ref} has {gib(d.usable)} usable for its {need}"
+    if best.shape == GPUS:
+        rooms = ", ".join(f"{d.ref} {gib(d.usable)}" for d, _ in gpus)
+        why = (
+            f"{len(gpus)} GPUs of {stage.node_id} hold its {need}: layers in proportion to"
+            f" their usable memory ({rooms})"
+        )
+    elif best.shape == GPUS_AND_CPU:
+        held = ", ".join(f"{d.ref} {n}" for d, n in gpus)
+        why = (
+            f"as many of its layers as fit go on {stage.node_id}'s"
+            f" {'GPUs' if len(gpus) > 1 else 'GPU'} ({held}), the other {best.cpu_layers} stay"
+            f" in RAM ({need} in all)"
+        )
+    else:
+        cpu = stage.main
+        why = f"in RAM: {cpu.ref} has {gib(cpu.usable)} usable for its {need}"
+    if gpu_holds_it:
+        return why + "; the GPUs that hold it alone serve other replicas"
+    if best.shape == CPU:
+        return why + "; " + _no_gpu(view, engine, avoid, fp, tokens)
+    alone = "GPU" if best.shape == GPUS else "GPU or GPUs of a node"
+    return f"no {alone} holds it: {why}"
+
+
+def _no_gpu(
+    view: ClusterView, engine: Engine, avoid: frozenset[str], fp: Footprint, tokens: int
+) -> str:
+    """Why no accelerator took a replica that went to a CPU."""
+    gpus = [d for d in view.devices.values() if d.is_accelerator and d.ref not in avoid]
+    if not gpus:
+        return "no GPU is online"
+    runs = [d for d in gpus if d.runs(engine)]
+    if not runs:
+        seen = ", ".join(sorted(d.ref for d in gpus)[:4])
+        return f"no GPU online runs {engine} ({seen}: its engine was built without their backend)"
+    roomiest = max(runs, key=lambda d: (d.usable, d.ref))
+    if ENGINE_DEVICES[engine].cpu_spill:
+        return (
+            f"no GPU takes a layer beside a CPU that takes the rest (the roomiest,"
+            f" {roomiest.ref}, has {gib(max(roomiest.usable, 0))} usable)"
+        )
+    return f"no GPU holds it (the roomiest, {roomiest.ref}, has {gib(max(roomiest.usable, 0))})"
+
+
+def _why_split(
+    stages: Stages, fp: Footprint, tokens: int, engine: Engine, candidates: Sequence[Device]
+) -> str:
+    roomiest = max(candidates, key=lambda d: (d.usable, d.ref))
+    rooms = ", ".join(f"{s.main.ref} {gib(s.main.usable)}" for s in stages)
+    why = (
+        f"no node holds its {gib(fp.need_bytes(tokens))} (the roomiest device, {roomiest.ref},"
+        f" has {gib(max(roomiest.usable, 0))} usable): split over {len(stages)} nodes, layers"
+        f" in proportion to each one's room ({rooms})"
+    )
+    if not ENGINE_DEVICES[engine].accelerated_head:
+        why += f"; the head keeps its layers in RAM, as a {engine} pipeline's head does"
+    return why
 
 
 def _for_replica(

@@ -4,11 +4,13 @@ A placement is a JSON object keyed by role. Each role's entry names the devices 
 qualified by the node it sits on, and optionally how to weight the model's layers across them,
 how many replicas to run and how many tasks each serves at once::
 
-    {"chat": {"devices": ["node-a:gpu0", "node-b:cpu"], "tensor_split": [3, 1], "replicas": 1}}
+    {"chat": {"devices": ["node-a:cuda0", "node-a:cuda1"], "tensor_split": [3, 1]}}
 
-- ``devices`` (required, at least one): ``node:device`` strings. The device is ``cpu`` or
-  ``gpu<index>`` (case-insensitive, stored lowercase: ``GPU00`` is ``gpu0``). A node id may
-  itself contain ``:``; the device is whatever follows the last one.
+- ``devices`` (required, at least one): ``node:device`` strings. The device is ``cpu``, an
+  accelerator named by its backend and index (``cuda0``, ``rocm1``, ``metal0``, ``vulkan0``,
+  ``sycl0``), or ``gpu<index>`` (an NVIDIA GPU as older workers reported it);
+  case-insensitive, stored lowercase (``CUDA00`` is ``cuda0``). A node id may itself contain
+  ``:``; the device is whatever follows the last one.
 - ``tensor_split`` (optional): one positive weight per device; a device's share of the model's
   layers is proportional to its weight. Without it the runner chooses.
 - ``replicas`` (optional, default 1): how many copies of the model serve the role.
@@ -17,8 +19,9 @@ how many replicas to run and how many tasks each serves at once::
 
 How replicas use the devices:
 
-- ``replicas`` 1: the one replica runs across all the devices (a pipeline), ``tensor_split``
-  being its weights.
+- ``replicas`` 1: the one replica runs across all the devices, ``tensor_split`` being its
+  weights: the devices of one node make one runner (llama.cpp splits the layers between
+  them), and each node is a stage of a pipeline.
 - one device: every replica runs on that device.
 - ``k`` devices and ``n`` replicas with ``k`` a multiple of ``n``: replica ``i`` gets the
   ``i``-th consecutive block of ``k / n`` devices, and the matching slice of ``tensor_split``.
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from bus.events import ACCELERATOR_BACKENDS
 from services.models.footprint import MAX_SLOTS
 
 # A new role is one new row here: parsing, checks and messages all read this table.
@@ -48,11 +52,15 @@ DEFAULT_ROLE = "chat"
 MAX_REPLICAS = 64
 
 _KEYS = ("devices", "replicas", "slots", "tensor_split")
-_EXAMPLE = '{"chat": {"devices": ["node-a:gpu0", "node-b:cpu"], "tensor_split": [3, 1]}}'
-_DEVICE_FORM = "write node:device, e.g. node-a:cpu or node-b:gpu0"
+_EXAMPLE = '{"chat": {"devices": ["node-a:cuda0", "node-b:cpu"], "tensor_split": [3, 1]}}'
+_DEVICE_FORM = "write node:device, e.g. node-a:cpu or node-b:cuda0"
+# Accelerators are named by backend; 'gpu' is how older workers named NVIDIA GPUs.
+_PREFIXES = ("gpu", *ACCELERATOR_BACKENDS)
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_DEVICE_KINDS = "'cpu' or an accelerator such as 'cuda0', 'metal0', 'vulkan0' or 'gpu0'"
 # What parse_device accepts (after lowercasing), and the canonical form DeviceRef holds.
-_DEVICE_INPUT = re.compile(r"gpu(-?)([0-9]+)")
-_DEVICE_CANONICAL = re.compile(r"cpu|gpu(?:0|[1-9][0-9]*)")
+_DEVICE_INPUT = re.compile(rf"({'|'.join(_PREFIXES)})(-?)([0-9]+)")
+_DEVICE_CANONICAL = re.compile(rf"cpu|(?:{'|'.join(_PREFIXES)})(?:0|[1-9][0-9]*)")
 
 
 class PlacementSpecError(ValueError):
@@ -61,10 +69,10 @@ class PlacementSpecError(ValueError):
 
 @dataclass(frozen=True)
 class DeviceRef:
-    """One device on one node: ``node-a:cpu``, ``node-b:gpu0``."""
+    """One device on one node: ``node-a:cpu``, ``node-b:cuda0``."""
 
     node_id: str
-    device: str  # "cpu" or "gpuN", canonical (lowercase, no leading zeros)
+    device: str  # "cpu", or an accelerator ("cuda0", "gpu0"), canonical (lowercase, no 00)
 
     def __post_init__(self) -> None:
         # Built directly (not through parse_device) it must still print as a parseable device,
@@ -75,7 +83,7 @@ class DeviceRef:
             )
         if not _DEVICE_CANONICAL.fullmatch(self.device):
             raise PlacementSpecError(
-                f"a device is 'cpu' or 'gpu<index>' in lowercase, not {self.device!r}"
+                f"a device is {_DEVICE_KINDS}, in lowercase, not {self.device!r}"
             )
 
     def __str__(self) -> str:
@@ -88,12 +96,13 @@ class DeviceRef:
 
     @property
     def index(self) -> int | None:
-        """The GPU's index on its node; None for the CPU."""
-        return None if self.device == "cpu" else int(self.device[3:])
+        """The accelerator's index among its backend's on its node; None for the CPU."""
+        return None if self.device == "cpu" else int(self.device.lstrip(_LETTERS))
 
 
 def parse_device(text: str) -> DeviceRef:
-    """``"node-a:GPU0"`` -> ``DeviceRef("node-a", "gpu0")``; PlacementSpecError if malformed."""
+    """``"node-a:CUDA0"`` -> ``DeviceRef("node-a", "cuda0")``; PlacementSpecError if
+    malformed."""
     value = text.strip()
     # The last colon: node ids such as "host:8080" or "[fe80::1]" keep theirs.
     node_id, colon, device = value.rpartition(":")
@@ -107,11 +116,11 @@ def parse_device(text: str) -> DeviceRef:
     match = _DEVICE_INPUT.fullmatch(lowered)
     if match is None:
         raise PlacementSpecError(
-            f"{text!r}: unknown device {device!r}: a device is 'cpu' or 'gpu<index>', e.g. gpu0"
+            f"{text!r}: unknown device {device!r}: a device is {_DEVICE_KINDS}"
         )
-    if match[1]:
-        raise PlacementSpecError(f"{text!r}: device index must be >= 0, not -{match[2]}")
-    return DeviceRef(node_id, f"gpu{int(match[2])}")
+    if match[2]:
+        raise PlacementSpecError(f"{text!r}: device index must be >= 0, not -{match[3]}")
+    return DeviceRef(node_id, f"{match[1]}{int(match[3])}")
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,6 @@ from nats.aio.client import Client
 
 from bus.connection import connect
 from bus.streams import ensure_streams
-from services.models.cards import card_for
-from services.models.resolve import resolve_model
 from services.runner.embed_serve import EmbeddingServer
 from services.runner.embedding import Embedder
 from services.runner.engines.base import Engine, EngineBroken
@@ -37,19 +35,12 @@ class UnsupportedEngine(RuntimeError):
     """A model for an engine this runner does not have."""
 
 
-async def model_path(spec: RunnerSpec, state: StateReporter) -> Path:
-    if spec.model_path is not None:
-        return Path(spec.model_path)
-    loop = asyncio.get_running_loop()
+async def model_path(spec: RunnerSpec, state: StateReporter, nc: Client) -> Path:
+    # Imported here: it reads the model cards and the GGUF metadata, which a runner that
+    # serves a later llama.cpp stage never needs.
+    from services.runner.weights import shard_weights
 
-    def on_progress(fraction: float) -> None:
-        # Called from the download thread, already at most once a second (resolve_model).
-        asyncio.run_coroutine_threadsafe(
-            state.report("Downloading", progress=round(fraction, 4)), loop
-        )
-
-    card = card_for(spec.model_id)
-    return await asyncio.to_thread(resolve_model, card, Path(spec.cache_dir), on_progress)
+    return await shard_weights(spec, nc.jetstream(), state)
 
 
 async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
@@ -99,7 +90,7 @@ async def run_llamacpp(
         await serve_stage(spec, state, stop)
         return
     offload = await connect_stages(spec, peers, state) if spec.peers else {}
-    path = await model_path(spec, state)
+    path = await model_path(spec, state, nc)
     await state.report("Loading", progress=0.0)
     if spec.role == "embed":
         from services.runner.engines.llamacpp_embed import LlamaCppEmbedder
@@ -130,7 +121,7 @@ async def run_mlx(
     from services.runner.engines.mlx import MlxEngine
     from services.runner.mlx_stages import follow, load_head, ring_shard
 
-    path = await model_path(spec, state)
+    path = await model_path(spec, state, nc)
     if not spec.peers:
         await state.report("Loading", progress=0.0)
         engine = MlxEngine(path, n_ctx=spec.n_ctx, slots=spec.slots)

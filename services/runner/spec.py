@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from bus.events import InstanceRole, ShardAssignment
+from bus.events import InstanceRole, ShardAssignment, WeightFile
 
 
 class RunnerSpec(BaseModel):
@@ -18,9 +18,15 @@ class RunnerSpec(BaseModel):
     # What the instance serves: generation tasks, or embeddings (an embedding-mode engine).
     role: InstanceRole = "chat"
     engine: str = "llamacpp"
-    # A model added with `shoal models add --path` has its file here; a built-in model card is
-    # resolved (and, for a hub model, downloaded) by the runner.
+    # A model added with `shoal models add --local` (or before the models bucket) has its
+    # file here; with neither this nor files, a built-in card is resolved by the runner.
     model_path: str | None = None
+    # A shared model's files in the models bucket: the runner fetches those its shard needs
+    # into its node's cache (cache_dir), unless the cache holds them already.
+    files: list[WeightFile] = []
+    # Where the weights came from (ModelAdded.source): a package's file on this machine with
+    # the same bytes is taken rather than fetched.
+    source: str = ""
     chat_format: str | None = None
     n_ctx: int = 2048
     # Tasks served at once, each with a KV cache of n_ctx (an MLX ring serves one).

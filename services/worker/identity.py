@@ -78,3 +78,8 @@ def _read(path: Path) -> str | None:
         return None
     # An empty file (hand-edited, or a disk that filled up) counts as no id at all.
     return text or None
+
+
+def stored_node_id(data_dir: Path) -> str | None:
+    """The id a worker using ``data_dir`` has, if one ever ran there (none is made)."""
+    return _read(Path(data_dir) / NODE_ID_FILE)

@@ -28,6 +28,7 @@ from bus.events import (
     RunnerStateChanged,
     TaskCreated,
     TaskFailed,
+    WeightFile,
     parse_event,
     utc_now,
 )
@@ -198,6 +199,8 @@ class Worker:
             role=inst.role,
             engine=(model.engines or ["llamacpp"])[0] if model is not None else "llamacpp",
             model_path=model.path if model is not None else None,
+            files=[WeightFile.model_validate(f) for f in (model.files or [])] if model else [],
+            source=model.source if model is not None else "",
             chat_format=model.chat_format if model is not None else None,
             # The context placement counted memory for.
             n_ctx=context_for(

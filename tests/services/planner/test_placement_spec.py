@@ -42,6 +42,13 @@ def devs(*texts: str) -> tuple[DeviceRef, ...]:
         ("node-a:GPU0", "node-a", "gpu0"),
         ("node-a:gpu00", "node-a", "gpu0"),
         ("node-a:Gpu007", "node-a", "gpu7"),
+        # Accelerators are named by backend and index, as the workers report them.
+        ("node-a:cuda0", "node-a", "cuda0"),
+        ("node-a:CUDA01", "node-a", "cuda1"),
+        ("node-a:rocm2", "node-a", "rocm2"),
+        ("mac:Metal0", "mac", "metal0"),
+        ("node-a:vulkan10", "node-a", "vulkan10"),
+        ("node-a:sycl0", "node-a", "sycl0"),
         # Node ids keep their case, and any colons: the device follows the last one.
         ("Node-A:cpu", "Node-A", "cpu"),
         ("host:8080:gpu1", "host:8080", "gpu1"),
@@ -59,12 +66,15 @@ def test_device_str_kind_and_index() -> None:
     gpu = parse_device("node-b:GPU03")
     assert str(gpu) == "node-b:gpu3"
     assert (gpu.kind, gpu.index) == ("gpu", 3)
+    cuda = parse_device("node-b:cuda07")
+    assert (str(cuda), cuda.kind, cuda.index) == ("node-b:cuda7", "gpu", 7)
     cpu = parse_device("a:b:cpu")
     assert str(cpu) == "a:b:cpu"
     assert (cpu.kind, cpu.index) == ("cpu", None)
 
 
-FORM = "write node:device, e.g. node-a:cpu or node-b:gpu0"
+FORM = "write node:device, e.g. node-a:cpu or node-b:cuda0"
+KINDS = "'cpu' or an accelerator such as 'cuda0', 'metal0', 'vulkan0' or 'gpu0'"
 
 
 @pytest.mark.parametrize(
@@ -75,7 +85,10 @@ FORM = "write node:device, e.g. node-a:cpu or node-b:gpu0"
         (":cpu", f"':cpu' is not a device: {FORM}"),
         ("", f"'' is not a device: {FORM}"),
         ("node a:cpu", "the node id 'node a' must not contain whitespace"),
-        ("node-a:tpu", "unknown device 'tpu': a device is 'cpu' or 'gpu<index>', e.g. gpu0"),
+        ("node-a:tpu", f"unknown device 'tpu': a device is {KINDS}"),
+        ("node-a:cuda", "unknown device 'cuda'"),
+        ("node-a:opencl0", "unknown device 'opencl0'"),
+        ("node-a:cuda-2", "'node-a:cuda-2': device index must be >= 0, not -2"),
         ("node-a:gpux", "unknown device 'gpux'"),
         ("node-a:gpu", "unknown device 'gpu'"),
         ("node-a:cpu0", "unknown device 'cpu0'"),

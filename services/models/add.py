@@ -1,0 +1,75 @@
+"""Making a model known to the cluster, as ``shoal models add`` does it: its weights resolved on
+this machine (a path, a package's file, a download), their facts read, their files stored in
+the models bucket, and ``ModelAdded`` published naming them.
+
+Kept local (``--local``), the files stay where they are and the event names the path and the
+one node that has it instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from nats.js import JetStreamContext
+
+from bus.events import ModelAdded
+from bus.publisher import Publisher
+from services.models.cards import ModelCard
+from services.models.metadata import ModelFacts, model_facts
+from services.models.resolve import resolve_model
+from services.models.shared import model_files, store_files
+from services.models.weights_cache import WeightsCache
+
+Fraction = Callable[[float], None]
+
+
+async def add_model(
+    js: JetStreamContext,
+    card: ModelCard,
+    cache_dir: Path,
+    *,
+    local_node: str | None = None,
+    on_fetch: Fraction | None = None,
+    on_store: Fraction | None = None,
+) -> tuple[ModelAdded, Path, int]:
+    """Fetch the card's weights here (if not here yet), read their facts, store their files in
+    the models bucket (``local_node`` given: keep them at their path, served by that node
+    only), publish ``ModelAdded``. ``on_fetch`` and ``on_store`` get fractions, the first
+    from another thread. Returns the event, the weights' path here and the event's sequence."""
+
+    def fetch() -> tuple[Path, ModelFacts]:
+        weights = resolve_model(card, cache_dir, on_fetch)
+        return weights, model_facts(weights, card.engines[0])
+
+    # In a thread, so that the connection keeps answering pings during a download.
+    weights, facts = await asyncio.to_thread(fetch)
+    files = []
+    if local_node is None:
+
+        def stored(done: int, total: int) -> None:
+            if on_store is not None and total:
+                on_store(done / total)
+
+        files = await store_files(js, model_files(weights), cache=WeightsCache(cache_dir),
+                                  on_progress=stored)  # fmt: skip
+    event = ModelAdded(
+        origin=f"shoal-cli@{socket.gethostname()}",
+        model_id=card.id,
+        family=card.family,
+        n_layers=facts.n_layers,
+        context_length=facts.context_length,
+        size_bytes=facts.size_bytes,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        overhead_bytes=facts.overhead_bytes,
+        engines=list(card.engines),
+        chat_format=card.chat_format,
+        source=card.source.label(),
+        path=str(weights) if local_node is not None else None,
+        files=files,
+        node_id=local_node,
+    )
+    ack = await Publisher(js).publish(event)
+    return event, weights, ack.seq

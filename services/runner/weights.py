@@ -1,0 +1,71 @@
+"""A runner's weights: from the node's cache, filled from the models bucket, or at a path.
+
+- A shared model (``files``): the files this shard needs, fetched into the node's cache unless
+  it holds them; a package's file on this machine with the same bytes is linked rather than
+  fetched (every node has Shoal's built-in models' packages installed).
+- A model at a path (``--local``, or added before the bucket): that path.
+- Neither: a built-in card, resolved here (a package's file, or a download).
+
+Progress is reported as ``Downloading``, at most once a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from nats.js import JetStreamContext
+
+from services.models.cards import PackageSource, builtin_cards, card_for
+from services.models.resolve import ProgressThrottle, local_path, resolve_model
+from services.models.shared import shard_model_path
+from services.models.weights_cache import WeightsCache, sha256_of
+from services.runner.serve import StateReporter
+from services.runner.spec import RunnerSpec
+
+
+async def shard_weights(spec: RunnerSpec, js: JetStreamContext, state: StateReporter) -> Path:
+    """The path this shard's engine loads."""
+    loop = asyncio.get_running_loop()
+
+    def on_fraction(fraction: float) -> None:  # from a thread or the loop, thinned already
+        asyncio.run_coroutine_threadsafe(
+            state.report("Downloading", progress=round(fraction, 4)), loop
+        )
+
+    throttle = ProgressThrottle(on_fraction)
+    if spec.model_path is not None and not spec.files:
+        return Path(spec.model_path)
+    if not spec.files:
+        card = card_for(spec.model_id)
+        return await asyncio.to_thread(resolve_model, card, Path(spec.cache_dir), on_fraction)
+    cache = WeightsCache(Path(spec.cache_dir))
+    await adopt_package_file(spec, cache)
+    shard = spec.shard
+
+    def on_bytes(done: int, total: int) -> None:
+        if total:
+            throttle.update(done / total)
+
+    path = await shard_model_path(
+        js, cache, spec.model_id, spec.files, engine=spec.engine, rank=shard.rank,
+        start=shard.start_layer, end=shard.end_layer, n_layers=shard.n_layers,
+        on_progress=on_bytes,
+    )  # fmt: skip
+    return path
+
+
+async def adopt_package_file(spec: RunnerSpec, cache: WeightsCache) -> None:
+    """A built-in model's weights come in a package every node has installed: when this one's
+    file has the bytes the model names, the cache links it instead of fetching a copy."""
+    if len(spec.files) != 1 or cache.holds(spec.files[0]):
+        return
+    cards = [c for c in builtin_cards().values() if c.source.label() == spec.source]
+    if not cards or not isinstance(cards[0].source, PackageSource):
+        return
+    path = local_path(cards[0], Path(spec.cache_dir))
+    wanted = spec.files[0]
+    if path is None or not path.is_file() or path.stat().st_size != wanted.size:
+        return
+    if await asyncio.to_thread(sha256_of, path) == wanted.sha256:
+        cache.adopt(path, wanted)

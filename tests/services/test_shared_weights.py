@@ -1,0 +1,115 @@
+"""Weights shared through NATS, end to end: two workers with separate data dirs on one machine;
+a model added from a file that then disappears is served split over both, its head on the
+worker that never had the file, which fetched it from the models bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from nats.js import JetStreamContext
+
+from bus.embedded import EmbeddedNats, free_port
+from bus.events import InstancePlaced, ModelAdded, NodeJoined, RunnerStateChanged
+from services.models.cards import card_for
+from services.models.resolve import resolve_model
+from services.models.weights_cache import sha256_of
+from tests.api.shoal_up import wait_healthy
+from tests.services.event_log import EventLog
+from tests.services.processes import SHOAL, Processes
+
+pytestmark = pytest.mark.slow
+
+NODES = {"w-a": "127.0.0.2", "w-b": "127.0.0.3"}
+QUESTION = "What is the capital city of France? Answer in one word."
+
+
+def _copy_of_smollm2(tmp: Path) -> Path:
+    """A copy under another name and id: no node finds these bytes in a package of its own."""
+    src = resolve_model(card_for("smollm2-135m"), tmp / "unused")
+    (tmp / "src").mkdir()
+    return Path(shutil.copy(src, tmp / "src" / "smol.gguf"))
+
+
+async def test_a_model_added_on_one_node_is_fetched_from_nats_by_the_other(
+    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+) -> None:
+    nats, db = nats_server.url, f"sqlite:///{tmp_path / 'shoal.db'}"
+    env = {**os.environ, "SHOAL_DATA_DIR": str(tmp_path / "cli")}
+    log = await EventLog().start(js)
+    port = free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    weights = await asyncio.to_thread(_copy_of_smollm2, tmp_path)
+    sha = await asyncio.to_thread(sha256_of, weights)
+    with Processes(tmp_path / "logs", env) as procs:
+        procs.start("projector", "projector", "--nats", nats, "--db", db)
+        procs.start("planner", "planner", "--nats", nats, "--db", db)
+        procs.start("api", "api", "--nats", nats, "--db", db, "--port", str(port))
+        for node, host in NODES.items():
+            procs.start(node, "join", "--nats", nats, "--node-id", node, "--data-dir",
+                        str(tmp_path / node), "--heartbeat", "1", "--runner-threads", "1",
+                        "--data-host", host)  # fmt: skip
+        await log.wait_count(NodeJoined, lambda e: True, 2, timeout=60)
+
+        # Added on w-a's machine (its cache), then the file is gone from every disk.
+        added = await asyncio.to_thread(
+            subprocess.run,
+            [SHOAL, "models", "add", "smol-copy", "--path", str(weights), "--nats", nats,
+             "--cache-dir", str(tmp_path / "w-a" / "models")],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert added.returncode == 0, added.stderr
+        event = await log.wait_for(ModelAdded)
+        assert event.path is None and [f.sha256 for f in event.files] == [sha]
+        await asyncio.to_thread(weights.unlink)
+
+        # The head (rank 0, which loads the file) on w-b, the later stage on w-a.
+        spec = json.dumps({"chat": {"devices": ["w-b:cpu", "w-a:cpu"]}})
+        created = await asyncio.to_thread(
+            subprocess.run,
+            [SHOAL, "instances", "create", "smol-copy", "--id", "inst", "--placement", spec,
+             "--nats", nats, "--db", db],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert created.returncode == 0, created.stderr
+        placed = await log.wait_for(InstancePlaced, timeout=30)
+        head = next(s for s in placed.shards if s.rank == 0)
+        assert head.node_id == "w-b" and len(placed.shards) == 2
+        await log.wait_for(
+            RunnerStateChanged, lambda e: e.runner_id == head.runner_id and e.state == "Ready", 120
+        )
+
+        await wait_healthy(url)
+        body = {
+            "model": "smol-copy",
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": QUESTION}],
+        }
+        async with httpx.AsyncClient() as client:
+            response = await client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert "Paris" in response.json()["choices"][0]["message"]["content"]
+
+    # w-b fetched it: a file of its own in its cache, with the model's digest, and its head
+    # runner said so (Downloading, with progress up to 1).
+    blob = tmp_path / "w-b" / "models" / "blobs" / sha
+    assert blob.is_file() and not blob.is_symlink()
+    assert await asyncio.to_thread(sha256_of, blob) == sha
+    downloading = log.of(
+        RunnerStateChanged, lambda e: e.runner_id == head.runner_id and e.state == "Downloading"
+    )
+    assert downloading and downloading[-1].progress == 1.0
+    # w-a, a later stage (llama.cpp's RPC server: the head sends it its layers), fetched none.
+    assert not (tmp_path / "w-a" / "models" / "blobs" / f"{sha}.partial").exists()
+    stage = next(s for s in placed.shards if s.rank == 1)
+    assert not log.of(
+        RunnerStateChanged, lambda e: e.runner_id == stage.runner_id and e.state == "Downloading"
+    )
+    await log.stop()
