@@ -1,7 +1,9 @@
 """What this machine has to offer: the payload of ``ResourceProfiled``, the worker's heartbeat.
 
 Everything here is read fresh on each call (memory, load and disk change all the time) except
-what cannot change while the process runs: the CPU model, and whether an NVIDIA driver exists.
+what cannot change while the process runs: the CPU model, whether an NVIDIA driver exists, and
+what the engines can run on (``device_probe``, asked once at start; NVIDIA GPUs' memory is read
+through NVML at each call).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Any
 import psutil
 import pynvml
 
-from bus.events import GpuInfo, NetworkInterface, NodeProfile
+from bus.events import NetworkInterface, NodeProfile
 from bus.streams import parse_size
+from services.worker.device_probe import Probe
+from services.worker.devices import NvidiaGpu, accelerators
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +38,19 @@ def parse_memory_limit(text: str) -> int | None:
 
 
 def collect_profile(
-    models_dir: Path, memory_limit: int | None = None, shoal_bytes: int = 0
+    models_dir: Path,
+    memory_limit: int | None = None,
+    shoal_bytes: int = 0,
+    probe: Probe | None = None,
 ) -> NodeProfile:
     """A snapshot of this machine. ``memory_limit`` (bytes) caps what the node offers to
     placement: users keep memory for themselves, and tests make a small model "not fit".
 
     ``shoal_bytes`` is what this node's runners hold now. It counts as offered: placement
-    already charges the shards placed here, and would count them twice otherwise."""
+    already charges the shards placed here, and would count them twice otherwise.
+
+    ``probe``: what the engines can run on (none: the CPU only, and any NVIDIA GPU is reported
+    as seen but not usable)."""
     vm = psutil.virtual_memory()
     swap = psutil.swap_memory()
     budget = vm.available + shoal_bytes
@@ -58,7 +68,10 @@ def collect_profile(
         disk_free=disk_free(models_dir),
         memory_offered=offered,
         interfaces=network_interfaces(),
-        gpus=nvidia_gpus(),
+        # Every GPU is an accelerator; `gpus` is what workers before them sent.
+        accelerators=accelerators(
+            probe.llamacpp if probe else [], nvidia_gpus(), probe.mlx if probe else None
+        ),
     )
 
 
@@ -154,7 +167,7 @@ def _nvml_available() -> bool:
     return True
 
 
-def nvidia_gpus() -> list[GpuInfo]:
+def nvidia_gpus() -> list[NvidiaGpu]:
     """The NVIDIA GPUs, or [] when there is no driver (a CPU-only machine, a Mac)."""
     if not _nvml_available():
         return []
@@ -173,7 +186,7 @@ def nvidia_gpus() -> list[GpuInfo]:
     return gpus
 
 
-def _gpu(index: int) -> GpuInfo:
+def _gpu(index: int) -> NvidiaGpu:
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     name: Any = pynvml.nvmlDeviceGetName(handle)
     memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
@@ -182,11 +195,28 @@ def _gpu(index: int) -> GpuInfo:
         utilisation = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
     except pynvml.NVMLError:
         utilisation = None  # not supported on some boards (e.g. some Jetsons, vGPUs)
-    return GpuInfo(
+    capability: str | None
+    try:
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        capability = f"{major}.{minor}"
+    except pynvml.NVMLError:
+        capability = None
+    bus: str | None
+    try:
+        bus = _str(pynvml.nvmlDeviceGetPciInfo(handle).busId)
+    except pynvml.NVMLError:
+        bus = None
+    return NvidiaGpu(
         index=index,
-        # Older nvidia-ml-py versions return bytes.
-        name=name.decode() if isinstance(name, bytes) else str(name),
+        name=_str(name),
         memory_total=int(memory.total),
-        memory_used=int(memory.used),
+        memory_free=int(memory.free),
         utilisation=utilisation,
+        compute_capability=capability,
+        pci_bus_id=bus,
     )
+
+
+def _str(value: Any) -> str:
+    # Older nvidia-ml-py versions return bytes.
+    return value.decode() if isinstance(value, bytes) else str(value)

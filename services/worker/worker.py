@@ -42,7 +42,8 @@ from services.models.footprint import context_for
 from services.resume import continuation, describe, message_id, read_logged
 from services.runner.serve import CurrentTasks
 from services.runner.spec import RunnerSpec
-from services.worker.profile import collect_profile, rss_bytes
+from services.worker.device_probe import Probe, probe
+from services.worker.profile import collect_profile, nvidia_gpus, rss_bytes
 from services.worker.reconcile import describe_exit, desired_runners, plan, runner_slots
 from services.worker.supervisor import Supervisor
 
@@ -82,6 +83,7 @@ class Worker:
         self.state = ClusterState()  # instances, runners and models, folded from the log
         self.supervisor = Supervisor(self._runner_exited, config.data_dir / "logs")
         self._caught_up = asyncio.Event()
+        self._devices = Probe()  # what the engines can run on: asked once, in run()
 
     @property
     def node_id(self) -> str:
@@ -89,6 +91,7 @@ class Worker:
 
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_streams(self._js, self.config.stream_settings)
+        self._devices = await probe(len(await asyncio.to_thread(nvidia_gpus)))
         await self._pub.publish(
             NodeJoined(
                 node_id=self.node_id,
@@ -132,8 +135,9 @@ class Worker:
     async def _heartbeat(self) -> None:
         pids = [pid for r in self.supervisor.runners if (pid := self.supervisor.pid(r))]
         profile = await asyncio.to_thread(
-            collect_profile, self.config.models_dir, self.config.memory_limit, rss_bytes(pids)
-        )
+            collect_profile, self.config.models_dir, self.config.memory_limit, rss_bytes(pids),
+            self._devices,
+        )  # fmt: skip
         await self._pub.publish(
             ResourceProfiled(node_id=self.node_id, origin=self.node_id, profile=profile)
         )

@@ -50,7 +50,8 @@ def test_no_nvidia_driver_means_no_gpus() -> None:
     # and asking again gives the same answer without trying to load the library again.
     assert nvidia_gpus() == []
     assert nvidia_gpus() == []
-    assert collect_profile(Path("/"), None).gpus == []
+    profile = collect_profile(Path("/"), None)
+    assert profile.gpus == [] and profile.accelerators == []
 
 
 def test_a_memory_limit_caps_what_is_offered(tmp_path: Path) -> None:
