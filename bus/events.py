@@ -195,6 +195,12 @@ class ShardAssignment(Record):
     n_layers: int = Field(description="Layers of the whole model.")
     tensor_split: list[float] | None = None
 
+    def device_layers(self) -> list[tuple[str, int]]:
+        """The devices of its node and the layers each holds, in layer order."""
+        if self.devices:
+            return [(d.device, d.layers) for d in self.devices]
+        return [(self.device, self.end_layer - self.start_layer)]
+
 
 class ToolCall(Record):
     """A call an assistant made, as a chat's history carries it back."""

@@ -22,6 +22,7 @@ from services.cli.options import (
     setup_logging,
 )
 from services.runner.main import run_runner
+from services.runner.offload import visible_devices
 from services.runner.spec import RunnerSpec
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit
@@ -84,6 +85,8 @@ def runner(
     """Serve one shard (started by a worker; not usually run by hand)."""
     setup_logging()
     parsed = RunnerSpec.model_validate_json(spec)
+    # Before any engine is loaded: the process sees only its shard's accelerators.
+    os.environ.update(visible_devices(parsed.shard, os.environ))
     code = 0
 
     async def main(stop: asyncio.Event) -> None:

@@ -147,9 +147,7 @@ def shard_needs(state: ClusterState, runner: RunnerRow) -> dict[str, int]:
 
 def device_layers(shard: ShardAssignment) -> list[tuple[str, int]]:
     """The devices of a shard's node and the layers each holds, in layer order."""
-    if shard.devices:
-        return [(d.device, d.layers) for d in shard.devices]
-    return [(shard.device, shard.end_layer - shard.start_layer)]
+    return shard.device_layers()
 
 
 def charges_of(state: ClusterState, runners: Iterable[RunnerRow]) -> dict[str, int]:

