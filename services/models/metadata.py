@@ -26,16 +26,17 @@ from typing import Any
 from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
 from pydantic import BaseModel, ConfigDict, Field
 
-MiB = 1024**2
-
-# Memory llama.cpp takes beyond the weights and the KV cache: compute buffers, the logits row,
-# the tokenizer's tables. Measured with llama-cpp-python 0.3 on CPU (RSS after loading and
-# one generation, minus weights and KV cache): 23 MiB for SmolLM2-135M (49,152 tokens) and
-# 61 MiB for Gemma 3 270M (262,144 tokens), the same at n_ctx 2048 and 8192 (flash attention
-# is on by default, so no n_ctx x n_ctx scores buffer). The allowance below covers both with
-# room to spare: a fixed part plus a part that grows with the vocabulary.
-OVERHEAD_FIXED_BYTES = 48 * MiB
-OVERHEAD_PER_VOCAB_BYTES = 256
+# Re-exported: the engine's working memory is footprint's (which needs no gguf to import).
+from services.models.footprint import (
+    OVERHEAD_FIXED_BYTES as OVERHEAD_FIXED_BYTES,
+)
+from services.models.footprint import (
+    OVERHEAD_PER_VOCAB_BYTES as OVERHEAD_PER_VOCAB_BYTES,
+)
+from services.models.footprint import (
+    engine_overhead_bytes as engine_overhead_bytes,
+)
+from services.models.shard_files import split_parts
 
 # Arrays up to this many elements are kept (per-layer head counts, languages, tags); longer
 # ones (vocabulary, scores, merges) are skipped and only their length is kept.
@@ -94,7 +95,22 @@ def read_gguf(path: Path | str) -> GgufInfo:
     """The metadata of the GGUF file at ``path``; ``GgufError`` if it is not one."""
     p = Path(path)
     kv, tensor_types = _read_header(p)
-    return _info(p, kv, tensor_types, p.stat().st_size)
+    return _info(p, kv, tensor_types, _split_size(p, kv))
+
+
+def _split_size(p: Path, kv: dict[str, Any]) -> int:
+    """The bytes of the whole model: a split GGUF's first part holds the metadata, and its
+    other parts (``<prefix>-0000i-of-0000N.gguf``, beside it) the rest of the tensors."""
+    count = kv.get(Keys.Split.LLM_KV_SPLIT_COUNT)
+    if not isinstance(count, int) or count <= 1:
+        return p.stat().st_size
+    parts = [p.parent / name for name in split_parts(p.name)]
+    if len(parts) != count:
+        raise GgufError(f"{p} is part of a GGUF split in {count}, but its name does not say so")
+    missing = [q.name for q in parts if not q.is_file()]
+    if missing:
+        raise GgufError(f"{p}: parts of this split GGUF are missing: {', '.join(missing)}")
+    return sum(q.stat().st_size for q in parts)
 
 
 def read_gguf_fields(path: Path | str) -> dict[str, Any]:
@@ -126,10 +142,6 @@ def kv_cache_bytes(info: GgufInfo, n_ctx: int, bytes_per_elem: int = 2) -> int:
     heads = info.n_head_kv_per_layer or [info.n_head_kv] * info.n_layers
     per_token = sum(h * (info.key_length + info.value_length) for h in heads)
     return per_token * n_ctx * bytes_per_elem
-
-
-def engine_overhead_bytes(vocab_size: int) -> int:
-    return OVERHEAD_FIXED_BYTES + OVERHEAD_PER_VOCAB_BYTES * vocab_size
 
 
 def memory_need_bytes(info: GgufInfo, n_ctx: int | None = None) -> int:

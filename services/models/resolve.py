@@ -36,6 +36,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
 from services.models.cards import HfSource, ModelCard, PackageSource, PathSource
+from services.models.shard_files import split_parts
 
 ProgressCallback = Callable[[float], None]
 
@@ -125,10 +126,7 @@ def local_path(card: ModelCard, cache_dir: Path) -> Path | None:
             return file if file is not None and file.is_file() else None
         target = _assembled_target(card, source, cache_dir)
         return target if target is not None and _assembled_is_current(target, source) else None
-    cached = huggingface_hub.try_to_load_from_cache(
-        source.repo, source.filename, cache_dir=_hf_cache(cache_dir), revision=source.revision
-    )
-    return Path(cached) if isinstance(cached, str) else None
+    return _hf_cached(source, cache_dir)
 
 
 # --- path ---------------------------------------------------------------------------------
@@ -245,7 +243,7 @@ def _hf_cache(cache_dir: Path) -> Path:
     return Path(cache_dir) / "hf"
 
 
-def _progress_bar_class(throttle: ProgressThrottle | None) -> type[hf_tqdm]:
+def _progress_bar_class(throttle: ProgressThrottle | _Share | None) -> type[hf_tqdm]:
     """A silent progress bar that feeds ``throttle``. huggingface_hub drives download progress
     through a tqdm class; disabling the bar keeps a worker's output free of bar drawings."""
 
@@ -272,6 +270,34 @@ def _progress_bar_class(throttle: ProgressThrottle | None) -> type[hf_tqdm]:
     return _Progress
 
 
+# An MLX model's repository: what mlx-lm loads (weights, config, tokenizer, templates).
+MLX_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def _hf_cached(source: HfSource, cache_dir: Path) -> Path | None:
+    """The file (every part of a split one) or the repository, if in the Hub cache here."""
+    if source.filename is None:
+        try:
+            snapshot = huggingface_hub.snapshot_download(
+                source.repo, revision=source.revision, cache_dir=_hf_cache(cache_dir),
+                allow_patterns=MLX_FILES, local_files_only=True,
+            )  # fmt: skip
+        except (LocalEntryNotFoundError, OfflineModeIsEnabled, OSError, ValueError):
+            return None
+        return Path(snapshot)
+    paths = []
+    folder, _, name = source.filename.rpartition("/")
+    for part in split_parts(name):
+        cached = huggingface_hub.try_to_load_from_cache(
+            source.repo, f"{folder}/{part}" if folder else part,
+            cache_dir=_hf_cache(cache_dir), revision=source.revision,
+        )  # fmt: skip
+        if not isinstance(cached, str):
+            return None
+        paths.append(Path(cached))
+    return paths[0]
+
+
 def _hf_download(
     card: ModelCard,
     source: HfSource,
@@ -279,7 +305,7 @@ def _hf_download(
     throttle: ProgressThrottle | None,
     endpoint: str | None,
 ) -> Path:
-    where = f"{source.repo}/{source.filename}"
+    where = source.label().removeprefix("hf:")
     # A file downloaded once is used as it is, without asking the Hub about newer revisions:
     # runners start from the cache, offline or not, and pin a revision when that matters.
     cached = local_path(card, cache_dir)
@@ -298,14 +324,30 @@ def _hf_download(
             f" ({unreachable}). {hint}"
         )
     try:
-        path = huggingface_hub.hf_hub_download(
-            repo_id=source.repo,
-            filename=source.filename,
-            revision=source.revision,
-            cache_dir=_hf_cache(cache_dir),
-            endpoint=endpoint,
-            tqdm_class=_progress_bar_class(throttle),
-        )
+        if source.filename is None:
+            return Path(
+                huggingface_hub.snapshot_download(
+                    source.repo, revision=source.revision, cache_dir=_hf_cache(cache_dir),
+                    allow_patterns=MLX_FILES, endpoint=endpoint,
+                    tqdm_class=_progress_bar_class(throttle),
+                )
+            )  # fmt: skip
+        folder, _, name = source.filename.rpartition("/")
+        parts = split_parts(name)
+        paths = []
+        for i, part in enumerate(parts):
+            # Each part's share of the progress, in order (parts are about the same size).
+            share = _Share(throttle, i, len(parts)) if throttle else None
+            paths.append(
+                huggingface_hub.hf_hub_download(
+                    repo_id=source.repo,
+                    filename=f"{folder}/{part}" if folder else part,
+                    revision=source.revision,
+                    cache_dir=_hf_cache(cache_dir),
+                    endpoint=endpoint,
+                    tqdm_class=_progress_bar_class(share),
+                )
+            )
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
         # Offline mode, DNS failure, refused or timed-out connection: all end here when the
         # file is not in the cache already.
@@ -331,7 +373,17 @@ def _hf_download(
         raise ModelUnavailable(f"cannot download {where}: no file {source.filename}") from exc
     except (HfHubHTTPError, OSError) as exc:
         raise ModelUnavailable(f"cannot download {where}: {_first_line(exc)}") from exc
-    return Path(path)
+    return Path(paths[0])
+
+
+class _Share:
+    """Part ``index`` of ``count`` of a download's progress (a split GGUF's parts)."""
+
+    def __init__(self, throttle: ProgressThrottle, index: int, count: int) -> None:
+        self._throttle, self._index, self._count = throttle, index, count
+
+    def update(self, fraction: float) -> bool:
+        return self._throttle.update((self._index + fraction) / self._count)
 
 
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")

@@ -20,7 +20,7 @@ from services.models.cards import (
 
 def test_builtin_cards() -> None:
     cards = builtin_cards()
-    assert set(cards) == {"smollm2-135m", "gemma3-270m"}
+    assert {"smollm2-135m", "gemma3-270m"} <= set(cards)
     smol, gemma = cards["smollm2-135m"], cards["gemma3-270m"]
     assert smol.chat_format is None  # its GGUF has a chat template
     assert smol.source == PackageSource(
@@ -28,16 +28,17 @@ def test_builtin_cards() -> None:
     )
     assert gemma.chat_format == "gemma"
     assert isinstance(gemma.source, PackageSource) and gemma.source.assemble
-    assert all(card.engines == ["llamacpp"] for card in cards.values())
+    assert smol.engines == gemma.engines == ["llamacpp"]
+    assert card_for("smollm2-135m:latest") == smol  # Ollama's tag for the default
 
 
-def test_unknown_model_lists_the_known_ids() -> None:
+def test_an_unknown_model_says_where_to_find_one() -> None:
     with pytest.raises(UnknownModel) as info:
-        card_for("llama-70b")
+        card_for("llama-71b")
     message = str(info.value)
-    assert "'llama-70b'" in message
-    assert "gemma3-270m, smollm2-135m" in message
-    assert "shoal models add llama-70b --path FILE" in message
+    assert "'llama-71b'" in message
+    assert "shoal models list" in message and "shoal models search" in message
+    assert "shoal models add llama-71b --path FILE" in message
 
 
 def test_cards_are_validated_and_frozen() -> None:
@@ -78,6 +79,10 @@ def test_card_from_event_for_each_source() -> None:
         assert card_from_event(_added(card.source.label(), "/p", card.id)).source.label() == (
             card.source.label()
         )
+
+    # A whole repository (an MLX model).
+    mlx = card_from_event(_added("hf:mlx-community/Qwen3-8B-4bit"))
+    assert mlx.source == HfSource(repo="mlx-community/Qwen3-8B-4bit")
 
     with pytest.raises(UnknownModel):
         card_from_event(_added("hf:no-file"))

@@ -181,7 +181,7 @@ async def test_add_errors_are_one_line_and_publish_nothing(
         shoal("add", "x", "--path", str(not_gguf), "--engine", "vllm", cache=tmp_path),
     )  # fmt: skip
     unknown, bad_file, missing, offline, bad_engine = outs
-    one_line_error(unknown, "no built-in model 'llama-70b'", "gemma3-270m, smollm2-135m")
+    one_line_error(unknown, "no model card 'llama-70b'", "shoal models list")
     one_line_error(bad_file, "is not a GGUF file")
     one_line_error(missing, "does not exist")
     one_line_error(offline, "cannot reach the Hugging Face Hub", "shoal models add x --path")
