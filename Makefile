@@ -10,7 +10,21 @@ UP_ARGS ?=
 # rather than for the building CPU's every extension: pip caches the wheel it builds, and a
 # native wheel cached on one machine dies with SIGILL on another. --no-cache-dir for the same
 # reason: pip's cache key ignores CMAKE_ARGS.
-export CMAKE_ARGS ?= -DGGML_RPC=on -DGGML_NATIVE=off
+# It is built for the machine's accelerator: Metal on macOS, CUDA where nvcc and a usable
+# NVIDIA GPU are, Vulkan where its SDK and a GPU are, else the CPU (llamacpp_build.py says
+# why). SHOAL_LLAMA_CMAKE_ARGS, when set (even empty: the CPU), replaces what is found.
+LLAMA_BUILD_PY := services/runner/engines/llamacpp_build.py
+ifeq ($(origin SHOAL_LLAMA_CMAKE_ARGS),undefined)
+LLAMA_BUILD := $(shell $(PYTHON) $(LLAMA_BUILD_PY))
+LLAMA_ACCEL := $(firstword $(LLAMA_BUILD))
+LLAMA_ACCEL_ARGS := $(wordlist 2,$(words $(LLAMA_BUILD)),$(LLAMA_BUILD))
+LLAMA_WHY := $(PYTHON) $(LLAMA_BUILD_PY) --explain
+else
+LLAMA_ACCEL := what SHOAL_LLAMA_CMAKE_ARGS says
+LLAMA_ACCEL_ARGS := $(SHOAL_LLAMA_CMAKE_ARGS)
+LLAMA_WHY := echo "llama.cpp is built as SHOAL_LLAMA_CMAKE_ARGS says"
+endif
+export CMAKE_ARGS ?= $(strip -DGGML_RPC=on -DGGML_NATIVE=off $(LLAMA_ACCEL_ARGS))
 LLAMA_CPP ?= llama-cpp-python>=0.3
 
 .PHONY: up test lint typecheck pytest bench clean
@@ -19,9 +33,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip
 
+# The marker keeps the CMAKE_ARGS it was built with (`make up` compares them with the machine's).
 $(VENV)/.installed-llama: | $(BIN)/python
-	$(BIN)/pip install -q --no-cache-dir '$(LLAMA_CPP)'
-	touch $@
+	@echo "llama.cpp: building for $(LLAMA_ACCEL), CMAKE_ARGS=$(CMAKE_ARGS)"
+	@$(LLAMA_WHY)
+	CMAKE_ARGS='$(CMAKE_ARGS)' $(BIN)/pip install -q --no-cache-dir '$(LLAMA_CPP)'
+	echo '$(CMAKE_ARGS)' > $@
 
 $(VENV)/.installed-run: pyproject.toml | $(VENV)/.installed-llama
 	$(BIN)/pip install -q -e .
@@ -32,6 +49,7 @@ $(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-llama
 	touch $@ $(VENV)/.installed-run
 
 up: $(VENV)/.installed-run
+	@$(PYTHON) $(LLAMA_BUILD_PY) --check $(VENV)/.installed-llama --args '$(CMAKE_ARGS)'
 	$(BIN)/shoal up --data-dir $(DATA) $(UP_ARGS)
 
 lint: $(VENV)/.installed-test

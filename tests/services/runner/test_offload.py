@@ -141,3 +141,15 @@ def test_the_devices_llamacpp_offers_must_be_the_shards() -> None:
     assert offload_problem(two, [gpu("CUDA0", "CUDA", 0), gpu("CUDA1", "CUDA", 1)]) is None
     assert offload_problem(two, [gpu("CUDA0", "CUDA", 0)]) is not None  # one hidden too many
     assert offload_problem(shard("cuda0"), [gpu("Vulkan0", "Vulkan", 0)]) is not None
+
+
+def test_mlx_runs_a_shard_in_ram_on_its_cpu_and_says_when_it_has_no_gpu() -> None:
+    import mlx.core as mx
+
+    from services.runner.main import use_mlx_device
+
+    use_mlx_device(shard("cpu"))
+    assert mx.default_device() == mx.cpu
+    if not (mx.metal.is_available() or mx.cuda.is_available()):  # mlx[cpu], as here
+        with pytest.raises(UnsupportedDevice, match="placed on metal0, but MLX has no GPU here"):
+            use_mlx_device(shard("metal0"))
