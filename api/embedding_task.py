@@ -36,7 +36,6 @@ from bus.events import (
     TaskFailed,
     parse_event,
 )
-from bus.subjects import chunk_subject
 from bus.vectors import Vectors, decode_vectors
 
 Outcome = TaskCompleted | TaskFailed
@@ -62,8 +61,9 @@ class EmbeddingTask:
         subs: list[Subscription] = []
         published = False
         try:
-            for subject in (chunk_subject(t.task_id), outcome_subject(t, "TaskCompleted"),
-                            outcome_subject(t, "TaskFailed")):  # fmt: skip
+            chunks = EmbeddingsComputed.subject_for(t.task_id)
+            outcomes = (outcome_subject(t, TaskCompleted), outcome_subject(t, TaskFailed))
+            for subject in (chunks, *outcomes):
                 subs.append(await nc.subscribe(subject, cb=self._on_msg))
             await self._ctx.publish(t)
             published = True

@@ -23,7 +23,6 @@ from api.serving import log_unavailable
 from bus.events import ChatMessage, ResponseDeleted, ResponseStored, parse_event
 from bus.payload import PayloadTooLargeError
 from bus.streams import EVENTS_STREAM
-from bus.subjects import event_subject
 from projectors.rows import ResponseRow, TaskRow
 from projectors.tables import responses, tasks
 
@@ -102,18 +101,16 @@ async def _from_log(ctx: ApiContext, response_id: str) -> tuple[bool, ResponseSt
     """Whether the log has the response deleted, and its latest ``ResponseStored``."""
     js = ctx.nc.jetstream()
 
-    async def last(kind: str) -> bytes | None:
+    async def last(kind: type[ResponseStored | ResponseDeleted]) -> bytes | None:
         try:
-            msg = await js.get_last_msg(
-                EVENTS_STREAM, event_subject("response", (response_id,), kind)
-            )
+            msg = await js.get_last_msg(EVENTS_STREAM, kind.subject_for(response_id))
         except NotFoundError:
             return None
         return msg.data or b""
 
-    if await last("ResponseDeleted") is not None:
+    if await last(ResponseDeleted) is not None:
         return True, None
-    data = await last("ResponseStored")
+    data = await last(ResponseStored)
     if data is None:
         return False, None
     try:

@@ -42,7 +42,6 @@ from bus.events import (
 from bus.publisher import Publisher
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
-from bus.subjects import chunk_subject, event_subject
 
 # Tasks publishing cancels, kept referenced until done (the event loop holds them weakly).
 _BACKGROUND: set[asyncio.Task[object]] = set()
@@ -72,9 +71,11 @@ class Finished:
     unavailable: str | None = None
 
 
-def outcome_subject(task: TaskCreated | EmbeddingsRequested, kind: str) -> str:
+def outcome_subject(
+    task: TaskCreated | EmbeddingsRequested, kind: type[TaskCompleted | TaskFailed]
+) -> str:
     """The subject of a task's ``TaskCompleted`` or ``TaskFailed``."""
-    return event_subject("task", (task.model_id, task.task_id), kind)
+    return kind.subject_for(task.model_id, task.task_id)
 
 
 async def stored_outcome(
@@ -86,7 +87,7 @@ async def stored_outcome(
     has no outcome, or cannot be read now (NATS is not back yet: ask again later)."""
     js = nc.jetstream()
     try:
-        for kind in ("TaskFailed", "TaskCompleted"):
+        for kind in (TaskFailed, TaskCompleted):
             try:
                 stored = await js.get_last_msg(EVENTS_STREAM, outcome_subject(task, kind))
             except NotFoundError:
@@ -96,7 +97,7 @@ async def stored_outcome(
                 return None, []
             chunks: list[EventBase] = []
             if isinstance(outcome, TaskCompleted):
-                subject = chunk_subject(task.task_id)
+                subject = ChunkGenerated.subject_for(task.task_id)
                 chunks = [
                     parse_event(m.data) async for m in read_stream(js, CHUNKS_STREAM, subject)
                 ]
@@ -148,9 +149,9 @@ class TaskStream:
         self.started_at = time.monotonic()
         t = self.task
         self._subs = [
-            await self._nc.subscribe(chunk_subject(t.task_id), cb=self._on_msg),
-            await self._nc.subscribe(outcome_subject(t, "TaskCompleted"), cb=self._on_msg),
-            await self._nc.subscribe(outcome_subject(t, "TaskFailed"), cb=self._on_msg),
+            await self._nc.subscribe(ChunkGenerated.subject_for(t.task_id), cb=self._on_msg),
+            await self._nc.subscribe(outcome_subject(t, TaskCompleted), cb=self._on_msg),
+            await self._nc.subscribe(outcome_subject(t, TaskFailed), cb=self._on_msg),
         ]
         try:
             await self._publish(t)

@@ -117,8 +117,8 @@ from bench.common.processes import (
 from bench.common.procfs import QUIET
 from bench.common.report import med
 from bus.embedded import free_port
+from bus.events import ChunkGenerated, EventBase, TaskCompleted, TaskCreated, TaskStarted
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
-from bus.subjects import chunk_subject, event_subject
 
 WARMUP_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 WARMUP_TOKENS = 64
@@ -213,14 +213,15 @@ async def trace(nc: Client, s: Stream) -> Trace | None:
         return None
     js = nc.jetstream()
 
-    def task_subject(kind: str) -> str:
-        return event_subject("task", (MODEL_ID, task_id), kind)
+    def task_subject(kind: type[EventBase]) -> str:
+        return kind.subject_for(MODEL_ID, task_id)
 
     try:
-        created = await js.get_last_msg(EVENTS_STREAM, task_subject("TaskCreated"))
-        started = await js.get_last_msg(EVENTS_STREAM, task_subject("TaskStarted"))
-        completed = await js.get_last_msg(EVENTS_STREAM, task_subject("TaskCompleted"))
-        first = await js.get_msg(CHUNKS_STREAM, seq=1, subject=chunk_subject(task_id), next=True)
+        created = await js.get_last_msg(EVENTS_STREAM, task_subject(TaskCreated))
+        started = await js.get_last_msg(EVENTS_STREAM, task_subject(TaskStarted))
+        completed = await js.get_last_msg(EVENTS_STREAM, task_subject(TaskCompleted))
+        chunks = ChunkGenerated.subject_for(task_id)
+        first = await js.get_msg(CHUNKS_STREAM, seq=1, subject=chunks, next=True)
     except NotFoundError:
         return None
     t_created, t_started, t_chunk = _ts(created.data), _ts(started.data), _ts(first.data)

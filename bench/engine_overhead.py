@@ -75,7 +75,7 @@ from bus.events import (
 )
 from bus.publisher import Publisher
 from bus.streams import ensure_streams
-from bus.subjects import chunk_subject, event_subject
+from bus.subjects import aggregate_filter
 from services.models.cards import card_for
 from services.models.metadata import read_gguf
 from services.models.resolve import resolve_model
@@ -255,8 +255,8 @@ def _is_outcome(data: bytes) -> bool:
 async def run_on_runner(
     nc: Client, publisher: Publisher, task: TaskCreated, limit: int, server_pid: int = 0
 ) -> Side:
-    chunks = await Inbox().start(nc, chunk_subject(task.task_id))
-    task_events = event_subject("task", (task.model_id, task.task_id), "*")
+    chunks = await Inbox().start(nc, ChunkGenerated.subject_for(task.task_id))
+    task_events = aggregate_filter("task", task.model_id, task.task_id)
     outcome = await Inbox(until=_is_outcome).start(nc, task_events)
     await nc.flush()  # the subscriptions are on the server before the task is
     try:
@@ -325,7 +325,7 @@ class Runner:
             return b'"Ready"' in data or b'"Failed"' in data
 
         states = await Inbox(until=ready_or_failed).start(
-            nc, event_subject("runner", (self.spec.runner_id,), "RunnerStateChanged")
+            nc, RunnerStateChanged.subject_for(self.spec.runner_id)
         )
         await nc.flush()
         with self.log_path.open("wb") as log_file:

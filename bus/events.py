@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from bus.subjects import (
     CHUNKS_PREFIX,
     EVENTS_PREFIX,
+    Aggregate,
     chunk_subject,
     event_subject,
     event_type_filter,
@@ -52,7 +53,7 @@ class EventBase(Record):
     name is its ``type``, written once (``__init_subclass__`` makes the field a Literal of it,
     which the discriminated union ``Event`` needs)."""
 
-    aggregate: ClassVar[str]
+    aggregate: ClassVar[Aggregate]
     # The fields whose values name the subject, after the aggregate.
     subject_fields: ClassVar[tuple[str, ...]]
     # Token chunks and prompt scores live on the chunk stream, everything else on the events'.
@@ -73,10 +74,26 @@ class EventBase(Record):
 
     @property
     def subject(self) -> str:
-        ids = tuple(str(getattr(self, f)) for f in self.subject_fields)
-        if self.on_chunk_stream:  # a task's chunks share one subject, whatever their type
+        return self.subject_for(*(str(getattr(self, f)) for f in self.subject_fields))
+
+    @classmethod
+    def subject_for(cls, *ids: str) -> str:
+        """The subject of this type's event about ``ids``, its ``subject_fields`` in order:
+        ``TaskCancelled.subject_for(model_id, task_id)``."""
+        if len(ids) != len(cls.subject_fields):
+            raise ValueError(f"{cls.__name__}'s subject names {', '.join(cls.subject_fields)}")
+        if cls.on_chunk_stream:  # a task's chunks share one subject, whatever their type
             return chunk_subject(*ids)
-        return event_subject(self.aggregate, ids, self.type)
+        return event_subject(cls.aggregate, ids, cls.__name__)
+
+    @classmethod
+    def filter_for(cls, *ids: str) -> str:
+        """The subject filter of this type's events about the members named by ``ids``, the
+        leading ones of its ``subject_fields`` (the rest any):
+        ``TaskCreated.filter_for(model_id)`` is a model's tasks."""
+        if cls.on_chunk_stream or len(ids) > len(cls.subject_fields):
+            raise ValueError(f"{cls.__name__} has no filter by {len(ids)} ids")
+        return event_type_filter(cls.aggregate, ids, len(cls.subject_fields), cls.__name__)
 
     @classmethod
     def subject_pattern(cls) -> str:
@@ -320,7 +337,7 @@ InstanceRole = Literal["chat", "embed"]
 
 
 class _NodeEvent(EventBase):
-    aggregate: ClassVar[str] = "node"
+    aggregate: ClassVar[Aggregate] = "node"
     subject_fields: ClassVar[tuple[str, ...]] = ("node_id",)
     node_id: Id
 
@@ -376,7 +393,7 @@ class WeightFile(Record):
 class ModelAdded(EventBase):
     """A model became known to the cluster, with what placement needs to know."""
 
-    aggregate: ClassVar[str] = "model"
+    aggregate: ClassVar[Aggregate] = "model"
     subject_fields: ClassVar[tuple[str, ...]] = ("model_id",)
     model_id: Id
     family: str = ""
@@ -413,7 +430,7 @@ class ModelAdded(EventBase):
 
 
 class _InstanceEvent(EventBase):
-    aggregate: ClassVar[str] = "instance"
+    aggregate: ClassVar[Aggregate] = "instance"
     subject_fields: ClassVar[tuple[str, ...]] = ("instance_id",)
     instance_id: Id
 
@@ -489,7 +506,7 @@ class InstanceDeleted(_InstanceEvent):
 class RunnerStateChanged(EventBase):
     """A runner process (one shard) changed state."""
 
-    aggregate: ClassVar[str] = "runner"
+    aggregate: ClassVar[Aggregate] = "runner"
     subject_fields: ClassVar[tuple[str, ...]] = ("runner_id",)
     runner_id: Id
     instance_id: Id
@@ -509,7 +526,7 @@ class RunnerStateChanged(EventBase):
 
 
 class _TaskEvent(EventBase):
-    aggregate: ClassVar[str] = "task"
+    aggregate: ClassVar[Aggregate] = "task"
     # The model is in the subject so that runners pull only their model's tasks.
     subject_fields: ClassVar[tuple[str, ...]] = ("model_id", "task_id")
     task_id: Id
@@ -604,7 +621,7 @@ class _ChunkStreamEvent(EventBase):
     """What a task's runner streams to whoever waits for its answer: on the chunk stream, one
     subject a task (``shoal.chunks.<task_id>``), not on the event stream."""
 
-    aggregate: ClassVar[str] = "chunk"
+    aggregate: ClassVar[Aggregate] = "chunk"
     subject_fields: ClassVar[tuple[str, ...]] = ("task_id",)
     on_chunk_stream: ClassVar[bool] = True
     task_id: Id
@@ -652,7 +669,7 @@ ResponseStatus = Literal["completed", "incomplete", "failed", "in_progress", "ca
 
 
 class _ResponseEvent(EventBase):
-    aggregate: ClassVar[str] = "response"
+    aggregate: ClassVar[Aggregate] = "response"
     subject_fields: ClassVar[tuple[str, ...]] = ("response_id",)
     response_id: Id
 
@@ -715,11 +732,7 @@ EVENT_TYPES: tuple[type[EventBase], ...] = get_args(get_args(Event)[0])
 def event_type_filters() -> dict[str, str]:
     """Event type -> the subject filter matching exactly its events on SHOAL_EVENTS
     (``shoal.events.task.*.*.TaskCreated``); types on the chunk stream have none."""
-    return {
-        t.__name__: event_type_filter(t.aggregate, len(t.subject_fields), t.__name__)
-        for t in EVENT_TYPES
-        if not t.on_chunk_stream
-    }
+    return {t.__name__: t.filter_for() for t in EVENT_TYPES if not t.on_chunk_stream}
 
 
 _FILTER_TOKENS = {name: f.split(".") for name, f in event_type_filters().items()}

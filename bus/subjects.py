@@ -9,6 +9,7 @@ meaning to (``.``, ``*``, ``>``, whitespace) is percent-escaped: ``Qwen2.5-0.5B`
 from __future__ import annotations
 
 import re
+from typing import Literal
 from urllib.parse import unquote
 
 EVENTS_PREFIX = "shoal.events"
@@ -18,6 +19,9 @@ DEADLETTER_PREFIX = "shoal.deadletter"
 ALL_EVENTS = f"{EVENTS_PREFIX}.>"
 ALL_CHUNKS = f"{CHUNKS_PREFIX}.>"
 ALL_DEAD_LETTERS = f"{DEADLETTER_PREFIX}.>"
+
+# What an event is about: the token after ``shoal.events`` (chunks have a stream of their own).
+Aggregate = Literal["node", "model", "instance", "runner", "task", "response", "chunk"]
 
 # Letters, digits, '-', '_' , ':' and '=' pass unchanged; everything else is %XX (UTF-8 bytes).
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-:=]")
@@ -34,7 +38,7 @@ def unescape_token(token: str) -> str:
     return unquote(token)
 
 
-def event_subject(aggregate: str, ids: tuple[str, ...], event_type: str) -> str:
+def event_subject(aggregate: Aggregate, ids: tuple[str, ...], event_type: str) -> str:
     tokens = ".".join(escape_token(i) for i in ids)
     return f"{EVENTS_PREFIX}.{aggregate}.{tokens}.{event_type}"
 
@@ -47,20 +51,24 @@ def deadletter_subject(stream: str) -> str:
     return f"{DEADLETTER_PREFIX}.{escape_token(stream)}"
 
 
-def aggregate_filter(aggregate: str, *ids: str) -> str:
+def aggregate_filter(aggregate: Aggregate, *ids: str) -> str:
     """Every event of an aggregate (``shoal.events.instance.>``), or of one of its members
     (``shoal.events.instance.<id>.>``)."""
     return ".".join([EVENTS_PREFIX, aggregate, *(escape_token(i) for i in ids), ">"])
 
 
-def aggregate_prefix(aggregate: str) -> str:
+def aggregate_prefix(aggregate: Aggregate) -> str:
     """What the subjects of an aggregate's events start with."""
     return f"{EVENTS_PREFIX}.{aggregate}."
 
 
-def event_type_filter(aggregate: str, n_ids: int, event_type: str) -> str:
-    """Every event of one type (``shoal.events.task.*.*.TaskCreated``)."""
-    return ".".join([EVENTS_PREFIX, aggregate, *("*" * n_ids), event_type])
+def event_type_filter(
+    aggregate: Aggregate, ids: tuple[str, ...], n_ids: int, event_type: str
+) -> str:
+    """Every event of one type about the members named by ``ids``, the leading ones of its
+    ``n_ids`` (the rest any): ``shoal.events.task.<model>.*.TaskCreated``."""
+    wild = ("*",) * (n_ids - len(ids))
+    return ".".join([EVENTS_PREFIX, aggregate, *(escape_token(i) for i in ids), *wild, event_type])
 
 
 def dead_letter_origin(subject: str) -> str | None:
@@ -68,14 +76,3 @@ def dead_letter_origin(subject: str) -> str | None:
     if not subject.startswith(f"{DEADLETTER_PREFIX}."):
         return None
     return unescape_token(subject.rsplit(".", 1)[-1])
-
-
-def model_tasks_filter(model_id: str) -> str:
-    """The filter a runner's consumer uses to pull only its model's new tasks."""
-    return f"{EVENTS_PREFIX}.task.{escape_token(model_id)}.*.TaskCreated"
-
-
-def model_embeddings_filter(model_id: str) -> str:
-    """The filter an embed runner's consumer uses to pull only its model's embedding requests
-    (chat runners of the same model pull ``TaskCreated`` only, so neither takes the other's)."""
-    return f"{EVENTS_PREFIX}.task.{escape_token(model_id)}.*.EmbeddingsRequested"

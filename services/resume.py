@@ -26,10 +26,16 @@ from datetime import datetime, timedelta
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from bus.events import ChunkGenerated, Resume, TaskCreated, TaskFailed, parse_event
+from bus.events import (
+    ChunkGenerated,
+    Resume,
+    TaskCancelled,
+    TaskCreated,
+    TaskFailed,
+    parse_event,
+)
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
-from bus.subjects import chunk_subject, event_subject
 
 MAX_RESUMES = 3
 # A task of a timed-out node whose chunks came this recently still has its runner.
@@ -108,17 +114,17 @@ def still_streaming(task: Logged, now: datetime, within_s: float = QUIET_S) -> b
 async def read_logged(js: JetStreamContext, task_id: str, model_id: str) -> Logged:
     ids = (model_id, task_id)
     try:
-        stored = await js.get_last_msg(EVENTS_STREAM, event_subject("task", ids, "TaskCreated"))
+        stored = await js.get_last_msg(EVENTS_STREAM, TaskCreated.subject_for(*ids))
         created = parse_event(stored.data or b"")
     except NotFoundError:
         created = None
     chunks = [
         event
-        async for m in read_stream(js, CHUNKS_STREAM, chunk_subject(task_id))
+        async for m in read_stream(js, CHUNKS_STREAM, ChunkGenerated.subject_for(task_id))
         if isinstance(event := parse_event(m.data), ChunkGenerated)
     ]
     try:
-        await js.get_last_msg(EVENTS_STREAM, event_subject("task", ids, "TaskCancelled"))
+        await js.get_last_msg(EVENTS_STREAM, TaskCancelled.subject_for(*ids))
         cancelled = True
     except NotFoundError:
         cancelled = False

@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from bus.events import InstancePlaced, NodeTimedOut, PlacementRejected
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
-from bus.subjects import aggregate_filter
+from bus.subjects import Aggregate, aggregate_filter
 from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, RunnerRow
 from projectors.state import ClusterState
@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 # What decisions depend on; the tasks table (the big one) is not among them.
 PLANNING_TABLES = (NodeRow.TABLE, DeviceRow.TABLE, ModelRow.TABLE, InstanceRow.TABLE,
                    RunnerRow.TABLE)  # fmt: skip
-WATCHED = [aggregate_filter(a) for a in ("node", "model", "instance", "runner")]
+WATCHED_AGGREGATES: tuple[Aggregate, ...] = ("node", "model", "instance", "runner")
+WATCHED = [aggregate_filter(a) for a in WATCHED_AGGREGATES]
 
 
 @dataclass

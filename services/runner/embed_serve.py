@@ -16,8 +16,14 @@ from pathlib import Path
 
 from nats.aio.client import Client
 
-from bus.events import EmbeddingsRequested, TaskCompleted, TaskStarted, Timings, Usage
-from bus.subjects import model_embeddings_filter
+from bus.events import (
+    EmbeddingsRequested,
+    TaskCancelled,
+    TaskCompleted,
+    TaskStarted,
+    Timings,
+    Usage,
+)
 from bus.vectors import Vectors
 from services.runner.claim import Claim
 from services.runner.embedding import Embedder, computed_events, cut, embedding_inputs
@@ -37,14 +43,14 @@ class EmbeddingServer(TaskPuller):
 
     def consumer_names(self) -> tuple[str, str]:
         model = self._me.model_id
-        return embeddings_consumer_name(model), model_embeddings_filter(model)
+        return embeddings_consumer_name(model), EmbeddingsRequested.filter_for(model)
 
     async def serve_pulled(self, task: Pulled, claim: Claim) -> bool:
         if not isinstance(task, EmbeddingsRequested):
             return False
         # Cancelled while it waited (its client went away): the vectors are for no one. (A
         # request is computed whole, so one cancelled once it started is computed anyway.)
-        if await self._logged(task, "TaskCancelled"):
+        if await self._logged(task, TaskCancelled):
             log.info("embeddings task %s was cancelled before it started", task.task_id)
             return False
         await self.serve(task, claim)

@@ -20,7 +20,6 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
 from bus.events import RunnerStateChanged, ShardAssignment, parse_event
-from bus.subjects import event_subject
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class StopWhileWaiting(Exception):
 
 
 def runner_subject(runner_id: str) -> str:
-    return event_subject("runner", (runner_id,), "RunnerStateChanged")
+    return RunnerStateChanged.subject_for(runner_id)
 
 
 def updated(view: PeerView, event: RunnerStateChanged) -> PeerView:

@@ -37,9 +37,11 @@ from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import (
     ChunkGenerated,
     EmbeddingsRequested,
+    EventBase,
     FinishReason,
     RunnerState,
     RunnerStateChanged,
+    TaskCancelled,
     TaskCompleted,
     TaskCreated,
     TaskFailed,
@@ -51,7 +53,7 @@ from bus.events import (
 from bus.publisher import ChunkPublisher, Publisher
 from bus.puller import ConsumerGone
 from bus.streams import EVENTS_STREAM
-from bus.subjects import escape_token, event_subject, model_tasks_filter
+from bus.subjects import escape_token
 from services.resume import continuation, describe, message_id, read_logged
 from services.runner.claim import ACK_WAIT_S, Claim, Seen, redelivered
 from services.runner.decoding import PromptCached, PromptScores, Token
@@ -149,7 +151,7 @@ Pulled = TaskCreated | EmbeddingsRequested
 
 
 def cancel_subject(task: TaskCreated) -> str:
-    return event_subject("task", (task.model_id, task.task_id), "TaskCancelled")
+    return TaskCancelled.subject_for(task.model_id, task.task_id)
 
 
 class StateReporter:
@@ -327,10 +329,9 @@ class TaskPuller(ABC):
             return False
         seen = Seen(
             this=d.stream_seq,
-            latest_request=await self._last_seq(task, task.type),
-            started=await self._last_seq(task, "TaskStarted"),
-            ended=any([await self._last_seq(task, kind) > 0
-                       for kind in ("TaskCompleted", "TaskFailed", "TaskCancelled")]),
+            latest_request=await self._last_seq(task, type(task)),
+            started=await self._last_seq(task, TaskStarted),
+            ended=await self._logged(task, TaskCompleted, TaskFailed, TaskCancelled),
         )  # fmt: skip
         why = redelivered(seen)
         if why != "lost":
@@ -356,13 +357,13 @@ class TaskPuller(ABC):
                 log.warning("the task consumer could not be made yet: %r", exc)
                 await asyncio.sleep(1.0)
 
-    async def _logged(self, task: Pulled, *kinds: str) -> bool:
+    async def _logged(self, task: Pulled, *kinds: type[EventBase]) -> bool:
         """Whether the log holds an event of one of these kinds for ``task``."""
         return any([await self._last_seq(task, kind) > 0 for kind in kinds])
 
-    async def _last_seq(self, task: Pulled, kind: str) -> int:
+    async def _last_seq(self, task: Pulled, kind: type[EventBase]) -> int:
         """The stream sequence of ``task``'s latest event of this kind; 0 if it has none."""
-        subject = event_subject("task", (task.model_id, task.task_id), kind)
+        subject = kind.subject_for(task.model_id, task.task_id)
         try:
             return (await self._js.get_last_msg(EVENTS_STREAM, subject)).seq or 0
         except NotFoundError:
@@ -392,7 +393,7 @@ class TaskServer(TaskPuller):
 
     def consumer_names(self) -> tuple[str, str]:
         model = self._me.model_id
-        return tasks_consumer_name(model), model_tasks_filter(model)
+        return tasks_consumer_name(model), TaskCreated.filter_for(model)
 
     async def serve_pulled(self, task: Pulled, claim: Claim) -> bool:
         if not isinstance(task, TaskCreated):
@@ -454,7 +455,7 @@ class TaskServer(TaskPuller):
         """A cancel published before this runner subscribed is in the log; so is the failure of
         a task whose runner died before its ack got out (its worker failed it, and JetStream
         delivered it again)."""
-        if await self._logged(task, "TaskCancelled", "TaskFailed"):
+        if await self._logged(task, TaskCancelled, TaskFailed):
             flag.set()
 
     async def _generate(

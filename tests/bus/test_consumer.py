@@ -23,7 +23,6 @@ from bus.events import Event, NodeJoined, NodeLeft, TaskCreated
 from bus.publisher import Publisher
 from bus.puller import ConsumerGone
 from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM
-from bus.subjects import model_tasks_filter
 
 ALL_EVENTS = "shoal.events.>"
 
@@ -368,7 +367,7 @@ async def test_filter_subject_selects_one_models_tasks(
     await pub.publish(TaskCreated(task_id="t0", model_id="smollm2-135m", origin="api"))
     await pub.publish(mine)
     await pub.publish(NodeJoined(node_id="n", origin="n"))
-    c = await make_consumer("runners-qwen", model_tasks_filter("Qwen2.5-0.5B"))
+    c = await make_consumer("runners-qwen", TaskCreated.filter_for("Qwen2.5-0.5B"))
     got = await c.fetch(10, timeout=0.5)
     assert [d.event for d in got] == [mine]
 

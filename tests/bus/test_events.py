@@ -56,7 +56,7 @@ from bus.events import (
     parse_event,
     subject_event_type,
 )
-from bus.subjects import model_embeddings_filter, model_tasks_filter, unescape_token
+from bus.subjects import unescape_token
 
 GiB = 1024**3
 TS = datetime(2026, 11, 1, 12, 0, 0, 123456, tzinfo=UTC)
@@ -561,7 +561,7 @@ async def test_model_tasks_filter_selects_that_models_tasks_on_real_nats(nc: Cli
     async def on_sentinel(msg: Msg) -> None:
         done.set()
 
-    sub = await nc.subscribe(model_tasks_filter(MODEL), cb=on_task)
+    sub = await nc.subscribe(TaskCreated.filter_for(MODEL), cb=on_task)
     sentinel = await nc.subscribe("shoal.test.sentinel", cb=on_sentinel)
     wanted = [
         TaskCreated(task_id="t.1", model_id=MODEL, origin="api"),
@@ -602,8 +602,8 @@ async def test_chat_and_embed_runners_of_one_model_filter_apart_on_real_nats(nc:
         done.set()
 
     subs = [
-        await nc.subscribe(model_embeddings_filter(MODEL), cb=on_embed),
-        await nc.subscribe(model_tasks_filter(MODEL), cb=on_chat),
+        await nc.subscribe(EmbeddingsRequested.filter_for(MODEL), cb=on_embed),
+        await nc.subscribe(TaskCreated.filter_for(MODEL), cb=on_chat),
         await nc.subscribe("shoal.test.sentinel", cb=on_sentinel),
     ]
     embed = EmbeddingsRequested(task_id="e.1", model_id=MODEL, origin="api", texts=["x"])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bus.events import ChunkGenerated, TaskCreated
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM, all_subjects, stream_of
 from bus.subjects import (
     ALL_DEAD_LETTERS,
@@ -23,7 +24,6 @@ from bus.subjects import (
     escape_token,
     event_subject,
     event_type_filter,
-    model_tasks_filter,
     unescape_token,
 )
 
@@ -123,7 +123,11 @@ def test_empty_id_rejected() -> None:
     with pytest.raises(ValueError):
         event_subject("node", ("",), "NodeJoined")
     with pytest.raises(ValueError):
-        model_tasks_filter("")
+        TaskCreated.filter_for("")
+    with pytest.raises(ValueError, match="model_id, task_id"):
+        TaskCreated.subject_for("m")
+    with pytest.raises(ValueError):
+        ChunkGenerated.filter_for("t")
 
 
 def test_event_subject_shape() -> None:
@@ -160,14 +164,17 @@ def test_deadletter_subject_shape() -> None:
     assert len(deadletter_subject("x.y").split(".")) == 3
 
 
-def test_model_tasks_filter_shape() -> None:
-    f = model_tasks_filter("Qwen2.5-0.5B")
+def test_a_models_tasks_filter_shape() -> None:
+    f = TaskCreated.filter_for("Qwen2.5-0.5B")
     assert f == "shoal.events.task.Qwen2%2E5-0%2E5B.*.TaskCreated"
+    assert TaskCreated.filter_for() == "shoal.events.task.*.*.TaskCreated"
+    assert TaskCreated.subject_for("m.1", "t") == "shoal.events.task.m%2E1.t.TaskCreated"
+    assert ChunkGenerated.subject_for("t.1") == chunk_subject("t.1")
 
 
-def test_model_tasks_filter_matches_only_that_models_created_tasks() -> None:
+def test_a_models_tasks_filter_matches_only_that_models_created_tasks() -> None:
     model = "Qwen2.5-0.5B"
-    f = model_tasks_filter(model)
+    f = TaskCreated.filter_for(model)
     assert subject_matches(f, event_subject("task", (model, "t1"), "TaskCreated"))
     assert subject_matches(f, event_subject("task", (model, "a.b"), "TaskCreated"))
     assert not subject_matches(f, event_subject("task", (model, "t1"), "TaskStarted"))
@@ -175,14 +182,15 @@ def test_model_tasks_filter_matches_only_that_models_created_tasks() -> None:
     assert not subject_matches(f, event_subject("task", ("Qwen2.5-0.5B-x", "t1"), "TaskCreated"))
     # A model id that is a prefix-with-dot of another must not match it.
     assert not subject_matches(
-        model_tasks_filter("Qwen2"), event_subject("task", (model, "t1"), "TaskCreated")
+        TaskCreated.filter_for("Qwen2"), event_subject("task", (model, "t1"), "TaskCreated")
     )
 
 
 def test_filters_of_aggregates_types_and_streams() -> None:
     assert aggregate_filter("instance") == "shoal.events.instance.>"
     assert aggregate_filter("instance", "i.1") == "shoal.events.instance.i%2E1.>"
-    assert event_type_filter("task", 2, "TaskCreated") == "shoal.events.task.*.*.TaskCreated"
+    assert event_type_filter("task", (), 2, "TaskCreated") == "shoal.events.task.*.*.TaskCreated"
+    assert event_type_filter("task", ("m",), 2, "Tc") == "shoal.events.task.m.*.Tc"
     assert "shoal.events.task.m.t.TaskStarted".startswith(aggregate_prefix("task"))
     assert dead_letter_origin(deadletter_subject("SHOAL_EVENTS")) == "SHOAL_EVENTS"
     assert dead_letter_origin("shoal.events.node.n.NodeJoined") is None
@@ -192,9 +200,11 @@ def test_filters_of_aggregates_types_and_streams() -> None:
 
 
 REPO = Path(__file__).resolve().parents[2]
-# A subject written out by hand: the prefix of a stream in an f-string or a concatenation.
+# A subject written out by hand: the prefix of a stream in an f-string or a concatenation, or
+# an event's subject made from its parts rather than by its class (``TaskStarted.subject_for``).
 _HAND_MADE = re.compile(
     r'f"\{(EVENTS|CHUNKS|DEADLETTER)_PREFIX\}|_PREFIX \+ "|"shoal\.(events|chunks|deadletter)\.'
+    r"|\b(event_subject|chunk_subject|event_type_filter)\("
 )
 
 

@@ -12,7 +12,6 @@ from bus.consumer import EventConsumer
 from bus.events import ChatMessage, SamplingParams, TaskCreated
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
-from bus.subjects import model_tasks_filter
 from services.runner.claim import Claim, Seen, redelivered
 
 
@@ -30,7 +29,7 @@ async def test_a_claimed_task_is_kept_in_progress_then_acked(js: JetStreamContex
     """Ack wait 1 s: a claimed task is not delivered again while its runner works on it (3 s)
     nor after it is acked; one left alone is."""
     model = "m"
-    consumer = EventConsumer(js, EVENTS_STREAM, "tasks-m", model_tasks_filter(model),
+    consumer = EventConsumer(js, EVENTS_STREAM, "tasks-m", TaskCreated.filter_for(model),
                              deliver_policy=DeliverPolicy.NEW, ack_wait=1.0)  # fmt: skip
     await consumer.start()
     pub = Publisher(js)

@@ -25,7 +25,6 @@ from bus.events import (
 )
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
-from bus.subjects import model_tasks_filter
 from services.resume import Logged, continuation, message_id
 from services.runner.engines.llamacpp import LlamaCppEngine
 from services.runner.serve import CurrentTasks, RunnerIdentity, TaskServer, tasks_consumer_name
@@ -55,8 +54,9 @@ async def test_a_task_delivered_again_is_served_only_if_nobody_took_it(
     Delivered again, the first is not served a second time, the second is served once as its
     continuation, and the third goes on from the log: continued, and served once."""
     log = await EventLog().start(js)
-    lost = EventConsumer(js, EVENTS_STREAM, tasks_consumer_name(MODEL), model_tasks_filter(MODEL),
-                         deliver_policy=DeliverPolicy.NEW, ack_wait=0.5)  # fmt: skip
+    lost = EventConsumer(js, EVENTS_STREAM, tasks_consumer_name(MODEL),
+                         TaskCreated.filter_for(MODEL), deliver_policy=DeliverPolicy.NEW,
+                         ack_wait=0.5)  # fmt: skip
     await lost.start()
     pub = Publisher(js)
     taken, continued, orphan = chat("taken"), chat("continued"), chat("orphan")
