@@ -271,7 +271,7 @@ class Caller:
     background: bool = False
 
 
-# Set where the key is read (context.require_key, the fast lane): the serving path is shared by
+# Set where the key is read (context.require_key): the serving path is shared by
 # every dialect's routes, which do not pass the request on.
 NOBODY = Caller()  # no key, nothing to watch (tests calling serve directly)
 CALLER: ContextVar[Caller] = ContextVar("shoal_caller", default=NOBODY)

@@ -26,7 +26,6 @@ Ctx = Annotated[ApiContext, Depends(context)]
 
 @router.post("/messages", response_model=None)
 async def messages(body: MessagesRequest, ctx: Ctx) -> JSONResponse | StreamingResponse:
-    # A valid request is most often answered by api/fast_lane.py, through serve_messages() too.
     return await serve_messages(ctx, body)
 
 

@@ -24,7 +24,6 @@ from api.config import ApiConfig
 from api.context import ApiContext
 from api.dashboard import install as install_dashboard
 from api.embeddings_routes import router as embeddings_router
-from api.fast_lane import FastLane
 from api.responses_routes import router as responses_router
 from api.serving_verdicts import ServingVerdicts
 from bus.connection import connect
@@ -57,7 +56,6 @@ def create_app(config: ApiConfig) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
-    app.add_middleware(FastLane)  # inside the metrics' middleware, which counts its answers
     metrics_routes.install(app, counted)
     if config.cors_origins:
         # Outermost: a browser's preflight is answered before keys are asked for. A wildcard

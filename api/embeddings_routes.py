@@ -77,7 +77,6 @@ async def embed(
 
 @router.post("/embeddings")
 async def embeddings(body: EmbeddingsRequest, ctx: Ctx) -> JSONResponse:
-    # A valid request is most often answered by api/fast_lane.py, through serve_embeddings too.
     return await serve_embeddings(ctx, body)
 
 

@@ -50,7 +50,6 @@ def _not_found(name: str) -> ApiError:
 
 @router.post("/api/chat", response_model=None)
 async def chat(body: ChatRequest, ctx: Ctx) -> Response:
-    # A valid request is most often answered by api/fast_lane.py, through serve_chat() too.
     return await serve_chat(ctx, body)
 
 

@@ -72,7 +72,6 @@ def _model(name: str, model: str, created: int) -> dict[str, Any]:
 async def chat_completions(
     body: ChatCompletionRequest, ctx: Ctx
 ) -> JSONResponse | StreamingResponse:
-    # A valid request is most often answered by api/fast_lane.py, through serve_chat() too.
     return await serve_chat(ctx, body)
 
 

@@ -55,7 +55,6 @@ _RUNNING: set[asyncio.Task[None]] = set()
 
 @router.post("/responses", response_model=None)
 async def create_response(body: ResponsesRequest, ctx: Ctx) -> JSONResponse | StreamingResponse:
-    # A valid request is most often answered by api/fast_lane.py, through serve_responses().
     return await serve_responses(ctx, body)
 
 

@@ -24,7 +24,7 @@ class Trace:
     the runner made them) and the nats-server's time of storing them, against the client's
     clock (one machine, one clock)."""
 
-    api: float  # request sent -> TaskCreated made (HTTP, the API's fast lane, request body)
+    api: float  # request sent -> TaskCreated made (HTTP, FastAPI's routing, request body)
     publish: float  # -> TaskCreated stored (cluster state read, response start, subscribe, publish)
     pull: float  # -> TaskStarted made by the runner (delivery to its pull request, task ack)
     generate: float  # -> first ChunkGenerated made (TaskStarted, state Running, prefill, 1 token)
@@ -33,7 +33,7 @@ class Trace:
     runner_ttft: float  # the runner's own figure (task received -> first token)
 
     STEPS = (
-        ("api", "request sent -> TaskCreated made (HTTP, the API's fast lane, request body)"),
+        ("api", "request sent -> TaskCreated made (HTTP, FastAPI's routing, request body)"),
         ("publish", "-> TaskCreated stored (cluster state from the DB, response start, publish)"),
         ("pull", "-> TaskStarted made by the runner (delivery of its pull, task ack)"),
         ("generate", "-> first ChunkGenerated made (TaskStarted + Running, prefill, 1 token)"),
