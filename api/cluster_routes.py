@@ -18,6 +18,7 @@ from api import projection
 from api.admission import AdmissionState
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
+from api.model_adding import add_model
 from api.schemas import InstanceRequest
 from bus.events import (
     InstanceDeleteRequested,
@@ -28,6 +29,8 @@ from bus.events import (
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, stream_of
 from bus.subjects import ALL_EVENTS, CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors.state import ClusterState
+from services.models.cards import builtin_cards
+from services.planner.card_fit import card_info
 from services.planner.cluster import cluster_view
 from services.planner.placement import (
     ModelInfo,
@@ -117,6 +120,13 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
         raise ApiError(
             400, f"{body.model} cannot be placed: {result.reason}", code="placement_rejected"
         )
+    card = builtin_cards().get(body.model) if s.model(body.model) is None else None
+    if card is not None:
+        # A catalogue model the cluster does not know yet: added now (weights into the
+        # models bucket), then placed from its own facts rather than the card's estimate.
+        s = await add_model(ctx, card)
+        result = _preview(s, body.model, body.replicas, body.context_length, spec, role,
+                          body.slots)  # fmt: skip
     instance_id = f"{body.model}-{_short_id()}"
     await ctx.publish(
         InstanceRequested(
@@ -126,7 +136,7 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
         )
     )  # fmt: skip
     return {"id": instance_id, "object": "instance", "model": body.model, "status": "requested",
-            "role": role, "preview": _plan(result)}  # fmt: skip
+            "role": role, "preview": _plan(result), "added": card is not None}  # fmt: skip
 
 
 @router.delete("/instances/{instance_id}", status_code=202)
@@ -270,11 +280,14 @@ def _preview(
     slots: int | None = None,
 ) -> Placement | Rejection:
     model = s.model(model_id)
-    if model is None:
+    card = builtin_cards().get(model_id) if model is None else None
+    # A catalogue model not added yet: placed from its card's estimate.
+    info = ModelInfo.of(model) if model is not None else card_info(card) if card else None
+    if info is None:
         raise ApiError(
-            404, f"The model `{model_id}` does not exist", param="model", code="model_not_found"
-        )
-    info = ModelInfo.of(model)
+            404, f"The model `{model_id}` does not exist (nor is it in the catalogue: `shoal"
+            " models list`)", param="model", code="model_not_found",
+        )  # fmt: skip
     _check_slots(info, role, slots, spec)
     request = PlacementRequest(instance_id="preview", model=info, replicas=replicas,
                                context_length=context, spec=spec, role=role,

@@ -13,11 +13,14 @@ import typer
 from nats.js import JetStreamContext
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy import make_url
+from sqlalchemy.exc import DBAPIError
 
 from bus.connection import connect
 from bus.events import ModelAdded
 from bus.streams import MODELS_BUCKET, StreamSettings, ensure_streams
-from services.cli.options import DEFAULT_NATS, NatsUrl, default_data_dir
+from projectors.state import ClusterState
+from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl, default_data_dir
 from services.models.cards import (
     ENGINES,
     Engine,
@@ -63,26 +66,41 @@ def _size(n: int | None) -> str:
 
 @app.command("list")
 def list_models(
+    match: Annotated[
+        str | None, typer.Argument(metavar="[TEXT]", help="Only cards whose id or family has it.")
+    ] = None,
     cache_dir: CacheDir = None,
+    db: DbUrl = DEFAULT_DB,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per card.")] = False,
 ) -> None:
-    """The built-in model cards, with layers, context and size read from local weights."""
+    """The catalogue's model cards: layers, context and size (read from the weights when they
+    are on this machine, else the card's estimate), and whether each fits the cluster now."""
     from services.models.metadata import GgufError, model_facts
     from services.models.resolve import local_path
 
+    state = asyncio.run(_cluster_state(db)) if _has_projection(db) else None
     rows: list[dict[str, Any]] = []
     for card in builtin_cards().values():
+        if match and match.lower() not in f"{card.id} {card.family}".lower():
+            continue
         path = local_path(card, _cache_dir(cache_dir))
+        estimate = card.estimate
         row: dict[str, Any] = {
             "id": card.id,
             "family": card.family,
+            "variant": card.variant,
             "engines": list(card.engines),
             "chat_format": card.chat_format,
+            "tool_calls": card.tool_calls,
             "source": card.source.label(),
             "path": str(path) if path else None,
-            "n_layers": None,
-            "context_length": None,
-            "size_bytes": None,
+            "n_layers": estimate.n_layers if estimate else None,
+            "context_length": estimate.context_length if estimate else None,
+            "size_bytes": estimate.size_bytes if estimate else None,
+            "estimated": estimate is not None,
+            "in_cluster": state is not None and state.model(card.id) is not None,
+            "fits": None,
+            "placement": None,
         }
         if path is not None:
             try:
@@ -94,30 +112,70 @@ def list_models(
                     "n_layers": facts.n_layers,
                     "context_length": facts.context_length,
                     "size_bytes": facts.size_bytes,
+                    "estimated": False,
                 }
+        if state is not None:
+            row["fits"], row["placement"] = _fits(state, card)
         rows.append(row)
     if as_json:
         for row in rows:
             typer.echo(json.dumps(row))
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("id", "family", "layers", "context", "size", "engines", "chat", "source"):
+    for column in ("id", "layers", "context", "size", "engine", "chat", "tools", "fits now"):
         table.add_column(column)
     for row in rows:
+        fits = "?" if row["fits"] is None else (row["placement"] if row["fits"] else "no")
         table.add_row(
-            row["id"],
-            row["family"],
+            row["id"] + (" *" if row["in_cluster"] else ""),
             str(row["n_layers"] or "-"),
             str(row["context_length"] or "-"),
-            _size(row["size_bytes"]),
+            ("~" if row["estimated"] else "") + _size(row["size_bytes"]),
             ",".join(row["engines"]),
-            row["chat_format"] or "(gguf)",
-            row["source"],
+            row["chat_format"] or ("(template)" if row["engines"] == ["mlx"] else "(gguf)"),
+            row["tool_calls"] or "-",
+            fits,
         )
-    # Piped output gets room for the whole source column rather than rich's default 80.
+    # Piped output gets room for every column rather than rich's default 80.
     Console(highlight=False, width=None if sys.stdout.isatty() else 160).print(table)
-    if any(row["path"] is None for row in rows):
-        typer.echo("('-': weights not on this machine yet; `shoal models add ID` fetches them)")
+    typer.echo(
+        "(~: the card's estimate, the weights are not on this machine; *: known to the"
+        " cluster; `shoal models add ID` adds one, and so does a request for an instance)"
+    )
+    if state is None:
+        typer.echo(f"(fits now ?: no projection at {db}; give --db)")
+
+
+def _has_projection(db: str) -> bool:
+    """False for a SQLite file that does not exist: reading it would create it."""
+    url = make_url(db)
+    return not url.drivername.startswith("sqlite") or bool(
+        url.database and Path(url.database).exists()
+    )
+
+
+async def _cluster_state(db: str) -> ClusterState | None:
+    """The projection, or None when there is none to read (nothing is created)."""
+    from projectors import database
+    from projectors.store import load_state
+    from services.planner.planner import PLANNING_TABLES
+
+    engine = database.create_engine(db)
+    try:
+        if await database.current_revision(engine) is None:
+            return None
+        async with engine.connect() as conn:
+            return await load_state(conn, PLANNING_TABLES)
+    except (OSError, DBAPIError):
+        return None
+    finally:
+        await engine.dispose()
+
+
+def _fits(state: ClusterState, card: ModelCard) -> tuple[bool, str]:
+    from services.planner.card_fit import fits_now
+
+    return fits_now(state, card)
 
 
 @app.command()
@@ -131,7 +189,13 @@ def add(
         str | None, typer.Option("--hf", metavar="REPO", help="Hugging Face repository id.")
     ] = None,
     file: Annotated[
-        str | None, typer.Option("--file", metavar="FILENAME", help="The file in --hf REPO.")
+        str | None,
+        typer.Option(
+            "--file",
+            metavar="FILENAME",
+            help="The GGUF file in --hf REPO (a split one's first part); without it, the whole"
+            " repository (an MLX model).",
+        ),
     ] = None,
     revision: Annotated[str | None, typer.Option(help="Revision in --hf REPO.")] = None,
     engine: Annotated[
@@ -177,8 +241,10 @@ def add(
 
     if path is not None and hf is not None:
         _fail("give --path or --hf, not both")
-    if (hf is None) != (file is None):
-        _fail("--hf REPO needs --file FILENAME (and --file goes with --hf)")
+    if file is not None and hf is None:
+        _fail("--file goes with --hf REPO")
+    if hf is not None and file is None and engine == "llamacpp":
+        _fail("--hf REPO for llamacpp needs --file FILENAME (a GGUF file of the repository)")
     if engine is not None and engine not in ENGINES:
         _fail(f"unknown engine {engine!r}: choose from {', '.join(ENGINES)}")
     if node is not None and not local:
@@ -276,9 +342,10 @@ def _card(
         source: PathSource | HfSource = PathSource(path=str(resolved))
         default_engine: Engine = "mlx" if resolved.is_dir() else "llamacpp"
     else:
-        assert hf is not None and file is not None
+        assert hf is not None
+        # Without a file, the whole repository: an MLX model.
         source = HfSource(repo=hf, filename=file, revision=revision)
-        default_engine = "llamacpp"
+        default_engine = "llamacpp" if file is not None else "mlx"
     engines: list[Engine] = [engine or default_engine]
     # Adding a built-in model from a local copy keeps what its card knows (family, chat format).
     return ModelCard(
@@ -305,3 +372,33 @@ def _progress_printer(what: str) -> Callable[[float], None]:
             print(f"{what}: {percent}%", file=sys.stderr, flush=True)
 
     return show
+
+
+@app.command()
+def search(
+    text: Annotated[str, typer.Argument(help="What to look for, e.g. 'qwen3 8b'.")],
+    mlx: Annotated[bool, typer.Option("--mlx", help="MLX conversions, not GGUF files.")] = False,
+    limit: Annotated[int, typer.Option(min=1, max=200, help="At most this many.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per model.")] = False,
+) -> None:
+    """Search the Hugging Face Hub for models with GGUF files (or MLX conversions), most
+    downloaded first. Needs the network; add what you find with `shoal models add`."""
+    from services.models.hub_search import HubUnavailable, search_hub
+
+    try:
+        found = search_hub(text, mlx=mlx, limit=limit)
+    except HubUnavailable as exc:
+        _fail(str(exc))
+    if as_json:
+        for model in found:
+            typer.echo(model.model_dump_json())
+        return
+    if not found:
+        typer.echo(f"no {'MLX' if mlx else 'GGUF'} models on the Hub match {text!r}")
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("repository", "downloads", "likes", "add it with"):
+        table.add_column(column)
+    for model in found:
+        table.add_row(model.repo, str(model.downloads), str(model.likes), model.add_command())
+    Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)

@@ -32,6 +32,7 @@ async def add_model(
     cache_dir: Path,
     *,
     local_node: str | None = None,
+    origin: str | None = None,
     on_fetch: Fraction | None = None,
     on_store: Fraction | None = None,
 ) -> tuple[ModelAdded, Path, int]:
@@ -56,7 +57,7 @@ async def add_model(
         files = await store_files(js, model_files(weights), cache=WeightsCache(cache_dir),
                                   on_progress=stored)  # fmt: skip
     event = ModelAdded(
-        origin=f"shoal-cli@{socket.gethostname()}",
+        origin=origin or f"shoal-cli@{socket.gethostname()}",
         model_id=card.id,
         family=card.family,
         n_layers=facts.n_layers,

@@ -144,6 +144,11 @@ class CatalogueEntry(_Strict):
         return out
 
 
+def _family_and_size(entry: CatalogueEntry) -> tuple[str, int]:
+    sizes = [c.estimate.size_bytes for c in entry.cards() if c.estimate is not None]
+    return entry.family, min(sizes, default=0)
+
+
 def load_entry(path: Path) -> CatalogueEntry:
     try:
         entry = CatalogueEntry.model_validate(tomllib.loads(path.read_text()))
@@ -169,9 +174,10 @@ def catalogue_entries(directory: Path = CATALOGUE_DIR) -> tuple[CatalogueEntry, 
 
 @functools.cache
 def catalogue_cards(directory: Path = CATALOGUE_DIR) -> dict[str, ModelCard]:
-    """Every variant's card, by id; ``CatalogueError`` when two share an id."""
+    """Every variant's card, by id (a family's models smallest first, each model's variants
+    together); ``CatalogueError`` when two share an id."""
     cards: dict[str, ModelCard] = {}
-    for entry in catalogue_entries(directory):
+    for entry in sorted(catalogue_entries(directory), key=_family_and_size):
         for card in entry.cards():
             if card.id in cards:
                 raise CatalogueError(f"{entry.id}.toml: a second card {card.id!r}")

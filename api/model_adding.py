@@ -1,0 +1,58 @@
+"""Adding a catalogue model the cluster does not know yet, when an instance of it is asked for
+(``POST /v1/instances``), as ``shoal models add`` would: its weights resolved on this API's
+machine (a package's file, the Hub cache, else a download), stored in the models bucket (from
+which the workers fetch them), ``ModelAdded`` published; then the request goes on once the
+projection has the model.
+
+A request asks for it only once its card's estimate fits the cluster (checked by the caller),
+so nothing is downloaded for a model that could not be placed. Two requests for the same model
+in one API process share one add.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from api import projection
+from api.context import ApiContext
+from api.errors import ApiError
+from projectors.state import ClusterState
+from services.models.cards import ModelCard
+
+POLL_S = 0.2
+# How long the projection may take to show a model once its ModelAdded is stored.
+PROJECTED_WITHIN_S = 30.0
+
+_adding: dict[str, asyncio.Future[None]] = {}
+
+
+async def add_model(ctx: ApiContext, card: ModelCard) -> ClusterState:
+    """Add ``card``'s model to the cluster; the projection once it has it. ``ApiError`` 503
+    (``model_unavailable``) when its weights cannot be had here (offline, gated...)."""
+    running = _adding.get(card.id)
+    if running is None:
+        running = asyncio.ensure_future(_add(ctx, card))
+        _adding[card.id] = running
+        running.add_done_callback(lambda _: _adding.pop(card.id, None))
+    await asyncio.shield(running)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PROJECTED_WITHIN_S
+    while (state := await projection.cluster(ctx.engine)).model(card.id) is None:
+        if loop.time() > deadline:
+            raise ApiError(503, f"{card.id} was added, but the projection has not shown it yet")
+        await asyncio.sleep(POLL_S)
+    return state
+
+
+async def _add(ctx: ApiContext, card: ModelCard) -> None:
+    # Imported here: they pull in the Hub's client and the GGUF reader, which only an add needs.
+    from services.models.add import add_model as add_to_cluster
+    from services.models.metadata import GgufError
+    from services.models.resolve import ModelUnavailable
+    from services.models.shared import WeightsUnavailable
+
+    try:
+        await add_to_cluster(ctx.nc.jetstream(), card, ctx.config.models_dir, origin=ctx.origin)
+    except (ModelUnavailable, GgufError, WeightsUnavailable) as exc:
+        raise ApiError(503, f"{card.id} could not be added: {exc}",
+                       code="model_unavailable") from None  # fmt: skip
