@@ -45,6 +45,7 @@ from services.cli.models import publish_model
 from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl, default_data_dir
 from services.models.cards import builtin_cards
 from services.models.footprint import MAX_SLOTS
+from services.planner.card_fit import card_info
 from services.planner.cluster import cluster_view
 from services.planner.placement import (
     ModelInfo,
@@ -160,7 +161,9 @@ def _request(
     slots: int | None = None,
 ) -> PlacementRequest:
     model = state.model(model_id)
-    info = ModelInfo.of(model) if model else None
+    card = builtin_cards().get(model_id)
+    # A catalogue model not added yet is placed from its card's estimate.
+    info = ModelInfo.of(model) if model else card_info(card) if card else None
     if role == "embed" and model is not None and (model.engines or ["llamacpp"])[0] == "mlx":
         _fail(f"{model_id} runs on the mlx engine: embeddings are not supported on the mlx engine")
     if slots is not None and info is not None:
@@ -214,8 +217,11 @@ def preview(
     _check_slots(spec, slots)
     chosen = _role(spec, role)
     state = asyncio.run(_projection(db))
-    if state.model(model) is None:
-        _fail(f"model {model!r} is not known to the cluster: add it with `shoal models add`")
+    if state.model(model) is None and model not in builtin_cards():
+        _fail(
+            f"model {model!r} is neither known to the cluster nor in the catalogue (`shoal"
+            " models list`): add it with `shoal models add`"
+        )
     request = _request(state, "preview", model, replicas, context, spec, chosen, slots)
     result = place(cluster_view(state), request)
     typer.echo(describe(result, model))
