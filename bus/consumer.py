@@ -130,8 +130,9 @@ class EventConsumer:
             max_ack_pending=max_ack_pending,
             filter_subject=filter_subject,
             # A file-stored consumer's nats-server rewrites a file (new file, rename) after
-            # nearly every delivery and ack: ~0.3 ms of CPU each, taken from a runner on the
-            # same machine. In memory, its position is lost with a restart of the server.
+            # nearly every delivery and ack, CPU taken from a runner on the same machine
+            # (docs/architecture.md). In memory, its position is lost with a restart of the
+            # server.
             mem_storage=memory or None,
         )
         self._puller: Puller | None = None

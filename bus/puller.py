@@ -26,8 +26,8 @@ class Puller:
     """The JetStream pull protocol on one inbox.
 
     nats-py's ``PullSubscription.fetch`` waits on each message with its own timer, which caps a
-    consumer at about 15,000 messages/s here; this collects a whole batch in one callback-driven
-    wait (about 70,000/s). A fetch first asks with ``no_wait`` for what is already there; only
+    consumer's rate (docs/architecture.md); this collects a whole batch in one callback-driven
+    wait. A fetch first asks with ``no_wait`` for what is already there; only
     when that is nothing does it wait, for a single message, so that an idle consumer never has
     messages delivered to it that it has not asked for (a busy runner pulls nothing).
     """

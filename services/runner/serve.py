@@ -419,8 +419,8 @@ class TaskServer(TaskPuller):
         )
         # TaskStarted, Running and the look for an early cancel wait for the first chunk (or
         # the end of a task that has none): sent while the prompt was processed, their work
-        # here, in the nats-server and in every consumer of the log took CPU from it, +8 ms to
-        # the first token on 2 cores. The outcome is published after them.
+        # here, in the nats-server and in every consumer of the log took CPU from it
+        # (docs/runners.md). The outcome is published after them.
         # (The work is passed as a function: a coroutine handed to gather() starts at once.)
         first_out = asyncio.Event()
 
