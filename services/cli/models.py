@@ -71,6 +71,14 @@ def list_models(
     ] = None,
     cache_dir: CacheDir = None,
     db: DbUrl = DEFAULT_DB,
+    hub: Annotated[
+        bool,
+        typer.Option(
+            "--hub",
+            help="Read each GGUF card's numbers from its file's header on the Hub (HTTP range"
+            " requests, no download) rather than the card's estimate.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per card.")] = False,
 ) -> None:
     """The catalogue's model cards: layers, context and size (read from the weights when they
@@ -78,12 +86,24 @@ def list_models(
     from services.models.metadata import GgufError, model_facts
     from services.models.resolve import local_path
 
+    if hub:
+        from huggingface_hub import constants as hf_constants
+
+        from services.models.resolve import unreachable
+
+        why = "HF_HUB_OFFLINE is set" if hf_constants.HF_HUB_OFFLINE else None
+        if why := why or unreachable(hf_constants.ENDPOINT):
+            _fail(f"--hub: cannot reach the Hugging Face Hub ({why})")
     state = asyncio.run(_cluster_state(db)) if _has_projection(db) else None
     rows: list[dict[str, Any]] = []
     for card in builtin_cards().values():
         if match and match.lower() not in f"{card.id} {card.family}".lower():
             continue
         path = local_path(card, _cache_dir(cache_dir))
+        header_error = None
+        if hub and path is None and card.engines == ["llamacpp"]:
+            card, header_error = _with_hub_numbers(card)
+        hub_numbers = hub and path is None and header_error is None and card.engines == ["llamacpp"]
         estimate = card.estimate
         row: dict[str, Any] = {
             "id": card.id,
@@ -97,11 +117,13 @@ def list_models(
             "n_layers": estimate.n_layers if estimate else None,
             "context_length": estimate.context_length if estimate else None,
             "size_bytes": estimate.size_bytes if estimate else None,
-            "estimated": estimate is not None,
+            "estimated": estimate is not None and not hub_numbers,
             "in_cluster": state is not None and state.model(card.id) is not None,
             "fits": None,
             "placement": None,
         }
+        if header_error is not None:
+            row["error"] = header_error
         if path is not None:
             try:
                 facts = model_facts(path, card.engines[0])
@@ -139,7 +161,8 @@ def list_models(
     # Piped output gets room for every column rather than rich's default 80.
     Console(highlight=False, width=None if sys.stdout.isatty() else 160).print(table)
     typer.echo(
-        "(~: the card's estimate, the weights are not on this machine; *: known to the"
+        "(~: the card's estimate (--hub reads the GGUF's header instead), the weights are not"
+        " on this machine; *: known to the"
         " cluster; `shoal models add ID` adds one, and so does a request for an instance)"
     )
     if state is None:
@@ -170,6 +193,18 @@ async def _cluster_state(db: str) -> ClusterState | None:
         return None
     finally:
         await engine.dispose()
+
+
+def _with_hub_numbers(card: ModelCard) -> tuple[ModelCard, str | None]:
+    """The card with its GGUF header's numbers, read on the Hub; or as it is, and why not."""
+    from huggingface_hub import get_token
+
+    from services.models.remote_header import RemoteHeaderError, hub_estimate
+
+    try:
+        return card.model_copy(update={"estimate": hub_estimate(card, get_token())}), None
+    except RemoteHeaderError as exc:
+        return card, str(exc)
 
 
 def _fits(state: ClusterState, card: ModelCard) -> tuple[bool, str]:

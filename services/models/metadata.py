@@ -61,6 +61,10 @@ class GgufError(ValueError):
     """The file is not a GGUF model that can be read (not GGUF, truncated, no layers...)."""
 
 
+class GgufTruncated(GgufError):
+    """The bytes end before the header does (a file cut short, or the first bytes of one)."""
+
+
 class GgufInfo(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -126,12 +130,27 @@ def _read_header(p: Path) -> tuple[dict[str, Any], Counter[str]]:
     if size < 24:
         raise GgufError(f"{p} is not a GGUF file (only {size} bytes)")
     with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        try:
-            return _Header(mm, p).read()
-        except GgufError:
-            raise
-        except (struct.error, UnicodeDecodeError, ValueError) as exc:
-            raise GgufError(f"{p}: damaged or truncated GGUF header ({exc})") from exc
+        return parse_gguf_header(mm, str(p))
+
+
+def parse_gguf_header(buf: bytes | mmap.mmap, name: str) -> tuple[dict[str, Any], Counter[str]]:
+    """The key-values and tensor types of the GGUF header at the start of ``buf``: the whole
+    file, or its first bytes (``GgufTruncated`` when they end before the header does)."""
+    try:
+        return _Header(buf, name).read()
+    except GgufError:
+        raise
+    except struct.error as exc:  # a read past the end of the bytes
+        raise GgufTruncated(f"{name}: truncated GGUF header ({exc})") from exc
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise GgufError(f"{name}: damaged GGUF header ({exc})") from exc
+
+
+def info_from_header(
+    name: str, kv: dict[str, Any], tensor_types: Counter[str], size: int
+) -> GgufInfo:
+    """``GgufInfo`` of a header read by ``parse_gguf_header``, for a model of ``size`` bytes."""
+    return _info(Path(name), kv, tensor_types, size)
 
 
 def kv_cache_bytes(info: GgufInfo, n_ctx: int, bytes_per_elem: int = 2) -> int:
@@ -171,7 +190,11 @@ def model_facts(path: Path | str, engine: str = "llamacpp") -> ModelFacts:
         return read_mlx_config(p)
     if p.is_dir():
         raise GgufError(f"{p} is a directory; the llamacpp engine needs a .gguf file")
-    info = read_gguf(p)
+    return gguf_facts(read_gguf(p))
+
+
+def gguf_facts(info: GgufInfo) -> ModelFacts:
+    """What ``ModelAdded`` carries of a GGUF header."""
     return ModelFacts(
         n_layers=info.n_layers,
         context_length=info.context_length,
@@ -236,9 +259,9 @@ class SkippedArray:
 
 
 class _Header:
-    """Reads GGUF v2/v3 key-values and tensor infos from a memory map."""
+    """Reads GGUF v2/v3 key-values and tensor infos from a memory map (or the first bytes)."""
 
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+    def __init__(self, buf: bytes | mmap.mmap, path: str) -> None:
         self.buf = buf
         self.path = path
         self.pos = 0
@@ -273,7 +296,7 @@ class _Header:
             tensor_types[_type_name(self._scalar("I"))] += 1
             self.pos += 8  # data offset
         if self.pos > len(self.buf):
-            raise GgufError(f"{self.path}: truncated GGUF header")
+            raise GgufTruncated(f"{self.path}: truncated GGUF header")
         return kv, tensor_types
 
     def _scalar(self, fmt: str) -> Any:
@@ -284,7 +307,7 @@ class _Header:
     def _string(self) -> str:
         n = self._scalar("Q")
         if self.pos + n > len(self.buf):
-            raise GgufError(f"{self.path}: truncated GGUF header")
+            raise GgufTruncated(f"{self.path}: truncated GGUF header")
         text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
         self.pos += n
         return text
