@@ -50,14 +50,18 @@ def mlx_files_for_layers(
     """The safetensors files (of an index's ``weight_map``: tensor -> file) that hold what a
     rank with layers ``start..end`` (exclusive) of ``n_layers`` loads."""
     first, last = start == 0, end >= n_layers
+    # Without an lm_head of its own, the output layer is the embedding (tied).
+    tied = not any("lm_head" in t for t in weight_map)
     needed: set[str] = set()
     for tensor, file in weight_map.items():
         m = _LAYER.search(tensor)
         if m is not None:
             if start <= int(m.group(1)) < end:
                 needed.add(file)
-        elif last or (first and "embed" in tensor):
-            # The last rank's norm and output layer (or the embeddings, when tied to it).
+        elif "embed" in tensor:
+            if first or (last and tied):
+                needed.add(file)
+        elif last:  # the final norm and the output layer
             needed.add(file)
     return needed
 

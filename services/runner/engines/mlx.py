@@ -51,10 +51,11 @@ def prefill_chunks(prompt: list[int]) -> list[list[int]]:
     return [body[i : i + PREFILL_STEP] for i in range(0, len(body), PREFILL_STEP)] + [prompt[-1:]]
 
 
-def load_model(model_dir: Path) -> tuple[Module, dict[str, Any]]:
+def load_model(model_dir: Path, strict: bool = True) -> tuple[Module, dict[str, Any]]:
     """The model with its weights not yet read (mlx loads safetensors lazily): the caller keeps
-    what it needs and evaluates only that."""
-    model, config = mlx_lm_load_model(model_dir, lazy=True)
+    what it needs and evaluates only that. Not ``strict``: weights left out (the safetensors
+    files of other ranks' layers) are not missed."""
+    model, config = mlx_lm_load_model(model_dir, lazy=True, strict=strict)
     return model, config
 
 

@@ -5,6 +5,7 @@ a pipeline's ranks run them (``mlx_pipeline``).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from mlx.nn.layers.base import Module
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from services.models.shard_files import SAFETENSORS_INDEX, mlx_files_for_layers
 from services.runner.engines.mlx import (
     load_model,
 )
@@ -52,8 +54,9 @@ class Stage:
     @classmethod
     def load(cls, model_dir: Path, shard: PipelineShard) -> Stage:
         """Only this rank's weights are read: the model is loaded lazily, the other layers are
-        dropped before anything is evaluated."""
-        model, config = load_model(model_dir)
+        dropped before anything is evaluated. The directory may hold only the safetensors
+        files with this rank's tensors (what its node fetched), not the others'."""
+        model, config = load_model(model_dir, strict=_all_files_here(model_dir, shard))
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -196,3 +199,19 @@ class StageCaches:
         if cache is None:
             raise PipelineBroken(f"rank {self._rank}: slot {slot} is not being prefilled")
         return cache
+
+
+def _all_files_here(model_dir: Path, shard: PipelineShard) -> bool:
+    """Whether every safetensors file of the model is in ``model_dir`` (then the model loads
+    strictly). Raises when one that holds this rank's tensors is missing: a rank loaded
+    without its own weights would compute with whatever its layers were made with."""
+    index = model_dir / SAFETENSORS_INDEX
+    if not index.is_file():
+        return True
+    weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
+    here = {f for f in set(weight_map.values()) if (model_dir / f).is_file()}
+    needed = mlx_files_for_layers(weight_map, shard.start_layer, shard.end_layer, shard.n_layers)
+    if needed - here:
+        missing = ", ".join(sorted(needed - here))
+        raise FileNotFoundError(f"{model_dir}: rank {shard.rank} needs {missing}")
+    return here == set(weight_map.values())

@@ -173,8 +173,11 @@ def test_which_safetensors_a_rank_needs() -> None:
     }
     assert mlx_files_for_layers(weight_map, 0, 1, 4) == {"a"}
     assert mlx_files_for_layers(weight_map, 1, 3, 4) == {"b", "e"}
-    assert mlx_files_for_layers(weight_map, 3, 4, 4) == {"a", "c", "d"}  # a: tied embeddings
+    assert mlx_files_for_layers(weight_map, 3, 4, 4) == {"c", "d"}
     assert mlx_files_for_layers(weight_map, 0, 4, 4) == {"a", "b", "c", "d", "e"}
+    # Tied (no lm_head): the last rank's output layer is the embedding.
+    tied = {k: v for k, v in weight_map.items() if k != "lm_head.weight"}
+    assert mlx_files_for_layers(tied, 3, 4, 4) == {"a", "c"}
 
 
 def test_which_files_a_shard_needs_and_which_gguf_llama_cpp_loads() -> None:
