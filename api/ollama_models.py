@@ -79,10 +79,11 @@ def tag(name: str, model: ModelRow) -> dict[str, Any]:
 
 
 def vram_bytes(model: ModelRow, runners: list[RunnerRow]) -> int:
-    """The part of the model on GPUs: its first replica's layers that are not on a CPU."""
+    """The part of the model on GPUs: its first replica's layers that are not on a CPU (a
+    runner across a node's devices counts its layers on each)."""
     first = [r for r in runners if r.replica == 0]
     n_layers = model.n_layers or max((r.n_layers for r in first), default=0)
-    on_gpu = sum(r.end_layer - r.start_layer for r in first if r.device != "cpu")
+    on_gpu = sum(n for r in first for device, n in r.shard().device_layers() if device != "cpu")
     return model.size_bytes * on_gpu // n_layers if n_layers else 0
 
 

@@ -410,6 +410,12 @@ def test_ps_lists_a_serving_instance_with_its_share_on_gpus() -> None:
     assert serving_instance(cluster(PLACED, runner("a", "Loading")), "smollm2-135m") is None
 
 
+def test_ps_counts_the_layers_a_runner_keeps_on_its_gpu_not_those_in_ram() -> None:
+    spill = [{"device": "cpu", "layers": 20}, {"device": "cuda0", "layers": 10}]
+    one = runner("a", "Ready", "cuda0", start_layer=0, end_layer=30, n_layers=30, devices=spill)
+    assert vram_bytes(SMOLLM2, [one]) == 100_000_000 // 3
+
+
 def test_show_says_what_the_projection_knows() -> None:
     body = show(SMOLLM2, 2048, {"chat"})
     parsed = ollama.ShowResponse(**body)
