@@ -131,7 +131,8 @@ async def test_an_interrupted_fetch_resumes_where_it_stopped(
                          window_bytes=8 * CHUNK)  # fmt: skip
     partial, note_path = partial_paths(target)
     note = ResumeNote.model_validate_json(note_path.read_bytes())
-    assert 5 * 1024 * 1024 <= note.offset < src.stat().st_size and not target.exists()
+    # Noted every sixteenth of the object: at most that much is fetched again.
+    assert 4 * 1024 * 1024 <= note.offset < src.stat().st_size and not target.exists()
 
     progress: list[int] = []
     await fetch_file(js, MODELS_BUCKET, info, target, on_progress=progress.append)
