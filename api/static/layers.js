@@ -68,6 +68,7 @@ function shardLine(s, describe) {
       s.world_size > 1 ? ` · stage ${s.rank + 1} of ${s.world_size}` : "",
       // Within one runner, how its devices share the layers (a pipeline's stages say it above).
       s.tensor_split && s.world_size <= 1 ? ` · tensor split ${s.tensor_split.join(" : ")}` : "",
+      s.devices && s.devices.length ? ` · ${s.devices.map((d) => `${d.device} ${d.layers}`).join(" + ")} layers` : "",
       describe ? describe(s) : "",
     ),
     s.state ? pill(`${s.state}${progress}`, stateKind(s.state)) : null,

@@ -90,5 +90,7 @@ function previewView(p) {
     { class: "preview" },
     h("p", { class: "ok-text" }, `Placeable: ${bytes(p.need_bytes_per_replica)} per replica, context ${p.context_length}.`),
     layerMap(p.shards, { describe: (s) => ` · ${bytes(s.bytes)}` }),
+    // Why each replica went where it did (one GPU, a node's GPUs, RAM...).
+    ...(p.why || []).map((why, i) => h("p", { class: "hint" }, p.why.length > 1 ? `Replica ${i + 1}: ${why}` : why)),
   );
 }
