@@ -338,16 +338,18 @@ async def publish_model(
     on_progress: Callable[[float], None] | None = None,
     *,
     local_node: str | None = None,
+    on_store: Callable[[float], None] | None = None,
 ) -> tuple[ModelAdded, Path, int]:
     """``services.models.add.add_model``, showing progress: ``on_progress`` gets the fetch's
-    fractions and then the store's (from another thread); by default whole percents of each
-    are printed. Returns the event, the weights' path and the event's stream sequence."""
+    fractions (from another thread), ``on_store`` the store's (``on_progress`` too when not
+    given); by default whole percents of each are printed. Returns the event, the weights'
+    path and the event's stream sequence."""
     from services.models.add import add_model
 
     return await add_model(
         js, card, cache_dir, local_node=local_node,
         on_fetch=on_progress or _progress_printer("fetching weights"),
-        on_store=on_progress or _progress_printer(f"storing in {MODELS_BUCKET}"),
+        on_store=on_store or on_progress or _progress_printer(f"storing in {MODELS_BUCKET}"),
     )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.events import InstanceRequested
 from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
-from bus.streams import StreamSettings
+from bus.streams import MODELS_BUCKET, StreamSettings
 from projectors import database
 from projectors.projector import Projector, tune_gc
 from projectors.store import load_state
@@ -258,9 +258,11 @@ async def _serve_model(
             card = builtin_cards()[model_id]
             source = card.source.label()
             progress.show([weights_step(model_id, None, source)])
+            into = f"into {MODELS_BUCKET}"
             await publish_model(
-                js, card, models_dir, lambda f: progress.show([weights_step(model_id, f, source)])
-            )
+                js, card, models_dir, lambda f: progress.show([weights_step(model_id, f, source)]),
+                on_store=lambda f: progress.show([weights_step(model_id, f, into)]),
+            )  # fmt: skip
         live = [
             i
             for i in state.instances()
