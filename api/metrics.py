@@ -19,7 +19,7 @@ import logging
 from collections import Counter as Tally
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar, get_args
+from typing import TYPE_CHECKING, TypeVar
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -37,7 +37,8 @@ from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bus.events import EventBase, RunnerState, event_type_filters, subject_event_type
+from bus.events import EventBase, event_type_filters, subject_event_type
+from bus.states import NODE_STATUSES, RUNNER_STATES
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
 from bus.subjects import ALL_DEAD_LETTERS, dead_letter_origin
 from projectors.projector import DEFAULT_NAME
@@ -80,8 +81,6 @@ CONSUMER_PAGE = 256
 # out of the scrape (the lag says how far behind it is).
 UNAPPLIED_READ_MAX = 100
 
-RUNNER_STATES: tuple[str, ...] = get_args(RunnerState)
-NODE_STATUSES = ("online", "left", "timed_out")
 MEMORY_KINDS = ("total", "available", "offered")
 
 
@@ -338,11 +337,11 @@ def _projection_families(p: ProjectionReading) -> list[Metric]:
         applied.add_metric([name], seq)
     runners = _gauge("shoal_runners", "Runners (shards of placed instances) by state.", ["state"])
     by_state = Tally(r.state for r in p.runners)
-    for state in sorted(set(RUNNER_STATES) | set(by_state)):
+    for state in RUNNER_STATES:
         runners.add_metric([state], by_state.get(state, 0))
     nodes = _gauge("shoal_nodes", "Nodes by status.", ["status"])
     by_status = Tally(n.status for n in p.nodes)
-    for status in sorted(set(NODE_STATUSES) | set(by_status)):
+    for status in NODE_STATUSES:
         nodes.add_metric([status], by_status.get(status, 0))
     memory = _gauge("shoal_node_memory_bytes", "An online node's RAM: total, available, and "
                     "offered to placement (its latest profile).", ["node", "kind"])  # fmt: skip

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from api.ollama import created_at
-from api.projection import SERVING
+from bus.states import SERVING
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState
 

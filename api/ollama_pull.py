@@ -23,6 +23,7 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.ollama_models import serving_instance
 from bus.events import InstanceRequested
+from bus.states import SERVING
 from projectors.rows import ModelRow
 from projectors.state import ClusterState
 from services.models.cards import ModelCard
@@ -54,7 +55,7 @@ def pull_step(state: ClusterState, model: ModelRow, instance_id: str, digest: st
     if inst.status == "requested":
         return Step({"status": "waiting for placement"})
     runners = list(state.runners_of(instance_id))
-    if any(r.rank == 0 and r.state in projection.SERVING for r in runners):
+    if any(r.rank == 0 and r.state in SERVING for r in runners):
         return Step({"status": "success"}, ready=True)
     downloading = [r for r in runners if r.state == "Downloading"]
     if downloading:

@@ -11,16 +11,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
 from bus.events import InstanceRole
+from bus.states import SERVING, STARTING, RunnerState
 from projectors.rows import InstanceRow, ModelRow, Row, RunnerRow
 from projectors.state import ClusterState, Put
 from projectors.store import load_state
 from projectors.tables import instances, models, runners, tasks
 from services.planner.planner import PLANNING_TABLES
 
-SERVING = frozenset({"Ready", "Running"})
 # A head runner in one of these serves again soon: it is starting, or failed and is restarted
 # by its worker.
-STARTING = frozenset({"Assigned", "Downloading", "Loading", "Failed"})
+COMING_BACK: frozenset[RunnerState] = STARTING | {"Failed"}
 
 
 async def cluster(engine: AsyncEngine) -> ClusterState:
@@ -109,7 +109,7 @@ def coming_back(state: ClusterState, model_id: str, role: InstanceRole = "chat")
         if inst.model_id != model_id or inst.role != role:
             continue
         heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
-        if inst.status == "placed" and any(r.state in STARTING for r in heads):
+        if inst.status == "placed" and any(r.state in COMING_BACK for r in heads):
             return True
     return False
 

@@ -42,7 +42,7 @@ from bus.events import (
     new_id,
     utc_now,
 )
-from projectors.rules import TERMINAL_TASK
+from bus.states import TASK_ENDED
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ async def cancel_response(response_id: str, ctx: Ctx) -> Json:
     if found is None:
         # Not stored (yet): a streamed response in progress, found by its task.
         task = await response_store.task(ctx, task_id) if task_id is not None else None
-        if task is None or task.status in TERMINAL_TASK:
+        if task is None or task.status in TASK_ENDED:
             raise _not_found(response_id)
         await _cancel_task(ctx, task.task_id, task.model_id, "its response was cancelled")
         created = int(task.created_at.timestamp()) if task.created_at else 0

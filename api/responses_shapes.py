@@ -16,7 +16,8 @@ from api.errors import ApiError
 from api.reply import Call, Reply
 from api.serving import Output, sse
 from api.task_stream import TaskStream
-from bus.events import ChatMessage, ChunkGenerated, ResponseStatus, ToolCall, ToolCallDelta, Usage
+from bus.events import ChatMessage, ChunkGenerated, ToolCall, ToolCallDelta, Usage
+from bus.states import ResponseStatus
 
 Json = dict[str, Any]
 # Keeps a response (its object, and the assistant's turn for a conversation that continues

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, cast, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from bus.states import ResponseStatus, RunnerState
 from bus.subjects import (
     CHUNKS_PREFIX,
     EVENTS_PREFIX,
@@ -327,7 +328,6 @@ class Timings(Record):
     total_ms: float
 
 
-RunnerState = Literal["Assigned", "Downloading", "Loading", "Ready", "Running", "Failed", "Stopped"]
 FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 # What an instance serves: generation (chat and completions) or embeddings.
 InstanceRole = Literal["chat", "embed"]
@@ -665,7 +665,6 @@ class EmbeddingsComputed(_ChunkStreamEvent):
 # --- responses ----------------------------------------------------------------------------
 
 # Where a response of the Responses API stands (OpenAI's words).
-ResponseStatus = Literal["completed", "incomplete", "failed", "in_progress", "cancelled", "queued"]
 
 
 class _ResponseEvent(EventBase):

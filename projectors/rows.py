@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 from bus.events import InstanceRole, ShardAssignment
+from bus.states import InstanceStatus, NodeStatus, RunnerState, StoredResponseStatus, TaskStatus
 
 JsonList = list[Any]
 JsonDict = dict[str, Any]
@@ -20,7 +21,7 @@ JsonDict = dict[str, Any]
 class NodeRow:
     TABLE: ClassVar[str] = "nodes"
     node_id: str
-    status: str  # online | left | timed_out
+    status: NodeStatus
     hostname: str = ""
     addresses: JsonList | None = None
     version: str = ""
@@ -90,7 +91,7 @@ class InstanceRow:
     TABLE: ClassVar[str] = "instances"
     instance_id: str
     model_id: str
-    status: str  # requested | placed | rejected | deleting | deleted
+    status: InstanceStatus
     placement: str | None = None
     replicas: int = 1
     context_length: int | None = None
@@ -120,7 +121,7 @@ class RunnerRow:
     instance_id: str
     node_id: str
     device: str
-    state: str  # Assigned | Downloading | Loading | Ready | Running | Failed | Stopped
+    state: RunnerState
     replica: int = 0
     rank: int = 0
     world_size: int = 1
@@ -158,7 +159,7 @@ class TaskRow:
     TABLE: ClassVar[str] = "tasks"
     task_id: str
     model_id: str
-    status: str  # pending | running | completed | failed | cancelled
+    status: TaskStatus
     kind: str = "chat"
     user: str | None = None
     max_tokens: int | None = None
@@ -187,7 +188,7 @@ class ResponseRow:
 
     TABLE: ClassVar[str] = "responses"
     response_id: str
-    status: str  # queued | in_progress | completed | incomplete | failed | cancelled
+    status: StoredResponseStatus
     task_id: str = ""
     model_id: str = ""
     created_at: datetime | None = None

@@ -38,6 +38,7 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
+from bus.states import TASK_ENDED, NodeStatus, TaskStatus
 from projectors.rows import (
     DeviceRow,
     InstanceRow,
@@ -49,7 +50,6 @@ from projectors.rows import (
 )
 from projectors.state import Change, ClusterState, Delete, Put
 
-TERMINAL_TASK = frozenset({"completed", "failed", "cancelled"})
 RECENT_FAILURES = 10  # failure times kept per runner, for the planner's "fails too often"
 
 
@@ -189,7 +189,7 @@ def _resource_profiled(state: ClusterState, e: ResourceProfiled) -> list[Change]
     p = e.profile
     old = state.node(e.node_id) or NodeRow(node_id=e.node_id, status="online", joined_at=e.ts)
     # A heartbeat after a time-out brings the node back; one after a clean leave does not.
-    status = "left" if old.status == "left" else "online"
+    status: NodeStatus = "left" if old.status == "left" else "online"
     row = replace(
         old,
         status=status,
@@ -380,7 +380,7 @@ def _runner_state_changed(state: ClusterState, e: RunnerStateChanged) -> list[Ch
 def _task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
     old = state.task(e.task_id)
     if old is not None:
-        if e.resume is None or old.status in TERMINAL_TASK or old.resumes >= e.resume.attempt:
+        if e.resume is None or old.status in TASK_ENDED or old.resumes >= e.resume.attempt:
             return []
         # A continuation: waiting for a runner again, as often resumed as it says.
         return [Put(replace(old, status="pending", resumes=e.resume.attempt))]
@@ -408,7 +408,7 @@ def _task_started(state: ClusterState, e: TaskStarted) -> list[Change]:
     old = state.task(e.task_id)
     if old is None:
         return []
-    status = old.status if old.status in TERMINAL_TASK else "running"
+    status = old.status if old.status in TASK_ENDED else "running"
     row = replace(
         old, status=status, started_at=e.ts, runner_id=e.runner_id, instance_id=e.instance_id
     )
@@ -420,7 +420,7 @@ def _task_completed(state: ClusterState, e: TaskCompleted) -> list[Change]:
     if old is None:
         return []
     # A runner that honoured a cancel reports finish_reason "cancelled": keep "cancelled".
-    status = "cancelled" if old.status == "cancelled" else "completed"
+    status: TaskStatus = "cancelled" if old.status == "cancelled" else "completed"
     row = replace(
         old,
         status=status,
@@ -438,7 +438,7 @@ def _task_completed(state: ClusterState, e: TaskCompleted) -> list[Change]:
 
 def _task_failed(state: ClusterState, e: TaskFailed) -> list[Change]:
     old = state.task(e.task_id)
-    if old is None or old.status in TERMINAL_TASK:
+    if old is None or old.status in TASK_ENDED:
         return []
     row = replace(
         old,
@@ -452,7 +452,7 @@ def _task_failed(state: ClusterState, e: TaskFailed) -> list[Change]:
 
 def _task_cancelled(state: ClusterState, e: TaskCancelled) -> list[Change]:
     old = state.task(e.task_id)
-    if old is None or old.status in TERMINAL_TASK:
+    if old is None or old.status in TASK_ENDED:
         return []
     return [Put(replace(old, status="cancelled", finished_at=e.ts, error=e.reason or None))]
 

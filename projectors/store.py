@@ -29,8 +29,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from bus.states import TASK_ENDED
 from projectors.rows import ROW_TYPES, Row, TaskRow
-from projectors.rules import TERMINAL_TASK
 from projectors.state import Change, ClusterState, Put, collapse
 from projectors.tables import (
     STATE_TABLES,
@@ -169,7 +169,7 @@ async def unfinished_tasks(conn: AsyncConnection, runner_ids: Iterable[str]) -> 
     if not ids:
         return []
     result = await conn.execute(
-        select(tasks).where(tasks.c.runner_id.in_(ids), tasks.c.status.not_in(TERMINAL_TASK))
+        select(tasks).where(tasks.c.runner_id.in_(ids), tasks.c.status.not_in(TASK_ENDED))
     )
     return [TaskRow(**r) for r in result.mappings()]
 

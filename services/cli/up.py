@@ -21,12 +21,12 @@ from nats.aio.client import Client
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.config import ApiConfig, keys_from_env
-from api.projection import SERVING
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.events import InstanceRequested
 from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
+from bus.states import SERVING
 from bus.streams import MODELS_BUCKET, StreamSettings
 from projectors import database
 from projectors.projector import Projector, tune_gc

@@ -23,6 +23,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from bus.states import SERVING
 from projectors.state import ClusterState
 
 # What each runner state means to someone waiting for the model.
@@ -76,7 +77,7 @@ def model_steps(state: ClusterState, model_id: str) -> list[Step]:
             if r.state == "Failed" and r.error:
                 status = f"failed: {r.error}"
             fraction: float | None = None
-            if r.state in ("Ready", "Running"):
+            if r.state in SERVING:
                 fraction = 1.0
             elif r.state == "Downloading" and r.progress is not None:
                 fraction = r.progress

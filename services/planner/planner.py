@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.events import InstancePlaced, NodeTimedOut, PlacementRejected
 from bus.publisher import Publisher
+from bus.states import SERVING, STARTING
 from bus.streams import EVENTS_STREAM, ensure_streams
 from bus.subjects import Aggregate, aggregate_filter
 from projectors.projector import DEFAULT_NAME
@@ -292,7 +293,7 @@ def _may_matter(data: bytes) -> bool:
         state = json.loads(data).get("state")
     except (ValueError, AttributeError):
         return True  # not for the planner to judge: let a round look
-    return state not in ("Assigned", "Downloading", "Loading", "Ready", "Running")
+    return state not in STARTING | SERVING
 
 
 def _summary(d: Decision) -> str:

@@ -20,22 +20,23 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
 from bus.events import RunnerStateChanged, ShardAssignment, parse_event
+from bus.states import SERVING, RunnerState
 
 
 @dataclass(frozen=True)
 class PeerView:
     shard: ShardAssignment
-    state: str = "Assigned"
+    state: RunnerState = "Assigned"
     endpoint: str | None = None
     error: str | None = None
 
     @property
     def ready(self) -> bool:
-        return self.state in ("Ready", "Running") and self.endpoint is not None
+        return self.state in SERVING and self.endpoint is not None
 
     @property
     def listening(self) -> bool:
-        return self.state in ("Loading", "Ready", "Running") and self.endpoint is not None
+        return self.state in SERVING | {"Loading"} and self.endpoint is not None
 
     def describe(self) -> str:
         s = self.shard

@@ -39,7 +39,6 @@ from bus.events import (
     EmbeddingsRequested,
     EventBase,
     FinishReason,
-    RunnerState,
     RunnerStateChanged,
     TaskCancelled,
     TaskCompleted,
@@ -52,6 +51,7 @@ from bus.events import (
 )
 from bus.publisher import ChunkPublisher, Publisher
 from bus.puller import ConsumerGone
+from bus.states import RunnerState
 from bus.streams import EVENTS_STREAM
 from bus.subjects import escape_token
 from services.resume import continuation, describe, message_id, read_logged

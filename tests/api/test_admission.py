@@ -37,6 +37,7 @@ from api.projection import serving_slots
 from api.serving_verdicts import ServingVerdicts
 from bus.embedded import free_port
 from bus.events import InstanceRole
+from bus.states import InstanceStatus, RunnerState
 from projectors.rows import InstanceRow, RunnerRow
 from projectors.state import ClusterState, Put
 from services.cli.state import read_admission
@@ -188,15 +189,16 @@ def test_keys_are_grouped_by_a_digest_never_kept_as_given() -> None:
 
 def test_capacity_is_the_slots_of_serving_heads_of_placed_instances() -> None:
     state = ClusterState()
-    instances: list[tuple[str, str, InstanceRole]] = [
+    instances: list[tuple[str, InstanceStatus, InstanceRole]] = [
         ("i1", "placed", "chat"), ("i2", "placed", "chat"), ("i3", "rejected", "chat"),
         ("e", "placed", "embed"),
     ]  # fmt: skip
     for iid, status, role in instances:
         state.commit([Put(InstanceRow(instance_id=iid, model_id="m", status=status, role=role))])
-    runners = [("r1", "i1", 0, "Running", 4), ("r2", "i1", 0, "Ready", None),
-               ("r3", "i1", 1, "Ready", 8), ("r4", "i2", 0, "Loading", 4),
-               ("r5", "i3", 0, "Ready", 4), ("r6", "e", 0, "Ready", 4)]  # fmt: skip
+    runners: list[tuple[str, str, int, RunnerState, int | None]] = [
+        ("r1", "i1", 0, "Running", 4), ("r2", "i1", 0, "Ready", None),
+        ("r3", "i1", 1, "Ready", 8), ("r4", "i2", 0, "Loading", 4),
+        ("r5", "i3", 0, "Ready", 4), ("r6", "e", 0, "Ready", 4)]  # fmt: skip
     for rid, iid, rank, runner_state, slots in runners:
         state.commit([Put(RunnerRow(runner_id=rid, instance_id=iid, node_id="n", device="cpu",
                                     state=runner_state, rank=rank, slots=slots))])  # fmt: skip

@@ -45,6 +45,7 @@ from bus.events import (
     event_type_filters,
 )
 from bus.publisher import Publisher
+from bus.states import NodeStatus, RunnerState
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
 from tests.api.conftest import ApiStack, wait_healthy
 
@@ -176,12 +177,12 @@ def test_dead_letters_are_counted_by_the_stream_they_came_from() -> None:
     assert dead_letters_by_stream({"elsewhere.x": 5}) == {}
 
 
-def _node(node_id: str, status: str) -> NodeRow:
+def _node(node_id: str, status: NodeStatus) -> NodeRow:
     return NodeRow(node_id=node_id, status=status, ram_total=8 * MiB, ram_available=5 * MiB,
                    memory_offered=4 * MiB, cpu_load=12.5)  # fmt: skip
 
 
-def _runner(runner_id: str, state: str) -> RunnerRow:
+def _runner(runner_id: str, state: RunnerState) -> RunnerRow:
     return RunnerRow(runner_id=runner_id, instance_id="i", node_id="n1", device="cpu",
                      state=state)  # fmt: skip
 

@@ -51,6 +51,7 @@ from bus.events import (
     TopLogprob,
     Usage,
 )
+from bus.states import RunnerState
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState, Put
 
@@ -381,7 +382,7 @@ def test_details_are_best_effort_from_names() -> None:
         "0.5B", "Q4_K_M")  # fmt: skip
 
 
-def runner(rid: str, state: str, device: str = "cpu", **fields: Any) -> RunnerRow:
+def runner(rid: str, state: RunnerState, device: str = "cpu", **fields: Any) -> RunnerRow:
     return RunnerRow(runner_id=rid, instance_id="i", node_id="n", device=device, state=state,
                      **fields)  # fmt: skip
 

@@ -8,13 +8,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from api.errors import ApiError
 from api.projection import coming_back, require_serving, serving
 from bus.events import InstanceRole
+from bus.states import InstanceStatus, RunnerState
 from projectors import database
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState, Put
 from projectors.store import write_changes
 
 
-def cluster(status: str, *runners: tuple[int, str]) -> ClusterState:
+def cluster(status: InstanceStatus, *runners: tuple[int, RunnerState]) -> ClusterState:
     """One model, one instance of it with ``status``, runners as (rank, state)."""
     state = ClusterState()
     state.commit([Put(ModelRow(model_id="m", n_layers=30, size_bytes=1)),
@@ -88,7 +89,7 @@ async def test_serving_reads_the_model_s_instances_and_runners_from_the_database
 
 
 def with_instance(
-    state: ClusterState, instance_id: str, role: InstanceRole, runner_state: str
+    state: ClusterState, instance_id: str, role: InstanceRole, runner_state: RunnerState
 ) -> None:
     state.commit([Put(InstanceRow(instance_id=instance_id, model_id="m", status="placed",
                                   role=role)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+from bus.states import RunnerState
 from projectors.rows import InstanceRow, RunnerRow
 from projectors.state import ClusterState, Put
 from services.cli.up_progress import Step, UpProgress, model_steps, weights_step
@@ -15,7 +16,7 @@ def _state(*rows: InstanceRow | RunnerRow) -> ClusterState:
     return state
 
 
-def _runner(rid: str, node: str, state: str, rank: int, start: int, end: int,
+def _runner(rid: str, node: str, state: RunnerState, rank: int, start: int, end: int,
             **kw: object) -> RunnerRow:  # fmt: skip
     return RunnerRow(runner_id=rid, instance_id="i", node_id=node, device="cpu", state=state,
                      rank=rank, world_size=2, start_layer=start, end_layer=end,

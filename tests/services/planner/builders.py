@@ -22,10 +22,10 @@ from bus.events import (
     NodeJoined,
     NodeProfile,
     ResourceProfiled,
-    RunnerState,
     RunnerStateChanged,
     ShardAssignment,
 )
+from bus.states import RunnerState
 from projectors.rules import fold
 from projectors.state import ClusterState
 from services.models.cards import Engine
