@@ -1,12 +1,13 @@
 """``POST /api/pull``: Ollama's "make this model available", done Shoal's way.
 
-A model the cluster does not know yet, but that is a built-in card, is made known as
-``shoal models add`` does it (its weights fetched on this machine, their facts read,
-``ModelAdded`` published). Then, unless one is live already, an instance is requested (as
-``POST /v1/instances`` does, refused if it cannot be placed): in Shoal a model answers only
-through an instance, and ``/api/delete`` deletes them. The progress lines are what the log
-says: the fetch's fractions, then the runners' states (``Downloading`` with its progress,
-``Loading``) until one serves: ``{"status": "success"}``.
+A model the cluster does not know yet, but that is a catalogue card, is made known as
+``shoal models add`` does it (its weights fetched on this machine, their facts read, their
+files stored in the models bucket, ``ModelAdded`` published). Then, unless one is live
+already, an instance is requested (as ``POST /v1/instances`` does, refused if it cannot be
+placed): in Shoal a model answers only through an instance, and ``/api/delete`` deletes them.
+The progress lines are what the log says: the fetch's and the store's fractions, then the
+runners' states (``Downloading`` with its progress, ``Loading``) until one serves:
+``{"status": "success"}``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from api.errors import ApiError
 from api.ollama_models import serving_instance
 from bus.events import InstanceRequested
 from bus.states import SERVING
+from bus.streams import MODELS_BUCKET
 from projectors.rows import ModelRow
 from projectors.state import ClusterState
 from services.models.cards import ModelCard
@@ -137,17 +139,24 @@ async def _add(ctx: ApiContext, card: ModelCard) -> AsyncIterator[dict[str, Any]
     from services.cli.models import publish_model
     from services.models.metadata import GgufError
     from services.models.resolve import ModelUnavailable
+    from services.models.shared import WeightsUnavailable
 
     loop = asyncio.get_running_loop()
-    fractions: asyncio.Queue[float] = asyncio.Queue()
-
-    def progress(fraction: float) -> None:  # called from the fetching thread
-        loop.call_soon_threadsafe(fractions.put_nowait, fraction)
-
+    fractions: asyncio.Queue[tuple[str, float]] = asyncio.Queue()
     source = card.source.label()
+
+    def progress(status: str) -> Callable[[float], None]:
+        def put(fraction: float) -> None:  # called from the fetching thread
+            loop.call_soon_threadsafe(fractions.put_nowait, (status, fraction))
+
+        return put
+
     fetch_digest = hashlib.sha256(source.encode()).hexdigest()
     js = ctx.nc.jetstream()
-    adding = asyncio.ensure_future(publish_model(js, card, ctx.config.models_dir, progress))
+    fetching, storing = progress(f"pulling {source}"), progress(f"storing in {MODELS_BUCKET}")
+    adding = asyncio.ensure_future(
+        publish_model(js, card, ctx.config.models_dir, fetching, on_store=storing)
+    )
     try:
         while not adding.done():
             got = asyncio.ensure_future(fractions.get())
@@ -155,11 +164,13 @@ async def _add(ctx: ApiContext, card: ModelCard) -> AsyncIterator[dict[str, Any]
             if not got.done():
                 got.cancel()
                 continue
-            # While fetching, completed/total are per cent (the size is read from the file).
-            yield {"status": f"pulling {source}", "digest": f"sha256:{fetch_digest}",
-                   "total": 100, "completed": round(got.result() * 100)}  # fmt: skip
+            # While fetching and storing, completed/total are per cent (the size is read from
+            # the file).
+            status, fraction = got.result()
+            yield {"status": status, "digest": f"sha256:{fetch_digest}",
+                   "total": 100, "completed": round(fraction * 100)}  # fmt: skip
         adding.result()
-    except (ModelUnavailable, GgufError) as exc:
+    except (ModelUnavailable, GgufError, WeightsUnavailable) as exc:
         raise ApiError(503, str(exc), code="model_unavailable") from None
     finally:
         adding.cancel()
