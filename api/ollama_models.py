@@ -35,16 +35,22 @@ def _found(pattern: re.Pattern[str], *texts: str | None) -> re.Match[str] | None
     return None
 
 
+def _file_names(model: ModelRow) -> list[str]:
+    """The weights' file names: its path's, or those of its files in the models bucket."""
+    names = [str(f.get("name", "")) for f in model.files or [] if isinstance(f, dict)]
+    return [model.path or "", *names]
+
+
 def parameter_size(model: ModelRow) -> str:
     """Best effort, from the model's name or file (``smollm2-135m`` -> ``135M``): Shoal's
     projection has no parameter count."""
-    match = _found(_PARAMS, model.model_id, model.path)
+    match = _found(_PARAMS, model.model_id, *_file_names(model))
     return f"{match.group(1)}{match.group(2).upper()}" if match else ""
 
 
 def quantization(model: ModelRow) -> str:
     """Best effort, from the weights' file name (``...Q4_1.gguf`` -> ``Q4_1``)."""
-    match = _found(_QUANT, model.path, model.source)
+    match = _found(_QUANT, *_file_names(model), model.source)
     return match.group(1).upper() if match else ""
 
 

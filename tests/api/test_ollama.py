@@ -380,6 +380,10 @@ def test_details_are_best_effort_from_names() -> None:
                     path="/m/qwen2.5-0.5b-instruct-q4_k_m.gguf")  # fmt: skip
     assert (details(qwen)["parameter_size"], details(qwen)["quantization_level"]) == (
         "0.5B", "Q4_K_M")  # fmt: skip
+    shared = ModelRow(model_id="smollm2-135m", n_layers=30, size_bytes=1, files=[
+        {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "object": "sha256/00", "size": 1,
+         "sha256": "00"}])  # fmt: skip
+    assert details(shared)["quantization_level"] == "Q4_1"  # its weights in the bucket
 
 
 def runner(rid: str, state: RunnerState, device: str = "cpu", **fields: Any) -> RunnerRow:
