@@ -143,8 +143,11 @@ async def test_cli_preview_create_list_delete(
         procs.start("planner", "planner")
         await procs.wait_log("projector", "resuming after seq")
         await _nodes(Publisher(js), {"n-a": 1024 * MiB, "n-b": 512 * MiB})
-        unknown = await shoal("placement", "preview", "smollm2-135m")
-        assert unknown.returncode == 1 and "not known to the cluster" in unknown.stderr
+        # A catalogue model the cluster does not know yet is previewed from its card.
+        carded = await shoal("placement", "preview", "smollm2-135m")
+        assert carded.returncode == 0 and "n-a:cpu" in carded.stdout, carded.stderr
+        unknown = await shoal("placement", "preview", "no-such-model")
+        assert unknown.returncode == 1 and "neither known to the cluster" in unknown.stderr
 
         # A built-in model is added on the way; the planner places it where the spec says.
         spec = '{"chat": {"devices": ["n-b:cpu"]}}'
