@@ -16,8 +16,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bus.events import ModelAdded
-
 Engine = Literal["llamacpp", "mlx"]
 ENGINES: tuple[Engine, ...] = ("llamacpp", "mlx")
 
@@ -129,35 +127,3 @@ def card_for(model_id: str) -> ModelCard:
             f" TEXT` searches the Hub); add others with `shoal models add {model_id} --path FILE`"
             " or `--hf REPO --file FILE`"
         ) from None
-
-
-def card_from_event(event: ModelAdded) -> ModelCard:
-    """The card a ``ModelAdded`` describes, so that a runner can fetch any added model, not
-    only the built-in ones. The event's ``source`` is a card's ``label()``."""
-    kind, _, rest = event.source.partition(":")
-    source: PackageSource | HfSource | PathSource
-    if kind == "package":
-        builtin = builtin_cards().get(event.model_id)
-        packaged = [c for c in builtin_cards().values() if c.source.label() == event.source]
-        if builtin is None and not packaged:
-            raise UnknownModel(f"model {event.model_id}: no built-in card for {event.source}")
-        source = (builtin or packaged[0]).source
-    elif kind == "hf":
-        # Hub repository ids are "namespace/name"; the file may sit in a sub-folder, and a
-        # whole repository (an MLX model) has none.
-        namespace, _, tail = rest.partition("/")
-        name, _, filename = tail.partition("/")
-        if not (namespace and name):
-            raise UnknownModel(f"model {event.model_id}: unreadable source {event.source!r}")
-        source = HfSource(repo=f"{namespace}/{name}", filename=filename or None)
-    elif event.path:
-        source = PathSource(path=event.path)
-    else:
-        raise UnknownModel(f"model {event.model_id}: no path and no known source")
-    return ModelCard(
-        id=event.model_id,
-        family=event.family,
-        engines=[e for e in event.engines if e in ENGINES] or _default_engines(),
-        chat_format=event.chat_format,
-        source=source,
-    )

@@ -163,13 +163,6 @@ def kv_cache_bytes(info: GgufInfo, n_ctx: int, bytes_per_elem: int = 2) -> int:
     return per_token * n_ctx * bytes_per_elem
 
 
-def memory_need_bytes(info: GgufInfo, n_ctx: int | None = None) -> int:
-    """Memory to serve the model with ``n_ctx`` tokens of context (default: its trained
-    context): the weights (the file size), the KV cache and llama.cpp's working overhead."""
-    ctx = info.context_length if n_ctx is None else n_ctx
-    return info.size_bytes + kv_cache_bytes(info, ctx) + engine_overhead_bytes(info.vocab_size)
-
-
 class ModelFacts(BaseModel):
     """What ``ModelAdded`` carries about the weights, for either engine."""
 

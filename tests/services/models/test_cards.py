@@ -7,14 +7,12 @@ from pydantic import ValidationError
 
 from bus.events import ModelAdded
 from services.models.cards import (
-    HfSource,
     ModelCard,
     PackageSource,
     PathSource,
     UnknownModel,
     builtin_cards,
     card_for,
-    card_from_event,
 )
 
 
@@ -60,31 +58,3 @@ def _added(source: str, path: str | None = None, model_id: str = "m") -> ModelAd
         origin="test", model_id=model_id, n_layers=2, size_bytes=1, source=source, path=path,
         engines=["llamacpp"], chat_format="chatml", family="f",
     )  # fmt: skip
-
-
-def test_card_from_event_for_each_source() -> None:
-    hf = card_from_event(_added("hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/sub/q4.gguf"))
-    assert hf.source == HfSource(repo="Qwen/Qwen2.5-0.5B-Instruct-GGUF", filename="sub/q4.gguf")
-    assert (hf.chat_format, hf.family) == ("chatml", "f")
-
-    path = card_from_event(_added("path", path="/models/x.gguf"))
-    assert path.source == PathSource(path="/models/x.gguf")
-
-    built_in = card_for("gemma3-270m")
-    again = card_from_event(_added(built_in.source.label(), model_id="gemma3-270m"))
-    assert again.source == built_in.source
-
-    # Labels and events agree: a card's label is what `shoal models add` publishes.
-    for card in (hf, path, built_in):
-        assert card_from_event(_added(card.source.label(), "/p", card.id)).source.label() == (
-            card.source.label()
-        )
-
-    # A whole repository (an MLX model).
-    mlx = card_from_event(_added("hf:mlx-community/Qwen3-8B-4bit"))
-    assert mlx.source == HfSource(repo="mlx-community/Qwen3-8B-4bit")
-
-    with pytest.raises(UnknownModel):
-        card_from_event(_added("hf:no-file"))
-    with pytest.raises(UnknownModel):
-        card_from_event(_added("path", path=None))

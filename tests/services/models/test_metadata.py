@@ -10,14 +10,13 @@ from typing import Any
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
-from services.models.footprint import Footprint
+from services.models.footprint import Footprint, engine_overhead_bytes
 from services.models.metadata import (
     OVERHEAD_FIXED_BYTES,
     OVERHEAD_PER_VOCAB_BYTES,
     GgufError,
     SkippedArray,
     kv_cache_bytes,
-    memory_need_bytes,
     model_facts,
     read_gguf,
     read_gguf_fields,
@@ -86,6 +85,14 @@ def test_every_field_matches_the_gguf_reader(smollm2_path: Path) -> None:
     assert read_gguf(smollm2_path).n_tensors == len(reader.tensors)
 
 
+def footprint_of(path: Path) -> Footprint:
+    """What placement counts for the model at ``path`` (its ModelAdded's facts)."""
+    facts = model_facts(path)
+    return Footprint(n_layers=facts.n_layers, weights_bytes=facts.size_bytes,
+                     kv_bytes_per_token=facts.kv_bytes_per_token,
+                     overhead_bytes=facts.overhead_bytes)  # fmt: skip
+
+
 def test_kv_cache_and_memory_need(smollm2_path: Path, gemma_path: Path) -> None:
     smol, gemma = read_gguf(smollm2_path), read_gguf(gemma_path)
     # 2 (K and V) * layers * n_ctx * kv heads * head dim * 2 bytes (f16)
@@ -93,27 +100,20 @@ def test_kv_cache_and_memory_need(smollm2_path: Path, gemma_path: Path) -> None:
     assert kv_cache_bytes(gemma, 2048) == 2 * 18 * 2048 * 1 * 256 * 2 == 36 * MiB
     assert kv_cache_bytes(smol, 2048, bytes_per_elem=1) == kv_cache_bytes(smol, 1024)
 
-    need = memory_need_bytes(smol, 2048)
+    need = footprint_of(smollm2_path).need_bytes(2048)
     overhead = OVERHEAD_FIXED_BYTES + OVERHEAD_PER_VOCAB_BYTES * 49152
     assert need == smol.size_bytes + 45 * MiB + overhead
     # Measured with llama-cpp-python (RSS after load and one generation): 162 MiB at n_ctx
     # 2048 for SmolLM2, 338 MiB for Gemma 3. The estimate covers both without doubling them.
     assert 162 * MiB <= need <= 250 * MiB
-    assert 338 * MiB <= memory_need_bytes(gemma, 2048) <= 450 * MiB
-    # Default: the model's trained context.
-    assert memory_need_bytes(smol) == memory_need_bytes(smol, 8192)
+    assert 338 * MiB <= footprint_of(gemma_path).need_bytes(2048) <= 450 * MiB
 
 
 def test_model_facts_give_placement_the_same_need(smollm2_path: Path) -> None:
-    facts = model_facts(smollm2_path)
-    footprint = Footprint(
-        n_layers=facts.n_layers,
-        weights_bytes=facts.size_bytes,
-        kv_bytes_per_token=facts.kv_bytes_per_token,
-        overhead_bytes=facts.overhead_bytes,
-    )
+    facts, footprint = model_facts(smollm2_path), footprint_of(smollm2_path)
     info = read_gguf(smollm2_path)
-    assert footprint.need_bytes(2048) == memory_need_bytes(info, 2048)
+    overhead = engine_overhead_bytes(info.vocab_size)
+    assert footprint.need_bytes(2048) == info.size_bytes + kv_cache_bytes(info, 2048) + overhead
     # Half the layers: half the weights and KV cache, all of the engine's overhead.
     half = footprint.need_bytes(2048, layers=15) - facts.overhead_bytes
     assert half * 2 - (footprint.need_bytes(2048) - facts.overhead_bytes) in (0, 1)
