@@ -52,7 +52,6 @@ from services.planner.placement import (
     Placement,
     PlacementRequest,
     Rejection,
-    gib,
     place,
     slots_problem,
 )
@@ -61,6 +60,7 @@ from services.planner.placement_spec import (
     instance_role,
     parse_placement_spec,
 )
+from services.planner.placement_why import gib
 from services.planner.planner import PLANNING_TABLES
 
 app = typer.Typer(help="Instances: models being served, and where.", no_args_is_help=True)

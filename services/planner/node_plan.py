@@ -57,6 +57,10 @@ class Stage:
         return {d.ref: fp.need_bytes(tokens, n) for d, n in self.parts}
 
 
+# One replica's stages in rank order (one: a whole model on one node).
+Stages = list[Stage]
+
+
 def one_device(device: Device, layers: int) -> Stage:
     return Stage(((device, layers),))
 

@@ -14,7 +14,8 @@ Automatic placement, per replica (only devices that run the model's engine count
    a llama.cpp head keeps its layers in RAM (``engine_devices``).
 3. Nothing fits: a ``Rejection`` that says what was needed and what each device has.
 
-Each replica's placement says why it went where it did (``Placement.why``), for the preview.
+Each replica's placement says why it went where it did (``Placement.why``, worded in
+``placement_why.py``), for the preview.
 
 Each replica serves ``slots`` tasks at once, and holds a KV cache of the whole context for each.
 A request (or its placement spec) that names the slots gets exactly that many, or a rejection.
@@ -46,11 +47,10 @@ from services.planner.engine_devices import ENGINE_DEVICES
 from services.planner.layers import split_layers
 from services.planner.node_plan import (
     CPU,
-    GPUS,
-    GPUS_AND_CPU,
     ONE_GPU,
     Option,
     Stage,
+    Stages,
     one_device,
     shared_options,
 )
@@ -61,6 +61,7 @@ from services.planner.placement_spec import (
     PlacementSpecError,
     parse_placement_spec,
 )
+from services.planner.placement_why import gib, why_node, why_split
 
 MiB = 1024**2
 
@@ -114,10 +115,6 @@ class Rejection:
     reason: str
     needed_bytes: int | None = None
     available_bytes: dict[str, int] = field(default_factory=dict)  # usable per 'node:device'
-
-
-# One replica's stages in rank order (one: a whole model on one node), and why it is so.
-Stages = list[Stage]
 
 
 @dataclass(frozen=True)
@@ -291,13 +288,13 @@ def _auto(
             elif in_ram:
                 best = Option(one_device(min(in_ram, key=_roomiest), fp.n_layers), CPU)
         if best is not None:
-            return Placed([best.stage], _why_node(best, bool(gpus), view, fp, tokens, engine,
+            return Placed([best.stage], why_node(best, bool(gpus), view, fp, tokens, engine,
                                                   avoid))  # fmt: skip
     fresh_pool = [d for d in candidates if d.node_id not in used_nodes]
     for pool in (fresh_pool, candidates) if used_nodes else (candidates,):
         stages = _split(pool, fp, tokens, engine)
         if stages is not None:
-            return Placed(stages, _why_split(stages, fp, tokens, engine, candidates))
+            return Placed(stages, why_split(stages, fp, tokens, engine, candidates))
     return Rejection("does not fit")  # _for_replica words it
 
 
@@ -543,82 +540,6 @@ def _shards(
 # --- why ------------------------------------------------------------------------------------
 
 
-def _why_node(
-    best: Option,
-    gpu_holds_it: bool,
-    view: ClusterView,
-    fp: Footprint,
-    tokens: int,
-    engine: Engine,
-    avoid: frozenset[str],
-) -> str:
-    """Why a replica went to one node in the way it did, for people. ``gpu_holds_it``: some
-    GPU (used by another replica, when this one went elsewhere) holds the whole model."""
-    need = gib(fp.need_bytes(tokens))
-    stage = best.stage
-    gpus = [(d, n) for d, n in stage.parts if d.is_accelerator]
-    if best.shape == ONE_GPU:
-        d = stage.main
-        return f"one GPU holds it: {d.ref} has {gib(d.usable)} usable for its {need}"
-    if best.shape == GPUS:
-        rooms = ", ".join(f"{d.ref} {gib(d.usable)}" for d, _ in gpus)
-        why = (
-            f"{len(gpus)} GPUs of {stage.node_id} hold its {need}: layers in proportion to"
-            f" their usable memory ({rooms})"
-        )
-    elif best.shape == GPUS_AND_CPU:
-        held = ", ".join(f"{d.ref} {n}" for d, n in gpus)
-        why = (
-            f"as many of its layers as fit go on {stage.node_id}'s"
-            f" {'GPUs' if len(gpus) > 1 else 'GPU'} ({held}), the other {best.cpu_layers} stay"
-            f" in RAM ({need} in all)"
-        )
-    else:
-        cpu = stage.main
-        why = f"in RAM: {cpu.ref} has {gib(cpu.usable)} usable for its {need}"
-    if gpu_holds_it:
-        return why + "; the GPUs that hold it alone serve other replicas"
-    if best.shape == CPU:
-        return why + "; " + _no_gpu(view, engine, avoid, fp, tokens)
-    alone = "GPU" if best.shape == GPUS else "GPU or GPUs of a node"
-    return f"no {alone} holds it: {why}"
-
-
-def _no_gpu(
-    view: ClusterView, engine: Engine, avoid: frozenset[str], fp: Footprint, tokens: int
-) -> str:
-    """Why no accelerator took a replica that went to a CPU."""
-    gpus = [d for d in view.devices.values() if d.is_accelerator and d.ref not in avoid]
-    if not gpus:
-        return "no GPU is online"
-    runs = [d for d in gpus if d.runs(engine)]
-    if not runs:
-        seen = ", ".join(sorted(d.ref for d in gpus)[:4])
-        return f"no GPU online runs {engine} ({seen}: its engine was built without their backend)"
-    roomiest = max(runs, key=lambda d: (d.usable, d.ref))
-    if ENGINE_DEVICES[engine].cpu_spill:
-        return (
-            f"no GPU takes a layer beside a CPU that takes the rest (the roomiest,"
-            f" {roomiest.ref}, has {gib(max(roomiest.usable, 0))} usable)"
-        )
-    return f"no GPU holds it (the roomiest, {roomiest.ref}, has {gib(max(roomiest.usable, 0))})"
-
-
-def _why_split(
-    stages: Stages, fp: Footprint, tokens: int, engine: Engine, candidates: Sequence[Device]
-) -> str:
-    roomiest = max(candidates, key=lambda d: (d.usable, d.ref))
-    rooms = ", ".join(f"{s.main.ref} {gib(s.main.usable)}" for s in stages)
-    why = (
-        f"no node holds its {gib(fp.need_bytes(tokens))} (the roomiest device, {roomiest.ref},"
-        f" has {gib(max(roomiest.usable, 0))} usable): split over {len(stages)} nodes, layers"
-        f" in proportion to each one's room ({rooms})"
-    )
-    if not ENGINE_DEVICES[engine].accelerated_head:
-        why += f"; the head keeps its layers in RAM, as a {engine} pipeline's head does"
-    return why
-
-
 def _for_replica(
     rejection: Rejection,
     replica: int,
@@ -658,8 +579,3 @@ def _for_replica(
         f"{not_used}"
     )
     return Rejection(prefix + reason, need, dict(largest[:100]))
-
-
-def gib(n: int) -> str:
-    """Bytes for people: GiB with two decimals, MiB below one GiB."""
-    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / MiB:.0f} MiB"

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from bus.events import AcceleratorBackend, Event, NodeLeft, NodeTimedOut
 from services.planner.cluster import ClusterView, device_layers
-from services.planner.placement import Placement, gib, place
+from services.planner.placement import Placement, place
 from services.planner.placement_spec import MAX_REPLICAS
+from services.planner.placement_why import gib
 from tests.services.planner.builders import (
     GiB,
     MiB,
