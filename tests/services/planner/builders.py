@@ -7,6 +7,7 @@ offering 20 GiB has 18 GiB. Times are seconds after a fixed ``T0``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import cast
@@ -41,6 +42,11 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 # A shard's place in a placement, for comparing whole layouts at once:
 # (replica, rank, 'node:device', start_layer, end_layer).
 Where = tuple[int, int, str, int, int]
+
+
+def chat(devices: list[str], **extra: object) -> str:
+    """A manual placement spec for the chat role."""
+    return json.dumps({"chat": {"devices": devices, **extra}})
 
 
 def at(seconds: float) -> datetime:

@@ -5,8 +5,6 @@ folds them."""
 
 from __future__ import annotations
 
-import json
-
 from bus.events import Event
 from services.planner.cluster import cluster_view
 from services.planner.placement import place
@@ -14,6 +12,7 @@ from tests.services.planner.builders import (
     GiB,
     accelerator,
     ask,
+    chat,
     fold_all,
     layout,
     model,
@@ -26,11 +25,6 @@ from tests.services.planner.builders import (
     usable_of,
     view,
 )
-
-
-def chat(devices: list[str], **extra: object) -> str:
-    return json.dumps({"chat": {"devices": devices, **extra}})
-
 
 # --- one GPU --------------------------------------------------------------------------------
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from itertools import pairwise
 
@@ -21,6 +20,7 @@ from tests.services.planner.builders import (
     accelerator,
     ask,
     at,
+    chat,
     gpu,
     info,
     layout,
@@ -35,12 +35,6 @@ from tests.services.planner.builders import (
     usable,
     view,
 )
-
-
-def chat(devices: list[str], **extra: object) -> str:
-    """A manual placement spec for the chat role."""
-    return json.dumps({"chat": {"devices": devices, **extra}})
-
 
 # --- one device ---------------------------------------------------------------------------
 
