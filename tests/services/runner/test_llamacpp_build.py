@@ -120,9 +120,15 @@ def test_make_up_notes_an_engine_built_for_another_accelerator() -> None:
     assert note is not None and "rm .venv/.installed-llama && make up" in note
 
 
+# What an outer make (``make test`` runs this test) exports to its children: a dry run here is
+# a user's own, in a shell of their own.
+OUTER_MAKE = ("CMAKE_ARGS", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+
+
 def make_dry_run(*targets: str, **env: str) -> str:
+    shell = {k: v for k, v in os.environ.items() if k not in OUTER_MAKE}
     out = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, env={**os.environ, **env}, check=True)  # fmt: skip
+                         timeout=60, env={**shell, **env}, check=True)  # fmt: skip
     return out.stdout
 
 
