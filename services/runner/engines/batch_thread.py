@@ -20,7 +20,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Generation:
     def wants(self) -> bool:
         return not (self.finished or self.released) and self.given - self.taken < LOOKAHEAD
 
-    def put(self, item: Token | PromptScores) -> None:
+    def put(self, item: Token | PromptScores | PromptCached) -> None:
         if isinstance(item, Token):
             self.given += 1
         self.outbox.put(item)
@@ -103,7 +103,7 @@ class DecodingThread(ABC, Generic[G]):
         with self._cond:
             return len(self._active) + len(self._waiting)
 
-    def _stream(self, gen: G) -> Generator[Token | PromptScores]:
+    def _stream(self, gen: G) -> Generator[Token | PromptScores | PromptCached]:
         """The consumer's side: nothing is admitted before the first ``next()``."""
         with self._cond:
             if self._closed:
@@ -117,7 +117,7 @@ class DecodingThread(ABC, Generic[G]):
                     return
                 if isinstance(item, BaseException):
                     raise item
-                assert isinstance(item, Token | PromptScores)
+                assert isinstance(item, Token | PromptScores | PromptCached)
                 yield item
                 if isinstance(item, Token):
                     with self._cond:

@@ -24,8 +24,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
-from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.mlx_batch import MlxBatchDecoder, SequencePicker, batchable
+from services.runner.engines.mlx_prompt_cache import PromptCaches
 from services.runner.engines.mlx_sampling import (
     Grammars,
     Picker,
@@ -278,6 +279,8 @@ class MlxEngine(MlxTextEngine):
     mlx-lm's ``generate_step``); with more, every generation goes through one decoding thread
     and mlx-lm's ``BatchGenerator`` (``mlx_batch``), which steps them together. A model whose
     caches mlx-lm cannot batch keeps one slot (and says so in the log).
+    Either way a prompt starts from the longest prefix of it that the engine's prompt cache
+    holds (``mlx_prompt_cache``; not for a prompt that is scored, whose every position is run).
 
     ``n_threads`` is accepted for the runner's uniform call and ignored: mlx's CPU backend runs
     a stream's operations on one thread, and the mlx[cpu] wheel's bundled BLAS is the
@@ -289,6 +292,7 @@ class MlxEngine(MlxTextEngine):
         super().__init__(model_dir, n_ctx=n_ctx, slots=slots)
         self._model: Module | None = None
         self._decoder: MlxBatchDecoder | None = None
+        self._kept: PromptCaches | None = None  # one slot's; a decoder keeps its own
         # Grammars are compiled and copied on the consumers' threads (a bad one is refused by
         # ``generate``), one at a time.
         self._grammar_lock = threading.Lock()
@@ -310,6 +314,8 @@ class MlxEngine(MlxTextEngine):
                 model, slots=self.slots, n_ctx=self._n_ctx, ends=text.ends,
                 prefill_step=PREFILL_STEP,
             )  # fmt: skip
+        else:
+            self._kept = PromptCaches(model, 1)
 
     def close(self) -> None:
         """Stop the decoding thread (with several slots); generations in flight fail."""
@@ -322,7 +328,9 @@ class MlxEngine(MlxTextEngine):
             raise RuntimeError("engine not loaded")
         return self._model
 
-    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
+    def generate(
+        self, prompt: list[int], decoding: Decoding
+    ) -> Iterator[Token | PromptScores | PromptCached]:
         self.check_prompt(prompt)
         if self._decoder is None:
             picker = self.text.picker(decoding, resolve_seed(decoding.params))
@@ -349,12 +357,36 @@ class MlxEngine(MlxTextEngine):
 
     def _generate(
         self, prompt: list[int], decoding: Decoding, picker: Picker
-    ) -> Iterator[Token | PromptScores]:
+    ) -> Iterator[Token | PromptScores | PromptCached]:
         """Lazy: the prompt is processed at the first ``next()``, and each further token costs
-        one ``next()``, so a consumer that stops iterating stops the work."""
+        one ``next()``, so a consumer that stops iterating stops the work. The cache is kept
+        for a later prompt unless the generation failed."""
+        assert self._kept is not None
+        if decoding.echo:
+            cache, cached = make_prompt_cache(self.model), 0
+        else:
+            cache, cached = self._kept.take(prompt)
+            if cached:
+                yield PromptCached(cached)
+        fed = prompt[:cached]  # what the cache holds
+        failed = False
+        try:
+            yield from self._run(prompt, cached, decoding, picker, cache, fed)
+        except Exception:
+            failed = True
+            raise
+        finally:
+            if not failed:
+                self._kept.keep(fed, cache)
+
+    def _run(
+        self, prompt: list[int], cached: int, decoding: Decoding, picker: Picker,
+        cache: list[Any], fed: list[int],
+    ) -> Iterator[Token | PromptScores]:  # fmt: skip
+        """One forward pass per token after the prompt's chunks from ``cached`` on; ``fed``
+        grows by what each pass adds to ``cache``."""
         model = self.model
-        cache = make_prompt_cache(model)
-        *body, last = prefill_chunks(prompt)
+        *body, last = prefill_chunks(prompt[cached:])
         scored = [Token(prompt[0])]
         done = 0
         for chunk in body:
@@ -365,6 +397,7 @@ class MlxEngine(MlxTextEngine):
                 targets = prompt[done + 1 : done + len(chunk) + 1]
                 scored += as_tokens(*prompt_scores(logits[0], targets, decoding.top_logprobs or 0))
             mx.eval([c.state for c in cache])
+            fed += chunk
             done += len(chunk)
         if decoding.echo:
             yield PromptScores(tuple(scored))
@@ -372,6 +405,7 @@ class MlxEngine(MlxTextEngine):
         position = len(prompt)
         while True:
             logits = model(mx.array([step]), cache=cache)[:, -1, :]
+            fed += step
             token = picker.pick(logits)
             yield token
             position += 1

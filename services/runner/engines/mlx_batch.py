@@ -6,7 +6,9 @@ sampler and logits processor (``SequencePicker``: the task's penalties, logit bi
 temperature, filters and random key, as ``mlx_sampling.Picker`` picks for one), its
 ``max_tokens`` (what the request and the context leave room for) and the model's end tokens as
 its stops. mlx-lm's prefill keeps no logits of the prompt, so a prompt that is scored (echo) is
-run here, a chunk a step beside the others, and inserted with the cache it made.
+run here, a chunk a step beside the others, and inserted with the cache it made. Any other
+prompt starts from the longest prefix the engine's prompt cache holds (``mlx_prompt_cache``),
+and a sequence's cache is kept there when it ends or is let go.
 
 The decoding runs on one thread of its own (``batch_thread``: admission, the consumers' queues,
 a freed slot). A sequence's error (a grammar it cannot follow) ends it alone; a failed
@@ -29,8 +31,9 @@ from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.batch_thread import DecodingThread, Generation, max_new
+from services.runner.engines.mlx_prompt_cache import PromptCaches
 from services.runner.engines.mlx_sampling import (
     Constraint,
     as_tokens,
@@ -154,11 +157,12 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
         self._prefill_step = prefill_step
         self._by_uid: dict[int, _Sequence] = {}
         self._generator: BatchGenerator | None = None
+        self._kept = PromptCaches(model, slots)
         super().__init__(slots, "mlx-batch")
 
     def generate(
         self, prompt: list[int], decoding: Decoding, make_picker: Callable[[], SequencePicker]
-    ) -> Generator[Token | PromptScores]:
+    ) -> Generator[Token | PromptScores | PromptCached]:
         seq = _Sequence(list(prompt), decoding, max_new(prompt, decoding, self.n_ctx),
                         make_picker=make_picker)  # fmt: skip
         return self._stream(seq)
@@ -167,6 +171,7 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
 
     def _discard(self) -> None:
         self._by_uid.clear()
+        self._kept.clear()
         if self._generator is not None:
             with contextlib.suppress(Exception):
                 self._generator.close()  # type: ignore[no-untyped-call]
@@ -179,10 +184,12 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
         )  # fmt: skip
 
     def _forget(self, seq: _Sequence) -> None:
-        """Out of the generator (its cache is freed), if it is still there."""
+        """Out of the generator, if it is still there; its cache is kept for a later prompt."""
         if seq.uid is not None:
             assert self._generator is not None
-            self._generator.remove([seq.uid])  # type: ignore[no-untyped-call]
+            removed = self._generator.remove([seq.uid], return_prompt_caches=True)  # type: ignore[no-untyped-call]
+            for cache, tokens in removed.values():
+                self._kept.keep(tokens, cache)
             del self._by_uid[seq.uid]
             seq.uid = None
 
@@ -193,7 +200,10 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
             cache = make_prompt_cache(self._model)
             seq.scoring = _Scoring(cache, scores=[Token(seq.prompt[0])])
         else:
-            self._insert(seq, seq.prompt)
+            cache, cached = self._kept.take(seq.prompt)
+            if cached:
+                seq.put(PromptCached(cached))
+            self._insert(seq, seq.prompt[cached:], cache, seq.prompt[:cached])
 
     def _insert(
         self, seq: _Sequence, prompt: list[int], cache: list[Any] | None = None,
@@ -250,6 +260,7 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
                 del self._by_uid[response.uid]
                 to.uid = None
                 to.end()
+                self._kept.keep(response.all_tokens, response.prompt_cache)
 
     def _score(self, seq: _Sequence) -> None:
         """A chunk of a scored prompt: each token given the ones before it, from the logits of

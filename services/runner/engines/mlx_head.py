@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines import mlx_wire as wire
 from services.runner.engines.batch_thread import DecodingThread, Generation, max_new
 from services.runner.engines.mlx import MlxTextEngine, prefill_chunks
@@ -75,7 +75,9 @@ class PipelineHead(MlxTextEngine):
             raise RuntimeError("engine not loaded")
         return self._decoder
 
-    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
+    def generate(
+        self, prompt: list[int], decoding: Decoding
+    ) -> Iterator[Token | PromptScores | PromptCached]:
         decoder = self._parts()
         if decoder.broken is not None:
             raise decoder.broken
@@ -137,7 +139,7 @@ class _RingDecoder(DecodingThread[_Flow]):
 
     def generate(
         self, prompt: list[int], decoding: Decoding, start: bytes
-    ) -> Generator[Token | PromptScores]:
+    ) -> Generator[Token | PromptScores | PromptCached]:
         flow = _Flow(list(prompt), decoding, max_new(prompt, decoding, self._n_ctx), start=start)
         return self._stream(flow)
 

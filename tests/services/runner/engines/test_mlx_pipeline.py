@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from llama_cpp import llama_grammar
 from mlx.utils import tree_flatten
 
 from bus.events import ChatMessage, SamplingParams, TaskCreated
+from services.runner.decoding import Token
 from services.runner.engines.mlx import PREFILL_STEP, MlxEngine, load_model
 from services.runner.engines.mlx_ring import PipelineShard
 from services.runner.engines.mlx_stage import Stage
@@ -31,7 +33,6 @@ from tests.services.runner.engines.pipeline_head import (
     prompt_of,
     run_task,
     serve_entry,
-    token_id,
 )
 from tests.services.runner.engines.test_mlx_sampling import free_text, hex_regex
 
@@ -212,7 +213,8 @@ def expected(path: Path) -> list[dict[str, Any]]:
     for task, cancel_after in SCRIPT:
         if isinstance(cancel_after, str):  # "abandon"
             tokens = engine.generate(prompt_of(engine, task), decoding_of(task))
-            out.append({"tokens": [token_id(next(tokens)) for _ in range(3)], "abandoned": True})
+            taken = islice((t.id for t in tokens if isinstance(t, Token)), 3)  # no PromptCached
+            out.append({"tokens": list(taken), "abandoned": True})
         else:
             out.append(run_task(engine, task, cancel_after))
     return out

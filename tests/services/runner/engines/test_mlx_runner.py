@@ -103,6 +103,13 @@ async def test_mlx_runners_answer_token_for_token_as_one_process(
             assert got == want, t.task_id
             assert close(got_logprobs, want_logprobs, 1e-5), t.task_id
             await log.wait_for(TaskCompleted, lambda e, t=t: e.task_id == t.task_id)  # type: ignore[misc]
+        # A prompt asked again starts from the cache the first asking left (a whole model's:
+        # a ring keeps no prompt cache).
+        for n in (6, 7):
+            await publisher.publish(task(n, "what is the weather like?", 4))
+            done = await log.wait_for(TaskCompleted, lambda e, n=n: e.task_id == f"t{n}")  # type: ignore[misc]
+        assert done.usage.cached_tokens == (done.usage.prompt_tokens - 1 if len(pipeline) == 1
+                                            else 0)  # fmt: skip
     await log.stop()
     assert len(wanted[0][0]) == 21  # 20 tokens and the end
     # Random weights, constrained: a call of the tool offered, a reply that starts as JSON.

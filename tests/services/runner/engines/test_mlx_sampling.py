@@ -43,10 +43,10 @@ def decoding(grammar: Grammar | None = None, top_logprobs: int | None = None,
 def tokens(engine: MlxEngine, prompt: list[int], n: int, d: Decoding) -> list[Token]:
     """The first ``n`` tokens, up to and with an end token."""
     out: list[Token] = []
-    for item in islice(engine.generate(prompt, d), n + (1 if d.echo else 0)):
+    for item in engine.generate(prompt, d):
         if isinstance(item, Token):
             out.append(item)
-            if engine.is_end(item.id):
+            if engine.is_end(item.id) or len(out) >= n:
                 break
     return out
 
