@@ -16,7 +16,7 @@ threads (``--threads`` for generation and prompts):
 4. ``shoal up`` with two replicas of half the threads each, at the two highest levels.
 
 At each concurrency level ``c``, ``c`` clients each send ``--per-client`` streamed chat
-completions back to back (varied prompts that ask for long texts, greedy, ``--tokens``
+completions (or more, so that a level sends at least 8) back to back (varied prompts that ask for long texts, greedy, ``--tokens``
 tokens at most). Figures, from the client's side:
 
 - aggregate tokens/s: every completion token (usage, or content chunks where there is none)
@@ -64,6 +64,9 @@ from services.models.cards import card_for
 from services.models.resolve import resolve_model
 
 N_CTX = 2048
+# Requests a level sends at least: at concurrency 1, two requests (a few seconds) made the
+# ratio swing by several per cent from run to run.
+MIN_REQUESTS = 8
 REQUEST_TIMEOUT = 900.0
 TOPICS = ("a lighthouse keeper", "a city under the sea", "the first Mars colony",
           "a chess prodigy", "a forgotten library", "a robot gardener", "a winter festival",
@@ -168,7 +171,16 @@ LONG_TURN = " ".join(
 
 async def turn(client: httpx.AsyncClient, url: str, model: str,
                messages: list[dict[str, str]]) -> tuple[float, str]:  # fmt: skip
-    """A streamed chat's TTFT (seconds) and its whole text (16 tokens)."""
+    """A streamed chat's TTFT (seconds) and its whole text (16 tokens); asked again once on a
+    connection closed before any answer (llama-server's, as in ``one``)."""
+    try:
+        return await _turn(client, url, model, messages)
+    except httpx.RemoteProtocolError:
+        return await _turn(client, url, model, messages)
+
+
+async def _turn(client: httpx.AsyncClient, url: str, model: str,
+                messages: list[dict[str, str]]) -> tuple[float, str]:  # fmt: skip
     body = {"model": model, "stream": True, "max_tokens": 16, "temperature": 0,
             "messages": messages}  # fmt: skip
     sent, first, text = time.perf_counter(), None, ""
@@ -269,7 +281,8 @@ async def run_contender(
             await add_replica(replica[0], replica[1], proc)
         out = []
         for c in levels:
-            out.append(await level(url, model, name, c, args.per_client, args.tokens))
+            per_client = max(args.per_client, -(-MIN_REQUESTS // c))
+            out.append(await level(url, model, name, c, per_client, args.tokens))
         if turns is not None:
             turns[name] = await second_turn(url, model)
         return out

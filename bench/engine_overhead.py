@@ -79,7 +79,7 @@ from bus.subjects import aggregate_filter
 from services.models.cards import card_for
 from services.models.metadata import read_gguf
 from services.models.resolve import resolve_model
-from services.runner.decoding import Token
+from services.runner.decoding import PromptCached, Token
 from services.runner.engines.llamacpp import LlamaCppEngine
 from services.runner.job import prepare
 from services.runner.spec import RunnerSpec
@@ -205,6 +205,8 @@ def run_inprocess(engine: LlamaCppEngine, task: TaskCreated, limit: int) -> Side
     start = clock()
     for item in engine.generate(job.prompt, job.decoding):
         now = clock()
+        if isinstance(item, PromptCached):  # the prompt's tokens its slot held already
+            continue
         assert isinstance(item, Token)
         token = item.id
         if engine.is_end(token):
