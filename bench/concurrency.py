@@ -16,8 +16,8 @@ threads (``--threads`` for generation and prompts):
 4. ``shoal up`` with two replicas of half the threads each, at the two highest levels.
 
 At each concurrency level ``c``, ``c`` clients each send ``--per-client`` streamed chat
-completions (or more, so that a level sends at least 8) back to back (varied prompts that ask for long texts, greedy, ``--tokens``
-tokens at most). Figures, from the client's side:
+completions (or more, so that a level sends at least 8) back to back (varied prompts that ask
+for long texts, greedy, ``--tokens`` tokens at most). Figures, from the client's side:
 
 - aggregate tokens/s: every completion token (usage, or content chunks where there is none)
   over the wall time from the first request sent to the last stream ended;
