@@ -26,7 +26,7 @@ _MODEL = "model"  # one engine, one model: the key mlx-lm's cache files entries 
 
 
 class PromptCaches:
-    """The kept caches of one engine's model; safe to call from any one thread at a time."""
+    """The kept caches of one engine's model; safe to call from any thread."""
 
     def __init__(self, model: Module, size: int) -> None:
         self._model = model
