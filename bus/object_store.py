@@ -47,6 +47,10 @@ from nats.js.errors import NotFoundError
 from nats.nuid import NUID
 from pydantic import BaseModel, ConfigDict
 
+from bus.consumer import NO_LEADER_PAUSE_S
+from bus.publisher import retryable
+from bus.reader import NO_LEADER_WAIT_S
+
 log = logging.getLogger(__name__)
 
 # Bytes per chunk. nats-py and Go write 128 KiB; larger chunks mean fewer messages for the
@@ -389,19 +393,7 @@ class _Fetch:
         loop = asyncio.get_running_loop()
         self.received = self.written = offset
         self.received_chunks = self.written_chunks = chunks
-        await self.js.add_consumer(
-            self.stream,
-            ConsumerConfig(
-                name=self.consumer,
-                filter_subject=chunk_subject(self.bucket, self.info.nuid),
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE if seq else DeliverPolicy.ALL,
-                opt_start_seq=seq + 1 if seq else None,
-                ack_policy=AckPolicy.NONE,
-                inactive_threshold=60.0,
-                mem_storage=True,
-                num_replicas=1,
-            ),
-        )
+        await self._add_consumer(seq)
         self.inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(self.inbox, cb=self._on_msg, pending_bytes_limit=-1)
         writer = asyncio.create_task(self._write_blocks(on_progress))
@@ -433,6 +425,32 @@ class _Fetch:
                 with contextlib.suppress(nats.errors.Error, TimeoutError, NotFoundError):
                     # Else it goes by itself after its inactive threshold.
                     await self.js.delete_consumer(self.stream, self.consumer)
+
+    async def _add_consumer(self, seq: int) -> None:
+        """The fetch's consumer, asked for again while nobody answers: a cluster that just lost
+        a server elects leaders for a few seconds (asking twice for the same consumer is
+        harmless)."""
+        config = ConsumerConfig(
+            name=self.consumer,
+            filter_subject=chunk_subject(self.bucket, self.info.nuid),
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if seq else DeliverPolicy.ALL,
+            opt_start_seq=seq + 1 if seq else None,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=60.0,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + NO_LEADER_WAIT_S
+        while True:
+            try:
+                await self.js.add_consumer(self.stream, config)
+                return
+            except Exception as exc:
+                if not retryable(exc) or loop.time() >= give_up:
+                    raise
+                log.info("no answer creating the fetch's consumer (%r); asking again", exc)
+                await asyncio.sleep(NO_LEADER_PAUSE_S)
 
     async def _pull(self) -> None:
         """Ask for more chunks while the window has room: at most ``window_chunks`` requested
