@@ -88,13 +88,14 @@ class EmbeddedNats:
         needs its own ``server_name`` and data directory; JetStream answers once the cluster has
         elected a meta leader (a majority of the servers are up), which ``start`` does not wait
         for."""
-        self.data_dir = Path(data_dir)
+        # Absolute, as are the TLS files: the server is handed them as arguments and a config.
+        self.data_dir = Path(data_dir).absolute()
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.server_name = server_name
         self.security = security or NatsSecurity()
-        self.tls_cert = tls_cert
-        self.tls_key = tls_key
+        self.tls_cert = None if tls_cert is None else Path(tls_cert).absolute()
+        self.tls_key = None if tls_key is None else Path(tls_key).absolute()
         self.extra_config = config
         self.cluster_name = cluster_name
         self.cluster_port = (

@@ -83,7 +83,8 @@ class NatsSecurity:
 
         def path(field: str) -> Path | None:
             value = get(field)
-            return Path(value) if value else None
+            # Absolute: the variables are inherited by runners and read by a nats-server.
+            return Path(value).expanduser().absolute() if value else None
 
         token, password = get("token"), get("password")
         return cls(

@@ -38,10 +38,26 @@ class ProjectorRunning(RuntimeError):
     """Another projector of the same name holds this database."""
 
 
+def absolute_db_url(url: str) -> str:
+    """``url`` with a SQLite file's relative path made absolute against the current directory
+    (``sqlite:///shoal.db`` names a file where the command was typed, whichever process opens
+    it later); any other URL as it is."""
+    try:
+        u = make_url(url)
+    except ArgumentError as exc:
+        raise DatabaseUrlError(f"not a database URL: {url!r}") from exc
+    path = u.database
+    if not u.drivername.startswith("sqlite") or path in (None, "", ":memory:"):
+        return url
+    if path.startswith("file:") or Path(path).is_absolute():
+        return url
+    return u.set(database=str(Path(path).expanduser().absolute())).render_as_string(False)
+
+
 def async_url(url: str) -> URL:
     """Accept plain URLs (``sqlite:///x.db``, ``postgresql://...``) and pick the async driver."""
     try:
-        u = make_url(url)
+        u = make_url(absolute_db_url(url))
     except ArgumentError as exc:
         raise DatabaseUrlError(f"not a database URL: {url!r}") from exc
     if u.drivername in ("sqlite", "sqlite+pysqlite"):

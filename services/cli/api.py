@@ -20,6 +20,7 @@ from services.cli.options import (
     DEFAULT_NATS,
     DbUrl,
     NatsUrl,
+    absolute,
     run_until_signal,
     setup_logging,
 )
@@ -29,12 +30,13 @@ Port = Annotated[int, typer.Option(help="Port the API listens on.")]
 TlsCert = Annotated[
     Path | None,
     typer.Option("--tls-cert", envvar="SHOAL_API_TLS_CERT", exists=True, dir_okay=False,
+                 callback=absolute,
                  help="Serve HTTPS with this certificate (PEM; with --tls-key)."),
 ]  # fmt: skip
 TlsKey = Annotated[
     Path | None,
     typer.Option("--tls-key", envvar="SHOAL_API_TLS_KEY", exists=True, dir_okay=False,
-                 help="The key of --tls-cert (PEM)."),
+                 callback=absolute, help="The key of --tls-cert (PEM)."),
 ]  # fmt: skip
 Aliases = Annotated[
     list[str] | None,

@@ -14,7 +14,9 @@ import typer
 import uvloop
 
 from bus.connection import DEFAULT_NATS_URL
+from projectors.database import absolute_db_url
 from services.models.footprint import MAX_SLOTS
+from services.paths import default_data_dir
 
 NatsUrl = Annotated[
     str,
@@ -26,6 +28,7 @@ DbUrl = Annotated[
         "--db",
         envvar="SHOAL_DB_URL",
         help="Projection database: sqlite:///PATH or postgresql://USER@HOST/DB.",
+        callback=absolute_db_url,
     ),
 ]
 DataHost = Annotated[
@@ -51,8 +54,11 @@ RunnerSlots = Annotated[
 DEFAULT_NATS = DEFAULT_NATS_URL
 
 
-def default_data_dir() -> Path:
-    return Path(os.environ.get("SHOAL_DATA_DIR", Path.home() / ".shoal"))
+def absolute(path: Path | None) -> Path | None:
+    """A path a user gave, made absolute against the directory the command was typed in, as it
+    enters (a typer callback): whatever stores it, links to it or hands it to another process
+    (a runner, the nats-server) then means the same file wherever that one runs."""
+    return None if path is None else path.expanduser().absolute()
 
 
 def default_db_url() -> str:

@@ -17,7 +17,7 @@ from services.cli.options import (
     DataHost,
     NatsUrl,
     RunnerSlots,
-    default_data_dir,
+    absolute,
     run_until_signal,
     setup_logging,
 )
@@ -28,17 +28,15 @@ from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit
 from services.worker.worker import Worker, WorkerConfig
 
-DEFAULT_WORKER_DIR = default_data_dir() / "worker"
-
 
 def worker(
     nats: NatsUrl = DEFAULT_NATS,
     node_id: Annotated[
         str | None, typer.Option(help="This node's id (kept in the data dir).")
     ] = None,
-    data_dir: Annotated[Path, typer.Option(help="Node id, models and runner logs.")] = Path(
-        "data/worker"
-    ),
+    data_dir: Annotated[
+        Path, typer.Option(help="Node id, models and runner logs.", callback=absolute)
+    ] = Path("data/worker"),
     memory_limit: Annotated[
         str | None, typer.Option(help="Memory this node offers to placement, e.g. 512M, 8G.")
     ] = None,

@@ -40,7 +40,9 @@ def sha256_of(path: Path) -> str:
 
 class WeightsCache:
     def __init__(self, models_dir: Path) -> None:
-        self.root = Path(models_dir)
+        # Absolute: a link's target is read from the link's own directory, so a blob named
+        # relatively (a cache given as `data/models`) would point nowhere.
+        self.root = Path(models_dir).absolute()
         self.blobs = self.root / "blobs"
 
     def blob(self, sha256: str) -> Path:
