@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from projectors.projector import DEFAULT_NAME
+from services.models.weights_cache import WeightsCache
+from services.paths import default_data_dir
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,15 @@ class ApiConfig:
     cors_origins: tuple[str, ...] = ()
     # Where a model pulled through the API (Ollama's /api/pull) is fetched to before it is
     # added, as `shoal models add` does (`shoal up` gives its own data directory's).
-    models_dir: Path = field(
-        default_factory=lambda: (
-            Path(os.environ.get("SHOAL_DATA_DIR", Path.home() / ".shoal")) / "models"
-        )
-    )
+    models_dir: Path = field(default_factory=lambda: default_data_dir() / "models")
+    # The cache of a worker on this machine (`shoal up`'s), which gives what the API adds to
+    # other nodes; None: what the API adds is stored in the models bucket.
+    worker_models_dir: Path | None = None
+
+    def served_from(self) -> WeightsCache | None:
+        """Where an added model's files are linked for this machine's worker to serve."""
+        directory = self.worker_models_dir
+        return WeightsCache(directory) if directory is not None else None
 
 
 def keys_from_env(value: str | None = None) -> frozenset[str]:

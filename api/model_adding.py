@@ -1,8 +1,8 @@
 """Adding a catalogue model the cluster does not know yet, when an instance of it is asked for
 (``POST /v1/instances``), as ``shoal models add`` would: its weights resolved on this API's
-machine (a package's file, the Hub cache, else a download), stored in the models bucket (from
-which the workers fetch them), ``ModelAdded`` published; then the request goes on once the
-projection has the model.
+machine (a package's file, the Hub cache, else a download), linked into this machine's
+worker's cache (``shoal up``: it gives them to other nodes) or else stored in the models
+bucket, ``ModelAdded`` published; then the request goes on once the projection has the model.
 
 A request asks for it only once its card's estimate fits the cluster (checked by the caller),
 so nothing is downloaded for a model that could not be placed. Two requests for the same model
@@ -52,7 +52,13 @@ async def _add(ctx: ApiContext, card: ModelCard) -> None:
     from services.models.shared import WeightsUnavailable
 
     try:
-        await add_to_cluster(ctx.nc.jetstream(), card, ctx.config.models_dir, origin=ctx.origin)
+        await add_to_cluster(
+            ctx.nc.jetstream(),
+            card,
+            ctx.config.models_dir,
+            served_from=ctx.config.served_from(),
+            origin=ctx.origin,
+        )
     except (ModelUnavailable, GgufError, WeightsUnavailable) as exc:
         raise ApiError(503, f"{card.id} could not be added: {exc}",
                        code="model_unavailable") from None  # fmt: skip

@@ -155,7 +155,14 @@ async def _add(ctx: ApiContext, card: ModelCard) -> AsyncIterator[dict[str, Any]
     js = ctx.nc.jetstream()
     fetching, storing = progress(f"pulling {source}"), progress(f"storing in {MODELS_BUCKET}")
     adding = asyncio.ensure_future(
-        publish_model(js, card, ctx.config.models_dir, fetching, on_store=storing)
+        publish_model(
+            js,
+            card,
+            ctx.config.models_dir,
+            fetching,
+            on_store=storing,
+            served_from=ctx.config.served_from(),
+        )
     )
     try:
         while not adding.done():

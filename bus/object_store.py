@@ -266,7 +266,7 @@ def _write_note(path: Path, note: ResumeNote) -> None:
     tmp.replace(path)
 
 
-def _hash_prefix(path: Path, size: int) -> Any:
+def hash_prefix(path: Path, size: int) -> Any:
     """SHA-256 of the first ``size`` bytes of ``path`` (a resumed fetch's hash so far)."""
     sha = hashlib.sha256()
     with path.open("rb") as f:
@@ -330,7 +330,7 @@ async def fetch_file(
     else:
         with partial.open("r+b") as f:
             f.truncate(note.offset)
-        sha = await asyncio.to_thread(_hash_prefix, partial, note.offset)
+        sha = await asyncio.to_thread(hash_prefix, partial, note.offset)
         offset, chunks, seq = note.offset, note.chunks, note.seq
         log.info("resuming %s at byte %d of %d", info.name, offset, info.size)
     if on_progress is not None:

@@ -19,6 +19,9 @@ DEADLETTER_PREFIX = "shoal.deadletter"
 ALL_EVENTS = f"{EVENTS_PREFIX}.>"
 ALL_CHUNKS = f"{CHUNKS_PREFIX}.>"
 ALL_DEAD_LETTERS = f"{DEADLETTER_PREFIX}.>"
+# A runner asking which node holds some weight files: core NATS request-reply, in no stream
+# (services/models/weight_offers.py).
+WEIGHTS_WANTED = "shoal.weights.wanted"
 
 # What an event is about: the token after ``shoal.events`` (chunks have a stream of their own).
 Aggregate = Literal["node", "model", "instance", "runner", "task", "response", "chunk"]

@@ -41,10 +41,11 @@ from projectors import database
 from projectors.rules import changes_for
 from projectors.state import ClusterState
 from projectors.store import load_state
-from services.cli.models import publish_model
-from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl, default_data_dir
+from services.cli.models import publish_model, worker_cache
+from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl
 from services.models.cards import builtin_cards
 from services.models.footprint import MAX_SLOTS
+from services.paths import default_data_dir
 from services.planner.card_fit import card_info
 from services.planner.cluster import cluster_view
 from services.planner.placement import (
@@ -268,8 +269,9 @@ def create(
                         f"model {model!r} is not known to the cluster: add it with"
                         f" `shoal models add {model} --path FILE` (or --hf)"
                     )
+                cache = default_data_dir() / "models"
                 added, _, _ = await publish_model(
-                    js, builtin_cards()[model], default_data_dir() / "models"
+                    js, builtin_cards()[model], cache, served_from=worker_cache(cache)
                 )
                 typer.echo(f"added model {model}")
                 state.commit(changes_for(state, added))

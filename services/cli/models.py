@@ -20,7 +20,13 @@ from bus.connection import connect
 from bus.events import ModelAdded
 from bus.streams import MODELS_BUCKET, StreamSettings, ensure_streams
 from projectors.state import ClusterState
-from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl, default_data_dir
+from services.cli.options import (
+    DEFAULT_DB,
+    DEFAULT_NATS,
+    DbUrl,
+    NatsUrl,
+    absolute,
+)
 from services.models.cards import (
     ENGINES,
     Engine,
@@ -31,6 +37,8 @@ from services.models.cards import (
     builtin_cards,
     card_for,
 )
+from services.models.weights_cache import WeightsCache
+from services.paths import default_data_dir
 
 # services.models.metadata and .resolve are imported inside the commands: they pull in gguf
 # (numpy) and huggingface_hub, whose import every other `shoal` command would pay.
@@ -43,6 +51,7 @@ CacheDir = Annotated[
         "--cache-dir",
         help="Where downloaded and assembled weights go [default: DATA_DIR/models].",
         show_default=False,
+        callback=absolute,
     ),
 ]
 
@@ -218,7 +227,9 @@ def add(
     model_id: Annotated[str, typer.Argument(metavar="ID", help="The model's id in the cluster.")],
     path: Annotated[
         Path | None,
-        typer.Option("--path", help="A GGUF file (llamacpp) or an MLX model directory."),
+        typer.Option(
+            "--path", help="A GGUF file (llamacpp) or an MLX model directory.", callback=absolute
+        ),
     ] = None,
     hf: Annotated[
         str | None, typer.Option("--hf", metavar="REPO", help="Hugging Face repository id.")
@@ -263,11 +274,20 @@ def add(
             show_default=False,
         ),
     ] = None,
+    bucket: Annotated[
+        bool,
+        typer.Option(
+            "--bucket",
+            help="Store a copy of the weights in the models bucket even where this machine's"
+            " worker could serve them: for a machine that will not stay on.",
+        ),
+    ] = False,
     nats: NatsUrl = DEFAULT_NATS,
     cache_dir: CacheDir = None,
 ) -> None:
-    """Make a model known to the cluster: its weights go into the models bucket, from which
-    every node that runs a shard of it fetches them (publishes ModelAdded).
+    """Make a model known to the cluster (publishes ModelAdded): this machine's worker serves its
+    weights to every node that runs a shard of it; where no worker has run, or with --bucket,
+    they are stored in the models bucket instead.
 
     With neither --path nor --hf, ID must be a catalogue card (see `shoal models list`)."""
     from services.models.metadata import GgufError
@@ -284,7 +304,11 @@ def add(
         _fail(f"unknown engine {engine!r}: choose from {', '.join(ENGINES)}")
     if node is not None and not local:
         _fail("--node goes with --local (a shared model is served by any node)")
+    if bucket and local:
+        _fail("--bucket and --local contradict each other: a --local model stays on its node")
     local_node = _local_node(node) if local else None
+    cache = _cache_dir(cache_dir)
+    served_from = None if bucket or local else worker_cache(cache)
     try:
         card = _card(model_id, path, hf, file, revision, engine, chat_format, family)
     except UnknownModel as exc:
@@ -296,7 +320,9 @@ def add(
         try:
             js = nc.jetstream()
             await ensure_streams(js, StreamSettings.from_env())
-            return await publish_model(js, card, _cache_dir(cache_dir), local_node=local_node)
+            return await publish_model(
+                js, card, cache, local_node=local_node, served_from=served_from
+            )
         finally:
             await nc.close()
 
@@ -308,23 +334,43 @@ def add(
         f"added {event.model_id}: {event.n_layers} layers, context {event.context_length},"
         f" {_size(event.size_bytes)}, engines {','.join(event.engines)} (seq {seq})"
     )
+    names = ", ".join(f.name for f in event.files)
     if event.node_id is not None:
         typer.echo(f"  weights: {weights}, served by node {event.node_id} only")
+    elif served_from is not None:
+        typer.echo(
+            f"  weights: {names} from {weights}, given to other nodes by this machine's"
+            " worker (no copy in the bucket; --bucket stores one)"
+        )
     else:
-        names = ", ".join(f.name for f in event.files)
         typer.echo(f"  weights: {names} in {MODELS_BUCKET} (from {weights})")
+
+
+def _worker_dir(*candidates: Path) -> tuple[Path, str] | None:
+    """The data dir of the first of ``candidates`` (then the default data dir's: `shoal up`
+    keeps its worker's data in <data dir>/worker) where a worker has run, and its node id."""
+    from services.worker.identity import stored_node_id
+
+    for data_dir in (*candidates, default_data_dir() / "worker", default_data_dir()):
+        if found := stored_node_id(data_dir):
+            return data_dir, found
+    return None
+
+
+def worker_cache(cache_dir: Path) -> WeightsCache | None:
+    """The cache of this machine's worker, which serves what is added from here to other nodes:
+    the worker whose data dir holds ``cache_dir`` (a worker keeps <data dir>/models), else the
+    default data dir's; None where no worker has run on this machine."""
+    found = _worker_dir(cache_dir.parent)
+    return WeightsCache(found[0] / "models") if found is not None else None
 
 
 def _local_node(node: str | None) -> str:
     """The node a --local model is kept on: the one given, else this machine's worker."""
-    from services.worker.identity import stored_node_id
-
     if node:
         return node
-    # `shoal up` keeps its worker's data in <data dir>/worker.
-    for data_dir in (default_data_dir() / "worker", default_data_dir()):
-        if found := stored_node_id(data_dir):
-            return found
+    if found := _worker_dir():
+        return found[1]
     _fail(
         "--local: no worker has run with this machine's data dir"
         f" ({default_data_dir() / 'worker'}): give --node NODE (see `shoal state`)"
@@ -339,6 +385,7 @@ async def publish_model(
     *,
     local_node: str | None = None,
     on_store: Callable[[float], None] | None = None,
+    served_from: WeightsCache | None = None,
 ) -> tuple[ModelAdded, Path, int]:
     """``services.models.add.add_model``, showing progress: ``on_progress`` gets the fetch's
     fractions (from another thread), ``on_store`` the store's (``on_progress`` too when not
@@ -347,10 +394,14 @@ async def publish_model(
     from services.models.add import add_model
 
     return await add_model(
-        js, card, cache_dir, local_node=local_node,
+        js,
+        card,
+        cache_dir,
+        local_node=local_node,
+        served_from=served_from,
         on_fetch=on_progress or _progress_printer("fetching weights"),
         on_store=on_store or on_progress or _progress_printer(f"storing in {MODELS_BUCKET}"),
-    )  # fmt: skip
+    )
 
 
 def _card(

@@ -27,8 +27,9 @@ from bus.events import InstanceRequested
 from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
 from bus.states import SERVING
-from bus.streams import MODELS_BUCKET, StreamSettings
+from bus.streams import StreamSettings
 from projectors import database
+from projectors.database import absolute_db_url
 from projectors.projector import Projector, tune_gc
 from projectors.store import load_state
 from services.cli.api import (
@@ -49,12 +50,14 @@ from services.cli.models import publish_model
 from services.cli.options import (
     DataHost,
     RunnerSlots,
-    default_data_dir,
+    absolute,
     run_until_signal,
     setup_logging,
 )
 from services.cli.up_progress import UpProgress, model_steps, weights_step
 from services.models.cards import builtin_cards
+from services.models.weights_cache import WeightsCache
+from services.paths import default_data_dir
 from services.planner.planner import PLANNING_TABLES, Planner
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit
@@ -67,7 +70,8 @@ log = logging.getLogger(__name__)
 
 def up(
     data_dir: Annotated[
-        Path | None, typer.Option(help="Where the log, database and models live.")
+        Path | None,
+        typer.Option(help="Where the log, database and models live.", callback=absolute),
     ] = None,
     host: Annotated[str, typer.Option(help="Address the API listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port of the API.")] = 8000,
@@ -100,6 +104,7 @@ def up(
         typer.Option(
             exists=True,
             dir_okay=False,
+            callback=absolute,
             help="Certificate of the embedded nats-server: clients"
             " must use TLS (give them the CA with --nats-ca).",
         ),
@@ -109,6 +114,7 @@ def up(
         typer.Option(
             exists=True,
             dir_okay=False,
+            callback=absolute,
             help="The key of --nats-tls-cert.",
         ),
     ] = None,
@@ -119,7 +125,7 @@ def up(
         logging.getLogger(noisy).setLevel(logging.WARNING)
     tune_gc()
     data = data_dir or default_data_dir()
-    db_url = db or f"sqlite:///{data / 'shoal.db'}"
+    db_url = absolute_db_url(db) if db else f"sqlite:///{data / 'shoal.db'}"
     limit = parse_memory_limit(memory_limit) if memory_limit else None
     if not no_model and model not in builtin_cards():
         known = ", ".join(sorted(builtin_cards()))
@@ -168,7 +174,8 @@ def up(
             config = ApiConfig(
                 nats_url=server.url, db_url=db_url, api_keys=keys, aliases=aliases,
                 default_model=None if no_model else model, cors_origins=tuple(cors_origin or ()),
-                models_dir=data / "models", max_queued=max_queued,
+                models_dir=data / "models", worker_models_dir=worker_dir / "models",
+                max_queued=max_queued,
             )  # fmt: skip
             api = api_server(config, host, port, tls)
             tasks += [
@@ -186,7 +193,7 @@ def up(
                 typer.echo(f"ready: {url} (no model requested; Ctrl-C stops)")
             else:
                 own = [name for name, target in aliases.items() if target == model]
-                waiting = asyncio.create_task(_serve_model(nc, engine, model, data / "models", own))
+                waiting = asyncio.create_task(_serve_model(nc, engine, model, data, own))
                 await _first(waiting, *tasks, stop.wait())
                 if waiting.done() and waiting.exception() is None:
                     typer.echo(f"ready: {model} answers at {url}/chat/completions (Ctrl-C stops)")
@@ -245,11 +252,12 @@ async def _first(*aws: Awaitable[object]) -> None:
 
 
 async def _serve_model(
-    nc: Client, engine: AsyncEngine, model_id: str, models_dir: Path, aliases: list[str]
+    nc: Client, engine: AsyncEngine, model_id: str, data: Path, aliases: list[str]
 ) -> None:
     """Make the model known and ask for an instance of it (called by ``aliases`` too, so that
     every API process knows them), unless a live one exists already (a restart), then wait
-    until one of its runners is ready, showing each step's progress."""
+    until one of its runners is ready, showing each step's progress. The weights stay where
+    they are, linked into this machine's worker's cache, which gives them to other nodes."""
     async with engine.connect() as conn:
         state = await load_state(conn, PLANNING_TABLES)
     js = nc.jetstream()
@@ -258,11 +266,13 @@ async def _serve_model(
             card = builtin_cards()[model_id]
             source = card.source.label()
             progress.show([weights_step(model_id, None, source)])
-            into = f"into {MODELS_BUCKET}"
             await publish_model(
-                js, card, models_dir, lambda f: progress.show([weights_step(model_id, f, source)]),
-                on_store=lambda f: progress.show([weights_step(model_id, f, into)]),
-            )  # fmt: skip
+                js,
+                card,
+                data / "models",
+                lambda f: progress.show([weights_step(model_id, f, source)]),
+                served_from=WeightsCache(data / "worker" / "models"),
+            )
         live = [
             i
             for i in state.instances()

@@ -1,9 +1,10 @@
 """Making a model known to the cluster, as ``shoal models add`` does it: its weights resolved on
-this machine (a path, a package's file, a download), their facts read, their files stored in
-the models bucket, and ``ModelAdded`` published naming them.
+this machine (a path, a package's file, a download), their facts read, their files linked into
+the cache of this machine's worker, which serves them to other nodes (or, where no worker
+runs, stored in the models bucket), and ``ModelAdded`` published naming them.
 
 Kept local (``--local``), the files stay where they are and the event names the path and the
-one node that has it instead.
+one node that has it instead: no other node may run the model.
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ async def add_model(
     cache_dir: Path,
     *,
     local_node: str | None = None,
+    served_from: WeightsCache | None = None,
     origin: str | None = None,
     on_fetch: Fraction | None = None,
     on_store: Fraction | None = None,
 ) -> tuple[ModelAdded, Path, int]:
-    """Fetch the card's weights here (if not here yet), read their facts, store their files in
-    the models bucket (``local_node`` given: keep them at their path, served by that node
-    only), publish ``ModelAdded``. ``on_fetch`` and ``on_store`` get fractions, the first
-    from another thread. Returns the event, the weights' path here and the event's sequence."""
+    """Fetch the card's weights here (if not here yet), read their facts, link their files into
+    ``served_from`` (the cache of this machine's worker, which serves them to other nodes) or,
+    without it, store them in the models bucket (``local_node`` given: keep them at their path,
+    served by that node only), publish ``ModelAdded``. ``on_fetch`` and ``on_store`` get
+    fractions, the first from another thread. Returns the event, the weights' path here and
+    the event's sequence."""
 
     def fetch() -> tuple[Path, ModelFacts]:
         weights = resolve_model(card, cache_dir, on_fetch)
@@ -54,8 +58,13 @@ async def add_model(
             if on_store is not None and total:
                 on_store(done / total)
 
-        files = await store_files(js, model_files(weights), cache=WeightsCache(cache_dir),
-                                  on_progress=stored)  # fmt: skip
+        files = await store_files(
+            js,
+            model_files(weights),
+            cache=served_from or WeightsCache(cache_dir),
+            on_progress=stored,
+            put=served_from is None,
+        )
     event = ModelAdded(
         origin=origin or f"shoal-cli@{socket.gethostname()}",
         model_id=card.id,

@@ -1,9 +1,16 @@
-"""Model weights through the models bucket: stored once by whoever adds the model, fetched by
-each node that runs a shard of it into its cache (``weights_cache``).
+"""Model weights between nodes: each file named by its content (``sha256/<hex>``), held in
+nodes' caches (``weights_cache``) and, for a model added from a machine that runs no worker,
+in the models bucket.
 
-Objects are named by their content (``sha256/<hex>``): a file is stored once however many
-models (or adds of the same model) name it, a second add stores nothing, and an object can
-never change under a ``ModelAdded`` that names it.
+- Added on a node (``shoal up``, ``shoal models add`` beside a worker): the files stay where
+  they are, linked into that worker's cache, and the worker serves them to the runners of other
+  nodes (``services/worker/weights_server.py``): one copy on that machine's disk, none in the
+  bucket.
+- Added elsewhere (or with ``--bucket``): stored in the models bucket, once however many models
+  or adds name it; an object never changes under a ``ModelAdded`` that names it.
+
+A runner that lacks a file asks the nodes first (any node that holds it, the one that fetched
+it included, answers) and takes it from the first that offers it; else from the bucket.
 """
 
 from __future__ import annotations
@@ -14,19 +21,27 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
 
 from bus.events import WeightFile
-from bus.object_store import digest_hex, fetch_file, object_info, put_file
+from bus.object_store import DigestMismatch, digest_hex, fetch_file, object_info, put_file
 from bus.streams import MODELS_BUCKET
+from services.models.peer_fetch import PeerFetchError, fetch_from_peer
 from services.models.shard_files import SAFETENSORS_INDEX, gguf_entry, needed_files, split_parts
+from services.models.weight_offers import ask_for_offer
 from services.models.weights_cache import WeightsCache, sha256_of
 
 log = logging.getLogger(__name__)
 
 # Bytes done and bytes in all, for a whole set of files.
 Progress = Callable[[int, int], None]
+
+# How long a runner waits for a node to offer files: briefly when the bucket has them too; a
+# while when only a node can give them (it may be reconnecting to NATS).
+PEER_ANSWER_S = 0.5
+HOLDER_WAIT_S = 10.0
 
 
 class WeightsUnavailable(RuntimeError):
@@ -59,10 +74,14 @@ async def store_files(
     *,
     cache: WeightsCache | None = None,
     on_progress: Progress | None = None,
+    put: bool = True,
 ) -> list[WeightFile]:
     """Store each ``(name, path)`` in the models bucket unless an object of the same content
-    is there already. With ``cache``, each file also becomes a blob of this machine's cache
-    (a link), so that a worker sharing it does not fetch what is on its disk."""
+    is there already (``put=False``: not at all; a worker's ``cache`` serves them). With
+    ``cache``, each file also becomes a blob of that cache (a link to it, not a copy), so that
+    a worker sharing it neither fetches what is on its disk nor lacks what it is to serve."""
+    if not put and cache is None:
+        raise ValueError("files kept out of the bucket need a worker's cache to serve them")
     hashed: list[tuple[str, Path, str]] = []
     for name, path in files:
         hashed.append((name, path, await asyncio.to_thread(sha256_of, path)))
@@ -72,8 +91,8 @@ async def store_files(
     for name, path, sha in hashed:
         size = path.stat().st_size
         weight = WeightFile(name=name, object=object_name(sha), size=size, sha256=sha)
-        held = await object_info(js, MODELS_BUCKET, weight.object)
-        if held is None or held.size != size or _hex(held) != sha:
+        held = await object_info(js, MODELS_BUCKET, weight.object) if put else None
+        if put and (held is None or held.size != size or _hex(held) != sha):
             base = done
 
             def progress(n: int, base: int = base) -> None:
@@ -99,47 +118,90 @@ def _hex(info: ObjectInfo) -> str | None:
 
 
 async def fetch_files(
-    js: JetStreamContext,
+    nc: Client,
     cache: WeightsCache,
     files: list[WeightFile],
     on_progress: Progress | None = None,
+    *,
+    node_id: str = "",
 ) -> None:
-    """Make ``cache`` hold every one of ``files``: those it lacks are fetched from the bucket
-    (resumed where an earlier fetch stopped, digest checked). Progress counts the bytes of
-    the files fetched, not of those already here."""
+    """Make ``cache`` (node ``node_id``'s) hold every one of ``files``: those it lacks are taken
+    from another node that holds them, else from the bucket; resumed where an earlier fetch
+    stopped, digest checked. Progress counts the bytes of the files fetched, not of those
+    already here."""
+    js = nc.jetstream()
     missing = [f for f in files if not cache.holds(f)]
     total = sum(f.size for f in missing)
     done = 0
-    for f in missing:
-        async with cache.lock(f.sha256):
-            if not cache.holds(f):  # another runner of this node may have fetched it meanwhile
-                info = await object_info(js, MODELS_BUCKET, f.object)
-                if info is None:
-                    raise WeightsUnavailable(
-                        f"{f.name}: object {f.object} is not in the {MODELS_BUCKET} bucket (was"
-                        " it deleted?): add the model again with `shoal models add`"
-                    )
-                if _hex(info) != f.sha256 or info.size != f.size:
-                    raise WeightsUnavailable(
-                        f"{f.name}: object {f.object} in {MODELS_BUCKET} is not the file the"
-                        " model names (another digest or size)"
-                    )
-                base = done
 
-                def progress(n: int, base: int = base) -> None:
-                    if on_progress is not None:
-                        on_progress(base + n, total)
+    def progress_from(base: int) -> Callable[[int], None]:
+        def progress(n: int) -> None:
+            if on_progress is not None:
+                on_progress(base + n, total)
 
-                log.info("fetching %s (%d bytes) from %s", f.name, f.size, MODELS_BUCKET)
-                await fetch_file(js, MODELS_BUCKET, info, cache.blob(f.sha256),
-                                 on_progress=progress)  # fmt: skip
+        return progress
+
+    def fetched(f: WeightFile) -> None:
+        nonlocal done
         done += f.size
         if on_progress is not None:
             on_progress(done, total)
 
+    stored = {f.sha256: await _stored(js, f) for f in missing}
+    left = list(missing)
+    while left:
+        within = PEER_ANSWER_S if all(stored[f.sha256] for f in left) else HOLDER_WAIT_S
+        offer = await ask_for_offer(nc, node_id, left, within)
+        offered = [f for f in left if offer is not None and f.sha256 in offer.sha256s]
+        if offer is None or not offered:
+            break
+        failed = 0
+        for f in offered:
+            async with cache.lock(f.sha256):
+                if not cache.holds(f):  # another runner of this node may have fetched it
+                    log.info("fetching %s (%d bytes) from node %s", f.name, f.size, offer.node_id)
+                    target, progress = cache.blob(f.sha256), progress_from(done)
+                    try:
+                        await asyncio.to_thread(fetch_from_peer, offer, f, target, progress)
+                    except (PeerFetchError, DigestMismatch) as exc:
+                        log.warning("%s; trying elsewhere", exc)
+                        failed += 1
+                        continue
+            fetched(f)
+            left.remove(f)
+        if failed:
+            break  # the node that offered them could not give them: the bucket, if it has them
+    for f in left:
+        async with cache.lock(f.sha256):
+            if not cache.holds(f):
+                info = stored[f.sha256]
+                if info is None:
+                    raise WeightsUnavailable(
+                        f"{f.name}: no node that holds it answered within {HOLDER_WAIT_S:.0f} s,"
+                        f" and the {MODELS_BUCKET} bucket has no copy: start the node the model"
+                        " was added on, or add it again with `shoal models add` (--bucket keeps"
+                        " a copy in the bucket)"
+                    )
+                log.info("fetching %s (%d bytes) from %s", f.name, f.size, MODELS_BUCKET)
+                target, progress = cache.blob(f.sha256), progress_from(done)
+                await fetch_file(js, MODELS_BUCKET, info, target, on_progress=progress)
+        fetched(f)
+
+
+async def _stored(js: JetStreamContext, f: WeightFile) -> ObjectInfo | None:
+    """The bucket's object for ``f``, or None when it has none; an object of another digest or
+    size is an error (the bucket's names are digests: something is badly wrong)."""
+    info = await object_info(js, MODELS_BUCKET, f.object)
+    if info is not None and (_hex(info) != f.sha256 or info.size != f.size):
+        raise WeightsUnavailable(
+            f"{f.name}: object {f.object} in {MODELS_BUCKET} is not the file the"
+            " model names (another digest or size)"
+        )
+    return info
+
 
 async def shard_model_path(
-    js: JetStreamContext,
+    nc: Client,
     cache: WeightsCache,
     model_id: str,
     files: list[WeightFile],
@@ -150,19 +212,20 @@ async def shard_model_path(
     end: int,
     n_layers: int,
     on_progress: Progress | None = None,
+    node_id: str = "",
 ) -> Path:
     """What a shard's engine is given, with the files it needs in the cache: the model's
     directory (MLX) or its GGUF file (the first part of a split one)."""
     weight_map = None
     if engine == "mlx":
         index = [f for f in files if f.name == SAFETENSORS_INDEX]
-        await fetch_files(js, cache, index)
+        await fetch_files(nc, cache, index, node_id=node_id)
         if index:
             cache.link(model_id, index)
             text = (cache.model_dir(model_id) / SAFETENSORS_INDEX).read_text()
             weight_map = json.loads(text).get("weight_map")
     wanted = needed_files(files, engine, rank, start, end, n_layers, weight_map)
-    await fetch_files(js, cache, wanted, on_progress)
+    await fetch_files(nc, cache, wanted, on_progress, node_id=node_id)
     directory = cache.link(model_id, wanted)
     if engine == "mlx":
         return directory

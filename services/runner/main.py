@@ -60,7 +60,7 @@ async def model_path(spec: RunnerSpec, state: StateReporter, nc: Client) -> Path
     # serves a later llama.cpp stage never needs.
     from services.runner.weights import shard_weights
 
-    return await shard_weights(spec, nc.jetstream(), state)
+    return await shard_weights(spec, nc, state)
 
 
 async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:

@@ -1,8 +1,10 @@
-"""A runner's weights: from the node's cache, filled from the models bucket, or at a path.
+"""A runner's weights: from the node's cache, filled from another node or the models bucket, or
+at a path.
 
 - A shared model (``files``): the files this shard needs, fetched into the node's cache unless
-  it holds them; a package's file on this machine with the same bytes is linked rather than
-  fetched (every node has Shoal's built-in models' packages installed).
+  it holds them (``services/models/shared.py``: from a node that holds them, else the bucket);
+  a package's file on this machine with the same bytes is linked rather than fetched (every
+  node has Shoal's built-in models' packages installed).
 - A model at a path (``--local``, or added before the bucket): that path.
 - Neither: a built-in card, resolved here (a package's file, or a download).
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from nats.js import JetStreamContext
+from nats.aio.client import Client
 
 from services.models.cards import PackageSource, builtin_cards, card_for
 from services.models.resolve import ProgressThrottle, local_path, resolve_model
@@ -24,7 +26,7 @@ from services.runner.serve import StateReporter
 from services.runner.spec import RunnerSpec
 
 
-async def shard_weights(spec: RunnerSpec, js: JetStreamContext, state: StateReporter) -> Path:
+async def shard_weights(spec: RunnerSpec, nc: Client, state: StateReporter) -> Path:
     """The path this shard's engine loads."""
     loop = asyncio.get_running_loop()
 
@@ -47,12 +49,19 @@ async def shard_weights(spec: RunnerSpec, js: JetStreamContext, state: StateRepo
         if total:
             throttle.update(done / total)
 
-    path = await shard_model_path(
-        js, cache, spec.model_id, spec.files, engine=spec.engine, rank=shard.rank,
-        start=shard.start_layer, end=shard.end_layer, n_layers=shard.n_layers,
+    return await shard_model_path(
+        nc,
+        cache,
+        spec.model_id,
+        spec.files,
+        engine=spec.engine,
+        rank=shard.rank,
+        start=shard.start_layer,
+        end=shard.end_layer,
+        n_layers=shard.n_layers,
         on_progress=on_bytes,
-    )  # fmt: skip
-    return path
+        node_id=spec.node_id,
+    )
 
 
 async def adopt_package_file(spec: RunnerSpec, cache: WeightsCache) -> None:

@@ -1,5 +1,6 @@
 """The worker: one per machine. It joins the cluster, sends its resource profile every few
-seconds (the heartbeat), runs the runners of the shards placed on it, and reports their deaths.
+seconds (the heartbeat), runs the runners of the shards placed on it, reports their deaths, and
+gives the weight files its cache holds to other nodes' runners (``weights_server``).
 
 It keeps no state of its own: which shards belong here is folded from the instance and model
 events with the same rules the projector uses (``projectors.rules``).
@@ -39,6 +40,7 @@ from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
 from services.models.footprint import context_for
+from services.models.weights_cache import WeightsCache
 from services.resume import continuation, describe, message_id, read_logged
 from services.runner.serve import CurrentTasks
 from services.runner.spec import RunnerSpec
@@ -46,6 +48,7 @@ from services.worker.device_probe import Probe, probe
 from services.worker.profile import collect_profile, nvidia_gpus, rss_bytes
 from services.worker.reconcile import describe_exit, desired_runners, plan, runner_slots
 from services.worker.supervisor import Supervisor
+from services.worker.weights_server import WeightsServer
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,11 @@ class Worker:
     def node_id(self) -> str:
         return self.config.node_id
 
+    @property
+    def data_host(self) -> str:
+        """Where this node's runners and weights server listen for other nodes."""
+        return self.config.data_host or data_host_towards(self.config.nats_url)
+
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_streams(self._js, self.config.stream_settings)
         self._devices = await probe(len(await asyncio.to_thread(nvidia_gpus)))
@@ -103,7 +111,10 @@ class Worker:
             )
         )
         await self._heartbeat()
+        weights = WeightsServer(WeightsCache(self.config.models_dir), self.data_host, self.node_id)
+        weights.start()
         subs = [
+            await weights.answer(self._nc),
             # Models and instances in one consumer, so they fold in log order (a model is
             # known before an instance of it is placed).
             await self._js.subscribe(
@@ -127,6 +138,7 @@ class Worker:
             beat.cancel()
             for sub in subs:
                 await sub.unsubscribe()
+            weights.stop()
             await self.supervisor.stop_all()
             await self._pub.publish(NodeLeft(node_id=self.node_id, origin=self.node_id))
 
@@ -214,7 +226,7 @@ class Worker:
             slots=runner_slots(inst.slots, self.config.slots),
             cache_dir=str(self.config.models_dir),
             peers=sorted(peers, key=lambda s: s.rank),
-            data_host=self.config.data_host or data_host_towards(self.config.nats_url),
+            data_host=self.data_host,
             task_file=str(self.config.data_dir / "logs" / f"runner-{row.runner_id}.task"),
         )
 

@@ -1,7 +1,8 @@
-"""Weights shared through NATS, end to end: two workers with separate data dirs on one machine;
-a model added from a file that then disappears is served split over both, its head on the
-worker that never had the file, which fetched it from the models bucket. In the same cluster,
-instances of catalogue models the cluster does not know yet."""
+"""Weights shared between nodes, end to end: two workers with separate data dirs on one machine;
+a model added from a file on one worker's machine is served split over both, its head on the
+worker that never had the file, which took it from the other worker's disk (asked over NATS,
+sent over HTTP): no copy in the models bucket. In the same cluster, instances of catalogue
+models the cluster does not know yet."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats, free_port
 from bus.events import InstancePlaced, ModelAdded, NodeJoined, RunnerStateChanged
+from bus.object_store import object_info
+from bus.streams import MODELS_BUCKET
 from services.models.cards import card_for
 from services.models.resolve import resolve_model
 from services.models.weights_cache import sha256_of
@@ -73,7 +76,7 @@ def _copy_of_smollm2(tmp: Path) -> Path:
     return Path(shutil.copy(src, tmp / "src" / "smol.gguf"))
 
 
-async def test_a_model_added_on_one_node_is_fetched_from_nats_by_the_other(
+async def test_a_model_added_on_one_node_is_fetched_from_its_disk_by_the_other(
     nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
 ) -> None:
     nats, db = nats_server.url, f"sqlite:///{tmp_path / 'shoal.db'}"
@@ -93,7 +96,7 @@ async def test_a_model_added_on_one_node_is_fetched_from_nats_by_the_other(
                         "--data-host", host)  # fmt: skip
         await log.wait_count(NodeJoined, lambda e: True, 2, timeout=60)
 
-        # Added on w-a's machine (its cache), then the file is gone from every disk.
+        # Added on w-a's machine (its worker's cache): it stays where it is.
         added = await asyncio.to_thread(
             subprocess.run,
             [SHOAL, "models", "add", "smol-copy", "--path", str(weights), "--nats", nats,
@@ -101,9 +104,10 @@ async def test_a_model_added_on_one_node_is_fetched_from_nats_by_the_other(
             capture_output=True, text=True, env=env, timeout=120,
         )  # fmt: skip
         assert added.returncode == 0, added.stderr
+        assert "no copy in the bucket" in added.stdout
         event = await log.wait_for(ModelAdded)
         assert event.path is None and [f.sha256 for f in event.files] == [sha]
-        await asyncio.to_thread(weights.unlink)
+        assert (await js.stream_info(f"OBJ_{MODELS_BUCKET}")).state.messages == 0
 
         # The head (rank 0, which loads the file) on w-b, the later stage on w-a.
         spec = json.dumps({"chat": {"devices": ["w-b:cpu", "w-a:cpu"]}})
@@ -134,8 +138,8 @@ async def test_a_model_added_on_one_node_is_fetched_from_nats_by_the_other(
             assert "Paris" in response.json()["choices"][0]["message"]["content"]
             await _catalogue_models_on_demand(client, url, log)
 
-    # w-b fetched it: a file of its own in its cache, with the model's digest, and its head
-    # runner said so (Downloading, with progress up to 1).
+    # w-b fetched it from w-a: a file of its own in its cache, with the model's digest, and its
+    # head runner said so (Downloading, with progress up to 1). The bucket still has no copy.
     blob = tmp_path / "w-b" / "models" / "blobs" / sha
     assert blob.is_file() and not blob.is_symlink()
     assert await asyncio.to_thread(sha256_of, blob) == sha
@@ -143,6 +147,9 @@ async def test_a_model_added_on_one_node_is_fetched_from_nats_by_the_other(
         RunnerStateChanged, lambda e: e.runner_id == head.runner_id and e.state == "Downloading"
     )
     assert downloading and downloading[-1].progress == 1.0
+    runner_log = (tmp_path / "w-b" / "logs" / f"runner-{head.runner_id}.log").read_text()
+    assert "from node w-a" in runner_log
+    assert await object_info(js, MODELS_BUCKET, event.files[0].object) is None
     # w-a, a later stage (llama.cpp's RPC server: the head sends it its layers), fetched none.
     assert not (tmp_path / "w-a" / "models" / "blobs" / f"{sha}.partial").exists()
     stage = next(s for s in placed.shards if s.rank == 1)

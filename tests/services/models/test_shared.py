@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from bus.events import WeightFile
@@ -46,7 +47,7 @@ def _weight(name: str, sha: str = "0" * 64, size: int = 1) -> WeightFile:
 
 
 async def test_files_are_stored_once_and_fetched_into_a_cache(
-    js: JetStreamContext, tmp_path: Path
+    nc: Client, js: JetStreamContext, tmp_path: Path
 ) -> None:
     src = _files(tmp_path / "src", {"m-00001-of-00002.gguf": 300_000,
                                     "m-00002-of-00002.gguf": 200_000})  # fmt: skip
@@ -61,7 +62,7 @@ async def test_files_are_stored_once_and_fetched_into_a_cache(
 
     cache = WeightsCache(tmp_path / "node")
     seen: list[tuple[int, int]] = []
-    path = await shard_model_path(js, cache, "m", stored, engine="llamacpp", rank=0, start=0,
+    path = await shard_model_path(nc, cache, "m", stored, engine="llamacpp", rank=0, start=0,
                                   end=4, n_layers=4,
                                   on_progress=lambda d, t: seen.append((d, t)))  # fmt: skip
     assert path == cache.model_dir("m") / "m-00001-of-00002.gguf"
@@ -73,12 +74,12 @@ async def test_files_are_stored_once_and_fetched_into_a_cache(
 
     # Held already: nothing fetched, no progress.
     again: list[tuple[int, int]] = []
-    await fetch_files(js, cache, stored, lambda d, t: again.append((d, t)))
+    await fetch_files(nc, cache, stored, lambda d, t: again.append((d, t)))
     assert again == []
 
 
 async def test_two_runners_of_a_node_fetch_a_file_once(
-    js: JetStreamContext, tmp_path: Path
+    nc: Client, js: JetStreamContext, tmp_path: Path
 ) -> None:
     stored = await store_files(js, _files(tmp_path / "src", {"w.gguf": 2_000_000}))
     cache = WeightsCache(tmp_path / "node")
@@ -87,7 +88,7 @@ async def test_two_runners_of_a_node_fetch_a_file_once(
     def progress(i: int) -> Callable[[int, int], None]:
         return lambda done, total: counts[i].append(done)
 
-    await asyncio.gather(*(fetch_files(js, cache, stored, progress(i)) for i in range(2)))
+    await asyncio.gather(*(fetch_files(nc, cache, stored, progress(i)) for i in range(2)))
     # One fetched (its progress goes from 0), the other waited and found it in the cache.
     fetched = [c for c in counts if c and c[0] == 0]
     assert len(fetched) == 1
@@ -99,7 +100,7 @@ class Stop(Exception):
 
 
 async def test_a_fetch_stopped_halfway_resumes_in_the_cache(
-    js: JetStreamContext, tmp_path: Path
+    nc: Client, js: JetStreamContext, tmp_path: Path
 ) -> None:
     stored = await store_files(js, _files(tmp_path / "src", {"w.gguf": 12 * 1024 * 1024}))
     cache = WeightsCache(tmp_path / "node")
@@ -109,30 +110,30 @@ async def test_a_fetch_stopped_halfway_resumes_in_the_cache(
             raise Stop
 
     with pytest.raises(Stop):
-        await fetch_files(js, cache, stored, stop)
+        await fetch_files(nc, cache, stored, stop)
     partial, note = partial_paths(cache.blob(stored[0].sha256))
     assert partial.exists() and note.exists() and not cache.holds(stored[0])
     resumed: list[int] = []
-    await fetch_files(js, cache, stored, lambda d, t: resumed.append(d))
+    await fetch_files(nc, cache, stored, lambda d, t: resumed.append(d))
     assert resumed[0] > 6 * 1024 * 1024  # from where it stopped, not from 0
     assert cache.holds(stored[0])
     assert sha256_of(cache.blob(stored[0].sha256)) == stored[0].sha256
 
 
 async def test_a_file_missing_from_the_bucket_or_damaged_is_an_error(
-    js: JetStreamContext, tmp_path: Path
+    nc: Client, js: JetStreamContext, tmp_path: Path
 ) -> None:
     cache = WeightsCache(tmp_path / "node")
-    with pytest.raises(WeightsUnavailable, match="not in the SHOAL_MODELS bucket"):
-        await fetch_files(js, cache, [_weight("w.gguf", "a" * 64)])
+    with pytest.raises(WeightsUnavailable, match="the SHOAL_MODELS bucket has no copy"):
+        await fetch_files(nc, cache, [_weight("w.gguf", "a" * 64)])
     (stored,) = await store_files(js, _files(tmp_path / "src", {"w.gguf": 1000}))
     lying = stored.model_copy(update={"size": 999})
     with pytest.raises(WeightsUnavailable, match="not the file the model names"):
-        await fetch_files(js, cache, [lying])
+        await fetch_files(nc, cache, [lying])
 
 
 async def test_an_mlx_rank_fetches_only_the_safetensors_of_its_layers(
-    js: JetStreamContext, tmp_path: Path
+    nc: Client, js: JetStreamContext, tmp_path: Path
 ) -> None:
     src = tmp_path / "mlx"
     index = {"weight_map": {
@@ -151,7 +152,7 @@ async def test_an_mlx_rank_fetches_only_the_safetensors_of_its_layers(
     assert {f.name for f in stored} == {n for n, _ in files} | {"model.safetensors.index.json"}
 
     cache = WeightsCache(tmp_path / "node")
-    path = await shard_model_path(js, cache, "m", stored, engine="mlx", rank=1, start=1, end=3,
+    path = await shard_model_path(nc, cache, "m", stored, engine="mlx", rank=1, start=1, end=3,
                                   n_layers=4)  # fmt: skip
     assert path == cache.model_dir("m")
     assert sorted(p.name for p in path.iterdir()) == [

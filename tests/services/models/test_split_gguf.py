@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hf_constants
 from llama_cpp import Llama
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from services.models.cards import HfSource, ModelCard
@@ -73,12 +74,12 @@ def test_a_split_gguf_resolves_from_a_hub_cache_offline(
 
 
 async def test_a_split_gguf_goes_through_the_bucket_and_loads_on_another_node(
-    js: JetStreamContext, parts: list[Path], tmp_path: Path
+    nc: Client, js: JetStreamContext, parts: list[Path], tmp_path: Path
 ) -> None:
     files = await store_files(js, model_files(parts[0]))
     assert [f.name for f in files] == [p.name for p in parts]
     cache = WeightsCache(tmp_path / "node")
-    path = await shard_model_path(js, cache, "smol", files, engine="llamacpp", rank=0, start=0,
+    path = await shard_model_path(nc, cache, "smol", files, engine="llamacpp", rank=0, start=0,
                                   end=30, n_layers=30)  # fmt: skip
     assert path == cache.model_dir("smol") / parts[0].name
     assert sorted(p.name for p in path.parent.iterdir()) == [p.name for p in parts]
