@@ -376,14 +376,20 @@ class ResourceProfiled(_NodeEvent):
 
 
 class WeightFile(Record):
-    """One file of a model's weights, held in the models bucket (``bus.streams.MODELS_BUCKET``)."""
+    """One file of a model's weights, named by its content: held in the cache of the node it was
+    added on (and of every node that fetched it), or in the models bucket
+    (``bus.streams.MODELS_BUCKET``)."""
 
     name: str = Field(
         min_length=1,
         description="Its path in the model's directory: 'model.gguf', 'config.json',"
         " 'model-00001-of-00002.safetensors'.",
     )
-    object: str = Field(min_length=1, description="The object holding it in the models bucket.")
+    object: str = Field(
+        min_length=1,
+        description="Its object's name in the models bucket (`sha256/<hex>`), whether or not"
+        " the bucket holds a copy.",
+    )
     size: int = Field(ge=0, description="Bytes.")
     sha256: str = Field(
         pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the file, hex (the object's digest)."
@@ -416,8 +422,9 @@ class ModelAdded(EventBase):
     )
     files: list[WeightFile] = Field(
         default_factory=list,
-        description="The weights in the models bucket, fetched by each node that runs a shard"
-        " of the model. Empty: they are at `path` (added with --local, or before the bucket).",
+        description="The weights, by content: each node that runs a shard of the model takes"
+        " what it needs from a node that holds them, else from the models bucket. Empty: they"
+        " are at `path` (added with --local, or before the bucket).",
     )
     node_id: str | None = Field(
         default=None,

@@ -22,7 +22,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from bus.connection import connect
 from bus.embedded import free_port
 from bus.events import TaskCancelled
-from tests.api.shoal_up import KEY, MODEL, REPO, read_until_ready, start, stop
+from tests.api.shoal_up import KEY, MODEL, read_until_ready, start, stop
 from tests.api.test_metrics import parse, value
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL
@@ -39,20 +39,22 @@ class Up:
 
 @pytest.fixture
 async def up(tmp_path: Path) -> AsyncIterator[Up]:
+    """`shoal up --data-dir data`, typed in a directory as a user would: a relative path."""
     port = free_port("127.0.0.1")
     proc = start(
         [
             SHOAL,
             "up",
             "--data-dir",
-            str(tmp_path / "data"),
+            "data",
             "--port",
             str(port),
             "--api-key",
             KEY,
             "--runner-threads",
             "2",
-        ]
+        ],
+        cwd=tmp_path,
     )
     try:
         lines = await read_until_ready(proc)
@@ -201,50 +203,13 @@ async def test_metrics_count_tokens_and_streams_still_stream(up: Up) -> None:
     assert value(s, "shoal_nodes", status="online") == 1
 
 
-async def test_make_up_then_curl(tmp_path: Path) -> None:
-    """The README's path: `make up`, then a chat completion with curl."""
-    port = free_port("127.0.0.1")
-    proc = start(
-        ["make", "up", f"DATA={tmp_path / 'data'}", f"UP_ARGS=--port {port} --runner-threads 2"],
-        cwd=REPO,
-    )
-    try:
-        await read_until_ready(proc)
-        question = "What is the capital city of France? Answer in one word."
-        body = (
-            '{"model": "smollm2-135m", "max_tokens": 8, "temperature": 0,'
-            f' "messages": [{{"role": "user", "content": "{question}"}}]}}'
-        )
-        curl = await asyncio.to_thread(
-            subprocess.run,
-            [
-                "curl",
-                "-sS",
-                "--fail-with-body",
-                f"http://127.0.0.1:{port}/v1/chat/completions",
-                "-H",
-                "Content-Type: application/json",
-                "-d",
-                body,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert curl.returncode == 0, curl.stderr + curl.stdout
-        assert "Paris" in curl.stdout and '"object":"chat.completion"' in curl.stdout
-    finally:
-        rest = stop(proc)
-        sys.stdout.write(rest[-2000:])
-    assert "stopped" in rest
-
-
 async def test_one_machine_as_two_nodes_serves_a_model_neither_holds(tmp_path: Path) -> None:
     """`shoal up` with a memory limit too small for SmolLM2 says so and waits; a second worker
-    (`shoal join`) with the same limit joins, and the model is split over the two and answers."""
+    (`shoal join`) with the same limit joins, and the model is split over the two and answers.
+    Both are given relative data dirs, as a user types them."""
     port = free_port("127.0.0.1")
-    proc = start([SHOAL, "up", "--data-dir", str(tmp_path / "a"), "--port", str(port),
-                   "--memory-limit", "160M", "--runner-threads", "1"])  # fmt: skip
+    proc = start([SHOAL, "up", "--data-dir", "a", "--port", str(port),
+                  "--memory-limit", "160M", "--runner-threads", "1"], cwd=tmp_path)  # fmt: skip
     joined: subprocess.Popen[str] | None = None
     try:
         lines: list[str] = []
@@ -255,8 +220,8 @@ async def test_one_machine_as_two_nodes_serves_a_model_neither_holds(tmp_path: P
         nats = re.search(r"^NATS\s+(\S+)", "".join(lines), re.MULTILINE)
         assert nats is not None
         joined = start([SHOAL, "join", "--nats", nats.group(1), "--memory-limit", "160M",
-                         "--node-id", "b", "--data-dir", str(tmp_path / "b"),
-                         "--runner-threads", "1"])  # fmt: skip
+                        "--node-id", "b", "--data-dir", "b", "--runner-threads", "1"],
+                       cwd=tmp_path)  # fmt: skip
         lines += await read_until_ready(proc)
         async with httpx.AsyncClient(timeout=60) as client:
             answer = await client.post(
