@@ -165,8 +165,7 @@ class Scheduler:
         limit = self.limit(model)
         if m.queued < limit or (m.queued == 0 and _room(m, tasks)):
             return None
-        return Refusal(model, m.capacity, m.queued, limit,
-                       retry_after_s(m.mean_task_s, m.capacity))  # fmt: skip
+        return Refusal(model, m.capacity, m.queued, limit, retry_after_s(m.mean_task_s, m.capacity))
 
     def finish(self, ticket: Ticket, now: float, timed: bool = True) -> list[Ticket]:
         """One of an admitted ticket's tasks ended (``timed``: it ran, and its time counts
@@ -206,13 +205,21 @@ class Scheduler:
         for name in sorted(self._models):
             m = self._models[name]
             oldest = min((q[0].arrived for q in m.queues.values()), default=now)
-            out.append(ModelAdmission(
-                model=name, capacity=m.capacity, in_flight=m.in_flight, queued=m.queued,
-                max_queued=self.limit(name), keys_waiting=len(m.queues),
-                oldest_wait_s=round(now - oldest, 3), admitted=m.admitted, rejected=m.rejected,
-                mean_wait_s=round(m.waited_s / m.admitted, 3) if m.admitted else 0.0,
-                mean_task_s=None if m.mean_task_s is None else round(m.mean_task_s, 3),
-            ))  # fmt: skip
+            out.append(
+                ModelAdmission(
+                    model=name,
+                    capacity=m.capacity,
+                    in_flight=m.in_flight,
+                    queued=m.queued,
+                    max_queued=self.limit(name),
+                    keys_waiting=len(m.queues),
+                    oldest_wait_s=round(now - oldest, 3),
+                    admitted=m.admitted,
+                    rejected=m.rejected,
+                    mean_wait_s=round(m.waited_s / m.admitted, 3) if m.admitted else 0.0,
+                    mean_task_s=None if m.mean_task_s is None else round(m.mean_task_s, 3),
+                )
+            )
         return out
 
     def _admit(self, m: _Model, ticket: Ticket, now: float) -> None:
@@ -227,8 +234,10 @@ class Scheduler:
     def _release(self, m: _Model, now: float) -> list[Ticket]:
         released: list[Ticket] = []
         while m.queues:
-            group = min(m.queues, key=lambda g: (m.running.get(g, 0), m.served.get(g, 0),
-                                                 m.queues[g][0].seq))  # fmt: skip
+            group = min(
+                m.queues,
+                key=lambda g: (m.running.get(g, 0), m.served.get(g, 0), m.queues[g][0].seq),
+            )
             queue = m.queues[group]
             if not _fits(m, queue[0]):
                 break  # the next in turn waits for room; nobody overtakes it
@@ -357,11 +366,13 @@ class Admission:
         watcher = asyncio.ensure_future(_disconnected(receive)) if receive else None
         try:
             async with asyncio.timeout(timeout_s):
-                await asyncio.wait([admitted, *([watcher] if watcher else [])],
-                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                await asyncio.wait(
+                    [admitted, *([watcher] if watcher else [])], return_when=asyncio.FIRST_COMPLETED
+                )
             if not admitted.done():
-                raise ApiError(499, "the client went away while the request was queued",
-                               code="client_gone")  # fmt: skip
+                raise ApiError(
+                    499, "the client went away while the request was queued", code="client_gone"
+                )
         except BaseException as exc:
             self._waiting.pop(ticket, None)
             if ticket.admitted_at is not None:  # admitted as it gave up: free its slots
@@ -369,9 +380,12 @@ class Admission:
             else:
                 self._wake(self.scheduler.leave(ticket, self._clock()))
             if isinstance(exc, TimeoutError):
-                raise ApiError(504, f"the request waited {timeout_s:.0f} s for one of model"
-                               f" `{ticket.model}`'s slots, as long as the API waits",
-                               code="queue_timeout") from None  # fmt: skip
+                raise ApiError(
+                    504,
+                    f"the request waited {timeout_s:.0f} s for one of model"
+                    f" `{ticket.model}`'s slots, as long as the API waits",
+                    code="queue_timeout",
+                ) from None
             raise
         finally:
             if watcher is not None:

@@ -51,10 +51,18 @@ class _Body(BaseModel):
 # Blocks a text model cannot read: the answer would be about something it never saw.
 _UNREADABLE = {"image": "an image", "document": "a document", "search_result": "a search result"}
 # Blocks of Anthropic's server tools (and containers): Shoal runs no tools of its own.
-_SERVER = ("server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
-           "code_execution_tool_result", "bash_code_execution_tool_result",
-           "text_editor_code_execution_tool_result", "tool_search_tool_result",
-           "container_upload", "mcp_tool_use", "mcp_tool_result")  # fmt: skip
+_SERVER = (
+    "server_tool_use",
+    "web_search_tool_result",
+    "web_fetch_tool_result",
+    "code_execution_tool_result",
+    "bash_code_execution_tool_result",
+    "text_editor_code_execution_tool_result",
+    "tool_search_tool_result",
+    "container_upload",
+    "mcp_tool_use",
+    "mcp_tool_result",
+)
 # Anthropic leaves an earlier turn's thinking out of what the model reads: so does Shoal.
 _THINKING = ("thinking", "redacted_thinking")
 _ALLOWED = {
@@ -81,8 +89,10 @@ class Block(_Body):
 def _block_problem(block: Block, allowed: tuple[str, ...]) -> str | None:
     what = _UNREADABLE.get(block.type)
     if what is not None:
-        return (f"is {what} ({block.type!r}), and the models Shoal serves read text only:"
-                " send text blocks")  # fmt: skip
+        return (
+            f"is {what} ({block.type!r}), and the models Shoal serves read text only:"
+            " send text blocks"
+        )
     if block.type in _SERVER:
         return f"is a {block.type!r} block: Shoal runs no server tools"
     if block.type not in allowed:
@@ -130,8 +140,11 @@ class Message(_Body):
         if isinstance(self.content, str):
             return [ChatMessage(role=self.role, content=self.content)]
         if self.role == "assistant":
-            calls = [ToolCall(id=b.id or "", name=b.name or "", arguments=json.dumps(b.input))
-                     for b in self.content if b.type == "tool_use"]  # fmt: skip
+            calls = [
+                ToolCall(id=b.id or "", name=b.name or "", arguments=json.dumps(b.input))
+                for b in self.content
+                if b.type == "tool_use"
+            ]
             return [ChatMessage(role="assistant", content=_text(self.content), tool_calls=calls)]
         out: list[ChatMessage] = []
         text: list[str] = []
@@ -166,8 +179,10 @@ class ToolDef(_Body):
     @model_validator(mode="after")
     def _client_tool(self) -> ToolDef:
         if self.type not in (None, "custom"):
-            raise ValueError(f"tools of type {self.type!r} are not supported: Shoal runs no"
-                             " server tools, send client tools (name, input_schema)")  # fmt: skip
+            raise ValueError(
+                f"tools of type {self.type!r} are not supported: Shoal runs no"
+                " server tools, send client tools (name, input_schema)"
+            )
         schema = self.input_schema
         if schema is None:
             raise ValueError(f"the tool {self.name!r} needs its input_schema")
@@ -209,8 +224,9 @@ class JsonOutputFormat(_Body):
     @model_validator(mode="after")
     def _json_schema(self) -> JsonOutputFormat:
         if self.type != "json_schema":
-            raise ValueError(f"an output format of type {self.type!r} is not supported: send"
-                             " 'json_schema'")  # fmt: skip
+            raise ValueError(
+                f"an output format of type {self.type!r} is not supported: send 'json_schema'"
+            )
         if (problem := schema_problem(self.schema_)) is not None:
             raise ValueError(problem)
         return self
@@ -224,8 +240,10 @@ class OutputConfig(_Body):
     @classmethod
     def _no_effort(cls, effort: str | None) -> str | None:
         if effort is not None:
-            raise ValueError("effort is not supported: the models Shoal serves do not think"
-                             " apart from their answer")  # fmt: skip
+            raise ValueError(
+                "effort is not supported: the models Shoal serves do not think"
+                " apart from their answer"
+            )
         return effort
 
 
@@ -254,9 +272,11 @@ class MessagesBody(_Body):
     @model_validator(mode="after")
     def _consistent(self) -> MessagesBody:
         if self.thinking is not None and self.thinking.type != "disabled":
-            raise ValueError(f"thinking of type {self.thinking.type!r} is not supported: the"
-                             " models Shoal serves do not think apart from their answer (send"
-                             " no thinking, or type 'disabled')")  # fmt: skip
+            raise ValueError(
+                f"thinking of type {self.thinking.type!r} is not supported: the"
+                " models Shoal serves do not think apart from their answer (send"
+                " no thinking, or type 'disabled')"
+            )
         if self.container is not None:
             raise ValueError("container is not supported: Shoal runs no code execution")
         if self.mcp_servers:
@@ -267,8 +287,10 @@ class MessagesBody(_Body):
             if (problem := _block_problem(block, ("text",))) is not None:
                 raise ValueError(_at(f"system[{i}]", problem))
         if self.messages[-1].role == "assistant":
-            raise ValueError("the last message is the assistant's (a prefill, to be continued):"
-                             " not supported, end with a user message")  # fmt: skip
+            raise ValueError(
+                "the last message is the assistant's (a prefill, to be continued):"
+                " not supported, end with a user message"
+            )
         names = [t.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: two tools have the same name")
@@ -276,8 +298,9 @@ class MessagesBody(_Body):
         if choice is not None and choice.type in ("any", "tool") and not names:
             raise ValueError(f"tool_choice {choice.type!r} needs tools")
         if choice is not None and choice.type == "tool" and choice.name not in names:
-            raise ValueError(f"tool_choice names the tool {choice.name!r}, which is not among"
-                             " the tools")  # fmt: skip
+            raise ValueError(
+                f"tool_choice names the tool {choice.name!r}, which is not among the tools"
+            )
         return self
 
     def chat_messages(self) -> list[ChatMessage]:
@@ -332,8 +355,14 @@ class MessagesRequest(MessagesBody):
 
 
 def task_for(body: MessagesBody, model_id: str, origin: str, params: SamplingParams) -> TaskCreated:
-    return TaskCreated(task_id=new_id(), model_id=model_id, origin=origin, kind="chat",
-                       params=params, **body.task_fields())  # fmt: skip
+    return TaskCreated(
+        task_id=new_id(),
+        model_id=model_id,
+        origin=origin,
+        kind="chat",
+        params=params,
+        **body.task_fields(),
+    )
 
 
 # A task that only counts its prompt: the runner generates at least one token for a chat
@@ -366,9 +395,12 @@ def stop_sequence(reply: Reply) -> str | None:
 def usage(u: Usage | None) -> dict[str, int]:
     """Anthropic counts a prompt's cached part apart from its ``input_tokens``."""
     cached = u.cached_tokens if u else 0
-    return {"input_tokens": u.prompt_tokens - cached if u else 0,
-            "output_tokens": u.completion_tokens if u else 0,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}  # fmt: skip
+    return {
+        "input_tokens": u.prompt_tokens - cached if u else 0,
+        "output_tokens": u.completion_tokens if u else 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -388,18 +420,31 @@ def content(reply: Reply) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if reply.text or not calls:
         blocks.append({"type": "text", "text": reply.text})
-    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)}
-               for c in calls]  # fmt: skip
+    blocks += [
+        {"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)}
+        for c in calls
+    ]
     return blocks
 
 
 def message(
-    msg_id: str, model: str, blocks: list[dict[str, Any]], reason: str | None,
-    sequence: str | None, u: Usage | None,
-) -> dict[str, Any]:  # fmt: skip
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
-            "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": usage(u)}  # fmt: skip
+    msg_id: str,
+    model: str,
+    blocks: list[dict[str, Any]],
+    reason: str | None,
+    sequence: str | None,
+    u: Usage | None,
+) -> dict[str, Any]:
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(u),
+    }
 
 
 def whole_message(msg_id: str, model: str, reply: Reply, u: Usage) -> dict[str, Any]:
@@ -423,8 +468,9 @@ class MessagesOut(Output):
 
     def opening(self, ts: TaskStream, index: int) -> str:
         start = message(self._id, self._model, [], None, None, None)
-        return (sse({"type": "message_start", "message": start}, "message_start")
-                + sse({"type": "ping"}, "ping"))  # fmt: skip
+        return sse({"type": "message_start", "message": start}, "message_start") + sse(
+            {"type": "ping"}, "ping"
+        )
 
     def _start(self, key: str | int, block: dict[str, Any]) -> str:
         out = self._stop()
@@ -454,8 +500,12 @@ class MessagesOut(Output):
                 out.append(self._delta(self._blocks - 1, {"type": "text_delta", "text": c.text}))
             for d in c.tool_calls:
                 if d.index not in self._calls:
-                    block = {"type": "tool_use", "id": d.id or "", "name": d.name or "",
-                             "input": {}}  # fmt: skip
+                    block = {
+                        "type": "tool_use",
+                        "id": d.id or "",
+                        "name": d.name or "",
+                        "input": {},
+                    }
                     out.append(self._start(d.index, block))
                     self._calls[d.index] = self._blocks - 1
                 if d.arguments:
@@ -469,8 +519,12 @@ class MessagesOut(Output):
         out = "" if self._blocks else self._start("text", {"type": "text", "text": ""})
         why = {"stop_reason": stop_reason(reply), "stop_sequence": stop_sequence(reply)}
         delta = {"type": "message_delta", "delta": why, "usage": usage(usages[0])}
-        return (out + self._stop() + sse(delta, "message_delta")
-                + sse({"type": "message_stop"}, "message_stop"))  # fmt: skip
+        return (
+            out
+            + self._stop()
+            + sse(delta, "message_delta")
+            + sse({"type": "message_stop"}, "message_stop")
+        )
 
     def failure(self, err: ApiError) -> str:
         return sse(anthropic_error_body(err.status, err.message), "error")
@@ -505,6 +559,9 @@ def model_entry(name: str, created: int) -> dict[str, Any]:
 def model_list(models: list[tuple[str, int]]) -> dict[str, Any]:
     """``GET /v1/models`` as Anthropic's SDK reads it: (name, when added) each."""
     data = [model_entry(name, created) for name, created in models]
-    return {"data": data, "has_more": False,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None}  # fmt: skip
+    return {
+        "data": data,
+        "has_more": False,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }

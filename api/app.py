@@ -39,8 +39,15 @@ def create_app(config: ApiConfig) -> FastAPI:
         engine = database.create_engine(config.db_url)
         reader = database.sqlite_reader(config.db_url)
         verdicts = ServingVerdicts(config.serving_ttl_s)
-        app.state.ctx = ApiContext(config, nc, engine, counted, verdicts, reader=reader,
-                                   admission=Admission(config.max_queued))  # fmt: skip
+        app.state.ctx = ApiContext(
+            config,
+            nc,
+            engine,
+            counted,
+            verdicts,
+            reader=reader,
+            admission=Admission(config.max_queued),
+        )
         try:
             yield
         finally:
@@ -85,21 +92,26 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     FastAPI would list its own 422 (which this API never sends)."""
     if app.openapi_schema is not None:
         return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
-                         routes=app.routes)  # fmt: skip
+    schema = get_openapi(
+        title=app.title, version=app.version, summary=app.summary, routes=app.routes
+    )
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["Error"] = {
         "type": "object",
         "required": ["error"],
-        "properties": {"error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"}, "type": {"type": "string"},
-                "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
-            },
-        }},
-    }  # fmt: skip
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    }
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     for path in schema.get("paths", {}).values():
         for operation in path.values():

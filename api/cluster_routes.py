@@ -61,8 +61,11 @@ async def healthz(ctx: Ctx) -> dict[str, Any]:
             await conn.execute(text("SELECT 1"))
     except Exception:
         db_ok = False
-    return {"status": "ok" if db_ok and ctx.nc.is_connected else "degraded",
-            "nats": ctx.nc.is_connected, "database": db_ok}  # fmt: skip
+    return {
+        "status": "ok" if db_ok and ctx.nc.is_connected else "degraded",
+        "nats": ctx.nc.is_connected,
+        "database": db_ok,
+    }
 
 
 @router.get("/state")
@@ -125,18 +128,30 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
         # A catalogue model the cluster does not know yet: added now (weights into the
         # models bucket), then placed from its own facts rather than the card's estimate.
         s = await add_model(ctx, card)
-        result = _preview(s, body.model, body.replicas, body.context_length, spec, role,
-                          body.slots)  # fmt: skip
+        result = _preview(s, body.model, body.replicas, body.context_length, spec, role, body.slots)
     instance_id = f"{body.model}-{_short_id()}"
     await ctx.publish(
         InstanceRequested(
-            instance_id=instance_id, model_id=body.model, origin=ctx.origin, placement=spec,
-            replicas=body.replicas, context_length=body.context_length, aliases=body.aliases,
-            role=role, slots=body.slots,
+            instance_id=instance_id,
+            model_id=body.model,
+            origin=ctx.origin,
+            placement=spec,
+            replicas=body.replicas,
+            context_length=body.context_length,
+            aliases=body.aliases,
+            role=role,
+            slots=body.slots,
         )
-    )  # fmt: skip
-    return {"id": instance_id, "object": "instance", "model": body.model, "status": "requested",
-            "role": role, "preview": _plan(result), "added": card is not None}  # fmt: skip
+    )
+    return {
+        "id": instance_id,
+        "object": "instance",
+        "model": body.model,
+        "status": "requested",
+        "role": role,
+        "preview": _plan(result),
+        "added": card is not None,
+    }
 
 
 @router.delete("/instances/{instance_id}", status_code=202)
@@ -176,8 +191,11 @@ async def events(
     problem = _subject_problem(subject)
     if problem is not None:
         raise ApiError(400, f"subject {subject!r}: {problem}", param="subject")
-    return StreamingResponse(_tail(request, ctx, subject, last), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return StreamingResponse(
+        _tail(request, ctx, subject, last),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
 
 
 def _subject_problem(subject: str) -> str | None:
@@ -241,8 +259,12 @@ def _instance(s: ClusterState, instance_id: str) -> dict[str, Any]:
     inst = s.instance(instance_id)
     assert inst is not None
     runners = sorted(s.runners_of(instance_id), key=lambda r: (r.replica, r.rank))
-    return {"id": instance_id, "object": "instance", **projection.row_dict(inst),
-            "shards": [projection.row_dict(r) for r in runners]}  # fmt: skip
+    return {
+        "id": instance_id,
+        "object": "instance",
+        **projection.row_dict(inst),
+        "shards": [projection.row_dict(r) for r in runners],
+    }
 
 
 def _spec_text(placement: str | dict[str, object] | None) -> str | None:
@@ -265,8 +287,12 @@ def _role(s: ClusterState, body: InstanceRequest, spec: str | None) -> InstanceR
     model = s.model(body.model)
     engine = (model.engines or ["llamacpp"])[0] if model is not None else "llamacpp"
     if role == "embed" and engine == "mlx":
-        raise ApiError(400, f"{body.model} runs on the mlx engine, and embeddings are not"
-                       " supported on the mlx engine", param="role")  # fmt: skip
+        raise ApiError(
+            400,
+            f"{body.model} runs on the mlx engine, and embeddings are not"
+            " supported on the mlx engine",
+            param="role",
+        )
     return role
 
 
@@ -285,13 +311,22 @@ def _preview(
     info = ModelInfo.of(model) if model is not None else card_info(card) if card else None
     if info is None:
         raise ApiError(
-            404, f"The model `{model_id}` does not exist (nor is it in the catalogue: `shoal"
-            " models list`)", param="model", code="model_not_found",
-        )  # fmt: skip
+            404,
+            f"The model `{model_id}` does not exist (nor is it in the catalogue: `shoal"
+            " models list`)",
+            param="model",
+            code="model_not_found",
+        )
     _check_slots(info, role, slots, spec)
-    request = PlacementRequest(instance_id="preview", model=info, replicas=replicas,
-                               context_length=context, spec=spec, role=role,
-                               slots=slots)  # fmt: skip
+    request = PlacementRequest(
+        instance_id="preview",
+        model=info,
+        replicas=replicas,
+        context_length=context,
+        spec=spec,
+        role=role,
+        slots=slots,
+    )
     return place(cluster_view(s), request)
 
 
@@ -302,8 +337,9 @@ def _check_slots(info: ModelInfo, role: InstanceRole, slots: int | None, spec: s
         return
     in_spec = parse_placement_spec(spec).for_role(role).slots if spec is not None else None
     if in_spec is not None and in_spec != slots:
-        raise ApiError(400, f"slots: {slots}, but the placement gives {in_spec}: give it once",
-                       param="slots")  # fmt: skip
+        raise ApiError(
+            400, f"slots: {slots}, but the placement gives {in_spec}: give it once", param="slots"
+        )
     problem = slots_problem(info, role, slots)
     if problem is not None:
         raise ApiError(400, f"slots: {problem}", param="slots")
@@ -311,15 +347,23 @@ def _check_slots(info: ModelInfo, role: InstanceRole, slots: int | None, spec: s
 
 def _plan(result: Placement | Rejection) -> dict[str, Any]:
     if isinstance(result, Rejection):
-        return {"placeable": False, "reason": result.reason, "needed_bytes": result.needed_bytes,
-                "available_bytes": result.available_bytes}  # fmt: skip
+        return {
+            "placeable": False,
+            "reason": result.reason,
+            "needed_bytes": result.needed_bytes,
+            "available_bytes": result.available_bytes,
+        }
     return {
-        "placeable": True, "context_length": result.context_length, "slots": result.slots,
+        "placeable": True,
+        "context_length": result.context_length,
+        "slots": result.slots,
         "need_bytes_per_replica": result.need_bytes,
-        "shards": [s.model_dump(exclude={"runner_id"}) | {"bytes": result.shard_bytes[s.runner_id]}
-                   for s in result.shards],
+        "shards": [
+            s.model_dump(exclude={"runner_id"}) | {"bytes": result.shard_bytes[s.runner_id]}
+            for s in result.shards
+        ],
         "why": list(result.why),  # by replica: why it went where it did
-    }  # fmt: skip
+    }
 
 
 def _short_id() -> str:

@@ -87,8 +87,12 @@ def key_refusal(
         return None
     given = given_key(authorization, x_api_key)
     if not given:
-        return ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`"
-                        " (or `x-api-key: <key>`)", code="invalid_api_key")  # fmt: skip
+        return ApiError(
+            401,
+            "You didn't provide an API key: send `Authorization: Bearer <key>`"
+            " (or `x-api-key: <key>`)",
+            code="invalid_api_key",
+        )
     if not any(hmac.compare_digest(given, k) for k in keys):
         return ApiError(401, "Incorrect API key provided", code="invalid_api_key")
     return None

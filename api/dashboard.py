@@ -38,9 +38,12 @@ async def index() -> FileResponse:
 
 class _Static(StaticFiles):
     def file_response(
-        self, full_path: str | os.PathLike[str], stat_result: os.stat_result, scope: Scope,
+        self,
+        full_path: str | os.PathLike[str],
+        stat_result: os.stat_result,
+        scope: Scope,
         status_code: int = 200,
-    ) -> Response:  # fmt: skip
+    ) -> Response:
         response = super().file_response(full_path, stat_result, scope, status_code)
         response.headers.update(_HEADERS)
         return response

@@ -133,6 +133,10 @@ class EmbeddingTask:
     def _cancel(self) -> None:
         """Published from a task of its own: the request's own task may be being cancelled."""
         t = self.task
-        cancel = TaskCancelled(task_id=t.task_id, model_id=t.model_id, origin=self._ctx.origin,
-                               reason="no longer awaited")  # fmt: skip
+        cancel = TaskCancelled(
+            task_id=t.task_id,
+            model_id=t.model_id,
+            origin=self._ctx.origin,
+            reason="no longer awaited",
+        )
         publish_in_background(self._ctx.publish, cancel)

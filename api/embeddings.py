@@ -81,8 +81,9 @@ def embeddings_response(
         embeddings = vectors.tolist()
     return {
         "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": e}
-                 for i, e in enumerate(embeddings)],
+        "data": [
+            {"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)
+        ],
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-    }  # fmt: skip
+    }

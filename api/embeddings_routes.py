@@ -52,16 +52,22 @@ async def embed(
     its end is cut off), or more dimensions than the model has; 404, 503, 413 or 504 as for
     any task."""
     if not inputs or any(not i for i in inputs):
-        raise ApiError(400, "every input must be a non-empty text or list of token ids",
-                       param="input")  # fmt: skip
+        raise ApiError(
+            400, "every input must be a non-empty text or list of token ids", param="input"
+        )
     texts = [i for i in inputs if isinstance(i, str)]
     if texts and len(texts) != len(inputs):
         raise ApiError(400, "inputs are all texts or all token lists, not both", param="input")
     task = EmbeddingsRequested(
-        task_id=new_id(), model_id=model_id, origin=ctx.origin, dimensions=dimensions,
-        truncate=truncate, user=user, texts=texts or None,
+        task_id=new_id(),
+        model_id=model_id,
+        origin=ctx.origin,
+        dimensions=dimensions,
+        truncate=truncate,
+        user=user,
+        texts=texts or None,
         token_ids=None if texts else [list(i) for i in inputs if not isinstance(i, str)],
-    )  # fmt: skip
+    )
     require_storable(ctx, task, "input", "Send fewer inputs.")
     await require_serving(ctx, model_id, "embed")
     try:
@@ -83,5 +89,8 @@ async def embeddings(body: EmbeddingsRequest, ctx: Ctx) -> JSONResponse:
 async def serve_embeddings(ctx: ApiContext, body: EmbeddingsRequest) -> JSONResponse:
     model_id = await resolve_model(ctx, body.model, "embed")
     done = await embed(ctx, model_id, body.inputs(), body.dimensions, body.user)
-    return JSONResponse(embeddings_response(body.model or model_id, done.array,
-                                            done.prompt_tokens, body.encoding_format))  # fmt: skip
+    return JSONResponse(
+        embeddings_response(
+            body.model or model_id, done.array, done.prompt_tokens, body.encoding_format
+        )
+    )

@@ -68,9 +68,13 @@ def dialect_of(path: str) -> Dialect:
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
         headers: Mapping[str, str] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

@@ -93,25 +93,48 @@ class ApiMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("shoal_http_requests", "HTTP requests answered, by route.",
-                                ["method", "endpoint", "status"], registry=r)  # fmt: skip
-        self.errors = Counter("shoal_http_request_errors", "HTTP requests answered with a 4xx "
-                              "or 5xx status, by route.", ["method", "endpoint", "status"],
-                              registry=r)  # fmt: skip
-        self.tokens = Counter("shoal_tokens_generated", "Completion tokens of the tasks this "
-                              "API served to the end.", ["model"], registry=r)  # fmt: skip
-        self.ttft = Histogram("shoal_time_to_first_token_seconds", "From publishing a task to "
-                              "its first token reaching this API.", ["model"],
-                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
-        self.tokens_per_s = Histogram("shoal_tokens_per_second", "Tokens per second after the "
-                                      "first, as they reached this API, per task.", ["model"],
-                                      buckets=TOKENS_PER_S_BUCKETS, registry=r)  # fmt: skip
-        self.published = Counter("shoal_events_published", "Events this API process published.",
-                                 ["type"], registry=r)  # fmt: skip
-        self.queue_wait = Histogram("shoal_admission_wait_seconds", "How long admitted requests "
-                                    "waited in this API's queue for a slot of their model.",
-                                    ["model"], buckets=QUEUE_WAIT_BUCKETS,
-                                    registry=r)  # fmt: skip
+        self.requests = Counter(
+            "shoal_http_requests",
+            "HTTP requests answered, by route.",
+            ["method", "endpoint", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "shoal_http_request_errors",
+            "HTTP requests answered with a 4xx or 5xx status, by route.",
+            ["method", "endpoint", "status"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "shoal_tokens_generated",
+            "Completion tokens of the tasks this API served to the end.",
+            ["model"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "shoal_time_to_first_token_seconds",
+            "From publishing a task to its first token reaching this API.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tokens_per_s = Histogram(
+            "shoal_tokens_per_second",
+            "Tokens per second after the first, as they reached this API, per task.",
+            ["model"],
+            buckets=TOKENS_PER_S_BUCKETS,
+            registry=r,
+        )
+        self.published = Counter(
+            "shoal_events_published", "Events this API process published.", ["type"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "shoal_admission_wait_seconds",
+            "How long admitted requests waited in this API's queue for a slot of their model.",
+            ["model"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
         ProcessCollector(registry=r)
         GCCollector(registry=r)
 
@@ -159,20 +182,33 @@ def token_timing(
 def admission_families(models: Sequence[ModelAdmission]) -> list[Metric]:
     """This process's admission control, per model, as it stands (api/admission.py)."""
     gauges = {
-        "capacity": _gauge("shoal_admission_capacity", "Tasks of the model this API lets be in "
-                           "flight at once: its serving runners' slots.", ["model"]),
-        "in_flight": _gauge("shoal_admission_in_flight", "Tasks this API published that have not "
-                            "ended yet.", ["model"]),
-        "queued": _gauge("shoal_admission_queued", "Requests waiting in this API for a slot.",
-                         ["model"]),
-        "max_queued": _gauge("shoal_admission_max_queued", "How many requests may wait; past "
-                             "it, a 429.", ["model"]),
-        "oldest_wait_s": _gauge("shoal_admission_oldest_wait_seconds", "How long the request "
-                                "queued longest has waited (0: none waits).", ["model"]),
-    }  # fmt: skip
-    rejected = CounterMetricFamily("shoal_admission_rejected", "Requests refused with a 429: "
-                                   "the model's queue in this API was full.",
-                                   labels=["model"])  # fmt: skip
+        "capacity": _gauge(
+            "shoal_admission_capacity",
+            "Tasks of the model this API lets be in flight at once: its serving runners' slots.",
+            ["model"],
+        ),
+        "in_flight": _gauge(
+            "shoal_admission_in_flight",
+            "Tasks this API published that have not ended yet.",
+            ["model"],
+        ),
+        "queued": _gauge(
+            "shoal_admission_queued", "Requests waiting in this API for a slot.", ["model"]
+        ),
+        "max_queued": _gauge(
+            "shoal_admission_max_queued", "How many requests may wait; past it, a 429.", ["model"]
+        ),
+        "oldest_wait_s": _gauge(
+            "shoal_admission_oldest_wait_seconds",
+            "How long the request queued longest has waited (0: none waits).",
+            ["model"],
+        ),
+    }
+    rejected = CounterMetricFamily(
+        "shoal_admission_rejected",
+        "Requests refused with a 429: the model's queue in this API was full.",
+        labels=["model"],
+    )
     for m in models:
         for name, family in gauges.items():
             family.add_metric([m.model], float(getattr(m, name)))
@@ -269,8 +305,11 @@ def cluster_families(
 ) -> list[Metric]:
     """The cluster-wide metric families from what could be read (None: that source failed);
     ``projector`` is the one whose consumption is counted by type."""
-    up = _gauge("shoal_metrics_source_up", "Whether this scrape could read the source "
-                "(nats: the log, database: the projection).", ["source"])  # fmt: skip
+    up = _gauge(
+        "shoal_metrics_source_up",
+        "Whether this scrape could read the source (nats: the log, database: the projection).",
+        ["source"],
+    )
     up.add_metric(["nats"], 1 if events is not None else 0)
     up.add_metric(["database"], 1 if projection is not None else 0)
     families: list[Metric] = [up]
@@ -278,24 +317,35 @@ def cluster_families(
         families += _log_families(events)
     if projection is not None:
         families += _projection_families(projection)
-        consumed = _gauge("shoal_events_consumed", "Events of each type a projector has "
-                          "applied (counted by it, malformed ones too, in the same transaction "
-                          "as its rows).", ["consumer", "type"])  # fmt: skip
+        consumed = _gauge(
+            "shoal_events_consumed",
+            "Events of each type a projector has "
+            "applied (counted by it, malformed ones too, in the same transaction "
+            "as its rows).",
+            ["consumer", "type"],
+        )
         for kind, n in sorted(_every_type(projection.events_by_type).items()):
             consumed.add_metric([f"projector:{projector}", kind], n)
         families.append(consumed)
     if events is not None and projection is not None:
-        lag = _gauge("shoal_projector_lag_events", "SHOAL_EVENTS' last sequence minus the "
-                     "last one the projector applied.", ["projector"])  # fmt: skip
+        lag = _gauge(
+            "shoal_projector_lag_events",
+            "SHOAL_EVENTS' last sequence minus the last one the projector applied.",
+            ["projector"],
+        )
         last = events.last_seq.get(EVENTS_STREAM, 0)
         for name, seq in sorted(projection.applied_seq.items()):
             lag.add_metric([name], last - seq)
         families.append(lag)
         if events.unapplied_by_type is not None:
-            in_log = _gauge("shoal_events_in_log", "Events of each type appended to the event "
-                            "log: those the projector counted, and those past its applied "
-                            f"sequence (left out while it is more than {UNAPPLIED_READ_MAX} "
-                            "behind).", ["type"])  # fmt: skip
+            in_log = _gauge(
+                "shoal_events_in_log",
+                "Events of each type appended to the event "
+                "log: those the projector counted, and those past its applied "
+                f"sequence (left out while it is more than {UNAPPLIED_READ_MAX} "
+                "behind).",
+                ["type"],
+            )
             total = Tally(projection.events_by_type) + Tally(events.unapplied_by_type)
             for kind, n in sorted(_every_type(total).items()):
                 in_log.add_metric([kind], n)
@@ -314,16 +364,24 @@ def _log_families(r: LogReading) -> list[Metric]:
     for stream in sorted(r.messages):
         messages.add_metric([stream], r.messages[stream])
         last_seq.add_metric([stream], r.last_seq.get(stream, 0))
-    dead = _gauge("shoal_dead_letters", "Messages set aside as malformed or poisonous, by the "
-                  "stream they came from (kept for the dead-letter stream's max age).",
-                  ["stream"])  # fmt: skip
+    dead = _gauge(
+        "shoal_dead_letters",
+        "Messages set aside as malformed or poisonous, by the "
+        "stream they came from (kept for the dead-letter stream's max age).",
+        ["stream"],
+    )
     for stream in sorted({EVENTS_STREAM} | set(r.dead_letters)):
         dead.add_metric([stream], r.dead_letters.get(stream, 0))
-    pending = _gauge("shoal_consumer_pending_events", "Messages a durable consumer has yet "
-                     "to be delivered (a model's runners': tasks queued).",
-                     ["stream", "consumer"])  # fmt: skip
-    unacked = _gauge("shoal_consumer_ack_pending_events", "Messages delivered to a durable "
-                     "consumer and not yet acknowledged.", ["stream", "consumer"])  # fmt: skip
+    pending = _gauge(
+        "shoal_consumer_pending_events",
+        "Messages a durable consumer has yet to be delivered (a model's runners': tasks queued).",
+        ["stream", "consumer"],
+    )
+    unacked = _gauge(
+        "shoal_consumer_ack_pending_events",
+        "Messages delivered to a durable consumer and not yet acknowledged.",
+        ["stream", "consumer"],
+    )
     for c in sorted(r.consumers, key=lambda c: (c.stream, c.consumer)):
         pending.add_metric([c.stream, c.consumer], c.pending)
         unacked.add_metric([c.stream, c.consumer], c.ack_pending)
@@ -331,8 +389,11 @@ def _log_families(r: LogReading) -> list[Metric]:
 
 
 def _projection_families(p: ProjectionReading) -> list[Metric]:
-    applied = _gauge("shoal_projector_applied_seq", "The last SHOAL_EVENTS sequence each "
-                     "projector applied (its tracking row).", ["projector"])  # fmt: skip
+    applied = _gauge(
+        "shoal_projector_applied_seq",
+        "The last SHOAL_EVENTS sequence each projector applied (its tracking row).",
+        ["projector"],
+    )
     for name, seq in sorted(p.applied_seq.items()):
         applied.add_metric([name], seq)
     runners = _gauge("shoal_runners", "Runners (shards of placed instances) by state.", ["state"])
@@ -343,25 +404,34 @@ def _projection_families(p: ProjectionReading) -> list[Metric]:
     by_status = Tally(n.status for n in p.nodes)
     for status in NODE_STATUSES:
         nodes.add_metric([status], by_status.get(status, 0))
-    memory = _gauge("shoal_node_memory_bytes", "An online node's RAM: total, available, and "
-                    "offered to placement (its latest profile).", ["node", "kind"])  # fmt: skip
-    load = _gauge("shoal_node_cpu_load_percent", "An online node's CPU load, 0-100, all cores.",
-                  ["node"])  # fmt: skip
+    memory = _gauge(
+        "shoal_node_memory_bytes",
+        "An online node's RAM: total, available, and offered to placement (its latest profile).",
+        ["node", "kind"],
+    )
+    load = _gauge(
+        "shoal_node_cpu_load_percent", "An online node's CPU load, 0-100, all cores.", ["node"]
+    )
     online = sorted((n for n in p.nodes if n.status == "online"), key=lambda n: n.node_id)
     for n in online:
         values = {"total": n.ram_total, "available": n.ram_available, "offered": n.memory_offered}
         for kind in MEMORY_KINDS:
             memory.add_metric([n.node_id, kind], values[kind])
         load.add_metric([n.node_id], n.cpu_load)
-    gpu = _gauge("shoal_device_memory_bytes", "An online node's GPU memory: total and used.",
-                 ["node", "device", "kind"])  # fmt: skip
+    gpu = _gauge(
+        "shoal_device_memory_bytes",
+        "An online node's GPU memory: total and used.",
+        ["node", "device", "kind"],
+    )
     online_ids = {n.node_id for n in online}
     for d in sorted(p.devices, key=lambda d: (d.node_id, d.device)):
         if d.kind == "gpu" and d.node_id in online_ids:
             gpu.add_metric([d.node_id, d.device, "total"], d.memory_total)
             gpu.add_metric([d.node_id, d.device, "used"], d.memory_used)
-    resumes = CounterMetricFamily("shoal_task_resumes", "Continuations of tasks after the "
-                                  "runner serving them was lost (services/resume.py).")  # fmt: skip
+    resumes = CounterMetricFamily(
+        "shoal_task_resumes",
+        "Continuations of tasks after the runner serving them was lost (services/resume.py).",
+    )
     resumes.add_metric([], p.resumes)
     return [applied, runners, nodes, memory, load, gpu, resumes]
 
@@ -395,8 +465,9 @@ async def read_log(js: JetStreamContext, applied_seq: int | None = None) -> LogR
         for c in page:
             # Ephemeral consumers (tails, ordered readers) come and go.
             if c.config.durable_name:
-                consumers[c.name] = ConsumerBacklog(EVENTS_STREAM, c.name, c.num_pending or 0,
-                                                    c.num_ack_pending or 0)  # fmt: skip
+                consumers[c.name] = ConsumerBacklog(
+                    EVENTS_STREAM, c.name, c.num_pending or 0, c.num_ack_pending or 0
+                )
         if len(page) < CONSUMER_PAGE:
             break
     return LogReading(last_seq, messages, dead, list(consumers.values()), unapplied)
@@ -428,8 +499,9 @@ async def read_projection(engine: AsyncEngine, projector: str) -> ProjectionRead
         resumes = await task_resumes(conn)
     applied = {projector: 0} | {name: p.last_seq for name, p in progress.items()}
     counts = progress[projector].events_by_type if projector in progress else {}
-    return ProjectionReading(applied, state.nodes(), state.devices(), state.runners(), resumes,
-                             counts)  # fmt: skip
+    return ProjectionReading(
+        applied, state.nodes(), state.devices(), state.runners(), resumes, counts
+    )
 
 
 T = TypeVar("T")

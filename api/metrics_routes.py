@@ -16,8 +16,9 @@ router = APIRouter(dependencies=[Depends(require_key)])
 @router.get("/metrics", include_in_schema=False)
 async def serve_metrics(ctx: Annotated[ApiContext, Depends(context)]) -> Response:
     """Prometheus metrics (text format 0.0.4); needs the API key when keys are configured."""
-    text = await exposition(ctx.metrics, ctx.admission.snapshot(), ctx.engine,
-                            ctx.nc.jetstream(), ctx.config.projector)  # fmt: skip
+    text = await exposition(
+        ctx.metrics, ctx.admission.snapshot(), ctx.engine, ctx.nc.jetstream(), ctx.config.projector
+    )
     return Response(text, media_type=CONTENT_TYPE)
 
 

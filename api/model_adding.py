@@ -60,5 +60,6 @@ async def _add(ctx: ApiContext, card: ModelCard) -> None:
             origin=ctx.origin,
         )
     except (ModelUnavailable, GgufError, WeightsUnavailable) as exc:
-        raise ApiError(503, f"{card.id} could not be added: {exc}",
-                       code="model_unavailable") from None  # fmt: skip
+        raise ApiError(
+            503, f"{card.id} could not be added: {exc}", code="model_unavailable"
+        ) from None

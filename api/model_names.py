@@ -53,9 +53,14 @@ class ModelNames:
         if not served and len(self.ids) == 1:
             return next(iter(self.ids))  # known but not served: the serving check says why
         choices = ", ".join(served or sorted(self.ids)) or "none yet"
-        raise ApiError(400, f"the request names no model and the cluster has no default one"
-                       f" (served: {choices}): send `model`, or start the API with"
-                       " --default-model", param="model", code="model_required")  # fmt: skip
+        raise ApiError(
+            400,
+            f"the request names no model and the cluster has no default one"
+            f" (served: {choices}): send `model`, or start the API with"
+            " --default-model",
+            param="model",
+            code="model_required",
+        )
 
     def listed(self) -> list[tuple[str, str]]:
         """(name, model id) of every name a client may use: ids, then aliases."""

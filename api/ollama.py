@@ -59,11 +59,25 @@ class _Body(BaseModel):
 
 # Options that tune the machine, not the answer: accepted, ignored. num_ctx too: the context is
 # the instance's (set when it is created), and a longer prompt is refused, never cut.
-IGNORED_OPTIONS = frozenset({
-    "numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
-    "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep",
-    "penalize_newline",  # Ollama itself no longer reads it
-})  # fmt: skip
+IGNORED_OPTIONS = frozenset(
+    {
+        "numa",
+        "num_ctx",
+        "num_batch",
+        "num_gpu",
+        "main_gpu",
+        "low_vram",
+        "f16_kv",
+        "logits_all",
+        "vocab_only",
+        "use_mmap",
+        "use_mlock",
+        "embedding_only",
+        "num_thread",
+        "num_keep",
+        "penalize_newline",  # Ollama itself no longer reads it
+    }
+)
 
 
 class Options(BaseModel):
@@ -99,16 +113,19 @@ class Options(BaseModel):
         if self.num_predict == 0:
             raise ValueError("num_predict 0 generates nothing: send -1 (no limit) or more")
         if self.mirostat:
-            raise ValueError("mirostat is not supported: Shoal samples with temperature,"
-                             " top_k, top_p and min_p (send mirostat 0)")  # fmt: skip
+            raise ValueError(
+                "mirostat is not supported: Shoal samples with temperature,"
+                " top_k, top_p and min_p (send mirostat 0)"
+            )
         if self.tfs_z not in (None, 1.0):
             raise ValueError("tfs_z (tail-free sampling) is not supported (send 1)")
         if self.typical_p not in (None, 1.0):
-            raise ValueError("typical_p (locally typical sampling) is not supported"
-                             " (send 1)")  # fmt: skip
+            raise ValueError("typical_p (locally typical sampling) is not supported (send 1)")
         if self.repeat_last_n not in (None, 0) and self.repeat_penalty not in (None, 1.0):
-            raise ValueError("repeat_last_n is not supported: Shoal's repeat_penalty"
-                             " covers every generated token (leave repeat_last_n out)")  # fmt: skip
+            raise ValueError(
+                "repeat_last_n is not supported: Shoal's repeat_penalty"
+                " covers every generated token (leave repeat_last_n out)"
+            )
         return self
 
     def sampling(self) -> SamplingParams:
@@ -179,9 +196,14 @@ def chat_messages(messages: list[Message]) -> list[ChatMessage]:
     for i, m in enumerate(messages):
         content = m.content or ""
         if m.role == "assistant":
-            calls = [ToolCall(id=c.id or f"call_{i}_{j}", name=c.function.name,
-                              arguments=_arguments_text(c.function.arguments))
-                     for j, c in enumerate(m.tool_calls or [])]  # fmt: skip
+            calls = [
+                ToolCall(
+                    id=c.id or f"call_{i}_{j}",
+                    name=c.function.name,
+                    arguments=_arguments_text(c.function.arguments),
+                )
+                for j, c in enumerate(m.tool_calls or [])
+            ]
             unanswered = list(calls)
             out.append(ChatMessage(role="assistant", content=content, tool_calls=calls))
         elif m.role == "tool":
@@ -190,9 +212,14 @@ def chat_messages(messages: list[Message]) -> list[ChatMessage]:
             call = next(iter(by_id or by_name or unanswered), None)
             if call is not None:
                 unanswered.remove(call)
-            out.append(ChatMessage(role="tool", content=content,
-                                   name=m.tool_name or (call.name if call else None),
-                                   tool_call_id=call.id if call else None))  # fmt: skip
+            out.append(
+                ChatMessage(
+                    role="tool",
+                    content=content,
+                    name=m.tool_name or (call.name if call else None),
+                    tool_call_id=call.id if call else None,
+                )
+            )
         else:
             out.append(ChatMessage(role=m.role, content=content))
     return out
@@ -232,8 +259,10 @@ class _Generation(_Body):
     @model_validator(mode="after")
     def _generation(self) -> _Generation:
         if self.think not in (None, False, ""):
-            raise ValueError("think is not supported: Shoal does not separate a model's thinking"
-                             " from its answer (send think: false)")  # fmt: skip
+            raise ValueError(
+                "think is not supported: Shoal does not separate a model's thinking"
+                " from its answer (send think: false)"
+            )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
@@ -259,9 +288,15 @@ class ChatRequest(_Generation):
     def task_fields(self) -> dict[str, Any]:
         """What the task carries besides its model and ids. Ollama has no tool_choice: with
         tools, the model may call them."""
-        tools = [Tool(name=t.function.name, description=t.function.description,
-                      parameters=t.function.parameters or {"type": "object", "properties": {}})
-                 for t in self.tools or [] if t.function is not None]  # fmt: skip
+        tools = [
+            Tool(
+                name=t.function.name,
+                description=t.function.description,
+                parameters=t.function.parameters or {"type": "object", "properties": {}},
+            )
+            for t in self.tools or []
+            if t.function is not None
+        ]
         return {
             "kind": "chat",
             "messages": chat_messages(self.messages),
@@ -288,19 +323,27 @@ class GenerateRequest(_Generation):
         if self.suffix:
             raise ValueError("suffix (fill-in-the-middle) is not supported")
         if self.template:
-            raise ValueError("template is not supported: Shoal applies the model's own chat"
-                             " template (or none, with raw: true)")  # fmt: skip
+            raise ValueError(
+                "template is not supported: Shoal applies the model's own chat"
+                " template (or none, with raw: true)"
+            )
         if self.context:
-            raise ValueError("context is not supported: Shoal keeps no conversation between"
-                             " requests; send the conversation to /api/chat")  # fmt: skip
+            raise ValueError(
+                "context is not supported: Shoal keeps no conversation between"
+                " requests; send the conversation to /api/chat"
+            )
         if self.images:
             raise ValueError("images are not supported: the models Shoal serves read text only")
         if self.raw and self.system:
-            raise ValueError("system with raw: true: a raw prompt is given to the model as it"
-                             " is; put the system text into the prompt")  # fmt: skip
+            raise ValueError(
+                "system with raw: true: a raw prompt is given to the model as it"
+                " is; put the system text into the prompt"
+            )
         if self.raw and self.format:
-            raise ValueError("format with raw: true is not supported: send the prompt without"
-                             " raw to have the reply constrained")  # fmt: skip
+            raise ValueError(
+                "format with raw: true is not supported: send the prompt without"
+                " raw to have the reply constrained"
+            )
         return self
 
     def task_fields(self) -> dict[str, Any]:
@@ -374,8 +417,13 @@ def embedded(
     model: str, vectors: list[list[float]], prompt_tokens: int, wall_s: float
 ) -> dict[str, Any]:
     """``/api/embed``'s answer: the vectors in the inputs' order, and what reading took."""
-    return {"model": model, "embeddings": vectors, "total_duration": _ns(wall_s * 1000),
-            "load_duration": 0, "prompt_eval_count": prompt_tokens}  # fmt: skip
+    return {
+        "model": model,
+        "embeddings": vectors,
+        "total_duration": _ns(wall_s * 1000),
+        "load_duration": 0,
+        "prompt_eval_count": prompt_tokens,
+    }
 
 
 def created_at(now: float | None = None) -> str:
@@ -427,9 +475,14 @@ def loaded(model: str, chat: bool, now: float | None = None) -> dict[str, Any]:
 
 
 def logprob_entry(lp: TokenLogprob) -> dict[str, Any]:
-    return {"token": lp.token, "logprob": lp.logprob or 0.0, "bytes": list(lp.bytes),
-            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
-                             for t in lp.top]}  # fmt: skip
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob or 0.0,
+        "bytes": list(lp.bytes),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in lp.top
+        ],
+    }
 
 
 def tool_calls(reply: Reply) -> list[dict[str, Any]]:

@@ -23,8 +23,9 @@ def tagged(name: str) -> str:
 
 
 _PARAMS = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)([mMbB])(?![a-zA-Z])")
-_QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])",
-                    re.IGNORECASE)  # fmt: skip
+_QUANT = re.compile(
+    r"(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])", re.IGNORECASE
+)
 
 
 def _found(pattern: re.Pattern[str], *texts: str | None) -> re.Match[str] | None:
@@ -79,9 +80,14 @@ def _modified(model: ModelRow) -> str:
 
 def tag(name: str, model: ModelRow) -> dict[str, Any]:
     """One entry of ``/api/tags``."""
-    return {"name": tagged(name), "model": tagged(name), "modified_at": _modified(model),
-            "size": model.size_bytes, "digest": digest(model),
-            "details": details(model)}  # fmt: skip
+    return {
+        "name": tagged(name),
+        "model": tagged(name),
+        "modified_at": _modified(model),
+        "size": model.size_bytes,
+        "digest": digest(model),
+        "details": details(model),
+    }
 
 
 def vram_bytes(model: ModelRow, runners: list[RunnerRow]) -> int:
@@ -126,9 +132,12 @@ def show(model: ModelRow, context_length: int, roles: set[str]) -> dict[str, Any
     """``/api/show``: what the projection knows of the model. Its chat template is the
     weights' own, applied by the runner: the API has no copy of it to show."""
     arch = model.family or "unknown"
-    info: dict[str, Any] = {"general.architecture": arch, "general.basename": model.model_id,
-                            f"{arch}.context_length": context_length,
-                            f"{arch}.block_count": model.n_layers}  # fmt: skip
+    info: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.basename": model.model_id,
+        f"{arch}.context_length": context_length,
+        f"{arch}.block_count": model.n_layers,
+    }
     return {
         "modelfile": f"# Served by Shoal; models are added with `shoal models add`\n"
         f"FROM {model.path or model.source}\n",

@@ -63,8 +63,14 @@ def pull_step(state: ClusterState, model: ModelRow, instance_id: str, digest: st
     if downloading:
         done = sum(r.progress or 0.0 for r in downloading) / len(downloading)
         size = model.size_bytes
-        return Step({"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}",
-                     "total": size, "completed": min(size, round(done * size))})  # fmt: skip
+        return Step(
+            {
+                "status": f"pulling {digest[:12]}",
+                "digest": f"sha256:{digest}",
+                "total": size,
+                "completed": min(size, round(done * size)),
+            }
+        )
     if any(r.state == "Loading" for r in runners):
         return Step({"status": "loading model"})
     failed = [r for r in runners if r.state == "Failed"]
@@ -78,8 +84,9 @@ def live_instance(state: ClusterState, model_id: str) -> str | None:
     serving = serving_instance(state, model_id)
     if serving is not None:
         return serving.instance_id
-    live = sorted(i.instance_id for i in state.instances()
-                  if i.model_id == model_id and i.status in _LIVE)  # fmt: skip
+    live = sorted(
+        i.instance_id for i in state.instances() if i.model_id == model_id and i.status in _LIVE
+    )
     return live[0] if live else None
 
 
@@ -88,8 +95,9 @@ def placement_refusal(state: ClusterState, model: ModelRow) -> ApiError | None:
     request = PlacementRequest(instance_id="preview", model=ModelInfo.of(model))
     result = place(cluster_view(state), request)
     if isinstance(result, Rejection):
-        return ApiError(400, f"{model.model_id} cannot be placed: {result.reason}",
-                        code="placement_rejected")  # fmt: skip
+        return ApiError(
+            400, f"{model.model_id} cannot be placed: {result.reason}", code="placement_rejected"
+        )
     return None
 
 
@@ -111,8 +119,9 @@ async def pull_lines(
         if refused is not None:
             raise refused
         instance_id = f"{model_id}-{secrets.token_hex(3)}"
-        await ctx.publish(InstanceRequested(instance_id=instance_id, model_id=model_id,
-                                            origin=ctx.origin))  # fmt: skip
+        await ctx.publish(
+            InstanceRequested(instance_id=instance_id, model_id=model_id, origin=ctx.origin)
+        )
     last: dict[str, Any] | None = None
     # A deadline, not asyncio.timeout: this generator yields to whoever reads it meanwhile.
     deadline = asyncio.get_running_loop().time() + ctx.config.task_timeout_s
@@ -126,8 +135,11 @@ async def pull_lines(
         if step.ready:
             return
         if asyncio.get_running_loop().time() > deadline:
-            raise ApiError(504, f"instance {instance_id} does not serve yet; it goes on starting"
-                           f" (GET /v1/instances/{instance_id})")  # fmt: skip
+            raise ApiError(
+                504,
+                f"instance {instance_id} does not serve yet; it goes on starting"
+                f" (GET /v1/instances/{instance_id})",
+            )
         await asyncio.sleep(POLL_S)
         state = await projection.cluster(ctx.engine)
 
@@ -174,8 +186,12 @@ async def _add(ctx: ApiContext, card: ModelCard) -> AsyncIterator[dict[str, Any]
             # While fetching and storing, completed/total are per cent (the size is read from
             # the file).
             status, fraction = got.result()
-            yield {"status": status, "digest": f"sha256:{fetch_digest}",
-                   "total": 100, "completed": round(fraction * 100)}  # fmt: skip
+            yield {
+                "status": status,
+                "digest": f"sha256:{fetch_digest}",
+                "total": 100,
+                "completed": round(fraction * 100),
+            }
         adding.result()
     except (ModelUnavailable, GgufError, WeightsUnavailable) as exc:
         raise ApiError(503, str(exc), code="model_unavailable") from None

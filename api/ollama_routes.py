@@ -63,8 +63,7 @@ async def serve_chat(ctx: ApiContext, body: ChatRequest) -> Response:
     name = body.model or model_id
     if not body.messages:
         return await _loaded(ctx, model_id, name, chat=True, stream=body.stream)
-    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin,
-                       **body.task_fields())  # fmt: skip
+    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
     return await serve(ctx, [task], body.stream, OllamaOut(name, True, bool(body.logprobs)))
 
 
@@ -73,8 +72,7 @@ async def serve_generate(ctx: ApiContext, body: GenerateRequest) -> Response:
     name = body.model or model_id
     if not body.prompt:
         return await _loaded(ctx, model_id, name, chat=False, stream=body.stream)
-    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin,
-                       **body.task_fields())  # fmt: skip
+    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
     return await serve(ctx, [task], body.stream, OllamaOut(name, False, bool(body.logprobs)))
 
 
@@ -127,8 +125,13 @@ async def tags(ctx: Ctx) -> dict[str, Any]:
     """Every model the cluster knows, and every alias of one, as ``name:tag``."""
     state = await projection.cluster(ctx.engine)
     names = await model_names(ctx)
-    return {"models": [tag(name, model) for name, model_id in names.listed()
-                       if (model := state.model(model_id)) is not None]}  # fmt: skip
+    return {
+        "models": [
+            tag(name, model)
+            for name, model_id in names.listed()
+            if (model := state.model(model_id)) is not None
+        ]
+    }
 
 
 @router.get("/api/ps")
@@ -156,8 +159,9 @@ async def show_model(body: NamedRequest, ctx: Ctx) -> dict[str, Any]:
     live = [i for i in state.instances() if i.model_id == model_id and i.status not in _GONE]
     # A chat instance's context first: an embed instance's is often shorter.
     chat_first = sorted(live, key=lambda i: i.role != "chat")
-    context_length = next((i.context_length for i in chat_first if i.context_length),
-                          model.context_length)  # fmt: skip
+    context_length = next(
+        (i.context_length for i in chat_first if i.context_length), model.context_length
+    )
     return show(model, context_length, {i.role for i in live})
 
 
@@ -168,16 +172,24 @@ async def delete(body: NamedRequest, ctx: Ctx) -> dict[str, Any]:
     deleted (``InstanceDeleteRequested``). The model stays known, and a pull serves it again."""
     model_id = await resolve_model(ctx, body.given)
     state = await projection.cluster(ctx.engine)
-    live = sorted(i.instance_id for i in state.instances()
-                  if i.model_id == model_id and i.status not in _GONE)  # fmt: skip
+    live = sorted(
+        i.instance_id for i in state.instances() if i.model_id == model_id and i.status not in _GONE
+    )
     if not live:
         if state.model(model_id) is None:
             raise _not_found(body.given)
-        raise ApiError(404, f"model '{body.given}' is not served: it has no instance to delete",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"model '{body.given}' is not served: it has no instance to delete",
+            param="model",
+            code="model_not_found",
+        )
     for instance_id in live:
-        await ctx.publish(InstanceDeleteRequested(instance_id=instance_id, origin=ctx.origin,
-                                                  reason="DELETE /api/delete"))  # fmt: skip
+        await ctx.publish(
+            InstanceDeleteRequested(
+                instance_id=instance_id, origin=ctx.origin, reason="DELETE /api/delete"
+            )
+        )
     return {"status": "success", "deleted": live}
 
 
@@ -194,9 +206,14 @@ async def pull(body: NamedRequest, ctx: Ctx) -> Response:
         card = builtin_cards().get(model_id)
         if card is None:
             known = ", ".join(sorted(builtin_cards()))
-            raise ApiError(404, f"pull model manifest: file does not exist: Shoal knows no model"
-                           f" '{body.given}' (built in: {known}); add others with `shoal models"
-                           " add`", param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"pull model manifest: file does not exist: Shoal knows no model"
+                f" '{body.given}' (built in: {known}); add others with `shoal models"
+                " add`",
+                param="model",
+                code="model_not_found",
+            )
     elif live_instance(state, model_id) is None:
         # Refused before the answer starts, with its status (a stream can only end in error).
         refused = placement_refusal(state, model)
@@ -224,10 +241,12 @@ async def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
 # (Not in the OpenAPI document: they are not operations Shoal offers, only clear refusals.)
 
 
-def _unsupported(what: str, instead: str = "POST /api/pull or POST /v1/instances serves one"
-                 ) -> ApiError:  # fmt: skip
-    return ApiError(501, f"{what} is not supported: Shoal manages models with `shoal models add`"
-                    f" ({instead})")  # fmt: skip
+def _unsupported(
+    what: str, instead: str = "POST /api/pull or POST /v1/instances serves one"
+) -> ApiError:
+    return ApiError(
+        501, f"{what} is not supported: Shoal manages models with `shoal models add` ({instead})"
+    )
 
 
 @router.post("/api/create", include_in_schema=False)

@@ -51,8 +51,9 @@ async def get_model(
     for entry in await _listed(ctx):
         if entry[0] == model:
             return model_entry(model, entry[2]) if anthropic_version else _model(*entry)
-    raise ApiError(404, f"The model `{model}` does not exist", param="model",
-                   code="model_not_found")  # fmt: skip
+    raise ApiError(
+        404, f"The model `{model}` does not exist", param="model", code="model_not_found"
+    )
 
 
 async def _listed(ctx: ApiContext) -> list[tuple[str, str, int]]:
@@ -85,10 +86,15 @@ async def serve_chat(
 ) -> JSONResponse | StreamingResponse:
     model_id = await resolve_model(ctx, body.model)
     task = TaskCreated(
-        task_id=new_id(), model_id=model_id, origin=ctx.origin, kind="chat",
-        messages=body.chat_messages(), params=body.sampling(), user=body.user,
+        task_id=new_id(),
+        model_id=model_id,
+        origin=ctx.origin,
+        kind="chat",
+        messages=body.chat_messages(),
+        params=body.sampling(),
+        user=body.user,
         **body.task_fields(),
-    )  # fmt: skip
+    )
     shape = Shape(f"chatcmpl-{task.task_id}", body.model or model_id, chat=True)
     out = _ChatOut(shape, bool(body.logprobs), body.include_usage)
     return await serve(ctx, _choices(task, body.n), body.stream, out)
@@ -99,10 +105,16 @@ async def serve_completion(
 ) -> JSONResponse | StreamingResponse:
     model_id = await resolve_model(ctx, body.model)
     task = TaskCreated(
-        task_id=new_id(), model_id=model_id, origin=ctx.origin, kind="completion",
-        prompt=body.text(), prompt_token_ids=body.token_ids(), params=body.sampling(),
-        user=body.user, **body.task_fields(),
-    )  # fmt: skip
+        task_id=new_id(),
+        model_id=model_id,
+        origin=ctx.origin,
+        kind="completion",
+        prompt=body.text(),
+        prompt_token_ids=body.token_ids(),
+        params=body.sampling(),
+        user=body.user,
+        **body.task_fields(),
+    )
     shape = Shape(f"cmpl-{task.task_id}", body.model or model_id, chat=False)
     out = _CompletionOut(
         shape, body.logprobs is not None, body.echo, body.text(), body.include_usage
@@ -114,10 +126,16 @@ def _choices(task: TaskCreated, n: int) -> list[TaskCreated]:
     """A request for ``n`` choices is ``n`` tasks, each with its own seed (``choice_params``);
     only the first scores the prompt, which the choices share."""
     return [task] + [
-        task.model_copy(update={"task_id": new_id(), "event_id": new_id(), "echo": False,
-                                "params": choice_params(task.params, i)})
+        task.model_copy(
+            update={
+                "task_id": new_id(),
+                "event_id": new_id(),
+                "echo": False,
+                "params": choice_params(task.params, i),
+            }
+        )
         for i in range(1, n)
-    ]  # fmt: skip
+    ]
 
 
 class _OpenAiOut(Output):
@@ -141,8 +159,12 @@ class _ChatOut(_OpenAiOut):
         self._logprobs = logprobs
 
     def opening(self, ts: TaskStream, index: int) -> str:
-        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}  # fmt: skip
+        role = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return sse(self.shape.head("chat.completion.chunk") | {"choices": [role]})
 
     def events(self, index: int, group: list[ChunkGenerated]) -> str:

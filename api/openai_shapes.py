@@ -34,9 +34,12 @@ def usage(usages: list[Usage]) -> dict[str, Any]:
     prompt = usages[0].prompt_tokens if usages else 0
     cached = usages[0].cached_tokens if usages else 0
     completion = sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 class Shape:
@@ -63,9 +66,14 @@ class Shape:
 
 
 def _entry(lp: TokenLogprob) -> dict[str, Any]:
-    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.bytes),
-            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
-                             for t in lp.top]}  # fmt: skip
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.bytes),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in lp.top
+        ],
+    }
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
@@ -102,9 +110,12 @@ def chat_chunk(
     entries = [c.logprob for c in chunks if c.logprob is not None]
     if not delta and finish is None and not entries:
         return None
-    choice = {"index": index, "delta": delta,
-              "logprobs": chat_logprobs(entries) if logprobs and entries else None,
-              "finish_reason": finish}  # fmt: skip
+    choice = {
+        "index": index,
+        "delta": delta,
+        "logprobs": chat_logprobs(entries) if logprobs and entries else None,
+        "finish_reason": finish,
+    }
     return shape.head("chat.completion.chunk") | {"choices": [choice]}
 
 
@@ -117,13 +128,21 @@ def chat_completion(
         if r.calls:
             message["content"] = r.text or None
             message["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.name, "arguments": c.arguments}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
                 for c in r.tool_calls()
-            ]  # fmt: skip
-        choices.append({"index": i, "message": message,
-                        "logprobs": chat_logprobs(r.logprobs) if logprobs else None,
-                        "finish_reason": finish(r)})  # fmt: skip
+            ]
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(r.logprobs) if logprobs else None,
+                "finish_reason": finish(r),
+            }
+        )
     return shape.head("chat.completion") | {"choices": choices, "usage": usage(usages)}
 
 
@@ -157,14 +176,22 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, A
             tops.append(top)
         offsets.append(offset)
         offset += len(lp.token)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
-            "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def completion_chunk(
-    shape: Shape, index: int, text: str, entries: list[TokenLogprob] | None, offset: int,
+    shape: Shape,
+    index: int,
+    text: str,
+    entries: list[TokenLogprob] | None,
+    offset: int,
     finish: str | None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     logprobs = completion_logprobs(entries, offset) if entries is not None else None
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return shape.head("text_completion") | {"choices": [choice]}
@@ -187,6 +214,5 @@ def completion(
             entries = ((echo.scores or []) if echo else []) + r.logprobs
         start = 0 if echo else prompt_chars
         lp = completion_logprobs(entries, start) if entries is not None else None
-        choices.append({"index": i, "text": text, "logprobs": lp,
-                        "finish_reason": finish(r)})  # fmt: skip
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish(r)})
     return shape.head("text_completion") | {"choices": choices, "usage": usage(usages)}

@@ -86,8 +86,12 @@ def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "ch
     instances = [i for i in state.instances() if i.model_id == model_id]
     if state.model(model_id) is None and not instances:
         known = ", ".join(sorted(r.model_id for r in state.models())) or "none yet"
-        raise ApiError(404, f"The model `{model_id}` does not exist (known models: {known})",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"The model `{model_id}` does not exist (known models: {known})",
+            param="model",
+            code="model_not_found",
+        )
     alive = [i for i in instances if i.status in ("requested", "placed", "rejected")]
     live = [i for i in alive if i.role == role]
     if alive and not live:
@@ -97,8 +101,11 @@ def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "ch
         heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
         if inst.status != "rejected" and any(r.state in SERVING for r in heads):
             return
-    raise ApiError(503, f"model `{model_id}` cannot answer now: {_why_not(state, live)}",
-                   code="model_not_ready")  # fmt: skip
+    raise ApiError(
+        503,
+        f"model `{model_id}` cannot answer now: {_why_not(state, live)}",
+        code="model_not_ready",
+    )
 
 
 def coming_back(state: ClusterState, model_id: str, role: InstanceRole = "chat") -> bool:
@@ -118,10 +125,16 @@ def serving_slots(state: ClusterState, model_id: str, role: InstanceRole = "chat
     """How many tasks of ``model_id`` can run at once in ``role``: the slots of its serving
     pipeline heads (rank 0, Ready or Running) in placed instances, a runner without a count
     (older logs) counting 1. The capacity of admission control (api/admission.py)."""
-    placed = {i.instance_id for i in state.instances()
-              if i.model_id == model_id and i.role == role and i.status == "placed"}  # fmt: skip
-    return sum(r.slots or 1 for r in state.runners()
-               if r.instance_id in placed and r.rank == 0 and r.state in SERVING)  # fmt: skip
+    placed = {
+        i.instance_id
+        for i in state.instances()
+        if i.model_id == model_id and i.role == role and i.status == "placed"
+    }
+    return sum(
+        r.slots or 1
+        for r in state.runners()
+        if r.instance_id in placed and r.rank == 0 and r.state in SERVING
+    )
 
 
 def _wrong_role(model_id: str, role: InstanceRole) -> ApiError:
@@ -129,14 +142,23 @@ def _wrong_role(model_id: str, role: InstanceRole) -> ApiError:
     (an embedding-mode engine generates nothing)."""
     if role == "embed":
         body = f'{{"model": "{model_id}", "role": "embed"}}'
-        return ApiError(400, f"model `{model_id}` is served for chat only, not for embeddings:"
-                        f" ask for an embed instance of it with POST /v1/instances {body}"
-                        f" (or `shoal instances create {model_id} --role embed`)",
-                        param="model", code="model_not_embedding")  # fmt: skip
+        return ApiError(
+            400,
+            f"model `{model_id}` is served for chat only, not for embeddings:"
+            f" ask for an embed instance of it with POST /v1/instances {body}"
+            f" (or `shoal instances create {model_id} --role embed`)",
+            param="model",
+            code="model_not_embedding",
+        )
     body = f'{{"model": "{model_id}"}}'
-    return ApiError(400, f"model `{model_id}` is served for embeddings only: ask for a chat"
-                    f" instance of it with POST /v1/instances {body} (or `shoal instances"
-                    f" create {model_id}`)", param="model", code="model_not_chat")  # fmt: skip
+    return ApiError(
+        400,
+        f"model `{model_id}` is served for embeddings only: ask for a chat"
+        f" instance of it with POST /v1/instances {body} (or `shoal instances"
+        f" create {model_id}`)",
+        param="model",
+        code="model_not_chat",
+    )
 
 
 def _why_not(state: ClusterState, live: list[InstanceRow]) -> str:

@@ -41,8 +41,9 @@ async def store(ctx: ApiContext, event: ResponseStored) -> bool:
         log.warning("response %s is not stored: %s", event.response_id, exc)
         return False
     except (nats.errors.Error, TimeoutError) as exc:
-        log.warning("response %s is not stored: the log is unavailable (%r)",
-                    event.response_id, exc)  # fmt: skip
+        log.warning(
+            "response %s is not stored: the log is unavailable (%r)", event.response_id, exc
+        )
         return False
     return True
 
@@ -90,11 +91,15 @@ async def _row(ctx: ApiContext, response_id: str) -> ResponseRow | None:
 
 def _from_row(row: ResponseRow) -> ResponseStored:
     return ResponseStored(
-        response_id=row.response_id, origin="projection", task_id=row.task_id,
-        model_id=row.model_id, status=row.status, response=row.response or {},
+        response_id=row.response_id,
+        origin="projection",
+        task_id=row.task_id,
+        model_id=row.model_id,
+        status=row.status,
+        response=row.response or {},
         input_items=row.input_items or [],
         conversation=[ChatMessage.model_validate(m) for m in row.conversation or []],
-    )  # fmt: skip
+    )
 
 
 async def _from_log(ctx: ApiContext, response_id: str) -> tuple[bool, ResponseStored | None]:

@@ -54,8 +54,10 @@ def _parts(content: str | list[ContentPart], where: str) -> str:
     for i, part in enumerate(content):
         what = _UNREADABLE.get(part.type)
         if what is not None:
-            raise ValueError(f"{where}[{i}] is {what} ({part.type!r}), and the models Shoal"
-                             " serves read text only: send input_text parts")  # fmt: skip
+            raise ValueError(
+                f"{where}[{i}] is {what} ({part.type!r}), and the models Shoal"
+                " serves read text only: send input_text parts"
+            )
         if part.type == "refusal":
             texts.append(part.refusal or "")
         elif part.type in _TEXT_PARTS and part.text is not None:
@@ -94,8 +96,10 @@ class InputItem(_Body):
                 raise ValueError("a function_call_output item needs its call_id and output")
             _parts(self.output, "output")
         else:
-            raise ValueError(f"input items of type {self.type!r} are not supported: send"
-                             " messages, function_call and function_call_output items")  # fmt: skip
+            raise ValueError(
+                f"input items of type {self.type!r} are not supported: send"
+                " messages, function_call and function_call_output items"
+            )
         return self
 
     def text(self) -> str:
@@ -116,8 +120,10 @@ class FunctionTool(_Body):
     @model_validator(mode="after")
     def _function(self) -> FunctionTool:
         if self.type != "function":
-            raise ValueError(f"tools of type {self.type!r} are not supported: Shoal's models"
-                             " call only your functions (type 'function')")  # fmt: skip
+            raise ValueError(
+                f"tools of type {self.type!r} are not supported: Shoal's models"
+                " call only your functions (type 'function')"
+            )
         if self.name is None:
             raise ValueError("a function tool needs its name")
         if self.defer_loading:
@@ -131,13 +137,16 @@ class FunctionTool(_Body):
 
     def event(self) -> Tool:
         parameters = self.parameters or {"type": "object", "properties": {}}
-        return Tool(name=self.name or "", description=self.description or "",
-                    parameters=parameters)  # fmt: skip
+        return Tool(name=self.name or "", description=self.description or "", parameters=parameters)
 
     def echoed(self) -> dict[str, Any]:
-        return {"type": "function", "name": self.name, "description": self.description,
-                "parameters": self.parameters, "strict": True if self.strict is None
-                else self.strict}  # fmt: skip
+        return {
+            "type": "function",
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "strict": True if self.strict is None else self.strict,
+        }
 
 
 class TextFormat(_Body):
@@ -150,8 +159,10 @@ class TextFormat(_Body):
     @model_validator(mode="after")
     def _known(self) -> TextFormat:
         if self.type not in ("text", "json_object", "json_schema"):
-            raise ValueError(f"text.format type {self.type!r} is not supported: send 'text',"
-                             " 'json_object' or 'json_schema'")  # fmt: skip
+            raise ValueError(
+                f"text.format type {self.type!r} is not supported: send 'text',"
+                " 'json_object' or 'json_schema'"
+            )
         if self.type == "json_schema":
             if self.schema_ is None:
                 raise ValueError("a json_schema format needs its schema")
@@ -169,8 +180,13 @@ class TextFormat(_Body):
     def echoed(self) -> dict[str, Any]:
         if self.type != "json_schema":
             return {"type": self.type}
-        return {"type": "json_schema", "name": self.name, "description": self.description,
-                "schema": self.schema_, "strict": self.strict}  # fmt: skip
+        return {
+            "type": "json_schema",
+            "name": self.name,
+            "description": self.description,
+            "schema": self.schema_,
+            "strict": self.strict,
+        }
 
 
 class TextConfig(_Body):
@@ -182,8 +198,10 @@ class TextConfig(_Body):
     def _medium(cls, verbosity: str | None) -> str | None:
         # Shoal's models write as they write: "medium", the default, is the only honest answer.
         if verbosity not in (None, "medium"):
-            raise ValueError(f"verbosity {verbosity!r} is not supported: Shoal cannot make its"
-                             " models more or less verbose")  # fmt: skip
+            raise ValueError(
+                f"verbosity {verbosity!r} is not supported: Shoal cannot make its"
+                " models more or less verbose"
+            )
         return verbosity
 
 
@@ -232,8 +250,10 @@ class ResponsesRequest(_Body):
                 raise ValueError("a function tool_choice needs the function's name")
             return {"type": "function", "name": choice["name"]}
         kind = choice.get("type") if isinstance(choice, dict) else choice
-        raise ValueError(f"tool_choice {kind!r} is not supported: send 'auto', 'none',"
-                         " 'required' or {'type': 'function', 'name': ...}")  # fmt: skip
+        raise ValueError(
+            f"tool_choice {kind!r} is not supported: send 'auto', 'none',"
+            " 'required' or {'type': 'function', 'name': ...}"
+        )
 
     @field_validator("metadata")
     @classmethod
@@ -245,26 +265,35 @@ class ResponsesRequest(_Body):
     @model_validator(mode="after")
     def _consistent(self) -> ResponsesRequest:
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise ValueError("reasoning is not supported: Shoal's models do not reason apart"
-                             " from their answer")  # fmt: skip
+            raise ValueError(
+                "reasoning is not supported: Shoal's models do not reason apart from their answer"
+            )
         if self.include:
-            raise ValueError(f"include {self.include[0]!r} is not supported: Shoal produces"
-                             " none of the extra data include asks for")  # fmt: skip
+            raise ValueError(
+                f"include {self.include[0]!r} is not supported: Shoal produces"
+                " none of the extra data include asks for"
+            )
         if self.top_logprobs:
-            raise ValueError("top_logprobs is not supported by the Responses API here: use"
-                             " /v1/chat/completions with logprobs")  # fmt: skip
+            raise ValueError(
+                "top_logprobs is not supported by the Responses API here: use"
+                " /v1/chat/completions with logprobs"
+            )
         if self.max_tool_calls is not None:
-            raise ValueError("max_tool_calls is not supported: it limits built-in tools, which"
-                             " Shoal has none of")  # fmt: skip
+            raise ValueError(
+                "max_tool_calls is not supported: it limits built-in tools, which Shoal has none of"
+            )
         for name in ("prompt", "conversation", "context_management"):
             if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported: send the input itself, or"
-                                 " previous_response_id")  # fmt: skip
+                raise ValueError(
+                    f"{name} is not supported: send the input itself, or previous_response_id"
+                )
         if self.background and not self.keep:
             raise ValueError("background needs store: a background response is fetched later")
         if self.background and self.stream:
-            raise ValueError("background with stream is not supported: send one of them"
-                             " (GET /v1/responses/{id} fetches a background response)")  # fmt: skip
+            raise ValueError(
+                "background with stream is not supported: send one of them"
+                " (GET /v1/responses/{id} fetches a background response)"
+            )
         if not self.input and self.previous_response_id is None:
             raise ValueError("input is empty: send a string or a list of items")
         names = [t.name for t in self.tools or []]
@@ -272,8 +301,9 @@ class ResponsesRequest(_Body):
             raise ValueError("tools: two functions have the same name")
         choice = self.tool_choice
         if isinstance(choice, dict) and choice["name"] not in names:
-            raise ValueError(f"tool_choice names the function {choice['name']!r}, which is not"
-                             " among the tools")  # fmt: skip
+            raise ValueError(
+                f"tool_choice names the function {choice['name']!r}, which is not among the tools"
+            )
         if choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         return self
@@ -320,8 +350,10 @@ class ResponsesRequest(_Body):
             "tools": [t.echoed() for t in self.tools or []],
             "tool_choice": self.tool_choice or "auto",
             "parallel_tool_calls": self.parallel_tool_calls is not False,
-            "text": {"format": fmt.echoed() if fmt is not None else {"type": "text"},
-                     "verbosity": "medium"},
+            "text": {
+                "format": fmt.echoed() if fmt is not None else {"type": "text"},
+                "verbosity": "medium",
+            },
             "truncation": self.truncation or "disabled",
             "reasoning": {"effort": None, "summary": None},
             "metadata": self.metadata or {},
@@ -329,14 +361,17 @@ class ResponsesRequest(_Body):
             "background": bool(self.background),
             "previous_response_id": self.previous_response_id,
             "user": self.user,
-        }  # fmt: skip
+        }
 
 
 # --- input items as chat messages --------------------------------------------------------
 
 _ROLES: dict[str, Literal["system", "user", "assistant"]] = {
-    "system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-}  # fmt: skip
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
 
 
 def chat_messages(items: Iterable[InputItem]) -> list[ChatMessage]:
@@ -363,8 +398,11 @@ def require_answered_calls(conversation: list[ChatMessage]) -> None:
     calls = {c.id for m in conversation for c in m.tool_calls}
     for m in conversation:
         if m.role == "tool" and m.tool_call_id not in calls:
-            raise ApiError(400, f"No tool call found for function call output with call_id"
-                           f" {m.tool_call_id}.", param="input")  # fmt: skip
+            raise ApiError(
+                400,
+                f"No tool call found for function call output with call_id {m.tool_call_id}.",
+                param="input",
+            )
 
 
 def task_messages(instructions: str | None, conversation: list[ChatMessage]) -> list[ChatMessage]:
@@ -390,18 +428,39 @@ def input_items(items: list[InputItem], task_id: str) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         item_id = item.id or f"item_{task_id}_{i}"
         if item.type == "function_call":
-            out.append({"type": "function_call", "id": item_id, "call_id": item.call_id,
-                        "name": item.name, "arguments": item.arguments,
-                        "status": "completed"})  # fmt: skip
+            out.append(
+                {
+                    "type": "function_call",
+                    "id": item_id,
+                    "call_id": item.call_id,
+                    "name": item.name,
+                    "arguments": item.arguments,
+                    "status": "completed",
+                }
+            )
         elif item.type == "function_call_output":
-            out.append({"type": "function_call_output", "id": item_id, "call_id": item.call_id,
-                        "output": item.text(), "status": "completed"})  # fmt: skip
+            out.append(
+                {
+                    "type": "function_call_output",
+                    "id": item_id,
+                    "call_id": item.call_id,
+                    "output": item.text(),
+                    "status": "completed",
+                }
+            )
         else:
             role = item.role or "user"
             kind = "output_text" if role == "assistant" else "input_text"
             part: dict[str, Any] = {"type": kind, "text": item.text()}
             if kind == "output_text":
                 part["annotations"] = []
-            out.append({"type": "message", "id": item_id, "role": role, "status": "completed",
-                        "content": [part]})  # fmt: skip
+            out.append(
+                {
+                    "type": "message",
+                    "id": item_id,
+                    "role": role,
+                    "status": "completed",
+                    "content": [part],
+                }
+            )
     return out

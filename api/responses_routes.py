@@ -61,8 +61,9 @@ async def create_response(body: ResponsesRequest, ctx: Ctx) -> JSONResponse | St
 @router.get("/responses/{response_id}")
 async def retrieve_response(response_id: str, ctx: Ctx, stream: bool = False) -> Json:
     if stream:
-        raise ApiError(400, "stream is not supported here: a stored response is sent whole",
-                       param="stream")  # fmt: skip
+        raise ApiError(
+            400, "stream is not supported here: a stored response is sent whole", param="stream"
+        )
     return (await _stored(ctx, response_id)).response
 
 
@@ -93,14 +94,25 @@ async def cancel_response(response_id: str, ctx: Ctx) -> Json:
     if found.status == "cancelled":
         return found.response
     if found.status not in response_store.ACTIVE:
-        raise ApiError(400, f"Cannot cancel a response whose status is {found.status!r}: only a"
-                       " queued or in-progress response can be cancelled.")  # fmt: skip
+        raise ApiError(
+            400,
+            f"Cannot cancel a response whose status is {found.status!r}: only a"
+            " queued or in-progress response can be cancelled.",
+        )
     await _cancel_task(ctx, found.task_id, found.model_id, "its response was cancelled")
     cancelled = found.response | {"status": "cancelled"}
-    await response_store.store(ctx, found.model_copy(update={
-        "status": "cancelled", "response": cancelled, "event_id": new_id(), "ts": utc_now(),
-        "origin": ctx.origin,
-    }))  # fmt: skip
+    await response_store.store(
+        ctx,
+        found.model_copy(
+            update={
+                "status": "cancelled",
+                "response": cancelled,
+                "event_id": new_id(),
+                "ts": utc_now(),
+                "origin": ctx.origin,
+            }
+        ),
+    )
     return cancelled
 
 
@@ -121,9 +133,13 @@ async def list_input_items(
             raise ApiError(400, f"after: no input item {after!r} in this response", param="after")
         items = items[ids.index(after) + 1 :]
     page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > limit}  # fmt: skip
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
 
 
 async def serve_responses(
@@ -133,12 +149,22 @@ async def serve_responses(
     conversation = await _previous(ctx, body.previous_response_id) + body.input_messages()
     require_answered_calls(conversation)
     task = TaskCreated(
-        task_id=new_id(), model_id=model_id, origin=ctx.origin, kind="chat",
-        messages=task_messages(body.instructions, conversation), params=body.sampling(),
-        user=body.user, **body.task_fields(),
-    )  # fmt: skip
-    head = Head(RESPONSE_PREFIX + task.task_id, task.task_id, body.model or model_id,
-                int(time.time()), body.echoed())  # fmt: skip
+        task_id=new_id(),
+        model_id=model_id,
+        origin=ctx.origin,
+        kind="chat",
+        messages=task_messages(body.instructions, conversation),
+        params=body.sampling(),
+        user=body.user,
+        **body.task_fields(),
+    )
+    head = Head(
+        RESPONSE_PREFIX + task.task_id,
+        task.task_id,
+        body.model or model_id,
+        int(time.time()),
+        body.echoed(),
+    )
     keep = _keeper(ctx, head, task, input_items(body.input, task.task_id), conversation)
     out = ResponsesOut(head, body.stream, keep if body.keep else None)
     if body.background:
@@ -152,26 +178,42 @@ async def _previous(ctx: ApiContext, response_id: str | None) -> list[ChatMessag
         return []
     found = await response_store.find(ctx, response_id) if task_id_of(response_id) else None
     if found is None:
-        raise ApiError(404, f"Previous response with id '{response_id}' not found.",
-                       param="previous_response_id",
-                       code="previous_response_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"Previous response with id '{response_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     if found.status in response_store.ACTIVE:
-        raise ApiError(400, f"Previous response with id '{response_id}' is still"
-                       f" {found.status}: continue it once it is done.",
-                       param="previous_response_id")  # fmt: skip
+        raise ApiError(
+            400,
+            f"Previous response with id '{response_id}' is still"
+            f" {found.status}: continue it once it is done.",
+            param="previous_response_id",
+        )
     return list(found.conversation)
 
 
 def _keeper(
-    ctx: ApiContext, head: Head, task: TaskCreated, items: list[Json],
+    ctx: ApiContext,
+    head: Head,
+    task: TaskCreated,
+    items: list[Json],
     conversation: list[ChatMessage],
-) -> Keep:  # fmt: skip
+) -> Keep:
     async def keep(response: Json, reply: ChatMessage | None) -> bool:
-        event = ResponseStored.model_validate({
-            "response_id": head.response_id, "origin": ctx.origin, "task_id": task.task_id,
-            "model_id": task.model_id, "status": response["status"], "response": response,
-            "input_items": items, "conversation": [*conversation, *([reply] if reply else [])],
-        })  # fmt: skip
+        event = ResponseStored.model_validate(
+            {
+                "response_id": head.response_id,
+                "origin": ctx.origin,
+                "task_id": task.task_id,
+                "model_id": task.model_id,
+                "status": response["status"],
+                "response": response,
+                "input_items": items,
+                "conversation": [*conversation, *([reply] if reply else [])],
+            }
+        )
         return await response_store.store(ctx, event)
 
     return keep
@@ -189,8 +231,11 @@ async def _in_background(
         raise refused
     queued = out.head.response("queued", [])
     if not await keep(queued, None):
-        raise ApiError(503, "the response could not be stored on the event log, and a"
-                       " background response must be", code="log_unavailable")  # fmt: skip
+        raise ApiError(
+            503,
+            "the response could not be stored on the event log, and a background response must be",
+            code="log_unavailable",
+        )
     running = asyncio.get_running_loop().create_task(_background(ctx, task, out, keep))
     _RUNNING.add(running)
     running.add_done_callback(_RUNNING.discard)
@@ -217,13 +262,13 @@ async def _stored(ctx: ApiContext, response_id: str) -> ResponseStored:
 
 
 def _not_found(response_id: str) -> ApiError:
-    return ApiError(404, f"Response with id '{response_id}' not found.",
-                    code="response_not_found")  # fmt: skip
+    return ApiError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
 
 
 async def _cancel_task(ctx: ApiContext, task_id: str, model_id: str, reason: str) -> None:
     try:
-        await ctx.publish(TaskCancelled(task_id=task_id, model_id=model_id, origin=ctx.origin,
-                                        reason=reason))  # fmt: skip
+        await ctx.publish(
+            TaskCancelled(task_id=task_id, model_id=model_id, origin=ctx.origin, reason=reason)
+        )
     except (nats.errors.Error, TimeoutError) as exc:
         raise log_unavailable(exc) from exc

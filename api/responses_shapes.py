@@ -53,10 +53,19 @@ class Head:
         incomplete: Json | None = None,
         completed_at: int | None = None,
     ) -> Json:
-        return {"id": self.response_id, "object": "response", "created_at": self.created_at,
-                "status": status, "completed_at": completed_at, "error": error,
-                "incomplete_details": incomplete, "model": self.model, "output": output,
-                "usage": usage, **self.settings}  # fmt: skip
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": completed_at,
+            "error": error,
+            "incomplete_details": incomplete,
+            "model": self.model,
+            "output": output,
+            "usage": usage,
+            **self.settings,
+        }
 
 
 def message_id(task_id: str, n: int = 0) -> str:
@@ -72,21 +81,34 @@ def text_part(text: str) -> Json:
 
 
 def message_item(item_id: str, text: str, status: str) -> Json:
-    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-            "content": [text_part(text)]}  # fmt: skip
+    return {
+        "type": "message",
+        "id": item_id,
+        "role": "assistant",
+        "status": status,
+        "content": [text_part(text)],
+    }
 
 
 def call_item(item_id: str, call: Call, status: str) -> Json:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
-            "arguments": call.arguments, "status": status}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
 
 
 def usage(u: Usage) -> Json:
-    return {"input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u.total_tokens}  # fmt: skip
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
 
 
 def error_code(err: ApiError) -> str:
@@ -132,10 +154,14 @@ def failed_response(head: Head, err: ApiError, output: list[Json] | None = None)
 def assistant_message(output: list[Json]) -> ChatMessage:
     """The assistant's turn in a response's output, for the conversation a later request
     continues (``previous_response_id``)."""
-    text = "".join(p.get("text", "") for item in output if item["type"] == "message"
-                   for p in item["content"])  # fmt: skip
-    calls = [ToolCall(id=i["call_id"], name=i["name"], arguments=i["arguments"])
-             for i in output if i["type"] == "function_call"]  # fmt: skip
+    text = "".join(
+        p.get("text", "") for item in output if item["type"] == "message" for p in item["content"]
+    )
+    calls = [
+        ToolCall(id=i["call_id"], name=i["name"], arguments=i["arguments"])
+        for i in output
+        if i["type"] == "function_call"
+    ]
     return ChatMessage(role="assistant", content=text, tool_calls=calls)
 
 
@@ -173,16 +199,26 @@ class ResponseStream:
 
     def _open_message(self) -> str:
         out = self._close("completed")
-        item: Json = {"type": "message", "id": message_id(self.head.task_id, self._messages),
-                      "role": "assistant", "status": "in_progress", "content": []}  # fmt: skip
+        item: Json = {
+            "type": "message",
+            "id": message_id(self.head.task_id, self._messages),
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
         self._messages += 1
         i = self._current = len(self.items)
         self.items.append(item)
         out += self._event("response.output_item.added", output_index=i, item=item)
         part = text_part("")
         item["content"].append(part)
-        return out + self._event("response.content_part.added", item_id=item["id"],
-                                 output_index=i, content_index=0, part=part)  # fmt: skip
+        return out + self._event(
+            "response.content_part.added",
+            item_id=item["id"],
+            output_index=i,
+            content_index=0,
+            part=part,
+        )
 
     def _text(self, text: str) -> str:
         out = ""
@@ -192,18 +228,28 @@ class ResponseStream:
         assert i is not None
         item = self.items[i]
         item["content"][0]["text"] += text
-        return out + self._event("response.output_text.delta", item_id=item["id"],
-                                 output_index=i, content_index=0, delta=text,
-                                 logprobs=[])  # fmt: skip
+        return out + self._event(
+            "response.output_text.delta",
+            item_id=item["id"],
+            output_index=i,
+            content_index=0,
+            delta=text,
+            logprobs=[],
+        )
 
     def _call(self, d: ToolCallDelta) -> str:
         out = ""
         i = self._calls.get(d.index)
         if i is None:
             out = self._close("completed")
-            item: Json = {"type": "function_call", "id": call_item_id(self.head.task_id, d.index),
-                          "call_id": d.id or "", "name": d.name or "", "arguments": "",
-                          "status": "in_progress"}  # fmt: skip
+            item: Json = {
+                "type": "function_call",
+                "id": call_item_id(self.head.task_id, d.index),
+                "call_id": d.id or "",
+                "name": d.name or "",
+                "arguments": "",
+                "status": "in_progress",
+            }
             i = self._current = self._calls[d.index] = len(self.items)
             self.items.append(item)
             out += self._event("response.output_item.added", output_index=i, item=item)
@@ -211,8 +257,12 @@ class ResponseStream:
         if not d.arguments:
             return out
         item["arguments"] += d.arguments
-        return out + self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                 output_index=i, delta=d.arguments)  # fmt: skip
+        return out + self._event(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=i,
+            delta=d.arguments,
+        )
 
     def _close(self, status: str) -> str:
         i = self._current
@@ -222,15 +272,30 @@ class ResponseStream:
         item = self.items[i]
         item["status"] = status
         if item["type"] == "function_call":
-            out = self._event("response.function_call_arguments.done", item_id=item["id"],
-                              output_index=i, arguments=item["arguments"],
-                              name=item["name"])  # fmt: skip
+            out = self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=i,
+                arguments=item["arguments"],
+                name=item["name"],
+            )
         else:
             part = item["content"][0]
-            out = self._event("response.output_text.done", item_id=item["id"], output_index=i,
-                              content_index=0, text=part["text"], logprobs=[])  # fmt: skip
-            out += self._event("response.content_part.done", item_id=item["id"], output_index=i,
-                               content_index=0, part=part)  # fmt: skip
+            out = self._event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=i,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            )
+            out += self._event(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=i,
+                content_index=0,
+                part=part,
+            )
         return out + self._event("response.output_item.done", output_index=i, item=item)
 
     def finish(self, reply: Reply) -> str:
@@ -241,8 +306,9 @@ class ResponseStream:
         return out + self._close("incomplete" if reply.finish_reason == "length" else "completed")
 
     def last(self, response: Json) -> str:
-        return self._event(_LAST_EVENT.get(response["status"], "response.completed"),
-                           response=response)  # fmt: skip
+        return self._event(
+            _LAST_EVENT.get(response["status"], "response.completed"), response=response
+        )
 
     def fail(self, err: ApiError) -> str:
         out = self.start() + self._close("incomplete")

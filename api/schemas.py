@@ -101,12 +101,18 @@ class Message(_Body):
         return "".join(p.text or "" for p in self.content)
 
     def chat_message(self) -> ChatMessage:
-        calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-                 for c in self.tool_calls or []]  # fmt: skip
+        calls = [
+            ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in self.tool_calls or []
+        ]
         # "developer" is the newer name for the system role.
-        return ChatMessage(role="system" if self.role == "developer" else self.role,
-                           content=self.text(), name=self.name, tool_calls=calls,
-                           tool_call_id=self.tool_call_id)  # fmt: skip
+        return ChatMessage(
+            role="system" if self.role == "developer" else self.role,
+            content=self.text(),
+            name=self.name,
+            tool_calls=calls,
+            tool_call_id=self.tool_call_id,
+        )
 
 
 class FunctionDef(_Body):
@@ -167,8 +173,10 @@ class ResponseFormatIn(_Body):
     @model_validator(mode="after")
     def _known(self) -> ResponseFormatIn:
         if self.type not in ("text", "json_object", "json_schema"):
-            raise ValueError(f"response_format type {self.type!r} is not supported: send"
-                             " 'text', 'json_object' or 'json_schema'")  # fmt: skip
+            raise ValueError(
+                f"response_format type {self.type!r} is not supported: send"
+                " 'text', 'json_object' or 'json_schema'"
+            )
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("a json_schema response_format needs its json_schema")
         return self
@@ -177,8 +185,9 @@ class ResponseFormatIn(_Body):
         if self.type == "json_object":
             return ResponseFormat(type="json_object")
         if self.type == "json_schema" and self.json_schema is not None:
-            return ResponseFormat(type="json_schema", name=self.json_schema.name,
-                                  json_schema=self.json_schema.schema_)  # fmt: skip
+            return ResponseFormat(
+                type="json_schema", name=self.json_schema.name, json_schema=self.json_schema.schema_
+            )
         return None
 
 
@@ -278,15 +287,18 @@ class ChatCompletionRequest(_Sampling):
         if self.web_search_options is not None:
             raise ValueError("web_search_options is not supported: Shoal's models cannot search")
         if self.functions is not None or self.function_call is not None:
-            raise ValueError("functions and function_call are not supported: send tools and"
-                             " tool_choice")  # fmt: skip
+            raise ValueError(
+                "functions and function_call are not supported: send tools and tool_choice"
+            )
         names = [t.function.name for t in self.tools or [] if t.function is not None]
         if len(set(names)) != len(names):
             raise ValueError("tools: two functions have the same name")
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names the function {choice.function.name!r},"
-                             " which is not among the tools")  # fmt: skip
+            raise ValueError(
+                f"tool_choice names the function {choice.function.name!r},"
+                " which is not among the tools"
+            )
         if choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         return self
@@ -299,9 +311,15 @@ class ChatCompletionRequest(_Sampling):
 
     def task_fields(self) -> dict[str, Any]:
         """What the task carries besides its messages and sampling."""
-        tools = [Tool(name=t.function.name, description=t.function.description,
-                      parameters=t.function.parameters or {"type": "object", "properties": {}})
-                 for t in self.tools or [] if t.function is not None]  # fmt: skip
+        tools = [
+            Tool(
+                name=t.function.name,
+                description=t.function.description,
+                parameters=t.function.parameters or {"type": "object", "properties": {}},
+            )
+            for t in self.tools or []
+            if t.function is not None
+        ]
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
             tool_choice = ToolChoice(mode="function", name=choice.function.name)
@@ -310,11 +328,12 @@ class ChatCompletionRequest(_Sampling):
         return {
             "tools": tools,
             "tool_choice": tool_choice,
-            "parallel_tool_calls": True if self.parallel_tool_calls is None
+            "parallel_tool_calls": True
+            if self.parallel_tool_calls is None
             else self.parallel_tool_calls,
             "response_format": self.response_format.event() if self.response_format else None,
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
-        }  # fmt: skip
+        }
 
 
 class CompletionRequest(_Sampling):

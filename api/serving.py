@@ -98,8 +98,10 @@ async def _serve(
         return TaskEvents(streams, _events(ctx, streams, out), out.media_type)
     try:
         async with contextlib.AsyncExitStack() as stack:
-            streams = [await stack.enter_async_context(task_stream(ctx, t, permit.task_done))
-                       for t in tasks]  # fmt: skip
+            streams = [
+                await stack.enter_async_context(task_stream(ctx, t, permit.task_done))
+                for t in tasks
+            ]
             replies = await asyncio.gather(*(_reply(ts) for ts in streams))
     except nats.errors.Error as exc:  # a task could not be stored
         raise log_unavailable(exc) from exc
@@ -123,8 +125,9 @@ async def require_serving(ctx: ApiContext, model_id: str, role: InstanceRole = "
 async def admit(ctx: ApiContext, model_id: str, tasks: int, capacity: int) -> Permit:
     """A place for a request's ``tasks`` tasks among the model's ``capacity`` slots, waiting
     in this API's queue if they are taken (api/admission.py); a full queue is a 429."""
-    permit = await ctx.admission.enter(model_id, tasks, capacity, admission.CALLER.get(),
-                                       ctx.config.task_timeout_s)  # fmt: skip
+    permit = await ctx.admission.enter(
+        model_id, tasks, capacity, admission.CALLER.get(), ctx.config.task_timeout_s
+    )
     ctx.metrics.queue_waited(model_id, permit.ticket.waited_s)
     return permit
 
@@ -271,8 +274,15 @@ async def _events(ctx: ApiContext, streams: list[TaskStream], out: Output) -> As
 
 def task_stream(ctx: ApiContext, task: TaskCreated, on_closed: Closed | None = None) -> TaskStream:
     why_not = recheck(ctx, task.model_id)
-    return TaskStream(ctx.nc, task, ctx.origin, ctx.config.task_timeout_s, why_not,
-                      on_published=ctx.metrics.event_published, on_closed=on_closed)  # fmt: skip
+    return TaskStream(
+        ctx.nc,
+        task,
+        ctx.origin,
+        ctx.config.task_timeout_s,
+        why_not,
+        on_published=ctx.metrics.event_published,
+        on_closed=on_closed,
+    )
 
 
 def recheck(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> Recheck:
@@ -303,8 +313,11 @@ def recheck(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> Rech
 
 
 def unavailable(why: str) -> ApiError:
-    return ApiError(503, f"{why} (the request was accepted, then its last runner stopped)",
-                    code="model_not_ready")  # fmt: skip
+    return ApiError(
+        503,
+        f"{why} (the request was accepted, then its last runner stopped)",
+        code="model_not_ready",
+    )
 
 
 def require_storable(
@@ -314,8 +327,9 @@ def require_storable(
     sent, the server would close the API's connection. ``param``: the request's field that
     made it large (for a ``TaskCreated``, found from the task)."""
     try:
-        check_size(ctx.nc.jetstream(), event.subject, event.to_json(),
-                   {MSG_ID_HEADER: event.event_id})  # fmt: skip
+        check_size(
+            ctx.nc.jetstream(), event.subject, event.to_json(), {MSG_ID_HEADER: event.event_id}
+        )
     except PayloadTooLargeError as exc:
         if param is None and isinstance(event, TaskCreated):
             param = _largest_part(event)

@@ -176,8 +176,12 @@ class TaskStream:
             reason = "the client went away" if kind is not None else "no longer awaited"
             if self.finished is not None and self.finished.unavailable is not None:
                 reason = self.finished.unavailable
-            cancel = TaskCancelled(task_id=self.task.task_id, model_id=self.task.model_id,
-                                   origin=self._origin, reason=reason)  # fmt: skip
+            cancel = TaskCancelled(
+                task_id=self.task.task_id,
+                model_id=self.task.model_id,
+                origin=self._origin,
+                reason=reason,
+            )
             publish_in_background(self._publish, cancel)
 
     async def _unsubscribe(self) -> None:

@@ -133,8 +133,13 @@ def cpu_parts(up_pid: int, server_pid: int) -> dict[str, int]:
     """Clock ticks used so far by each part of the bench: this process (the client, or the
     in-process model), llama_cpp.server, and `shoal up` split into its own process (API,
     projector, planner, worker), its nats-server and its runners."""
-    parts = {"bench": procfs.process_ticks(os.getpid()), "server": 0, "up": 0, "nats": 0,
-             "runner": 0}  # fmt: skip
+    parts = {
+        "bench": procfs.process_ticks(os.getpid()),
+        "server": 0,
+        "up": 0,
+        "nats": 0,
+        "runner": 0,
+    }
     if server_pid:
         parts["server"] = procfs.tree_ticks(server_pid)
     if up_pid:
@@ -382,8 +387,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             print()
             texts_note(triples)
             load = os.getloadavg()
-            print(f"load average after the single streams: {load[0]:.2f} {load[1]:.2f} "
-                  f"{load[2]:.2f}")  # fmt: skip
+            print(
+                f"load average after the single streams: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+            )
 
             if args.no_concurrency:
                 return 0 if ok else 1
@@ -451,10 +457,13 @@ def main(argv: list[str] | None = None) -> int:
         # With one, each contender gets the prompt it has just processed: llama.cpp reuses it
         # from its cache, and the TTFTs measure nothing.
         parser.error(f"--prompts must be between 2 and {len(PROMPTS)}")
-    if args.tokens < 2 or min(args.repeat, args.first_tokens, args.threads,
-                              args.replica_threads) < 1:  # fmt: skip
-        parser.error("--tokens must be at least 2; --repeat, --first-tokens and the threads at "
-                     "least 1")  # fmt: skip
+    if (
+        args.tokens < 2
+        or min(args.repeat, args.first_tokens, args.threads, args.replica_threads) < 1
+    ):
+        parser.error(
+            "--tokens must be at least 2; --repeat, --first-tokens and the threads at least 1"
+        )
     if args.streams < 1 or args.stream_tokens < 2:
         parser.error("--streams must be at least 1 and --stream-tokens at least 2")
     with tempfile.TemporaryDirectory(prefix="shoal-bench-api-") as tmp:

@@ -154,27 +154,41 @@ def summary(label: str, triples: list[Triple]) -> bool:
     for name in (INPROC, SERVER, SHOAL):
         ttft = med(t.runs[name].ttft for t in triples) * 1000
         tps = med(t.runs[name].tps for t in triples)
-        rel = "" if name == INPROC else (
-            f"{med(_ratio(t.runs[name].tps, t.runs[INPROC].tps) for t in triples):.3f}x, "
-            f"{med((t.runs[name].ttft - t.runs[INPROC].ttft) * 1000 for t in triples):+.1f} ms"
-        )  # fmt: skip
+        rel = (
+            ""
+            if name == INPROC
+            else (
+                f"{med(_ratio(t.runs[name].tps, t.runs[INPROC].tps) for t in triples):.3f}x, "
+                f"{med((t.runs[name].ttft - t.runs[INPROC].ttft) * 1000 for t in triples):+.1f} ms"
+            )
+        )
         print(f"  {name:<17} {ttft:>8.1f} {tps:>9.1f}   {rel}")
     vs_inproc = med(t.shoal_vs_inproc for t in triples)
     vs_server = med(t.shoal_vs_server for t in triples)
     added = med(t.added_ms for t in triples)
     ok = [vs_inproc >= TPS_TARGET, vs_server >= TPS_SERVER_TARGET]
     lines = [
-        ("Shoal / in-process tokens/s", f"{vs_inproc:7.4f}x", f">= {TPS_TARGET:.2f}x",
-         iqr([t.shoal_vs_inproc for t in triples], "{:.3f}")),
-        ("Shoal / llama_cpp.server", f"{vs_server:7.4f}x", f">= {TPS_SERVER_TARGET:.2f}x",
-         iqr([t.shoal_vs_server for t in triples], "{:.3f}")),
-    ]  # fmt: skip
+        (
+            "Shoal / in-process tokens/s",
+            f"{vs_inproc:7.4f}x",
+            f">= {TPS_TARGET:.2f}x",
+            iqr([t.shoal_vs_inproc for t in triples], "{:.3f}"),
+        ),
+        (
+            "Shoal / llama_cpp.server",
+            f"{vs_server:7.4f}x",
+            f">= {TPS_SERVER_TARGET:.2f}x",
+            iqr([t.shoal_vs_server for t in triples], "{:.3f}"),
+        ),
+    ]
     for (label, value, target, spread), good in zip(lines, ok, strict=True):
         aim = f"(target {target})"
         print(f"  {label:<28} {value:>9}  {aim:<18} {verdict(good)}   {spread}".rstrip())
     spread = iqr([t.added_ms for t in triples], "{:+.1f}")
-    print(f"  {'Shoal TTFT - in-process':<28} {added:+6.1f} ms  (judged on the first tokens)"
-          f"   {spread}")  # fmt: skip
+    print(
+        f"  {'Shoal TTFT - in-process':<28} {added:+6.1f} ms  (judged on the first tokens)"
+        f"   {spread}"
+    )
     return all(ok)
 
 
@@ -190,8 +204,10 @@ def first_tokens_summary(rounds: list[FirstToken], label: str) -> bool:
     added = med(r.added_ms for r in rounds)
     good = added <= TTFT_TARGET_MS
     spread = iqr([r.added_ms for r in rounds], "{:+.1f}")
-    print(f"  {'Shoal TTFT - in-process':<28} {added:+6.1f} ms  (target <= {TTFT_TARGET_MS:.0f} ms)"
-          f" {verdict(good)}   {spread}")  # fmt: skip
+    print(
+        f"  {'Shoal TTFT - in-process':<28} {added:+6.1f} ms  (target <= {TTFT_TARGET_MS:.0f} ms)"
+        f" {verdict(good)}   {spread}"
+    )
     return good
 
 
@@ -202,9 +218,13 @@ def cpu_table(triples: list[Triple], idle: dict[str, float], idle_s: float) -> N
     parts = {
         INPROC: [("this process", "bench")],
         SERVER: [("server", "server"), ("client", "bench")],
-        SHOAL: [("runner", "runner"), ("shoal up", "up"), ("nats-server", "nats"),
-                ("client", "bench")],
-    }  # fmt: skip
+        SHOAL: [
+            ("runner", "runner"),
+            ("shoal up", "up"),
+            ("nats-server", "nats"),
+            ("client", "bench"),
+        ],
+    }
     for name, cols in parts.items():
         runs = [t.runs[name] for t in triples]
         cells = [
@@ -227,8 +247,10 @@ def trace_table(triples: list[Triple]) -> None:
         print("\n(no trace of Shoal's first tokens: the events could not be read back)")
         return
     print()
-    print(f"Shoal's TTFT, step by step (median ms over {len(found)} runs, from the events' "
-          "timestamps):")  # fmt: skip
+    print(
+        f"Shoal's TTFT, step by step (median ms over {len(found)} runs, from the events' "
+        "timestamps):"
+    )
     total = 0.0
     for key, label in Trace.STEPS:
         ms = med(getattr(x, key) for _, x in found)
@@ -238,8 +260,10 @@ def trace_table(triples: list[Triple]) -> None:
     inproc = med(t.runs[INPROC].ttft for t, _ in found) * 1000
     runner = med(x.runner_ttft for _, x in found)
     outside = med(t.runs[SHOAL].ttft * 1000 - x.generate for t, x in found if x is not None)
-    print(f"  {total:7.1f}  sum of the medians (Shoal's TTFT {shoal:.1f}; in-process {inproc:.1f};"
-          f" the runner's own, task received -> first token, {runner:.1f})")  # fmt: skip
+    print(
+        f"  {total:7.1f}  sum of the medians (Shoal's TTFT {shoal:.1f}; in-process {inproc:.1f};"
+        f" the runner's own, task received -> first token, {runner:.1f})"
+    )
     print(f"  {outside:7.1f}  outside the runner's TaskStarted -> first token (median)")
 
 
@@ -249,8 +273,10 @@ def texts_note(triples: list[Triple]) -> None:
         for r in t.runs.values():
             by_prompt.setdefault(t.prompt, set()).add(r.text)
     same = sum(len(v) == 1 for v in by_prompt.values())
-    print(f"outputs: identical across the three (and the repeats) for {same} of "
-          f"{len(by_prompt)} prompts")  # fmt: skip
+    print(
+        f"outputs: identical across the three (and the repeats) for {same} of "
+        f"{len(by_prompt)} prompts"
+    )
 
 
 @dataclass(frozen=True)
@@ -271,8 +297,10 @@ class Burst:
 
 def burst_table(bursts: list[Burst], limit: int) -> None:
     print()
-    print(f"{bursts[0].streams if bursts else 0} concurrent streams of {limit} tokens each: "
-          "aggregate tokens/s = all completion tokens / wall time")  # fmt: skip
+    print(
+        f"{bursts[0].streams if bursts else 0} concurrent streams of {limit} tokens each: "
+        "aggregate tokens/s = all completion tokens / wall time"
+    )
     head = (
         f"  {'':<50} {'tokens':>6} {'wall s':>7} {'tok/s':>7} {'vs srv':>7} {'TTFT med':>9} "
         f"{'max ms':>7} {'other':>5}"

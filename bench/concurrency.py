@@ -68,9 +68,16 @@ N_CTX = 2048
 # ratio swing by several per cent from run to run.
 MIN_REQUESTS = 8
 REQUEST_TIMEOUT = 900.0
-TOPICS = ("a lighthouse keeper", "a city under the sea", "the first Mars colony",
-          "a chess prodigy", "a forgotten library", "a robot gardener", "a winter festival",
-          "a travelling circus")  # fmt: skip
+TOPICS = (
+    "a lighthouse keeper",
+    "a city under the sea",
+    "the first Mars colony",
+    "a chess prodigy",
+    "a forgotten library",
+    "a robot gardener",
+    "a winter festival",
+    "a travelling circus",
+)
 
 
 def prompt(i: int) -> str:
@@ -112,9 +119,14 @@ async def one(client: httpx.AsyncClient, url: str, model: str, i: int, tokens: i
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, tokens: int) -> Seen:
-    body = {"model": model, "stream": True, "max_tokens": tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": prompt(i)}],
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": prompt(i)}],
+        "stream_options": {"include_usage": True},
+    }
     seen = Seen(time.perf_counter())
     usage: int | None = None
     try:
@@ -169,8 +181,9 @@ LONG_TURN = " ".join(
 )
 
 
-async def turn(client: httpx.AsyncClient, url: str, model: str,
-               messages: list[dict[str, str]]) -> tuple[float, str]:  # fmt: skip
+async def turn(
+    client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]]
+) -> tuple[float, str]:
     """A streamed chat's TTFT (seconds) and its whole text (16 tokens); asked again once on a
     connection closed before any answer (llama-server's, as in ``one``)."""
     try:
@@ -179,10 +192,16 @@ async def turn(client: httpx.AsyncClient, url: str, model: str,
         return await _turn(client, url, model, messages)
 
 
-async def _turn(client: httpx.AsyncClient, url: str, model: str,
-                messages: list[dict[str, str]]) -> tuple[float, str]:  # fmt: skip
-    body = {"model": model, "stream": True, "max_tokens": 16, "temperature": 0,
-            "messages": messages}  # fmt: skip
+async def _turn(
+    client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]]
+) -> tuple[float, str]:
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": 16,
+        "temperature": 0,
+        "messages": messages,
+    }
     sent, first, text = time.perf_counter(), None, ""
     async with client.stream("POST", f"{url}/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -202,8 +221,11 @@ async def second_turn(url: str, model: str) -> tuple[float, float]:
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT) as client:
         first_msgs = [{"role": "user", "content": f"{LONG_TURN}\nWhat did the diary say?"}]
         first, answer = await turn(client, url, model, first_msgs)
-        second_msgs = [*first_msgs, {"role": "assistant", "content": answer},
-                       {"role": "user", "content": "And on the last day?"}]  # fmt: skip
+        second_msgs = [
+            *first_msgs,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And on the last day?"},
+        ]
         second, _ = await turn(client, url, model, second_msgs)
     return first, second
 
@@ -244,11 +266,28 @@ def gguf(model_id: str, tmp: Path) -> Path:
     return resolve_model(card_for(model_id), tmp / "models")
 
 
-def llama_cpp_server_argv(binary: Path, path: Path, chat_format: str | None, port: int,
-                          threads: int, slots: int) -> list[str]:  # fmt: skip
-    argv = [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(threads), "-tb", str(threads), "-c", str(N_CTX * slots),
-            "--parallel", str(slots), "--cont-batching", "--no-webui"]  # fmt: skip
+def llama_cpp_server_argv(
+    binary: Path, path: Path, chat_format: str | None, port: int, threads: int, slots: int
+) -> list[str]:
+    argv = [
+        str(binary),
+        "-m",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(N_CTX * slots),
+        "--parallel",
+        str(slots),
+        "--cont-batching",
+        "--no-webui",
+    ]
     # --no-jinja: with Jinja on (llama-server's default) a --chat-template name is taken as a
     # template's text, and Gemma's prompts came out as the 3 tokens of "gemma".
     return argv + (["--no-jinja", "--chat-template", chat_format] if chat_format else [])
@@ -266,10 +305,17 @@ async def add_replica(url: str, model_id: str, proc: Proc) -> None:
 
 
 async def run_contender(
-    name: str, proc: Proc, url: str, ready_url: str | None, model: str, levels: list[int],
-    args: argparse.Namespace, env: dict[str, str] | None = None,
-    replica: tuple[str, str] | None = None, turns: dict[str, tuple[float, float]] | None = None,
-) -> list[Level]:  # fmt: skip
+    name: str,
+    proc: Proc,
+    url: str,
+    ready_url: str | None,
+    model: str,
+    levels: list[int],
+    args: argparse.Namespace,
+    env: dict[str, str] | None = None,
+    replica: tuple[str, str] | None = None,
+    turns: dict[str, tuple[float, float]] | None = None,
+) -> list[Level]:
     print(f"  {name} ...", file=sys.stderr, flush=True)
     await proc.start(env)
     try:
@@ -300,30 +346,38 @@ def turns_table(model_id: str, turns: dict[str, tuple[float, float]]) -> bool:
     ok = True
     for name, (first, second) in turns.items():
         sooner = first / second if second else float("nan")
-        print(f"prompt cache, {name}: first turn TTFT {first * 1000:.0f} ms, second"
-              f" {second * 1000:.0f} ms: {sooner:.1f}x sooner")  # fmt: skip
+        print(
+            f"prompt cache, {name}: first turn TTFT {first * 1000:.0f} ms, second"
+            f" {second * 1000:.0f} ms: {sooner:.1f}x sooner"
+        )
         if name == SHOAL:
             ok = sooner >= 5
-            print(f"{'PASS' if ok else 'FAIL'} {model_id}: second turn {sooner:.1f}x sooner"
-                  " (target >= 5x)")  # fmt: skip
+            print(
+                f"{'PASS' if ok else 'FAIL'} {model_id}: second turn {sooner:.1f}x sooner"
+                " (target >= 5x)"
+            )
     return ok
 
 
 def table(model_id: str, results: dict[str, list[Level]]) -> bool:
     anchor = {lv.concurrency: lv for lv in results.get(ANCHOR, [])}
     print(f"\n## {model_id}\n")
-    print("| contender | c | tokens/s | x anchor | TTFT p50 | p95 | x anchor p50 | ITL p50 | p95 |"
-          " errors |")  # fmt: skip
+    print(
+        "| contender | c | tokens/s | x anchor | TTFT p50 | p95 | x anchor p50 | ITL p50 | p95 |"
+        " errors |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, lvs in results.items():
         for lv in lvs:
             a = anchor.get(lv.concurrency)
             r_tps = lv.tps / a.tps if a and a.tps else float("nan")
             r_ttft = lv.pct("ttft", 0.5) / a.pct("ttft", 0.5) if a else float("nan")
-            print(f"| {name} | {lv.concurrency} | {lv.tps:.1f} | {r_tps:.2f}x |"
-                  f" {lv.pct('ttft', 0.5) * 1000:.0f} ms | {lv.pct('ttft', 0.95) * 1000:.0f} ms |"
-                  f" {r_ttft:.2f}x | {lv.pct('itl', 0.5) * 1000:.1f} ms |"
-                  f" {lv.pct('itl', 0.95) * 1000:.1f} ms | {len(lv.errors)} |")  # fmt: skip
+            print(
+                f"| {name} | {lv.concurrency} | {lv.tps:.1f} | {r_tps:.2f}x |"
+                f" {lv.pct('ttft', 0.5) * 1000:.0f} ms | {lv.pct('ttft', 0.95) * 1000:.0f} ms |"
+                f" {r_ttft:.2f}x | {lv.pct('itl', 0.5) * 1000:.1f} ms |"
+                f" {lv.pct('itl', 0.95) * 1000:.1f} ms | {len(lv.errors)} |"
+            )
     ok = True
     shoal = {lv.concurrency: lv for lv in results.get(SHOAL, [])}
     for c, a in anchor.items():
@@ -335,19 +389,24 @@ def table(model_id: str, results: dict[str, list[Level]]) -> bool:
         if want is not None:
             good = ratio >= want
             ok &= good
-            print(f"{'PASS' if good else 'FAIL'} {model_id} c={c}: tokens/s {ratio:.2f}x"
-                  f" llama-server (target >= {want}x)")  # fmt: skip
+            print(
+                f"{'PASS' if good else 'FAIL'} {model_id} c={c}: tokens/s {ratio:.2f}x"
+                f" llama-server (target >= {want}x)"
+            )
         if c == 8:
             t = s.pct("ttft", 0.5) / a.pct("ttft", 0.5)
             ok &= t <= 1.25
-            print(f"{'PASS' if t <= 1.25 else 'FAIL'} {model_id} c=8: TTFT p50 {t:.2f}x"
-                  " llama-server (target <= 1.25x)")  # fmt: skip
+            print(
+                f"{'PASS' if t <= 1.25 else 'FAIL'} {model_id} c=8: TTFT p50 {t:.2f}x"
+                " llama-server (target <= 1.25x)"
+            )
     for name, lvs in results.items():
         for lv in lvs:
             if lv.errors:
                 ok = False
-                print(f"FAIL {name} c={lv.concurrency}: {len(lv.errors)} errors, e.g."
-                      f" {lv.errors[0]}")  # fmt: skip
+                print(
+                    f"FAIL {name} c={lv.concurrency}: {len(lv.errors)} errors, e.g. {lv.errors[0]}"
+                )
     return ok
 
 
@@ -362,39 +421,45 @@ async def bench_model(model_id: str, args: argparse.Namespace, tmp: Path, binary
     argv = llama_cpp_server_argv(binary, path, chat_format, port, args.threads, args.slots)
     proc = Proc(ANCHOR, argv, tmp / f"{model_id}-anchor.log")
     url = f"http://127.0.0.1:{port}"
-    results[ANCHOR] = await run_contender(ANCHOR, proc, f"{url}/v1", f"{url}/health", model_id,
-                                          levels, args, turns=turns)  # fmt: skip
+    results[ANCHOR] = await run_contender(
+        ANCHOR, proc, f"{url}/v1", f"{url}/health", model_id, levels, args, turns=turns
+    )
     if args.llama_cpp_python:
         port = free_port("127.0.0.1")
         argv = python_server_argv(path, model_id, port, args.threads, N_CTX, chat_format)
         proc = Proc(PYTHON, argv, tmp / f"{model_id}-python.log")
         url = f"http://127.0.0.1:{port}"
-        results[PYTHON] = await run_contender(PYTHON, proc, f"{url}/v1", f"{url}/v1/models",
-                                              model_id, levels, args)  # fmt: skip
+        results[PYTHON] = await run_contender(
+            PYTHON, proc, f"{url}/v1", f"{url}/v1/models", model_id, levels, args
+        )
     env = shoal_env()
     port = free_port("127.0.0.1")
     argv = shoal_up_argv(tmp / f"up-{model_id}-1", model_id, port, args.threads, args.slots)
     proc = Proc(SHOAL, argv, tmp / f"{model_id}-shoal.log")
     url = f"http://127.0.0.1:{port}/v1"
-    results[SHOAL] = await run_contender(SHOAL, proc, url, None, model_id, levels, args, env,
-                                         turns=turns)  # fmt: skip
+    results[SHOAL] = await run_contender(
+        SHOAL, proc, url, None, model_id, levels, args, env, turns=turns
+    )
     if args.two_replicas and args.threads >= 2:
         port = free_port("127.0.0.1")
         half = args.threads // 2
         argv = shoal_up_argv(tmp / f"up-{model_id}-2", model_id, port, half, args.slots)
         proc = Proc(SHOAL2, argv, tmp / f"{model_id}-shoal2.log")
         url = f"http://127.0.0.1:{port}/v1"
-        results[SHOAL2] = await run_contender(SHOAL2, proc, url, None, model_id, levels[-2:],
-                                              args, env, replica=(url, model_id))  # fmt: skip
+        results[SHOAL2] = await run_contender(
+            SHOAL2, proc, url, None, model_id, levels[-2:], args, env, replica=(url, model_id)
+        )
     ok = table(model_id, results)
     return turns_table(model_id, turns) and ok
 
 
 async def run(args: argparse.Namespace) -> int:
     binary = llama_server()
-    print(f"# Concurrency: {args.tokens}-token greedy streams, {args.threads} threads,"
-          f" {args.slots} slots, {args.per_client} requests per client; load average"
-          f" {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(
+        f"# Concurrency: {args.tokens}-token greedy streams, {args.threads} threads,"
+        f" {args.slots} slots, {args.per_client} requests per client; load average"
+        f" {os.getloadavg()[0]:.2f}"
+    )
     ok = True
     with tempfile.TemporaryDirectory(prefix="shoal-concurrency-") as d:
         for model_id in args.models:
@@ -405,8 +470,7 @@ async def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--models", type=lambda s: s.split(","), default=["smollm2-135m", "gemma3-270m"])
-    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1, 4, 8, 16])  # fmt: skip
+    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--slots", type=int, default=8)

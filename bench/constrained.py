@@ -58,26 +58,57 @@ TTFT_TARGET_MS = 20.0
 
 ASK = [ChatMessage(role="user", content="Describe the city of Lisbon in detail.")]
 TOOLS = [
-    Tool(name="get_weather", description="The current weather in a city.",
-         parameters={"type": "object", "properties": {"city": {"type": "string"}},
-                     "required": ["city"]}),
-    Tool(name="find_places", description="Places of a kind in a city.",
-         parameters={"type": "object", "properties": {
-             "city": {"type": "string"}, "kind": {"enum": ["museum", "park", "restaurant"]},
-             "limit": {"type": "integer"}}, "required": ["city", "kind"]}),
-]  # fmt: skip
+    Tool(
+        name="get_weather",
+        description="The current weather in a city.",
+        parameters={
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    ),
+    Tool(
+        name="find_places",
+        description="Places of a kind in a city.",
+        parameters={
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "kind": {"enum": ["museum", "park", "restaurant"]},
+                "limit": {"type": "integer"},
+            },
+            "required": ["city", "kind"],
+        },
+    ),
+]
 
 
 def city_schema(suffix: str = "") -> dict[str, Any]:
     """Ten properties of the usual kinds; ``suffix`` renames them (a schema never seen)."""
     kinds: list[dict[str, Any]] = [
-        {"type": "string"}, {"type": "string"}, {"type": "integer"}, {"type": "number"},
-        {"type": "boolean"}, {"enum": ["hot", "mild", "cold"]},
-        {"type": "array", "items": {"type": "string"}}, {"type": "string"},
-        {"type": "integer"}, {"type": "array", "items": {"type": "integer"}},
-    ]  # fmt: skip
-    names = ["name", "country", "population", "area_km2", "coastal", "climate", "landmarks",
-             "mayor", "founded", "postcodes"]  # fmt: skip
+        {"type": "string"},
+        {"type": "string"},
+        {"type": "integer"},
+        {"type": "number"},
+        {"type": "boolean"},
+        {"enum": ["hot", "mild", "cold"]},
+        {"type": "array", "items": {"type": "string"}},
+        {"type": "string"},
+        {"type": "integer"},
+        {"type": "array", "items": {"type": "integer"}},
+    ]
+    names = [
+        "name",
+        "country",
+        "population",
+        "area_km2",
+        "coastal",
+        "climate",
+        "landmarks",
+        "mayor",
+        "founded",
+        "postcodes",
+    ]
     props = {f"{n}{suffix}": k for n, k in zip(names, kinds, strict=True)}
     return {"type": "object", "properties": props, "required": list(props)}
 
@@ -126,23 +157,31 @@ def run(engine: Engine, task: TaskCreated, free_for: int | None = None) -> Run:
     if free_for is None:
         job = prepare(engine, task)
     else:
-        bare = task.model_copy(update={"tools": [], "response_format": None,
-                                       "tool_choice": ToolChoice(mode="none")})  # fmt: skip
+        bare = task.model_copy(
+            update={"tools": [], "response_format": None, "tool_choice": ToolChoice(mode="none")}
+        )
         prepare(engine, bare)
-        params = SamplingParams(temperature=0.0, max_tokens=free_for,
-                                logit_bias=dict.fromkeys(_ends(engine), -100.0))  # fmt: skip
+        params = SamplingParams(
+            temperature=0.0, max_tokens=free_for, logit_bias=dict.fromkeys(_ends(engine), -100.0)
+        )
         job = Job(prompt, Decoding(params), PlainReply())
     limit = check_request(len(job.prompt), job.decoding.params, engine.n_ctx)
     items = engine.generate(job.prompt, job.decoding)
     ready = time.perf_counter()
     source = _Started(engine, items)
-    times = [time.perf_counter() for s in steps(source, job.prompt, job.decoding, limit,
-                                                lambda: False, job.reply)
-             if isinstance(s, Step) and s.token_id is not None]  # fmt: skip
+    times = [
+        time.perf_counter()
+        for s in steps(source, job.prompt, job.decoding, limit, lambda: False, job.reply)
+        if isinstance(s, Step) and s.token_id is not None
+    ]
     if len(times) < 2:
         raise RuntimeError(f"{task.task_id}: {len(times)} tokens")
-    return Run(len(times), (ready - started) * 1000, (times[0] - started) * 1000,
-               (len(times) - 1) / (times[-1] - times[0]))  # fmt: skip
+    return Run(
+        len(times),
+        (ready - started) * 1000,
+        (times[0] - started) * 1000,
+        (len(times) - 1) / (times[-1] - times[0]),
+    )
 
 
 _END_TOKENS: dict[int, tuple[int, ...]] = {}
@@ -157,8 +196,9 @@ def _ends(engine: Engine) -> tuple[int, ...]:
 
 def task(name: str, max_tokens: int, **fields: Any) -> TaskCreated:
     params = fields.pop("params", SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    return TaskCreated(task_id=name, model_id="m", origin="bench", messages=ASK, params=params,
-                       **fields)  # fmt: skip
+    return TaskCreated(
+        task_id=name, model_id="m", origin="bench", messages=ASK, params=params, **fields
+    )
 
 
 @dataclass
@@ -231,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlx-tokens", type=int, default=48, help="most tokens a run, MLX")
     args = parser.parse_args(argv)
     ok = True
-    print(f"{'engine':9} {'case':13} {'tokens':>6} {'tok/s':>7} {'free':>7} {'ratio':>6}"
-          f" {'TTFT ms':>8} {'free':>7} {'setup ms':>9} {'free':>6} {'added':>6}")  # fmt: skip
+    print(
+        f"{'engine':9} {'case':13} {'tokens':>6} {'tok/s':>7} {'free':>7} {'ratio':>6}"
+        f" {'TTFT ms':>8} {'free':>7} {'setup ms':>9} {'free':>6} {'added':>6}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.engines.split(","):
             engine = load(name, Path(tmp))
@@ -241,11 +283,13 @@ def main(argv: list[str] | None = None) -> int:
                 c, f = pair.constrained, pair.free
                 ratio, added = pair.tps_ratio(), pair.setup_added()
                 med = statistics.median
-                print(f"{name:9} {case:13} {med(r.tokens for r in c):>6.0f}"
-                      f" {med(r.tps for r in c):>7.1f} {med(r.tps for r in f):>7.1f}"
-                      f" {ratio:>5.2f}x {med(r.ttft_ms for r in c):>8.1f}"
-                      f" {med(r.ttft_ms for r in f):>7.1f} {med(r.setup_ms for r in c):>9.2f}"
-                      f" {med(r.setup_ms for r in f):>6.2f} {added:>+6.2f}")  # fmt: skip
+                print(
+                    f"{name:9} {case:13} {med(r.tokens for r in c):>6.0f}"
+                    f" {med(r.tps for r in c):>7.1f} {med(r.tps for r in f):>7.1f}"
+                    f" {ratio:>5.2f}x {med(r.ttft_ms for r in c):>8.1f}"
+                    f" {med(r.ttft_ms for r in f):>7.1f} {med(r.setup_ms for r in c):>9.2f}"
+                    f" {med(r.setup_ms for r in f):>6.2f} {added:>+6.2f}"
+                )
                 if case != "schema (new)" and ratio < TPS_TARGET:
                     ok = False
                     print(f"  MISSED: {case} at {ratio:.2f}x the free tokens/s ({TPS_TARGET}x)")

@@ -141,21 +141,58 @@ def _messages(prompt: str) -> list[dict[str, Any]]:
 
 
 DIALECTS = (
-    Dialect(REFERENCE, "/v1/chat/completions", lambda p, n: {
-        "model": MODEL_ID, "messages": _messages(p), "max_tokens": n, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True}}, _openai_line),
-    Dialect("messages", "/v1/messages", lambda p, n: {
-        "model": MODEL_ID, "messages": _messages(p), "max_tokens": n, "temperature": 0,
-        "stream": True}, _anthropic_line),
-    Dialect("responses", "/v1/responses", lambda p, n: {
-        "model": MODEL_ID, "input": p, "max_output_tokens": n, "temperature": 0,
-        "stream": True, "store": False}, _responses_line),
-    Dialect("api/chat", "/api/chat", lambda p, n: {
-        "model": MODEL_ID, "messages": _messages(p), "stream": True,
-        # Ollama's own defaults are top_k 40 and top_p 0.9: the others' are sent.
-        "options": {"num_predict": n, "temperature": 0, "top_k": 0, "top_p": 1}},
-        _ollama_line, sse=False),
-)  # fmt: skip
+    Dialect(
+        REFERENCE,
+        "/v1/chat/completions",
+        lambda p, n: {
+            "model": MODEL_ID,
+            "messages": _messages(p),
+            "max_tokens": n,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        _openai_line,
+    ),
+    Dialect(
+        "messages",
+        "/v1/messages",
+        lambda p, n: {
+            "model": MODEL_ID,
+            "messages": _messages(p),
+            "max_tokens": n,
+            "temperature": 0,
+            "stream": True,
+        },
+        _anthropic_line,
+    ),
+    Dialect(
+        "responses",
+        "/v1/responses",
+        lambda p, n: {
+            "model": MODEL_ID,
+            "input": p,
+            "max_output_tokens": n,
+            "temperature": 0,
+            "stream": True,
+            "store": False,
+        },
+        _responses_line,
+    ),
+    Dialect(
+        "api/chat",
+        "/api/chat",
+        lambda p, n: {
+            "model": MODEL_ID,
+            "messages": _messages(p),
+            "stream": True,
+            # Ollama's own defaults are top_k 40 and top_p 0.9: the others' are sent.
+            "options": {"num_predict": n, "temperature": 0, "top_k": 0, "top_p": 1},
+        },
+        _ollama_line,
+        sse=False,
+    ),
+)
 
 
 async def stream(client: httpx.AsyncClient, base: str, d: Dialect, prompt: str, n: int) -> Seen:
@@ -194,9 +231,15 @@ def _first_events(task: TaskCreated, out: Output) -> Output:
 
 def _openai(raw: bytes) -> Output:
     b = ChatCompletionRequest.model_validate_json(raw)
-    task = TaskCreated(task_id=new_id(), model_id=MODEL_ID, origin="api", kind="chat",
-                       messages=b.chat_messages(), params=b.sampling(),
-                       **b.task_fields())  # fmt: skip
+    task = TaskCreated(
+        task_id=new_id(),
+        model_id=MODEL_ID,
+        origin="api",
+        kind="chat",
+        messages=b.chat_messages(),
+        params=b.sampling(),
+        **b.task_fields(),
+    )
     out = _ChatOut(Shape("chatcmpl-x", MODEL_ID, chat=True), False, b.include_usage)
     return _first_events(task, out)
 
@@ -210,9 +253,15 @@ def _anthropic(raw: bytes) -> Output:
 
 def _responses(raw: bytes) -> Output:
     b = ResponsesRequest.model_validate_json(raw)
-    task = TaskCreated(task_id=new_id(), model_id=MODEL_ID, origin="api", kind="chat",
-                       messages=task_messages(b.instructions, b.input_messages()),
-                       params=b.sampling(), **b.task_fields())  # fmt: skip
+    task = TaskCreated(
+        task_id=new_id(),
+        model_id=MODEL_ID,
+        origin="api",
+        kind="chat",
+        messages=task_messages(b.instructions, b.input_messages()),
+        params=b.sampling(),
+        **b.task_fields(),
+    )
     head = Head(f"resp_{task.task_id}", task.task_id, MODEL_ID, int(time.time()), b.echoed())
     out = ResponsesOut(head, True, None)
     return _first_events(task, out)
@@ -226,8 +275,11 @@ def _ollama(raw: bytes) -> Output:
 
 
 TRANSLATE: dict[str, Callable[[bytes], Output]] = {
-    REFERENCE: _openai, "messages": _anthropic, "responses": _responses, "api/chat": _ollama,
-}  # fmt: skip
+    REFERENCE: _openai,
+    "messages": _anthropic,
+    "responses": _responses,
+    "api/chat": _ollama,
+}
 
 
 def _cpu_us(work: Callable[[int], object], n: int) -> float:
@@ -292,8 +344,10 @@ async def measure(base: str, args: argparse.Namespace) -> bool:
                     ttft[d.name].append(_med(mine) - _med(ref))
                 absolute[d.name] += mine
 
-    print(f"\n{args.repeat} rounds x {len(prompts)} prompts of {args.tokens} tokens;"
-          f" {args.first_tokens} rounds of one-token requests\n")  # fmt: skip
+    print(
+        f"\n{args.repeat} rounds x {len(prompts)} prompts of {args.tokens} tokens;"
+        f" {args.first_tokens} rounds of one-token requests\n"
+    )
     print(f"{'dialect':<18} {'tokens/s ratio':>15} {'TTFT ms':>9} {'TTFT - chat ms':>15}  verdict")
     ok = True
     for d in DIALECTS:
@@ -301,8 +355,9 @@ async def measure(base: str, args: argparse.Namespace) -> bool:
         good = d.name == REFERENCE or (ratio >= TPS_TARGET and diff <= TTFT_TARGET_MS)
         ok = ok and good
         verdict = "reference" if d.name == REFERENCE else ("ok" if good else "MISSED")
-        print(f"{d.name:<18} {ratio:>14.3f}x {_med(absolute[d.name]):>9.1f}"
-              f" {diff:>+15.2f}  {verdict}")  # fmt: skip
+        print(
+            f"{d.name:<18} {ratio:>14.3f}x {_med(absolute[d.name]):>9.1f} {diff:>+15.2f}  {verdict}"
+        )
     same = sum(len(t) == 1 for t in texts.values())
     print(
         f"\ntargets: tokens/s >= {TPS_TARGET}x of chat/completions, TTFT <= +{TTFT_TARGET_MS:g}"
@@ -313,13 +368,17 @@ async def measure(base: str, args: argparse.Namespace) -> bool:
 
 async def run(args: argparse.Namespace) -> int:
     costs = {d.name: translation_us(d) for d in DIALECTS}
-    print("translation, in process, CPU: per request (body, task, opening, first event) and per"
-          " further chunk")  # fmt: skip
+    print(
+        "translation, in process, CPU: per request (body, task, opening, first event) and per"
+        " further chunk"
+    )
     ref_request, ref_chunk = costs[REFERENCE]
     for d in DIALECTS:
         request, chunk = costs[d.name]
-        print(f"  {d.name:<18} {request:6.1f} us ({request - ref_request:+6.1f})"
-              f"   {chunk:5.1f} us ({chunk - ref_chunk:+5.1f})")  # fmt: skip
+        print(
+            f"  {d.name:<18} {request:6.1f} us ({request - ref_request:+6.1f})"
+            f"   {chunk:5.1f} us ({chunk - ref_chunk:+5.1f})"
+        )
     with tempfile.TemporaryDirectory(prefix="shoal-bench-dialects-") as tmp:
         async with shoal_up(Path(tmp), "dialects", args.threads) as up:
             ok = await measure(up.url.removesuffix("/v1"), args)

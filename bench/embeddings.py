@@ -40,11 +40,26 @@ from bench.common.processes import MODEL_ID, MODEL_PATH, shoal_up
 from services.models.footprint import DEFAULT_EMBED_CONTEXT_LENGTH
 
 TARGET = 0.9  # Shoal's texts/s at least this fraction of in-process llama.cpp's
-SUBJECTS = ["The cat", "A young engineer", "The old bridge", "Our neighbour", "The river",
-            "A small company", "The orchestra", "My grandmother"]  # fmt: skip
-ACTIONS = ["sleeps in the afternoon sun", "opened a bakery downtown", "was painted bright red",
-           "plays chess every Sunday", "flooded the valley last spring",
-           "hired three new people", "rehearsed until midnight", "grows tomatoes"]  # fmt: skip
+SUBJECTS = [
+    "The cat",
+    "A young engineer",
+    "The old bridge",
+    "Our neighbour",
+    "The river",
+    "A small company",
+    "The orchestra",
+    "My grandmother",
+]
+ACTIONS = [
+    "sleeps in the afternoon sun",
+    "opened a bakery downtown",
+    "was painted bright red",
+    "plays chess every Sunday",
+    "flooded the valley last spring",
+    "hired three new people",
+    "rehearsed until midnight",
+    "grows tomatoes",
+]
 
 
 def texts_of(n: int) -> list[str]:
@@ -54,14 +69,24 @@ def texts_of(n: int) -> list[str]:
 
 def reference(threads: int) -> Llama:
     n_ctx = DEFAULT_EMBED_CONTEXT_LENGTH
-    return Llama(str(MODEL_PATH), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
-                 n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
-                 n_threads_batch=threads, flash_attn=True, verbose=False)  # fmt: skip
+    return Llama(
+        str(MODEL_PATH),
+        embedding=True,
+        pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=n_ctx,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        verbose=False,
+    )
 
 
 async def shoal(client: httpx.AsyncClient, texts: list[str], encoding: str) -> np.ndarray:
-    r = await client.post("/v1/embeddings", json={"model": MODEL_ID, "input": texts,
-                                                   "encoding_format": encoding})  # fmt: skip
+    r = await client.post(
+        "/v1/embeddings", json={"model": MODEL_ID, "input": texts, "encoding_format": encoding}
+    )
     r.raise_for_status()
     data = r.json()["data"]
     if encoding == "base64":
@@ -120,8 +145,10 @@ async def measure(base: str, args: argparse.Namespace) -> bool:
         else:
             line += f" {'':>14}  reference"
         print(line)
-    print(f"\ntarget: >= {TARGET}x of in-process; largest difference of a vector component"
-          f" from in-process: {worst:.2e}")  # fmt: skip
+    print(
+        f"\ntarget: >= {TARGET}x of in-process; largest difference of a vector component"
+        f" from in-process: {worst:.2e}"
+    )
     return ok
 
 

@@ -90,29 +90,60 @@ def prepare(sdist: Path | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if sdist is None:
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                 "-d", tmp, f"llama-cpp-python=={version}"], check=True,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    "-d",
+                    tmp,
+                    f"llama-cpp-python=={version}",
+                ],
+                check=True,
+            )
             sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         _trim_llama_cpp(sdist, Path(tmp))
     package = Path(llama_cpp.__file__).parent
-    shutil.copytree(package, PYTHON_DIR / "llama_cpp",
-                    ignore=shutil.ignore_patterns("lib", "__pycache__", "server"))  # fmt: skip
+    shutil.copytree(
+        package,
+        PYTHON_DIR / "llama_cpp",
+        ignore=shutil.ignore_patterns("lib", "__pycache__", "server"),
+    )
     import diskcache  # type: ignore[import-untyped]
 
-    shutil.copytree(Path(diskcache.__file__).parent, PYTHON_DIR / "diskcache",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    shutil.copytree(
+        Path(diskcache.__file__).parent,
+        PYTHON_DIR / "diskcache",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 27, 28)]
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--python-version=3.12", "--implementation=cp", *platforms,
-         "--platform=manylinux2014_x86_64", "-d", str(WHEELS),
-         *(f"{name}=={version_of(name)}" for name in WHEEL_PACKAGES)], check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version=3.12",
+            "--implementation=cp",
+            *platforms,
+            "--platform=manylinux2014_x86_64",
+            "-d",
+            str(WHEELS),
+            *(f"{name}=={version_of(name)}" for name in WHEEL_PACKAGES),
+        ],
+        check=True,
+    )
     _model_header()
     size = sum(p.stat().st_size for p in VENDOR.rglob("*") if p.is_file())
-    print(f"vendor/: {size / 2**20:.1f} MiB (llama-cpp-python {version}); the GPU machine"
-          " takes 64 MiB with the working tree")  # fmt: skip
+    print(
+        f"vendor/: {size / 2**20:.1f} MiB (llama-cpp-python {version}); the GPU machine"
+        " takes 64 MiB with the working tree"
+    )
 
 
 def _trim_llama_cpp(sdist: Path, tmp: Path) -> None:
@@ -120,9 +151,10 @@ def _trim_llama_cpp(sdist: Path, tmp: Path) -> None:
         root = tar.getnames()[0].split("/")[0]
         prefix = f"{root}/vendor/llama.cpp/"
         members = [
-            m for m in tar.getmembers()
+            m
+            for m in tar.getmembers()
             if m.name.startswith(prefix) and _kept(m.name[len(prefix) :])
-        ]  # fmt: skip
+        ]
         tar.extractall(tmp, members=members, filter="data")
     shutil.move(str(tmp / root / "vendor" / "llama.cpp"), LLAMA_SRC)
 
@@ -153,15 +185,24 @@ def _model_header() -> None:
     reader = GGUFReader(path)
     start = min(int(t.data_offset) for t in reader.tensors)
     tensors = [
-        {"name": t.name, "type": t.tensor_type.name, "offset": int(t.data_offset) - start,
-         "bytes": int(t.n_bytes)} for t in sorted(reader.tensors, key=lambda t: t.data_offset)
-    ]  # fmt: skip
+        {
+            "name": t.name,
+            "type": t.tensor_type.name,
+            "offset": int(t.data_offset) - start,
+            "bytes": int(t.n_bytes),
+        }
+        for t in sorted(reader.tensors, key=lambda t: t.data_offset)
+    ]
     MODEL_DIR.mkdir(parents=True)
     with path.open("rb") as f:
         (MODEL_DIR / "header.gguf").write_bytes(f.read(start))
-    layout = {"source": path.name, "size": path.stat().st_size, "tensors": tensors,
-              "n_layers": int(reader.fields["llama.block_count"].contents()),
-              "context_length": int(reader.fields["llama.context_length"].contents())}  # fmt: skip
+    layout = {
+        "source": path.name,
+        "size": path.stat().st_size,
+        "tensors": tensors,
+        "n_layers": int(reader.fields["llama.block_count"].contents()),
+        "context_length": int(reader.fields["llama.context_length"].contents()),
+    }
     (MODEL_DIR / "layout.json").write_text(json.dumps(layout))
 
 
@@ -177,15 +218,26 @@ def run(out: Path, tokens: int, repeat: int, jobs: int) -> int:
     report["build_s"] = round(time.monotonic() - started, 1)
     _write_model(MODEL)
     env = _env()
-    probe = subprocess.run([sys.executable, "-m", "services.worker.device_probe"], cwd=REPO,
-                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-m", "services.worker.device_probe"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if probe.returncode != 0:
         print(probe.stderr, file=sys.stderr)
         return 1
     report["probe"] = json.loads(probe.stdout)
-    placed = subprocess.run([sys.executable, "-m", "bench.gpu_offload", "place",
-                             "--probe", probe.stdout], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    placed = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_offload", "place", "--probe", probe.stdout],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if placed.returncode != 0:
         print(placed.stderr, file=sys.stderr)
         return 1
@@ -193,10 +245,24 @@ def run(out: Path, tokens: int, repeat: int, jobs: int) -> int:
     runs: dict[str, Any] = {}
     for name, shard in (("gpu", report["placement"]["shard"]), ("cpu", _cpu_shard(report))):
         done = subprocess.run(
-            [sys.executable, "-m", "bench.gpu_offload", "measure", "--shard", json.dumps(shard),
-             "--tokens", str(tokens), "--repeat", str(repeat)],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "bench.gpu_offload",
+                "measure",
+                "--shard",
+                json.dumps(shard),
+                "--tokens",
+                str(tokens),
+                "--repeat",
+                str(repeat),
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         sys.stderr.write(done.stderr[-4000:])
         if done.returncode != 0:
             report["failed"] = f"{name}: exit {done.returncode}"
@@ -213,9 +279,22 @@ def run(out: Path, tokens: int, repeat: int, jobs: int) -> int:
 
 def _install_wheels() -> None:
     SITE.mkdir(exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                    "--no-compile", "--target", str(SITE), *map(str, WHEELS.glob("*.whl"))],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(SITE),
+            *map(str, WHEELS.glob("*.whl")),
+        ],
+        check=True,
+    )
 
 
 def _env() -> dict[str, str]:
@@ -225,21 +304,38 @@ def _env() -> dict[str, str]:
     cublas = _find("libcublas.so*")  # a wheel's, where the toolkit has none
     libraries = [str(cublas.parent)] if cublas else []
     libraries.append(os.environ.get("LD_LIBRARY_PATH", ""))
-    return {**os.environ, "PYTHONPATH": path, "LLAMA_CPP_LIB_PATH": str(BUILD / "bin"),
-            "LD_LIBRARY_PATH": os.pathsep.join(libraries), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "LLAMA_CPP_LIB_PATH": str(BUILD / "bin"),
+        "LD_LIBRARY_PATH": os.pathsep.join(libraries),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def _build(jobs: int) -> None:
     if (BUILD / "bin" / "libllama.so").exists():
         return  # built by an earlier run on this machine
-    configure = ["cmake", "-S", str(LLAMA_SRC), "-B", str(BUILD), "-G", "Ninja",
-                 "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=on", *CUDA_ARGS,
-                 *(f"-DLLAMA_BUILD_{part}=off" for part in LLAMA_PARTS_OFF),
-                 "-DGGML_NATIVE=on", *_cuda_library_hints()]  # fmt: skip
+    configure = [
+        "cmake",
+        "-S",
+        str(LLAMA_SRC),
+        "-B",
+        str(BUILD),
+        "-G",
+        "Ninja",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=on",
+        *CUDA_ARGS,
+        *(f"-DLLAMA_BUILD_{part}=off" for part in LLAMA_PARTS_OFF),
+        "-DGGML_NATIVE=on",
+        *_cuda_library_hints(),
+    ]
     print(" ".join(configure), flush=True)
     subprocess.run(configure, check=True)
-    subprocess.run(["cmake", "--build", str(BUILD), "-j", str(jobs), "--target", "llama"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        ["cmake", "--build", str(BUILD), "-j", str(jobs), "--target", "llama"], check=True
+    )
 
 
 def _cuda_library_hints() -> list[str]:
@@ -259,8 +355,11 @@ def _cuda_library_hints() -> list[str]:
         if header:
             flags = f"-I{header.parent}"
             hints += [f"-DCMAKE_CUDA_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
-    drivers = [d / "stubs" for d in libs] + [Path("/usr/local/nvidia/lib64"),
-               Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64")]  # fmt: skip
+    drivers = [d / "stubs" for d in libs] + [
+        Path("/usr/local/nvidia/lib64"),
+        Path("/usr/lib/x86_64-linux-gnu"),
+        Path("/usr/lib64"),
+    ]
     if not any(any(d.glob("libcuda.so*")) for d in drivers if d.is_dir()):
         hints.append("-DGGML_CUDA_NO_VMM=on")
     return hints
@@ -330,15 +429,22 @@ def place_on_this_machine(probe_json: str) -> dict[str, Any]:
     profile = collect_profile(
         Path(tempfile.gettempdir()), probe=Probe.model_validate_json(probe_json)
     )
-    state = fold([NodeJoined(node_id=NODE, origin=NODE),
-                  ResourceProfiled(node_id=NODE, origin=NODE, profile=profile)])  # fmt: skip
+    state = fold(
+        [
+            NodeJoined(node_id=NODE, origin=NODE),
+            ResourceProfiled(node_id=NODE, origin=NODE, profile=profile),
+        ]
+    )
     request = PlacementRequest("bench", ModelInfo("smollm2", _footprint()), slots=1)
     result = place(cluster_view(state), request)
     if not isinstance(result, Placement):
         raise SystemExit(f"not placed: {result.reason}")
     (shard,) = result.shards
-    return {"shard": shard.model_dump(), "why": result.why[0],
-            "accelerators": [a.model_dump() for a in profile.accelerators]}  # fmt: skip
+    return {
+        "shard": shard.model_dump(),
+        "why": result.why[0],
+        "accelerators": [a.model_dump() for a in profile.accelerators],
+    }
 
 
 def _cpu_shard(report: dict[str, Any]) -> dict[str, Any]:
@@ -384,12 +490,15 @@ def measure(shard_json: str, tokens: int, repeat: int) -> dict[str, Any]:
         prefill.append(len(prompt) / (times[0] - t0))
         decode.append((len(times) - 1) / (times[-1] - times[0]))
     return {
-        "device": shard.device, "offload": offload, "load_s": round(load_s, 2),
+        "device": shard.device,
+        "offload": offload,
+        "load_s": round(load_s, 2),
         "decode_tps": round(statistics.median(decode), 1),
         "decode_tps_all": [round(x, 1) for x in decode],
-        "prompt_tps": round(statistics.median(prefill), 1), "prompt_tokens": len(prompt),
+        "prompt_tps": round(statistics.median(prefill), 1),
+        "prompt_tokens": len(prompt),
         "threads": os.cpu_count(),
-    }  # fmt: skip
+    }
 
 
 def _markdown(report: dict[str, Any], tokens: int, repeat: int) -> str:
@@ -405,8 +514,10 @@ def _markdown(report: dict[str, Any], tokens: int, repeat: int) -> str:
     for name in ("gpu", "cpu"):
         r = runs.get(name)
         if r:
-            lines.append(f"| {r['device']} | {r['decode_tps']} | {r['prompt_tps']} |"
-                         f" {r['load_s']} | `{r['offload']}` |")  # fmt: skip
+            lines.append(
+                f"| {r['device']} | {r['decode_tps']} | {r['prompt_tps']} |"
+                f" {r['load_s']} | `{r['offload']}` |"
+            )
     if "gpu_over_cpu" in report:
         lines += ["", f"GPU / CPU decoding: {report['gpu_over_cpu']}x."]
     if "placement" in report:

@@ -39,14 +39,28 @@ def llama_server(cache: Path = CACHE) -> Path:
     print(f"building llama-server {version} from {source} ({' '.join(flags)})", file=sys.stderr)
     started = time.monotonic()
     subprocess.run(
-        ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-         "-DLLAMA_BUILD_SERVER=ON", *flags],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            "cmake",
+            "-S",
+            str(source),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",
+            *flags,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     jobs = str(os.cpu_count() or 1)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs],
-                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     print(f"built in {time.monotonic() - started:.0f} s", file=sys.stderr)
     return binary
 
@@ -56,10 +70,21 @@ def _source(version: str, where: Path) -> Path:
     unpacked = where / f"llama_cpp_python-{version}"
     if not unpacked.exists():
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={version}", "-d", str(where)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={version}",
+                "-d",
+                str(where),
+            ],
             check=True,
-        )  # fmt: skip
+        )
         (sdist,) = where.glob("llama_cpp_python-*.tar.gz")
         with tarfile.open(sdist) as tar:
             tar.extractall(where, filter="data")

@@ -68,8 +68,11 @@ def measure(engine: MlxEngine, rounds: int) -> dict[str, list[float]]:
         emptied(engine)
         t1, _, answer = ttft(engine, first_prompt, ANSWER_TOKENS)
         reply = b"".join(engine.piece(t) for t in answer).decode(errors="replace")
-        second_chat = [*first_chat, {"role": "assistant", "content": reply},
-                       {"role": "user", "content": "And on the last day?"}]  # fmt: skip
+        second_chat = [
+            *first_chat,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And on the last day?"},
+        ]
         second_prompt = engine.chat_tokens(second_chat, None)
         t2, cached, _ = ttft(engine, second_prompt, 1)
         emptied(engine)
@@ -78,8 +81,10 @@ def measure(engine: MlxEngine, rounds: int) -> dict[str, list[float]]:
         times["first turn"].append(t1)
         times["second turn"].append(t2)
         times["second, whole"].append(t3)
-    print(f"  prompts: first {len(first_prompt)} tokens, second {len(second_prompt)},"
-          f" {cached} of them cached")  # fmt: skip
+    print(
+        f"  prompts: first {len(first_prompt)} tokens, second {len(second_prompt)},"
+        f" {cached} of them cached"
+    )
     return times
 
 
@@ -106,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             whole = med["second, whole"] / med["second turn"]
             passed = sooner >= 5
             ok &= passed
-            print(f"{'PASS' if passed else 'FAIL'} slots {slots}: second turn {sooner:.1f}x"
-                  f" sooner than the first (target >= 5x), {whole:.1f}x sooner than run"
-                  " whole")  # fmt: skip
+            print(
+                f"{'PASS' if passed else 'FAIL'} slots {slots}: second turn {sooner:.1f}x"
+                f" sooner than the first (target >= 5x), {whole:.1f}x sooner than run"
+                " whole"
+            )
     return 0 if ok else 1
 
 

@@ -66,10 +66,17 @@ def even_bounds(n_layers: int, stages: int) -> list[int]:
 def shards(bounds: list[int]) -> list[ShardAssignment]:
     n = len(bounds) - 1
     return [
-        ShardAssignment(runner_id=f"s{r}", node_id=f"n{r}", rank=r, world_size=n,
-                        start_layer=bounds[r], end_layer=bounds[r + 1], n_layers=bounds[-1])
+        ShardAssignment(
+            runner_id=f"s{r}",
+            node_id=f"n{r}",
+            rank=r,
+            world_size=n,
+            start_layer=bounds[r],
+            end_layer=bounds[r + 1],
+            n_layers=bounds[-1],
+        )
         for r in range(n)
-    ]  # fmt: skip
+    ]
 
 
 # --- child processes ------------------------------------------------------------------------
@@ -104,8 +111,9 @@ def head_main(args: argparse.Namespace) -> None:
             times.append(time.perf_counter())
             if len(times) >= args.tokens:
                 break
-        results.append({"ttft_ms": (times[0] - sent) * 1000,
-                        "tps": (len(times) - 1) / (times[-1] - times[0])})  # fmt: skip
+        results.append(
+            {"ttft_ms": (times[0] - sent) * 1000, "tps": (len(times) - 1) / (times[-1] - times[0])}
+        )
     print(json.dumps(results))
 
 
@@ -156,9 +164,13 @@ def mlx_head_main(args: argparse.Namespace) -> None:
             with ThreadPoolExecutor(concurrency) as pool:
                 streams = list(pool.map(stream, batch))
             last = max(times[-1] for times in streams)
-            results.append({"concurrency": concurrency,
-                            "ttft_ms": (min(t[0] for t in streams) - sent) * 1000,
-                            "tps": sum(len(t) for t in streams) / (last - sent)})  # fmt: skip
+            results.append(
+                {
+                    "concurrency": concurrency,
+                    "ttft_ms": (min(t[0] for t in streams) - sent) * 1000,
+                    "tps": sum(len(t) for t in streams) / (last - sent),
+                }
+            )
     if hosts:
         head.shutdown()
     print(json.dumps(results[1:]))
@@ -175,10 +187,15 @@ class Stages:
         self.procs = []
         for i, endpoint in enumerate(self.endpoints):
             with (log_dir / f"rpc-{count}-{i}.log").open("wb") as out:
-                self.procs.append(subprocess.Popen(
-                    [*ROLE, "_rpc", "--endpoint", endpoint, "--threads", str(threads)],
-                    stdout=out, stderr=subprocess.STDOUT, env=PIPELINE_ENV, cwd=ROOT,
-                ))  # fmt: skip
+                self.procs.append(
+                    subprocess.Popen(
+                        [*ROLE, "_rpc", "--endpoint", endpoint, "--threads", str(threads)],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=PIPELINE_ENV,
+                        cwd=ROOT,
+                    )
+                )
         for endpoint in self.endpoints:
             ggml_rpc.wait_listening(endpoint, 30)
 
@@ -188,15 +205,35 @@ class Stages:
             p.wait()
 
 
-def run_head(model: Path, endpoints: list[str], prompts: list[str], args: argparse.Namespace,
-             role: str = "_head") -> list[dict[str, float]]:  # fmt: skip
+def run_head(
+    model: Path,
+    endpoints: list[str],
+    prompts: list[str],
+    args: argparse.Namespace,
+    role: str = "_head",
+) -> list[dict[str, float]]:
     out = subprocess.run(
-        [*ROLE, role, "--model", str(model), "--endpoints",
-         json.dumps(endpoints), "--prompts", json.dumps(prompts), "--tokens", str(args.tokens),
-         "--threads", str(args.threads)],
-        env=PIPELINE_ENV if endpoints else None, cwd=ROOT,
-        capture_output=True, text=True, timeout=900, check=True,
-    )  # fmt: skip
+        [
+            *ROLE,
+            role,
+            "--model",
+            str(model),
+            "--endpoints",
+            json.dumps(endpoints),
+            "--prompts",
+            json.dumps(prompts),
+            "--tokens",
+            str(args.tokens),
+            "--threads",
+            str(args.threads),
+        ],
+        env=PIPELINE_ENV if endpoints else None,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
     parsed: list[dict[str, float]] = json.loads(out.stdout.strip().splitlines()[-1])
     return parsed
 
@@ -216,8 +253,10 @@ def bench_llama(args: argparse.Namespace, tmp: Path) -> bool:
         for s in stages.values():
             s.stop()
     one = med([f["tps"] for f in figures[1]])
-    print(f"\nllama.cpp, gemma3-270m, {args.tokens} tokens, {args.threads} threads a process,"
-          f" {args.repeat} x {len(PROMPTS)} prompts (medians)")  # fmt: skip
+    print(
+        f"\nllama.cpp, gemma3-270m, {args.tokens} tokens, {args.threads} threads a process,"
+        f" {args.repeat} x {len(PROMPTS)} prompts (medians)"
+    )
     print(f"{'nodes':>5} {'layers':>16} {'tokens/s':>9} {'ratio':>6} {'TTFT ms':>8}")
     ok = True
     for n in counts:
@@ -244,12 +283,25 @@ def bench_mlx(args: argparse.Namespace, tmp: Path) -> None:
             if hosts:
                 half = MLX_LAYERS // 2
                 follower = subprocess.Popen(
-                    [sys.executable, "-m", "services.runner.engines.mlx_pipeline", "--model",
-                     str(model), "--rank", "1", "--layers", f"{half}:{MLX_LAYERS}", "--n-layers",
-                     str(MLX_LAYERS), "--hosts", ",".join(hosts)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    [
+                        sys.executable,
+                        "-m",
+                        "services.runner.engines.mlx_pipeline",
+                        "--model",
+                        str(model),
+                        "--rank",
+                        "1",
+                        "--layers",
+                        f"{half}:{MLX_LAYERS}",
+                        "--n-layers",
+                        str(MLX_LAYERS),
+                        "--hosts",
+                        ",".join(hosts),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
                     cwd=ROOT,
-                )  # fmt: skip
+                )
             try:
                 figures[ranks] += run_head(model, hosts, list(PROMPTS), args, "_mlx_head")
             finally:
@@ -260,14 +312,20 @@ def bench_mlx(args: argparse.Namespace, tmp: Path) -> None:
     def tps(ranks: int, concurrency: int) -> float:
         return med([f["tps"] for f in figures[ranks] if f["concurrency"] == concurrency])
 
-    print(f"\nMLX, tiny random model ({MLX_LAYERS} layers, {MLX_SLOTS} slots), {args.tokens} "
-          "tokens a stream, aggregate tokens/s (medians)")  # fmt: skip
-    print(f"{'ranks':>5} {'1 stream':>9} {f'{MLX_SLOTS} streams':>10} {'batched/1':>10} "
-          f"{'vs 1 rank':>10}")  # fmt: skip
+    print(
+        f"\nMLX, tiny random model ({MLX_LAYERS} layers, {MLX_SLOTS} slots), {args.tokens} "
+        "tokens a stream, aggregate tokens/s (medians)"
+    )
+    print(
+        f"{'ranks':>5} {'1 stream':>9} {f'{MLX_SLOTS} streams':>10} {'batched/1':>10} "
+        f"{'vs 1 rank':>10}"
+    )
     for ranks in (1, 2):
         one, many = tps(ranks, 1), tps(ranks, MLX_SLOTS)
-        print(f"{ranks:>5} {one:>9.1f} {many:>10.1f} {many / one:>9.2f}x "
-              f"{many / tps(1, MLX_SLOTS):>9.2f}x")  # fmt: skip
+        print(
+            f"{ranks:>5} {one:>9.1f} {many:>10.1f} {many / one:>9.2f}x "
+            f"{many / tps(1, MLX_SLOTS):>9.2f}x"
+        )
 
 
 def main() -> None:

@@ -78,9 +78,23 @@ CHECKED = ("api", "projector", "runner")  # parts whose memory growth is checked
 PARTS = ("api", "projector", "runner", "planner", "worker", "nats-server")
 
 TOPICS = (
-    "lighthouses", "bees", "the moon", "bread", "rivers", "trains", "volcanoes", "chess",
-    "owls", "glaciers", "libraries", "tea", "bicycles", "coral reefs", "clocks", "deserts",
-)  # fmt: skip
+    "lighthouses",
+    "bees",
+    "the moon",
+    "bread",
+    "rivers",
+    "trains",
+    "volcanoes",
+    "chess",
+    "owls",
+    "glaciers",
+    "libraries",
+    "tea",
+    "bicycles",
+    "coral reefs",
+    "clocks",
+    "deserts",
+)
 KINDS = (
     "Write a short poem about {}.",
     "Explain {} to a child in two sentences.",
@@ -209,9 +223,13 @@ class Part:
         self.log_path = log_dir / f"{name}.log"
         with self.log_path.open("wb") as out:
             self.proc = subprocess.Popen(
-                [str(SHOAL_BIN), *args], stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )  # fmt: skip
+                [str(SHOAL_BIN), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -251,8 +269,11 @@ class Cluster:
         return out
 
     def stop(self) -> list[str]:
-        said = [self.parts[n].stop() for n in ("api", "worker", "planner", "projector")
-                if n in self.parts]  # fmt: skip
+        said = [
+            self.parts[n].stop()
+            for n in ("api", "worker", "planner", "projector")
+            if n in self.parts
+        ]
         self.nats.stop()
         return said
 
@@ -285,15 +306,39 @@ async def start_cluster(tmp: Path, runner_threads: int, max_queued: int | None) 
     for name, args in (
         ("projector", ["projector", *common, "--db", db]),
         ("planner", ["planner", *common, "--db", db]),
-        ("worker", ["worker", *common, "--node-id", "soak", "--data-dir", str(tmp / "worker"),
-                    "--runner-threads", str(runner_threads)]),
-        ("api", ["api", *common, "--db", db, "--port", str(port),
-                 *(["--max-queued", str(max_queued)] if max_queued is not None else [])]),
-    ):  # fmt: skip
+        (
+            "worker",
+            [
+                "worker",
+                *common,
+                "--node-id",
+                "soak",
+                "--data-dir",
+                str(tmp / "worker"),
+                "--runner-threads",
+                str(runner_threads),
+            ],
+        ),
+        (
+            "api",
+            [
+                "api",
+                *common,
+                "--db",
+                db,
+                "--port",
+                str(port),
+                *(["--max-queued", str(max_queued)] if max_queued is not None else []),
+            ],
+        ),
+    ):
         cluster.parts[name] = Part(name, args, logs, env)
     try:
-        await wait_for(cluster, lambda: "resuming after seq" in cluster.parts["projector"].log(),
-                       "the projector to start")  # fmt: skip
+        await wait_for(
+            cluster,
+            lambda: "resuming after seq" in cluster.parts["projector"].log(),
+            "the projector to start",
+        )
         async with httpx.AsyncClient(base_url=cluster.api_url, timeout=10.0) as client:
 
             async def healthy() -> bool:
@@ -304,10 +349,24 @@ async def start_cluster(tmp: Path, runner_threads: int, max_queued: int | None) 
             await wait_for_async(cluster, healthy, "the API to answer /healthz")
             created = await asyncio.to_thread(
                 subprocess.run,
-                [str(SHOAL_BIN), "instances", "create", MODEL_ID, "--id", "soak", *common,
-                 "--db", db, "--wait", "60"],
-                capture_output=True, text=True, env=env, timeout=180,
-            )  # fmt: skip
+                [
+                    str(SHOAL_BIN),
+                    "instances",
+                    "create",
+                    MODEL_ID,
+                    "--id",
+                    "soak",
+                    *common,
+                    "--db",
+                    db,
+                    "--wait",
+                    "60",
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=180,
+            )
             if created.returncode != 0:
                 raise RuntimeError(f"shoal instances create failed:\n{created.stderr}")
 
@@ -435,9 +494,11 @@ def report(
     server_errors = sum(r.server_error for r in results)
     pieces = sum(r.pieces for r in answered)
     print()
-    print(f"requests: {n} sent, {len(answered)} answered (HTTP 200, stream ended with a finish"
-          f" reason) in {wall:.1f} s: {len(answered) / wall:.2f} requests/s,"
-          f" {pieces / wall:.1f} chunks with text/s")  # fmt: skip
+    print(
+        f"requests: {n} sent, {len(answered)} answered (HTTP 200, stream ended with a finish"
+        f" reason) in {wall:.1f} s: {len(answered) / wall:.2f} requests/s,"
+        f" {pieces / wall:.1f} chunks with text/s"
+    )
     print("  by status: " + ", ".join(f"{k}: {v}" for k, v in sorted(by_status.items())))
     finishes: dict[str, int] = {}
     for r in answered:
@@ -452,39 +513,53 @@ def report(
     ttfts = sorted(r.ttft * 1000 for r in results if r.ttft is not None)
     totals = sorted(r.total * 1000 for r in answered)
     worst = max(ttfts, default=float("nan"))
-    print(f"TTFT ms (to the first chunk with text, n={len(ttfts)}): "
-          f"p50 {percentile(ttfts, 50):.0f}  p90 {percentile(ttfts, 90):.0f}  "
-          f"p99 {percentile(ttfts, 99):.0f}  max {worst:.0f}")  # fmt: skip
-    print(f"whole request ms (answered, n={len(totals)}): p50 {percentile(totals, 50):.0f}  "
-          f"p99 {percentile(totals, 99):.0f}")  # fmt: skip
+    print(
+        f"TTFT ms (to the first chunk with text, n={len(ttfts)}): "
+        f"p50 {percentile(ttfts, 50):.0f}  p90 {percentile(ttfts, 90):.0f}  "
+        f"p99 {percentile(ttfts, 99):.0f}  max {worst:.0f}"
+    )
+    print(
+        f"whole request ms (answered, n={len(totals)}): p50 {percentile(totals, 50):.0f}  "
+        f"p99 {percentile(totals, 99):.0f}"
+    )
     print()
-    print(f"memory, MiB      {'RSS before':>10} {'after':>8} {'growth':>8} {'':>7} "
-          f"{'peak':>8} | {'USS before':>10} {'after':>8} {'growth':>8}")  # fmt: skip
+    print(
+        f"memory, MiB      {'RSS before':>10} {'after':>8} {'growth':>8} {'':>7} "
+        f"{'peak':>8} | {'USS before':>10} {'after':>8} {'growth':>8}"
+    )
     for name in PARTS:
         b, a = before.get(name, Mem(0, 0)), after.get(name, Mem(0, 0))
         pct = (a.rss - b.rss) / b.rss * 100 if b.rss else 0.0
-        print(f"  {name:<14} {mib(b.rss):>10} {mib(a.rss)} {mib(a.rss - b.rss)} {pct:+6.1f}% "
-              f"{mib(peaks.get(name, 0))} | {mib(b.uss):>10} {mib(a.uss)} "
-              f"{mib(a.uss - b.uss)}")  # fmt: skip
+        print(
+            f"  {name:<14} {mib(b.rss):>10} {mib(a.rss)} {mib(a.rss - b.rss)} {pct:+6.1f}% "
+            f"{mib(peaks.get(name, 0))} | {mib(b.uss):>10} {mib(a.uss)} "
+            f"{mib(a.uss - b.uss)}"
+        )
     load = os.getloadavg()
-    print(f"other processes used {other_cores:.2f} cores on average during the load; load average"
-          f" {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cpus")  # fmt: skip
+    print(
+        f"other processes used {other_cores:.2f} cores on average during the load; load average"
+        f" {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cpus"
+    )
     print()
     ok = []
     ok.append(server_errors == 0)
     print(f"{verdict(ok[-1])}  zero 5xx: {server_errors}")
     refused = sum(r.refused for r in results)
     ok.append(len(answered) + refused == n)
-    print(f"{verdict(ok[-1])}  every request answered or clearly refused (429 with Retry-After):"
-          f" {len(answered)} + {refused} of {n}")  # fmt: skip
+    print(
+        f"{verdict(ok[-1])}  every request answered or clearly refused (429 with Retry-After):"
+        f" {len(answered)} + {refused} of {n}"
+    )
     for name in CHECKED:
         was, now = before.get(name, Mem(0, 0)).rss, after.get(name, Mem(0, 0)).rss
         bound = min(was * args.growth_pct / 100, args.growth_mib * MiB)
         ok.append(was > 0 and now - was <= bound)
         pct = (now - was) / was * 100 if was else 0.0
-        print(f"{verdict(ok[-1])}  {name} RSS growth {(now - was) / MiB:+.1f} MiB ({pct:+.1f}%)"
-              f" <= {bound / MiB:.1f} MiB ({args.growth_pct:g}% of {was / MiB:.1f} MiB, at most"
-              f" {args.growth_mib:g} MiB)")  # fmt: skip
+        print(
+            f"{verdict(ok[-1])}  {name} RSS growth {(now - was) / MiB:+.1f} MiB ({pct:+.1f}%)"
+            f" <= {bound / MiB:.1f} MiB ({args.growth_pct:g}% of {was / MiB:.1f} MiB, at most"
+            f" {args.growth_mib:g} MiB)"
+        )
     return all(ok)
 
 
@@ -501,12 +576,16 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         pids = cluster.pids()
         runner_before = pids["runner"]
         machine = f"{os.cpu_count()} cpus, {args.runner_threads} runner threads"
-        print(f"soak: {args.requests} streamed chat completions of {MODEL_ID}, max_tokens"
-              f" {args.max_tokens}, concurrency {args.concurrency}, after {args.warmup} warm-up"
-              f" requests; {machine}")  # fmt: skip
-        print(f"cluster: nats-server, shoal projector (SQLite), planner, worker + runner, api as"
-              f" separate processes on loopback; serving after {up_s:.1f} s; pids "
-              + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in pids.items()))  # fmt: skip
+        print(
+            f"soak: {args.requests} streamed chat completions of {MODEL_ID}, max_tokens"
+            f" {args.max_tokens}, concurrency {args.concurrency}, after {args.warmup} warm-up"
+            f" requests; {machine}"
+        )
+        print(
+            f"cluster: nats-server, shoal projector (SQLite), planner, worker + runner, api as"
+            f" separate processes on loopback; serving after {up_s:.1f} s; pids "
+            + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in pids.items())
+        )
         limits = httpx.Limits(max_connections=args.concurrency * 2)
         timeout = httpx.Timeout(REQUEST_TIMEOUT, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -514,8 +593,10 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                 client, url, 0, args.warmup, args.concurrency, args.max_tokens, args.timeout
             )
             bad_warm = sum(not r.answered for r in warm) + warm_left
-            print(f"warm-up: {args.warmup} requests in {warm_wall:.1f} s"
-                  + (f" ({bad_warm} not answered)" if bad_warm else ""))  # fmt: skip
+            print(
+                f"warm-up: {args.warmup} requests in {warm_wall:.1f} s"
+                + (f" ({bad_warm} not answered)" if bad_warm else "")
+            )
             before = await asyncio.to_thread(memory, cluster.pids())
             peaks: dict[str, int] = {}
             stop = asyncio.Event()
@@ -523,9 +604,14 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             ours = [os.getpid(), *(p for ps in cluster.pids().values() for p in ps)]
             watch = other_load(ours)
             results, unfinished, wall = await run_load(
-                client, url, args.warmup, args.requests, args.concurrency, args.max_tokens,
+                client,
+                url,
+                args.warmup,
+                args.requests,
+                args.concurrency,
+                args.max_tokens,
                 args.timeout,
-            )  # fmt: skip
+            )
             other = watch.other_cores()
             stop.set()
             await sampler
@@ -534,8 +620,10 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         after = await asyncio.to_thread(memory, after_pids)
         ok = report(args, results, unfinished, wall, before, after, peaks, other)
         if after_pids["runner"] != runner_before:
-            print(f"FAIL  the runner changed during the run: pids {runner_before} ->"
-                  f" {after_pids['runner']}")  # fmt: skip
+            print(
+                f"FAIL  the runner changed during the run: pids {runner_before} ->"
+                f" {after_pids['runner']}"
+            )
             ok = False
         print(f"(bench wall time {time.perf_counter() - started:.0f} s)")
         return 0 if ok else 1
@@ -555,13 +643,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
     parser.add_argument("--warmup", type=int, default=50, help="requests before measuring")
-    parser.add_argument("--timeout", type=float, default=3600.0,
-                        help="seconds the measured load may take, in all")  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds the measured load may take, in all"
+    )
     parser.add_argument("--runner-threads", type=int, default=2, help="llama.cpp threads")
-    parser.add_argument("--growth-pct", type=float, default=20.0,
-                        help="RSS growth allowed, %% of the size after the warm-up")  # fmt: skip
-    parser.add_argument("--growth-mib", type=float, default=50.0,
-                        help="RSS growth allowed, MiB (the smaller bound applies)")  # fmt: skip
+    parser.add_argument(
+        "--growth-pct",
+        type=float,
+        default=20.0,
+        help="RSS growth allowed, %% of the size after the warm-up",
+    )
+    parser.add_argument(
+        "--growth-mib",
+        type=float,
+        default=50.0,
+        help="RSS growth allowed, MiB (the smaller bound applies)",
+    )
     args = parser.parse_args(argv)
     if min(args.requests, args.concurrency, args.max_tokens, args.runner_threads) < 1:
         parser.error("--requests, --concurrency, --max-tokens and --runner-threads must be >= 1")

@@ -126,13 +126,18 @@ class EmbeddedNats:
             self.log_path.replace(self.log_path.with_suffix(".log.prev"))
         cmd = [
             find_binary(),
-            "--addr", self.host,
-            "--port", str(self.port),
+            "--addr",
+            self.host,
+            "--port",
+            str(self.port),
             "--jetstream",
-            "--store_dir", str(self.data_dir / "jetstream"),
-            "--server_name", self.server_name,
-            "--log", str(self.log_path),
-        ]  # fmt: skip
+            "--store_dir",
+            str(self.data_dir / "jetstream"),
+            "--server_name",
+            self.server_name,
+            "--log",
+            str(self.log_path),
+        ]
         if self.cluster_name is not None:
             cmd += ["--cluster_name", self.cluster_name, "--cluster", str(self.cluster_url)]
             if self.routes:

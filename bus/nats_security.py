@@ -109,12 +109,16 @@ class NatsSecurity:
     def describe(self) -> str:
         """The method, for a log line or an error message (never the secret)."""
         method = (
-            "token" if self.token else
-            f"user {self.user}" if self.user else
-            "nkey" if self.nkey_seed_file else
-            "credentials file" if self.creds_file else
-            "no authentication"
-        )  # fmt: skip
+            "token"
+            if self.token
+            else f"user {self.user}"
+            if self.user
+            else "nkey"
+            if self.nkey_seed_file
+            else "credentials file"
+            if self.creds_file
+            else "no authentication"
+        )
         return f"{method}, {'TLS' if self.tls else 'no TLS'}"
 
     def connect_options(self) -> dict[str, Any]:

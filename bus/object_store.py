@@ -196,11 +196,17 @@ async def put_file(
         while in_flight:
             await in_flight.popleft()
         info = ObjectInfo(
-            name=name, bucket=bucket, nuid=nuid, size=size, chunks=chunks,
-            mtime=datetime.now(UTC).isoformat(), digest=digest_text(sha.digest()),
-            description=description, headers=headers,
+            name=name,
+            bucket=bucket,
+            nuid=nuid,
+            size=size,
+            chunks=chunks,
+            mtime=datetime.now(UTC).isoformat(),
+            digest=digest_text(sha.digest()),
+            description=description,
+            headers=headers,
             options=ObjectMetaOptions(max_chunk_size=chunk_bytes),
-        )  # fmt: skip
+        )
         await js.publish(
             meta_subject(bucket, name), json.dumps(info.as_dict()).encode(), headers=_ROLLUP
         )

@@ -228,8 +228,9 @@ class Projector:
             return
         await self._check_contiguous(consumer.fetched_seqs)
         changes, failed = fold_batch(self.state, batch, self.applied_seq)
-        subjects = (s for seq, s in consumer.fetched_subjects.items()
-                    if self.applied_seq < seq <= last_seq)  # fmt: skip
+        subjects = (
+            s for seq, s in consumer.fetched_subjects.items() if self.applied_seq < seq <= last_seq
+        )
         counts = counted(self.counts, subjects)
         # Dead letters before the commit: after it, a crash would lose them (the tracking row has
         # moved past their events). A crash before it has them published again after the

@@ -147,11 +147,18 @@ class RunnerRow:
     def shard(self) -> ShardAssignment:
         """The assignment this row was placed with."""
         return ShardAssignment(
-            runner_id=self.runner_id, node_id=self.node_id, device=self.device,
-            replica=self.replica, rank=self.rank, world_size=self.world_size,
-            start_layer=self.start_layer, end_layer=self.end_layer, n_layers=self.n_layers,
-            tensor_split=self.tensor_split, devices=self.devices or [],
-        )  # fmt: skip
+            runner_id=self.runner_id,
+            node_id=self.node_id,
+            device=self.device,
+            replica=self.replica,
+            rank=self.rank,
+            world_size=self.world_size,
+            start_layer=self.start_layer,
+            end_layer=self.end_layer,
+            n_layers=self.n_layers,
+            tensor_split=self.tensor_split,
+            devices=self.devices or [],
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,5 +211,11 @@ class ResponseRow:
 
 Row = NodeRow | DeviceRow | ModelRow | InstanceRow | RunnerRow | TaskRow | ResponseRow
 ROW_TYPES: tuple[type[Row], ...] = (
-    NodeRow, DeviceRow, ModelRow, InstanceRow, RunnerRow, TaskRow, ResponseRow,
-)  # fmt: skip
+    NodeRow,
+    DeviceRow,
+    ModelRow,
+    InstanceRow,
+    RunnerRow,
+    TaskRow,
+    ResponseRow,
+)

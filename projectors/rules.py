@@ -208,8 +208,11 @@ def _resource_profiled(state: ClusterState, e: ResourceProfiled) -> list[Change]
     changes: list[Change] = [Put(row)]
     wanted = _device_rows(e.node_id, p)
     wanted_keys = {d.key() for d in wanted}
-    changes += [Delete(DeviceRow.TABLE, d.key()) for d in state.devices_of(e.node_id)
-                if d.key() not in wanted_keys]  # fmt: skip
+    changes += [
+        Delete(DeviceRow.TABLE, d.key())
+        for d in state.devices_of(e.node_id)
+        if d.key() not in wanted_keys
+    ]
     changes += [Put(d) for d in wanted]
     return changes
 
@@ -277,11 +280,16 @@ def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
     if old.status in ("deleting", "deleted") or not _is_next_decision(old, e.generation):
         return []
     inst = replace(
-        old, status="placed", placed_at=e.ts, placements=old.placements + 1,
-        reason=e.reason or None, needed_bytes=None,
+        old,
+        status="placed",
+        placed_at=e.ts,
+        placements=old.placements + 1,
+        reason=e.reason or None,
+        needed_bytes=None,
         generation=e.generation if e.generation is not None else old.generation + 1,
-        avoid=list(e.avoid) or old.avoid, slots=e.slots,
-    )  # fmt: skip
+        avoid=list(e.avoid) or old.avoid,
+        slots=e.slots,
+    )
     # A new placement replaces the old shards; a shard it keeps unchanged (same runner, same
     # place, same layers) keeps its runner's state, because that runner keeps running.
     kept = {r.runner_id: r for r in state.runners_of(e.instance_id)}
@@ -312,8 +320,19 @@ def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
 
 
 def _same_shard(a: RunnerRow, b: RunnerRow) -> bool:
-    fields = ("instance_id", "node_id", "device", "replica", "rank", "world_size",
-              "start_layer", "end_layer", "n_layers", "tensor_split", "devices")  # fmt: skip
+    fields = (
+        "instance_id",
+        "node_id",
+        "device",
+        "replica",
+        "rank",
+        "world_size",
+        "start_layer",
+        "end_layer",
+        "n_layers",
+        "tensor_split",
+        "devices",
+    )
     return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
@@ -324,10 +343,14 @@ def _placement_rejected(state: ClusterState, e: PlacementRejected) -> list[Chang
     if old.status in ("deleting", "deleted") or not _is_next_decision(old, e.generation):
         return []
     inst = replace(
-        old, status="rejected", reason=e.reason, needed_bytes=e.needed_bytes,
+        old,
+        status="rejected",
+        reason=e.reason,
+        needed_bytes=e.needed_bytes,
         generation=e.generation if e.generation is not None else old.generation + 1,
-        avoid=list(e.avoid) or old.avoid, slots=None,  # no runners, no slots
-    )  # fmt: skip
+        avoid=list(e.avoid) or old.avoid,
+        slots=None,  # no runners, no slots
+    )
     return [Put(inst), *_drop_runners(state, e.instance_id)]
 
 
@@ -399,8 +422,14 @@ def _task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
 def _embeddings_requested(state: ClusterState, e: EmbeddingsRequested) -> list[Change]:
     if state.task(e.task_id) is not None:
         return []
-    row = TaskRow(task_id=e.task_id, model_id=e.model_id, status="pending", kind="embedding",
-                  user=e.user, created_at=e.ts)  # fmt: skip
+    row = TaskRow(
+        task_id=e.task_id,
+        model_id=e.model_id,
+        status="pending",
+        kind="embedding",
+        user=e.user,
+        created_at=e.ts,
+    )
     return [Put(row)]
 
 

@@ -248,8 +248,10 @@ async def write_counts(
 ) -> None:
     """Set these types' counts (the projector's whole tallies, not increments)."""
     if counts:
-        rows = [{"projector": projector, "stream": stream, "type": kind, "events": n}
-                for kind, n in counts.items()]  # fmt: skip
+        rows = [
+            {"projector": projector, "stream": stream, "type": kind, "events": n}
+            for kind, n in counts.items()
+        ]
         await conn.execute(_upsert(conn, event_counts), rows)
 
 

@@ -69,9 +69,14 @@ class Logged:
 
 
 def continuation(
-    task: Logged, *, runner_id: str, cause: str, origin: str, at: datetime,
+    task: Logged,
+    *,
+    runner_id: str,
+    cause: str,
+    origin: str,
+    at: datetime,
     max_resumes: int = MAX_RESUMES,
-) -> TaskCreated | TaskFailed:  # fmt: skip
+) -> TaskCreated | TaskFailed:
     """What follows the loss of ``task``'s runner: its continuation (published ``at``), or its
     failure."""
     created = task.created
@@ -81,13 +86,19 @@ def continuation(
     if created is None or task.cancelled or ended or attempt > max_resumes:
         if attempt > max_resumes:
             error += f" (resumed {max_resumes} times already)"
-        return TaskFailed(task_id=task.task_id, model_id=task.model_id, origin=origin,
-                          runner_id=runner_id, error=error)  # fmt: skip
+        return TaskFailed(
+            task_id=task.task_id,
+            model_id=task.model_id,
+            origin=origin,
+            runner_id=runner_id,
+            error=error,
+        )
     resume = Resume(attempt=attempt, tokens=tokens, runner_id=runner_id, reason=error)
     return TaskCreated.model_validate(
-        created.model_dump() | {"resume": resume, "origin": origin, "ts": at}
+        created.model_dump()
+        | {"resume": resume, "origin": origin, "ts": at}
         | {"event_id": f"resume-{created.task_id}-{attempt}"}
-    )  # fmt: skip
+    )
 
 
 def message_id(event: TaskCreated | TaskFailed) -> str:

@@ -98,9 +98,20 @@ class Proc:
 def shoal_up_argv(
     data_dir: Path, model_id: str, port: int, threads: int, slots: int | None = None
 ) -> list[str]:
-    argv = [str(SHOAL_BIN), "up", "--data-dir", str(data_dir), "--port", str(port),
-            "--nats-port", str(free_port("127.0.0.1")), "--runner-threads", str(threads),
-            "--model", model_id]  # fmt: skip
+    argv = [
+        str(SHOAL_BIN),
+        "up",
+        "--data-dir",
+        str(data_dir),
+        "--port",
+        str(port),
+        "--nats-port",
+        str(free_port("127.0.0.1")),
+        "--runner-threads",
+        str(threads),
+        "--model",
+        model_id,
+    ]
     return argv + (["--slots", str(slots)] if slots is not None else [])
 
 
@@ -203,8 +214,25 @@ def python_server_argv(
 ) -> list[str]:
     """llama-cpp-python's own OpenAI server; ``--interrupt_requests False`` so that concurrent
     requests wait their turn rather than cut each other off."""
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--model_alias",
-            model_id, "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-            "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-            "--interrupt_requests", "False"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(path),
+        "--model_alias",
+        model_id,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--n_ctx",
+        str(n_ctx),
+        "--interrupt_requests",
+        "False",
+    ]
     return argv + (["--chat_format", chat_format] if chat_format else [])

@@ -29,36 +29,60 @@ Host = Annotated[str, typer.Option(help="Address the API listens on.")]
 Port = Annotated[int, typer.Option(help="Port the API listens on.")]
 TlsCert = Annotated[
     Path | None,
-    typer.Option("--tls-cert", envvar="SHOAL_API_TLS_CERT", exists=True, dir_okay=False,
-                 callback=absolute,
-                 help="Serve HTTPS with this certificate (PEM; with --tls-key)."),
-]  # fmt: skip
+    typer.Option(
+        "--tls-cert",
+        envvar="SHOAL_API_TLS_CERT",
+        exists=True,
+        dir_okay=False,
+        callback=absolute,
+        help="Serve HTTPS with this certificate (PEM; with --tls-key).",
+    ),
+]
 TlsKey = Annotated[
     Path | None,
-    typer.Option("--tls-key", envvar="SHOAL_API_TLS_KEY", exists=True, dir_okay=False,
-                 callback=absolute, help="The key of --tls-cert (PEM)."),
-]  # fmt: skip
+    typer.Option(
+        "--tls-key",
+        envvar="SHOAL_API_TLS_KEY",
+        exists=True,
+        dir_okay=False,
+        callback=absolute,
+        help="The key of --tls-cert (PEM).",
+    ),
+]
 Aliases = Annotated[
     list[str] | None,
-    typer.Option("--alias", help="NAME=MODEL: clients may call MODEL by NAME (repeatable; or"
-                 " SHOAL_MODEL_ALIASES), e.g. the model names an SDK sends."),
-]  # fmt: skip
+    typer.Option(
+        "--alias",
+        help="NAME=MODEL: clients may call MODEL by NAME (repeatable; or"
+        " SHOAL_MODEL_ALIASES), e.g. the model names an SDK sends.",
+    ),
+]
 CorsOrigins = Annotated[
     list[str] | None,
-    typer.Option("--cors-origin", help="An origin whose browser pages may call the API"
-                 " (repeatable; '*' for any, without credentials). None by default."),
-]  # fmt: skip
+    typer.Option(
+        "--cors-origin",
+        help="An origin whose browser pages may call the API"
+        " (repeatable; '*' for any, without credentials). None by default.",
+    ),
+]
 MaxQueued = Annotated[
     int | None,
-    typer.Option("--max-queued", min=0, help="Requests that may wait in the API for a busy"
-                 " model (per model); past it, a 429 with Retry-After [default: 16 per slot of"
-                 " the model's runners]."),
-]  # fmt: skip
+    typer.Option(
+        "--max-queued",
+        min=0,
+        help="Requests that may wait in the API for a busy"
+        " model (per model); past it, a 429 with Retry-After [default: 16 per slot of"
+        " the model's runners].",
+    ),
+]
 ApiKeys = Annotated[
     list[str] | None,
-    typer.Option("--api-key", help="A key clients must send as a Bearer token (repeatable; or"
-                 " SHOAL_API_KEYS). Without any, the API is open."),
-]  # fmt: skip
+    typer.Option(
+        "--api-key",
+        help="A key clients must send as a Bearer token (repeatable; or"
+        " SHOAL_API_KEYS). Without any, the API is open.",
+    ),
+]
 
 
 class ApiServer(uvicorn.Server):
@@ -88,16 +112,24 @@ def api_url(host: str, port: int, tls: ApiTls | None) -> str:
 
 
 def api_server(config: ApiConfig, host: str, port: int, tls: ApiTls | None = None) -> ApiServer:
-    return ApiServer(uvicorn.Config(
-        create_app(config), host=host, port=port, log_level="warning", lifespan="on",
-        ssl_certfile=str(tls.cert) if tls else None, ssl_keyfile=str(tls.key) if tls else None,
-    ))  # fmt: skip
+    return ApiServer(
+        uvicorn.Config(
+            create_app(config),
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            ssl_certfile=str(tls.cert) if tls else None,
+            ssl_keyfile=str(tls.key) if tls else None,
+        )
+    )
 
 
 async def serve_until(server: ApiServer, stop: asyncio.Event) -> None:
     task = asyncio.create_task(server.serve())
-    await asyncio.wait({task, asyncio.create_task(stop.wait())},
-                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    await asyncio.wait(
+        {task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+    )
     server.should_exit = True
     await task
 
@@ -112,8 +144,11 @@ def cli_aliases(items: list[str] | None) -> dict[str, str]:
 
 def check_port_free(host: str, port: int, what: str, option: str) -> None:
     if port_in_use(host, port):
-        typer.echo(f"error: port {port} on {host} is already in use: choose another {what}"
-                   f" port with {option}", err=True)  # fmt: skip
+        typer.echo(
+            f"error: port {port} on {host} is already in use: choose another {what}"
+            f" port with {option}",
+            err=True,
+        )
         raise typer.Exit(1)
 
 
@@ -138,9 +173,14 @@ def api(
     check_port_free(host, port, "API", "--port")
     keys = frozenset(api_key or ()) | keys_from_env()
     config = ApiConfig(
-        nats_url=nats, db_url=db, api_keys=keys, aliases=cli_aliases(alias),
-        default_model=default_model, cors_origins=tuple(cors_origin or ()), max_queued=max_queued,
-    )  # fmt: skip
+        nats_url=nats,
+        db_url=db,
+        api_keys=keys,
+        aliases=cli_aliases(alias),
+        default_model=default_model,
+        cors_origins=tuple(cors_origin or ()),
+        max_queued=max_queued,
+    )
     typer.echo(f"API on {api_url(host, port, tls)}" + (" (API keys required)" if keys else ""))
 
     async def main(stop: asyncio.Event) -> None:

@@ -43,8 +43,10 @@ def event_line(event: Event, seq: int | None = None, stored_at: datetime | None 
         # A continuation: after how much, and why (its prompt is the first TaskCreated's).
         r = event.resume
         name, colour = "TaskCreated (resumed)", "yellow"
-        resumed = (f"attempt={r.attempt} after={len(r.tokens)} tokens lost={r.runner_id} "
-                   f"why={_short(r.reason)} ")  # fmt: skip
+        resumed = (
+            f"attempt={r.attempt} after={len(r.tokens)} tokens lost={r.runner_id} "
+            f"why={_short(r.reason)} "
+        )
     fields = resumed + " ".join(
         f"{k}={_short(v)}"
         for k, v in event.model_dump(exclude_none=True).items()

@@ -179,8 +179,10 @@ async def restore_stream(nats: str, lines: TextIO) -> tuple[int, dict[str, int]]
                 # The log's order is its meaning: appending to a log would interleave two.
                 info = await js.stream_info(stream)
                 if info.state.messages:
-                    raise RestoreError(f"stream {stream} holds {info.state.messages} messages:"
-                                       " restore into a new, empty cluster")  # fmt: skip
+                    raise RestoreError(
+                        f"stream {stream} holds {info.state.messages} messages:"
+                        " restore into a new, empty cluster"
+                    )
                 checked.add(stream)
             ack = await js.publish(subject, data, headers=line.get("headers") or None)
             last[stream] = ack.seq

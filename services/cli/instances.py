@@ -171,9 +171,15 @@ def _request(
         problem = slots_problem(info, role, slots)
         if problem is not None:
             _fail(f"--slots: {problem}")
-    return PlacementRequest(instance_id=instance_id, model=info, replicas=replicas,
-                            context_length=context, spec=spec, role=role,
-                            slots=slots)  # fmt: skip
+    return PlacementRequest(
+        instance_id=instance_id,
+        model=info,
+        replicas=replicas,
+        context_length=context,
+        spec=spec,
+        role=role,
+        slots=slots,
+    )
 
 
 def describe(result: Placement | Rejection, model_id: str) -> str:
@@ -280,10 +286,15 @@ def create(
             if isinstance(result, Rejection) and not queue:
                 _fail(f"{model} {describe(result, model)} (--queue requests it anyway)")
             requested = InstanceRequested(
-                instance_id=iid, model_id=model, origin=f"shoal-cli@{socket.gethostname()}",
-                placement=spec, replicas=replicas, context_length=context, role=chosen,
+                instance_id=iid,
+                model_id=model,
+                origin=f"shoal-cli@{socket.gethostname()}",
+                placement=spec,
+                replicas=replicas,
+                context_length=context,
+                role=chosen,
                 slots=slots,
-            )  # fmt: skip
+            )
             outcomes = (InstancePlaced, PlacementRejected)
             return await _publish_and_wait(nc, requested, wait, outcomes)
         finally:
@@ -321,9 +332,10 @@ def delete(
         nc = await connect(nats, name="shoal-instances")
         try:
             request = InstanceDeleteRequested(
-                instance_id=instance_id, origin=f"shoal-cli@{socket.gethostname()}",
+                instance_id=instance_id,
+                origin=f"shoal-cli@{socket.gethostname()}",
                 reason="deleted with `shoal instances delete`",
-            )  # fmt: skip
+            )
             return await _publish_and_wait(nc, request, wait, (InstanceDeleted,))
         finally:
             await nc.close()
@@ -349,8 +361,7 @@ async def _publish_and_wait(
         with contextlib.suppress(ValueError):  # not an event: not an answer either
             got.put_nowait(parse_event(msg.data))
 
-    sub = await nc.subscribe(aggregate_filter("instance", request.instance_id),
-                             cb=on_msg)  # fmt: skip
+    sub = await nc.subscribe(aggregate_filter("instance", request.instance_id), cb=on_msg)
     try:
         await Publisher(nc.jetstream()).publish(request)
         if wait <= 0:
@@ -379,18 +390,31 @@ def list_instances(
         if inst.status == "deleted" and not all_:
             continue
         runners = sorted(state.runners_of(inst.instance_id), key=lambda r: (r.replica, r.rank))
-        rows.append({
-            "instance_id": inst.instance_id, "model_id": inst.model_id, "role": inst.role,
-            "status": inst.status,
-            "replicas": inst.replicas, "slots": inst.slots, "generation": inst.generation,
-            "reason": inst.reason,
-            "shards": [
-                {"runner_id": r.runner_id, "node": r.node_id, "device": r.device,
-                 "replica": r.replica, "rank": r.rank, "layers": [r.start_layer, r.end_layer],
-                 "state": r.state, "slots": r.slots}
-                for r in runners
-            ],
-        })  # fmt: skip
+        rows.append(
+            {
+                "instance_id": inst.instance_id,
+                "model_id": inst.model_id,
+                "role": inst.role,
+                "status": inst.status,
+                "replicas": inst.replicas,
+                "slots": inst.slots,
+                "generation": inst.generation,
+                "reason": inst.reason,
+                "shards": [
+                    {
+                        "runner_id": r.runner_id,
+                        "node": r.node_id,
+                        "device": r.device,
+                        "replica": r.replica,
+                        "rank": r.rank,
+                        "layers": [r.start_layer, r.end_layer],
+                        "state": r.state,
+                        "slots": r.slots,
+                    }
+                    for r in runners
+                ],
+            }
+        )
     if as_json:
         for row in rows:
             typer.echo(json.dumps(row))
@@ -403,9 +427,16 @@ def list_instances(
             f"{s['node']}:{s['device']} [{s['layers'][0]}:{s['layers'][1]}] {s['state']}"
             for s in row["shards"]
         )
-        table.add_row(row["instance_id"], row["model_id"], row["role"], row["status"],
-                      str(row["replicas"]), str(row["slots"] or "-"), shards or "-",
-                      row["reason"] or "")  # fmt: skip
+        table.add_row(
+            row["instance_id"],
+            row["model_id"],
+            row["role"],
+            row["status"],
+            str(row["replicas"]),
+            str(row["slots"] or "-"),
+            shards or "-",
+            row["reason"] or "",
+        )
     Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)
     if not rows:
         typer.echo("(no instances; `shoal instances create MODEL` asks for one)")

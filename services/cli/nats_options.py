@@ -84,10 +84,15 @@ def nats_security_options(
 ) -> None:
     """Shoal: run language models across a cluster, with an event log as the control plane."""
     given = {
-        "token": nats_token, "user": nats_user, "password": nats_password,
-        "nkey_seed_file": nats_nkey, "creds_file": nats_creds, "tls_ca": nats_ca,
-        "tls_cert": nats_cert, "tls_key": nats_key,
-    }  # fmt: skip
+        "token": nats_token,
+        "user": nats_user,
+        "password": nats_password,
+        "nkey_seed_file": nats_nkey,
+        "creds_file": nats_creds,
+        "tls_ca": nats_ca,
+        "tls_cert": nats_cert,
+        "tls_key": nats_key,
+    }
     for field, value in given.items():
         if value is not None:
             os.environ[ENV[field]] = str(value.absolute() if isinstance(value, Path) else value)

@@ -23,25 +23,63 @@ GiB = 1024**3
 
 # What `shoal state` shows of each table (the JSON output has every column).
 _COLUMNS: dict[str, tuple[str, ...]] = {
-    "nodes": ("node_id", "status", "hostname", "ram_available", "memory_offered", "cpu_count",
-              "cpu_load", "last_seen"),
-    "instances": ("instance_id", "model_id", "status", "replicas", "slots", "placements",
-                  "reason"),
-    "runners": ("runner_id", "instance_id", "node_id", "device", "state", "layers", "slots",
-                "failures", "error"),
-    "tasks": ("task_id", "model_id", "status", "runner_id", "prompt_tokens",
-              "completion_tokens", "ttft_ms", "tokens_per_s", "created_at"),
-}  # fmt: skip
+    "nodes": (
+        "node_id",
+        "status",
+        "hostname",
+        "ram_available",
+        "memory_offered",
+        "cpu_count",
+        "cpu_load",
+        "last_seen",
+    ),
+    "instances": ("instance_id", "model_id", "status", "replicas", "slots", "placements", "reason"),
+    "runners": (
+        "runner_id",
+        "instance_id",
+        "node_id",
+        "device",
+        "state",
+        "layers",
+        "slots",
+        "failures",
+        "error",
+    ),
+    "tasks": (
+        "task_id",
+        "model_id",
+        "status",
+        "runner_id",
+        "prompt_tokens",
+        "completion_tokens",
+        "ttft_ms",
+        "tokens_per_s",
+        "created_at",
+    ),
+}
 _TABLES = ("nodes", "devices", "models", "instances", "runners", "tasks")
 # What `shoal state` shows of an API's admission control (GET /v1/admission).
-_ADMISSION = ("model", "capacity", "in_flight", "queued", "max_queued", "keys_waiting",
-              "oldest_wait_s", "mean_wait_s", "admitted", "rejected")  # fmt: skip
+_ADMISSION = (
+    "model",
+    "capacity",
+    "in_flight",
+    "queued",
+    "max_queued",
+    "keys_waiting",
+    "oldest_wait_s",
+    "mean_wait_s",
+    "admitted",
+    "rejected",
+)
 DEFAULT_API = "http://127.0.0.1:8000"
 ApiUrl = Annotated[
     str,
-    typer.Option(envvar="SHOAL_API_URL", help="An API process whose admission queues to show"
-                 " too, if it answers (GET /v1/admission)."),
-]  # fmt: skip
+    typer.Option(
+        envvar="SHOAL_API_URL",
+        help="An API process whose admission queues to show"
+        " too, if it answers (GET /v1/admission).",
+    ),
+]
 
 
 def read_admission(api: str, key: str | None, timeout_s: float = 2.0) -> AdmissionState | None:
@@ -71,11 +109,10 @@ async def read_state(db: str, recent_tasks: int) -> dict[str, list[dict[str, Any
 # Statuses and states by what they mean to someone reading the table.
 _STYLES = {
     "green": {"online", "placed", "completed", "Ready", "Running"},
-    "yellow": {"requested", "Assigned", "Downloading", "Loading", "started", "created",
-               "deleting"},
+    "yellow": {"requested", "Assigned", "Downloading", "Loading", "started", "created", "deleting"},
     "red": {"timed_out", "rejected", "failed", "Failed"},
     "dim": {"left", "deleted", "Stopped", "cancelled"},
-}  # fmt: skip
+}
 _STYLE_OF = {value: style for style, values in _STYLES.items() for value in values}
 
 

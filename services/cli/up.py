@@ -129,8 +129,11 @@ def up(
     limit = parse_memory_limit(memory_limit) if memory_limit else None
     if not no_model and model not in builtin_cards():
         known = ", ".join(sorted(builtin_cards()))
-        typer.echo(f"error: --model must be a built-in model ({known}); add others with"
-                   " `shoal models add` and `shoal instances create`", err=True)  # fmt: skip
+        typer.echo(
+            f"error: --model must be a built-in model ({known}); add others with"
+            " `shoal models add` and `shoal instances create`",
+            err=True,
+        )
         raise typer.Exit(1)
     tls = api_tls(tls_cert, tls_key)
     if (nats_tls_cert is None) != (nats_tls_key is None):
@@ -152,8 +155,14 @@ def up(
         if port_in_use(nats_host, nats_port_):
             nats_port_ = free_port(nats_host)
             typer.echo(f"port {DEFAULT_NATS_PORT} is in use; the embedded NATS uses {nats_port_}")
-    server = EmbeddedNats(data / "nats", port=nats_port_, host=nats_host, security=security,
-                          tls_cert=nats_tls_cert, tls_key=nats_tls_key)  # fmt: skip
+    server = EmbeddedNats(
+        data / "nats",
+        port=nats_port_,
+        host=nats_host,
+        security=security,
+        tls_cert=nats_tls_cert,
+        tls_key=nats_tls_key,
+    )
     server.start()
     url = api_url(host, port, tls)
 
@@ -166,17 +175,29 @@ def up(
         try:
             await _first(projector.ready.wait(), tasks[0])
             worker_dir = data / "worker"
-            worker = Worker(worker_nc, WorkerConfig(
-                nats_url=server.url, node_id=load_node_id(worker_dir, None), data_dir=worker_dir,
-                memory_limit=limit, runner_threads=runner_threads, data_host=data_host,
-                slots=slots,
-            ))  # fmt: skip
+            worker = Worker(
+                worker_nc,
+                WorkerConfig(
+                    nats_url=server.url,
+                    node_id=load_node_id(worker_dir, None),
+                    data_dir=worker_dir,
+                    memory_limit=limit,
+                    runner_threads=runner_threads,
+                    data_host=data_host,
+                    slots=slots,
+                ),
+            )
             config = ApiConfig(
-                nats_url=server.url, db_url=db_url, api_keys=keys, aliases=aliases,
-                default_model=None if no_model else model, cors_origins=tuple(cors_origin or ()),
-                models_dir=data / "models", worker_models_dir=worker_dir / "models",
+                nats_url=server.url,
+                db_url=db_url,
+                api_keys=keys,
+                aliases=aliases,
+                default_model=None if no_model else model,
+                cors_origins=tuple(cors_origin or ()),
+                models_dir=data / "models",
+                worker_models_dir=worker_dir / "models",
                 max_queued=max_queued,
-            )  # fmt: skip
+            )
             api = api_server(config, host, port, tls)
             tasks += [
                 asyncio.create_task(Planner(nc, engine, origin="planner@up").run(stop)),
@@ -187,8 +208,9 @@ def up(
             typer.echo(f"NATS      {server.url} ({security.describe()})")
             typer.echo(f"database  {db_url}")
             root = url.removesuffix("/v1")
-            typer.echo(f"clients   OpenAI {url}, Anthropic and Ollama {root}"
-                       f" (/v1/messages, /api/chat)")  # fmt: skip
+            typer.echo(
+                f"clients   OpenAI {url}, Anthropic and Ollama {root} (/v1/messages, /api/chat)"
+            )
             if no_model:
                 typer.echo(f"ready: {url} (no model requested; Ctrl-C stops)")
             else:
@@ -224,12 +246,15 @@ def refuse_exposure(
     if beyond and not keys:
         missing.append("API keys (--api-key or SHOAL_API_KEYS)")
     if beyond and not security.authenticates:
-        missing.append("NATS authentication (SHOAL_NATS_TOKEN, SHOAL_NATS_USER and"
-                       " SHOAL_NATS_PASSWORD, or SHOAL_NATS_NKEY)")  # fmt: skip
+        missing.append(
+            "NATS authentication (SHOAL_NATS_TOKEN, SHOAL_NATS_USER and"
+            " SHOAL_NATS_PASSWORD, or SHOAL_NATS_NKEY)"
+        )
     if not missing:
         return None
-    return (f"refusing to listen on {', '.join(sorted(set(beyond)))} without "
-            + " and ".join(missing))  # fmt: skip
+    return f"refusing to listen on {', '.join(sorted(set(beyond)))} without " + " and ".join(
+        missing
+    )
 
 
 def _loopback(host: str) -> bool:

@@ -50,8 +50,9 @@ class Step:
 def weights_step(model_id: str, fraction: float | None, source: str) -> Step:
     """Fetching or assembling the weights on this machine (before the model is announced)."""
     done = fraction is not None and fraction >= 1.0
-    return Step("weights", f"{model_id} weights ({source})",
-                "ready" if done else "preparing", fraction)  # fmt: skip
+    return Step(
+        "weights", f"{model_id} weights ({source})", "ready" if done else "preparing", fraction
+    )
 
 
 def model_steps(state: ClusterState, model_id: str) -> list[Step]:
@@ -81,8 +82,15 @@ def model_steps(state: ClusterState, model_id: str) -> list[Step]:
                 fraction = 1.0
             elif r.state == "Downloading" and r.progress is not None:
                 fraction = r.progress
-            steps.append(Step(f"runner:{r.runner_id}", f"runner on {r.node_id} ({layers})",
-                              status, fraction, failed=r.state == "Failed"))  # fmt: skip
+            steps.append(
+                Step(
+                    f"runner:{r.runner_id}",
+                    f"runner on {r.node_id} ({layers})",
+                    status,
+                    fraction,
+                    failed=r.state == "Failed",
+                )
+            )
     return steps
 
 
@@ -136,5 +144,6 @@ class UpProgress:
                 step.label, total=total, completed=completed, status=status
             )
         else:
-            self._progress.update(row, description=step.label, total=total,
-                                  completed=completed, status=status)  # fmt: skip
+            self._progress.update(
+                row, description=step.label, total=total, completed=completed, status=status
+            )

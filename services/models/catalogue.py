@@ -114,24 +114,33 @@ class CatalogueEntry(_Strict):
         return 2 * self.n_layers * self.kv_heads * self.head_dim * 2
 
     def cards(self) -> list[ModelCard]:
-        def card(card_id: str, engine: Engine, source: PackageSource | HfSource, size: int,
-                 variant: str) -> ModelCard:  # fmt: skip
+        def card(
+            card_id: str, engine: Engine, source: PackageSource | HfSource, size: int, variant: str
+        ) -> ModelCard:
             return ModelCard(
-                id=card_id, family=self.family, description=self.description, engines=[engine],
+                id=card_id,
+                family=self.family,
+                description=self.description,
+                engines=[engine],
                 chat_format=self.chat_format if engine == "llamacpp" else None,
-                tool_calls=self.tool_calls, variant=variant, source=source,
+                tool_calls=self.tool_calls,
+                variant=variant,
+                source=source,
                 estimate=CardEstimate(
-                    n_layers=self.n_layers, context_length=self.context_length, size_bytes=size,
+                    n_layers=self.n_layers,
+                    context_length=self.context_length,
+                    size_bytes=size,
                     kv_bytes_per_token=self.kv_bytes_per_token(),
                     overhead_bytes=engine_overhead_bytes(self.vocab_size),
                 ),
-            )  # fmt: skip
+            )
 
         out: list[ModelCard] = []
         if self.package is not None:
             p = self.package
-            source = PackageSource(package=p.package, module=p.module, file=p.file,
-                                   assemble=p.assemble)  # fmt: skip
+            source = PackageSource(
+                package=p.package, module=p.module, file=p.file, assemble=p.assemble
+            )
             out.append(card(self.id, "llamacpp", source, p.size, "package"))
         if self.gguf is not None:
             for quant, q in self.gguf.quants.items():
@@ -139,8 +148,15 @@ class CatalogueEntry(_Strict):
                 card_id = self.id if quant == self.gguf.default else f"{self.id}:{quant.lower()}"
                 out.append(card(card_id, "llamacpp", hf, q.size, quant))
         for quant, m in self.mlx.items():
-            out.append(card(f"{self.id}:mlx-{quant.lower()}", "mlx", HfSource(repo=m.repo),
-                            m.size, f"mlx-{quant}"))  # fmt: skip
+            out.append(
+                card(
+                    f"{self.id}:mlx-{quant.lower()}",
+                    "mlx",
+                    HfSource(repo=m.repo),
+                    m.size,
+                    f"mlx-{quant}",
+                )
+            )
         return out
 
 

@@ -44,13 +44,21 @@ def search_hub(
         raise HubUnavailable(f"cannot search the Hugging Face Hub: {why}")
     api = HfApi(endpoint=endpoint)
     try:
-        found = api.list_models(search=text, filter="mlx" if mlx else "gguf",
-                                sort="downloads", limit=limit)  # fmt: skip
+        found = api.list_models(
+            search=text, filter="mlx" if mlx else "gguf", sort="downloads", limit=limit
+        )
         out = []
         for m in found:
             tags = set(m.tags or [])
-            out.append(HubModel(repo=m.id, downloads=m.downloads or 0, likes=m.likes or 0,
-                                gguf="gguf" in tags, mlx="mlx" in tags))  # fmt: skip
+            out.append(
+                HubModel(
+                    repo=m.id,
+                    downloads=m.downloads or 0,
+                    likes=m.likes or 0,
+                    gguf="gguf" in tags,
+                    mlx="mlx" in tags,
+                )
+            )
         return out
     except OfflineModeIsEnabled as exc:
         raise HubUnavailable("cannot search the Hugging Face Hub: offline mode") from exc

@@ -53,9 +53,9 @@ class _SameHostAuth(urllib.request.HTTPRedirectHandler):
         return new
 
 
-def _get_range(url: str, start: int, end: int, token: str | None, timeout: float) -> tuple[
-    bytes, int
-]:  # fmt: skip
+def _get_range(
+    url: str, start: int, end: int, token: str | None, timeout: float
+) -> tuple[bytes, int]:
     """Bytes ``start..end`` (inclusive) of ``url`` and the file's whole size."""
     request = urllib.request.Request(url, headers={"Range": f"bytes={start}-{end}"})
     if token:
@@ -94,8 +94,9 @@ def read_remote_gguf(
             break
         except GgufTruncated:
             if len(data) >= total or want >= MAX_HEADER_BYTES:
-                raise RemoteHeaderError(f"{url}: no complete GGUF header in its first"
-                                        f" {len(data)} bytes") from None  # fmt: skip
+                raise RemoteHeaderError(
+                    f"{url}: no complete GGUF header in its first {len(data)} bytes"
+                ) from None
             want *= 4
     size = total
     folder, _, name = url.rpartition("/")
@@ -127,6 +128,9 @@ def hub_estimate(
     remote = read_remote_gguf(url, token=token)
     facts = gguf_facts(remote.info)
     return CardEstimate(
-        n_layers=facts.n_layers, context_length=facts.context_length, size_bytes=facts.size_bytes,
-        kv_bytes_per_token=facts.kv_bytes_per_token, overhead_bytes=facts.overhead_bytes,
-    )  # fmt: skip
+        n_layers=facts.n_layers,
+        context_length=facts.context_length,
+        size_bytes=facts.size_bytes,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        overhead_bytes=facts.overhead_bytes,
+    )

@@ -279,9 +279,12 @@ def _hf_cached(source: HfSource, cache_dir: Path) -> Path | None:
     if source.filename is None:
         try:
             snapshot = huggingface_hub.snapshot_download(
-                source.repo, revision=source.revision, cache_dir=_hf_cache(cache_dir),
-                allow_patterns=MLX_FILES, local_files_only=True,
-            )  # fmt: skip
+                source.repo,
+                revision=source.revision,
+                cache_dir=_hf_cache(cache_dir),
+                allow_patterns=MLX_FILES,
+                local_files_only=True,
+            )
         except (LocalEntryNotFoundError, OfflineModeIsEnabled, OSError, ValueError):
             return None
         return Path(snapshot)
@@ -289,9 +292,11 @@ def _hf_cached(source: HfSource, cache_dir: Path) -> Path | None:
     folder, _, name = source.filename.rpartition("/")
     for part in split_parts(name):
         cached = huggingface_hub.try_to_load_from_cache(
-            source.repo, f"{folder}/{part}" if folder else part,
-            cache_dir=_hf_cache(cache_dir), revision=source.revision,
-        )  # fmt: skip
+            source.repo,
+            f"{folder}/{part}" if folder else part,
+            cache_dir=_hf_cache(cache_dir),
+            revision=source.revision,
+        )
         if not isinstance(cached, str):
             return None
         paths.append(Path(cached))
@@ -327,11 +332,14 @@ def _hf_download(
         if source.filename is None:
             return Path(
                 huggingface_hub.snapshot_download(
-                    source.repo, revision=source.revision, cache_dir=_hf_cache(cache_dir),
-                    allow_patterns=MLX_FILES, endpoint=endpoint,
+                    source.repo,
+                    revision=source.revision,
+                    cache_dir=_hf_cache(cache_dir),
+                    allow_patterns=MLX_FILES,
+                    endpoint=endpoint,
                     tqdm_class=_progress_bar_class(throttle),
                 )
-            )  # fmt: skip
+            )
         folder, _, name = source.filename.rpartition("/")
         parts = split_parts(name)
         paths = []

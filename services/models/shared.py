@@ -99,8 +99,9 @@ async def store_files(
                 if on_progress is not None:
                     on_progress(base + n, total)
 
-            await put_file(js, MODELS_BUCKET, weight.object, path, description=name,
-                           on_progress=progress)  # fmt: skip
+            await put_file(
+                js, MODELS_BUCKET, weight.object, path, description=name, on_progress=progress
+            )
         done += size
         if on_progress is not None:
             on_progress(done, total)

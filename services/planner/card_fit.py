@@ -15,9 +15,12 @@ def card_info(card: ModelCard) -> ModelInfo | None:
     e = card.estimate
     if e is None:
         return None
-    footprint = Footprint(n_layers=e.n_layers, weights_bytes=e.size_bytes,
-                          kv_bytes_per_token=e.kv_bytes_per_token,
-                          overhead_bytes=e.overhead_bytes)  # fmt: skip
+    footprint = Footprint(
+        n_layers=e.n_layers,
+        weights_bytes=e.size_bytes,
+        kv_bytes_per_token=e.kv_bytes_per_token,
+        overhead_bytes=e.overhead_bytes,
+    )
     return ModelInfo(card.id, footprint, e.context_length, card.engines[0])
 
 

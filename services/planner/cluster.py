@@ -191,6 +191,16 @@ def cluster_view(state: ClusterState, excluding_instance: str | None = None) -> 
         shared = 0
         if row.node_id in pooled and ref in pools[row.node_id]:
             shared = sum(charges.get(other, 0) for other in pools[row.node_id] if other != ref)
-        devices[ref] = Device(row.node_id, row.device, row.kind, capacity, charges.get(ref, 0),
-                              row.backend, row.unified, engines, ram, shared)  # fmt: skip
+        devices[ref] = Device(
+            row.node_id,
+            row.device,
+            row.kind,
+            capacity,
+            charges.get(ref, 0),
+            row.backend,
+            row.unified,
+            engines,
+            ram,
+            shared,
+        )
     return ClusterView(devices, node_status)

@@ -82,9 +82,12 @@ def decide(
         if silence is not None:
             assert node.last_seen is not None
             event = NodeTimedOut(
-                node_id=node.node_id, origin=origin, last_seen=node.last_seen,
-                missed_heartbeats=silence, ts=now,
-            )  # fmt: skip
+                node_id=node.node_id,
+                origin=origin,
+                last_seen=node.last_seen,
+                missed_heartbeats=silence,
+                ts=now,
+            )
             emit(event, f"timedout:{node.node_id}:{node.last_seen.isoformat()}")
 
     instances = sorted(
@@ -184,10 +187,16 @@ def _place(
     reason = why.reason
     if isinstance(result, Placement):
         event: DecisionEvent = InstancePlaced(
-            instance_id=inst.instance_id, model_id=inst.model_id, origin=origin,
-            shards=list(result.shards), generation=request.generation, reason=reason,
-            avoid=sorted(why.avoid), slots=result.slots, ts=now,
-        )  # fmt: skip
+            instance_id=inst.instance_id,
+            model_id=inst.model_id,
+            origin=origin,
+            shards=list(result.shards),
+            generation=request.generation,
+            reason=reason,
+            avoid=sorted(why.avoid),
+            slots=result.slots,
+            ts=now,
+        )
         emit(event, msg_id)
     elif inst.status != "rejected":
         cause = result.reason
@@ -196,13 +205,18 @@ def _place(
             cause += f" `shoal models add {inst.model_id}`"
         emit(
             PlacementRejected(
-                instance_id=inst.instance_id, model_id=inst.model_id, origin=origin,
+                instance_id=inst.instance_id,
+                model_id=inst.model_id,
+                origin=origin,
                 reason=f"{reason}; and it cannot be placed again: {cause}" if reason else cause,
-                needed_bytes=result.needed_bytes, available_bytes=result.available_bytes,
-                generation=request.generation, avoid=sorted(why.avoid), ts=now,
+                needed_bytes=result.needed_bytes,
+                available_bytes=result.available_bytes,
+                generation=request.generation,
+                avoid=sorted(why.avoid),
+                ts=now,
             ),
             msg_id,
-        )  # fmt: skip
+        )
     return result
 
 

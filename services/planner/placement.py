@@ -79,8 +79,7 @@ class ModelInfo:
     @classmethod
     def of(cls, model: ModelRow) -> ModelInfo:
         engine = cast(Engine, (model.engines or ["llamacpp"])[0])
-        return cls(model.model_id, Footprint.of(model), model.context_length, engine,
-                   model.node_id)  # fmt: skip
+        return cls(model.model_id, Footprint.of(model), model.context_length, engine, model.node_id)
 
 
 @dataclass(frozen=True)
@@ -166,11 +165,15 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
         # A model kept at a path on one node (added --local) runs there or nowhere.
         elsewhere = sorted({d.node_id for g, _ in manual or [] for d in g} - {model.node_id})
         if elsewhere:
-            return Rejection(f"{model.model_id} is kept on node {model.node_id} only (added with"
-                             f" --local), not on {', '.join(elsewhere)}")  # fmt: skip
+            return Rejection(
+                f"{model.model_id} is kept on node {model.node_id} only (added with"
+                f" --local), not on {', '.join(elsewhere)}"
+            )
         if cluster.node_status.get(model.node_id) != "online":
-            return Rejection(f"{model.model_id} is kept on node {model.node_id} only (added with"
-                             " --local), which is not online")  # fmt: skip
+            return Rejection(
+                f"{model.model_id} is kept on node {model.node_id} only (added with"
+                " --local), which is not online"
+            )
         cluster = cluster.on_node(model.node_id)
     if asked is not None:
         problem = slots_problem(model, request.role, asked)
@@ -242,14 +245,16 @@ def _placement(
     shard_bytes: dict[str, int] = {}
     for replica in sorted(placed):
         stages = placed[replica].stages
-        for shard, stage in zip(_shards(request, replica, stages, fp.n_layers), stages,
-                                strict=True):  # fmt: skip
+        for shard, stage in zip(
+            _shards(request, replica, stages, fp.n_layers), stages, strict=True
+        ):
             shards.append(shard)
             shard_bytes[shard.runner_id] = sum(stage.charges(fp, tokens).values())
     charges = _charges([p.stages for p in placed.values()], fp, tokens)
     why = tuple(placed[r].why for r in sorted(placed))
-    return Placement(tuple(shards), charges, shard_bytes, fp.need_bytes(tokens), ctx, kept, slots,
-                     why)  # fmt: skip
+    return Placement(
+        tuple(shards), charges, shard_bytes, fp.need_bytes(tokens), ctx, kept, slots, why
+    )
 
 
 def _auto(
@@ -271,8 +276,10 @@ def _auto(
     # cluster directly: building every node's ways for each replica made a round slow.
     tiers: list[Callable[[Iterable[str]], bool]] = [lambda refs: True]
     if used:
-        tiers[:0] = [lambda refs: not used_nodes.intersection(_node(r) for r in refs),
-                     used.isdisjoint]  # fmt: skip
+        tiers[:0] = [
+            lambda refs: not used_nodes.intersection(_node(r) for r in refs),
+            used.isdisjoint,
+        ]
     for fresh in tiers:
         best: Option | None = None
         on_gpu = [d for d in gpus if fresh([d.ref])]
@@ -288,8 +295,7 @@ def _auto(
             elif in_ram:
                 best = Option(one_device(min(in_ram, key=_roomiest), fp.n_layers), CPU)
         if best is not None:
-            return Placed([best.stage], why_node(best, bool(gpus), view, fp, tokens, engine,
-                                                  avoid))  # fmt: skip
+            return Placed([best.stage], why_node(best, bool(gpus), view, fp, tokens, engine, avoid))
     fresh_pool = [d for d in candidates if d.node_id not in used_nodes]
     for pool in (fresh_pool, candidates) if used_nodes else (candidates,):
         stages = _split(pool, fp, tokens, engine)

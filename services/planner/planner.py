@@ -47,8 +47,13 @@ from services.resume import continuation, describe, message_id, read_logged, sti
 log = logging.getLogger(__name__)
 
 # What decisions depend on; the tasks table (the big one) is not among them.
-PLANNING_TABLES = (NodeRow.TABLE, DeviceRow.TABLE, ModelRow.TABLE, InstanceRow.TABLE,
-                   RunnerRow.TABLE)  # fmt: skip
+PLANNING_TABLES = (
+    NodeRow.TABLE,
+    DeviceRow.TABLE,
+    ModelRow.TABLE,
+    InstanceRow.TABLE,
+    RunnerRow.TABLE,
+)
 WATCHED_AGGREGATES: tuple[Aggregate, ...] = ("node", "model", "instance", "runner")
 WATCHED = [aggregate_filter(a) for a in WATCHED_AGGREGATES]
 
@@ -165,8 +170,9 @@ class Planner:
             # changed could store nothing for a while, and its nodes' heartbeats are only now
             # being stored again.)
             self._note_leader(await self._probe.stream_info(EVENTS_STREAM))
-            decisions = decide(state, datetime.now(UTC), self.policy, self.origin,
-                               self._heard_since)  # fmt: skip
+            decisions = decide(
+                state, datetime.now(UTC), self.policy, self.origin, self._heard_since
+            )
         for d in decisions:
             if isinstance(d.event, NodeTimedOut):  # its tasks go on elsewhere (resume.py)
                 await self._resume_tasks_of(d.event.node_id, state)
@@ -176,8 +182,7 @@ class Planner:
             self._seen(ack.seq)
             if ack.duplicate:
                 self.stats.duplicates += 1
-                log.info("%s was already decided (another planner, or an earlier round)",
-                         d.msg_id)  # fmt: skip
+                log.info("%s was already decided (another planner, or an earlier round)", d.msg_id)
                 continue
             self.stats.decisions += 1
             name = type(d.event).__name__
@@ -199,9 +204,13 @@ class Planner:
             if still_streaming(logged, datetime.now(UTC)):
                 log.info("task %s: its chunks still come, not resumed", task.task_id)
                 continue
-            outcome = continuation(logged, runner_id=task.runner_id or "", origin=self.origin,
-                                   cause=f"was on node {node_id}, which timed out",
-                                   at=datetime.now(UTC))  # fmt: skip
+            outcome = continuation(
+                logged,
+                runner_id=task.runner_id or "",
+                origin=self.origin,
+                cause=f"was on node {node_id}, which timed out",
+                at=datetime.now(UTC),
+            )
             await self._pub.publish(outcome, msg_id=message_id(outcome))
             log.info("task %s: %s", task.task_id, describe(outcome))
 
@@ -246,8 +255,9 @@ class Planner:
         stopping = asyncio.ensure_future(stop.wait())
         woken = asyncio.ensure_future(self._wake.wait())
         try:
-            await asyncio.wait({stopping, woken}, timeout=self._idle_wait(),
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            await asyncio.wait(
+                {stopping, woken}, timeout=self._idle_wait(), return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             stopping.cancel()
             woken.cancel()
@@ -280,8 +290,12 @@ class Planner:
             if self._stop.is_set():
                 return None
             if loop.time() > warn_at:
-                log.warning("projection %r is at seq %d, waiting for %d: is the projector"
-                            " running?", self.projector, applied, seq)  # fmt: skip
+                log.warning(
+                    "projection %r is at seq %d, waiting for %d: is the projector running?",
+                    self.projector,
+                    applied,
+                    seq,
+                )
                 warn_at += 30.0
             await asyncio.sleep(0.02)
 

@@ -59,8 +59,13 @@ class EmbeddingServer(TaskPuller):
     async def serve(self, task: EmbeddingsRequested, claim: Claim) -> None:
         received = time.perf_counter()
         me = self._me
-        started = TaskStarted(task_id=task.task_id, model_id=task.model_id, origin=me.node_id,
-                              runner_id=me.runner_id, instance_id=me.instance_id)  # fmt: skip
+        started = TaskStarted(
+            task_id=task.task_id,
+            model_id=task.model_id,
+            origin=me.node_id,
+            runner_id=me.runner_id,
+            instance_id=me.instance_id,
+        )
         loop = asyncio.get_running_loop()
         try:
             # Announced once computed, not meanwhile: the publishing's CPU (here, in the
@@ -77,14 +82,17 @@ class EmbeddingServer(TaskPuller):
             total_ms = (time.perf_counter() - received) * 1000
             await self._events.publish(
                 TaskCompleted(
-                    task_id=task.task_id, model_id=task.model_id, origin=me.node_id,
-                    runner_id=me.runner_id, finish_reason="stop",
+                    task_id=task.task_id,
+                    model_id=task.model_id,
+                    origin=me.node_id,
+                    runner_id=me.runner_id,
+                    finish_reason="stop",
                     usage=Usage(prompt_tokens=tokens, completion_tokens=0),
                     # Nothing is generated: the answer comes whole, at its first "token".
                     timings=Timings(ttft_ms=total_ms, tokens_per_s=0.0, total_ms=total_ms),
                 ),
                 msg_id=f"done:{task.task_id}",
-            )  # fmt: skip
+            )
         except InvalidRequest as exc:
             await self._fail(task, f"invalid request: {exc}")
         except Exception as exc:  # an engine error fails this task, not the runner...

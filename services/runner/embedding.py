@@ -41,15 +41,18 @@ def embedding_inputs(engine: Embedder, task: EmbeddingsRequested) -> list[list[i
     ``InvalidRequest`` for a task the engine cannot serve as asked (no input, a token outside
     the vocabulary, too many dimensions)."""
     if task.dimensions is not None and task.dimensions > engine.n_embd:
-        raise InvalidRequest(f"dimensions is {task.dimensions}, more than the model's"
-                             f" {engine.n_embd}")  # fmt: skip
+        raise InvalidRequest(
+            f"dimensions is {task.dimensions}, more than the model's {engine.n_embd}"
+        )
     if task.token_ids is not None:
         inputs = [list(tokens) for tokens in task.token_ids]
         for i, tokens in enumerate(inputs):
             outside = [t for t in tokens if not 0 <= t < engine.n_vocab]
             if outside:
-                raise InvalidRequest(f"input {i} has token {outside[0]}, outside the model's"
-                                     f" vocabulary of {engine.n_vocab} tokens")  # fmt: skip
+                raise InvalidRequest(
+                    f"input {i} has token {outside[0]}, outside the model's"
+                    f" vocabulary of {engine.n_vocab} tokens"
+                )
     else:
         inputs = [engine.text_tokens(text) for text in task.texts or []]
     if not inputs:
@@ -80,6 +83,11 @@ def computed_events(
     step = rows_per_message(dimensions)
     for start in range(0, total, step):
         yield EmbeddingsComputed(
-            task_id=task.task_id, origin=origin, ts=at, start=start, total=total,
-            dimensions=dimensions, vectors=encode_vectors(vectors[start : start + step]),
-        )  # fmt: skip
+            task_id=task.task_id,
+            origin=origin,
+            ts=at,
+            start=start,
+            total=total,
+            dimensions=dimensions,
+            vectors=encode_vectors(vectors[start : start + step]),
+        )

@@ -235,8 +235,14 @@ class Stepper:
         finish, stopped_by = self._finish, self._stopped_by
         if finish == "stop" and reply.called:
             finish, stopped_by = "tool_calls", None
-        return Step(self._idx, parsed.text + rest.text, None, finish,
-                    tool_calls=parsed.calls + rest.calls, stop_sequence=stopped_by)  # fmt: skip
+        return Step(
+            self._idx,
+            parsed.text + rest.text,
+            None,
+            finish,
+            tool_calls=parsed.calls + rest.calls,
+            stop_sequence=stopped_by,
+        )
 
 
 def steps(
@@ -269,19 +275,26 @@ def _logprob(source: TokenSource, token: Token, text: str, piece: bytes) -> Toke
     shows as nothing, the character with the token that completes it), so that the entries'
     texts add up to the text."""
     assert token.logprob is not None
-    return TokenLogprob(token=text, logprob=token.logprob, bytes=tuple(piece),
-                        top=_alternatives(source, token.top))  # fmt: skip
+    return TokenLogprob(
+        token=text, logprob=token.logprob, bytes=tuple(piece), top=_alternatives(source, token.top)
+    )
 
 
 def _scored_prompt(source: TokenSource, tokens: Sequence[Token]) -> Iterator[TokenLogprob]:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for t in tokens:
         piece = source.piece(t.id)
-        yield TokenLogprob(token=decoder.decode(piece), logprob=t.logprob, bytes=tuple(piece),
-                           top=_alternatives(source, t.top))  # fmt: skip
+        yield TokenLogprob(
+            token=decoder.decode(piece),
+            logprob=t.logprob,
+            bytes=tuple(piece),
+            top=_alternatives(source, t.top),
+        )
 
 
 def _alternatives(source: TokenSource, top: Sequence[tuple[int, float]]) -> tuple[TopLogprob, ...]:
     pieces = ((source.piece(token_id), logprob) for token_id, logprob in top)
-    return tuple(TopLogprob(token=piece.decode(errors="replace"), logprob=logprob,
-                            bytes=tuple(piece)) for piece, logprob in pieces)  # fmt: skip
+    return tuple(
+        TopLogprob(token=piece.decode(errors="replace"), logprob=logprob, bytes=tuple(piece))
+        for piece, logprob in pieces
+    )

@@ -70,8 +70,10 @@ def continued_seed(seed: int, position: int) -> int:
 def _in_vocabulary(engine: Engine, tokens: Iterable[int], what: str) -> None:
     outside = [t for t in tokens if not 0 <= t < engine.n_vocab]
     if outside:
-        raise InvalidRequest(f"{what} has token {outside[0]}, outside the model's vocabulary"
-                             f" of {engine.n_vocab} tokens")  # fmt: skip
+        raise InvalidRequest(
+            f"{what} has token {outside[0]}, outside the model's vocabulary"
+            f" of {engine.n_vocab} tokens"
+        )
 
 
 def prompt_scored(
@@ -81,5 +83,11 @@ def prompt_scored(
     at = datetime.fromtimestamp(ts, UTC)
     total = len(scored.tokens)
     for start in range(0, total, PROMPT_SLICE):
-        yield PromptScored(task_id=task.task_id, origin=origin, ts=at, start=start, total=total,
-                           tokens=scored.tokens[start : start + PROMPT_SLICE])  # fmt: skip
+        yield PromptScored(
+            task_id=task.task_id,
+            origin=origin,
+            ts=at,
+            start=start,
+            total=total,
+            tokens=scored.tokens[start : start + PROMPT_SLICE],
+        )

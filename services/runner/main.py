@@ -123,9 +123,13 @@ async def run_llamacpp(
         await serve_embeddings(spec, nc, me, embedder, state, peers, stop)
         return
     engine = LlamaCppEngine(
-        path, n_ctx=spec.n_ctx, slots=spec.slots, chat_format=spec.chat_format,
-        n_threads=spec.n_threads, **offload,
-    )  # fmt: skip
+        path,
+        n_ctx=spec.n_ctx,
+        slots=spec.slots,
+        chat_format=spec.chat_format,
+        n_threads=spec.n_threads,
+        **offload,
+    )
     await asyncio.to_thread(engine.load)
     await serve_tasks(spec, nc, me, engine, state, peers, stop)
 

@@ -43,8 +43,9 @@ async def ring_shard(spec: RunnerSpec, peers: Peers, state: StateReporter) -> Pi
 
 
 async def load_head(model: Path, spec: RunnerSpec, shard: PipelineShard) -> PipelineHead:
-    head = PipelineHead(model, shard, n_ctx=spec.n_ctx, slots=spec.slots,
-                        connect_timeout=RING_TIMEOUT_S)  # fmt: skip
+    head = PipelineHead(
+        model, shard, n_ctx=spec.n_ctx, slots=spec.slots, connect_timeout=RING_TIMEOUT_S
+    )
     await asyncio.to_thread(head.load)
     return head
 

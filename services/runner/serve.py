@@ -282,8 +282,9 @@ class TaskPuller(ABC):
                 try:
                     delivered = await self._consumer.fetch(1, timeout=PULL_WAIT_S, stop=stop)
                 except ConsumerGone:  # deleted by hand: made again, for the tasks from now on
-                    log.warning("the task consumer %s is gone: making it again",
-                                self._consumer.durable)  # fmt: skip
+                    log.warning(
+                        "the task consumer %s is gone: making it again", self._consumer.durable
+                    )
                     await self._remake_consumer(stop)
                     continue
                 for d in delivered:
@@ -332,7 +333,7 @@ class TaskPuller(ABC):
             latest_request=await self._last_seq(task, type(task)),
             started=await self._last_seq(task, TaskStarted),
             ended=await self._logged(task, TaskCompleted, TaskFailed, TaskCancelled),
-        )  # fmt: skip
+        )
         why = redelivered(seen)
         if why != "lost":
             log.warning("task %s came again, but it was %s: not served twice", task.task_id, why)
@@ -340,8 +341,13 @@ class TaskPuller(ABC):
         if not isinstance(task, TaskCreated):
             return False  # an embeddings request has nothing to go on from: served again
         logged = await read_logged(self._js, task.task_id, task.model_id)
-        outcome = continuation(logged, runner_id="", origin=self._me.node_id, at=utc_now(),
-                               cause="was lost before it started it")  # fmt: skip
+        outcome = continuation(
+            logged,
+            runner_id="",
+            origin=self._me.node_id,
+            at=utc_now(),
+            cause="was lost before it started it",
+        )
         await self._events.publish(outcome, msg_id=message_id(outcome))
         log.info("task %s came again (its runner was lost): %s", task.task_id, describe(outcome))
         return True
@@ -475,8 +481,14 @@ class TaskServer(TaskPuller):
         stopping = threading.Event()  # this coroutine was cancelled: the engine stops too
 
         cached = [0]  # the prompt's tokens the engine's cache held (read once it is done)
-        stepper = Stepper(engine, job.decoding, limit, lambda: cancelled() or stopping.is_set(),
-                          job.reply, on_cached=lambda n: cached.__setitem__(0, n))  # fmt: skip
+        stepper = Stepper(
+            engine,
+            job.decoding,
+            limit,
+            lambda: cancelled() or stopping.is_set(),
+            job.reply,
+            on_cached=lambda n: cached.__setitem__(0, n),
+        )
         generating: asyncio.Future[None]
         generated = list(job.decoding.generated)  # a resumed task's, published before
         if isinstance(engine, Pushes) and stepper.replay(generated):
@@ -487,9 +499,15 @@ class TaskServer(TaskPuller):
 
             def generate() -> None:
                 try:
-                    for step in steps(engine, prompt, job.decoding, limit,
-                                      lambda: cancelled() or stopping.is_set(), job.reply,
-                                      on_cached=lambda n: cached.__setitem__(0, n)):  # fmt: skip
+                    for step in steps(
+                        engine,
+                        prompt,
+                        job.decoding,
+                        limit,
+                        lambda: cancelled() or stopping.is_set(),
+                        job.reply,
+                        on_cached=lambda n: cached.__setitem__(0, n),
+                    ):
                         feed.put(step)
                 finally:
                     feed.close()

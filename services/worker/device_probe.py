@@ -66,10 +66,13 @@ async def probe(nvidia_gpus: int) -> Probe:
     if not worth_probing(platform.system(), llama_libraries(), nvidia_gpus):
         return Probe()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.worker.device_probe",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "services.worker.device_probe",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         env={**os.environ, **CUDA_ORDER},
-    )  # fmt: skip
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), PROBE_TIMEOUT_S)
     except TimeoutError:

@@ -72,19 +72,26 @@ def accelerators(
             continue
         found.append(
             Accelerator(
-                backend=backend, index=d.index, name=d.description or d.name,
-                memory_total=d.memory_total, memory_free=d.memory_free,
-                unified=d.type == "igpu" or backend == "metal", engines=["llamacpp"],
+                backend=backend,
+                index=d.index,
+                name=d.description or d.name,
+                memory_total=d.memory_total,
+                memory_free=d.memory_free,
+                unified=d.type == "igpu" or backend == "metal",
+                engines=["llamacpp"],
             )
-        )  # fmt: skip
+        )
         ids.append(bus)
     for gpu in nvidia:
         bus = pci_bus_id(gpu.pci_bus_id)
         at = _match(found, ids, bus, gpu.index)
         seen = {
-            "name": gpu.name, "memory_total": gpu.memory_total, "memory_free": gpu.memory_free,
-            "utilisation": gpu.utilisation, "compute_capability": gpu.compute_capability,
-        }  # fmt: skip
+            "name": gpu.name,
+            "memory_total": gpu.memory_total,
+            "memory_free": gpu.memory_free,
+            "utilisation": gpu.utilisation,
+            "compute_capability": gpu.compute_capability,
+        }
         if at is None:  # seen, not usable: no engine; named after llama.cpp's CUDA devices
             taken = {a.index for a in found if a.backend == "cuda"}
             index = gpu.index if gpu.index not in taken else max(taken) + 1
@@ -96,9 +103,15 @@ def accelerators(
         at = next((i for i, a in enumerate(found) if a.device == f"{mlx.backend}0"), None)
         if at is None:
             found.append(
-                Accelerator(backend=mlx.backend, index=0, name=mlx.name,
-                            memory_total=mlx.memory_total, unified=mlx.unified, engines=["mlx"])
-            )  # fmt: skip
+                Accelerator(
+                    backend=mlx.backend,
+                    index=0,
+                    name=mlx.name,
+                    memory_total=mlx.memory_total,
+                    unified=mlx.unified,
+                    engines=["mlx"],
+                )
+            )
         else:
             engines = [*found[at].engines, "mlx"]
             found[at] = found[at].model_copy(update={"engines": engines})

@@ -103,8 +103,11 @@ class Supervisor:
             delay = restart_delay(entry.failures)
             log.warning(
                 "runner %s exited (%d); restart %d in %.1fs",
-                entry.spec.runner_id, code, entry.failures, delay,
-            )  # fmt: skip
+                entry.spec.runner_id,
+                code,
+                entry.failures,
+                delay,
+            )
             await asyncio.sleep(delay)
             if entry.stopping:
                 return

@@ -130,7 +130,7 @@ class Worker:
                     filter_subjects=[aggregate_filter("model"), aggregate_filter("instance")],
                 ),
             ),
-        ]  # fmt: skip
+        ]
         beat = asyncio.create_task(self._heartbeats(stop))
         try:
             await stop.wait()
@@ -147,9 +147,12 @@ class Worker:
     async def _heartbeat(self) -> None:
         pids = [pid for r in self.supervisor.runners if (pid := self.supervisor.pid(r))]
         profile = await asyncio.to_thread(
-            collect_profile, self.config.models_dir, self.config.memory_limit, rss_bytes(pids),
+            collect_profile,
+            self.config.models_dir,
+            self.config.memory_limit,
+            rss_bytes(pids),
             self._devices,
-        )  # fmt: skip
+        )
         await self._pub.publish(
             ResourceProfiled(node_id=self.node_id, origin=self.node_id, profile=profile)
         )
@@ -191,10 +194,14 @@ class Worker:
             await self.supervisor.start(spec)
             await self._pub.publish(
                 RunnerStateChanged(
-                    runner_id=runner_id, instance_id=spec.instance_id, node_id=self.node_id,
-                    state="Assigned", origin=self.node_id, pid=self.supervisor.pid(runner_id),
+                    runner_id=runner_id,
+                    instance_id=spec.instance_id,
+                    node_id=self.node_id,
+                    state="Assigned",
+                    origin=self.node_id,
+                    pid=self.supervisor.pid(runner_id),
                 )
-            )  # fmt: skip
+            )
 
     def _spec(self, row: RunnerRow) -> RunnerSpec:
         inst = self.state.instance(row.instance_id)
@@ -236,11 +243,15 @@ class Worker:
         cause = describe_exit(code)
         await self._pub.publish(
             RunnerStateChanged(
-                runner_id=spec.runner_id, instance_id=spec.instance_id, node_id=self.node_id,
-                state="Failed", origin=self.node_id, exit_code=code,
+                runner_id=spec.runner_id,
+                instance_id=spec.instance_id,
+                node_id=self.node_id,
+                state="Failed",
+                origin=self.node_id,
+                exit_code=code,
                 error=f"runner {cause}" + ("; restarting" if restarting else ""),
             )
-        )  # fmt: skip
+        )
         task_file = Path(spec.task_file) if spec.task_file else None
         left = CurrentTasks.read(task_file) if task_file is not None else []
         if task_file is not None:
@@ -250,13 +261,18 @@ class Worker:
             outcome: TaskCreated | TaskFailed
             try:
                 logged = await read_logged(self._js, task_id, model_id)
-                outcome = continuation(logged, runner_id=spec.runner_id, cause=cause,
-                                       origin=self.node_id, at=utc_now())  # fmt: skip
+                outcome = continuation(
+                    logged, runner_id=spec.runner_id, cause=cause, origin=self.node_id, at=utc_now()
+                )
             except (nats.errors.Error, TimeoutError, ValidationError) as exc:
                 log.warning("task %s: the log could not be read to resume it: %r", task_id, exc)
-                outcome = TaskFailed(task_id=task_id, model_id=model_id, origin=self.node_id,
-                                     runner_id=spec.runner_id,
-                                     error=f"the runner serving this task {cause}")  # fmt: skip
+                outcome = TaskFailed(
+                    task_id=task_id,
+                    model_id=model_id,
+                    origin=self.node_id,
+                    runner_id=spec.runner_id,
+                    error=f"the runner serving this task {cause}",
+                )
             log.info("task %s: %s", task_id, describe(outcome))
             await self._pub.publish(outcome, msg_id=message_id(outcome))
 

@@ -27,8 +27,9 @@ class ApiStack:
     def start_api(self, name: str, *extra: str) -> str:
         """Another `shoal api` process on the same NATS and database; returns its URL."""
         port = free_port("127.0.0.1")
-        self.procs.start(name, "api", "--nats", self.nats_url, "--db", self.db_url,
-                         "--port", str(port), *extra)  # fmt: skip
+        self.procs.start(
+            name, "api", "--nats", self.nats_url, "--db", self.db_url, "--port", str(port), *extra
+        )
         return f"http://127.0.0.1:{port}"
 
 

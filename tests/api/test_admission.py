@@ -190,18 +190,37 @@ def test_keys_are_grouped_by_a_digest_never_kept_as_given() -> None:
 def test_capacity_is_the_slots_of_serving_heads_of_placed_instances() -> None:
     state = ClusterState()
     instances: list[tuple[str, InstanceStatus, InstanceRole]] = [
-        ("i1", "placed", "chat"), ("i2", "placed", "chat"), ("i3", "rejected", "chat"),
+        ("i1", "placed", "chat"),
+        ("i2", "placed", "chat"),
+        ("i3", "rejected", "chat"),
         ("e", "placed", "embed"),
-    ]  # fmt: skip
+    ]
     for iid, status, role in instances:
         state.commit([Put(InstanceRow(instance_id=iid, model_id="m", status=status, role=role))])
     runners: list[tuple[str, str, int, RunnerState, int | None]] = [
-        ("r1", "i1", 0, "Running", 4), ("r2", "i1", 0, "Ready", None),
-        ("r3", "i1", 1, "Ready", 8), ("r4", "i2", 0, "Loading", 4),
-        ("r5", "i3", 0, "Ready", 4), ("r6", "e", 0, "Ready", 4)]  # fmt: skip
+        ("r1", "i1", 0, "Running", 4),
+        ("r2", "i1", 0, "Ready", None),
+        ("r3", "i1", 1, "Ready", 8),
+        ("r4", "i2", 0, "Loading", 4),
+        ("r5", "i3", 0, "Ready", 4),
+        ("r6", "e", 0, "Ready", 4),
+    ]
     for rid, iid, rank, runner_state, slots in runners:
-        state.commit([Put(RunnerRow(runner_id=rid, instance_id=iid, node_id="n", device="cpu",
-                                    state=runner_state, rank=rank, slots=slots))])  # fmt: skip
+        state.commit(
+            [
+                Put(
+                    RunnerRow(
+                        runner_id=rid,
+                        instance_id=iid,
+                        node_id="n",
+                        device="cpu",
+                        state=runner_state,
+                        rank=rank,
+                        slots=slots,
+                    )
+                )
+            ]
+        )
     # r1's 4 and r2's 1 (no count: 1); not a later stage, a loading head, a rejected
     # instance's, nor the embed instance's.
     assert serving_slots(state, "m") == 5
@@ -335,8 +354,22 @@ async def test_past_the_queue_every_dialect_gets_a_429_with_retry_after(
     anthropic SDKs raise their RateLimitError); a client that leaves frees its slot, and the
     queued request is answered."""
     port = free_port("127.0.0.1")
-    proc = start([SHOAL, "api", "--nats", up_cluster.nats_url, "--db", up_cluster.db_url,
-                  "--port", str(port), "--api-key", KEY, "--max-queued", "1"])  # fmt: skip
+    proc = start(
+        [
+            SHOAL,
+            "api",
+            "--nats",
+            up_cluster.nats_url,
+            "--db",
+            up_cluster.db_url,
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--max-queued",
+            "1",
+        ]
+    )
     drained = Drained(proc)
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -351,9 +384,17 @@ async def test_past_the_queue_every_dialect_gets_a_429_with_retry_after(
             assert capacity >= 1 and first["in_flight"] == 0  # its slot freed as it finished
 
             # Every slot taken by answers that would run long, read as they come.
-            holders = [await sdk.chat.completions.create(
-                model=MODEL, messages=HELLO, max_tokens=1000, temperature=0, logit_bias=ENDLESS,
-                stream=True) for _ in range(capacity)]  # fmt: skip
+            holders = [
+                await sdk.chat.completions.create(
+                    model=MODEL,
+                    messages=HELLO,
+                    max_tokens=1000,
+                    temperature=0,
+                    logit_bias=ENDLESS,
+                    stream=True,
+                )
+                for _ in range(capacity)
+            ]
             streamed = [0] * capacity
 
             async def read(i: int) -> None:
@@ -364,11 +405,15 @@ async def test_past_the_queue_every_dialect_gets_a_429_with_retry_after(
             await _until(client, lambda m: m["in_flight"] == capacity)
             # A queued request whose client goes away leaves the queue.
             with pytest.raises(httpx.ReadTimeout):
-                await client.post("/v1/chat/completions", timeout=0.5,
-                                  json={"model": MODEL, "messages": HELLO})  # fmt: skip
+                await client.post(
+                    "/v1/chat/completions", timeout=0.5, json={"model": MODEL, "messages": HELLO}
+                )
             await _until(client, lambda m: m["queued"] == 0)
-            waiting = asyncio.create_task(sdk.chat.completions.create(
-                model=MODEL, messages=HELLO, max_tokens=4, logit_bias=ENDLESS))  # fmt: skip
+            waiting = asyncio.create_task(
+                sdk.chat.completions.create(
+                    model=MODEL, messages=HELLO, max_tokens=4, logit_bias=ENDLESS
+                )
+            )
             await _until(client, lambda m: m["queued"] == 1)
 
             # The queue is full: a 429 at once, whole or streamed, in each dialect's shape.
@@ -378,8 +423,9 @@ async def test_past_the_queue_every_dialect_gets_a_429_with_retry_after(
             assert refused.value.status_code == 429 and refused.value.code == "rate_limit_exceeded"
             assert int(refused.value.response.headers["retry-after"]) >= 1
             with pytest.raises(openai.RateLimitError):
-                await sdk.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4,
-                                                  stream=True)  # fmt: skip
+                await sdk.chat.completions.create(
+                    model=MODEL, messages=HELLO, max_tokens=4, stream=True
+                )
             with pytest.raises(anthropic.RateLimitError) as overloaded:
                 await claude.messages.create(model=MODEL, max_tokens=4, messages=HI)
             assert overloaded.value.status_code == 429
@@ -407,10 +453,24 @@ async def test_past_the_queue_every_dialect_gets_a_429_with_retry_after(
             assert f'shoal_admission_wait_seconds_count{{model="{MODEL}"}}' in scrape
 
         shown = await asyncio.to_thread(
-            subprocess.run, [SHOAL, "state", "--db", up_cluster.db_url, "--api", url,
-                             "--api-key", KEY, "--tasks", "0"],
-            capture_output=True, text=True, timeout=60, env=os.environ | {"COLUMNS": "200"},
-        )  # fmt: skip
+            subprocess.run,
+            [
+                SHOAL,
+                "state",
+                "--db",
+                up_cluster.db_url,
+                "--api",
+                url,
+                "--api-key",
+                KEY,
+                "--tasks",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=os.environ | {"COLUMNS": "200"},
+        )
         assert shown.returncode == 0, shown.stderr
         assert f"admission ({url}, api@" in shown.stdout, shown.stdout
     finally:

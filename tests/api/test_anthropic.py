@@ -37,9 +37,12 @@ from bus.events import (
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city.",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
-                     "required": ["city"]},
-}  # fmt: skip
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -59,46 +62,89 @@ def refused(**fields: Any) -> str:
 
 def test_system_and_content_blocks_become_chat_messages() -> None:
     hi = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]
-    body = request(system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
-                   messages=[{"role": "user", "content": hi}])  # fmt: skip
-    assert body.chat_messages() == [ChatMessage(role="system", content="Be brief."),
-                                    ChatMessage(role="user", content="Hi!")]  # fmt: skip
-    assert request(system="Short.").chat_messages()[0] == ChatMessage(role="system",
-                                                                      content="Short.")  # fmt: skip
+    body = request(
+        system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        messages=[{"role": "user", "content": hi}],
+    )
+    assert body.chat_messages() == [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Hi!"),
+    ]
+    assert request(system="Short.").chat_messages()[0] == ChatMessage(
+        role="system", content="Short."
+    )
 
 
 def test_a_tool_round_trip_becomes_calls_and_tool_messages() -> None:
-    body = request(tools=[WEATHER], messages=[
-        *ASK,
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "...", "signature": "s"},
-            {"type": "text", "text": "Let me look."},
-            {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}},
-            {"type": "tool_use", "id": "call_2", "name": "get_weather", "input": {"city": "Nice"}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "call_1", "content": "Sunny"},
-            {"type": "tool_result", "tool_use_id": "call_2", "is_error": True,
-             "content": [{"type": "text", "text": "no station"}]},
-            {"type": "text", "text": "And tomorrow?"},
-        ]},
-    ])  # fmt: skip
+    body = request(
+        tools=[WEATHER],
+        messages=[
+            *ASK,
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "...", "signature": "s"},
+                    {"type": "text", "text": "Let me look."},
+                    {
+                        "type": "tool_use",
+                        "id": "call_1",
+                        "name": "get_weather",
+                        "input": {"city": "Paris"},
+                    },
+                    {
+                        "type": "tool_use",
+                        "id": "call_2",
+                        "name": "get_weather",
+                        "input": {"city": "Nice"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "call_1", "content": "Sunny"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "call_2",
+                        "is_error": True,
+                        "content": [{"type": "text", "text": "no station"}],
+                    },
+                    {"type": "text", "text": "And tomorrow?"},
+                ],
+            },
+        ],
+    )
     assert body.chat_messages()[1:] == [
-        ChatMessage(role="assistant", content="Let me look.", tool_calls=[
-            ToolCall(id="call_1", name="get_weather", arguments=json.dumps({"city": "Paris"})),
-            ToolCall(id="call_2", name="get_weather", arguments=json.dumps({"city": "Nice"}))]),
+        ChatMessage(
+            role="assistant",
+            content="Let me look.",
+            tool_calls=[
+                ToolCall(id="call_1", name="get_weather", arguments=json.dumps({"city": "Paris"})),
+                ToolCall(id="call_2", name="get_weather", arguments=json.dumps({"city": "Nice"})),
+            ],
+        ),
         ChatMessage(role="tool", content="Sunny", tool_call_id="call_1"),
         ChatMessage(role="tool", content="Error: no station", tool_call_id="call_2"),
         ChatMessage(role="user", content="And tomorrow?"),
-    ]  # fmt: skip
+    ]
 
 
 def test_sampling_and_task_fields() -> None:
-    body = request(temperature=0.2, top_p=0.9, top_k=40, stop_sequences=["\n\n", ""],
-                   metadata={"user_id": "u-1"})  # fmt: skip
+    body = request(
+        temperature=0.2,
+        top_p=0.9,
+        top_k=40,
+        stop_sequences=["\n\n", ""],
+        metadata={"user_id": "u-1"},
+    )
     params = body.sampling()
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.stop) == (
-        16, 0.2, 0.9, 40, ["\n\n"])  # fmt: skip
+        16,
+        0.2,
+        0.9,
+        40,
+        ["\n\n"],
+    )
     task = task_for(body, "smollm2", "api@x", params)
     assert (task.model_id, task.kind, task.user, task.tools) == ("smollm2", "chat", "u-1", [])
     assert task.tool_choice == ToolChoice(mode="none") and task.response_format is None
@@ -112,11 +158,14 @@ def test_sampling_and_task_fields() -> None:
         ({"type": "auto"}, ToolChoice(mode="auto"), True),
         ({"type": "any"}, ToolChoice(mode="required"), True),
         ({"type": "any", "disable_parallel_tool_use": True}, ToolChoice(mode="required"), False),
-        ({"type": "tool", "name": "get_weather"}, ToolChoice(mode="function", name="get_weather"),
-         True),
+        (
+            {"type": "tool", "name": "get_weather"},
+            ToolChoice(mode="function", name="get_weather"),
+            True,
+        ),
         ({"type": "none"}, ToolChoice(mode="none"), True),
     ],
-)  # fmt: skip
+)
 def test_tool_choices(choice: dict[str, Any] | None, mode: ToolChoice, parallel: bool) -> None:
     fields = request(tools=[WEATHER], tool_choice=choice).task_fields()
     assert fields["tool_choice"] == mode and fields["parallel_tool_calls"] is parallel
@@ -126,32 +175,95 @@ def test_tool_choices(choice: dict[str, Any] | None, mode: ToolChoice, parallel:
 
 def test_an_output_format_constrains_the_reply() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    for fields in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
-                   {"output_format": {"type": "json_schema", "schema": schema}}):  # fmt: skip
+    for fields in (
+        {"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+        {"output_format": {"type": "json_schema", "schema": schema}},
+    ):
         assert request(**fields).task_fields()["response_format"] == ResponseFormat(
-            type="json_schema", name="output", json_schema=schema)  # fmt: skip
+            type="json_schema", name="output", json_schema=schema
+        )
 
 
 @pytest.mark.parametrize(
     ("fields", "says"),
     [
-        ({"messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": "AAAA"}}]}]}, "content[0] is an image"),
-        ({"messages": [{"role": "user", "content": [
-            {"type": "document", "source": {"type": "text", "data": "x"}}]}]}, "a document"),
-        ({"messages": [{"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "c", "content": [
-                {"type": "image", "source": {}}]}]}]}, "content[0].content[0] is an image"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "AAAA",
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            "content[0] is an image",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "document", "source": {"type": "text", "data": "x"}}],
+                    }
+                ]
+            },
+            "a document",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "c",
+                                "content": [{"type": "image", "source": {}}],
+                            }
+                        ],
+                    }
+                ]
+            },
+            "content[0].content[0] is an image",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a",
-                                                     "name": "f", "input": {}}]}]},
-         "'tool_use' is not supported here"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}],
+                    }
+                ]
+            },
+            "'tool_use' is not supported here",
+        ),
         ({"messages": [*ASK, {"role": "assistant", "content": "The weather is"}]}, "prefill"),
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
-        ({"tools": [WEATHER | {"input_schema": {"type": "object", "properties": {
-            "n": {"type": "integer", "minimum": 0}}}}]}, "minimum"),
+        (
+            {
+                "tools": [
+                    WEATHER
+                    | {
+                        "input_schema": {
+                            "type": "object",
+                            "properties": {"n": {"type": "integer", "minimum": 0}},
+                        }
+                    }
+                ]
+            },
+            "minimum",
+        ),
         ({"tools": [WEATHER, WEATHER]}, "same name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "other"}}, "'other'"),
         ({"tool_choice": {"type": "any"}}, "needs tools"),
@@ -162,7 +274,7 @@ def test_an_output_format_constrains_the_reply() -> None:
         ({"system": [{"type": "image", "source": {}}]}, "system[0] is an image"),
         ({"max_tokens": 0}, "max_tokens"),
     ],
-)  # fmt: skip
+)
 def test_what_cannot_be_honoured_is_refused_naming_it(fields: dict[str, Any], says: str) -> None:
     assert says in refused(**fields)
 
@@ -177,9 +289,17 @@ def test_max_tokens_is_required_but_not_to_count() -> None:
 
 
 def test_fields_that_do_not_change_the_answer_are_accepted() -> None:
-    body = request(thinking={"type": "disabled"}, service_tier="auto", cache_control={
-        "type": "ephemeral"}, messages=[{"role": "user", "content": [
-            {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}])  # fmt: skip
+    body = request(
+        thinking={"type": "disabled"},
+        service_tier="auto",
+        cache_control={"type": "ephemeral"},
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}],
+            }
+        ],
+    )
     assert body.chat_messages() == [ChatMessage(role="user", content="Hi")]
 
 
@@ -188,8 +308,12 @@ def test_fields_that_do_not_change_the_answer_are_accepted() -> None:
 Call = tuple[str, str, str]  # id, name, arguments
 
 
-def reply(text: str = "", calls: Sequence[Call] = (), finish: FinishReason = "stop",
-          stop: str | None = None) -> Reply:  # fmt: skip
+def reply(
+    text: str = "",
+    calls: Sequence[Call] = (),
+    finish: FinishReason = "stop",
+    stop: str | None = None,
+) -> Reply:
     r = Reply()
     for i, chunk in enumerate(chunks(text, calls, finish, stop)):
         assert chunk.idx == i
@@ -197,8 +321,9 @@ def reply(text: str = "", calls: Sequence[Call] = (), finish: FinishReason = "st
     return r
 
 
-def chunks(text: str, calls: Sequence[Call], finish: FinishReason,
-           stop: str | None = None) -> list[ChunkGenerated]:  # fmt: skip
+def chunks(
+    text: str, calls: Sequence[Call], finish: FinishReason, stop: str | None = None
+) -> list[ChunkGenerated]:
     """The text a word a chunk, then each call: its id and name, then its arguments in two."""
     out = [ChunkGenerated(task_id="t", idx=0, text="", origin="r")]
     for word in text.split(" ") if text else []:
@@ -206,12 +331,18 @@ def chunks(text: str, calls: Sequence[Call], finish: FinishReason,
         out.append(ChunkGenerated(task_id="t", idx=len(out), text=piece, origin="r"))
     for i, (call_id, name, args) in enumerate(calls):
         half = len(args) // 2
-        for delta in (ToolCallDelta(index=i, id=call_id, name=name, arguments=args[:half]),
-                      ToolCallDelta(index=i, arguments=args[half:])):  # fmt: skip
-            out.append(ChunkGenerated(task_id="t", idx=len(out), text="", origin="r",
-                                      tool_calls=(delta,)))  # fmt: skip
-    out.append(ChunkGenerated(task_id="t", idx=len(out), text="", origin="r",
-                              finish_reason=finish, stop_sequence=stop))  # fmt: skip
+        for delta in (
+            ToolCallDelta(index=i, id=call_id, name=name, arguments=args[:half]),
+            ToolCallDelta(index=i, arguments=args[half:]),
+        ):
+            out.append(
+                ChunkGenerated(task_id="t", idx=len(out), text="", origin="r", tool_calls=(delta,))
+            )
+    out.append(
+        ChunkGenerated(
+            task_id="t", idx=len(out), text="", origin="r", finish_reason=finish, stop_sequence=stop
+        )
+    )
     return out
 
 
@@ -221,18 +352,29 @@ USAGE = Usage(prompt_tokens=12, completion_tokens=5)
 def test_a_whole_message() -> None:
     made = whole_message("msg_1", "claude-x", reply("Hello there"), USAGE)
     assert made == {
-        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-x",
         "content": [{"type": "text", "text": "Hello there"}],
-        "stop_reason": "end_turn", "stop_sequence": None,
-        "usage": {"input_tokens": 12, "output_tokens": 5, "cache_creation_input_tokens": 0,
-                  "cache_read_input_tokens": 0},
-    }  # fmt: skip
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 12,
+            "output_tokens": 5,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
+    }
     assert whole_message("m", "x", reply(""), USAGE)["content"] == [{"type": "text", "text": ""}]
     # A prompt's cached part is counted apart from its input tokens, as Anthropic does.
     cached = Usage(prompt_tokens=12, completion_tokens=5, cached_tokens=10)
     assert whole_message("m", "x", reply("Hi"), cached)["usage"] == {
-        "input_tokens": 2, "output_tokens": 5, "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 10}  # fmt: skip
+        "input_tokens": 2,
+        "output_tokens": 5,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 10,
+    }
 
 
 @pytest.mark.parametrize(
@@ -280,8 +422,9 @@ def parse(stream: str) -> Events:
     return events
 
 
-def streamed(text: str, calls: Sequence[Call], finish: FinishReason,
-             stop: str | None = None) -> tuple[Events, Reply]:  # fmt: skip
+def streamed(
+    text: str, calls: Sequence[Call], finish: FinishReason, stop: str | None = None
+) -> tuple[Events, Reply]:
     out = MessagesOut("msg_1", "claude-x")
     made = chunks(text, calls, finish, stop)
     r = Reply()
@@ -321,9 +464,17 @@ def accumulate(events: Events) -> dict[str, Any]:
 def test_a_streamed_text_message() -> None:
     events, r = streamed("Hello there friend", [], "stop", "\n")
     names = [n for n, _ in events]
-    assert names == ["message_start", "ping", "content_block_start", "content_block_delta",
-                     "content_block_delta", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]  # fmt: skip
+    assert names == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["model"] == "claude-x"
     assert start["usage"]["input_tokens"] == 0  # not known before the task ends
@@ -341,8 +492,12 @@ def test_a_streamed_tool_use_message() -> None:
         kinds = ["text"] * bool(text) + ["tool_use", "tool_use"]
         assert [s["content_block"]["type"] for s in starts] == kinds
         assert [s["index"] for s in starts] == list(range(len(kinds)))
-        assert starts[-1]["content_block"] == {"type": "tool_use", "id": "call_2", "name": "f",
-                                               "input": {}}  # fmt: skip
+        assert starts[-1]["content_block"] == {
+            "type": "tool_use",
+            "id": "call_2",
+            "name": "f",
+            "input": {},
+        }
         stops = [d["index"] for n, d in events if n == "content_block_stop"]
         assert stops == list(range(len(kinds)))  # each block stopped before the next starts
         assert accumulate(events) == whole_message("msg_1", "claude-x", r, USAGE)
@@ -370,11 +525,21 @@ def test_the_model_list_in_anthropic_shape() -> None:
     listed = model_list([("smollm2-135m", 0), ("claude-shoal-test", 1_700_000_000)])
     assert listed == {
         "data": [
-            {"type": "model", "id": "smollm2-135m", "display_name": "smollm2-135m",
-             "created_at": "1970-01-01T00:00:00Z"},
-            {"type": "model", "id": "claude-shoal-test", "display_name": "claude-shoal-test",
-             "created_at": "2023-11-14T22:13:20Z"},
+            {
+                "type": "model",
+                "id": "smollm2-135m",
+                "display_name": "smollm2-135m",
+                "created_at": "1970-01-01T00:00:00Z",
+            },
+            {
+                "type": "model",
+                "id": "claude-shoal-test",
+                "display_name": "claude-shoal-test",
+                "created_at": "2023-11-14T22:13:20Z",
+            },
         ],
-        "has_more": False, "first_id": "smollm2-135m", "last_id": "claude-shoal-test",
-    }  # fmt: skip
+        "has_more": False,
+        "first_id": "smollm2-135m",
+        "last_id": "claude-shoal-test",
+    }
     assert model_list([]) == {"data": [], "has_more": False, "first_id": None, "last_id": None}

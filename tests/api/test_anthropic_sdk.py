@@ -40,8 +40,9 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture
 def client(up_cluster: UpCluster) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(base_url=up_cluster.base, api_key=up_cluster.key,
-                             max_retries=0) as made:  # fmt: skip
+    with anthropic.Anthropic(
+        base_url=up_cluster.base, api_key=up_cluster.key, max_retries=0
+    ) as made:
         yield made
 
 
@@ -65,8 +66,13 @@ def _weather_input(block: ToolUseBlock) -> dict[str, Any]:
 
 
 def test_create_a_message(client: anthropic.Anthropic, up_cluster: UpCluster) -> None:
-    made = client.messages.create(model=up_cluster.model, max_tokens=24, messages=HELLO,
-                                  system="You are friendly.", extra_body=GREEDY)  # fmt: skip
+    made = client.messages.create(
+        model=up_cluster.model,
+        max_tokens=24,
+        messages=HELLO,
+        system="You are friendly.",
+        extra_body=GREEDY,
+    )
     assert made.id.startswith("msg_") and made.type == "message" and made.role == "assistant"
     assert made.model == up_cluster.model
     assert [b.type for b in made.content] == ["text"] and _text(made).strip()
@@ -76,8 +82,9 @@ def test_create_a_message(client: anthropic.Anthropic, up_cluster: UpCluster) ->
 
 
 def test_a_stream_and_its_final_message(client: anthropic.Anthropic, up_cluster: UpCluster) -> None:
-    with client.messages.stream(model=up_cluster.model, max_tokens=24, messages=HELLO,
-                                extra_body=GREEDY) as stream:  # fmt: skip
+    with client.messages.stream(
+        model=up_cluster.model, max_tokens=24, messages=HELLO, extra_body=GREEDY
+    ) as stream:
         pieces = list(stream.text_stream)
         final = stream.get_final_message()
     assert len(pieces) > 1 and "".join(pieces).strip()
@@ -89,17 +96,27 @@ def test_a_stream_and_its_final_message(client: anthropic.Anthropic, up_cluster:
 
 def test_a_tool_use_round_trip(client: anthropic.Anthropic, up_cluster: UpCluster) -> None:
     any_one: ToolChoiceParam = {"type": "any", "disable_parallel_tool_use": True}
-    first = client.messages.create(model=up_cluster.model, max_tokens=80, messages=ASK,
-                                   tools=[WEATHER], tool_choice=any_one,
-                                   extra_body=GREEDY)  # fmt: skip
+    first = client.messages.create(
+        model=up_cluster.model,
+        max_tokens=80,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice=any_one,
+        extra_body=GREEDY,
+    )
     assert first.stop_reason == "tool_use"
     [call] = _tool_uses(first)
     assert all(b.type == "tool_use" for b in first.content)  # no empty text block
     _weather_input(call)
 
-    with client.messages.stream(model=up_cluster.model, max_tokens=80, messages=ASK,
-                                tools=[WEATHER], tool_choice=any_one,
-                                extra_body=GREEDY) as stream:  # fmt: skip
+    with client.messages.stream(
+        model=up_cluster.model,
+        max_tokens=80,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice=any_one,
+        extra_body=GREEDY,
+    ) as stream:
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use"
     [streamed_call] = _tool_uses(streamed)
@@ -108,16 +125,26 @@ def test_a_tool_use_round_trip(client: anthropic.Anthropic, up_cluster: UpCluste
     history: list[MessageParam] = [
         *ASK,
         {"role": "assistant", "content": first.content},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                      "content": "Sunny, 24 degrees."}]},
-    ]  # fmt: skip
-    answer = client.messages.create(model=up_cluster.model, max_tokens=40, messages=history,
-                                    tools=[WEATHER], tool_choice={"type": "none"},
-                                    extra_body=GREEDY)  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 24 degrees."}
+            ],
+        },
+    ]
+    answer = client.messages.create(
+        model=up_cluster.model,
+        max_tokens=40,
+        messages=history,
+        tools=[WEATHER],
+        tool_choice={"type": "none"},
+        extra_body=GREEDY,
+    )
     assert not _tool_uses(answer) and _text(answer).strip()
     assert answer.stop_reason in ("end_turn", "max_tokens")
-    auto = client.messages.create(model=up_cluster.model, max_tokens=60, messages=history,
-                                  tools=[WEATHER], extra_body=GREEDY)  # fmt: skip
+    auto = client.messages.create(
+        model=up_cluster.model, max_tokens=60, messages=history, tools=[WEATHER], extra_body=GREEDY
+    )
     if auto.stop_reason == "tool_use":
         for block in _tool_uses(auto):
             _weather_input(block)
@@ -127,12 +154,22 @@ def test_a_tool_use_round_trip(client: anthropic.Anthropic, up_cluster: UpCluste
 
 def test_stop_sequences(client: anthropic.Anthropic, up_cluster: UpCluster) -> None:
     # Any reply of two words has a space: the reply ends before its first one.
-    made = client.messages.create(model=up_cluster.model, max_tokens=40, messages=HELLO,
-                                  stop_sequences=["zzqqzz", " "], extra_body=GREEDY)  # fmt: skip
+    made = client.messages.create(
+        model=up_cluster.model,
+        max_tokens=40,
+        messages=HELLO,
+        stop_sequences=["zzqqzz", " "],
+        extra_body=GREEDY,
+    )
     assert made.stop_reason == "stop_sequence" and made.stop_sequence == " "
     assert " " not in _text(made)
-    with client.messages.stream(model=up_cluster.model, max_tokens=40, messages=HELLO,
-                                stop_sequences=[" "], extra_body=GREEDY) as stream:  # fmt: skip
+    with client.messages.stream(
+        model=up_cluster.model,
+        max_tokens=40,
+        messages=HELLO,
+        stop_sequences=[" "],
+        extra_body=GREEDY,
+    ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == " "
 
@@ -144,8 +181,12 @@ def test_count_tokens(client: anthropic.Anthropic, up_cluster: UpCluster) -> Non
 
     plain = count()
     assert plain > 0
-    longer: list[MessageParam] = [{"role": "user", "content": "Say hello in one short sentence,"
-                                   " and then another one about the weather."}]  # fmt: skip
+    longer: list[MessageParam] = [
+        {
+            "role": "user",
+            "content": "Say hello in one short sentence, and then another one about the weather.",
+        }
+    ]
     assert count(messages=longer) > plain
     # (SmolLM2's template has a system prompt of its own for a chat that sends none.)
     short = count(system="You are brief.")
@@ -166,19 +207,32 @@ def test_errors_are_the_sdks_own(client: anthropic.Anthropic, up_cluster: UpClus
         client.messages.create(model="no-such-model", max_tokens=8, messages=HELLO)
     assert "no-such-model" in str(missing.value)
     with pytest.raises(anthropic.BadRequestError) as no_max:
-        client.post("/v1/messages", cast_to=Message,
-                    body={"model": up_cluster.model, "messages": HELLO})  # fmt: skip
+        client.post(
+            "/v1/messages", cast_to=Message, body={"model": up_cluster.model, "messages": HELLO}
+        )
     assert "max_tokens" in str(no_max.value)
-    image: list[MessageParam] = [{"role": "user", "content": [
-        {"type": "text", "text": "What is this?"},
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "iVBORw0KGgo="}}]}]  # fmt: skip
+    image: list[MessageParam] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is this?"},
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                },
+            ],
+        }
+    ]
     with pytest.raises(anthropic.BadRequestError) as unreadable:
         client.messages.create(model=up_cluster.model, max_tokens=8, messages=image)
     assert "image" in str(unreadable.value)
     with pytest.raises(anthropic.BadRequestError) as thinking:
-        client.messages.create(model=up_cluster.model, max_tokens=2048, messages=HELLO,
-                               thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
+        client.messages.create(
+            model=up_cluster.model,
+            max_tokens=2048,
+            messages=HELLO,
+            thinking={"type": "enabled", "budget_tokens": 1024},
+        )
     assert "thinking" in str(thinking.value)
 
 
@@ -192,7 +246,8 @@ def test_an_alias_and_the_model_list(client: anthropic.Anthropic, up_cluster: Up
 
 
 def test_a_second_api_process_serves_too(up_cluster: UpCluster) -> None:
-    with anthropic.Anthropic(base_url=up_cluster.second, api_key=up_cluster.key,
-                             max_retries=0) as other:  # fmt: skip
+    with anthropic.Anthropic(
+        base_url=up_cluster.second, api_key=up_cluster.key, max_retries=0
+    ) as other:
         made = other.messages.create(model=up_cluster.model, max_tokens=8, messages=HELLO)
     assert made.type == "message" and _text(made)

@@ -33,11 +33,20 @@ async def _cluster(js: JetStreamContext) -> None:
     """A node and a model, as a worker and `shoal models add` would announce them."""
     pub = Publisher(js)
     await pub.publish(NodeJoined(node_id="n1", origin="n1", heartbeat_s=3600))
-    profile = NodeProfile(ram_total=4096 * MiB, ram_available=2048 * MiB, cpu_count=2,
-                          memory_offered=2048 * MiB)  # fmt: skip
+    profile = NodeProfile(
+        ram_total=4096 * MiB, ram_available=2048 * MiB, cpu_count=2, memory_offered=2048 * MiB
+    )
     await pub.publish(ResourceProfiled(node_id="n1", origin="n1", profile=profile))
-    await pub.publish(ModelAdded(model_id="m", origin="test", n_layers=10, size_bytes=100 * MiB,
-                                 context_length=4096, kv_bytes_per_token=1024))  # fmt: skip
+    await pub.publish(
+        ModelAdded(
+            model_id="m",
+            origin="test",
+            n_layers=10,
+            size_bytes=100 * MiB,
+            context_length=4096,
+            kv_bytes_per_token=1024,
+        )
+    )
 
 
 async def _until(client: httpx.AsyncClient, path: str, check: Any, timeout: float = 20) -> Any:
@@ -59,8 +68,9 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
 async def test_cluster_endpoints_and_why_a_model_cannot_answer(
     api_stack: ApiStack, js: JetStreamContext
 ) -> None:
-    api_stack.procs.start("planner", "planner", "--nats", api_stack.nats_url, "--db",
-                          api_stack.db_url)  # fmt: skip
+    api_stack.procs.start(
+        "planner", "planner", "--nats", api_stack.nats_url, "--db", api_stack.db_url
+    )
     await _cluster(js)
     async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
         await _until(client, "/v1/models", lambda b: [m["id"] for m in b["data"]] == ["m"])
@@ -148,23 +158,30 @@ async def test_a_request_whose_last_runner_stops_gets_503_not_a_hang(
     """The projection says a runner is Ready (as a runner would report it), so the request is
     accepted; nothing pulls its task, and then the runner stops. The API gives up within a few
     seconds with 503, and cancels the task so that no runner serves it later."""
-    api_stack.procs.start("planner", "planner", "--nats", api_stack.nats_url, "--db",
-                          api_stack.db_url)  # fmt: skip
+    api_stack.procs.start(
+        "planner", "planner", "--nats", api_stack.nats_url, "--db", api_stack.db_url
+    )
     await _cluster(js)
     pub = Publisher(js)
     await pub.publish(InstanceRequested(instance_id="i", model_id="m", origin="test"))
     async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
         inst = await _until(client, "/v1/instances/i", lambda b: b.get("status") == "placed")
         runner = inst["shards"][0]["runner_id"]
-        await pub.publish(RunnerStateChanged(runner_id=runner, instance_id="i", node_id="n1",
-                                             state="Ready", origin="n1"))  # fmt: skip
+        await pub.publish(
+            RunnerStateChanged(
+                runner_id=runner, instance_id="i", node_id="n1", state="Ready", origin="n1"
+            )
+        )
         await _until(client, "/v1/instances/i", lambda b: b["shards"][0]["state"] == "Ready")
         asked = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
         cancels = await js.subscribe("shoal.events.task.m.*.TaskCancelled")
         await asyncio.sleep(0.5)
         assert not asked.done()  # accepted, waiting for a runner
-        await pub.publish(RunnerStateChanged(runner_id=runner, instance_id="i", node_id="n1",
-                                             state="Stopped", origin="n1"))  # fmt: skip
+        await pub.publish(
+            RunnerStateChanged(
+                runner_id=runner, instance_id="i", node_id="n1", state="Stopped", origin="n1"
+            )
+        )
         err = _error(await asyncio.wait_for(asked, 10), 503)
         assert (
             "runners: Stopped" in err["message"]
@@ -178,10 +195,12 @@ async def test_model_names_aliases_default_cors_and_health(
     api_stack: ApiStack, js: JetStreamContext
 ) -> None:
     await _cluster(js)
-    await Publisher(js).publish(InstanceRequested(instance_id="m-1", model_id="m", origin="test",
-                                                  aliases=["from-instance"]))  # fmt: skip
-    url = api_stack.start_api("named", "--alias", "gpt-x=m", "--api-key", "k1",
-                              "--cors-origin", "https://app.example")  # fmt: skip
+    await Publisher(js).publish(
+        InstanceRequested(instance_id="m-1", model_id="m", origin="test", aliases=["from-instance"])
+    )
+    url = api_stack.start_api(
+        "named", "--alias", "gpt-x=m", "--api-key", "k1", "--cors-origin", "https://app.example"
+    )
     await wait_healthy(url)
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         assert (await client.get("/health")).json()["status"] == "ok"
@@ -190,7 +209,10 @@ async def test_model_names_aliases_default_cors_and_health(
         client.headers.update({"x-api-key": "k1"})
         body = await _until(client, "/v1/models", lambda b: len(b.get("data", [])) == 3)
         assert {m["id"]: m.get("alias_of") for m in body["data"]} == {
-            "m": None, "gpt-x": "m", "from-instance": "m"}  # fmt: skip
+            "m": None,
+            "gpt-x": "m",
+            "from-instance": "m",
+        }
         assert (await client.get("/v1/models/gpt-x")).json()["alias_of"] == "m"
         _error(await client.get("/v1/models/nope"), 404)
 
@@ -200,14 +222,17 @@ async def test_model_names_aliases_default_cors_and_health(
             err = _error(await client.post("/v1/chat/completions", json=body), 503)
             assert "model `m` cannot answer now" in err["message"], err
 
-        await Publisher(js).publish(ModelAdded(model_id="m2", origin="test", n_layers=10,
-                                               size_bytes=MiB))  # fmt: skip
-        await Publisher(js).publish(InstanceRequested(instance_id="m2-1", model_id="m2",
-                                                      origin="test"))  # fmt: skip
+        await Publisher(js).publish(
+            ModelAdded(model_id="m2", origin="test", n_layers=10, size_bytes=MiB)
+        )
+        await Publisher(js).publish(
+            InstanceRequested(instance_id="m2-1", model_id="m2", origin="test")
+        )
         await _until(client, "/v1/models", lambda b: len(b.get("data", [])) == 4)
         await asyncio.sleep(1.1)  # the names read a moment ago are forgotten
-        err = _error(await client.post("/v1/chat/completions",
-                                       json={"messages": CHAT["messages"]}), 400)  # fmt: skip
+        err = _error(
+            await client.post("/v1/chat/completions", json={"messages": CHAT["messages"]}), 400
+        )
         assert err["param"] == "model" and "m, m2" in err["message"], err
 
         # A browser page of the allowed origin may call; another origin's preflight fails.

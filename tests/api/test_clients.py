@@ -97,9 +97,14 @@ def _weather_args(arguments: str) -> dict[str, Any]:
 
 def test_a_required_tool_call_plain_and_streamed(client: openai.OpenAI) -> None:
     # One call: allowed several, this model repeats the same call until max_tokens.
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                                           tool_choice="required", temperature=0,
-                                           parallel_tool_calls=False)  # fmt: skip
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        temperature=0,
+        parallel_tool_calls=False,
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = _functions(choice.message)
@@ -110,9 +115,15 @@ def test_a_required_tool_call_plain_and_streamed(client: openai.OpenAI) -> None:
         args = json.loads(c.function.arguments)
         assert isinstance(args, dict)
 
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                                            tool_choice="required", temperature=0,
-                                            parallel_tool_calls=False, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        temperature=0,
+        parallel_tool_calls=False,
+        stream=True,
+    )
     streamed: dict[int, dict[str, str]] = {}
     finish = None
     for chunk in stream:
@@ -136,9 +147,14 @@ def test_a_required_tool_call_plain_and_streamed(client: openai.OpenAI) -> None:
 
 
 def test_parallel_calls_are_each_a_valid_call(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                                           tool_choice="required", temperature=0,
-                                           max_tokens=120)  # fmt: skip
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=120,
+    )
     choice = reply.choices[0]
     calls = _functions(choice.message)
     assert len(calls) > 1 and choice.finish_reason in ("tool_calls", "length")
@@ -152,10 +168,14 @@ def test_parallel_calls_are_each_a_valid_call(client: openai.OpenAI) -> None:
 def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
     for seed in range(3):
         reply = client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[TIME, WEATHER], temperature=1.0, seed=seed,
+            model=MODEL,
+            messages=ASK,
+            tools=[TIME, WEATHER],
+            temperature=1.0,
+            seed=seed,
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
             parallel_tool_calls=False,
-        )  # fmt: skip
+        )
         calls = _functions(reply.choices[0].message)
         assert len(calls) == 1 and calls[0].function.name == "get_weather"
         _weather_args(calls[0].function.arguments)
@@ -163,21 +183,37 @@ def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
 
 def test_a_full_round_trip_call_result_answer(client: openai.OpenAI) -> None:
     first = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )  # fmt: skip
+    )
     message = first.choices[0].message
     call = _functions(message)[0]
     history: list[ChatCompletionMessageParam] = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."},
-    ]  # fmt: skip
-    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER],
-                                            tool_choice="none", temperature=0,
-                                            max_tokens=40)  # fmt: skip
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        tools=[WEATHER],
+        tool_choice="none",
+        temperature=0,
+        max_tokens=40,
+    )
     reply = answer.choices[0]
     assert reply.message.tool_calls is None
     assert reply.finish_reason in ("stop", "length") and (reply.message.content or "").strip()
@@ -207,9 +243,14 @@ def test_parse_with_a_pydantic_model_at_any_temperature(client: openai.OpenAI) -
     # Up to 1.0: hotter, this 135M model writes strings that do not end within max_tokens
     # (they would still be valid JSON where they did end).
     for temperature, seed in ((0.0, 0), (0.7, 1), (1.0, 1)):
-        parsed = client.chat.completions.parse(model=MODEL, messages=question,
-                                               response_format=City, temperature=temperature,
-                                               seed=seed, max_tokens=200)  # fmt: skip
+        parsed = client.chat.completions.parse(
+            model=MODEL,
+            messages=question,
+            response_format=City,
+            temperature=temperature,
+            seed=seed,
+            max_tokens=200,
+        )
         choice = parsed.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         assert isinstance(choice.message.parsed, City)
@@ -217,9 +258,12 @@ def test_parse_with_a_pydantic_model_at_any_temperature(client: openai.OpenAI) -
 
 def test_json_object_is_json(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=100, response_format={"type": "json_object"},
+        model=MODEL,
+        temperature=0,
+        max_tokens=100,
+        response_format={"type": "json_object"},
         messages=[{"role": "user", "content": 'Reply in JSON: the key "name" is a cat\'s name.'}],
-    )  # fmt: skip
+    )
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
 
@@ -241,11 +285,22 @@ def test_chat_logprobs_spell_the_content(client: openai.OpenAI) -> None:
         assert math.isclose(e.logprob, e.top_logprobs[0].logprob, abs_tol=1e-5)
         assert bytes(e.bytes or []).decode(errors="replace") == e.token or not e.token
 
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0,
-                                            max_tokens=12, logprobs=True, top_logprobs=3,
-                                            stream=True)  # fmt: skip
-    streamed = [e for c in stream for ch in c.choices if ch.logprobs and ch.logprobs.content
-                for e in ch.logprobs.content]  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    streamed = [
+        e
+        for c in stream
+        for ch in c.choices
+        if ch.logprobs and ch.logprobs.content
+        for e in ch.logprobs.content
+    ]
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
         (e.token, round(e.logprob, 4)) for e in entries
     ]
@@ -253,8 +308,9 @@ def test_chat_logprobs_spell_the_content(client: openai.OpenAI) -> None:
 
 def test_completion_logprobs_with_echo_score_the_prompt(client: openai.OpenAI) -> None:
     prompt = "The capital of France is"
-    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True,
-                                       logprobs=2, temperature=0)  # fmt: skip
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=2, temperature=0
+    )
     choice = scored.choices[0]
     assert choice.text.startswith(prompt) and scored.usage is not None
     lp = choice.logprobs
@@ -265,8 +321,9 @@ def test_completion_logprobs_with_echo_score_the_prompt(client: openai.OpenAI) -
     assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
-    only_prompt = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
-                                            logprobs=0)  # fmt: skip
+    only_prompt = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
     again = only_prompt.choices[0]
     assert again.text == prompt and again.logprobs is not None
     assert again.logprobs.token_logprobs == lp.token_logprobs[:-1]  # the same prompt, scored alike
@@ -275,12 +332,14 @@ def test_completion_logprobs_with_echo_score_the_prompt(client: openai.OpenAI) -
 def test_a_prompt_of_token_ids_is_scored_as_its_text(client: openai.OpenAI) -> None:
     """lm-evaluation-harness's local-completions sends token ids (tokenized_requests)."""
     prompt = "The capital of France is"
-    as_text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
-                                        logprobs=1)  # fmt: skip
+    as_text = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1
+    )
     tokenizer = LlamaCppEngine(SMOLLM2, vocab_only=True)
     tokenizer.load()
-    as_ids = client.completions.create(model=MODEL, prompt=tokenizer.text_tokens(prompt),
-                                       max_tokens=0, echo=True, logprobs=1)  # fmt: skip
+    as_ids = client.completions.create(
+        model=MODEL, prompt=tokenizer.text_tokens(prompt), max_tokens=0, echo=True, logprobs=1
+    )
     text_lp, ids_lp = as_text.choices[0].logprobs, as_ids.choices[0].logprobs
     assert text_lp is not None and ids_lp is not None and text_lp.tokens
     assert as_ids.choices[0].text == prompt  # the ids' text, echoed
@@ -289,21 +348,29 @@ def test_a_prompt_of_token_ids_is_scored_as_its_text(client: openai.OpenAI) -> N
 
 def test_several_choices(client: openai.OpenAI) -> None:
     story: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
-    reply = client.chat.completions.create(model=MODEL, messages=story, n=3, seed=7,
-                                           temperature=1.0, max_tokens=12)  # fmt: skip
+    reply = client.chat.completions.create(
+        model=MODEL, messages=story, n=3, seed=7, temperature=1.0, max_tokens=12
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2]
     texts = [c.message.content for c in reply.choices]
     assert len(set(texts)) > 1 and all(texts), texts  # each choice draws with its own seed
     # The prompt is counted once, each choice's tokens each.
-    one = client.chat.completions.create(model=MODEL, messages=story, seed=7, temperature=1.0,
-                                         max_tokens=12)  # fmt: skip
+    one = client.chat.completions.create(
+        model=MODEL, messages=story, seed=7, temperature=1.0, max_tokens=12
+    )
     assert reply.usage is not None and one.usage is not None
     assert reply.usage.prompt_tokens == one.usage.prompt_tokens
     assert 3 <= reply.usage.completion_tokens <= 3 * 12
 
-    stream = client.chat.completions.create(model=MODEL, messages=story, n=2, temperature=1.0,
-                                            max_tokens=8, stream=True,
-                                            stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=story,
+        n=2,
+        temperature=1.0,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces: dict[int, str] = {}
     finishes: dict[int, str] = {}
     usage = None
@@ -318,20 +385,28 @@ def test_several_choices(client: openai.OpenAI) -> None:
 
 
 def test_what_cannot_be_honoured_is_a_400_naming_it(client: openai.OpenAI) -> None:
-    image: list[ChatCompletionMessageParam] = [{"role": "user", "content": [
-        {"type": "text", "text": "What is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]  # fmt: skip
+    image: list[ChatCompletionMessageParam] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            ],
+        }
+    ]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=image)
     assert "image" in str(err.value) and err.value.param == "messages.0"
     schema: dict[str, object] = {
-        "type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}
-    }  # fmt: skip
+        "type": "object",
+        "properties": {"age": {"type": "integer", "minimum": 0}},
+    }
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
-            model=MODEL, messages=ASK,
+            model=MODEL,
+            messages=ASK,
             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-        )  # fmt: skip
+        )
     assert "minimum" in str(err.value)
 
 
@@ -369,14 +444,20 @@ def test_an_openai_agents_sdk_agent_runs_its_loop(url: str) -> None:
         asked.append(city)
         return f"It is sunny and 24 degrees in {city}."
 
-    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
-        base_url=url, api_key=KEY, max_retries=0))  # fmt: skip
-    agent = Agent(name="weather", instructions="Answer questions about the weather.",
-                  tools=[get_weather], model=model, reset_tool_choice=False,
-                  model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                               max_tokens=60))  # fmt: skip
-    result = Runner.run_sync(agent, "What is the weather like in Paris?", max_turns=4,
-                             hooks=AnswerAfterTheTool())  # fmt: skip
+    model = OpenAIChatCompletionsModel(
+        model=MODEL, openai_client=openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0)
+    )
+    agent = Agent(
+        name="weather",
+        instructions="Answer questions about the weather.",
+        tools=[get_weather],
+        model=model,
+        reset_tool_choice=False,
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
+    )
+    result = Runner.run_sync(
+        agent, "What is the weather like in Paris?", max_turns=4, hooks=AnswerAfterTheTool()
+    )
     assert len(asked) == 1 and asked[0].strip(), "the agent called its tool once, with a city"
     assert isinstance(result.final_output, str) and result.final_output.strip()
     assert len(result.raw_responses) == 2  # the call, then the answer
@@ -385,12 +466,17 @@ def test_an_openai_agents_sdk_agent_runs_its_loop(url: str) -> None:
 def test_instructor_extracts_a_pydantic_model(url: str) -> None:
     import instructor
 
-    client = instructor.from_openai(openai.OpenAI(base_url=url, api_key=KEY, max_retries=0),
-                                    mode=instructor.Mode.TOOLS)  # fmt: skip
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=url, api_key=KEY, max_retries=0), mode=instructor.Mode.TOOLS
+    )
     city = client.chat.completions.create(
-        model=MODEL, response_model=City, temperature=0, max_tokens=200, max_retries=0,
+        model=MODEL,
+        response_model=City,
+        temperature=0,
+        max_tokens=200,
+        max_retries=0,
         messages=[{"role": "user", "content": "Porto is a coastal city in Portugal."}],
-    )  # fmt: skip
+    )
     assert isinstance(city, City)
 
 
@@ -403,8 +489,9 @@ def test_langchain_binds_tools_and_structures_output(url: str) -> None:
         """The current weather in a city."""
         return "sunny"
 
-    llm = ChatOpenAI(model=MODEL, base_url=url, api_key=KEY, temperature=0, max_retries=0,
-                     max_tokens=200)  # fmt: skip
+    llm = ChatOpenAI(
+        model=MODEL, base_url=url, api_key=KEY, temperature=0, max_retries=0, max_tokens=200
+    )
     message = llm.bind_tools([get_weather], tool_choice="required").invoke(
         "What is the weather like in Paris?"
     )
@@ -413,5 +500,5 @@ def test_langchain_binds_tools_and_structures_output(url: str) -> None:
     for method in ("json_schema", "function_calling"):
         city = llm.with_structured_output(City, method=method).invoke(
             "Describe the city of Lisbon."
-        )  # fmt: skip
+        )
         assert isinstance(city, City), method

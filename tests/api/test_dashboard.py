@@ -48,8 +48,12 @@ async def test_the_page_and_its_files_need_no_key(api_stack: ApiStack) -> None:
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'src="static/dashboard.js"' in page.text
         assert "script-src 'self'" in page.headers["content-security-policy"]
-        assets = {"dashboard.js": "javascript", "api.js": "javascript",
-                  "dashboard.css": "text/css", "favicon.svg": "image/svg+xml"}  # fmt: skip
+        assets = {
+            "dashboard.js": "javascript",
+            "api.js": "javascript",
+            "dashboard.css": "text/css",
+            "favicon.svg": "image/svg+xml",
+        }
         for name, kind in assets.items():
             asset = await client.get(f"/static/{name}")
             assert asset.status_code == 200 and kind in asset.headers["content-type"], name
@@ -72,8 +76,22 @@ async def test_the_dashboard_shows_a_split_model_and_chats_with_it(tmp_path: Pat
     if not HAVE_CHROMIUM:
         pytest.fail(f"no chromium at {CHROMIUM}: `make pytest` installs it, or set SHOAL_CHROMIUM")
     port = free_port("127.0.0.1")
-    up = start([SHOAL, "up", "--data-dir", str(tmp_path / "a"), "--port", str(port),
-                "--memory-limit", "160M", "--runner-threads", "1", "--api-key", KEY])  # fmt: skip
+    up = start(
+        [
+            SHOAL,
+            "up",
+            "--data-dir",
+            str(tmp_path / "a"),
+            "--port",
+            str(port),
+            "--memory-limit",
+            "160M",
+            "--runner-threads",
+            "1",
+            "--api-key",
+            KEY,
+        ]
+    )
     joined: subprocess.Popen[str] | None = None
     ready: asyncio.Task[list[str]] | None = None
     lines: list[str] = []
@@ -87,9 +105,22 @@ async def test_the_dashboard_shows_a_split_model_and_chats_with_it(tmp_path: Pat
                 lines.append(line)
         nats = re.search(r"^NATS\s+(\S+)", "".join(lines), re.MULTILINE)
         assert nats is not None
-        joined = start([SHOAL, "join", "--nats", nats.group(1), "--memory-limit", "160M",
-                        "--node-id", "b", "--data-dir", str(tmp_path / "b"),
-                        "--runner-threads", "1"])  # fmt: skip
+        joined = start(
+            [
+                SHOAL,
+                "join",
+                "--nats",
+                nats.group(1),
+                "--memory-limit",
+                "160M",
+                "--node-id",
+                "b",
+                "--data-dir",
+                str(tmp_path / "b"),
+                "--runner-threads",
+                "1",
+            ]
+        )
         # The model loads while the browser starts.
         ready = asyncio.create_task(read_until_ready(up))
         await _in_the_browser(f"http://127.0.0.1:{port}", ready)

@@ -21,8 +21,11 @@ from tests.api.up_cluster import UpCluster
 
 pytestmark = pytest.mark.slow
 
-TEXTS = ["The cat sat on the mat.", "A kitten is sleeping on the rug.",
-         "Stock markets fell sharply on Monday."]  # fmt: skip
+TEXTS = [
+    "The cat sat on the mat.",
+    "A kitten is sleeping on the rug.",
+    "Stock markets fell sharply on Monday.",
+]
 
 
 def client(url: str) -> openai.OpenAI:
@@ -86,11 +89,11 @@ async def test_a_model_served_in_one_role_only_says_how_to_ask_for_the_other(
     """Instances as the log holds them (no runner is needed for the refusal)."""
     pub = Publisher(js)
     for model in ("chatty", "embeddy"):
-        await pub.publish(ModelAdded(model_id=model, origin="test", n_layers=30,
-                                     size_bytes=10**8))  # fmt: skip
+        await pub.publish(ModelAdded(model_id=model, origin="test", n_layers=30, size_bytes=10**8))
     await pub.publish(InstanceRequested(instance_id="c", model_id="chatty", origin="t"))
-    await pub.publish(InstanceRequested(instance_id="e", model_id="embeddy", origin="t",
-                                        role="embed"))  # fmt: skip
+    await pub.publish(
+        InstanceRequested(instance_id="e", model_id="embeddy", origin="t", role="embed")
+    )
     async with httpx.AsyncClient(base_url=api_stack.url) as c:
         for _ in range(100):  # until the projector has the instances
             r = await c.post("/v1/embeddings", json={"model": "chatty", "input": "x"})

@@ -92,26 +92,37 @@ def _cluster_events(serving: bool) -> list[EventBase]:
     also an instance of the model placed on the node with a runner that says it is Ready
     (there is no such process: a chat request is taken, and never answered)."""
     profile = NodeProfile(
-        ram_total=16 * GiB, ram_available=16 * GiB, cpu_count=4, memory_offered=8 * GiB,
+        ram_total=16 * GiB,
+        ram_available=16 * GiB,
+        cpu_count=4,
+        memory_offered=8 * GiB,
         gpus=[GpuInfo(index=0, name="fake", memory_total=8 * GiB, memory_used=0)],
-    )  # fmt: skip
+    )
     events: list[EventBase] = [
-        ModelAdded(model_id=KNOWN_MODEL, origin="test", n_layers=4, size_bytes=10**6,
-                   kv_bytes_per_token=100),
+        ModelAdded(
+            model_id=KNOWN_MODEL,
+            origin="test",
+            n_layers=4,
+            size_bytes=10**6,
+            kv_bytes_per_token=100,
+        ),
         NodeJoined(node_id=NODE, origin=NODE, heartbeat_s=3600),
         ResourceProfiled(node_id=NODE, origin=NODE, profile=profile),
-    ]  # fmt: skip
+    ]
     if serving:
         instance, runner = "tiny-serving", "tiny-serving-r0"
-        shard = ShardAssignment(runner_id=runner, node_id=NODE, start_layer=0, end_layer=4,
-                                n_layers=4)  # fmt: skip
+        shard = ShardAssignment(
+            runner_id=runner, node_id=NODE, start_layer=0, end_layer=4, n_layers=4
+        )
         events += [
             InstanceRequested(instance_id=instance, model_id=KNOWN_MODEL, origin="test"),
-            InstancePlaced(instance_id=instance, model_id=KNOWN_MODEL, origin="test",
-                           shards=[shard]),
-            RunnerStateChanged(runner_id=runner, instance_id=instance, node_id=NODE,
-                               state="Ready", origin=NODE),
-        ]  # fmt: skip
+            InstancePlaced(
+                instance_id=instance, model_id=KNOWN_MODEL, origin="test", shards=[shard]
+            ),
+            RunnerStateChanged(
+                runner_id=runner, instance_id=instance, node_id=NODE, state="Ready", origin=NODE
+            ),
+        ]
     return events
 
 
@@ -139,8 +150,9 @@ async def _seed(stack: ApiStack, serving: bool = False) -> None:
 
     async def projected(client: httpx.AsyncClient) -> bool:
         spec = {"chat": {"devices": [f"{NODE}:gpu0"]}}
-        r = await client.post("/v1/placement/preview",
-                              json={"model": KNOWN_MODEL, "placement": spec})  # fmt: skip
+        r = await client.post(
+            "/v1/placement/preview", json={"model": KNOWN_MODEL, "placement": spec}
+        )
         if r.status_code != 200 or not r.json()["placeable"]:
             return False
         if not serving:
@@ -220,8 +232,12 @@ def _shape_problems(
             problems.append(f"error is {body['error']!r}, not a string")
         return problems
     if dialect == "anthropic":
-        if not isinstance(body, dict) or body.get("type") != "error" or set(body) != {
-            "type", "error"} or not isinstance(body["error"], dict):  # fmt: skip
+        if (
+            not isinstance(body, dict)
+            or body.get("type") != "error"
+            or set(body) != {"type", "error"}
+            or not isinstance(body["error"], dict)
+        ):
             return [
                 *problems,
                 f"body is not {{'type': 'error', 'error': {{...}}}}: {content[:300]!r}",
@@ -287,8 +303,7 @@ def _call_problems(case: Case, url: str, session: requests.Session) -> list[str]
         content_type = next(
             (v[0] for k, v in response.headers.items() if k.lower() == "content-type" and v), ""
         )
-        problems += _shape_problems(status, response.content, content_type,
-                                    dialect_of(case.path))  # fmt: skip
+        problems += _shape_problems(status, response.content, content_type, dialect_of(case.path))
     return problems
 
 
@@ -319,8 +334,13 @@ def _fuzz(
     if mode is schemathesis.GenerationMode.POSITIVE:
         cases = st.tuples(cases, st.booleans()).map(_with_known_model)
 
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=cases)
     def run(case: Case) -> None:
         for problem in _call_problems(case, url, session):
@@ -352,13 +372,24 @@ def test_openapi_operations_never_fail_on_generated_requests(tmp_path: Path) -> 
                 raise result.err()
             operations.append(result.ok())
         labels = {op.label for op in operations}
-        assert {f"POST {CHAT}", f"POST {COMPLETIONS}", "POST /v1/instances",
-                "DELETE /v1/instances/{instance_id}", "POST /v1/placement/preview",
-                "GET /v1/state", "GET /healthz", "POST /v1/messages",
-                "POST /v1/messages/count_tokens", "POST /v1/responses",
-                "GET /v1/responses/{response_id}", "POST /v1/embeddings", "POST /api/chat",
-                "POST /api/generate", "POST /api/embed", "GET /api/tags",
-                }  <= labels, labels  # fmt: skip
+        assert {
+            f"POST {CHAT}",
+            f"POST {COMPLETIONS}",
+            "POST /v1/instances",
+            "DELETE /v1/instances/{instance_id}",
+            "POST /v1/placement/preview",
+            "GET /v1/state",
+            "GET /healthz",
+            "POST /v1/messages",
+            "POST /v1/messages/count_tokens",
+            "POST /v1/responses",
+            "GET /v1/responses/{response_id}",
+            "POST /v1/embeddings",
+            "POST /api/chat",
+            "POST /api/generate",
+            "POST /api/embed",
+            "GET /api/tags",
+        } <= labels, labels
         assert "GET /v1/events" not in labels
 
         problems: list[str] = []
@@ -581,8 +612,12 @@ async def test_oversized_prompt_is_refused_quickly_without_a_5xx(
 
 
 # Where a dialect puts its text, and the field its 413 names.
-_TEXT_FIELD = {CHAT: "messages", COMPLETIONS: "prompt", "/v1/responses": "input",
-               "/v1/embeddings": "input"}  # fmt: skip
+_TEXT_FIELD = {
+    CHAT: "messages",
+    COMPLETIONS: "prompt",
+    "/v1/responses": "input",
+    "/v1/embeddings": "input",
+}
 
 
 @pytest.mark.parametrize("path", list(_TEXT_FIELD))
@@ -607,8 +642,10 @@ async def test_a_prompt_too_large_for_the_log_is_a_413(
 
 
 async def test_tools_count_toward_the_size_of_a_request(client: httpx.AsyncClient) -> None:
-    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "x" * 50_000}}
-             for i in range(22)]  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "description": "x" * 50_000}}
+        for i in range(22)
+    ]
     body = {"model": KNOWN_MODEL, "messages": MESSAGES, "tools": tools}
     err = _error(await client.post(CHAT, json=body), 413)
     assert err["code"] == "request_too_large" and err["param"] == "tools"
@@ -644,8 +681,9 @@ async def test_unknown_path_and_method_are_openai_shaped(client: httpx.AsyncClie
 
 @contextlib.asynccontextmanager
 async def _sdk(stack: ApiStack) -> AsyncIterator[openai.AsyncOpenAI]:
-    sdk = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0,
-                             timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    sdk = openai.AsyncOpenAI(
+        base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S
+    )
     try:
         yield sdk
     finally:
@@ -666,11 +704,21 @@ async def test_sdk_raises_bad_request_for_what_cannot_be_honoured(
 
         with pytest.raises(openai.BadRequestError) as caught:
             await sdk.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}],
-                tools=[{"type": "function", "function": {"name": "f", "parameters": {
-                    "type": "object", "properties": {"x": {"type": "string", "format": "email"}},
-                }}}],
-            )  # fmt: skip
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "string", "format": "email"}},
+                            },
+                        },
+                    }
+                ],
+            )
         assert caught.value.param == "tools.0.function.parameters"
         assert "format" in caught.value.message
 
@@ -701,15 +749,24 @@ async def test_sdk_raises_not_found_for_an_unknown_model(seeded_stack: ApiStack)
 
 _ONE_DEVICE = [f"{NODE}:cpu"]
 _PLACEMENT_CRASHES = [
-    pytest.param({"placement": {"chat": {"devices": _ONE_DEVICE, "replicas": 2**62}}},
-                 id="spec-replicas-2**62"),
-    pytest.param({"placement": {"chat": {"devices": _ONE_DEVICE, "tensor_split": [1e308]}}},
-                 id="tensor-split-1e308"),
-    pytest.param({"placement": {"chat": {"devices": [*_ONE_DEVICE, f"{NODE}:gpu0"],
-                                         "tensor_split": [1e308, 1e308]}}},
-                 id="tensor-split-sum-overflows"),
+    pytest.param(
+        {"placement": {"chat": {"devices": _ONE_DEVICE, "replicas": 2**62}}},
+        id="spec-replicas-2**62",
+    ),
+    pytest.param(
+        {"placement": {"chat": {"devices": _ONE_DEVICE, "tensor_split": [1e308]}}},
+        id="tensor-split-1e308",
+    ),
+    pytest.param(
+        {
+            "placement": {
+                "chat": {"devices": [*_ONE_DEVICE, f"{NODE}:gpu0"], "tensor_split": [1e308, 1e308]}
+            }
+        },
+        id="tensor-split-sum-overflows",
+    ),
     pytest.param({"context_length": 10**400}, id="context-length-10**400"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("path", ["/v1/placement/preview", "/v1/instances"])
@@ -741,11 +798,10 @@ async def test_events_with_an_invalid_nats_subject_is_a_400(
     ("path", "body", "param"),
     [
         (CHAT, {"model": "m", "messages": MESSAGES, "stop": 5}, "stop"),
-        (CHAT, {"model": "m", "messages": [{"role": "user", "content": 5}]},
-         "messages.0.content"),
+        (CHAT, {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         (COMPLETIONS, {"model": "m", "prompt": 5}, "prompt"),
     ],
-)  # fmt: skip
+)
 async def test_wrong_type_for_a_union_field_names_the_field(
     client: httpx.AsyncClient, path: str, body: dict[str, object], param: str
 ) -> None:
@@ -760,8 +816,12 @@ async def test_missing_body_says_the_body_is_missing(client: httpx.AsyncClient) 
 
 async def test_openapi_document_describes_the_errors_sent(client: httpx.AsyncClient) -> None:
     doc = (await client.get("/openapi.json")).json()
-    with_422 = [f"{method.upper()} {path}" for path, ops in doc["paths"].items()
-                for method, op in ops.items() if "422" in op.get("responses", {})]  # fmt: skip
+    with_422 = [
+        f"{method.upper()} {path}"
+        for path, ops in doc["paths"].items()
+        for method, op in ops.items()
+        if "422" in op.get("responses", {})
+    ]
     assert with_422 == []
 
 

@@ -138,8 +138,10 @@ def test_method_and_status_labels_stay_bounded() -> None:
     labels = {"endpoint": "other", "status": "418", "method": "other"}
     assert value(s, "shoal_http_requests_total", **labels) == 1
     assert value(s, "shoal_http_request_errors_total", **labels) == 1
-    assert value(s, "shoal_http_requests_total", method="GET", endpoint="/v1/models",
-                 status="200") == 1  # fmt: skip
+    assert (
+        value(s, "shoal_http_requests_total", method="GET", endpoint="/v1/models", status="200")
+        == 1
+    )
     assert not with_name(s, "shoal_http_request_errors_total").keys() - {frozenset(labels.items())}
 
 
@@ -178,13 +180,18 @@ def test_dead_letters_are_counted_by_the_stream_they_came_from() -> None:
 
 
 def _node(node_id: str, status: NodeStatus) -> NodeRow:
-    return NodeRow(node_id=node_id, status=status, ram_total=8 * MiB, ram_available=5 * MiB,
-                   memory_offered=4 * MiB, cpu_load=12.5)  # fmt: skip
+    return NodeRow(
+        node_id=node_id,
+        status=status,
+        ram_total=8 * MiB,
+        ram_available=5 * MiB,
+        memory_offered=4 * MiB,
+        cpu_load=12.5,
+    )
 
 
 def _runner(runner_id: str, state: RunnerState) -> RunnerRow:
-    return RunnerRow(runner_id=runner_id, instance_id="i", node_id="n1", device="cpu",
-                     state=state)  # fmt: skip
+    return RunnerRow(runner_id=runner_id, instance_id="i", node_id="n1", device="cpu", state=state)
 
 
 def test_cluster_families_from_readings() -> None:
@@ -198,13 +205,16 @@ def test_cluster_families_from_readings() -> None:
     projection = ProjectionReading(
         applied_seq={"main": 100},
         nodes=[_node("n1", "online"), _node("gone", "left")],
-        devices=[DeviceRow(node_id="n1", device="gpu0", kind="gpu", memory_total=16 * MiB,
-                           memory_used=2 * MiB),
-                 DeviceRow(node_id="n1", device="cpu", kind="cpu", memory_total=8 * MiB)],
+        devices=[
+            DeviceRow(
+                node_id="n1", device="gpu0", kind="gpu", memory_total=16 * MiB, memory_used=2 * MiB
+            ),
+            DeviceRow(node_id="n1", device="cpu", kind="cpu", memory_total=8 * MiB),
+        ],
         runners=[_runner("a", "Ready"), _runner("b", "Ready"), _runner("c", "Loading")],
         resumes=3,
         events_by_type={"NodeJoined": 1, "TaskCreated": 0},
-    )  # fmt: skip
+    )
     s = parse(generate_latest(_Families(cluster_families(events, projection))).decode())
     assert value(s, "shoal_metrics_source_up", source="nats") == 1
     assert value(s, "shoal_projector_lag_events", projector="main") == 20
@@ -216,8 +226,15 @@ def test_cluster_families_from_readings() -> None:
     assert value(s, "shoal_dead_letters", stream="SHOAL_CHUNKS") is None  # none came from it
     assert value(s, "shoal_consumer_pending_events", stream="SHOAL_EVENTS", consumer="tasks-m") == 4
     runners = {dict(k)["state"]: v for k, v in with_name(s, "shoal_runners").items()}
-    assert runners == {"Assigned": 0, "Downloading": 0, "Loading": 1, "Ready": 2, "Running": 0,
-                       "Failed": 0, "Stopped": 0}  # fmt: skip
+    assert runners == {
+        "Assigned": 0,
+        "Downloading": 0,
+        "Loading": 1,
+        "Ready": 2,
+        "Running": 0,
+        "Failed": 0,
+        "Stopped": 0,
+    }
     assert value(s, "shoal_nodes", status="left") == 1
     assert value(s, "shoal_task_resumes_total") == 3
     memory = with_name(s, "shoal_node_memory_bytes")
@@ -226,7 +243,9 @@ def test_cluster_families_from_readings() -> None:
     assert value(s, "shoal_node_cpu_load_percent", node="n1") == 12.5
     gpu = with_name(s, "shoal_device_memory_bytes")
     assert {(dict(k)["device"], dict(k)["kind"]): v for k, v in gpu.items()} == {
-        ("gpu0", "total"): 16 * MiB, ("gpu0", "used"): 2 * MiB}  # fmt: skip
+        ("gpu0", "total"): 16 * MiB,
+        ("gpu0", "used"): 2 * MiB,
+    }
 
     # A source that cannot be read is left out, and says so.
     s = parse(generate_latest(_Families(cluster_families(None, projection))).decode())
@@ -260,17 +279,28 @@ async def _cluster(js: JetStreamContext) -> None:
     planner and the runner would announce them."""
     pub = Publisher(js)
     await pub.publish(NodeJoined(node_id="n1", origin="n1", heartbeat_s=3600))
-    profile = NodeProfile(ram_total=4096 * MiB, ram_available=3000 * MiB, cpu_count=2,
-                          memory_offered=2048 * MiB, cpu_load=37.5)  # fmt: skip
+    profile = NodeProfile(
+        ram_total=4096 * MiB,
+        ram_available=3000 * MiB,
+        cpu_count=2,
+        memory_offered=2048 * MiB,
+        cpu_load=37.5,
+    )
     await pub.publish(ResourceProfiled(node_id="n1", origin="n1", profile=profile))
-    await pub.publish(ModelAdded(model_id="m", origin="test", n_layers=10, size_bytes=100 * MiB,
-                                 context_length=4096))  # fmt: skip
-    shard = ShardAssignment(runner_id="r1", node_id="n1", start_layer=0, end_layer=10,
-                            n_layers=10)  # fmt: skip
-    await pub.publish(InstancePlaced(instance_id="i1", model_id="m", shards=[shard],
-                                     origin="planner"))  # fmt: skip
-    await pub.publish(RunnerStateChanged(runner_id="r1", instance_id="i1", node_id="n1",
-                                         state="Ready", origin="n1"))  # fmt: skip
+    await pub.publish(
+        ModelAdded(
+            model_id="m", origin="test", n_layers=10, size_bytes=100 * MiB, context_length=4096
+        )
+    )
+    shard = ShardAssignment(runner_id="r1", node_id="n1", start_layer=0, end_layer=10, n_layers=10)
+    await pub.publish(
+        InstancePlaced(instance_id="i1", model_id="m", shards=[shard], origin="planner")
+    )
+    await pub.publish(
+        RunnerStateChanged(
+            runner_id="r1", instance_id="i1", node_id="n1", state="Ready", origin="n1"
+        )
+    )
 
 
 def _http(samples: Samples, name: str, method: str, endpoint: str, status: int) -> float:
@@ -312,15 +342,17 @@ async def test_requests_errors_and_published_events_are_counted(
         chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         asked = asyncio.create_task(client.post("/v1/chat/completions", json=chat))
         await asyncio.sleep(0.5)
-        await Publisher(js).publish(RunnerStateChanged(runner_id="r1", instance_id="i1",
-                                                       node_id="n1", state="Stopped",
-                                                       origin="n1"))  # fmt: skip
+        await Publisher(js).publish(
+            RunnerStateChanged(
+                runner_id="r1", instance_id="i1", node_id="n1", state="Stopped", origin="n1"
+            )
+        )
         assert (await asyncio.wait_for(asked, 15)).status_code == 503
-        s = await _until(client, lambda s: value(s, "shoal_events_published_total",
-                                                 type="TaskCancelled") == 1)  # fmt: skip
+        s = await _until(
+            client, lambda s: value(s, "shoal_events_published_total", type="TaskCancelled") == 1
+        )
         assert value(s, "shoal_events_published_total", type="TaskCreated") == 1
-        assert _http(s, "shoal_http_request_errors_total", "POST", "/v1/chat/completions",
-                     503) == 1  # fmt: skip
+        assert _http(s, "shoal_http_request_errors_total", "POST", "/v1/chat/completions", 503) == 1
         assert not with_name(s, "shoal_tokens_generated_total")  # nothing was generated
 
 
@@ -361,8 +393,15 @@ async def test_cluster_values_follow_the_log_and_the_projection(
             ),
         )
         runners = {dict(k)["state"]: v for k, v in with_name(s, "shoal_runners").items()}
-        assert runners == {"Assigned": 0, "Downloading": 0, "Loading": 0, "Ready": 1,
-                           "Running": 0, "Failed": 0, "Stopped": 0}  # fmt: skip
+        assert runners == {
+            "Assigned": 0,
+            "Downloading": 0,
+            "Loading": 0,
+            "Ready": 1,
+            "Running": 0,
+            "Failed": 0,
+            "Stopped": 0,
+        }
         assert value(s, "shoal_nodes", status="online") == 1
         memory = {dict(k)["kind"]: v for k, v in with_name(s, "shoal_node_memory_bytes").items()}
         assert memory == {"total": 4096 * MiB, "available": 3000 * MiB, "offered": 2048 * MiB}
@@ -380,11 +419,13 @@ async def test_cluster_values_follow_the_log_and_the_projection(
 
         # A malformed event: the projector sets it aside; the log still holds it.
         await js.publish("shoal.events.node.bad.NodeJoined", b"this is { not json")
-        s = await _until(client, lambda s: value(s, "shoal_dead_letters",
-                                                 stream="SHOAL_EVENTS") == 1)  # fmt: skip
+        s = await _until(
+            client, lambda s: value(s, "shoal_dead_letters", stream="SHOAL_EVENTS") == 1
+        )
         assert value(s, "shoal_events_in_log", type="NodeJoined") == 2
-        s = await _until(client, lambda s: value(s, "shoal_projector_lag_events",
-                                                 projector="main") == 0)  # fmt: skip
+        s = await _until(
+            client, lambda s: value(s, "shoal_projector_lag_events", projector="main") == 0
+        )
 
         # With the projector stopped, what is published is lag.
         api_stack.procs.kill("projector")
@@ -410,8 +451,16 @@ async def test_metrics_need_the_key_when_keys_are_configured(api_stack: ApiStack
 
 
 # JetStream API requests that change what the server holds.
-_WRITES = ("CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "CONSUMER.DELETE", "STREAM.CREATE",
-           "STREAM.UPDATE", "STREAM.DELETE", "STREAM.PURGE", "STREAM.MSG.DELETE")  # fmt: skip
+_WRITES = (
+    "CONSUMER.CREATE",
+    "CONSUMER.DURABLE.CREATE",
+    "CONSUMER.DELETE",
+    "STREAM.CREATE",
+    "STREAM.UPDATE",
+    "STREAM.DELETE",
+    "STREAM.PURGE",
+    "STREAM.MSG.DELETE",
+)
 
 
 @pytest.mark.slow
@@ -422,8 +471,9 @@ async def test_a_scrape_only_reads_from_the_nats_server(
     tracking row are read one by one: a scrape creates and deletes no consumer."""
     await _cluster(js)
     async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
-        await _until(client, lambda s: value(s, "shoal_projector_lag_events",
-                                             projector="main") == 0)  # fmt: skip
+        await _until(
+            client, lambda s: value(s, "shoal_projector_lag_events", projector="main") == 0
+        )
         api_stack.procs.kill("projector")  # the projector's own pulls would mingle
         await Publisher(js).publish(NodeJoined(node_id="late", origin="late"))
         requests: list[str] = []

@@ -38,11 +38,13 @@ def test_no_name_goes_to_the_default_or_the_only_model_served() -> None:
 
 
 def test_names_from_the_projection() -> None:
-    state = fold([
-        ModelAdded(model_id="m", origin="t", n_layers=1, size_bytes=1),
-        InstanceRequested(instance_id="i1", model_id="m", origin="t", aliases=["a1"]),
-        InstanceRequested(instance_id="i2", model_id="m", origin="t", role="embed"),
-    ])  # fmt: skip
+    state = fold(
+        [
+            ModelAdded(model_id="m", origin="t", n_layers=1, size_bytes=1),
+            InstanceRequested(instance_id="i1", model_id="m", origin="t", aliases=["a1"]),
+            InstanceRequested(instance_id="i2", model_id="m", origin="t", role="embed"),
+        ]
+    )
     names = names_from(state, {"a2": "m"}, None)
     assert names.listed() == [("m", "m"), ("a1", "m"), ("a2", "m")]
     assert names.served == {"chat": ("m",), "embed": ("m",)}

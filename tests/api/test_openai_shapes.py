@@ -19,14 +19,18 @@ from bus.events import ChunkGenerated, TokenLogprob, ToolCallDelta, TopLogprob, 
 
 
 def chunk(idx: int, text: str = "", **fields: object) -> ChunkGenerated:
-    return ChunkGenerated.model_validate({"task_id": "t", "origin": "n", "idx": idx,
-                                          "text": text, **fields})  # fmt: skip
+    return ChunkGenerated.model_validate(
+        {"task_id": "t", "origin": "n", "idx": idx, "text": text, **fields}
+    )
 
 
 def lp(token: str, logprob: float | None, *top: tuple[str, float]) -> TokenLogprob:
-    return TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()),
-                        top=[TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
-                             for t, v in top])  # fmt: skip
+    return TokenLogprob(
+        token=token,
+        logprob=logprob,
+        bytes=list(token.encode()),
+        top=[TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top],
+    )
 
 
 CALL = [
@@ -49,13 +53,20 @@ def test_a_reply_with_tool_calls_is_openais_message() -> None:
     message = choice["message"]
     assert message["content"] is None
     assert message["tool_calls"] == [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+        },
         {"id": "call_2", "type": "function", "function": {"name": "time", "arguments": "{}"}},
-    ]  # fmt: skip
+    ]
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_streamed_tool_calls_are_openais_deltas() -> None:
@@ -63,9 +74,16 @@ def test_streamed_tool_calls_are_openais_deltas() -> None:
     deltas = [chat_chunk(shape, 0, [c], False, False) for c in CALL]
     first = deltas[0]
     assert first is not None
-    assert first["choices"][0]["delta"] == {"tool_calls": [
-        {"index": 0, "id": "call_1", "type": "function",
-         "function": {"name": "weather", "arguments": ""}}]}  # fmt: skip
+    assert first["choices"][0]["delta"] == {
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": ""},
+            }
+        ]
+    }
     later = deltas[1]
     assert later is not None
     assert later["choices"][0]["delta"] == {
@@ -92,11 +110,20 @@ def test_chat_logprobs_are_openais_shape() -> None:
     usages = [Usage(prompt_tokens=1, completion_tokens=1)]
     body = chat_completion(Shape("c", "m", chat=True), [reply], usages, logprobs=True)
     content = body["choices"][0]["logprobs"]["content"]
-    assert content == [{"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": [
-        {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
-        {"token": "Hey", "logprob": -2.0, "bytes": [72, 101, 121]}]}]  # fmt: skip
-    streamed = chat_chunk(Shape("c", "m", chat=True), 0, [chunk(0, "Hi", logprob=lp("Hi", -0.25))],
-                          False, True)  # fmt: skip
+    assert content == [
+        {
+            "token": "Hi",
+            "logprob": -0.25,
+            "bytes": [72, 105],
+            "top_logprobs": [
+                {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
+                {"token": "Hey", "logprob": -2.0, "bytes": [72, 101, 121]},
+            ],
+        }
+    ]
+    streamed = chat_chunk(
+        Shape("c", "m", chat=True), 0, [chunk(0, "Hi", logprob=lp("Hi", -0.25))], False, True
+    )
     assert streamed is not None
     assert streamed["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.25
 
@@ -106,9 +133,14 @@ def test_completion_logprobs_with_echo_count_offsets_from_the_prompt() -> None:
     reply = Reply()
     reply.add(chunk(0, " sat", logprob=lp(" sat", -0.5, (" sat", -0.5))))
     reply.add(chunk(1, "", finish_reason="length"))
-    body = completion(Shape("cmpl-x", "m", chat=False), [reply],
-                      [Usage(prompt_tokens=2, completion_tokens=1)], logprobs=True,
-                      echo=Echo("The cat", prompt), prompt_chars=7)  # fmt: skip
+    body = completion(
+        Shape("cmpl-x", "m", chat=False),
+        [reply],
+        [Usage(prompt_tokens=2, completion_tokens=1)],
+        logprobs=True,
+        echo=Echo("The cat", prompt),
+        prompt_chars=7,
+    )
     choice = body["choices"][0]
     assert choice["text"] == "The cat sat" and choice["finish_reason"] == "length"
     assert choice["logprobs"] == {
@@ -123,5 +155,9 @@ def test_completion_logprobs_with_echo_count_offsets_from_the_prompt() -> None:
 
 def test_choices_share_the_prompt_in_usage() -> None:
     usages = [Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=4) for n in (2, 3)]
-    assert usage(usages) == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
-                             "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+    assert usage(usages) == {
+        "prompt_tokens": 5,
+        "completion_tokens": 5,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }

@@ -18,13 +18,30 @@ from projectors.store import write_changes
 def cluster(status: InstanceStatus, *runners: tuple[int, RunnerState]) -> ClusterState:
     """One model, one instance of it with ``status``, runners as (rank, state)."""
     state = ClusterState()
-    state.commit([Put(ModelRow(model_id="m", n_layers=30, size_bytes=1)),
-                  Put(InstanceRow(instance_id="i", model_id="m", status=status,
-                                  reason="it needs 199 MiB"))])  # fmt: skip
+    state.commit(
+        [
+            Put(ModelRow(model_id="m", n_layers=30, size_bytes=1)),
+            Put(
+                InstanceRow(instance_id="i", model_id="m", status=status, reason="it needs 199 MiB")
+            ),
+        ]
+    )
     for rank, runner_state in runners:
-        state.commit([Put(RunnerRow(runner_id=f"r{rank}", instance_id="i", node_id=f"n{rank}",
-                                    device="cpu", state=runner_state, rank=rank,
-                                    world_size=len(runners)))])  # fmt: skip
+        state.commit(
+            [
+                Put(
+                    RunnerRow(
+                        runner_id=f"r{rank}",
+                        instance_id="i",
+                        node_id=f"n{rank}",
+                        device="cpu",
+                        state=runner_state,
+                        rank=rank,
+                        world_size=len(runners),
+                    )
+                )
+            ]
+        )
     return state
 
 
@@ -91,10 +108,20 @@ async def test_serving_reads_the_model_s_instances_and_runners_from_the_database
 def with_instance(
     state: ClusterState, instance_id: str, role: InstanceRole, runner_state: RunnerState
 ) -> None:
-    state.commit([Put(InstanceRow(instance_id=instance_id, model_id="m", status="placed",
-                                  role=role)),
-                  Put(RunnerRow(runner_id=f"{instance_id}-r", instance_id=instance_id,
-                                node_id="n", device="cpu", state=runner_state))])  # fmt: skip
+    state.commit(
+        [
+            Put(InstanceRow(instance_id=instance_id, model_id="m", status="placed", role=role)),
+            Put(
+                RunnerRow(
+                    runner_id=f"{instance_id}-r",
+                    instance_id=instance_id,
+                    node_id="n",
+                    device="cpu",
+                    state=runner_state,
+                )
+            ),
+        ]
+    )
 
 
 def test_embeddings_need_an_embed_instance_and_say_how_to_ask_for_one() -> None:

@@ -57,8 +57,9 @@ def refusal(**fields: Any) -> str:
 
 
 def chunk(idx: int, text: str = "", **fields: Any) -> ChunkGenerated:
-    return ChunkGenerated.model_validate({"task_id": "t", "origin": "n", "idx": idx,
-                                          "text": text, **fields})  # fmt: skip
+    return ChunkGenerated.model_validate(
+        {"task_id": "t", "origin": "n", "idx": idx, "text": text, **fields}
+    )
 
 
 def reply_of(chunks: list[ChunkGenerated]) -> Reply:
@@ -94,24 +95,41 @@ def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
     conversation = body.input_messages()
     assert conversation == [ChatMessage(role="user", content="Hi")]
     assert task_messages(body.instructions, conversation) == [
-        ChatMessage(role="system", content="Be terse."), ChatMessage(role="user", content="Hi"),
-    ]  # fmt: skip
+        ChatMessage(role="system", content="Be terse."),
+        ChatMessage(role="user", content="Hi"),
+    ]
     assert task_messages(None, conversation) == conversation
 
 
 def test_items_become_a_chat_with_calls_and_their_outputs() -> None:
-    body = request(input=[
-        {"role": "developer", "content": "Use tools."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Paris?"}]},
-        {"type": "message", "role": "assistant",
-         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
-        {"type": "function_call", "call_id": "c1", "name": "get_weather",
-         "arguments": '{"city": "Paris"}'},
-        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
-        {"type": "function_call_output", "call_id": "c2",
-         "output": [{"type": "input_text", "text": "Rain"}]},
-    ])  # fmt: skip
+    body = request(
+        input=[
+            {"role": "developer", "content": "Use tools."},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Paris?"}],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}],
+            },
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "get_weather",
+                "arguments": '{"city": "Paris"}',
+            },
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+            {
+                "type": "function_call_output",
+                "call_id": "c2",
+                "output": [{"type": "input_text", "text": "Rain"}],
+            },
+        ]
+    )
     messages = body.input_messages()
     assert [m.role for m in messages] == ["system", "user", "assistant", "tool", "tool"]
     assert messages[1].content == "Paris?"
@@ -142,11 +160,16 @@ def test_an_output_for_no_call_is_refused() -> None:
 def test_function_tools_choice_and_format_become_task_fields() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     body = request(
-        tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
-        parallel_tool_calls=False, max_output_tokens=12, temperature=0.5, top_p=0.9,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        max_output_tokens=12,
+        temperature=0.5,
+        top_p=0.9,
         text={"format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True}},
-        metadata={"k": "v"}, user="u",
-    )  # fmt: skip
+        metadata={"k": "v"},
+        user="u",
+    )
     fields = body.task_fields()
     assert [t.name for t in fields["tools"]] == ["get_weather"]
     assert fields["tools"][0].parameters == WEATHER["parameters"]
@@ -179,17 +202,25 @@ def test_function_tools_choice_and_format_become_task_fields() -> None:
         ({"tools": [{"type": "web_search"}]}, "'web_search' are not supported"),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "'file_search'"),
         ({"tools": [{"type": "computer_use_preview"}]}, "only your functions"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
-         "type 'object'"),
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+            "type 'object'",
+        ),
         ({"tools": [WEATHER, WEATHER]}, "same name"),
         ({"tool_choice": "required"}, "needs tools"),
-        ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]},
-         "not among the tools"),
+        (
+            {"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]},
+            "not among the tools",
+        ),
         ({"tool_choice": {"type": "web_search_preview"}}, "'web_search_preview' is not"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-         "an image"),
-        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
-         "a file"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            "an image",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "a file",
+        ),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item references"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning items"),
         ({"input": [{"type": "web_search_call"}]}, "'web_search_call' are not supported"),
@@ -208,16 +239,22 @@ def test_function_tools_choice_and_format_become_task_fields() -> None:
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "at most 16"),
         ({"temperature": 3}, "temperature"),
     ],
-)  # fmt: skip
+)
 def test_what_shoal_cannot_honour_is_refused(fields: dict[str, Any], says: str) -> None:
     assert says in refusal(**fields)
 
 
 def test_what_does_not_change_the_answer_is_accepted() -> None:
-    body = request(include=[], reasoning={"effort": None}, truncation="auto",
-                   service_tier="auto", prompt_cache_key="k", safety_identifier="s",
-                   stream_options={"include_obfuscation": False},
-                   text={"format": {"type": "text"}, "verbosity": "medium"})  # fmt: skip
+    body = request(
+        include=[],
+        reasoning={"effort": None},
+        truncation="auto",
+        service_tier="auto",
+        prompt_cache_key="k",
+        safety_identifier="s",
+        stream_options={"include_obfuscation": False},
+        text={"format": {"type": "text"}, "verbosity": "medium"},
+    )
     assert body.task_fields()["response_format"] is None
     # An empty input continues a previous response.
     assert request(input=[], previous_response_id="resp_x").input == []
@@ -250,8 +287,9 @@ def test_calls_are_function_call_items() -> None:
     output = output_items("t", reply)
     assert [i["type"] for i in output] == ["function_call", "function_call"]
     assert [(i["call_id"], i["arguments"]) for i in output] == [
-        ("call_1", '{"city": "Paris"}'), ("call_2", '{"city": "Rome"}'),
-    ]  # fmt: skip
+        ("call_1", '{"city": "Paris"}'),
+        ("call_2", '{"city": "Rome"}'),
+    ]
     parsed = Response.model_validate(final_response(head(), output, reply, USAGE))
     assert parsed.output_text == ""
     message = assistant_message(output)
@@ -321,11 +359,17 @@ def test_a_streamed_text_is_what_the_sdk_accumulates() -> None:
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
     assert kinds == [
-        "response.created", "response.in_progress", "response.output_item.added",
-        "response.content_part.added", "response.output_text.delta",
-        "response.output_text.delta", "response.output_text.done",
-        "response.content_part.done", "response.output_item.done", "response.completed",
-    ]  # fmt: skip
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     final = accumulated(events)
     assert final is not None and final.output_text == deltas == "Hello there"
@@ -342,12 +386,14 @@ def test_streamed_calls_are_items_with_argument_deltas() -> None:
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     added = [e for e in events if e["type"] == "response.output_item.added"]
     assert [(e["output_index"], e["item"]["call_id"]) for e in added] == [
-        (0, "call_1"), (1, "call_2"),
-    ]  # fmt: skip
+        (0, "call_1"),
+        (1, "call_2"),
+    ]
     done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
     assert [(e["name"], e["arguments"]) for e in done] == [
-        ("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}'),
-    ]  # fmt: skip
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_weather", '{"city": "Rome"}'),
+    ]
     final = accumulated(events)
     assert [o.arguments for o in final.output] == ['{"city": "Paris"}', '{"city": "Rome"}']
     assert json.loads(final.output[0].arguments) == {"city": "Paris"}
@@ -356,10 +402,13 @@ def test_streamed_calls_are_items_with_argument_deltas() -> None:
 
 
 def test_text_then_a_call_closes_the_message_first() -> None:
-    chunks = [chunk(0, "Checking."),
-              chunk(1, "", tool_calls=[ToolCallDelta(index=0, id="c", name="get_weather",
-                                                     arguments="{}")]),
-              chunk(2, "", finish_reason="tool_calls")]  # fmt: skip
+    chunks = [
+        chunk(0, "Checking."),
+        chunk(
+            1, "", tool_calls=[ToolCallDelta(index=0, id="c", name="get_weather", arguments="{}")]
+        ),
+        chunk(2, "", finish_reason="tool_calls"),
+    ]
     events = events_of(streamed(chunks)[0])
     kinds = [e["type"] for e in events]
     assert kinds.index("response.output_item.done") < kinds.index(
@@ -390,8 +439,11 @@ def test_a_failed_stream_ends_with_response_failed() -> None:
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     # A failure before any chunk still starts the stream as the SDK expects.
     early = events_of(ResponsesOut(head(), True, None).failure(ApiError(400, "invalid request")))
-    assert [e["type"] for e in early] == ["response.created", "response.in_progress",
-                                          "response.failed"]  # fmt: skip
+    assert [e["type"] for e in early] == [
+        "response.created",
+        "response.in_progress",
+        "response.failed",
+    ]
 
 
 def test_a_kept_response_is_given_with_its_turn_and_one_not_kept_says_so() -> None:

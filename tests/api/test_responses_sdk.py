@@ -85,8 +85,9 @@ def _wait_done(client: openai.OpenAI, response_id: str, timeout: float = 120) ->
 
 
 def test_a_string_input_is_answered(client: openai.OpenAI, up_cluster: UpCluster) -> None:
-    response = client.responses.create(model=up_cluster.model, input=HELLO, temperature=0,
-                                       max_output_tokens=40)  # fmt: skip
+    response = client.responses.create(
+        model=up_cluster.model, input=HELLO, temperature=0, max_output_tokens=40
+    )
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.status in ("completed", "incomplete") and response.model == up_cluster.model
     assert response.output_text.strip()
@@ -101,14 +102,22 @@ def test_instructions_are_a_system_message_first(
     client: openai.OpenAI, up_cluster: UpCluster
 ) -> None:
     pirate = "You are a pirate. Always answer like one."
-    plain = client.responses.create(model=up_cluster.model, input=HELLO, temperature=0,
-                                    max_output_tokens=20)  # fmt: skip
-    told = client.responses.create(model=up_cluster.model, input=HELLO, temperature=0,
-                                   max_output_tokens=20, instructions=pirate)  # fmt: skip
+    plain = client.responses.create(
+        model=up_cluster.model, input=HELLO, temperature=0, max_output_tokens=20
+    )
+    told = client.responses.create(
+        model=up_cluster.model,
+        input=HELLO,
+        temperature=0,
+        max_output_tokens=20,
+        instructions=pirate,
+    )
     spelled = client.responses.create(
-        model=up_cluster.model, temperature=0, max_output_tokens=20,
+        model=up_cluster.model,
+        temperature=0,
+        max_output_tokens=20,
         input=[{"role": "system", "content": pirate}, {"role": "user", "content": HELLO}],
-    )  # fmt: skip
+    )
     assert told.instructions == pirate and spelled.instructions is None
     # The same prompt (SmolLM2's template has a system message of its own when none is sent).
     assert told.usage is not None and spelled.usage is not None and plain.usage is not None
@@ -122,8 +131,9 @@ def test_a_stream_accumulates_to_its_final_response(
     deltas: list[str] = []
     sequence: list[int] = []
     kinds: list[str] = []
-    with client.responses.stream(model=up_cluster.alias, input=HELLO, temperature=0,
-                                 max_output_tokens=40) as stream:  # fmt: skip
+    with client.responses.stream(
+        model=up_cluster.alias, input=HELLO, temperature=0, max_output_tokens=40
+    ) as stream:
         for event in stream:
             sequence.append(event.sequence_number)
             kinds.append(event.type)
@@ -142,9 +152,14 @@ def test_a_stream_accumulates_to_its_final_response(
 def test_a_function_call_then_its_output_continues_the_conversation(
     client: openai.OpenAI, second: openai.OpenAI, up_cluster: UpCluster
 ) -> None:
-    first = client.responses.create(model=up_cluster.model, input=ASK, tools=[WEATHER],
-                                    tool_choice="required", parallel_tool_calls=False,
-                                    temperature=0)  # fmt: skip
+    first = client.responses.create(
+        model=up_cluster.model,
+        input=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+    )
     calls = _calls(first)
     assert len(calls) == 1 and calls[0].name == "get_weather"
     assert calls[0].call_id and calls[0].id and calls[0].status == "completed"
@@ -154,17 +169,30 @@ def test_a_function_call_then_its_output_continues_the_conversation(
 
     # On the other API process: the previous response is found on the log.
     answer = second.responses.create(
-        model=up_cluster.model, previous_response_id=first.id, tools=[WEATHER],
-        tool_choice="none", temperature=0, max_output_tokens=40,
-        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
-                "output": "Sunny, 24 degrees."}],
-    )  # fmt: skip
+        model=up_cluster.model,
+        previous_response_id=first.id,
+        tools=[WEATHER],
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=40,
+        input=[
+            {
+                "type": "function_call_output",
+                "call_id": calls[0].call_id,
+                "output": "Sunny, 24 degrees.",
+            }
+        ],
+    )
     assert answer.previous_response_id == first.id
     assert [o.type for o in answer.output] == ["message"] and answer.output_text.strip()
     # The conversation came along: more than the output alone would be.
-    alone = second.responses.create(model=up_cluster.model, input="Sunny, 24 degrees.",
-                                    tools=[WEATHER], tool_choice="none",
-                                    max_output_tokens=1)  # fmt: skip
+    alone = second.responses.create(
+        model=up_cluster.model,
+        input="Sunny, 24 degrees.",
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=1,
+    )
     assert alone.usage is not None and answer.usage is not None
     assert answer.usage.input_tokens > alone.usage.input_tokens + 10
     listed = second.responses.input_items.list(answer.id)
@@ -173,9 +201,14 @@ def test_a_function_call_then_its_output_continues_the_conversation(
 
 def test_a_stream_of_a_call_has_its_arguments(client: openai.OpenAI, up_cluster: UpCluster) -> None:
     arguments = ""
-    with client.responses.stream(model=up_cluster.model, input=ASK, tools=[WEATHER],
-                                 tool_choice={"type": "function", "name": "get_weather"},
-                                 parallel_tool_calls=False, temperature=0) as stream:  # fmt: skip
+    with client.responses.stream(
+        model=up_cluster.model,
+        input=ASK,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        temperature=0,
+    ) as stream:
         for event in stream:
             if event.type == "response.function_call_arguments.delta":
                 arguments += event.delta
@@ -190,17 +223,19 @@ def test_a_json_schema_format_is_json_that_validates(
 ) -> None:
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 30},
-                       "age": {"type": "integer"}},
+        "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"}},
         "required": ["name", "age"],
         "additionalProperties": False,
-    }  # fmt: skip
+    }
     response = client.responses.create(
-        model=up_cluster.model, input="Describe a person: their name and age.", temperature=0,
+        model=up_cluster.model,
+        input="Describe a person: their name and age.",
+        temperature=0,
         max_output_tokens=100,
-        text={"format": {"type": "json_schema", "name": "person", "schema": schema,
-                         "strict": True}},
-    )  # fmt: skip
+        text={
+            "format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}
+        },
+    )
     assert response.status == "completed", response.output_text
     person = json.loads(response.output_text)
     assert isinstance(person, dict) and set(person) == {"name", "age"}, person
@@ -213,8 +248,13 @@ def test_a_json_schema_format_is_json_that_validates(
 def test_stored_responses_are_read_and_deleted_through_either_process(
     client: openai.OpenAI, second: openai.OpenAI, up_cluster: UpCluster
 ) -> None:
-    made = client.responses.create(model=up_cluster.model, input=HELLO, temperature=0,
-                                   max_output_tokens=20, metadata={"test": "store"})  # fmt: skip
+    made = client.responses.create(
+        model=up_cluster.model,
+        input=HELLO,
+        temperature=0,
+        max_output_tokens=20,
+        metadata={"test": "store"},
+    )
     # At once, on the other process (from the log if the projection is behind).
     got = second.responses.retrieve(made.id)
     assert got.id == made.id and got.output_text == made.output_text
@@ -234,8 +274,9 @@ def test_stored_responses_are_read_and_deleted_through_either_process(
         )
     assert caught.value.body["param"] == "previous_response_id"  # type: ignore[index]
 
-    unstored = client.responses.create(model=up_cluster.model, input=HELLO, store=False,
-                                       max_output_tokens=5)  # fmt: skip
+    unstored = client.responses.create(
+        model=up_cluster.model, input=HELLO, store=False, max_output_tokens=5
+    )
     assert unstored.to_dict()["store"] is False  # on the wire; the SDK's type has no field
     with pytest.raises(openai.NotFoundError):
         second.responses.retrieve(unstored.id)
@@ -244,8 +285,9 @@ def test_stored_responses_are_read_and_deleted_through_either_process(
 def test_a_background_response_is_fetched_when_done(
     client: openai.OpenAI, second: openai.OpenAI, up_cluster: UpCluster
 ) -> None:
-    queued = client.responses.create(model=up_cluster.model, input=HELLO, background=True,
-                                     temperature=0, max_output_tokens=30)  # fmt: skip
+    queued = client.responses.create(
+        model=up_cluster.model, input=HELLO, background=True, temperature=0, max_output_tokens=30
+    )
     assert queued.status == "queued" and queued.background is True and queued.output == []
     done = _wait_done(second, queued.id)
     assert done.status in ("completed", "incomplete") and done.output_text.strip()
@@ -253,9 +295,12 @@ def test_a_background_response_is_fetched_when_done(
 
 def test_a_background_response_is_cancelled(client: openai.OpenAI, up_cluster: UpCluster) -> None:
     queued = client.responses.create(
-        model=up_cluster.model, background=True, temperature=0, max_output_tokens=2000,
+        model=up_cluster.model,
+        background=True,
+        temperature=0,
+        max_output_tokens=2000,
         input="Write a very long story about a fish who travels around the world.",
-    )  # fmt: skip
+    )
     try:
         cancelled = client.responses.cancel(queued.id)
     except openai.BadRequestError:  # it was done first: nothing to cancel
@@ -273,9 +318,11 @@ def test_a_streamed_response_is_cancelled_from_the_other_process(
 ) -> None:
     last: Any = None
     with client.responses.stream(
-        model=up_cluster.model, temperature=0, max_output_tokens=2000,
+        model=up_cluster.model,
+        temperature=0,
+        max_output_tokens=2000,
         input="Write a very long story about a fish who travels around the world.",
-    ) as stream:  # fmt: skip
+    ) as stream:
         for event in stream:
             if event.type == "response.created":
                 # Not stored until it ends: found by its task (in the projection soon).
@@ -298,12 +345,12 @@ def test_a_streamed_response_is_cancelled_from_the_other_process(
 
 def test_errors_are_the_sdks_own(client: openai.OpenAI, up_cluster: UpCluster) -> None:
     with pytest.raises(openai.NotFoundError) as unknown:
-        client.responses.create(model=up_cluster.model, input=HELLO,
-                                previous_response_id="resp_0123456789abcdef")  # fmt: skip
+        client.responses.create(
+            model=up_cluster.model, input=HELLO, previous_response_id="resp_0123456789abcdef"
+        )
     assert unknown.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as search:
-        client.responses.create(model=up_cluster.model, input=HELLO,
-                                tools=[{"type": "web_search"}])  # fmt: skip
+        client.responses.create(model=up_cluster.model, input=HELLO, tools=[{"type": "web_search"}])
     assert "web_search" in search.value.message
     assert search.value.body["param"].startswith("tools")  # type: ignore[index]
     picture = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}
@@ -348,16 +395,25 @@ def test_an_openai_agents_sdk_agent_on_the_responses_api(up_cluster: UpCluster) 
         asked.append(city)
         return f"It is sunny and 24 degrees in {city}."
 
-    model = OpenAIResponsesModel(model=up_cluster.model, openai_client=openai.AsyncOpenAI(
-        base_url=f"{up_cluster.base}/v1", api_key=up_cluster.key, max_retries=0))  # fmt: skip
+    model = OpenAIResponsesModel(
+        model=up_cluster.model,
+        openai_client=openai.AsyncOpenAI(
+            base_url=f"{up_cluster.base}/v1", api_key=up_cluster.key, max_retries=0
+        ),
+    )
     # Room for the whole answer: a response cut by max_tokens ends `incomplete`, which the
     # Agents SDK takes for an error (as from OpenAI).
-    agent = Agent(name="weather", instructions="Answer questions about the weather.",
-                  tools=[get_weather], model=model, reset_tool_choice=False,
-                  model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                               max_tokens=256))  # fmt: skip
-    result = Runner.run_sync(agent, "What is the weather like in Paris?", max_turns=4,
-                             hooks=AnswerAfterTheTool())  # fmt: skip
+    agent = Agent(
+        name="weather",
+        instructions="Answer questions about the weather.",
+        tools=[get_weather],
+        model=model,
+        reset_tool_choice=False,
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=256),
+    )
+    result = Runner.run_sync(
+        agent, "What is the weather like in Paris?", max_turns=4, hooks=AnswerAfterTheTool()
+    )
     assert len(asked) == 1 and asked[0].strip(), "the agent called its tool once, with a city"
     assert isinstance(result.final_output, str) and result.final_output.strip()
     assert len(result.raw_responses) == 2  # the call, then the answer

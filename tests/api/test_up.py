@@ -97,7 +97,9 @@ async def test_the_openai_sdk_works_against_shoal_up(up: Up) -> None:
     assert "".join(pieces) == reply.choices[0].message.content  # greedy: the same text
     assert finish == reply.choices[0].finish_reason and usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (
-        reply.usage.prompt_tokens, reply.usage.completion_tokens)  # fmt: skip
+        reply.usage.prompt_tokens,
+        reply.usage.completion_tokens,
+    )
     # The same prompt again: its slot's cache held all of it but the last token.
     assert usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
@@ -176,8 +178,11 @@ async def test_metrics_count_tokens_and_streams_still_stream(up: Up) -> None:
         assert whole.status_code == 200, whole.text
         tokens = whole.json()["usage"]["completion_tokens"]
         arrivals: list[float] = []
-        streamed = body | {"max_tokens": 48, "stream": True,
-                           "stream_options": {"include_usage": True}}  # fmt: skip
+        streamed = body | {
+            "max_tokens": 48,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with client.stream("POST", "/v1/chat/completions", json=streamed) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
@@ -208,8 +213,21 @@ async def test_one_machine_as_two_nodes_serves_a_model_neither_holds(tmp_path: P
     (`shoal join`) with the same limit joins, and the model is split over the two and answers.
     Both are given relative data dirs, as a user types them."""
     port = free_port("127.0.0.1")
-    proc = start([SHOAL, "up", "--data-dir", "a", "--port", str(port),
-                  "--memory-limit", "160M", "--runner-threads", "1"], cwd=tmp_path)  # fmt: skip
+    proc = start(
+        [
+            SHOAL,
+            "up",
+            "--data-dir",
+            "a",
+            "--port",
+            str(port),
+            "--memory-limit",
+            "160M",
+            "--runner-threads",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
     joined: subprocess.Popen[str] | None = None
     try:
         lines: list[str] = []
@@ -219,17 +237,39 @@ async def test_one_machine_as_two_nodes_serves_a_model_neither_holds(tmp_path: P
                 lines.append(await asyncio.to_thread(proc.stdout.readline))
         nats = re.search(r"^NATS\s+(\S+)", "".join(lines), re.MULTILINE)
         assert nats is not None
-        joined = start([SHOAL, "join", "--nats", nats.group(1), "--memory-limit", "160M",
-                        "--node-id", "b", "--data-dir", "b", "--runner-threads", "1"],
-                       cwd=tmp_path)  # fmt: skip
+        joined = start(
+            [
+                SHOAL,
+                "join",
+                "--nats",
+                nats.group(1),
+                "--memory-limit",
+                "160M",
+                "--node-id",
+                "b",
+                "--data-dir",
+                "b",
+                "--runner-threads",
+                "1",
+            ],
+            cwd=tmp_path,
+        )
         lines += await read_until_ready(proc)
         async with httpx.AsyncClient(timeout=60) as client:
             answer = await client.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
-                json={"model": MODEL, "max_tokens": 8, "temperature": 0,
-                      "messages": [{"role": "user", "content": "What is the capital city of"
-                                    " France? Answer in one word."}]},
-            )  # fmt: skip
+                json={
+                    "model": MODEL,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": "What is the capital city of France? Answer in one word.",
+                        }
+                    ],
+                },
+            )
             assert answer.status_code == 200, answer.text
             assert "Paris" in answer.json()["choices"][0]["message"]["content"]
             state = (await client.get(f"http://127.0.0.1:{port}/v1/instances")).json()

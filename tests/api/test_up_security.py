@@ -28,8 +28,7 @@ KEY = "api-key-5d1e8b"
 
 
 def _up(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([SHOAL, "up", *args], capture_output=True, text=True, timeout=60,
-                          env=env)  # fmt: skip
+    return subprocess.run([SHOAL, "up", *args], capture_output=True, text=True, timeout=60, env=env)
 
 
 @pytest.mark.parametrize(
@@ -57,11 +56,27 @@ async def test_a_locked_down_up_serves_and_never_shows_a_secret(tmp_path: Path) 
     data = tmp_path / "data"
     port = free_port("127.0.0.1")
     env = {"SHOAL_NATS_TOKEN": TOKEN, "SHOAL_NATS_CA": str(certs.ca), "SHOAL_API_KEYS": KEY}
-    proc = start([SHOAL, "up", "--data-dir", str(data), "--port", str(port),
-                  "--runner-threads", "2",
-                  "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-                  "--nats-tls-cert", str(certs.server_cert),
-                  "--nats-tls-key", str(certs.server_key)], env=env)  # fmt: skip
+    proc = start(
+        [
+            SHOAL,
+            "up",
+            "--data-dir",
+            str(data),
+            "--port",
+            str(port),
+            "--runner-threads",
+            "2",
+            "--tls-cert",
+            str(certs.server_cert),
+            "--tls-key",
+            str(certs.server_key),
+            "--nats-tls-cert",
+            str(certs.server_cert),
+            "--nats-tls-key",
+            str(certs.server_key),
+        ],
+        env=env,
+    )
     output: list[str] = []
     try:
         output += await read_until_ready(proc)
@@ -76,10 +91,10 @@ async def test_a_locked_down_up_serves_and_never_shows_a_secret(tmp_path: Path) 
             verify=ssl.create_default_context(cafile=certs.ca), timeout=60
         ) as client:
             answer = await client.post(
-                f"{url}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                json={"model": MODEL, "messages": [question], "max_tokens": 8,
-                      "temperature": 0},
-            )  # fmt: skip
+                f"{url}/chat/completions",
+                headers={"Authorization": f"Bearer {KEY}"},
+                json={"model": MODEL, "messages": [question], "max_tokens": 8, "temperature": 0},
+            )
             assert answer.status_code == 200, answer.text
             assert "Paris" in answer.json()["choices"][0]["message"]["content"]
             for header in ({}, {"Authorization": f"Bearer not-{KEY}"}):

@@ -48,15 +48,41 @@ def _after(lines: list[str], label: str) -> str:
 def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
     data: Path = tmp_path_factory.mktemp("up") / "data"
     port, second_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    up = start([SHOAL, "up", "--data-dir", str(data), "--port", str(port), "--api-key", KEY,
-                "--runner-threads", "2", "--alias", f"{ALIAS}={MODEL}"])  # fmt: skip
+    up = start(
+        [
+            SHOAL,
+            "up",
+            "--data-dir",
+            str(data),
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--runner-threads",
+            "2",
+            "--alias",
+            f"{ALIAS}={MODEL}",
+        ]
+    )
     drained: list[Drained] = []
     try:
         lines = asyncio.run(read_until_ready(up))
         drained.append(Drained(up))
         nats_url, db_url = _after(lines, "NATS"), _after(lines, "database")
-        second = start([SHOAL, "api", "--nats", nats_url, "--db", db_url, "--port",
-                        str(second_port), "--api-key", KEY])  # fmt: skip
+        second = start(
+            [
+                SHOAL,
+                "api",
+                "--nats",
+                nats_url,
+                "--db",
+                db_url,
+                "--port",
+                str(second_port),
+                "--api-key",
+                KEY,
+            ]
+        )
         drained.append(Drained(second))
         base, other = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{second_port}"
         asyncio.run(wait_healthy(other))

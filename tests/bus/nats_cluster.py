@@ -29,10 +29,16 @@ class NatsCluster:
         cluster_ports = ports[size:]
         routes = [f"nats://127.0.0.1:{p}" for p in cluster_ports]
         self.servers = [
-            EmbeddedNats(base_dir / f"n{i}", port=ports[i], server_name=f"n{i}",
-                         cluster_name=name, cluster_port=cluster_ports[i], routes=routes)
+            EmbeddedNats(
+                base_dir / f"n{i}",
+                port=ports[i],
+                server_name=f"n{i}",
+                cluster_name=name,
+                cluster_port=cluster_ports[i],
+                routes=routes,
+            )
             for i in range(size)
-        ]  # fmt: skip
+        ]
 
     @property
     def urls(self) -> list[str]:
@@ -97,8 +103,9 @@ class NatsCluster:
 def _free_ports(n: int) -> list[int]:
     """``n`` distinct free ports (held all at once while they are picked)."""
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                 for _ in range(n)]  # fmt: skip
+        socks = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)
+        ]
         for sock in socks:
             sock.bind(("127.0.0.1", 0))
         return [sock.getsockname()[1] for sock in socks]
@@ -122,8 +129,11 @@ async def make_leader(nc: Client, stream: str, server_name: str, timeout: float 
         ):
             request = {"placement": {"preferred": server_name}}
             with contextlib.suppress(nats.errors.Error):
-                await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
-                                 json.dumps(request).encode(), timeout=1.0)  # fmt: skip
+                await nc.request(
+                    f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                    json.dumps(request).encode(),
+                    timeout=1.0,
+                )
             await asyncio.sleep(0.2)
 
 

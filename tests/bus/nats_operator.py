@@ -18,9 +18,20 @@ from typing import Any
 
 import nkeys  # type: ignore[import-untyped]
 
-_UNLIMITED = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
-              "wildcards": True, "conn": -1, "leaf": -1, "mem_storage": -1,
-              "disk_storage": -1, "streams": -1, "consumer": -1}  # fmt: skip
+_UNLIMITED = {
+    "subs": -1,
+    "data": -1,
+    "payload": -1,
+    "imports": -1,
+    "exports": -1,
+    "wildcards": True,
+    "conn": -1,
+    "leaf": -1,
+    "mem_storage": -1,
+    "disk_storage": -1,
+    "streams": -1,
+    "consumer": -1,
+}
 
 
 @dataclass(frozen=True)
@@ -44,8 +55,13 @@ def _public(key: Any) -> str:
 
 
 def _jwt(issuer: Any, subject: str, name: str, nats: dict[str, Any]) -> str:
-    claims: dict[str, Any] = {"iat": int(time.time()), "iss": _public(issuer), "name": name,
-                              "sub": subject, "nats": nats | {"version": 2}}  # fmt: skip
+    claims: dict[str, Any] = {
+        "iat": int(time.time()),
+        "iss": _public(issuer),
+        "name": name,
+        "sub": subject,
+        "nats": nats | {"version": 2},
+    }
     digest = hashlib.sha256(json.dumps(claims, sort_keys=True).encode()).digest()
     claims["jti"] = base64.b32encode(digest).decode().rstrip("=")
     header = _b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
@@ -61,11 +77,15 @@ def make_operator(directory: Path) -> Operator:
     user, user_seed = _keypair(nkeys.PREFIX_BYTE_USER)
     operator_jwt = _jwt(operator, _public(operator), "shoal-test", {"type": "operator"})
     system_jwt = _jwt(operator, _public(system), "SYS", {"type": "account"})
-    account_jwt = _jwt(operator, _public(account), "shoal",
-                       {"type": "account", "limits": _UNLIMITED})  # fmt: skip
-    user_jwt = _jwt(account, _public(user), "shoal-user",
-                    {"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1,
-                     "payload": -1})  # fmt: skip
+    account_jwt = _jwt(
+        operator, _public(account), "shoal", {"type": "account", "limits": _UNLIMITED}
+    )
+    user_jwt = _jwt(
+        account,
+        _public(user),
+        "shoal-user",
+        {"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1},
+    )
     creds = directory / "user.creds"
     creds.write_text(
         f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"

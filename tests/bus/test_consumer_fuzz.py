@@ -140,60 +140,146 @@ def _event(cls: type[EventBase], **fields: Any) -> st.SearchStrategy[EventBase]:
 
 PROFILES = st.builds(
     NodeProfile,
-    ram_total=BYTES, ram_available=BYTES, swap_total=BYTES, swap_used=BYTES, cpu_count=SMALL,
-    cpu_model=TEXT, cpu_load=FLOATS, disk_free=BYTES, memory_offered=BYTES,
-    interfaces=st.lists(st.builds(NetworkInterface, name=TEXT, addresses=st.lists(TEXT, max_size=2),
-                                  is_up=st.booleans(), speed_mbps=st.none() | SMALL), max_size=2),
-    gpus=st.lists(st.builds(GpuInfo, index=st.integers(0, 3), name=TEXT, memory_total=BYTES,
-                            memory_used=BYTES, utilisation=st.none() | FLOATS), max_size=2),
-)  # fmt: skip
+    ram_total=BYTES,
+    ram_available=BYTES,
+    swap_total=BYTES,
+    swap_used=BYTES,
+    cpu_count=SMALL,
+    cpu_model=TEXT,
+    cpu_load=FLOATS,
+    disk_free=BYTES,
+    memory_offered=BYTES,
+    interfaces=st.lists(
+        st.builds(
+            NetworkInterface,
+            name=TEXT,
+            addresses=st.lists(TEXT, max_size=2),
+            is_up=st.booleans(),
+            speed_mbps=st.none() | SMALL,
+        ),
+        max_size=2,
+    ),
+    gpus=st.lists(
+        st.builds(
+            GpuInfo,
+            index=st.integers(0, 3),
+            name=TEXT,
+            memory_total=BYTES,
+            memory_used=BYTES,
+            utilisation=st.none() | FLOATS,
+        ),
+        max_size=2,
+    ),
+)
 SHARDS = st.builds(
     ShardAssignment,
-    runner_id=IDS, node_id=IDS, device=st.sampled_from(["cpu", "gpu0"]), replica=SMALL,
-    rank=SMALL, world_size=SMALL, start_layer=SMALL, end_layer=SMALL, n_layers=SMALL,
+    runner_id=IDS,
+    node_id=IDS,
+    device=st.sampled_from(["cpu", "gpu0"]),
+    replica=SMALL,
+    rank=SMALL,
+    world_size=SMALL,
+    start_layer=SMALL,
+    end_layer=SMALL,
+    n_layers=SMALL,
     tensor_split=st.none() | st.lists(FLOATS, max_size=3),
-)  # fmt: skip
+)
 TASK = {"task_id": IDS, "model_id": IDS}
 
 # The events whose rule always writes their values (whatever came before).
 ALWAYS_WRITTEN: st.SearchStrategy[EventBase] = st.one_of(
-    _event(NodeJoined, node_id=IDS, hostname=TEXT, addresses=st.lists(TEXT, max_size=2),
-           version=TEXT, heartbeat_s=st.none() | FLOATS),
+    _event(
+        NodeJoined,
+        node_id=IDS,
+        hostname=TEXT,
+        addresses=st.lists(TEXT, max_size=2),
+        version=TEXT,
+        heartbeat_s=st.none() | FLOATS,
+    ),
     _event(ResourceProfiled, node_id=IDS, profile=PROFILES),
-    _event(ModelAdded, model_id=IDS, n_layers=SMALL, size_bytes=BYTES, family=TEXT,
-           context_length=SMALL, engines=st.lists(TEXT, max_size=2), chat_format=st.none() | TEXT,
-           source=TEXT, path=st.none() | TEXT, kv_bytes_per_token=BYTES, overhead_bytes=BYTES),
-)  # fmt: skip
+    _event(
+        ModelAdded,
+        model_id=IDS,
+        n_layers=SMALL,
+        size_bytes=BYTES,
+        family=TEXT,
+        context_length=SMALL,
+        engines=st.lists(TEXT, max_size=2),
+        chat_format=st.none() | TEXT,
+        source=TEXT,
+        path=st.none() | TEXT,
+        kv_bytes_per_token=BYTES,
+        overhead_bytes=BYTES,
+    ),
+)
 VALID_EVENTS: st.SearchStrategy[EventBase] = st.one_of(
     ALWAYS_WRITTEN,
     _event(NodeLeft, node_id=IDS, reason=TEXT),
     _event(NodeTimedOut, node_id=IDS, last_seen=TIMES, missed_heartbeats=SMALL),
-    _event(InstanceRequested, instance_id=IDS, model_id=IDS, placement=st.none() | TEXT,
-           replicas=st.integers(1, 4), context_length=st.none() | SMALL),
-    _event(InstancePlaced, instance_id=IDS, model_id=IDS, shards=st.lists(SHARDS, max_size=3),
-           generation=st.none() | st.integers(0, 4), reason=TEXT, avoid=st.lists(TEXT, max_size=2)),
-    _event(PlacementRejected, instance_id=IDS, model_id=IDS, reason=TEXT,
-           needed_bytes=st.none() | BYTES, available_bytes=st.dictionaries(TEXT, BYTES, max_size=2),
-           generation=st.none() | st.integers(0, 4), avoid=st.lists(TEXT, max_size=2)),
+    _event(
+        InstanceRequested,
+        instance_id=IDS,
+        model_id=IDS,
+        placement=st.none() | TEXT,
+        replicas=st.integers(1, 4),
+        context_length=st.none() | SMALL,
+    ),
+    _event(
+        InstancePlaced,
+        instance_id=IDS,
+        model_id=IDS,
+        shards=st.lists(SHARDS, max_size=3),
+        generation=st.none() | st.integers(0, 4),
+        reason=TEXT,
+        avoid=st.lists(TEXT, max_size=2),
+    ),
+    _event(
+        PlacementRejected,
+        instance_id=IDS,
+        model_id=IDS,
+        reason=TEXT,
+        needed_bytes=st.none() | BYTES,
+        available_bytes=st.dictionaries(TEXT, BYTES, max_size=2),
+        generation=st.none() | st.integers(0, 4),
+        avoid=st.lists(TEXT, max_size=2),
+    ),
     _event(InstanceDeleteRequested, instance_id=IDS, reason=TEXT),
     _event(InstanceDeleted, instance_id=IDS, reason=TEXT),
-    _event(RunnerStateChanged, runner_id=IDS, instance_id=IDS, node_id=IDS,
-           state=st.sampled_from(["Assigned", "Loading", "Ready", "Running", "Failed", "Stopped"]),
-           progress=st.none() | FLOATS, error=st.none() | TEXT, exit_code=st.none() | SMALL,
-           endpoint=st.none() | TEXT, pid=st.none() | SMALL),
-    _event(TaskCreated, **TASK, kind=st.sampled_from(["chat", "completion"]),
-           messages=st.none() | st.lists(st.builds(ChatMessage, role=st.just("user"), content=TEXT),
-                                         max_size=2),
-           prompt=st.none() | TEXT, params=st.builds(SamplingParams, max_tokens=st.none() | SMALL),
-           user=st.none() | TEXT),
+    _event(
+        RunnerStateChanged,
+        runner_id=IDS,
+        instance_id=IDS,
+        node_id=IDS,
+        state=st.sampled_from(["Assigned", "Loading", "Ready", "Running", "Failed", "Stopped"]),
+        progress=st.none() | FLOATS,
+        error=st.none() | TEXT,
+        exit_code=st.none() | SMALL,
+        endpoint=st.none() | TEXT,
+        pid=st.none() | SMALL,
+    ),
+    _event(
+        TaskCreated,
+        **TASK,
+        kind=st.sampled_from(["chat", "completion"]),
+        messages=st.none()
+        | st.lists(st.builds(ChatMessage, role=st.just("user"), content=TEXT), max_size=2),
+        prompt=st.none() | TEXT,
+        params=st.builds(SamplingParams, max_tokens=st.none() | SMALL),
+        user=st.none() | TEXT,
+    ),
     _event(TaskStarted, **TASK, runner_id=IDS, instance_id=IDS),
-    _event(TaskCompleted, **TASK, runner_id=IDS, finish_reason=st.sampled_from(["stop", "length"]),
-           usage=st.builds(Usage, prompt_tokens=SMALL, completion_tokens=SMALL),
-           timings=st.builds(Timings, ttft_ms=FLOATS, tokens_per_s=FLOATS, total_ms=FLOATS)),
+    _event(
+        TaskCompleted,
+        **TASK,
+        runner_id=IDS,
+        finish_reason=st.sampled_from(["stop", "length"]),
+        usage=st.builds(Usage, prompt_tokens=SMALL, completion_tokens=SMALL),
+        timings=st.builds(Timings, ttft_ms=FLOATS, tokens_per_s=FLOATS, total_ms=FLOATS),
+    ),
     _event(TaskFailed, **TASK, runner_id=st.none() | IDS, error=TEXT),
     _event(TaskCancelled, **TASK, reason=TEXT),
     _event(ChunkGenerated, task_id=IDS, idx=SMALL, text=TEXT),  # parses; its rule changes nothing
-)  # fmt: skip
+)
 
 
 # --- messages -------------------------------------------------------------------------------
@@ -304,18 +390,25 @@ def unknown_type(draw: st.DrawFn) -> Message:
     obj = _as_dict(draw(VALID_EVENTS))
     obj["type"] = draw(
         TEXT.filter(lambda t: t not in KNOWN_TYPES)
-        | st.none() | st.booleans() | st.integers() | FLOATS  # not a string
-        | st.lists(JSON_VALUES, max_size=3) | st.dictionaries(TEXT, JSON_VALUES, max_size=3)
-    )  # fmt: skip
+        | st.none()
+        | st.booleans()
+        | st.integers()
+        | FLOATS  # not a string
+        | st.lists(JSON_VALUES, max_size=3)
+        | st.dictionaries(TEXT, JSON_VALUES, max_size=3)
+    )
     return _bad(draw(BAD_SUBJECTS), _dumps(obj), "unknown event type")
 
 
 def _paths(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
     """Every place inside an event's JSON, but its ``type``."""
     items: Any = (
-        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list)
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
         else ()
-    )  # fmt: skip
+    )
     for key, inner in items:
         if path or key != "type":
             yield (*path, key)
@@ -375,8 +468,9 @@ def bad_value(draw: st.DrawFn) -> Message:
     if floats and use_a_float:
         path = draw(st.sampled_from(floats))
         _replace(obj, path, draw(st.sampled_from([math.nan, math.inf, -math.inf])))
-        return _bad(_subject(event), _dumps(obj), "invalid event",
-                    mentions=[_field_name(path), "finite"])  # fmt: skip
+        return _bad(
+            _subject(event), _dumps(obj), "invalid event", mentions=[_field_name(path), "finite"]
+        )
     name = draw(st.sampled_from(type(event).subject_fields))
     obj[name] = ""
     return _bad(_subject(event), _dumps(obj), "invalid event", mentions=[name])
@@ -438,9 +532,16 @@ _UNSTORABLE: dict[type[EventBase], list[tuple[str, dict[str, Any]]]] = {
 VALID = st.one_of(VALID_EVENTS.map(_valid), with_extra_fields())
 # Every kind of message in every example (drawn one by one, most would be valid events).
 KINDS = (
-    not_json(), not_an_object(), without_type(), unknown_type(), wrong_field_type(),
-    missing_field(), bad_value(), unstorable(), near_the_limit(),
-)  # fmt: skip
+    not_json(),
+    not_an_object(),
+    without_type(),
+    unknown_type(),
+    wrong_field_type(),
+    missing_field(),
+    bad_value(),
+    unstorable(),
+    near_the_limit(),
+)
 
 
 @st.composite
@@ -588,9 +689,12 @@ _durables = itertools.count()
 
 
 async def check_consumer(
-    js: JetStreamContext, c: EventConsumer, published: Published, events: list[Event],
+    js: JetStreamContext,
+    c: EventConsumer,
+    published: Published,
+    events: list[Event],
     lines: list[str],
-) -> None:  # fmt: skip
+) -> None:
     """What a consumer that has read everything ``published`` must have done."""
     valid = published.valid()
     bad = published.bad()

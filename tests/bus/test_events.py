@@ -360,11 +360,24 @@ def test_subjects_of_no_event_type() -> None:
 
 def test_catalogue_has_at_least_the_designed_events() -> None:
     designed = {
-        "NodeJoined", "NodeLeft", "NodeTimedOut", "ResourceProfiled", "ModelAdded",
-        "InstanceRequested", "InstancePlaced", "PlacementRejected", "InstanceDeleteRequested",
-        "InstanceDeleted", "RunnerStateChanged", "TaskCreated", "TaskStarted", "ChunkGenerated",
-        "TaskCompleted", "TaskFailed", "TaskCancelled",
-    }  # fmt: skip
+        "NodeJoined",
+        "NodeLeft",
+        "NodeTimedOut",
+        "ResourceProfiled",
+        "ModelAdded",
+        "InstanceRequested",
+        "InstancePlaced",
+        "PlacementRejected",
+        "InstanceDeleteRequested",
+        "InstanceDeleted",
+        "RunnerStateChanged",
+        "TaskCreated",
+        "TaskStarted",
+        "ChunkGenerated",
+        "TaskCompleted",
+        "TaskFailed",
+        "TaskCancelled",
+    }
     assert designed <= {c.__name__ for c in EVENT_TYPES}
 
 

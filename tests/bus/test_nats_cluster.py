@@ -104,11 +104,16 @@ async def test_losing_a_server_loses_no_event(cluster: NatsCluster, how: signal.
         async def on_msg(msg: Msg) -> None:
             watched.append(msg.metadata.sequence.stream)
 
-        watch = await clients[VICTIM].jetstream().subscribe(
-            "shoal.events.>", cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
-        )  # fmt: skip
-        durable = EventConsumer(clients[2].jetstream(), EVENTS_STREAM, "cluster-test",
-                                "shoal.events.>")  # fmt: skip
+        watch = (
+            await clients[VICTIM]
+            .jetstream()
+            .subscribe(
+                "shoal.events.>", cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+            )
+        )
+        durable = EventConsumer(
+            clients[2].jetstream(), EVENTS_STREAM, "cluster-test", "shoal.events.>"
+        )
         await durable.start()
         pulled: set[int] = set()
         pulling = asyncio.create_task(_pull_all(durable, pulled, 3 * PER_CLIENT))
@@ -196,13 +201,22 @@ async def test_a_task_stream_gets_what_was_sent_while_its_server_was_lost(
         await ensure_streams(runner_nc.jetstream(), StreamSettings(replicas=3))
         for stream in (EVENTS_STREAM, CHUNKS_STREAM):
             await make_leader(runner_nc, stream, "n0")
-        task = TaskCreated(task_id="t1", model_id="m", origin="api",
-                           messages=[ChatMessage(role="user", content="hi")])  # fmt: skip
+        task = TaskCreated(
+            task_id="t1",
+            model_id="m",
+            origin="api",
+            messages=[ChatMessage(role="user", content="hi")],
+        )
         runner = Publisher(runner_nc.jetstream())
 
         def chunk(i: int) -> ChunkGenerated:
-            return ChunkGenerated(task_id="t1", idx=i, text=f"<{i}>", origin="runner",
-                                  finish_reason="stop" if i == 4 else None)  # fmt: skip
+            return ChunkGenerated(
+                task_id="t1",
+                idx=i,
+                text=f"<{i}>",
+                origin="runner",
+                finish_reason="stop" if i == 4 else None,
+            )
 
         async with TaskStream(api_nc, task, "api", timeout_s=30) as ts:
             got = ts.chunks()
@@ -213,10 +227,15 @@ async def test_a_task_stream_gets_what_was_sent_while_its_server_was_lost(
             os.kill(server._proc.pid, signal.SIGSTOP)  # hangs: what is routed to it is lost
             for i in range(1, 5):
                 await runner.publish(chunk(i))
-            done = TaskCompleted(task_id="t1", model_id="m", origin="runner", runner_id="r",
-                                 finish_reason="stop", usage=Usage(prompt_tokens=1,
-                                 completion_tokens=4), timings=Timings(ttft_ms=1,
-                                 tokens_per_s=1, total_ms=1))  # fmt: skip
+            done = TaskCompleted(
+                task_id="t1",
+                model_id="m",
+                origin="runner",
+                runner_id="r",
+                finish_reason="stop",
+                usage=Usage(prompt_tokens=1, completion_tokens=4),
+                timings=Timings(ttft_ms=1, tokens_per_s=1, total_ms=1),
+            )
             await runner.publish(done)
             server.kill()
             async with asyncio.timeout(20):

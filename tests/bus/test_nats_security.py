@@ -42,13 +42,15 @@ def test_settings_come_from_the_environment() -> None:
 @pytest.mark.parametrize(
     ("env", "says"),
     [
-        ({"SHOAL_NATS_TOKEN": "t", "SHOAL_NATS_USER": "u", "SHOAL_NATS_PASSWORD": "p"},
-         "SHOAL_NATS_TOKEN and SHOAL_NATS_USER are set; use one of them"),
+        (
+            {"SHOAL_NATS_TOKEN": "t", "SHOAL_NATS_USER": "u", "SHOAL_NATS_PASSWORD": "p"},
+            "SHOAL_NATS_TOKEN and SHOAL_NATS_USER are set; use one of them",
+        ),
         ({"SHOAL_NATS_USER": "u"}, "SHOAL_NATS_USER and SHOAL_NATS_PASSWORD go together"),
         ({"SHOAL_NATS_CERT": "/etc/hostname"}, "SHOAL_NATS_CERT and SHOAL_NATS_KEY go together"),
         ({"SHOAL_NATS_NKEY": "/no/such/seed"}, "SHOAL_NATS_NKEY: no such file: /no/such/seed"),
     ],
-)  # fmt: skip
+)
 def test_settings_that_cannot_work_say_which(env: dict[str, str], says: str) -> None:
     with pytest.raises(NatsSecurityError, match=says):
         NatsSecurity.from_env(env)
@@ -111,8 +113,9 @@ async def test_a_server_with_tls_is_reached_only_by_clients_that_trust_it(
 ) -> None:
     certs = make_certificates(tmp_path / "certs")
     trusting = NatsSecurity(tls_ca=certs.ca)
-    with EmbeddedNats(tmp_path / "nats", tls_cert=certs.server_cert,
-                      tls_key=certs.server_key) as server:  # fmt: skip
+    with EmbeddedNats(
+        tmp_path / "nats", tls_cert=certs.server_cert, tls_key=certs.server_key
+    ) as server:
         nc = await connect(server.url, security=trusting)
         await ensure_streams(nc.jetstream())
         assert nc.connected_url is not None
@@ -125,8 +128,9 @@ async def test_a_server_with_tls_is_reached_only_by_clients_that_trust_it(
 async def test_mutual_tls_wants_a_client_certificate(tmp_path: Path) -> None:
     certs = make_certificates(tmp_path / "certs")
     mutual = NatsSecurity(tls_ca=certs.ca, tls_cert=certs.client_cert, tls_key=certs.client_key)
-    with EmbeddedNats(tmp_path / "nats", security=mutual, tls_cert=certs.server_cert,
-                      tls_key=certs.server_key) as server:  # fmt: skip
+    with EmbeddedNats(
+        tmp_path / "nats", security=mutual, tls_cert=certs.server_cert, tls_key=certs.server_key
+    ) as server:
         nc = await connect(server.url, security=mutual)
         await nc.close()
         with pytest.raises(NatsUnavailable):
@@ -144,10 +148,26 @@ async def test_a_credentials_file_is_admitted_by_a_server_in_operator_mode(tmp_p
         # Every command takes the file as an option (which sets SHOAL_NATS_CREDS).
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_NATS_")}
         done = subprocess.run(
-            [SHOAL, "--nats-creds", str(operator.creds_file), "events", "dump", "--nats",
-             server.url], capture_output=True, text=True, timeout=60, env=env,
-        )  # fmt: skip
+            [
+                SHOAL,
+                "--nats-creds",
+                str(operator.creds_file),
+                "events",
+                "dump",
+                "--nats",
+                server.url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert done.returncode == 0, done.stderr
-        refused = subprocess.run([SHOAL, "events", "dump", "--nats", server.url],
-                                 capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+        refused = subprocess.run(
+            [SHOAL, "events", "dump", "--nats", server.url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert refused.returncode == 1 and "refused the credentials" in refused.stderr

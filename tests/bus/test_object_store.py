@@ -42,8 +42,9 @@ def _sha256(path: Path) -> str:
 async def test_a_file_goes_in_and_comes_out_the_same(js: JetStreamContext, tmp_path: Path) -> None:
     src = _random_file(tmp_path / "w.bin", 3 * 1024 * 1024 + 123)
     seen: list[int] = []
-    info = await put_file(js, MODELS_BUCKET, "m/w.bin", src, chunk_bytes=CHUNK,
-                          on_progress=seen.append)  # fmt: skip
+    info = await put_file(
+        js, MODELS_BUCKET, "m/w.bin", src, chunk_bytes=CHUNK, on_progress=seen.append
+    )
     assert info.size == src.stat().st_size and info.chunks == -(-info.size // CHUNK)
     assert info.digest is not None and digest_hex(info.digest) == _sha256(src)
     assert seen[-1] == info.size
@@ -52,8 +53,14 @@ async def test_a_file_goes_in_and_comes_out_the_same(js: JetStreamContext, tmp_p
     assert await object_info(js, MODELS_BUCKET, "m/nothing") is None
 
     got: list[int] = []
-    out = await fetch_file(js, MODELS_BUCKET, stored, tmp_path / "cache" / "w.bin",
-                           on_progress=got.append, window_bytes=4 * CHUNK)  # fmt: skip
+    out = await fetch_file(
+        js,
+        MODELS_BUCKET,
+        stored,
+        tmp_path / "cache" / "w.bin",
+        on_progress=got.append,
+        window_bytes=4 * CHUNK,
+    )
     assert out.read_bytes() == src.read_bytes()
     assert got[0] == 0 and got[-1] == info.size
     partial, note = partial_paths(out)
@@ -95,11 +102,20 @@ async def _put_damaged(js: JetStreamContext, name: str, data: bytes, bad_chunk: 
     chunks[bad_chunk][17] ^= 0xFF
     for chunk in chunks:
         await js.publish(chunk_subject(MODELS_BUCKET, nuid), bytes(chunk))
-    info = ObjectInfo(name=name, bucket=MODELS_BUCKET, nuid=nuid, size=len(data),
-                      chunks=len(chunks), digest=digest_text(hashlib.sha256(data).digest()),
-                      options=ObjectMetaOptions(max_chunk_size=CHUNK))  # fmt: skip
-    await js.publish(meta_subject(MODELS_BUCKET, name), json.dumps(info.as_dict()).encode(),
-                     headers={"Nats-Rollup": "sub"})  # fmt: skip
+    info = ObjectInfo(
+        name=name,
+        bucket=MODELS_BUCKET,
+        nuid=nuid,
+        size=len(data),
+        chunks=len(chunks),
+        digest=digest_text(hashlib.sha256(data).digest()),
+        options=ObjectMetaOptions(max_chunk_size=CHUNK),
+    )
+    await js.publish(
+        meta_subject(MODELS_BUCKET, name),
+        json.dumps(info.as_dict()).encode(),
+        headers={"Nats-Rollup": "sub"},
+    )
 
 
 async def test_a_damaged_chunk_is_found_and_nothing_is_kept(
@@ -127,8 +143,9 @@ async def test_an_interrupted_fetch_resumes_where_it_stopped(
             raise Interrupted
 
     with pytest.raises(Interrupted):
-        await fetch_file(js, MODELS_BUCKET, info, target, on_progress=stop_halfway,
-                         window_bytes=8 * CHUNK)  # fmt: skip
+        await fetch_file(
+            js, MODELS_BUCKET, info, target, on_progress=stop_halfway, window_bytes=8 * CHUNK
+        )
     partial, note_path = partial_paths(target)
     note = ResumeNote.model_validate_json(note_path.read_bytes())
     # Noted every sixteenth of the object: at most that much is fetched again.

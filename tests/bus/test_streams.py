@@ -190,11 +190,21 @@ async def test_short_max_age_is_accepted(js: JetStreamContext) -> None:
 
 def test_durations_and_sizes_parse() -> None:
     assert [parse_duration(t) for t in ("90", "90s", "15m", "24h", "30d", "0")] == [
-        90.0, 90.0, 900.0, 86400.0, 30 * DAY, 0.0,
-    ]  # fmt: skip
+        90.0,
+        90.0,
+        900.0,
+        86400.0,
+        30 * DAY,
+        0.0,
+    ]
     assert [parse_size(t) for t in ("1000", "512M", "10G", "1GiB", "2k", "-1")] == [
-        1000, 512 * 1024**2, 10 * 1024**3, 1024**3, 2048, -1,
-    ]  # fmt: skip
+        1000,
+        512 * 1024**2,
+        10 * 1024**3,
+        1024**3,
+        2048,
+        -1,
+    ]
     for bad in ("soon", "-5s", ""):
         with pytest.raises(ValueError):
             parse_duration(bad)
@@ -204,10 +214,13 @@ def test_durations_and_sizes_parse() -> None:
 
 def test_settings_from_env() -> None:
     assert StreamSettings.from_env({}) is None
-    assert StreamSettings.from_env({"SHOAL_EVENTS_MAX_AGE": "30d", "SHOAL_STREAM_REPLICAS": "3",
-                                    "SHOAL_EVENTS_MAX_BYTES": "10G"}) == StreamSettings(
-        events_max_age=30 * DAY, events_max_bytes=10 * 1024**3, replicas=3
-    )  # fmt: skip
+    assert StreamSettings.from_env(
+        {
+            "SHOAL_EVENTS_MAX_AGE": "30d",
+            "SHOAL_STREAM_REPLICAS": "3",
+            "SHOAL_EVENTS_MAX_BYTES": "10G",
+        }
+    ) == StreamSettings(events_max_age=30 * DAY, events_max_bytes=10 * 1024**3, replicas=3)
     with pytest.raises(StreamSettingsError, match="SHOAL_CHUNKS_MAX_AGE"):
         StreamSettings.from_env({"SHOAL_CHUNKS_MAX_AGE": "tomorrow"})
 

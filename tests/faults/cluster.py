@@ -58,8 +58,9 @@ class Cluster:
 
     async def start_projector(self, name: str = "projector") -> None:
         self.kinds[name] = "projector"
-        self.procs.start(name, "projector", "--nats", self.nats.url, "--db", self.db_url,
-                         "--name", PROJECTOR)  # fmt: skip
+        self.procs.start(
+            name, "projector", "--nats", self.nats.url, "--db", self.db_url, "--name", PROJECTOR
+        )
         self.projector = name
         await self.procs.wait_log(name, "resuming after seq", timeout=60)
 
@@ -72,16 +73,29 @@ class Cluster:
     ) -> None:
         limit = ["--memory-limit", memory_limit] if memory_limit else []
         self.kinds[node] = "worker"
-        self.procs.start(node, "worker", "--nats", self.nats.url, "--node-id", node,
-                         "--data-dir", str(self.tmp / node), "--heartbeat", str(heartbeat),
-                         "--runner-threads", "1", *limit)  # fmt: skip
+        self.procs.start(
+            node,
+            "worker",
+            "--nats",
+            self.nats.url,
+            "--node-id",
+            node,
+            "--data-dir",
+            str(self.tmp / node),
+            "--heartbeat",
+            str(heartbeat),
+            "--runner-threads",
+            "1",
+            *limit,
+        )
         await self.log.wait_for(NodeJoined, lambda e: e.node_id == node, timeout=60)
 
     async def start_api(self, name: str = "api") -> str:
         port = free_port("127.0.0.1")
         self.kinds[name] = "api"
-        self.procs.start(name, "api", "--nats", self.nats.url, "--db", self.db_url,
-                         "--port", str(port))  # fmt: skip
+        self.procs.start(
+            name, "api", "--nats", self.nats.url, "--db", self.db_url, "--port", str(port)
+        )
         url = f"http://127.0.0.1:{port}"
         await wait_healthy(url, timeout=60)
         self.apis[name] = url
@@ -217,8 +231,16 @@ async def running_cluster(tmp: Path) -> AsyncIterator[Cluster]:
         nc = await connect(nats.url, name="fault-test")
         js = nc.jetstream()
         await ensure_streams(js)
-        c = Cluster(tmp, nats, Processes(tmp / "logs", env), nc, js, await EventLog().start(js),
-                    engine, db_url)  # fmt: skip
+        c = Cluster(
+            tmp,
+            nats,
+            Processes(tmp / "logs", env),
+            nc,
+            js,
+            await EventLog().start(js),
+            engine,
+            db_url,
+        )
         try:
             with c.procs:
                 yield c

@@ -222,9 +222,12 @@ async def chat(
     goes into the request's body."""
     out = out or Outcome(label, api, stream)
     body = {
-        "model": MODEL, "stream": stream, "max_tokens": max_tokens, "temperature": 0,
+        "model": MODEL,
+        "stream": stream,
+        "max_tokens": max_tokens,
+        "temperature": 0,
         "messages": [{"role": "user", "content": content}],
-    } | (extra or {})  # fmt: skip
+    } | (extra or {})
     try:
         async with asyncio.timeout(deadline_s):
             if stream:
@@ -321,9 +324,15 @@ async def load(
         async def one(i: int) -> Outcome:
             api = apis[i % len(apis)]
             async with gate:
-                return await chat(client, api, urls[api], label=f"{label}{i}",
-                                  stream=i % 2 == 1, max_tokens=max_tokens,
-                                  deadline_s=deadline_s)  # fmt: skip
+                return await chat(
+                    client,
+                    api,
+                    urls[api],
+                    label=f"{label}{i}",
+                    stream=i % 2 == 1,
+                    max_tokens=max_tokens,
+                    deadline_s=deadline_s,
+                )
 
         return list(await asyncio.gather(*(one(i) for i in range(n))))
 

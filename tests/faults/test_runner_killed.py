@@ -31,10 +31,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STORY = "Write a long story about a fish."
 PERSON_ASK = "Describe a person who lives in a city by the sea, as JSON."
-PERSON = {"type": "json_schema", "json_schema": {"name": "person", "schema": {
-    "type": "object", "required": ["name", "age", "city"], "properties": {
-        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
-        "city": {"type": "string", "maxLength": 20}}}}}  # fmt: skip
+PERSON = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "person",
+        "schema": {
+            "type": "object",
+            "required": ["name", "age", "city"],
+            "properties": {
+                "name": {"type": "string", "maxLength": 20},
+                "age": {"type": "integer"},
+                "city": {"type": "string", "maxLength": 20},
+            },
+        },
+    },
+}
 
 
 async def stored_chunks(c: Cluster, task_id: str) -> int:
@@ -68,13 +79,22 @@ async def test_a_runner_killed_mid_stream_goes_on_from_the_log(tmp_path: Path) -
         assert ready.pid is not None and row is not None and row.pid == ready.pid
 
         async with httpx.AsyncClient(timeout=60) as client:
-            reference = await chat(client, "api", url, label="whole", stream=True, content=STORY,
-                                   max_tokens=120)  # fmt: skip
+            reference = await chat(
+                client, "api", url, label="whole", stream=True, content=STORY, max_tokens=120
+            )
             out = Outcome("killed", "api", True)
             streaming = asyncio.create_task(
-                chat(client, "api", url, label="killed", stream=True, content=STORY,
-                     max_tokens=120, out=out)
-            )  # fmt: skip
+                chat(
+                    client,
+                    "api",
+                    url,
+                    label="killed",
+                    stream=True,
+                    content=STORY,
+                    max_tokens=120,
+                    out=out,
+                )
+            )
             await killed_after(c, out, 20, ready.pid)
             killed = await streaming
 
@@ -101,9 +121,18 @@ async def test_a_runner_killed_mid_stream_goes_on_from_the_log(tmp_path: Path) -
             # A JSON reply cut mid-object goes on under its schema: still valid JSON.
             shaped = Outcome("json", "api", True)
             asking = asyncio.create_task(
-                chat(client, "api", url, label="json", stream=True, content=PERSON_ASK,
-                     max_tokens=200, out=shaped, extra={"response_format": PERSON})
-            )  # fmt: skip
+                chat(
+                    client,
+                    "api",
+                    url,
+                    label="json",
+                    stream=True,
+                    content=PERSON_ASK,
+                    max_tokens=200,
+                    out=shaped,
+                    extra={"response_format": PERSON},
+                )
+            )
             assert again.pid is not None
             await killed_after(c, shaped, 10, again.pid)
             shaped = await asking
@@ -126,8 +155,10 @@ async def test_a_runner_killed_mid_stream_goes_on_from_the_log(tmp_path: Path) -
         # The pause: the runner's restart (from its death to Ready again) and a prefill.
         pause = pause_s(log, killed.task_id, len(resumed.resume.tokens))
         restart = (again.ts - dead.ts).total_seconds()
-        print(f"one replica: the stream paused {pause:.2f} s (the runner restarted in "
-              f"{restart:.2f} s)")  # fmt: skip
+        print(
+            f"one replica: the stream paused {pause:.2f} s (the runner restarted in "
+            f"{restart:.2f} s)"
+        )
         assert pause <= restart + 2.0
 
 
@@ -145,9 +176,17 @@ async def test_a_replicas_runner_killed_mid_stream_goes_on_on_the_other(tmp_path
         async with httpx.AsyncClient(timeout=60) as client:
             out = Outcome("killed", "api", True)
             streaming = asyncio.create_task(
-                chat(client, "api", url, label="killed", stream=True, content=STORY,
-                     max_tokens=120, out=out)
-            )  # fmt: skip
+                chat(
+                    client,
+                    "api",
+                    url,
+                    label="killed",
+                    stream=True,
+                    content=STORY,
+                    max_tokens=120,
+                    out=out,
+                )
+            )
             async with asyncio.timeout(60):
                 while out.task_id is None or not c.log.of(
                     TaskStarted, lambda e: e.task_id == out.task_id

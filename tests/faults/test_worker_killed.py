@@ -76,22 +76,44 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
         stories = [Outcome(f"story{i}", "api", True) for i in range(3)]
         client = httpx.AsyncClient(timeout=httpx.Timeout(90, connect=10))
         streaming = [
-            asyncio.create_task(chat(client, "api", c.apis["api"], label=o.label, stream=True,
-                                     content=f"{STORY} Call it Fin {i}.", max_tokens=120,
-                                     deadline_s=90, out=o))
+            asyncio.create_task(
+                chat(
+                    client,
+                    "api",
+                    c.apis["api"],
+                    label=o.label,
+                    stream=True,
+                    content=f"{STORY} Call it Fin {i}.",
+                    max_tokens=120,
+                    deadline_s=90,
+                    out=o,
+                )
+            )
             for i, o in enumerate(stories)
-        ]  # fmt: skip
+        ]
         async with asyncio.timeout(60):
-            while not all(o.task_id and len(c.log.chunks.get(o.task_id, [])) >= 5
-                          for o in stories):  # fmt: skip
+            while not all(o.task_id and len(c.log.chunks.get(o.task_id, [])) >= 5 for o in stories):
                 await asyncio.sleep(0.01)
         reading = Outcome("reading", "api", False)
-        streaming.append(asyncio.create_task(
-            chat(client, "api", c.apis["api"], label="reading", stream=False, max_tokens=16,
-                 content=f"{LONG} Sum it up.", deadline_s=120, out=reading)))  # fmt: skip
+        streaming.append(
+            asyncio.create_task(
+                chat(
+                    client,
+                    "api",
+                    c.apis["api"],
+                    label="reading",
+                    stream=False,
+                    max_tokens=16,
+                    content=f"{LONG} Sum it up.",
+                    deadline_s=120,
+                    out=reading,
+                )
+            )
+        )
         pulled = await pulled_not_started(c, "Sum it up.")
-        during = asyncio.create_task(load(["api"], c.apis, 8, label="during", concurrency=4,
-                                          max_tokens=32, deadline_s=60))  # fmt: skip
+        during = asyncio.create_task(
+            load(["api"], c.apis, 8, label="during", concurrency=4, max_tokens=32, deadline_s=60)
+        )
         # The machine is lost: its worker and its runner at once (a runner whose worker alone
         # dies finishes what it serves first).
         c.kill("w-a")
@@ -117,8 +139,11 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
         assert all(o.finish_reason == "length" for o in told), told
         resumed = {e.task_id: e for e in c.log.of(TaskCreated, lambda e: e.resume is not None)}
         assert set(resumed) == {o.task_id for o in told} | {pulled}
-        assert all(e.resume and "node w-a" in e.resume.reason and len(e.resume.tokens) >= 5
-                   for t, e in resumed.items() if t != pulled)  # fmt: skip
+        assert all(
+            e.resume and "node w-a" in e.resume.reason and len(e.resume.tokens) >= 5
+            for t, e in resumed.items()
+            if t != pulled
+        )
         # The task no event placed on w-a came again from JetStream (its ack wait passed).
         lost = resumed[pulled].resume
         assert lost and lost.tokens == [] and "lost before it started" in lost.reason

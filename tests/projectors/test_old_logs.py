@@ -72,9 +72,12 @@ async def test_a_log_from_before_tool_calling_replays_to_the_same_rows(
     assert chunks and all(c.logprob is None and c.tool_calls == () for c in chunks)
 
     out = await asyncio.to_thread(
-        subprocess.run, [SHOAL, "replay", "--nats", nats_server.url, "--db", db_url],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        subprocess.run,
+        [SHOAL, "replay", "--nats", nats_server.url, "--db", db_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
 
     expected = json.loads((DATA / "log_before_tools.rows.json").read_text())

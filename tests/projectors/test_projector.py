@@ -47,8 +47,9 @@ from tests.projectors.helpers import (
 
 
 def task(task_id: str) -> TaskCreated:
-    return TaskCreated(task_id=task_id, model_id="m", origin="t",
-                       messages=[ChatMessage(role="user", content="hi")])  # fmt: skip
+    return TaskCreated(
+        task_id=task_id, model_id="m", origin="t", messages=[ChatMessage(role="user", content="hi")]
+    )
 
 
 def log_events(n_tasks: int, seed: int = 1) -> list[Event]:
@@ -85,9 +86,17 @@ async def test_a_projection_from_an_older_schema_upgrades_with_its_rows(
     async with engine.begin() as conn:
         await conn.execute(
             STATE_TABLES["models"].insert(),
-            [{"model_id": "m", "n_layers": 2, "size_bytes": 9, "family": "", "context_length": 0,
-              "source": ""}],
-        )  # fmt: skip
+            [
+                {
+                    "model_id": "m",
+                    "n_layers": 2,
+                    "size_bytes": 9,
+                    "family": "",
+                    "context_length": 0,
+                    "source": "",
+                }
+            ],
+        )
     await database.upgrade(engine)
     async with engine.connect() as conn:
         state = await load_state(conn)
@@ -147,9 +156,14 @@ async def test_events_after_a_hole_are_not_applied(
     projector = Projector(js, engine)
 
     async def fetched(name: str, start: int) -> tuple[EventConsumer, list[Delivered]]:
-        consumer = EventConsumer(js, EVENTS_STREAM, name, f"{EVENTS_PREFIX}.>",
-                                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                 opt_start_seq=start)  # fmt: skip
+        consumer = EventConsumer(
+            js,
+            EVENTS_STREAM,
+            name,
+            f"{EVENTS_PREFIX}.>",
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start,
+        )
         await consumer.start()
         return consumer, await consumer.fetch(10_000, timeout=2.0)
 
@@ -279,11 +293,16 @@ async def test_a_lost_consumer_is_made_again_from_the_database(
 
 
 def test_a_batch_s_subjects_count_by_type() -> None:
-    subjects = ["shoal.events.node.a.NodeJoined", "shoal.events.node.b.NodeJoined",
-                "shoal.events.node.a.Mystery", "shoal.events.task.m.t.TaskCreated"]  # fmt: skip
+    subjects = [
+        "shoal.events.node.a.NodeJoined",
+        "shoal.events.node.b.NodeJoined",
+        "shoal.events.node.a.Mystery",
+        "shoal.events.task.m.t.TaskCreated",
+    ]
     assert counted({"NodeJoined": 3, "NodeLeft": 1}, subjects) == {
-        "NodeJoined": 5, "TaskCreated": 1,
-    }  # fmt: skip
+        "NodeJoined": 5,
+        "TaskCreated": 1,
+    }
     assert counted({"NodeJoined": 3}, []) == {}
 
 
@@ -294,9 +313,11 @@ async def test_events_are_counted_by_type_with_their_rows(
     rows; a replay counts the same."""
     good = log_events(n_tasks=10)
     await publish_all(js, good[:5])
-    bad = [(f"{EVENTS_PREFIX}.node.x.NodeJoined", b"{not json"),
-           (f"{EVENTS_PREFIX}.node.x.Mystery", b'{"type": "Mystery"}'),
-           (f"{EVENTS_PREFIX}.task.m.t.TaskFailed", b'{"type": "TaskFailed"}')]  # fmt: skip
+    bad = [
+        (f"{EVENTS_PREFIX}.node.x.NodeJoined", b"{not json"),
+        (f"{EVENTS_PREFIX}.node.x.Mystery", b'{"type": "Mystery"}'),
+        (f"{EVENTS_PREFIX}.task.m.t.TaskFailed", b'{"type": "TaskFailed"}'),
+    ]
     for subject, data in bad:
         await js.publish(subject, data)
     last = await publish_all(js, good[5:])

@@ -28,20 +28,39 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def stored(seconds: float, status: str = "completed", **fields: Any) -> ResponseStored:
-    response = {"id": "resp_t", "object": "response", "status": status, "temperature": 0.5,
-                "output": [{"type": "message", "content": [{"type": "output_text",
-                                                            "text": "Hi ünï 🐟"}]}]}  # fmt: skip
-    return ResponseStored.model_validate({
-        "response_id": "resp_t", "origin": "api", "ts": T0 + timedelta(seconds=seconds),
-        "task_id": "t", "model_id": "m", "status": status, "response": response,
-        "input_items": [{"type": "message", "id": "item_t_0", "role": "user",
-                         "content": [{"type": "input_text", "text": "Hello"}]}],
-        "conversation": [
-            ChatMessage(role="user", content="Hello"),
-            ChatMessage(role="assistant", tool_calls=[ToolCall(id="c", name="f", arguments="{}")]),
-        ],
-        **fields,
-    })  # fmt: skip
+    response = {
+        "id": "resp_t",
+        "object": "response",
+        "status": status,
+        "temperature": 0.5,
+        "output": [{"type": "message", "content": [{"type": "output_text", "text": "Hi ünï 🐟"}]}],
+    }
+    return ResponseStored.model_validate(
+        {
+            "response_id": "resp_t",
+            "origin": "api",
+            "ts": T0 + timedelta(seconds=seconds),
+            "task_id": "t",
+            "model_id": "m",
+            "status": status,
+            "response": response,
+            "input_items": [
+                {
+                    "type": "message",
+                    "id": "item_t_0",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Hello"}],
+                }
+            ],
+            "conversation": [
+                ChatMessage(role="user", content="Hello"),
+                ChatMessage(
+                    role="assistant", tool_calls=[ToolCall(id="c", name="f", arguments="{}")]
+                ),
+            ],
+            **fields,
+        }
+    )
 
 
 def deleted(seconds: float) -> ResponseDeleted:

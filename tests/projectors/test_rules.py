@@ -95,8 +95,10 @@ def test_node_lifecycle() -> None:
     assert node is not None and node.status == "online" and node.joined_at == at(0)
     assert node.hostname == "box"
 
-    state = fold([NodeTimedOut(node_id="a", origin="p", ts=at(5), last_seen=at(1),
-                               missed_heartbeats=3)], state)  # fmt: skip
+    state = fold(
+        [NodeTimedOut(node_id="a", origin="p", ts=at(5), last_seen=at(1), missed_heartbeats=3)],
+        state,
+    )
     assert state.node("a") == replace(node, status="timed_out", left_at=at(5))
 
     # A heartbeat after a time-out brings the node back.
@@ -218,15 +220,25 @@ def test_a_new_placement_keeps_the_runners_of_unchanged_shards() -> None:
         [
             InstanceRequested(instance_id="i1", model_id="m", origin="api", ts=at(0)),
             placed(nodes=("a", "b")),
-            RunnerStateChanged(runner_id="i1-0-0", instance_id="i1", node_id="a", state="Ready",
-                               origin="a", ts=at(2)),
+            RunnerStateChanged(
+                runner_id="i1-0-0",
+                instance_id="i1",
+                node_id="a",
+                state="Ready",
+                origin="a",
+                ts=at(2),
+            ),
         ]
-    )  # fmt: skip
+    )
     moved = placed(nodes=("a", "b")).shards
     again = InstancePlaced(
-        instance_id="i1", model_id="m", origin="p", ts=at(3), reason="node b timed out",
+        instance_id="i1",
+        model_id="m",
+        origin="p",
+        ts=at(3),
+        reason="node b timed out",
         shards=[moved[0], moved[1].model_copy(update={"runner_id": "i1-1-1", "node_id": "c"})],
-    )  # fmt: skip
+    )
     state = fold([again], state)
     runners = {r.runner_id: (r.node_id, r.state) for r in state.runners_of("i1")}
     assert runners == {"i1-0-0": ("a", "Ready"), "i1-1-1": ("c", "Assigned")}
@@ -241,9 +253,16 @@ def test_runner_states_and_failures() -> None:
 
     def report(state_name: str, t: float, **kw: object) -> RunnerStateChanged:
         return RunnerStateChanged.model_validate(
-            dict(runner_id="i1-0-0", instance_id="i1", node_id="a", state=state_name,
-                 origin="a", ts=at(t), **kw)
-        )  # fmt: skip
+            dict(
+                runner_id="i1-0-0",
+                instance_id="i1",
+                node_id="a",
+                state=state_name,
+                origin="a",
+                ts=at(t),
+                **kw,
+            )
+        )
 
     state = fold(
         [
@@ -258,12 +277,28 @@ def test_runner_states_and_failures() -> None:
     r = state.runner("i1-0-0")
     assert r is not None
     assert r == RunnerRow(
-        runner_id="i1-0-0", instance_id="i1", node_id="a", device="cpu", state="Failed",
-        replica=0, rank=0, world_size=1, start_layer=0, end_layer=10, n_layers=10,
-        tensor_split=None, progress=None, error="oom", exit_code=137, endpoint="127.0.0.1:5000",
-        pid=42, failures=2, last_failed_at=at(6), updated_at=at(6),
+        runner_id="i1-0-0",
+        instance_id="i1",
+        node_id="a",
+        device="cpu",
+        state="Failed",
+        replica=0,
+        rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=10,
+        n_layers=10,
+        tensor_split=None,
+        progress=None,
+        error="oom",
+        exit_code=137,
+        endpoint="127.0.0.1:5000",
+        pid=42,
+        failures=2,
+        last_failed_at=at(6),
+        updated_at=at(6),
         failure_times=[at(4).isoformat(), at(6).isoformat()],
-    )  # fmt: skip
+    )
 
 
 def test_slots_asked_for_placed_and_reported() -> None:
@@ -273,8 +308,15 @@ def test_slots_asked_for_placed_and_reported() -> None:
     assert inst is not None and (inst.requested_slots, inst.slots) == (4, 4)
 
     def report(state_name: str, t: float, slots: int | None = None) -> RunnerStateChanged:
-        return RunnerStateChanged(runner_id="i1-0-0", instance_id="i1", node_id="a",
-                                  state=state_name, origin="a", ts=at(t), slots=slots)  # fmt: skip
+        return RunnerStateChanged(
+            runner_id="i1-0-0",
+            instance_id="i1",
+            node_id="a",
+            state=state_name,
+            origin="a",
+            ts=at(t),
+            slots=slots,
+        )
 
     runner = state.runner("i1-0-0")
     assert runner is not None and runner.slots is None  # not said until Ready
@@ -286,8 +328,9 @@ def test_slots_asked_for_placed_and_reported() -> None:
     runner = state.runner("i1-0-0")
     assert runner is not None and runner.slots is None
 
-    rejected = PlacementRejected(instance_id="i1", model_id="m", origin="p", ts=at(7),
-                                 reason="no room")  # fmt: skip
+    rejected = PlacementRejected(
+        instance_id="i1", model_id="m", origin="p", ts=at(7), reason="no room"
+    )
     inst = fold([rejected], state).instance("i1")
     assert inst is not None and (inst.requested_slots, inst.slots) == (4, None)
 
@@ -298,10 +341,16 @@ def test_events_without_slots_project_none() -> None:
         [
             InstanceRequested(instance_id="i1", model_id="m", origin="api", ts=at(0)),
             placed(),
-            RunnerStateChanged(runner_id="i1-0-0", instance_id="i1", node_id="a", state="Ready",
-                               origin="a", ts=at(2)),
+            RunnerStateChanged(
+                runner_id="i1-0-0",
+                instance_id="i1",
+                node_id="a",
+                state="Ready",
+                origin="a",
+                ts=at(2),
+            ),
         ]
-    )  # fmt: skip
+    )
     inst, runner = state.instance("i1"), state.runner("i1-0-0")
     assert inst is not None and (inst.requested_slots, inst.slots) == (None, None)
     assert runner is not None and runner.slots is None
@@ -313,11 +362,15 @@ def test_rejection_and_deletion() -> None:
             InstanceRequested(instance_id="i1", model_id="m", origin="api", ts=at(0)),
             placed(),
             PlacementRejected(
-                instance_id="i1", model_id="m", origin="p", ts=at(3), reason="no room",
+                instance_id="i1",
+                model_id="m",
+                origin="p",
+                ts=at(3),
+                reason="no room",
                 needed_bytes=GiB,
             ),
         ]
-    )  # fmt: skip
+    )
     inst = state.instance("i1")
     assert inst is not None and (inst.status, inst.reason, inst.needed_bytes) == (
         "rejected",
@@ -349,12 +402,17 @@ def test_task_lifecycle_completed() -> None:
             ),
             ChunkGenerated(task_id="t", idx=0, text="hi", origin="a", ts=at(1.5)),
             TaskCompleted(
-                task_id="t", model_id="m", origin="a", ts=at(2), runner_id="r",
-                finish_reason="length", usage=Usage(prompt_tokens=7, completion_tokens=3),
+                task_id="t",
+                model_id="m",
+                origin="a",
+                ts=at(2),
+                runner_id="r",
+                finish_reason="length",
+                usage=Usage(prompt_tokens=7, completion_tokens=3),
                 timings=Timings(ttft_ms=12.0, tokens_per_s=30.0, total_ms=100.0),
             ),
         ]
-    )  # fmt: skip
+    )
     t = state.task("t")
     assert t is not None
     assert (t.status, t.runner_id, t.instance_id, t.user) == ("completed", "r", "i", "u")
@@ -412,46 +470,75 @@ def test_failed_task() -> None:
 
 
 def test_an_embeddings_task_is_a_task_row() -> None:
-    requested = EmbeddingsRequested(task_id="e", model_id="m", origin="api", ts=at(0),
-                                    texts=["a", "b"], user="u")  # fmt: skip
+    requested = EmbeddingsRequested(
+        task_id="e", model_id="m", origin="api", ts=at(0), texts=["a", "b"], user="u"
+    )
     state = fold(
         [
             requested,
             TaskStarted(
                 task_id="e", model_id="m", origin="a", ts=at(1), runner_id="r", instance_id="i"
             ),
-            EmbeddingsComputed(task_id="e", origin="a", ts=at(1.5), start=0, total=2,
-                               dimensions=1, vectors="AACAPwAAgD8="),
+            EmbeddingsComputed(
+                task_id="e",
+                origin="a",
+                ts=at(1.5),
+                start=0,
+                total=2,
+                dimensions=1,
+                vectors="AACAPwAAgD8=",
+            ),
             TaskCompleted(
-                task_id="e", model_id="m", origin="a", ts=at(2), runner_id="r",
-                finish_reason="stop", usage=Usage(prompt_tokens=9, completion_tokens=0),
+                task_id="e",
+                model_id="m",
+                origin="a",
+                ts=at(2),
+                runner_id="r",
+                finish_reason="stop",
+                usage=Usage(prompt_tokens=9, completion_tokens=0),
                 timings=Timings(ttft_ms=50.0, tokens_per_s=0.0, total_ms=50.0),
             ),
         ]
-    )  # fmt: skip
+    )
     t = state.task("e")
     assert t is not None
     assert (t.kind, t.status, t.user, t.runner_id, t.instance_id) == (
-        "embedding", "completed", "u", "r", "i"
-    )  # fmt: skip
+        "embedding",
+        "completed",
+        "u",
+        "r",
+        "i",
+    )
     assert (t.prompt_tokens, t.completion_tokens, t.max_tokens) == (9, 0, None)
     assert (t.created_at, t.started_at, t.finished_at) == (at(0), at(1), at(2))
     # A request again (a redelivery, a second API) changes nothing; the vectors never do.
     assert changes_for(state, requested) == []
-    assert changes_for(ClusterState(), EmbeddingsComputed(
-        task_id="x", origin="a", start=0, total=1, dimensions=1, vectors="AACAPw=="
-    )) == []  # fmt: skip
+    assert (
+        changes_for(
+            ClusterState(),
+            EmbeddingsComputed(
+                task_id="x", origin="a", start=0, total=1, dimensions=1, vectors="AACAPw=="
+            ),
+        )
+        == []
+    )
 
 
 def test_a_failed_embeddings_task() -> None:
     state = fold(
         [
-            EmbeddingsRequested(task_id="e", model_id="m", origin="api", ts=at(0),
-                                token_ids=[[1, 2]]),
-            TaskFailed(task_id="e", model_id="m", origin="a", ts=at(1),
-                       error="invalid request: input 0 has 900 tokens"),
+            EmbeddingsRequested(
+                task_id="e", model_id="m", origin="api", ts=at(0), token_ids=[[1, 2]]
+            ),
+            TaskFailed(
+                task_id="e",
+                model_id="m",
+                origin="a",
+                ts=at(1),
+                error="invalid request: input 0 has 900 tokens",
+            ),
         ]
-    )  # fmt: skip
+    )
     t = state.task("e")
     assert t is not None and (t.kind, t.status) == ("embedding", "failed")
     assert t.error == "invalid request: input 0 has 900 tokens"
@@ -504,9 +591,13 @@ def test_every_event_type_has_a_rule_or_changes_nothing() -> None:
 def test_the_state_keeps_each_table_s_own_row_type() -> None:
     state = fold(list(history(n_tasks=20, seed=5)))
     typed: list[tuple[type[Row], Sequence[Row]]] = [
-        (NodeRow, state.nodes()), (DeviceRow, state.devices()), (ModelRow, state.models()),
-        (InstanceRow, state.instances()), (RunnerRow, state.runners()), (TaskRow, state.tasks()),
-    ]  # fmt: skip
+        (NodeRow, state.nodes()),
+        (DeviceRow, state.devices()),
+        (ModelRow, state.models()),
+        (InstanceRow, state.instances()),
+        (RunnerRow, state.runners()),
+        (TaskRow, state.tasks()),
+    ]
     for row_type, rows in typed:
         assert rows and all(type(r) is row_type for r in rows), row_type
         assert rows == state.rows(row_type.TABLE)

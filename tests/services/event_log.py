@@ -26,10 +26,12 @@ class EventLog:
         for subject in ("shoal.events.>", "shoal.chunks.>"):
             self._subs.append(
                 await js.subscribe(
-                    subject, cb=self._on_msg, ordered_consumer=True,
+                    subject,
+                    cb=self._on_msg,
+                    ordered_consumer=True,
                     deliver_policy=DeliverPolicy.ALL,
                 )
-            )  # fmt: skip
+            )
         return self
 
     async def stop(self) -> None:

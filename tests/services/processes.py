@@ -25,8 +25,9 @@ class Processes:
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with (self.log_dir / f"{name}.log").open("wb") as out:
-            proc = subprocess.Popen([SHOAL, *args], stdout=out, stderr=subprocess.STDOUT,
-                                    env=self.env)  # fmt: skip
+            proc = subprocess.Popen(
+                [SHOAL, *args], stdout=out, stderr=subprocess.STDOUT, env=self.env
+            )
         self.procs[name] = proc
         return proc
 

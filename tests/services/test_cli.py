@@ -76,8 +76,9 @@ async def test_events_dump_writes_json_lines(
     assert lines[-1]["raw"] == "garbage"
     assert all(line["subject"].startswith("shoal.events.") for line in lines)
 
-    part = await ashoal("events", "dump", "--nats", nats_server.url, "--from-seq", "3",
-                        "--to-seq", "5")  # fmt: skip
+    part = await ashoal(
+        "events", "dump", "--nats", nats_server.url, "--from-seq", "3", "--to-seq", "5"
+    )
     assert [json.loads(x)["seq"] for x in part.stdout.splitlines()] == [3, 4, 5]
 
     chunks = await ashoal("events", "dump", "--nats", nats_server.url, "--stream", "chunks")
@@ -249,8 +250,10 @@ async def test_a_dump_restored_into_a_new_cluster_replays_to_the_same_projection
     assert rows[0] == rows[1] and rows[0]["tasks"]
 
     def unstamped(path: Path) -> list[dict[str, object]]:
-        return [{k: v for k, v in json.loads(line).items() if k != "stored_at"}
-                for line in path.read_text().splitlines()]  # fmt: skip
+        return [
+            {k: v for k, v in json.loads(line).items() if k != "stored_at"}
+            for line in path.read_text().splitlines()
+        ]
 
     assert unstamped(copy) == unstamped(backup)  # same sequences, subjects, headers, events
     bad = tmp_path / "bad.jsonl"

@@ -89,22 +89,53 @@ async def test_losing_a_nats_server_while_serving(tmp_path: Path) -> None:
         with Processes(tmp_path / "logs", env) as procs:
             procs.start("projector", "projector", "--nats", back, "--db", db)
             procs.start("planner", "planner", "--nats", back, "--db", db)
-            procs.start("w-a", "worker", "--nats", back, "--node-id", "w-a", "--data-dir",
-                        str(tmp_path / "w-a"), "--runner-threads", "1")  # fmt: skip
+            procs.start(
+                "w-a",
+                "worker",
+                "--nats",
+                back,
+                "--node-id",
+                "w-a",
+                "--data-dir",
+                str(tmp_path / "w-a"),
+                "--runner-threads",
+                "1",
+            )
             apis = []
             for i in range(3):
                 port = free_port()
-                procs.start(f"api{i}", "api", "--nats", cluster.urls_from(i), "--db", db,
-                            "--port", str(port))  # fmt: skip
+                procs.start(
+                    f"api{i}",
+                    "api",
+                    "--nats",
+                    cluster.urls_from(i),
+                    "--db",
+                    db,
+                    "--port",
+                    str(port),
+                )
                 apis.append(f"http://127.0.0.1:{port}")
             await log.wait_for(NodeJoined, timeout=60)
             await procs.wait_log("projector", "resuming after seq")
             created = await asyncio.to_thread(
                 subprocess.run,
-                [SHOAL, "instances", "create", "smollm2-135m", "--id", "inst", "--nats", back,
-                 "--db", db],
-                capture_output=True, text=True, env=env, timeout=120,
-            )  # fmt: skip
+                [
+                    SHOAL,
+                    "instances",
+                    "create",
+                    "smollm2-135m",
+                    "--id",
+                    "inst",
+                    "--nats",
+                    back,
+                    "--db",
+                    db,
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+            )
             assert created.returncode == 0, created.stderr
             await log.wait_for(RunnerStateChanged, lambda e: e.state == "Ready", timeout=90)
             for i, url in enumerate(apis):
@@ -124,8 +155,11 @@ async def test_losing_a_nats_server_while_serving(tmp_path: Path) -> None:
                 while not queue.empty():
                     i = queue.get_nowait()
                     api = f"api{i % 3}"
-                    outcomes.append(await chat(client, api, urls[api], label=f"r{i}",
-                                               stream=True, content="Say hi."))  # fmt: skip
+                    outcomes.append(
+                        await chat(
+                            client, api, urls[api], label=f"r{i}", stream=True, content="Say hi."
+                        )
+                    )
                     if len(outcomes) == LOSE_AFTER:
                         lost.set()
 
@@ -184,10 +218,18 @@ async def test_losing_a_nats_server_while_serving(tmp_path: Path) -> None:
             cluster.servers[2].stop()
             async with httpx.AsyncClient(timeout=60) as client:
                 both = await asyncio.gather(
-                    *(chat(client, "api0", apis[0], label=f"no-quorum-{streamed}",
-                           stream=streamed, content="Say hi.")
-                      for streamed in (True, False))
-                )  # fmt: skip
+                    *(
+                        chat(
+                            client,
+                            "api0",
+                            apis[0],
+                            label=f"no-quorum-{streamed}",
+                            stream=streamed,
+                            content="Say hi.",
+                        )
+                        for streamed in (True, False)
+                    )
+                )
             for o in both:
                 assert o.kind == "error" and o.error is not None, o
                 assert o.error["code"] == "log_unavailable", o

@@ -46,9 +46,11 @@ def _ready(runner_id: str) -> Callable[[RunnerStateChanged], bool]:
 
 async def _chat(client: httpx.AsyncClient, url: str) -> httpx.Response:
     body: dict[str, Any] = {
-        "model": "smollm2-135m", "max_tokens": 8, "temperature": 0,
+        "model": "smollm2-135m",
+        "max_tokens": 8,
+        "temperature": 0,
         "messages": [{"role": "user", "content": QUESTION}],
-    }  # fmt: skip
+    }
     return await client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
 
 
@@ -97,17 +99,45 @@ async def test_a_split_model_serves_then_moves_then_is_rejected(
         procs.start("planner", "planner", "--nats", nats, "--db", db)
         procs.start("api", "api", "--nats", nats, "--db", db, "--port", str(port))
         for node in NODES:
-            procs.start(node, "join", "--nats", nats, "--node-id", node, "--data-dir",
-                        str(tmp_path / node), "--memory-limit", LIMIT, "--heartbeat", "1",
-                        "--runner-threads", "1", "--data-host", DATA_HOSTS[node])  # fmt: skip
+            procs.start(
+                node,
+                "join",
+                "--nats",
+                nats,
+                "--node-id",
+                node,
+                "--data-dir",
+                str(tmp_path / node),
+                "--memory-limit",
+                LIMIT,
+                "--heartbeat",
+                "1",
+                "--runner-threads",
+                "1",
+                "--data-host",
+                DATA_HOSTS[node],
+            )
         await log.wait_count(NodeJoined, lambda e: True, 3, timeout=60)
         await wait_healthy(url)
         created = await asyncio.to_thread(
             subprocess.run,
-            [SHOAL, "instances", "create", "smollm2-135m", "--id", "inst", "--nats", nats,
-             "--db", db],
-            capture_output=True, text=True, env=env, timeout=120,
-        )  # fmt: skip
+            [
+                SHOAL,
+                "instances",
+                "create",
+                "smollm2-135m",
+                "--id",
+                "inst",
+                "--nats",
+                nats,
+                "--db",
+                db,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert created.returncode == 0, created.stderr
 
         first = await log.wait_for(InstancePlaced, timeout=30)

@@ -15,28 +15,46 @@ from services.resume import (
     still_streaming,
 )
 
-TASK = TaskCreated(task_id="t1", model_id="m", origin="api", prompt="hi", kind="completion",
-                   params=SamplingParams(max_tokens=50, temperature=0))  # fmt: skip
+TASK = TaskCreated(
+    task_id="t1",
+    model_id="m",
+    origin="api",
+    prompt="hi",
+    kind="completion",
+    params=SamplingParams(max_tokens=50, temperature=0),
+)
 
 
 def chunk(idx: int, token: int | None = None, finish: bool = False) -> ChunkGenerated:
-    return ChunkGenerated(task_id="t1", idx=idx, text=f"<{idx}>", origin="r",
-                          token_id=None if finish else (token if token is not None else 100 + idx),
-                          finish_reason="stop" if finish else None)  # fmt: skip
+    return ChunkGenerated(
+        task_id="t1",
+        idx=idx,
+        text=f"<{idx}>",
+        origin="r",
+        token_id=None if finish else (token if token is not None else 100 + idx),
+        finish_reason="stop" if finish else None,
+    )
 
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
 
-def logged(created: TaskCreated | None, chunks: list[ChunkGenerated], cancelled: bool = False
-           ) -> Logged:  # fmt: skip
+def logged(
+    created: TaskCreated | None, chunks: list[ChunkGenerated], cancelled: bool = False
+) -> Logged:
     return Logged("t1", "m", created, chunks, cancelled)
 
 
-def lost(created: TaskCreated | None, chunks: list[ChunkGenerated], cancelled: bool = False
-         ) -> TaskCreated | TaskFailed:  # fmt: skip
-    return continuation(logged(created, chunks, cancelled), runner_id="r0",
-                        cause="killed by SIGKILL", origin="node-a", at=NOW)  # fmt: skip
+def lost(
+    created: TaskCreated | None, chunks: list[ChunkGenerated], cancelled: bool = False
+) -> TaskCreated | TaskFailed:
+    return continuation(
+        logged(created, chunks, cancelled),
+        runner_id="r0",
+        cause="killed by SIGKILL",
+        origin="node-a",
+        at=NOW,
+    )
 
 
 def test_the_tokens_are_the_stored_chunks_from_zero_without_a_gap() -> None:
@@ -72,13 +90,17 @@ def test_a_continuation_lost_again_counts_its_attempts_up_to_the_limit() -> None
     last = TASK.model_copy(update={"resume": Resume(attempt=MAX_RESUMES, tokens=[100])})
     failed = lost(last, [chunk(0)])
     assert isinstance(failed, TaskFailed) and message_id(failed) == "done:t1"
-    assert failed.error == (f"the runner serving this task killed by SIGKILL (resumed "
-                            f"{MAX_RESUMES} times already)")  # fmt: skip
+    assert failed.error == (
+        f"the runner serving this task killed by SIGKILL (resumed {MAX_RESUMES} times already)"
+    )
 
 
 def test_a_cancelled_ended_or_unknown_task_fails_as_before() -> None:
-    for out in (lost(TASK, [chunk(0)], cancelled=True),
-                lost(TASK, [chunk(0), chunk(1, finish=True)]), lost(None, [])):  # fmt: skip
+    for out in (
+        lost(TASK, [chunk(0)], cancelled=True),
+        lost(TASK, [chunk(0), chunk(1, finish=True)]),
+        lost(None, []),
+    ):
         assert isinstance(out, TaskFailed) and out.runner_id == "r0"
         assert out.error == "the runner serving this task killed by SIGKILL"
 

@@ -91,18 +91,44 @@ async def test_a_model_added_on_one_node_is_fetched_from_its_disk_by_the_other(
         procs.start("planner", "planner", "--nats", nats, "--db", db)
         procs.start("api", "api", "--nats", nats, "--db", db, "--port", str(port))
         for node, host in NODES.items():
-            procs.start(node, "join", "--nats", nats, "--node-id", node, "--data-dir",
-                        str(tmp_path / node), "--heartbeat", "1", "--runner-threads", "1",
-                        "--data-host", host)  # fmt: skip
+            procs.start(
+                node,
+                "join",
+                "--nats",
+                nats,
+                "--node-id",
+                node,
+                "--data-dir",
+                str(tmp_path / node),
+                "--heartbeat",
+                "1",
+                "--runner-threads",
+                "1",
+                "--data-host",
+                host,
+            )
         await log.wait_count(NodeJoined, lambda e: True, 2, timeout=60)
 
         # Added on w-a's machine (its worker's cache): it stays where it is.
         added = await asyncio.to_thread(
             subprocess.run,
-            [SHOAL, "models", "add", "smol-copy", "--path", str(weights), "--nats", nats,
-             "--cache-dir", str(tmp_path / "w-a" / "models")],
-            capture_output=True, text=True, env=env, timeout=120,
-        )  # fmt: skip
+            [
+                SHOAL,
+                "models",
+                "add",
+                "smol-copy",
+                "--path",
+                str(weights),
+                "--nats",
+                nats,
+                "--cache-dir",
+                str(tmp_path / "w-a" / "models"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert added.returncode == 0, added.stderr
         assert "no copy in the bucket" in added.stdout
         event = await log.wait_for(ModelAdded)
@@ -113,10 +139,25 @@ async def test_a_model_added_on_one_node_is_fetched_from_its_disk_by_the_other(
         spec = json.dumps({"chat": {"devices": ["w-b:cpu", "w-a:cpu"]}})
         created = await asyncio.to_thread(
             subprocess.run,
-            [SHOAL, "instances", "create", "smol-copy", "--id", "inst", "--placement", spec,
-             "--nats", nats, "--db", db],
-            capture_output=True, text=True, env=env, timeout=120,
-        )  # fmt: skip
+            [
+                SHOAL,
+                "instances",
+                "create",
+                "smol-copy",
+                "--id",
+                "inst",
+                "--placement",
+                spec,
+                "--nats",
+                nats,
+                "--db",
+                db,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert created.returncode == 0, created.stderr
         placed = await log.wait_for(InstancePlaced, timeout=30)
         head = next(s for s in placed.shards if s.rank == 0)

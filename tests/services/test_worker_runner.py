@@ -75,10 +75,23 @@ async def cluster(
         )
     )
     worker = subprocess.Popen(
-        [SHOAL, "worker", "--nats", nats_server.url, "--node-id", NODE,
-         "--data-dir", str(tmp_path / "worker"), "--heartbeat", "0.5", "--runner-threads", "2"],
-        stdout=(tmp_path / "worker.log").open("wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            SHOAL,
+            "worker",
+            "--nats",
+            nats_server.url,
+            "--node-id",
+            NODE,
+            "--data-dir",
+            str(tmp_path / "worker"),
+            "--heartbeat",
+            "0.5",
+            "--runner-threads",
+            "2",
+        ],
+        stdout=(tmp_path / "worker.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         await log.wait_for(NodeJoined, lambda e: e.node_id == NODE, timeout=30)
         await pub.publish(InstanceRequested(instance_id="inst-1", model_id=MODEL, origin="test"))
@@ -111,10 +124,12 @@ async def cluster(
 
 def chat(task_id: str, question: str, max_tokens: int = 24) -> TaskCreated:
     return TaskCreated(
-        task_id=task_id, model_id=MODEL, origin="test",
+        task_id=task_id,
+        model_id=MODEL,
+        origin="test",
         messages=[ChatMessage(role="user", content=question)],
         params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-    )  # fmt: skip
+    )
 
 
 async def test_worker_serves_a_chat_task(
@@ -157,9 +172,13 @@ async def test_worker_serves_a_chat_task(
 
     # A plain-prompt completion, with a stop string and a token limit.
     completion = TaskCreated(
-        task_id="task-plain", model_id=MODEL, origin="test", kind="completion",
-        prompt="The capital of France is", params=SamplingParams(max_tokens=5, temperature=0),
-    )  # fmt: skip
+        task_id="task-plain",
+        model_id=MODEL,
+        origin="test",
+        kind="completion",
+        prompt="The capital of France is",
+        params=SamplingParams(max_tokens=5, temperature=0),
+    )
     await Publisher(js).publish(completion)
     chunks = await log.wait_chunks(completion.task_id)
     assert "Paris" in "".join(c.text for c in chunks)

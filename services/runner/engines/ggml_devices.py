@@ -154,9 +154,10 @@ def list_devices() -> list[GgmlDevice]:
         lib.ggml_backend_dev_get_props(dev, ctypes.byref(props))
         reg = lib.ggml_backend_dev_backend_reg(dev)
         index = next(
-            k for k in range(lib.ggml_backend_reg_dev_count(reg))
+            k
+            for k in range(lib.ggml_backend_reg_dev_count(reg))
             if lib.ggml_backend_reg_dev_get(reg, k) == dev
-        )  # fmt: skip
+        )
         kind = _TYPES[props.type] if 0 <= props.type < len(_TYPES) else "accel"
         devices.append(
             GgmlDevice(

@@ -55,9 +55,12 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
     ggml.ggml_backend_register.restype = None
     rpc.ggml_backend_rpc_start_server.argtypes = [
-        ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
         ctypes.POINTER(ctypes.c_void_p),
-    ]  # fmt: skip
+    ]
     rpc.ggml_backend_rpc_start_server.restype = None
     rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
     rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p

@@ -95,8 +95,9 @@ class LlamaCppEngine:
             verbose=False,
             **self._kwargs,
         )
-        ctx, n_ctx = _slots_context(llm, self._requested_ctx, self.slots,
-                                    flash_attn_asked="flash_attn" in self._kwargs)  # fmt: skip
+        ctx, n_ctx = _slots_context(
+            llm, self._requested_ctx, self.slots, flash_attn_asked="flash_attn" in self._kwargs
+        )
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         formatter: Callable[..., Any] | None = None
@@ -123,15 +124,25 @@ class LlamaCppEngine:
                     ends.add(ids[0])
         ends_set = frozenset(ends)
         decoder = BatchDecoder(
-            ctx, owner=llm, slots=self.slots, n_ctx=n_ctx,
-            n_batch=int(llama_cpp.llama_n_batch(ctx)), n_vocab=n_vocab,
+            ctx,
+            owner=llm,
+            slots=self.slots,
+            n_ctx=n_ctx,
+            n_batch=int(llama_cpp.llama_n_batch(ctx)),
+            n_vocab=n_vocab,
             is_end=ends_set.__contains__,
-        )  # fmt: skip
+        )
         self._loaded = _Loaded(
-            llm=llm, vocab=vocab, n_vocab=n_vocab, decoder=decoder, n_ctx=n_ctx,
-            grammars=GrammarCache(vocab), formatter=formatter, template=template or None,
+            llm=llm,
+            vocab=vocab,
+            n_vocab=n_vocab,
+            decoder=decoder,
+            n_ctx=n_ctx,
+            grammars=GrammarCache(vocab),
+            formatter=formatter,
+            template=template or None,
             ends=ends_set,
-        )  # fmt: skip
+        )
 
     @property
     def loaded(self) -> _Loaded:
@@ -238,9 +249,14 @@ class LlamaCppEngine:
 
         def make() -> SequenceSampler:
             sampler = SequenceSampler(
-                vocab=m.vocab, n_vocab=m.n_vocab, n_ctx=self.n_ctx, params=decoding.params,
-                seed=seed, grammar=grammar, grammar_first=self.grammar_first,
-            )  # fmt: skip
+                vocab=m.vocab,
+                n_vocab=m.n_vocab,
+                n_ctx=self.n_ctx,
+                params=decoding.params,
+                seed=seed,
+                grammar=grammar,
+                grammar_first=self.grammar_first,
+            )
             sampler.take_generated(decoding.generated)
             return sampler
 

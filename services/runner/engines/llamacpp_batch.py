@@ -251,9 +251,16 @@ class BatchDecoder:
     ``n_seq_max`` of at least ``slots``; ``n_ctx`` is each slot's context."""
 
     def __init__(
-        self, ctx: Any, *, owner: object, slots: int, n_ctx: int, n_batch: int, n_vocab: int,
+        self,
+        ctx: Any,
+        *,
+        owner: object,
+        slots: int,
+        n_ctx: int,
+        n_batch: int,
+        n_vocab: int,
         is_end: Callable[[int], bool],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._ctx = ctx
         self._owner = owner  # what holds the model: it must outlive the context
         # Freed by ``close``, or with the decoder; not at exit, where the decoding thread
@@ -319,8 +326,13 @@ class BatchDecoder:
     ) -> _Sequence:
         room = self.n_ctx - len(prompt)
         asked = decoding.params.max_tokens
-        seq = _Sequence(list(prompt), decoding, make_sampler,
-                        max_new=room if asked is None else min(asked, room), sink=sink)  # fmt: skip
+        seq = _Sequence(
+            list(prompt),
+            decoding,
+            make_sampler,
+            max_new=room if asked is None else min(asked, room),
+            sink=sink,
+        )
         with self._cond:
             self._waiting.append(seq)
             self._cond.notify()

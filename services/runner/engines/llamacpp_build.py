@@ -117,8 +117,14 @@ def gather(
 def _run(command: Sequence[str | None], env: Mapping[str, str]) -> list[str]:
     """The command's output lines; none when it fails (no driver: nvidia-smi exits non-zero)."""
     try:
-        out = subprocess.run([str(c) for c in command], capture_output=True, text=True,
-                             timeout=20, env=dict(env), check=True)  # fmt: skip
+        out = subprocess.run(
+            [str(c) for c in command],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env=dict(env),
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return []
     return out.stdout.splitlines()

@@ -38,8 +38,10 @@ def pooling_of(fields: dict[str, Any]) -> int:
     vectors: refused."""
     arch = fields.get("general.architecture", "")
     value = fields.get(f"{arch}.pooling_type")
-    if value is None or value in (llama_cpp.LLAMA_POOLING_TYPE_NONE,
-                                  llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED):  # fmt: skip
+    if value is None or value in (
+        llama_cpp.LLAMA_POOLING_TYPE_NONE,
+        llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED,
+    ):
         return llama_cpp.LLAMA_POOLING_TYPE_MEAN
     if value not in POOLING_NAMES:
         raise ValueError(f"the model's pooling type {value} gives no embedding (a reranker?)")
@@ -66,11 +68,17 @@ class LlamaCppEmbedder:
         # (up to 4e-3 a component for SmolLM2); with it, batched is one by one within 1e-7.
         kwargs: dict[str, Any] = {"flash_attn": True, **self._kwargs}
         llm = Llama(
-            model_path=str(self._path), embedding=True, pooling_type=pooling,
-            n_ctx=self._requested_ctx, n_batch=self._requested_ctx,
-            n_ubatch=self._requested_ctx, n_threads=self._n_threads,
-            n_threads_batch=self._n_threads, verbose=False, **kwargs,
-        )  # fmt: skip
+            model_path=str(self._path),
+            embedding=True,
+            pooling_type=pooling,
+            n_ctx=self._requested_ctx,
+            n_batch=self._requested_ctx,
+            n_ubatch=self._requested_ctx,
+            n_threads=self._n_threads,
+            n_threads_batch=self._n_threads,
+            verbose=False,
+            **kwargs,
+        )
         self._llm = llm
         self._batch = Batch(llm.n_batch)
         self.pooling = POOLING_NAMES[pooling]

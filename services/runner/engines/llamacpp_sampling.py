@@ -189,8 +189,11 @@ def _grammar_error(vocab: Any, grammar: Grammar) -> str:
     for level, text in logged:
         if callback:
             callback(level, text, user_data)
-    reasons = [line.split(b"error parsing grammar:", 1)[1].strip().decode(errors="replace")
-               for line in printed.splitlines() if b"error parsing grammar:" in line]  # fmt: skip
+    reasons = [
+        line.split(b"error parsing grammar:", 1)[1].strip().decode(errors="replace")
+        for line in printed.splitlines()
+        if b"error parsing grammar:" in line
+    ]
     reasons += [text.strip().decode(errors="replace") for _, text in logged]
     reasons = [r for r in reasons if r and r != "failed to parse grammar"]
     return "; ".join(reasons) or "llama.cpp refused it"
@@ -229,8 +232,10 @@ class Candidates:
         self._ids = np.arange(n, dtype=np.int32)
         self.array = llama_cpp.llama_token_data_array(
             data=self.data.ctypes.data_as(llama_cpp.llama_token_data_p),
-            size=n, selected=-1, sorted=False,
-        )  # fmt: skip
+            size=n,
+            selected=-1,
+            sorted=False,
+        )
         self.pointer = ctypes.pointer(self.array)
 
     def load(self, logits: Logits, banned: Sequence[int] = ()) -> None:

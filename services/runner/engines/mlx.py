@@ -185,8 +185,11 @@ def _token_bytes(tokenizer: TokenizerWrapper, model_dir: Path) -> list[bytes]:
         elif i in added:
             pieces.append(str(added[i].content).encode())
         elif "ByteLevel" in types:
-            pieces.append(bytes(byte_of[c] for c in name) if all(c in byte_of for c in name)
-                          else name.encode())  # fmt: skip
+            pieces.append(
+                bytes(byte_of[c] for c in name)
+                if all(c in byte_of for c in name)
+                else name.encode()
+            )
         elif types & {"ByteFallback", "Replace", "Metaspace"}:
             if len(name) == 6 and name.startswith("<0x") and name.endswith(">"):
                 pieces.append(bytes([int(name[3:5], 16)]))
@@ -200,8 +203,11 @@ def _token_bytes(tokenizer: TokenizerWrapper, model_dir: Path) -> list[bytes]:
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's printable stand-ins for bytes: printable Latin-1 bytes stand for themselves,
     the others for the characters from U+0100 on, in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     alphabet = {chr(b): b for b in printable}
     others = [b for b in range(256) if b not in set(printable)]
     alphabet.update({chr(256 + n): b for n, b in enumerate(others)})
@@ -306,14 +312,20 @@ class MlxEngine(MlxTextEngine):
         _ = text.grammars  # built now, not in the first task with a grammar
         self._model = model
         if self.slots > 1 and not batchable(model):
-            log.warning("%s: mlx-lm cannot batch this model's cache, it serves one task at a "
-                        "time, not %d", self._dir.name, self.slots)  # fmt: skip
+            log.warning(
+                "%s: mlx-lm cannot batch this model's cache, it serves one task at a time, not %d",
+                self._dir.name,
+                self.slots,
+            )
             self.slots = 1
         if self.slots > 1:
             self._decoder = MlxBatchDecoder(
-                model, slots=self.slots, n_ctx=self._n_ctx, ends=text.ends,
+                model,
+                slots=self.slots,
+                n_ctx=self._n_ctx,
+                ends=text.ends,
                 prefill_step=PREFILL_STEP,
-            )  # fmt: skip
+            )
         else:
             self._kept = PromptCaches(model, 1)
 
@@ -380,9 +392,14 @@ class MlxEngine(MlxTextEngine):
                 self._kept.keep(fed, cache)
 
     def _run(
-        self, prompt: list[int], cached: int, decoding: Decoding, picker: Picker,
-        cache: list[Any], fed: list[int],
-    ) -> Iterator[Token | PromptScores]:  # fmt: skip
+        self,
+        prompt: list[int],
+        cached: int,
+        decoding: Decoding,
+        picker: Picker,
+        cache: list[Any],
+        fed: list[int],
+    ) -> Iterator[Token | PromptScores]:
         """One forward pass per token after the prompt's chunks from ``cached`` on; ``fed``
         grows by what each pass adds to ``cache``."""
         model = self.model

@@ -66,9 +66,13 @@ class SequencePicker:
     ``token`` raises it for the first token that cannot be given."""
 
     def __init__(
-        self, decoding: Decoding, seed: int, n_vocab: int, prompt_len: int,
+        self,
+        decoding: Decoding,
+        seed: int,
+        n_vocab: int,
+        prompt_len: int,
         constraint: Constraint | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._params = decoding.params
         self._n_vocab = n_vocab
         self._top_logprobs = decoding.top_logprobs
@@ -149,8 +153,14 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
     has ``n_ctx`` of context, and stops at one of ``ends``."""
 
     def __init__(
-        self, model: Module, *, slots: int, n_ctx: int, ends: Sequence[int], prefill_step: int,
-    ) -> None:  # fmt: skip
+        self,
+        model: Module,
+        *,
+        slots: int,
+        n_ctx: int,
+        ends: Sequence[int],
+        prefill_step: int,
+    ) -> None:
         self._model = model
         self.n_ctx = n_ctx
         self._ends = [[int(t)] for t in ends]
@@ -163,8 +173,9 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
     def generate(
         self, prompt: list[int], decoding: Decoding, make_picker: Callable[[], SequencePicker]
     ) -> Generator[Token | PromptScores | PromptCached]:
-        seq = _Sequence(list(prompt), decoding, max_new(prompt, decoding, self.n_ctx),
-                        make_picker=make_picker)  # fmt: skip
+        seq = _Sequence(
+            list(prompt), decoding, max_new(prompt, decoding, self.n_ctx), make_picker=make_picker
+        )
         return self._stream(seq)
 
     # --- the decoding thread ---------------------------------------------------------------------
@@ -179,9 +190,12 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            self._model, stop_tokens=self._ends, completion_batch_size=self.slots,
-            prefill_batch_size=self.slots, prefill_step_size=self._prefill_step,
-        )  # fmt: skip
+            self._model,
+            stop_tokens=self._ends,
+            completion_batch_size=self.slots,
+            prefill_batch_size=self.slots,
+            prefill_step_size=self._prefill_step,
+        )
 
     def _forget(self, seq: _Sequence) -> None:
         """Out of the generator, if it is still there; its cache is kept for a later prompt."""
@@ -206,19 +220,24 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
             self._insert(seq, seq.prompt[cached:], cache, seq.prompt[:cached])
 
     def _insert(
-        self, seq: _Sequence, prompt: list[int], cache: list[Any] | None = None,
+        self,
+        seq: _Sequence,
+        prompt: list[int],
+        cache: list[Any] | None = None,
         cached: list[int] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Into the generator: ``prompt`` to run, after what ``cache`` holds (``cached``)."""
         if self._generator is None:
             self._generator = self._new_generator()
         assert seq.picker is not None
         (uid,) = self._generator.insert(
-            [prompt], max_tokens=[seq.max_new],
+            [prompt],
+            max_tokens=[seq.max_new],
             caches=None if cache is None else [cache],
             all_tokens=None if cached is None else [list(cached)],
-            samplers=[seq.picker.sample], logits_processors=[[seq.picker.process]],
-        )  # fmt: skip
+            samplers=[seq.picker.sample],
+            logits_processors=[[seq.picker.process]],
+        )
         seq.uid = uid
         self._by_uid[uid] = seq
 

@@ -61,8 +61,9 @@ class PipelineHead(MlxTextEngine):
         if self._stage is None or self._text is None:
             raise RuntimeError("load_weights() comes first")
         self._ring = connect(self._shard, self._connect_timeout)
-        self._decoder = _RingDecoder(self._stage, self._ring, slots=self.slots,
-                                     n_ctx=self._n_ctx, ends=self._text.ends)  # fmt: skip
+        self._decoder = _RingDecoder(
+            self._stage, self._ring, slots=self.slots, n_ctx=self._n_ctx, ends=self._text.ends
+        )
 
     @property
     def passes(self) -> tuple[int, int]:

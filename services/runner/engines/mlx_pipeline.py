@@ -64,8 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     shard = PipelineShard(args.rank, len(hosts), int(start), int(end), args.n_layers, hosts)
     follower = PipelineFollower(args.model, shard, connect_timeout=args.connect_timeout)
     follower.load()
-    log.info("rank %d of %d: layers %d-%d, in the ring", shard.rank, shard.world_size,
-             shard.start_layer, shard.end_layer - 1)  # fmt: skip
+    log.info(
+        "rank %d of %d: layers %d-%d, in the ring",
+        shard.rank,
+        shard.world_size,
+        shard.start_layer,
+        shard.end_layer - 1,
+    )
     try:
         follower.follow()
     except PipelineBroken as exc:

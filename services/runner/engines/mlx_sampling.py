@@ -209,8 +209,9 @@ class Constraint:
     def accept(self, token: int) -> None:
         if not self._waiting:
             if not self._matcher.consume_token(token):
-                raise InvalidRequest(f"the grammar refused token {token}: "
-                                     f"{self._matcher.get_error()}")  # fmt: skip
+                raise InvalidRequest(
+                    f"the grammar refused token {token}: {self._matcher.get_error()}"
+                )
             return
         self._text += self._grammars.pieces[token]
         # The first pattern that matches, as llama.cpp tries them.

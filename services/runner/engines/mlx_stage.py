@@ -191,8 +191,11 @@ class StageCaches:
 
     def evaluate(self, h: mx.array) -> None:
         """``h`` and every cache it updated."""
-        mx.eval(h, [c.state for c in self._batch or ()],
-                [[c.state for c in cache] for cache in self._prefilling.values()])  # fmt: skip
+        mx.eval(
+            h,
+            [c.state for c in self._batch or ()],
+            [[c.state for c in cache] for cache in self._prefilling.values()],
+        )
 
     def _own(self, slot: int) -> list[Any]:
         cache = self._prefilling.get(slot)

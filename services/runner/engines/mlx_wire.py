@@ -273,17 +273,19 @@ class StartRequest(BaseModel):
     def of(cls, decoding: Decoding, seed: int, prompt: list[int]) -> StartRequest:
         grammar = decoding.grammar
         return cls(
-            params=decoding.params, seed=seed,
+            params=decoding.params,
+            seed=seed,
             grammar=grammar.gbnf if grammar is not None else None,
             triggers=list(grammar.triggers) if grammar is not None else [],
-            top_logprobs=decoding.top_logprobs, echo=decoding.echo,
-            prompt=prompt if decoding.echo else [], generated=list(decoding.generated),
-        )  # fmt: skip
+            top_logprobs=decoding.top_logprobs,
+            echo=decoding.echo,
+            prompt=prompt if decoding.echo else [],
+            generated=list(decoding.generated),
+        )
 
     def decoding(self) -> Decoding:
         grammar = Grammar(self.grammar, tuple(self.triggers)) if self.grammar is not None else None
-        return Decoding(self.params, grammar, self.top_logprobs, self.echo,
-                        tuple(self.generated))  # fmt: skip
+        return Decoding(self.params, grammar, self.top_logprobs, self.echo, tuple(self.generated))
 
 
 def _words(words: list[int], size: int) -> mx.array:

@@ -21,10 +21,12 @@ from services.runner.structured.formats import ToolFormatName, history_id
 def openai_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:
     """The tools as chat templates take them."""
     return [
-        {"type": "function",
-         "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+        }
         for t in tools
-    ]  # fmt: skip
+    ]
 
 
 def template_messages(messages: Sequence[ChatMessage], fmt: ToolFormatName) -> list[dict[str, Any]]:
@@ -79,9 +81,13 @@ def generic_messages(
             continue
         flush()
         if m.role == "assistant" and m.tool_calls:
-            written = _json({"tool_calls": [
-                {"name": c.name, "arguments": _arguments(c.arguments)} for c in m.tool_calls
-            ]})  # fmt: skip
+            written = _json(
+                {
+                    "tool_calls": [
+                        {"name": c.name, "arguments": _arguments(c.arguments)} for c in m.tool_calls
+                    ]
+                }
+            )
             content = f"{m.content}\n{written}" if m.content else written
             out.append({"role": "assistant", "content": content})
         else:
@@ -96,8 +102,10 @@ def generic_messages(
     elif instructions:
         if out and out[0]["role"] == "system":
             first = out[0]["content"]
-            out[0] = {"role": "system", "content": f"{first}\n\n{instructions}" if first
-                      else instructions}  # fmt: skip
+            out[0] = {
+                "role": "system",
+                "content": f"{first}\n\n{instructions}" if first else instructions,
+            }
         else:
             out.insert(0, {"role": "system", "content": instructions})
     return out
@@ -143,9 +151,10 @@ def generic_instructions(
 
         lines.append(f"Otherwise, answer with this JSON only: {answer}")
     lines.append(
-        'To call several tools at once, put each call in the "tool_calls" list.' if parallel
+        'To call several tools at once, put each call in the "tool_calls" list.'
+        if parallel
         else "Call one tool at a time."
-    )  # fmt: skip
+    )
     lines.append(
         'A tool\'s result comes back in a message like {"tool_response": {"id": "<call id>",'
         ' "name": "<tool name>", "content": "<result>"}}.'
@@ -159,8 +168,11 @@ def _call_names(messages: Sequence[ChatMessage]) -> dict[str, str]:
 
 
 def _template_call(call: ToolCall, fmt: ToolFormatName) -> dict[str, Any]:
-    return {"id": history_id(fmt, call.id), "type": "function",
-            "function": {"name": call.name, "arguments": _arguments(call.arguments)}}  # fmt: skip
+    return {
+        "id": history_id(fmt, call.id),
+        "type": "function",
+        "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+    }
 
 
 def _arguments(text: str) -> Any:

@@ -98,8 +98,12 @@ class ToolReplyParser(TextReader):
         self._gap = ""  # the whitespace before the marker just read
         self._pending = ""  # whitespace to write before more content, if more comes
         self._said = False  # whether there is content yet
-        runs = {"hermes": self._hermes, "llama3": self._llama3, "mistral": self._mistral,
-                "generic": self._generic}  # fmt: skip
+        runs = {
+            "hermes": self._hermes,
+            "llama3": self._llama3,
+            "mistral": self._mistral,
+            "generic": self._generic,
+        }
         self._reader: Reading | None = runs[spec.format]()
         next(self._reader)
 

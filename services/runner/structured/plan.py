@@ -74,22 +74,25 @@ def plan_reply(task: TaskCreated, chat_template: str | None) -> ReplyPlan:
     try:
         if not offered:
             return ReplyPlan(
-                messages=generic_messages(task.messages, None) if fmt == "generic"
+                messages=generic_messages(task.messages, None)
+                if fmt == "generic"
                 else template_messages(task.messages, fmt),
                 tools=None,
                 grammar=None if response is None else json_grammar(response),
                 format=fmt,
-            )  # fmt: skip
+            )
         forced = task.tool_choice.mode != "auto"
         names = frozenset(t.name for t in offered)
         parallel = task.parallel_tool_calls
         if fmt == "generic":
             answer = None if forced else (STRING_SCHEMA if response is None else response)
             instructions = generic_instructions(
-                tools, must=task.tool_choice.name if task.tool_choice.mode == "function" else None,
-                required=forced, parallel=parallel,
+                tools,
+                must=task.tool_choice.name if task.tool_choice.mode == "function" else None,
+                required=forced,
+                parallel=parallel,
                 response=None if forced else response,
-            )  # fmt: skip
+            )
             return ReplyPlan(
                 messages=generic_messages(
                     task.messages, instructions, system=not refuses_system(chat_template)

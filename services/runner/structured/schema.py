@@ -46,21 +46,57 @@ def any_value() -> dict[str, Any]:
 # Keywords that constrain and that the converter cannot honour.
 UNSUPPORTED = frozenset(
     {
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "not",
-        "if", "then", "else", "patternProperties", "propertyNames", "uniqueItems", "contains",
-        "minContains", "maxContains", "minProperties", "maxProperties", "dependentRequired",
-        "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
-        "additionalItems", "$dynamicRef", "$recursiveRef", "contentSchema",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "patternProperties",
+        "propertyNames",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "minProperties",
+        "maxProperties",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "additionalItems",
+        "$dynamicRef",
+        "$recursiveRef",
+        "contentSchema",
     }
-)  # fmt: skip
+)
 # The keywords honoured; the rest are annotations or unknown, ignored either way.
 STRUCTURAL = frozenset(
     {
-        "type", "properties", "required", "additionalProperties", "items", "prefixItems",
-        "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
-        "pattern", "format", "minLength", "maxLength",
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "$ref",
+        "pattern",
+        "format",
+        "minLength",
+        "maxLength",
     }
-)  # fmt: skip
+)
 _OBJECT_WORDS = ("properties", "required", "additionalProperties")
 _ARRAY_WORDS = ("items", "prefixItems", "minItems", "maxItems")
 _STRING_WORDS = ("pattern", "format", "minLength", "maxLength")
@@ -132,9 +168,12 @@ class _Preparer:
         if not isinstance(schema, dict):
             raise SchemaError(
                 f"the JSON schema at {where(path)} is not an object"
-                + (" (boolean schemas are supported for additionalProperties only)"
-                   if isinstance(schema, bool) else "")
-            )  # fmt: skip
+                + (
+                    " (boolean schemas are supported for additionalProperties only)"
+                    if isinstance(schema, bool)
+                    else ""
+                )
+            )
         for key in schema:
             if key in UNSUPPORTED:
                 raise SchemaError(

@@ -37,8 +37,12 @@ def test_a_terminal_gets_colours_and_a_pipe_plain_text() -> None:
 def test_a_continuation_says_it_is_one_after_how_much_and_why() -> None:
     task = TaskCreated(task_id="t", model_id="m", origin="api", prompt="hi", kind="completion")
     assert "[bold green]TaskCreated[/] task_id=t" in event_line(task)
-    resume = Resume(attempt=2, tokens=[1, 2, 3], runner_id="r0",
-                    reason="the runner serving this task killed by SIGKILL")  # fmt: skip
+    resume = Resume(
+        attempt=2,
+        tokens=[1, 2, 3],
+        runner_id="r0",
+        reason="the runner serving this task killed by SIGKILL",
+    )
     line = event_line(task.model_copy(update={"resume": resume}), 9)
     assert "[bold yellow]TaskCreated (resumed)[/] attempt=2 after=3 tokens lost=r0" in line
     assert "why=the runner serving this task killed by SIGKILL task_id=t" in line

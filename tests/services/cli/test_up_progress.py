@@ -16,11 +16,21 @@ def _state(*rows: InstanceRow | RunnerRow) -> ClusterState:
     return state
 
 
-def _runner(rid: str, node: str, state: RunnerState, rank: int, start: int, end: int,
-            **kw: object) -> RunnerRow:  # fmt: skip
-    return RunnerRow(runner_id=rid, instance_id="i", node_id=node, device="cpu", state=state,
-                     rank=rank, world_size=2, start_layer=start, end_layer=end,
-                     **kw)  # type: ignore[arg-type]  # fmt: skip
+def _runner(
+    rid: str, node: str, state: RunnerState, rank: int, start: int, end: int, **kw: object
+) -> RunnerRow:
+    return RunnerRow(
+        runner_id=rid,
+        instance_id="i",
+        node_id=node,
+        device="cpu",
+        state=state,
+        rank=rank,
+        world_size=2,
+        start_layer=start,
+        end_layer=end,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def test_an_instance_waiting_for_the_planner_has_no_measure_of_progress() -> None:

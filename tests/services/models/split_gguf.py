@@ -14,8 +14,9 @@ def split_gguf(src: Path, prefix: Path, max_tensors: int) -> list[Path]:
     reader = gguf.GGUFReader(src)
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
     assert arch is not None
-    writer = gguf.GGUFWriter(prefix.with_suffix(".gguf"), str(arch.contents()),
-                             split_max_tensors=max_tensors)  # fmt: skip
+    writer = gguf.GGUFWriter(
+        prefix.with_suffix(".gguf"), str(arch.contents()), split_max_tensors=max_tensors
+    )
     for field in reader.fields.values():
         # The writer adds the architecture and the GGUF.* fields itself.
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):

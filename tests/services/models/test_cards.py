@@ -55,6 +55,13 @@ def test_cards_are_validated_and_frozen() -> None:
 
 def _added(source: str, path: str | None = None, model_id: str = "m") -> ModelAdded:
     return ModelAdded(
-        origin="test", model_id=model_id, n_layers=2, size_bytes=1, source=source, path=path,
-        engines=["llamacpp"], chat_format="chatml", family="f",
-    )  # fmt: skip
+        origin="test",
+        model_id=model_id,
+        n_layers=2,
+        size_bytes=1,
+        source=source,
+        path=path,
+        engines=["llamacpp"],
+        chat_format="chatml",
+        family="f",
+    )

@@ -23,8 +23,16 @@ from services.models.shard_files import SPLIT_GGUF
 from services.models.tiny_mlx import make_tiny_mlx_model
 from tests.services.models.hub_cache import hub_cache
 
-FAMILIES = {"qwen3", "llama3", "gemma3", "mistral", "phi3", "phi4", "deepseek-r1-distill",
-            "smollm2"}  # fmt: skip
+FAMILIES = {
+    "qwen3",
+    "llama3",
+    "gemma3",
+    "mistral",
+    "phi3",
+    "phi4",
+    "deepseek-r1-distill",
+    "smollm2",
+}
 
 
 def test_every_card_file_validates_and_ids_are_unique() -> None:
@@ -51,8 +59,9 @@ def test_variants_have_ids_of_their_own() -> None:
     qwen = card_for("qwen3-8b")
     assert (qwen.variant, qwen.engines, qwen.tool_calls) == ("Q4_K_M", ["llamacpp"], "hermes")
     assert qwen.source == HfSource(repo="Qwen/Qwen3-8B-GGUF", filename="Qwen3-8B-Q4_K_M.gguf")
-    assert card_for("qwen3-8b:q8_0").source == HfSource(repo="Qwen/Qwen3-8B-GGUF",
-                                                         filename="Qwen3-8B-Q8_0.gguf")  # fmt: skip
+    assert card_for("qwen3-8b:q8_0").source == HfSource(
+        repo="Qwen/Qwen3-8B-GGUF", filename="Qwen3-8B-Q8_0.gguf"
+    )
     mlx = card_for("qwen3-8b:mlx-4bit")
     assert mlx.engines == ["mlx"] and mlx.source == HfSource(repo="mlx-community/Qwen3-8B-4bit")
     big = card_for("llama3.3-70b:q8_0")
@@ -71,10 +80,12 @@ def test_the_built_in_cards_estimates_are_what_their_weights_say(
         facts = model_facts(path)
         assert card.estimate is not None
         assert card.estimate.model_dump() == {
-            "n_layers": facts.n_layers, "context_length": facts.context_length,
-            "size_bytes": facts.size_bytes, "kv_bytes_per_token": facts.kv_bytes_per_token,
+            "n_layers": facts.n_layers,
+            "context_length": facts.context_length,
+            "size_bytes": facts.size_bytes,
+            "kv_bytes_per_token": facts.kv_bytes_per_token,
             "overhead_bytes": facts.overhead_bytes,
-        }  # fmt: skip
+        }
 
 
 def test_a_broken_card_file_says_which_and_why(tmp_path: Path) -> None:

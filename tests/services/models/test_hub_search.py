@@ -53,9 +53,10 @@ def hub() -> Iterator[str]:
 def test_a_search_asks_for_gguf_or_mlx_models_most_downloaded_first(hub: str) -> None:
     _HubApi.queries.clear()
     found = search_hub("qwen3 8b", endpoint=hub, limit=5)
-    assert found == [HubModel(repo="Qwen/Qwen3-8B-GGUF", downloads=900, likes=50, gguf=True),
-                     HubModel(repo="bartowski/Qwen3-8B-GGUF", downloads=400, likes=9,
-                              gguf=True)]  # fmt: skip
+    assert found == [
+        HubModel(repo="Qwen/Qwen3-8B-GGUF", downloads=900, likes=50, gguf=True),
+        HubModel(repo="bartowski/Qwen3-8B-GGUF", downloads=400, likes=9, gguf=True),
+    ]
     query = _HubApi.queries[0]
     assert query["search"] == ["qwen3 8b"] and query["filter"] == ["gguf"]
     assert query["sort"] == ["downloads"] and query["limit"] == ["5"]

@@ -75,10 +75,10 @@ def _reference(field: Any) -> Any:
 def test_every_field_matches_the_gguf_reader(smollm2_path: Path) -> None:
     reader = GGUFReader(smollm2_path)
     expected = {
-        key: _reference(field) for key, field in reader.fields.items() if key.startswith(
-            ("general.", "llama.", "tokenizer.")
-        )
-    }  # fmt: skip
+        key: _reference(field)
+        for key, field in reader.fields.items()
+        if key.startswith(("general.", "llama.", "tokenizer."))
+    }
     ours = {k: v for k, v in read_gguf_fields(smollm2_path).items() if not k.startswith("GGUF.")}
     ours = {k: round(v, 6) if isinstance(v, float) else v for k, v in ours.items()}
     assert ours == expected
@@ -88,9 +88,12 @@ def test_every_field_matches_the_gguf_reader(smollm2_path: Path) -> None:
 def footprint_of(path: Path) -> Footprint:
     """What placement counts for the model at ``path`` (its ModelAdded's facts)."""
     facts = model_facts(path)
-    return Footprint(n_layers=facts.n_layers, weights_bytes=facts.size_bytes,
-                     kv_bytes_per_token=facts.kv_bytes_per_token,
-                     overhead_bytes=facts.overhead_bytes)  # fmt: skip
+    return Footprint(
+        n_layers=facts.n_layers,
+        weights_bytes=facts.size_bytes,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        overhead_bytes=facts.overhead_bytes,
+    )
 
 
 def test_kv_cache_and_memory_need(smollm2_path: Path, gemma_path: Path) -> None:
@@ -156,8 +159,13 @@ def test_mlx_directory(tmp_path: Path) -> None:
     assert facts.chat_template == "{{ x }}"
 
     # A multimodal config keeps the language model's numbers in text_config.
-    text = {"num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 2,
-            "hidden_size": 512, "vocab_size": 1000}  # fmt: skip
+    text = {
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "hidden_size": 512,
+        "vocab_size": 1000,
+    }
     (model / "config.json").write_text(json.dumps({"text_config": text}))
     facts = model_facts(model, "mlx")
     assert facts.n_layers == 26

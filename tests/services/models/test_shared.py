@@ -49,8 +49,9 @@ def _weight(name: str, sha: str = "0" * 64, size: int = 1) -> WeightFile:
 async def test_files_are_stored_once_and_fetched_into_a_cache(
     nc: Client, js: JetStreamContext, tmp_path: Path
 ) -> None:
-    src = _files(tmp_path / "src", {"m-00001-of-00002.gguf": 300_000,
-                                    "m-00002-of-00002.gguf": 200_000})  # fmt: skip
+    src = _files(
+        tmp_path / "src", {"m-00001-of-00002.gguf": 300_000, "m-00002-of-00002.gguf": 200_000}
+    )
     stored = await store_files(js, src, cache=WeightsCache(tmp_path / "adder"))
     assert [f.name for f in stored] == ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]
     assert all(f.object == f"sha256/{f.sha256}" for f in stored)
@@ -62,9 +63,18 @@ async def test_files_are_stored_once_and_fetched_into_a_cache(
 
     cache = WeightsCache(tmp_path / "node")
     seen: list[tuple[int, int]] = []
-    path = await shard_model_path(nc, cache, "m", stored, engine="llamacpp", rank=0, start=0,
-                                  end=4, n_layers=4,
-                                  on_progress=lambda d, t: seen.append((d, t)))  # fmt: skip
+    path = await shard_model_path(
+        nc,
+        cache,
+        "m",
+        stored,
+        engine="llamacpp",
+        rank=0,
+        start=0,
+        end=4,
+        n_layers=4,
+        on_progress=lambda d, t: seen.append((d, t)),
+    )
     assert path == cache.model_dir("m") / "m-00001-of-00002.gguf"
     for f, (_, original) in zip(stored, src, strict=True):
         laid_out = cache.model_dir("m") / f.name
@@ -136,15 +146,17 @@ async def test_an_mlx_rank_fetches_only_the_safetensors_of_its_layers(
     nc: Client, js: JetStreamContext, tmp_path: Path
 ) -> None:
     src = tmp_path / "mlx"
-    index = {"weight_map": {
-        "model.embed_tokens.weight": "model-00001-of-00003.safetensors",
-        "model.layers.0.mlp.weight": "model-00001-of-00003.safetensors",
-        "model.layers.1.mlp.weight": "model-00002-of-00003.safetensors",
-        "model.layers.2.mlp.weight": "model-00002-of-00003.safetensors",
-        "model.layers.3.mlp.weight": "model-00003-of-00003.safetensors",
-        "model.norm.weight": "model-00003-of-00003.safetensors",
-        "lm_head.weight": "model-00003-of-00003.safetensors",
-    }}  # fmt: skip
+    index = {
+        "weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00003.safetensors",
+            "model.layers.0.mlp.weight": "model-00001-of-00003.safetensors",
+            "model.layers.1.mlp.weight": "model-00002-of-00003.safetensors",
+            "model.layers.2.mlp.weight": "model-00002-of-00003.safetensors",
+            "model.layers.3.mlp.weight": "model-00003-of-00003.safetensors",
+            "model.norm.weight": "model-00003-of-00003.safetensors",
+            "lm_head.weight": "model-00003-of-00003.safetensors",
+        }
+    }
     shards = {f"model-0000{i}-of-00003.safetensors": 1000 for i in (1, 2, 3)}
     files = _files(src, {"config.json": 10, "tokenizer.json": 10, **shards})
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -152,13 +164,16 @@ async def test_an_mlx_rank_fetches_only_the_safetensors_of_its_layers(
     assert {f.name for f in stored} == {n for n, _ in files} | {"model.safetensors.index.json"}
 
     cache = WeightsCache(tmp_path / "node")
-    path = await shard_model_path(nc, cache, "m", stored, engine="mlx", rank=1, start=1, end=3,
-                                  n_layers=4)  # fmt: skip
+    path = await shard_model_path(
+        nc, cache, "m", stored, engine="mlx", rank=1, start=1, end=3, n_layers=4
+    )
     assert path == cache.model_dir("m")
     assert sorted(p.name for p in path.iterdir()) == [
-        "config.json", "model-00002-of-00003.safetensors", "model.safetensors.index.json",
+        "config.json",
+        "model-00002-of-00003.safetensors",
+        "model.safetensors.index.json",
         "tokenizer.json",
-    ]  # fmt: skip
+    ]
 
 
 def test_which_safetensors_a_rank_needs() -> None:
@@ -190,8 +205,10 @@ def test_which_files_a_shard_needs_and_which_gguf_llama_cpp_loads() -> None:
     with pytest.raises(ValueError, match="several GGUF files"):
         gguf_entry([_weight("a.gguf"), _weight("b.gguf")])
     assert split_parts("x-00002-of-00003.gguf") == [
-        "x-00001-of-00003.gguf", "x-00002-of-00003.gguf", "x-00003-of-00003.gguf",
-    ]  # fmt: skip
+        "x-00001-of-00003.gguf",
+        "x-00002-of-00003.gguf",
+        "x-00003-of-00003.gguf",
+    ]
     assert split_parts("x.gguf") == ["x.gguf"]
     mlx = [_weight("config.json"), _weight("model.safetensors")]
     assert needed_files(mlx, "mlx", 1, 2, 4, 4) == mlx  # no index: the one file for all
@@ -201,8 +218,9 @@ def test_a_split_gguf_is_added_with_all_its_parts(tmp_path: Path) -> None:
     for i in (1, 2):
         (tmp_path / f"q-0000{i}-of-00002.gguf").write_bytes(b"x")
     assert [n for n, _ in model_files(tmp_path / "q-00001-of-00002.gguf")] == [
-        "q-00001-of-00002.gguf", "q-00002-of-00002.gguf",
-    ]  # fmt: skip
+        "q-00001-of-00002.gguf",
+        "q-00002-of-00002.gguf",
+    ]
     (tmp_path / "q-00002-of-00002.gguf").unlink()
     with pytest.raises(WeightsUnavailable, match="missing"):
         model_files(tmp_path / "q-00001-of-00002.gguf")

@@ -79,8 +79,9 @@ async def test_a_split_gguf_goes_through_the_bucket_and_loads_on_another_node(
     files = await store_files(js, model_files(parts[0]))
     assert [f.name for f in files] == [p.name for p in parts]
     cache = WeightsCache(tmp_path / "node")
-    path = await shard_model_path(nc, cache, "smol", files, engine="llamacpp", rank=0, start=0,
-                                  end=30, n_layers=30)  # fmt: skip
+    path = await shard_model_path(
+        nc, cache, "smol", files, engine="llamacpp", rank=0, start=0, end=30, n_layers=30
+    )
     assert path == cache.model_dir("smol") / parts[0].name
     assert sorted(p.name for p in path.parent.iterdir()) == [p.name for p in parts]
     assert read_gguf(path).n_layers == 30

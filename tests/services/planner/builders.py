@@ -76,9 +76,14 @@ def accelerator(
     name: str = "GPU",
 ) -> Accelerator:
     return Accelerator(
-        backend=backend, index=index, name=name, memory_total=memory, memory_free=memory,
-        unified=unified, engines=list(engines),
-    )  # fmt: skip
+        backend=backend,
+        index=index,
+        name=name,
+        memory_total=memory,
+        memory_free=memory,
+        unified=unified,
+        engines=list(engines),
+    )
 
 
 def heartbeat(

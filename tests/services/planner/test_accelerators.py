@@ -219,10 +219,16 @@ def test_a_gpu_no_engine_can_use_is_shown_but_not_placed_on() -> None:
 
 def test_an_mlx_model_stays_on_one_device() -> None:
     # MLX runs a process on one device: no split between GPUs, no spill into RAM.
-    cluster = view(node("a", 64 * GiB, accelerators=[
-        accelerator("cuda", 0, 8 * GiB, engines=("llamacpp", "mlx")),
-        accelerator("cuda", 1, 8 * GiB, engines=("llamacpp", "mlx")),
-    ]))  # fmt: skip
+    cluster = view(
+        node(
+            "a",
+            64 * GiB,
+            accelerators=[
+                accelerator("cuda", 0, 8 * GiB, engines=("llamacpp", "mlx")),
+                accelerator("cuda", 1, 8 * GiB, engines=("llamacpp", "mlx")),
+            ],
+        )
+    )
     result = placement(place(cluster, ask(model(size=12 * GiB, engine="mlx"))))
     assert layout(result.shards) == [(0, 0, "a:cpu", 0, 32)]
     refused = rejection(
@@ -251,8 +257,10 @@ def test_a_spec_with_two_gpus_of_a_node_makes_one_runner_split_by_tensor_split()
     result = placement(place(view(TWO_GPUS), ask(model(size=8 * GiB), spec=spec)))
     (shard,) = result.shards
     assert (shard.device, parts(shard)) == ("cuda0", [("cuda0", 24), ("cuda1", 8)])
-    assert result.why[0] == "as the placement spec asks, layers in proportion to the spec's" \
-        " tensor_split"  # fmt: skip
+    assert (
+        result.why[0] == "as the placement spec asks, layers in proportion to the spec's"
+        " tensor_split"
+    )
 
 
 def test_a_spec_may_put_layers_in_ram_beside_a_gpu() -> None:

@@ -128,8 +128,11 @@ def test_a_timed_out_node_is_timed_out_once() -> None:
 
 def test_the_next_time_out_is_when_decide_would_first_time_a_node_out() -> None:
     """A planner with nothing to do sleeps until then: the moment must match ``decide``."""
-    state = fold_all(node("a", 10 * GiB, heartbeat_s=5), node("b", 10 * GiB, heartbeat_s=2),
-                     heartbeat("b", 10 * GiB, t=10))  # fmt: skip
+    state = fold_all(
+        node("a", 10 * GiB, heartbeat_s=5),
+        node("b", 10 * GiB, heartbeat_s=2),
+        heartbeat("b", 10 * GiB, t=10),
+    )
     deadline = next_timeout(state, POLICY)
     assert deadline == at(15)  # a: 3 x 5 s after t=0 (b: 3 x 2 s after t=10)
     assert decide(state, deadline - timedelta(milliseconds=1), POLICY) == []
@@ -143,8 +146,10 @@ def test_a_heartbeat_matters_only_to_a_node_not_online_or_an_instance_waiting() 
     state = placed_on_a()
     assert not heartbeat_may_matter(state, "a") and not heartbeat_may_matter(state, "b")
     assert heartbeat_may_matter(state, "c")  # not known yet
-    fold_all(NodeTimedOut(node_id="b", origin="planner", last_seen=at(0), missed_heartbeats=3,
-                          ts=at(3)), state=state)  # fmt: skip
+    fold_all(
+        NodeTimedOut(node_id="b", origin="planner", last_seen=at(0), missed_heartbeats=3, ts=at(3)),
+        state=state,
+    )
     assert heartbeat_may_matter(state, "b")  # it comes back
     # An instance waiting for a place: more free memory on any node may make it fit.
     fold_all(model("big", size=30 * GiB), request("j", "big", t=3), state=state)

@@ -57,8 +57,10 @@ def test_the_role_comes_from_the_request_or_from_the_spec_s_one_entry() -> None:
     assert instance_role(None) == "chat"
     assert instance_role(None, "embed") == "embed"
     assert instance_role('{"embed": {"devices": ["a:cpu"]}}') == "embed"
-    assert instance_role('{"chat": {"devices": ["a:cpu"]}, "embed": {"devices": ["b:cpu"]}}',
-                         "embed") == "embed"  # fmt: skip
+    assert (
+        instance_role('{"chat": {"devices": ["a:cpu"]}, "embed": {"devices": ["b:cpu"]}}', "embed")
+        == "embed"
+    )
     both = '{"chat": {"devices": ["a:cpu"]}, "embed": {"devices": ["b:cpu"]}}'
     assert instance_role(both) == "chat"
     for spec, asked, message in [
@@ -77,8 +79,9 @@ async def test_the_planner_places_an_embed_instance_by_its_spec_entry_and_the_wo
     nc: Client, tmp_path: Path
 ) -> None:
     spec = '{"embed": {"devices": ["b:cpu"]}}'
-    embed = InstanceRequested(instance_id="e", model_id="m", origin="t", ts=at(1),
-                              placement=spec, role="embed")  # fmt: skip
+    embed = InstanceRequested(
+        instance_id="e", model_id="m", origin="t", ts=at(1), placement=spec, role="embed"
+    )
     chat = InstanceRequested(instance_id="c", model_id="m", origin="t", ts=at(1))
     state = fold_all(node("a", 4 * GiB), node("b", 4 * GiB), model(size=GiB, kv=KV), embed, chat)
     decisions = decide(state, at(2), POLICY)
@@ -102,8 +105,12 @@ async def test_cli_create_with_the_embed_role(
     nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
 ) -> None:
     db = f"sqlite:///{tmp_path / 'shoal.db'}"
-    env = {**os.environ, "SHOAL_DATA_DIR": str(tmp_path / "data"), "SHOAL_NATS_URL":
-           nats_server.url, "SHOAL_DB_URL": db}  # fmt: skip
+    env = {
+        **os.environ,
+        "SHOAL_DATA_DIR": str(tmp_path / "data"),
+        "SHOAL_NATS_URL": nats_server.url,
+        "SHOAL_DB_URL": db,
+    }
 
     async def shoal(*args: str) -> subprocess.CompletedProcess[str]:
         return await asyncio.to_thread(
@@ -117,17 +124,32 @@ async def test_cli_create_with_the_embed_role(
         await _nodes(Publisher(js), {"n-a": 1024 * MiB})
         preview = await shoal("placement", "preview", "smollm2-135m", "--role", "embed")
         assert preview.returncode == 0 and "n-a:cpu" in preview.stdout, preview.stderr
-        created = await shoal("instances", "create", "smollm2-135m", "--role", "embed",
-                              "--id", "emb-1")  # fmt: skip
+        created = await shoal(
+            "instances", "create", "smollm2-135m", "--role", "embed", "--id", "emb-1"
+        )
         assert created.returncode == 0, created.stderr
         assert "placed emb-1 on n-a:cpu[0:30]" in created.stdout
         preview = await shoal("placement", "preview", "smollm2-135m", "--role", "embed")
         assert preview.returncode == 0 and "context 512 tokens" in preview.stdout, preview.stdout
-        by_spec = await shoal("instances", "create", "smollm2-135m", "--id", "emb-2",
-                              "--placement", '{"embed": {"devices": ["n-a:cpu"]}}')  # fmt: skip
+        by_spec = await shoal(
+            "instances",
+            "create",
+            "smollm2-135m",
+            "--id",
+            "emb-2",
+            "--placement",
+            '{"embed": {"devices": ["n-a:cpu"]}}',
+        )
         assert by_spec.returncode == 0, by_spec.stderr
-        wrong = await shoal("instances", "create", "smollm2-135m", "--role", "chat",
-                            "--placement", '{"embed": {"devices": ["n-a:cpu"]}}')  # fmt: skip
+        wrong = await shoal(
+            "instances",
+            "create",
+            "smollm2-135m",
+            "--role",
+            "chat",
+            "--placement",
+            '{"embed": {"devices": ["n-a:cpu"]}}',
+        )
         assert wrong.returncode == 1 and "no entry for role 'chat'" in wrong.stderr
         listed = await shoal("instances", "list", "--json")
         rows = [json.loads(line) for line in listed.stdout.splitlines()]

@@ -46,9 +46,22 @@ def _start_cluster(procs: Processes, nats: str, db: str, tmp: Path) -> None:
     procs.start("projector", "projector", "--nats", nats, "--db", db)
     procs.start("planner", "planner", "--nats", nats, "--db", db)
     for node, limit in LIMITS.items():
-        procs.start(node, "worker", "--nats", nats, "--node-id", node, "--data-dir",
-                    str(tmp / node), "--memory-limit", limit, "--heartbeat", "1",
-                    "--runner-threads", "1")  # fmt: skip
+        procs.start(
+            node,
+            "worker",
+            "--nats",
+            nats,
+            "--node-id",
+            node,
+            "--data-dir",
+            str(tmp / node),
+            "--memory-limit",
+            limit,
+            "--heartbeat",
+            "1",
+            "--runner-threads",
+            "1",
+        )
 
 
 async def test_a_killed_worker_s_instance_is_placed_again_and_serves(
@@ -63,10 +76,23 @@ async def test_a_killed_worker_s_instance_is_placed_again_and_serves(
         await procs.wait_log("projector", "resuming after seq")
         created = await asyncio.to_thread(
             subprocess.run,
-            [SHOAL, "instances", "create", "smollm2-135m", "--id", "inst", "--nats",
-             nats_server.url, "--db", db],
-            capture_output=True, text=True, env=env, timeout=120,
-        )  # fmt: skip
+            [
+                SHOAL,
+                "instances",
+                "create",
+                "smollm2-135m",
+                "--id",
+                "inst",
+                "--nats",
+                nats_server.url,
+                "--db",
+                db,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert created.returncode == 0, created.stderr
         first = await log.wait_for(InstancePlaced, timeout=30)
         assert [s.node_id for s in first.shards] == ["w-a"]  # the most room
@@ -88,12 +114,18 @@ async def test_a_killed_worker_s_instance_is_placed_again_and_serves(
 
         await Publisher(js).publish(
             TaskCreated(
-                task_id="t1", model_id="smollm2-135m", origin="test",
-                messages=[ChatMessage(role="user", content="What is the capital city of France?"
-                                      " Answer in one word.")],
+                task_id="t1",
+                model_id="smollm2-135m",
+                origin="test",
+                messages=[
+                    ChatMessage(
+                        role="user",
+                        content="What is the capital city of France? Answer in one word.",
+                    )
+                ],
                 params=SamplingParams(max_tokens=8, temperature=0.0),
             )
-        )  # fmt: skip
+        )
         done = await log.wait_for(TaskCompleted, lambda e: e.task_id == "t1", timeout=60)
         assert done.runner_id == moved
         assert "Paris" in "".join(c.text for c in await log.wait_chunks("t1"))
@@ -111,16 +143,33 @@ async def test_a_runner_that_keeps_failing_moves_then_is_rejected(
     pub = Publisher(js)
     with Processes(tmp_path / "logs") as procs:
         procs.start("projector", "projector", "--nats", nats_server.url, "--db", db)
-        procs.start("planner", "planner", "--nats", nats_server.url, "--db", db,
-                    "--failure-window", "60")  # fmt: skip
+        procs.start(
+            "planner", "planner", "--nats", nats_server.url, "--db", db, "--failure-window", "60"
+        )
         for node, command in (("w-a", "worker"), ("w-b", "join")):  # join: the same command
-            procs.start(node, command, "--nats", nats_server.url, "--node-id", node,
-                        "--data-dir", str(tmp_path / node), "--heartbeat", "0.5")  # fmt: skip
+            procs.start(
+                node,
+                command,
+                "--nats",
+                nats_server.url,
+                "--node-id",
+                node,
+                "--data-dir",
+                str(tmp_path / node),
+                "--heartbeat",
+                "0.5",
+            )
         await log.wait_count(NodeJoined, lambda e: True, 2, timeout=60)
         await pub.publish(
-            ModelAdded(model_id="broken", origin="test", n_layers=4, size_bytes=4100,
-                       path=str(broken), source="path")
-        )  # fmt: skip
+            ModelAdded(
+                model_id="broken",
+                origin="test",
+                n_layers=4,
+                size_bytes=4100,
+                path=str(broken),
+                source="path",
+            )
+        )
         await pub.publish(InstanceRequested(instance_id="bad", model_id="broken", origin="test"))
         rejected = await log.wait_for(PlacementRejected, timeout=120)
         placed = log.of(InstancePlaced)

@@ -47,8 +47,9 @@ def test_a_spec_naming_another_node_says_where_the_model_is() -> None:
     row = state.model("m")
     assert row is not None
     spec = json.dumps({"chat": {"devices": ["a:cpu", "b:cpu"]}})
-    result = rejection(place(cluster_view(state), PlacementRequest("i", ModelInfo.of(row),
-                                                                   spec=spec)))  # fmt: skip
+    result = rejection(
+        place(cluster_view(state), PlacementRequest("i", ModelInfo.of(row), spec=spec))
+    )
     assert result.reason == "m is kept on node a only (added with --local), not on b"
 
 
@@ -62,11 +63,18 @@ def test_a_local_model_whose_node_is_gone_is_rejected_with_why() -> None:
 
 def test_the_planner_places_a_local_model_on_its_node_and_a_shared_one_anywhere() -> None:
     shared = model("s", size=2 * GiB).model_copy(update={"files": []})
-    state = fold_all(node("a", 10 * GiB), node("b", 40 * GiB), _local("a"), shared,
-                     request("i", "m"), request("j", "s"))  # fmt: skip
+    state = fold_all(
+        node("a", 10 * GiB),
+        node("b", 40 * GiB),
+        _local("a"),
+        shared,
+        request("i", "m"),
+        request("j", "s"),
+    )
     decisions = decide(state, at(2), PlannerPolicy())
-    placed = {d.event.instance_id: d.event for d in decisions
-              if isinstance(d.event, InstancePlaced)}  # fmt: skip
+    placed = {
+        d.event.instance_id: d.event for d in decisions if isinstance(d.event, InstancePlaced)
+    }
     assert not [d for d in decisions if isinstance(d.event, PlacementRejected)]
     assert [s.node_id for s in placed["i"].shards] == ["a"]
     assert [s.node_id for s in placed["j"].shards] == ["b"]

@@ -39,16 +39,22 @@ async def _nodes(pub: Publisher, offered: dict[str, int], heartbeat_s: float = 3
     """Nodes as their workers announce themselves (without runners: no model runs here)."""
     for node, memory in offered.items():
         await pub.publish(NodeJoined(node_id=node, origin=node, heartbeat_s=heartbeat_s))
-        profile = NodeProfile(ram_total=memory * 2, ram_available=memory, cpu_count=2,
-                              memory_offered=memory)  # fmt: skip
+        profile = NodeProfile(
+            ram_total=memory * 2, ram_available=memory, cpu_count=2, memory_offered=memory
+        )
         await pub.publish(ResourceProfiled(node_id=node, origin=node, profile=profile))
 
 
 def _model(model_id: str = "m", size: int = 100 * MiB, layers: int = 10) -> ModelAdded:
     return ModelAdded(
-        model_id=model_id, origin="test", n_layers=layers, size_bytes=size,
-        context_length=4096, kv_bytes_per_token=1024, overhead_bytes=10 * MiB,
-    )  # fmt: skip
+        model_id=model_id,
+        origin="test",
+        n_layers=layers,
+        size_bytes=size,
+        context_length=4096,
+        kv_bytes_per_token=1024,
+        overhead_bytes=10 * MiB,
+    )
 
 
 async def test_two_planners_make_one_decision_per_request(
@@ -130,8 +136,12 @@ async def test_cli_preview_create_list_delete(
     nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
 ) -> None:
     db = f"sqlite:///{tmp_path / 'shoal.db'}"
-    env = {**os.environ, "SHOAL_DATA_DIR": str(tmp_path / "data"), "SHOAL_NATS_URL":
-           nats_server.url, "SHOAL_DB_URL": db}  # fmt: skip
+    env = {
+        **os.environ,
+        "SHOAL_DATA_DIR": str(tmp_path / "data"),
+        "SHOAL_NATS_URL": nats_server.url,
+        "SHOAL_DB_URL": db,
+    }
 
     async def shoal(*args: str) -> subprocess.CompletedProcess[str]:
         return await asyncio.to_thread(
@@ -151,8 +161,17 @@ async def test_cli_preview_create_list_delete(
 
         # A built-in model is added on the way; the planner places it where the spec says.
         spec = '{"chat": {"devices": ["n-b:cpu"]}}'
-        created = await shoal("instances", "create", "smollm2-135m", "--placement", spec,
-                              "--id", "inst-1", "--slots", "2")  # fmt: skip
+        created = await shoal(
+            "instances",
+            "create",
+            "smollm2-135m",
+            "--placement",
+            spec,
+            "--id",
+            "inst-1",
+            "--slots",
+            "2",
+        )
         assert created.returncode == 0, created.stderr
         assert "placed inst-1 on n-b:cpu[0:30], 2 slots each" in created.stdout
 
@@ -164,15 +183,22 @@ async def test_cli_preview_create_list_delete(
         for bad_spec, message in [
             ('{"chat": {"devices": ["zz:cpu"]}}', "unknown node 'zz' (nodes: n-a, n-b)"),
             ('{"chat": {"devices": ["n-a:gpu0"]}}', "node 'n-a' has no device gpu0 (it has: cpu)"),
-            ('{"chat": {"devices": ["n-b:cpu"], "replicas": 2}}',
-             "replica 2 of 2: n-b:cpu: its share (the whole model) needs"),
-        ]:  # fmt: skip
+            (
+                '{"chat": {"devices": ["n-b:cpu"], "replicas": 2}}',
+                "replica 2 of 2: n-b:cpu: its share (the whole model) needs",
+            ),
+        ]:
             result = await shoal("placement", "preview", "smollm2-135m", "--placement", bad_spec)
             assert result.returncode == 1 and message in result.stdout, result.stdout
         syntax = await shoal("instances", "create", "smollm2-135m", "--placement", "{chat")
         assert syntax.returncode == 1 and "not valid JSON" in syntax.stderr
-        refused = await shoal("instances", "create", "smollm2-135m", "--placement",
-                              '{"chat": {"devices": ["n-b:cpu"], "replicas": 2}}')  # fmt: skip
+        refused = await shoal(
+            "instances",
+            "create",
+            "smollm2-135m",
+            "--placement",
+            '{"chat": {"devices": ["n-b:cpu"], "replicas": 2}}',
+        )
         assert refused.returncode == 1 and "--queue requests it anyway" in refused.stderr
 
         listed = await shoal("instances", "list", "--json")

@@ -42,21 +42,32 @@ async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed
         pub = Publisher(js)
         with Processes(tmp_path / "logs", env) as procs:
             procs.start("projector", "projector", "--nats", cluster.urls_from(0), "--db", db)
-            procs.start("planner", "planner", "--nats", cluster.urls_from(0), "--db", db,
-                        "--missed-heartbeats", str(MISSED))  # fmt: skip
+            procs.start(
+                "planner",
+                "planner",
+                "--nats",
+                cluster.urls_from(0),
+                "--db",
+                db,
+                "--missed-heartbeats",
+                str(MISSED),
+            )
             beating = {"a", "b"}
             last_beat: dict[str, float] = {}
-            profile = NodeProfile(ram_total=2**31, ram_available=2**30, cpu_count=2,
-                                  memory_offered=2**30)  # fmt: skip
+            profile = NodeProfile(
+                ram_total=2**31, ram_available=2**30, cpu_count=2, memory_offered=2**30
+            )
 
             async def heartbeats() -> None:
                 for node in sorted(beating):
-                    await pub.publish(NodeJoined(node_id=node, origin=node,
-                                                 heartbeat_s=HEARTBEAT_S))  # fmt: skip
+                    await pub.publish(
+                        NodeJoined(node_id=node, origin=node, heartbeat_s=HEARTBEAT_S)
+                    )
                 while True:
                     for node in sorted(beating):
-                        await pub.publish(ResourceProfiled(node_id=node, origin=node,
-                                                           profile=profile))  # fmt: skip
+                        await pub.publish(
+                            ResourceProfiled(node_id=node, origin=node, profile=profile)
+                        )
                         last_beat[node] = loop.time()
                     await asyncio.sleep(HEARTBEAT_S)
 

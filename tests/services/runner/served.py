@@ -17,8 +17,11 @@ Served = tuple[int | None, str, tuple[ToolCallDelta, ...], str | None]
 def expected(engine: Engine, task: TaskCreated) -> tuple[list[Served], list[float | None]]:
     job = prepare(engine, task)
     limit = check_request(len(job.prompt), task.params, engine.n_ctx, echo=task.echo)
-    out = [s for s in steps(engine, job.prompt, job.decoding, limit, lambda: False, job.reply)
-           if isinstance(s, Step)]  # fmt: skip
+    out = [
+        s
+        for s in steps(engine, job.prompt, job.decoding, limit, lambda: False, job.reply)
+        if isinstance(s, Step)
+    ]
     return [(s.token_id, s.text, s.tool_calls, s.finish_reason) for s in out], [
         _value(s.logprob) for s in out
     ]

@@ -29,14 +29,26 @@ async def test_a_claimed_task_is_kept_in_progress_then_acked(js: JetStreamContex
     """Ack wait 1 s: a claimed task is not delivered again while its runner works on it (3 s)
     nor after it is acked; one left alone is."""
     model = "m"
-    consumer = EventConsumer(js, EVENTS_STREAM, "tasks-m", TaskCreated.filter_for(model),
-                             deliver_policy=DeliverPolicy.NEW, ack_wait=1.0)  # fmt: skip
+    consumer = EventConsumer(
+        js,
+        EVENTS_STREAM,
+        "tasks-m",
+        TaskCreated.filter_for(model),
+        deliver_policy=DeliverPolicy.NEW,
+        ack_wait=1.0,
+    )
     await consumer.start()
     pub = Publisher(js)
     for task_id in ("kept", "left"):
-        await pub.publish(TaskCreated(task_id=task_id, model_id=model, origin="t",
-                                      messages=[ChatMessage(role="user", content="hi")],
-                                      params=SamplingParams()))  # fmt: skip
+        await pub.publish(
+            TaskCreated(
+                task_id=task_id,
+                model_id=model,
+                origin="t",
+                messages=[ChatMessage(role="user", content="hi")],
+                params=SamplingParams(),
+            )
+        )
     kept, _left = await consumer.fetch(2, timeout=2.0)
     claim = Claim(kept, every_s=0.3)
     await asyncio.sleep(3.0)

@@ -60,15 +60,23 @@ async def test_chat_and_embed_runners_of_one_model_take_only_their_own_tasks(
     )
     serving = [asyncio.create_task(s.serve_forever(stop)) for s in servers]
     tasks = [
-        EmbeddingsRequested(task_id="e1", model_id=MODEL, origin="t", dimensions=32,
-                            texts=["The cat sat on the mat.", "Stock markets fell."]),
-        TaskCreated(task_id="c1", model_id=MODEL, origin="t",
-                    messages=[ChatMessage(role="user", content="Say hi.")],
-                    params=SamplingParams(max_tokens=3, temperature=0.0)),
+        EmbeddingsRequested(
+            task_id="e1",
+            model_id=MODEL,
+            origin="t",
+            dimensions=32,
+            texts=["The cat sat on the mat.", "Stock markets fell."],
+        ),
+        TaskCreated(
+            task_id="c1",
+            model_id=MODEL,
+            origin="t",
+            messages=[ChatMessage(role="user", content="Say hi.")],
+            params=SamplingParams(max_tokens=3, temperature=0.0),
+        ),
         EmbeddingsRequested(task_id="e2", model_id=MODEL, origin="t", token_ids=[[1, 2], [7]]),
-        EmbeddingsRequested(task_id="e3", model_id=MODEL, origin="t",
-                            texts=["far too long " * 40]),
-    ]  # fmt: skip
+        EmbeddingsRequested(task_id="e3", model_id=MODEL, origin="t", texts=["far too long " * 40]),
+    ]
     try:
         for task in tasks:
             await pub.publish(task)

@@ -33,8 +33,12 @@ class Scripted:
     def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token | PromptScores]:
         scored = decoding.top_logprobs is not None
         if decoding.echo:
-            yield PromptScores(tuple(Token(t, None if i == 0 else -0.5, ((END, -0.1),) if i else ())
-                                     for i, t in enumerate(prompt)))  # fmt: skip
+            yield PromptScores(
+                tuple(
+                    Token(t, None if i == 0 else -0.5, ((END, -0.1),) if i else ())
+                    for i, t in enumerate(prompt)
+                )
+            )
         for i in range(len(self.pieces)):
             self.generated += 1
             yield Token(i + 1, -1.0 * i if scored else None, ((END, -0.1),) if scored else ())
@@ -204,8 +208,11 @@ class Calls:
 
 
 def test_a_reply_with_a_call_finishes_with_tool_calls() -> None:
-    out = list(steps(Scripted([b"hi ", b"@"]), [1], Decoding(SamplingParams()), 100,
-                     lambda: False, Calls()))  # fmt: skip
+    out = list(
+        steps(
+            Scripted([b"hi ", b"@"]), [1], Decoding(SamplingParams()), 100, lambda: False, Calls()
+        )
+    )
     assert [s.text for s in out if isinstance(s, Step)] == ["hi ", "", "!"]
     last = out[-1]
     assert isinstance(last, Step) and last.finish_reason == "tool_calls"
@@ -213,16 +220,20 @@ def test_a_reply_with_a_call_finishes_with_tool_calls() -> None:
 
 
 def test_a_reply_cut_by_the_limit_is_length_even_with_a_call() -> None:
-    out = list(steps(Scripted([b"@", b"x", b"y"]), [1], Decoding(SamplingParams()), 2,
-                     lambda: False, Calls()))  # fmt: skip
+    out = list(
+        steps(
+            Scripted([b"@", b"x", b"y"]), [1], Decoding(SamplingParams()), 2, lambda: False, Calls()
+        )
+    )
     last = out[-1]
     assert isinstance(last, Step) and last.finish_reason == "length"
 
 
 def test_a_special_token_marker_reaches_the_parser_only() -> None:
     # Token 2's piece is empty: a special token, spelled "<|tag|>".
-    out = list(steps(Scripted([b"hi", b""]), [1], Decoding(SamplingParams()), 100,
-                     lambda: False, Calls()))  # fmt: skip
+    out = list(
+        steps(Scripted([b"hi", b""]), [1], Decoding(SamplingParams()), 100, lambda: False, Calls())
+    )
     assert [s.text for s in out if isinstance(s, Step)] == ["hi", "", "!"]
     assert [len(s.tool_calls) for s in out if isinstance(s, Step)] == [0, 1, 0]
     plain = run(Scripted([b"hi", b""]))

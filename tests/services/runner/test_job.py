@@ -71,8 +71,11 @@ def engine(
     if fmt != "generic":
         path = tmp_path_factory.mktemp(fmt) / "model.gguf"
         template = {"hermes": HERMES, "mistral": MISTRAL, "llama3": LLAMA3}[fmt]
-        subprocess.run([str(NEW_METADATA), str(SMOLLM2), str(path), "--chat-template", template,
-                        "--force"], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [str(NEW_METADATA), str(SMOLLM2), str(path), "--chat-template", template, "--force"],
+            check=True,
+            capture_output=True,
+        )
     loaded = LlamaCppEngine(path, n_ctx=1024, n_threads=2)
     loaded.load()
     return loaded
@@ -82,8 +85,11 @@ def serve(engine: LlamaCppEngine, task: TaskCreated) -> tuple[list[Step], str]:
     """The steps, and the text the model wrote (markers and calls included)."""
     job = prepare(engine, task)
     limit = check_request(len(job.prompt), task.params, engine.n_ctx)
-    out = [s for s in steps(engine, job.prompt, job.decoding, limit, lambda: False, job.reply)
-           if isinstance(s, Step)]  # fmt: skip
+    out = [
+        s
+        for s in steps(engine, job.prompt, job.decoding, limit, lambda: False, job.reply)
+        if isinstance(s, Step)
+    ]
     written = b"".join(engine.spelled(s.token_id) for s in out if s.token_id is not None)
     return out, written.decode(errors="replace")
 
@@ -93,11 +99,17 @@ def as_served(out: list[Step]) -> list[Served]:
 
 
 def chat(**fields: object) -> TaskCreated:
-    return TaskCreated.model_validate({
-        "task_id": "t", "model_id": "m", "origin": "test", "messages": ASK,
-        "tools": [WEATHER, TIME], "params": SamplingParams(temperature=0, max_tokens=80),
-        **fields,
-    })  # fmt: skip
+    return TaskCreated.model_validate(
+        {
+            "task_id": "t",
+            "model_id": "m",
+            "origin": "test",
+            "messages": ASK,
+            "tools": [WEATHER, TIME],
+            "params": SamplingParams(temperature=0, max_tokens=80),
+            **fields,
+        }
+    )
 
 
 def test_each_format_is_picked_from_the_template(engine: LlamaCppEngine) -> None:
@@ -109,8 +121,9 @@ def test_each_format_is_picked_from_the_template(engine: LlamaCppEngine) -> None
 
 def test_a_required_call_is_a_call_of_an_offered_function(engine: LlamaCppEngine) -> None:
     fmt = plan_reply(chat(), engine.chat_template).format
-    task = chat(tool_choice=ToolChoice(mode="function", name="get_weather"),
-                parallel_tool_calls=False)  # fmt: skip
+    task = chat(
+        tool_choice=ToolChoice(mode="function", name="get_weather"), parallel_tool_calls=False
+    )
     out, written = serve(engine, task)
     assert out[-1].finish_reason == "tool_calls", written
     calls = calls_of(as_served(out))
@@ -134,10 +147,12 @@ def test_auto_is_text_or_a_call_and_never_a_broken_one(engine: LlamaCppEngine) -
 def test_a_call_and_its_result_render_through_the_template(engine: LlamaCppEngine) -> None:
     history = [
         *ASK,
-        ChatMessage(role="assistant", tool_calls=[
-            ToolCall(id="call_abc", name="get_weather", arguments='{"city": "Paris"}')]),
+        ChatMessage(
+            role="assistant",
+            tool_calls=[ToolCall(id="call_abc", name="get_weather", arguments='{"city": "Paris"}')],
+        ),
         ChatMessage(role="tool", tool_call_id="call_abc", content="Sunny, 24 degrees."),
-    ]  # fmt: skip
+    ]
     job = prepare(engine, chat(messages=history, tool_choice=ToolChoice(mode="none")))
     text = bytes(engine.llm.detokenize(job.prompt, special=True)).decode()
     assert "Sunny, 24 degrees." in text and "Paris" in text
@@ -145,10 +160,16 @@ def test_a_call_and_its_result_render_through_the_template(engine: LlamaCppEngin
 
 
 def test_prompt_token_ids_outside_the_vocabulary_are_refused(engine: LlamaCppEngine) -> None:
-    task = TaskCreated(task_id="t", model_id="m", origin="test", kind="completion",
-                       prompt_token_ids=[1, engine.n_vocab])  # fmt: skip
+    task = TaskCreated(
+        task_id="t",
+        model_id="m",
+        origin="test",
+        kind="completion",
+        prompt_token_ids=[1, engine.n_vocab],
+    )
     with pytest.raises(InvalidRequest, match="outside the model's vocabulary"):
         prepare(engine, task)
-    ok = TaskCreated(task_id="t", model_id="m", origin="test", kind="completion",
-                     prompt_token_ids=[1, 2, 3])  # fmt: skip
+    ok = TaskCreated(
+        task_id="t", model_id="m", origin="test", kind="completion", prompt_token_ids=[1, 2, 3]
+    )
     assert prepare(engine, ok).prompt == [1, 2, 3]

@@ -60,16 +60,27 @@ def full_logits() -> Llama:
     """SmolLM2 keeping every position's logits: the reference for log-probabilities. As the
     engine computes: flash attention on, a prompt in chunks of ``ECHO_CHUNK`` (flash attention
     rounds differently for other shapes)."""
-    return Llama(model_path=str(SMOLLM2), n_ctx=256, n_batch=ECHO_CHUNK, n_ubatch=ECHO_CHUNK,
-                 logits_all=True, flash_attn=True, verbose=False)  # fmt: skip
+    return Llama(
+        model_path=str(SMOLLM2),
+        n_ctx=256,
+        n_batch=ECHO_CHUNK,
+        n_ubatch=ECHO_CHUNK,
+        logits_all=True,
+        flash_attn=True,
+        verbose=False,
+    )
 
 
 def user(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
 
-def decoding(grammar: Grammar | None = None, top_logprobs: int | None = None,
-             echo: bool = False, **params: Any) -> Decoding:  # fmt: skip
+def decoding(
+    grammar: Grammar | None = None,
+    top_logprobs: int | None = None,
+    echo: bool = False,
+    **params: Any,
+) -> Decoding:
     return Decoding(SamplingParams.model_validate(params), grammar, top_logprobs, echo)
 
 
@@ -164,8 +175,11 @@ def test_tools_reach_the_gguf_template(
 
 def test_a_chat_the_template_cannot_render(smollm2: LlamaCppEngine) -> None:
     # SmolLM2's template adds the content to a string: a call without content breaks it.
-    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
-            "function": {"name": "f", "arguments": {}}}]}  # fmt: skip
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+    }
     with pytest.raises(InvalidRequest, match="chat template rejected"):
         smollm2.chat_tokens([*user("Hi"), call], None)
 
@@ -217,8 +231,9 @@ def test_a_prompt_that_shares_a_prefix_with_the_last_gives_what_a_fresh_engine_g
     # Stopped after two tokens, or run again whole: the same.
     ids(smollm2, second, 2, temperature=0)
     assert ids(smollm2, second, 12, temperature=0) == want
-    echoed = [t.id for t in tokens(smollm2.generate(second, decoding(temperature=0, echo=True)),
-                                   12)]  # fmt: skip
+    echoed = [
+        t.id for t in tokens(smollm2.generate(second, decoding(temperature=0, echo=True)), 12)
+    ]
     assert echoed == want
     assert ids(smollm2, second[:-3], 1, temperature=0)  # a prompt shorter than the cache
     assert ids(smollm2, second, 12, temperature=0) == want
@@ -250,14 +265,26 @@ def test_greedy_equals_llama_cpp_pythons_own(model: str, request: pytest.Fixture
     engine: LlamaCppEngine = request.getfixturevalue(model)
     threads = os.cpu_count()  # as the engine's: a sum split differently rounds differently
     # Flash attention on, as the engine has it (llama.cpp's choice where it is not asked for).
-    own = Llama(model_path=str(engine.path), n_ctx=engine.n_ctx, n_threads=threads,
-                n_threads_batch=threads, flash_attn=True, verbose=False)  # fmt: skip
-    for prompt in (engine.chat_tokens(user(QUESTION), None),
-                   engine.text_tokens("Once upon a time, in a land far away,")):  # fmt: skip
+    own = Llama(
+        model_path=str(engine.path),
+        n_ctx=engine.n_ctx,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        verbose=False,
+    )
+    for prompt in (
+        engine.chat_tokens(user(QUESTION), None),
+        engine.text_tokens("Once upon a time, in a land far away,"),
+    ):
         forget(engine)
         forget(own)
-        theirs = list(islice(own.generate(prompt, temp=0.0, top_k=40, top_p=1.0, min_p=0.0,
-                                          repeat_penalty=1.0), 24))  # fmt: skip
+        theirs = list(
+            islice(
+                own.generate(prompt, temp=0.0, top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.0),
+                24,
+            )
+        )
         ends = [i for i, t in enumerate(theirs) if engine.is_end(t)]
         assert ids(engine, prompt, 24, temperature=0) == theirs[: ends[0] + 1 if ends else None]
 
@@ -282,8 +309,7 @@ def test_cuts_that_leave_one_token_are_greedy(smollm2: LlamaCppEngine) -> None:
 def test_penalties_count_the_generated_tokens_only(smollm2: LlamaCppEngine) -> None:
     prompt = smollm2.text_tokens("List: apple, apple, apple, apple,")
     base = ids(smollm2, prompt, 16, temperature=0)
-    for penalties in ({"frequency_penalty": 2.0, "presence_penalty": 2.0},
-                      {"repeat_penalty": 1.5}):  # fmt: skip
+    for penalties in ({"frequency_penalty": 2.0, "presence_penalty": 2.0}, {"repeat_penalty": 1.5}):
         penalised = ids(smollm2, prompt, 16, temperature=0, **penalties)
         # The prompt's apples are not counted: the first token is the same.
         assert penalised != base and penalised[0] == base[0], penalties
@@ -405,8 +431,9 @@ def test_a_json_schema_grammar(smollm2: LlamaCppEngine, monkeypatch: pytest.Monk
 def test_a_grammar_on_gemma(gemma: LlamaCppEngine) -> None:
     prompt = gemma.chat_tokens(user("Is the sky green?"), None)
     assert finish(gemma, prompt, decoding(YES_NO, temperature=0, max_tokens=8)) in (
-        ("yes", "stop"), ("no", "stop"),
-    )  # fmt: skip
+        ("yes", "stop"),
+        ("no", "stop"),
+    )
 
 
 def test_a_lazy_grammar_holds_from_its_trigger(smollm2: LlamaCppEngine) -> None:
@@ -518,8 +545,9 @@ def test_generated_tokens_carry_the_raw_log_probabilities(
     """Before biases, penalties and the temperature: the model's own distribution."""
     prompt = smollm2.text_tokens("Once upon a time")
     comma = token_of(smollm2, ",")
-    d = decoding(top_logprobs=3, temperature=0.7, seed=5, presence_penalty=1.0,
-                 logit_bias={comma: 3.0})  # fmt: skip
+    d = decoding(
+        top_logprobs=3, temperature=0.7, seed=5, presence_penalty=1.0, logit_bias={comma: 3.0}
+    )
     generated = tokens(smollm2.generate(prompt, d), 12)
     reference = log_softmax(full_logits, prompt, [t.id for t in generated])
     for i, token in enumerate(generated):

@@ -92,8 +92,12 @@ def test_a_shared_prefix_is_copied_rather_than_taking_a_long_conversation() -> N
 
 # --- on a model -----------------------------------------------------------------------------
 
-QUESTIONS = ("What is the capital of France?", "Name three colours.", "Count to five.",
-             "Say hello in Spanish.")  # fmt: skip
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three colours.",
+    "Count to five.",
+    "Say hello in Spanish.",
+)
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +189,9 @@ def test_a_generation_closed_early_frees_its_slot_and_the_others_go_on(
     stopped = engine.generate(prompts[0], greedy(24))
     next(stopped)
     results: list[list[int]] = []
-    others = threading.Thread(target=lambda: results.extend(together(engine, prompts[1:],
-                                                                     max_tokens=24)))  # fmt: skip
+    others = threading.Thread(
+        target=lambda: results.extend(together(engine, prompts[1:], max_tokens=24))
+    )
     others.start()
     stopped.close()  # its slot is free at the next step: a fourth generation can have it
     extra = run(engine.generate(chat(engine, QUESTIONS[3]), greedy(4)))[0]

@@ -127,8 +127,15 @@ OUTER_MAKE = ("CMAKE_ARGS", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
 
 def make_dry_run(*targets: str, **env: str) -> str:
     shell = {k: v for k, v in os.environ.items() if k not in OUTER_MAKE}
-    out = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, env={**shell, **env}, check=True)  # fmt: skip
+    out = subprocess.run(
+        ["make", "-n", *targets],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**shell, **env},
+        check=True,
+    )
     return out.stdout
 
 

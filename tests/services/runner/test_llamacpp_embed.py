@@ -84,8 +84,17 @@ def test_more_inputs_than_one_batch_holds(embedder: LlamaCppEmbedder) -> None:
 
 
 def test_the_same_vectors_as_llama_cpp_python_s_own_embed(embedder: LlamaCppEmbedder) -> None:
-    llm = Llama(str(GGUF), embedding=True, pooling_type=1, n_ctx=128, n_batch=128,
-                n_ubatch=128, n_threads=1, flash_attn=True, verbose=False)  # fmt: skip
+    llm = Llama(
+        str(GGUF),
+        embedding=True,
+        pooling_type=1,
+        n_ctx=128,
+        n_batch=128,
+        n_ubatch=128,
+        n_threads=1,
+        flash_attn=True,
+        verbose=False,
+    )
     texts = [CAT, KITTEN, STOCKS]
     theirs = np.array(llm.embed(texts, normalize=True), dtype=np.float32)
     assert np.abs(vectors(embedder, *texts) - theirs).max() < 1e-5

@@ -115,47 +115,79 @@ def weights_not_repacked() -> Iterator[None]:
 def reference(
     path: Path, tasks: list[TaskCreated], chat_format: str | None, repack: bool
 ) -> list[tuple[list[Served], list[float | None]]]:
-    engine = LlamaCppEngine(path, n_ctx=N_CTX, n_threads=1, chat_format=chat_format,
-                            flash_attn=False)  # as a pipeline's head has it  # fmt: skip
+    engine = LlamaCppEngine(
+        path, n_ctx=N_CTX, n_threads=1, chat_format=chat_format, flash_attn=False
+    )  # as a pipeline's head has it
     with nullcontext() if repack else weights_not_repacked():
         engine.load()
     return [expected(engine, t) for t in tasks]
 
 
-def spec(url: str, shard: ShardAssignment, peers: list[ShardAssignment], path: Path,
-         tmp: Path, chat_format: str | None) -> str:  # fmt: skip
+def spec(
+    url: str,
+    shard: ShardAssignment,
+    peers: list[ShardAssignment],
+    path: Path,
+    tmp: Path,
+    chat_format: str | None,
+) -> str:
     return RunnerSpec(
-        nats_url=url, node_id=shard.node_id, instance_id="i", model_id="m", shard=shard,
-        model_path=str(path), chat_format=chat_format, n_ctx=N_CTX, n_threads=1,
-        cache_dir=str(tmp / shard.node_id), peers=peers, peer_timeout_s=60,
-    ).model_dump_json()  # fmt: skip
+        nats_url=url,
+        node_id=shard.node_id,
+        instance_id="i",
+        model_id="m",
+        shard=shard,
+        model_path=str(path),
+        chat_format=chat_format,
+        n_ctx=N_CTX,
+        n_threads=1,
+        cache_dir=str(tmp / shard.node_id),
+        peers=peers,
+        peer_timeout_s=60,
+    ).model_dump_json()
 
 
 def task(n: int, text: str, max_tokens: int, **fields: Any) -> TaskCreated:
     return TaskCreated(
-        task_id=f"t{n}", model_id="m", origin="test",
+        task_id=f"t{n}",
+        model_id="m",
+        origin="test",
         messages=[ChatMessage(role="user", content=text)],
-        params=SamplingParams(temperature=0.0, max_tokens=max_tokens), **fields,
-    )  # fmt: skip
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        **fields,
+    )
 
 
 WEATHER = Tool(
     name="get_weather",
     parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 )
-CITY = {"type": "object", "properties": {"name": {"type": "string"}, "big": {"type": "boolean"}},
-        "required": ["name", "big"]}  # fmt: skip
+CITY = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "big": {"type": "boolean"}},
+    "required": ["name", "big"],
+}
 # What a split model must serve as one process does: plain text, a required tool call, a reply
 # in a JSON schema, log-probabilities.
 TASKS = [
     task(1, "What is the capital city of France?", 24),
     task(2, "Write a short poem about the sea.", 48),
-    task(3, "What is the weather in Paris?", 40, tools=[WEATHER],
-         tool_choice=ToolChoice(mode="required"), parallel_tool_calls=False),
-    task(4, "Describe Lisbon.", 40,
-         response_format=ResponseFormat(type="json_schema", json_schema=CITY)),
+    task(
+        3,
+        "What is the weather in Paris?",
+        40,
+        tools=[WEATHER],
+        tool_choice=ToolChoice(mode="required"),
+        parallel_tool_calls=False,
+    ),
+    task(
+        4,
+        "Describe Lisbon.",
+        40,
+        response_format=ResponseFormat(type="json_schema", json_schema=CITY),
+    ),
     task(5, "Say hello.", 8, logprobs=3),
-]  # fmt: skip
+]
 
 
 @pytest.mark.slow
@@ -169,9 +201,14 @@ TASKS = [
     ],
 )
 async def test_a_split_model_answers_token_for_token_as_one_process(
-    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path,
-    model: str, bounds: tuple[int, ...], chat_format: str | None, repack: bool,
-) -> None:  # fmt: skip
+    nats_server: EmbeddedNats,
+    js: JetStreamContext,
+    tmp_path: Path,
+    model: str,
+    bounds: tuple[int, ...],
+    chat_format: str | None,
+    repack: bool,
+) -> None:
     path = (
         SMOLLM2
         if model == "smollm2"
@@ -233,8 +270,9 @@ async def test_a_head_waiting_for_its_stages_stops_at_once_when_asked(
     head, *peers = stages(0, 15, 30)
     log = await EventLog().start(js)
     with Processes(tmp_path / "logs") as procs:
-        proc = procs.start("head", "runner", "--spec",
-                           spec(nats_server.url, head, peers, SMOLLM2, tmp_path, None))  # fmt: skip
+        proc = procs.start(
+            "head", "runner", "--spec", spec(nats_server.url, head, peers, SMOLLM2, tmp_path, None)
+        )
         await log.wait_for(RunnerStateChanged, lambda e: e.state == "Loading", timeout=60)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 10) == 0

@@ -72,8 +72,11 @@ def test_candidates_back_a_token_data_array_with_numpy() -> None:
     array = candidates.array
     assert array.size == 4 and array.selected == -1 and not array.sorted
     assert [(int(array.data[i].id), array.data[i].logit) for i in range(4)] == [
-        (0, 0.5), (1, 1.5), (2, -2.0), (3, -np.inf),
-    ]  # fmt: skip
+        (0, 0.5),
+        (1, 1.5),
+        (2, -2.0),
+        (3, -np.inf),
+    ]
     array.selected = 1
     assert candidates.selected() == (1, 1.5)
     assert TOKEN_DATA.names == ("id", "logit", "p")

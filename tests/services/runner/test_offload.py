@@ -27,13 +27,24 @@ NO_ENV: dict[str, str] = {}
 HIDDEN = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "GGML_VK_VISIBLE_DEVICES": ""}
 
 
-def shard(device: str = "cpu", parts: list[tuple[str, int]] | None = None, n: int = 32,
-          rank: int = 0, world: int = 1) -> ShardAssignment:  # fmt: skip
+def shard(
+    device: str = "cpu",
+    parts: list[tuple[str, int]] | None = None,
+    n: int = 32,
+    rank: int = 0,
+    world: int = 1,
+) -> ShardAssignment:
     return ShardAssignment(
-        runner_id="r", node_id="a", device=device, rank=rank, world_size=world,
+        runner_id="r",
+        node_id="a",
+        device=device,
+        rank=rank,
+        world_size=world,
         devices=[DeviceLayers(device=d, layers=k) for d, k in parts or []],
-        start_layer=0, end_layer=n, n_layers=n,
-    )  # fmt: skip
+        start_layer=0,
+        end_layer=n,
+        n_layers=n,
+    )
 
 
 def test_the_split_modes_are_llama_hs() -> None:
@@ -54,42 +65,63 @@ def test_one_gpu_takes_every_layer_and_the_output() -> None:
     cluster = view(node("a", 64 * GiB, accelerators=[accelerator("cuda", 0, 24 * GiB)]))
     (s,) = placement(place(cluster, ask(model(size=8 * GiB)))).shards
     assert visible_devices(s, NO_ENV) == {
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", **HIDDEN, "CUDA_VISIBLE_DEVICES": "0",
-    }  # fmt: skip
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        **HIDDEN,
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
     assert llama_offload(s) == {"n_gpu_layers": 33, "split_mode": SPLIT_MODE_NONE, "main_gpu": 0}
     assert mlx_device(s) == "gpu"
 
 
 def test_two_unequal_gpus_get_their_layer_counts_as_tensor_split() -> None:
-    cluster = view(node("a", 64 * GiB, accelerators=[
-        accelerator("cuda", 0, 16 * GiB), accelerator("cuda", 1, 24 * GiB),
-    ]))  # fmt: skip
+    cluster = view(
+        node(
+            "a",
+            64 * GiB,
+            accelerators=[
+                accelerator("cuda", 0, 16 * GiB),
+                accelerator("cuda", 1, 24 * GiB),
+            ],
+        )
+    )
     (s,) = placement(place(cluster, ask(model(size=30 * GiB, n_layers=30)))).shards
     assert [(d.device, d.layers) for d in s.devices] == [("cuda1", 18), ("cuda0", 12)]
     # The roomier card first: its process sees it as CUDA0.
     assert visible_devices(s, NO_ENV)["CUDA_VISIBLE_DEVICES"] == "1,0"
     assert llama_offload(s) == {
-        "n_gpu_layers": 31, "split_mode": SPLIT_MODE_LAYER, "main_gpu": 0,
+        "n_gpu_layers": 31,
+        "split_mode": SPLIT_MODE_LAYER,
+        "main_gpu": 0,
         "tensor_split": [18.0, 13.0],  # the output layer with the last card's
-    }  # fmt: skip
+    }
 
 
 def test_layers_the_gpus_cannot_hold_stay_in_ram_with_the_output_layer() -> None:
-    cluster = view(node("a", 64 * GiB, accelerators=[
-        accelerator("cuda", 0, 24 * GiB), accelerator("cuda", 1, 16 * GiB),
-    ]))  # fmt: skip
+    cluster = view(
+        node(
+            "a",
+            64 * GiB,
+            accelerators=[
+                accelerator("cuda", 0, 24 * GiB),
+                accelerator("cuda", 1, 16 * GiB),
+            ],
+        )
+    )
     (s,) = placement(place(cluster, ask(model(size=40 * GiB, n_layers=40)))).shards
     assert s.device_layers() == [("cpu", 5), ("cuda0", 21), ("cuda1", 14)]
     assert llama_offload(s) == {
-        "n_gpu_layers": 35, "split_mode": SPLIT_MODE_LAYER, "main_gpu": 0,
+        "n_gpu_layers": 35,
+        "split_mode": SPLIT_MODE_LAYER,
+        "main_gpu": 0,
         "tensor_split": [21.0, 14.0],
-    }  # fmt: skip
+    }
 
 
 def test_a_macs_gpu_needs_no_variable_and_other_backends_stay_hidden() -> None:
     metal = accelerator("metal", 0, 24 * GiB, unified=True, engines=("llamacpp", "mlx"))
-    (s,) = placement(place(view(node("mac", 32 * GiB, accelerators=[metal])),
-                           ask(model(size=8 * GiB)))).shards  # fmt: skip
+    (s,) = placement(
+        place(view(node("mac", 32 * GiB, accelerators=[metal])), ask(model(size=8 * GiB)))
+    ).shards
     assert s.device == "metal0"
     assert visible_devices(s, NO_ENV) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", **HIDDEN}
     assert llama_offload(s) == {"n_gpu_layers": 33, "split_mode": SPLIT_MODE_NONE, "main_gpu": 0}
@@ -97,9 +129,16 @@ def test_a_macs_gpu_needs_no_variable_and_other_backends_stay_hidden() -> None:
 
 
 def test_a_pipelines_stages_see_their_own_device() -> None:
-    cluster = view(node("a", 40 * GiB), node("b", 4 * GiB, accelerators=[
-        accelerator("vulkan", 1, 32 * GiB),
-    ]))  # fmt: skip
+    cluster = view(
+        node("a", 40 * GiB),
+        node(
+            "b",
+            4 * GiB,
+            accelerators=[
+                accelerator("vulkan", 1, 32 * GiB),
+            ],
+        ),
+    )
     head, stage = placement(place(cluster, ask(model(size=64 * GiB)))).shards
     assert (head.device, stage.device) == ("cpu", "vulkan1")
     assert visible_devices(head, NO_ENV) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", **HIDDEN}

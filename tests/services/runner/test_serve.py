@@ -41,9 +41,13 @@ def of_task(task_id: str) -> Callable[[TaskCreated | TaskStarted | TaskCompleted
 
 
 def chat(task_id: str) -> TaskCreated:
-    return TaskCreated(task_id=task_id, model_id=MODEL, origin="test",
-                       messages=[ChatMessage(role="user", content="Say hi.")],
-                       params=SamplingParams(max_tokens=3, temperature=0.0))  # fmt: skip
+    return TaskCreated(
+        task_id=task_id,
+        model_id=MODEL,
+        origin="test",
+        messages=[ChatMessage(role="user", content="Say hi.")],
+        params=SamplingParams(max_tokens=3, temperature=0.0),
+    )
 
 
 async def test_a_task_delivered_again_is_served_only_if_nobody_took_it(
@@ -54,9 +58,14 @@ async def test_a_task_delivered_again_is_served_only_if_nobody_took_it(
     Delivered again, the first is not served a second time, the second is served once as its
     continuation, and the third goes on from the log: continued, and served once."""
     log = await EventLog().start(js)
-    lost = EventConsumer(js, EVENTS_STREAM, tasks_consumer_name(MODEL),
-                         TaskCreated.filter_for(MODEL), deliver_policy=DeliverPolicy.NEW,
-                         ack_wait=0.5)  # fmt: skip
+    lost = EventConsumer(
+        js,
+        EVENTS_STREAM,
+        tasks_consumer_name(MODEL),
+        TaskCreated.filter_for(MODEL),
+        deliver_policy=DeliverPolicy.NEW,
+        ack_wait=0.5,
+    )
     await lost.start()
     pub = Publisher(js)
     taken, continued, orphan = chat("taken"), chat("continued"), chat("orphan")
@@ -64,8 +73,9 @@ async def test_a_task_delivered_again_is_served_only_if_nobody_took_it(
         await pub.publish(task)
     assert len(await lost.fetch(3, timeout=2.0)) == 3  # delivered, never acked
     await lost.stop()
-    await pub.publish(TaskStarted(task_id="taken", model_id=MODEL, origin="n", runner_id="r0",
-                                  instance_id="i"))  # fmt: skip
+    await pub.publish(
+        TaskStarted(task_id="taken", model_id=MODEL, origin="n", runner_id="r0", instance_id="i")
+    )
     left = Logged("continued", MODEL, continued, [], cancelled=False)
     by_worker = continuation(left, runner_id="r0", cause="was killed", origin="n", at=utc_now())
     assert isinstance(by_worker, TaskCreated)
@@ -134,8 +144,11 @@ async def test_a_runner_with_slots_serves_that_many_tasks_at_once(
         stop.set()
         await asyncio.wait_for(serving, 10)
         await log.stop()
-    order = [(type(e).__name__, e.task_id) for e in log.events
-             if isinstance(e, TaskStarted | TaskCompleted)]  # fmt: skip
+    order = [
+        (type(e).__name__, e.task_id)
+        for e in log.events
+        if isinstance(e, TaskStarted | TaskCompleted)
+    ]
     first_end = next(i for i, (kind, _) in enumerate(order) if kind == "TaskCompleted")
     assert sum(kind == "TaskStarted" for kind, _ in order[:first_end]) == 3
     assert server.served == 5 and max(in_flight) == 3 and not task_file.exists()

@@ -20,20 +20,42 @@ GiB = 1024**3
 ROOT = Path(__file__).parents[3]
 
 
-def ggml(name: str, registry: str, index: int, kind: str, memory: int, bus: str | None = None,
-         description: str = "") -> GgmlDevice:  # fmt: skip
+def ggml(
+    name: str,
+    registry: str,
+    index: int,
+    kind: str,
+    memory: int,
+    bus: str | None = None,
+    description: str = "",
+) -> GgmlDevice:
     return GgmlDevice.model_validate(
-        {"name": name, "description": description or name, "registry": registry, "index": index,
-         "type": kind, "memory_free": memory, "memory_total": memory, "device_id": bus}
-    )  # fmt: skip
+        {
+            "name": name,
+            "description": description or name,
+            "registry": registry,
+            "index": index,
+            "type": kind,
+            "memory_free": memory,
+            "memory_total": memory,
+            "device_id": bus,
+        }
+    )
 
 
 CPU = ggml("CPU", "CPU", 0, "cpu", 64 * GiB)
 
 
 def nvml(index: int, memory: int, bus: str, name: str = "NVIDIA H100") -> NvidiaGpu:
-    return NvidiaGpu(index=index, name=name, memory_total=memory, memory_free=memory - GiB,
-                     utilisation=12.0, compute_capability="9.0", pci_bus_id=bus)  # fmt: skip
+    return NvidiaGpu(
+        index=index,
+        name=name,
+        memory_total=memory,
+        memory_free=memory - GiB,
+        utilisation=12.0,
+        compute_capability="9.0",
+        pci_bus_id=bus,
+    )
 
 
 # --- llama.cpp's registry, for real -------------------------------------------------------------
@@ -48,8 +70,14 @@ def test_llamacpps_registry_lists_the_cpu_here_and_no_accelerator() -> None:
 
 
 def test_the_probe_process_prints_what_it_found() -> None:
-    out = subprocess.run([sys.executable, "-m", "services.worker.device_probe"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "services.worker.device_probe"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     found = Probe.model_validate_json(out.stdout)
     assert [d.name for d in found.llamacpp] == ["CPU"] and found.mlx is None
     assert json.loads(out.stdout)["llamacpp"][0]["type"] == "cpu"
@@ -82,8 +110,12 @@ def test_llamacpps_model_order_is_rpc_then_one_gpu_per_card_then_igpus_only_with
     assert [d.name for d in order] == ["RPC0", "CUDA0", "CUDA1"]
     assert [d.name for d in model_devices([CPU, igpu])] == ["Vulkan1"]
     assert [d.accelerator for d in (cuda1, vk_same, igpu, rpc, CPU)] == [
-        "cuda1", "vulkan0", "vulkan1", None, None,
-    ]  # fmt: skip
+        "cuda1",
+        "vulkan0",
+        "vulkan1",
+        None,
+        None,
+    ]
 
 
 # --- the accelerators a worker reports ------------------------------------------------------------
@@ -93,10 +125,16 @@ def test_one_nvidia_gpu_seen_by_llamacpp_and_nvml_is_one_accelerator() -> None:
     llama = [CPU, ggml("CUDA0", "CUDA", 0, "gpu", 80 * GiB, "0000:c1:00.0", "NVIDIA H100")]
     (gpu,) = accelerators(llama, [nvml(0, 80 * GiB, "00000000:C1:00.0")], None)
     assert gpu == Accelerator(
-        backend="cuda", index=0, name="NVIDIA H100", memory_total=80 * GiB,
-        memory_free=79 * GiB, unified=False, compute_capability="9.0", utilisation=12.0,
+        backend="cuda",
+        index=0,
+        name="NVIDIA H100",
+        memory_total=80 * GiB,
+        memory_free=79 * GiB,
+        unified=False,
+        compute_capability="9.0",
+        utilisation=12.0,
         engines=["llamacpp"],
-    )  # fmt: skip
+    )
     assert gpu.device == "cuda0"
 
 

@@ -110,8 +110,14 @@ def serve_entry(
     """A task entry's output line; a task that fails is ``{"invalid": ...}``."""
     task = TaskCreated.model_validate(entry["task"])
     try:
-        return run_task(engine, task, entry.get("cancel_after"), grammar_of(entry), on_token,
-                        entry.get("generated", ()))  # fmt: skip
+        return run_task(
+            engine,
+            task,
+            entry.get("cancel_after"),
+            grammar_of(entry),
+            on_token,
+            entry.get("generated", ()),
+        )
     except InvalidRequest as exc:  # the task fails, the pipeline goes on
         return {"invalid": str(exc)}
 
@@ -153,8 +159,9 @@ def main() -> int:
     start, _, end = args.layers.partition(":")
     hosts = tuple(args.hosts.split(","))
     shard = PipelineShard(0, len(hosts), int(start), int(end), args.n_layers, hosts)
-    head = PipelineHead(args.model, shard, n_ctx=args.n_ctx, slots=args.slots,
-                        connect_timeout=args.connect_timeout)  # fmt: skip
+    head = PipelineHead(
+        args.model, shard, n_ctx=args.n_ctx, slots=args.slots, connect_timeout=args.connect_timeout
+    )
     # Loaded in another thread, as the runner does (asyncio.to_thread), generated in this one.
     loader = threading.Thread(target=head.load)
     loader.start()
@@ -169,8 +176,7 @@ def main() -> int:
             if "together" in entry:
                 outs = serve_together(head, entry["together"])
                 steps, widest = head.passes
-                print(json.dumps({"together": outs, "passes": steps, "widest": widest}),
-                      flush=True)  # fmt: skip
+                print(json.dumps({"together": outs, "passes": steps, "widest": widest}), flush=True)
                 continue
             if "abandon_after" in entry:
                 # Taken from, then left suspended (not closed) while the next tasks run.

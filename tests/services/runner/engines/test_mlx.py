@@ -37,17 +37,23 @@ def tied(tiny_mlx_tied: Path) -> MlxEngine:
 
 def chat(text: str, **params: object) -> TaskCreated:
     return TaskCreated(
-        task_id="t", model_id="m", origin="test",
+        task_id="t",
+        model_id="m",
+        origin="test",
         messages=[ChatMessage(role="user", content=text)],
         params=SamplingParams.model_validate(params),
-    )  # fmt: skip
+    )
 
 
 def completion(prompt: str | None, **params: object) -> TaskCreated:
     return TaskCreated(
-        task_id="t", model_id="m", origin="test", kind="completion", prompt=prompt,
+        task_id="t",
+        model_id="m",
+        origin="test",
+        kind="completion",
+        prompt=prompt,
         params=SamplingParams.model_validate(params),
-    )  # fmt: skip
+    )
 
 
 def ids(items: object) -> list[int]:
@@ -69,8 +75,9 @@ def first(engine: MlxEngine, prompt: list[int], n: int, **params: object) -> lis
 
 
 def mlx_lm_greedy(engine: MlxEngine, prompt: list[int], n: int) -> list[int]:
-    steps = generate_step(mx.array(prompt), engine.model, max_tokens=n,
-                          prefill_step_size=PREFILL_STEP)  # fmt: skip
+    steps = generate_step(
+        mx.array(prompt), engine.model, max_tokens=n, prefill_step_size=PREFILL_STEP
+    )
     return [int(token) for token, _ in steps]
 
 
@@ -181,8 +188,11 @@ def test_the_served_text_is_the_decoded_tokens(engine: MlxEngine) -> None:
 def test_generation_stops_where_the_consumer_stops(engine: MlxEngine) -> None:
     prompt = prompt_of(engine, chat("What is the capital city of France?"))
     full = first(engine, prompt, 30, temperature=0)
-    cancelled = run_task(engine, chat("What is the capital city of France?", temperature=0,
-                                      max_tokens=30), cancel_after=5)  # fmt: skip
+    cancelled = run_task(
+        engine,
+        chat("What is the capital city of France?", temperature=0, max_tokens=30),
+        cancel_after=5,
+    )
     assert cancelled["finish"] == "cancelled" and cancelled["tokens"] == full[:5]
     # An abandoned generation leaves nothing behind.
     abandoned = engine.generate(prompt, Decoding(SamplingParams(temperature=0)))
@@ -220,8 +230,9 @@ def test_sampling_follows_temperature_top_p_and_seed(engine: MlxEngine) -> None:
 def test_penalties_change_the_output(engine: MlxEngine) -> None:
     prompt = prompt_of(engine, completion("hello hello hello hello"))
     greedy = first(engine, prompt, 48, temperature=0)
-    penalised = first(engine, prompt, 48, temperature=0, presence_penalty=2.0,
-                      frequency_penalty=2.0)  # fmt: skip
+    penalised = first(
+        engine, prompt, 48, temperature=0, presence_penalty=2.0, frequency_penalty=2.0
+    )
     assert penalised != greedy
     assert len(set(penalised)) > len(set(greedy))
 

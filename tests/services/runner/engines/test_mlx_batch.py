@@ -134,9 +134,14 @@ def assert_same(got: list[Item] | BaseException, want: list[Item]) -> None:
 
 
 HOT: dict[str, Any] = {
-    "temperature": 1.3, "top_k": 40, "top_p": 0.95, "min_p": 0.01,
-    "repeat_penalty": 1.1, "presence_penalty": 0.3, "frequency_penalty": 0.3,
-}  # fmt: skip
+    "temperature": 1.3,
+    "top_k": 40,
+    "top_p": 0.95,
+    "min_p": 0.01,
+    "repeat_penalty": 1.1,
+    "presence_penalty": 0.3,
+    "frequency_penalty": 0.3,
+}
 
 
 def test_generations_together_are_each_alone(alone: MlxEngine, batched: MlxEngine) -> None:
@@ -144,14 +149,20 @@ def test_generations_together_are_each_alone(alone: MlxEngine, batched: MlxEngin
     story = alone.text_tokens("Once upon a time")
     long = alone.text_tokens("the sea is blue, hello world. " * 60)[: PREFILL_STEP + 30]
     jobs: list[Job] = [
-        (alone.chat_tokens([{"role": "user", "content": "What is the capital?"}], None),
-         decoding(temperature=0), 16),
+        (
+            alone.chat_tokens([{"role": "user", "content": "What is the capital?"}], None),
+            decoding(temperature=0),
+            16,
+        ),
         (story, decoding(seed=7, **HOT), 16),
         (story, decoding(schema_grammar(SMALL_SCHEMA), temperature=1.0, seed=2), 60),
-        (alone.text_tokens("hello hello"),
-         decoding(None, 5, temperature=1.5, seed=4, repeat_penalty=1.3, logit_bias={10: 5.0}), 12),
+        (
+            alone.text_tokens("hello hello"),
+            decoding(None, 5, temperature=1.5, seed=4, repeat_penalty=1.3, logit_bias={10: 5.0}),
+            12,
+        ),
         (long, decoding(None, 3, True, temperature=0), 4),
-    ]  # fmt: skip
+    ]
     want = one_by_one(alone, jobs)
     assert isinstance(want[4][0], PromptScores) and len(want[4][0].tokens) == len(long)
     for got, expected in zip(together(batched, jobs), want, strict=True):
@@ -200,9 +211,11 @@ def test_one_sequences_error_fails_it_alone(alone: MlxEngine, batched: MlxEngine
     # Once triggered, the grammar cannot take the text: that task fails, the others go on.
     bad = Grammar('root ::= "zzz"', (hex_regex(alone.piece(greedy[j].id)),))
     chat = alone.text_tokens("What is the capital city of France?")
-    jobs: list[Job] = [(prompt, decoding(temperature=0), 24),
-                       (prompt, decoding(bad, temperature=0), 24),
-                       (chat, decoding(seed=3, **HOT), 24)]  # fmt: skip
+    jobs: list[Job] = [
+        (prompt, decoding(temperature=0), 24),
+        (prompt, decoding(bad, temperature=0), 24),
+        (chat, decoding(seed=3, **HOT), 24),
+    ]
     results = together(batched, jobs)
     assert isinstance(results[1], InvalidRequest) and "does not fit" in str(results[1])
     want = one_by_one(alone, jobs[::2])
@@ -226,8 +239,9 @@ def test_it_stops_at_an_end_token_max_tokens_and_the_context(
     small = MlxEngine(tiny_mlx, n_ctx=24, slots=2)
     small.load()
     try:
-        chat = small.chat_tokens([{"role": "user", "content": "What is the capital city "
-                                                              "of France?"}], None)  # fmt: skip
+        chat = small.chat_tokens(
+            [{"role": "user", "content": "What is the capital city of France?"}], None
+        )
         assert len(chat) == 21
         assert len(ids(list(small.generate(chat, decoding(temperature=0))))) == 3
     finally:

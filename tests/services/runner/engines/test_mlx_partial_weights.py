@@ -17,11 +17,14 @@ from services.runner.engines.mlx_stage import Stage
 
 # The tiny model's 4 layers in three files, as the Hub's sharded checkpoints are.
 FILES = {
-    "model-00001-of-00003.safetensors": ("model.embed_tokens.", "model.layers.0.",
-                                         "model.layers.1."),
+    "model-00001-of-00003.safetensors": (
+        "model.embed_tokens.",
+        "model.layers.0.",
+        "model.layers.1.",
+    ),
     "model-00002-of-00003.safetensors": ("model.layers.2.",),
     "model-00003-of-00003.safetensors": ("model.layers.3.", "model.norm.", "lm_head."),
-}  # fmt: skip
+}
 
 
 def _sharded(tiny: Path, out: Path) -> Path:
@@ -44,10 +47,12 @@ def _sharded(tiny: Path, out: Path) -> Path:
 def _only(sharded: Path, out: Path, shard: PipelineShard) -> Path:
     """A node's directory for ``shard``: the files ``needed_files`` picks, nothing else."""
     index = json.loads((sharded / SAFETENSORS_INDEX).read_text())["weight_map"]
-    files = [WeightFile(name=f.name, object="o", size=1, sha256="0" * 64)
-             for f in sharded.iterdir()]  # fmt: skip
-    wanted = needed_files(files, "mlx", shard.rank, shard.start_layer, shard.end_layer,
-                          shard.n_layers, index)  # fmt: skip
+    files = [
+        WeightFile(name=f.name, object="o", size=1, sha256="0" * 64) for f in sharded.iterdir()
+    ]
+    wanted = needed_files(
+        files, "mlx", shard.rank, shard.start_layer, shard.end_layer, shard.n_layers, index
+    )
     out.mkdir()
     for f in wanted:
         (out / f.name).symlink_to(sharded / f.name)
@@ -60,8 +65,9 @@ def test_a_rank_loads_only_its_files_and_computes_the_same(tiny_mlx: Path, tmp_p
     first, last = (PipelineShard(r, 2, b, e, 4, hosts) for r, (b, e) in enumerate([(0, 2), (2, 4)]))
     mine = _only(sharded, tmp_path / "rank1", last)
     assert sorted(p.name for p in mine.glob("*.safetensors")) == [
-        "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
-    ]  # fmt: skip
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+    ]
     assert sorted(
         p.name for p in _only(sharded, tmp_path / "rank0", first).glob("*.safetensors")
     ) == ["model-00001-of-00003.safetensors"]

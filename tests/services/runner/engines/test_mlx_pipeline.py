@@ -147,9 +147,14 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 def start(procs: list[subprocess.Popen[str]], module: str, *args: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     procs.append(proc)
     return proc
 
@@ -165,12 +170,31 @@ def run_pipeline(
     """Every rank as its own process; the head serves ``script`` (see pipeline_head). Returns
     the head's results; every rank must have exited 0 after the shutdown."""
     hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(len(bounds) - 1))
-    common = ["--model", str(path), "--n-layers", str(bounds[-1]), "--hosts", hosts,
-              "--connect-timeout", "60"]  # fmt: skip
+    common = [
+        "--model",
+        str(path),
+        "--n-layers",
+        str(bounds[-1]),
+        "--hosts",
+        hosts,
+        "--connect-timeout",
+        "60",
+    ]
     with processes() as procs:
         # The head first: the last rank connects to it first, and mlx's retries back off.
-        head = start(procs, HEAD, "--layers", f"0:{bounds[1]}", "--script", json.dumps(script),
-                     "--n-ctx", str(n_ctx), "--slots", str(slots), *common)  # fmt: skip
+        head = start(
+            procs,
+            HEAD,
+            "--layers",
+            f"0:{bounds[1]}",
+            "--script",
+            json.dumps(script),
+            "--n-ctx",
+            str(n_ctx),
+            "--slots",
+            str(slots),
+            *common,
+        )
         followers = []
         for r in range(1, len(bounds) - 1):
             layers = f"{bounds[r]}:{bounds[r + 1]}"
@@ -186,14 +210,23 @@ def run_pipeline(
 
 def chat(n: int, text: str, logprobs: int | None = None, **params: object) -> TaskCreated:
     return TaskCreated(
-        task_id=f"t{n}", model_id="m", origin="test",
+        task_id=f"t{n}",
+        model_id="m",
+        origin="test",
         messages=[ChatMessage(role="user", content=text)],
-        params=SamplingParams.model_validate(params), logprobs=logprobs,
-    )  # fmt: skip
+        params=SamplingParams.model_validate(params),
+        logprobs=logprobs,
+    )
 
 
-SAMPLED: dict[str, Any] = {"temperature": 1.5, "top_p": 0.9, "seed": 11, "max_tokens": 30,
-           "presence_penalty": 0.5, "frequency_penalty": 0.5}  # fmt: skip
+SAMPLED: dict[str, Any] = {
+    "temperature": 1.5,
+    "top_p": 0.9,
+    "seed": 11,
+    "max_tokens": 30,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+}
 SCRIPT: list[tuple[TaskCreated, int | str | None]] = [
     (chat(1, "What is the capital city of France?", temperature=0, max_tokens=40), None),
     # Left suspended after 3 tokens, holding one of the two slots while the others run.
@@ -248,9 +281,15 @@ def test_a_split_model_answers_token_for_token_as_one_process(
 
 def decoding_script(engine: MlxEngine) -> list[dict[str, Any]]:
     """Tasks with grammars, log-probabilities and prompt scores (see pipeline_head)."""
-    schema = {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"},
-        "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"]}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "n": {"type": "integer"},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "n", "ok"],
+    }
     json_grammar = {"gbnf": llama_grammar.json_schema_to_gbnf(json.dumps(schema))}
     # A lazy grammar that starts inside a token of the free greedy output (test_mlx_sampling).
     _, greedy, j = free_text(engine)
@@ -262,30 +301,49 @@ def decoding_script(engine: MlxEngine) -> list[dict[str, Any]]:
     }
     unfit = {"gbnf": 'root ::= "zzz"', "triggers": [hex_regex(piece)]}
     story = completion(5, "Once upon a time", temperature=0, max_tokens=30, logprobs=1)
-    resumed = {"task": js(chat(9, "Hi", temperature=0, max_tokens=60, frequency_penalty=0.5)),
-               "grammar": json_grammar}  # fmt: skip
+    resumed = {
+        "task": js(chat(9, "Hi", temperature=0, max_tokens=60, frequency_penalty=0.5)),
+        "grammar": json_grammar,
+    }
     resumed_task = TaskCreated.model_validate(resumed["task"])
     # Two prefill chunks, each scored on the last rank.
     long_text = " ".join(["the sea is blue, hello world."] * 60)
     assert PREFILL_STEP + 1 < len(engine.text_tokens(long_text)) < 1000
     return [
-        {"task": js(chat(1, "Hi", temperature=0, max_tokens=60, logprobs=2)),
-         "grammar": json_grammar},
-        {"task": js(chat(2, "Hi", temperature=1.0, seed=5, max_tokens=60, logprobs=0)),
-         "grammar": json_grammar},
+        {
+            "task": js(chat(1, "Hi", temperature=0, max_tokens=60, logprobs=2)),
+            "grammar": json_grammar,
+        },
+        {
+            "task": js(chat(2, "Hi", temperature=1.0, seed=5, max_tokens=60, logprobs=0)),
+            "grammar": json_grammar,
+        },
         {"task": completion(3, long_text, temperature=0, max_tokens=4, logprobs=3, echo=True)},
         {"task": completion(4, "hello world", temperature=0, max_tokens=0, echo=True)},
         {"task": story, "grammar": lazy},
         # The trigger's text does not fit this grammar: the last rank fails the task...
         {"task": story, "grammar": unfit},
         # ...and serves the next one.
-        {"task": js(chat(7, "Hello there", temperature=1.2, seed=3, max_tokens=20,
-                      top_k=20, min_p=0.05, repeat_penalty=1.3, logit_bias={5: 3.0}))},
+        {
+            "task": js(
+                chat(
+                    7,
+                    "Hello there",
+                    temperature=1.2,
+                    seed=3,
+                    max_tokens=20,
+                    top_k=20,
+                    min_p=0.05,
+                    repeat_penalty=1.3,
+                    logit_bias={5: 3.0},
+                )
+            )
+        },
         # Resumed after the first 6 tokens of its JSON (its runner was lost): the grammar and
         # the penalties go on after them.
-        resumed | {"generated": run_task(engine, resumed_task, grammar=grammar_of(resumed))[
-            "tokens"][:6]},
-    ]  # fmt: skip
+        resumed
+        | {"generated": run_task(engine, resumed_task, grammar=grammar_of(resumed))["tokens"][:6]},
+    ]
 
 
 def js(task: TaskCreated) -> dict[str, Any]:
@@ -295,8 +353,14 @@ def js(task: TaskCreated) -> dict[str, Any]:
 def completion(n: int, text: str, **fields: object) -> dict[str, Any]:
     """A completion task's JSON; ``fields``: sampling parameters, and ``logprobs``, ``echo``."""
     extra = {k: fields.pop(k) for k in ("logprobs", "echo") if k in fields}
-    task = TaskCreated(task_id=f"t{n}", model_id="m", origin="test", kind="completion",
-                       prompt=text, params=SamplingParams.model_validate(fields))  # fmt: skip
+    task = TaskCreated(
+        task_id=f"t{n}",
+        model_id="m",
+        origin="test",
+        kind="completion",
+        prompt=text,
+        params=SamplingParams.model_validate(fields),
+    )
     return task.model_dump(mode="json") | extra
 
 
@@ -346,11 +410,13 @@ def test_a_split_model_decodes_tasks_together_as_each_alone(tiny_mlx: Path) -> N
     script = decoding_script(engine)
     script[0] = script[0] | {"cancel_after": 7}
     want = serve_script(engine, script)
-    after = {"task": js(chat(8, "What is the capital city of France?", temperature=0,
-                             max_tokens=12))}  # fmt: skip
+    after = {
+        "task": js(chat(8, "What is the capital city of France?", temperature=0, max_tokens=12))
+    }
     want_after = serve_script(engine, [after])
-    got = run_pipeline(tiny_mlx, (0, 1, 3, 4), [{"together": script}, after], n_ctx=1024,
-                       slots=len(script))  # fmt: skip
+    got = run_pipeline(
+        tiny_mlx, (0, 1, 3, 4), [{"together": script}, after], n_ctx=1024, slots=len(script)
+    )
     together, alone = got
     for g, w in zip([*together["together"], alone], [*want, *want_after], strict=True):
         g.pop("seconds", None), w.pop("seconds", None)
@@ -369,18 +435,28 @@ def test_a_real_model_split_in_two_answers_as_one_process(smollm2_mlx: Path) -> 
     """SmolLM2-135M converted from its GGUF: mlx's CPU backend is slow on Linux (reference
     BLAS), so short answers."""
     tasks = [
-        chat(1, "What is the capital city of France? Answer in one word.", temperature=0,
-             max_tokens=10),
-        TaskCreated(task_id="t2", model_id="m", origin="test", kind="completion",
-                    prompt="The three primary colors are", params=SamplingParams(temperature=0,
-                    max_tokens=8)),
-    ]  # fmt: skip
+        chat(
+            1,
+            "What is the capital city of France? Answer in one word.",
+            temperature=0,
+            max_tokens=10,
+        ),
+        TaskCreated(
+            task_id="t2",
+            model_id="m",
+            origin="test",
+            kind="completion",
+            prompt="The three primary colors are",
+            params=SamplingParams(temperature=0, max_tokens=8),
+        ),
+    ]
     engine = MlxEngine(smollm2_mlx, n_ctx=512)
     engine.load()
     want = [run_task(engine, task) for task in tasks]
     assert "Paris" in want[0]["text"]
-    got = run_pipeline(smollm2_mlx, (0, 15, 30), [script_entry(task, None) for task in tasks],
-                       timeout=180)  # fmt: skip
+    got = run_pipeline(
+        smollm2_mlx, (0, 15, 30), [script_entry(task, None) for task in tasks], timeout=180
+    )
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
     assert [g["text"] for g in got] == [w["text"] for w in want]
 
@@ -451,14 +527,30 @@ def test_the_ring_listens_on_the_given_address_and_gives_up_in_time(tiny_mlx: Pa
     hosts = f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}"
     with processes() as procs:
         # Rank 0 alone: it waits for rank 1's connection, listening on its address only.
-        head = start(procs, HEAD, "--model", str(tiny_mlx), "--n-layers", "4", "--hosts", hosts,
-                     "--layers", "0:2", "--script", "[]", "--connect-timeout", "2")  # fmt: skip
+        head = start(
+            procs,
+            HEAD,
+            "--model",
+            str(tiny_mlx),
+            "--n-layers",
+            "4",
+            "--hosts",
+            hosts,
+            "--layers",
+            "0:2",
+            "--script",
+            "[]",
+            "--connect-timeout",
+            "2",
+        )
         began = time.monotonic()
         listening: list[tuple[str, int]] = []
         while not listening and head.poll() is None:
-            listening = [(c.laddr.ip, c.laddr.port)
-                         for c in psutil.Process(head.pid).net_connections("tcp")
-                         if c.status == psutil.CONN_LISTEN]  # fmt: skip
+            listening = [
+                (c.laddr.ip, c.laddr.port)
+                for c in psutil.Process(head.pid).net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN
+            ]
             time.sleep(0.05)
         assert listening == [("127.0.0.1", ports[0])]
         assert head.wait(timeout=30) == 1

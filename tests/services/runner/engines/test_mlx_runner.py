@@ -35,10 +35,13 @@ N_CTX = 1024  # the tools described in a system message: ~400 of the tiny vocabu
 
 def task(n: int, text: str, max_tokens: int = 20, **fields: Any) -> TaskCreated:
     return TaskCreated(
-        task_id=f"t{n}", model_id="m", origin="test",
+        task_id=f"t{n}",
+        model_id="m",
+        origin="test",
         messages=[ChatMessage(role="user", content=text)],
-        params=SamplingParams(temperature=0.0, max_tokens=max_tokens), **fields,
-    )  # fmt: skip
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        **fields,
+    )
 
 
 SAY = Tool(name="say", parameters={"type": "object", "properties": {"word": {"type": "string"}}})
@@ -49,11 +52,20 @@ TASKS = [
     task(2, "tell me a story"),
     # The tiny vocabulary spells the call's JSON a character a token or so.
     task(3, "say hello", 60, tools=[SAY], tool_choice=ToolChoice(mode="required")),
-    task(4, "a number", response_format=ResponseFormat(
-        type="json_schema", json_schema={"type": "object", "properties": {
-            "n": {"type": "integer"}}, "required": ["n"]})),
+    task(
+        4,
+        "a number",
+        response_format=ResponseFormat(
+            type="json_schema",
+            json_schema={
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+            },
+        ),
+    ),
     task(5, "hello", logprobs=2),
-]  # fmt: skip
+]
 
 
 def reference(model: Path) -> list[tuple[list[Served], list[float | None]]]:
@@ -68,20 +80,32 @@ def reference(model: Path) -> list[tuple[list[Served], list[float | None]]]:
     ids=["whole", "whole-batched", "two-ranks", "two-ranks-batched"],
 )
 async def test_mlx_runners_answer_token_for_token_as_one_process(
-    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path, tiny_mlx: Path,
-    bounds: tuple[int, ...], slots: int,
-) -> None:  # fmt: skip
+    nats_server: EmbeddedNats,
+    js: JetStreamContext,
+    tmp_path: Path,
+    tiny_mlx: Path,
+    bounds: tuple[int, ...],
+    slots: int,
+) -> None:
     wanted = reference(tiny_mlx)
     pipeline = stages(*bounds)
     log = await EventLog().start(js)
     with Processes(tmp_path / "logs") as procs:
         for shard in pipeline:
             spec = RunnerSpec(
-                nats_url=nats_server.url, node_id=shard.node_id, instance_id="i", model_id="m",
-                shard=shard, engine="mlx", model_path=str(tiny_mlx), n_ctx=N_CTX,
+                nats_url=nats_server.url,
+                node_id=shard.node_id,
+                instance_id="i",
+                model_id="m",
+                shard=shard,
+                engine="mlx",
+                model_path=str(tiny_mlx),
+                n_ctx=N_CTX,
                 cache_dir=str(tmp_path / shard.node_id),
-                peers=[s for s in pipeline if s is not shard], peer_timeout_s=60, slots=slots,
-            )  # fmt: skip
+                peers=[s for s in pipeline if s is not shard],
+                peer_timeout_s=60,
+                slots=slots,
+            )
             procs.start(shard.runner_id, "runner", "--spec", spec.model_dump_json())
         for shard in pipeline:
             ready = await log.wait_for(
@@ -108,8 +132,9 @@ async def test_mlx_runners_answer_token_for_token_as_one_process(
         for n in (6, 7):
             await publisher.publish(task(n, "what is the weather like?", 4))
             done = await log.wait_for(TaskCompleted, lambda e, n=n: e.task_id == f"t{n}")  # type: ignore[misc]
-        assert done.usage.cached_tokens == (done.usage.prompt_tokens - 1 if len(pipeline) == 1
-                                            else 0)  # fmt: skip
+        assert done.usage.cached_tokens == (
+            done.usage.prompt_tokens - 1 if len(pipeline) == 1 else 0
+        )
     await log.stop()
     assert len(wanted[0][0]) == 21  # 20 tokens and the end
     # Random weights, constrained: a call of the tool offered, a reply that starts as JSON.

@@ -35,8 +35,12 @@ def tied(tiny_mlx_tied: Path) -> MlxEngine:
     return engine
 
 
-def decoding(grammar: Grammar | None = None, top_logprobs: int | None = None,
-             echo: bool = False, **params: Any) -> Decoding:  # fmt: skip
+def decoding(
+    grammar: Grammar | None = None,
+    top_logprobs: int | None = None,
+    echo: bool = False,
+    **params: Any,
+) -> Decoding:
     return Decoding(SamplingParams.model_validate(params), grammar, top_logprobs, echo)
 
 
@@ -78,12 +82,15 @@ def valid(value: Any) -> bool:
     return (
         isinstance(value, dict)
         and set(value) == {"name", "age", "ok", "color", "tags"}
-        and isinstance(value["name"], str) and len(value["name"]) <= 6
-        and isinstance(value["age"], int) and isinstance(value["ok"], bool)
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 6
+        and isinstance(value["age"], int)
+        and isinstance(value["ok"], bool)
         and value["color"] in ("red", "green", "blue")
-        and isinstance(value["tags"], list) and len(value["tags"]) <= 2
+        and isinstance(value["tags"], list)
+        and len(value["tags"]) <= 2
         and all(isinstance(t, str) and len(t) <= 3 for t in value["tags"])
-    )  # fmt: skip
+    )
 
 
 # --- grammars ---------------------------------------------------------------------------------
@@ -125,8 +132,9 @@ def test_once_complete_only_an_end_token_may_follow(engine: MlxEngine) -> None:
     # Even against the model: the end tokens pushed down, the grammar's letters up.
     ends = [t for t in range(engine.n_vocab) if engine.is_end(t)]
     bias = {t: -50.0 for t in ends} | {engine.text_tokens("a")[0]: 50.0}
-    out = tokens(engine, prompt, 20, decoding(Grammar('root ::= "ab" "c"?'), temperature=0,
-                                              logit_bias=bias))  # fmt: skip
+    out = tokens(
+        engine, prompt, 20, decoding(Grammar('root ::= "ab" "c"?'), temperature=0, logit_bias=bias)
+    )
     assert text(engine, out) == b"abc"
     assert engine.is_end(out[-1].id) and len(out) <= 4
 
@@ -200,8 +208,9 @@ def test_a_trigger_whose_text_does_not_fit_the_grammar_fails_the_task(
 ) -> None:
     prompt, greedy, j = free_text(engine)
     trigger = hex_regex(engine.piece(greedy[j].id))
-    generated = engine.generate(prompt, decoding(Grammar('root ::= "zzz"', (trigger,)),
-                                                 temperature=0))  # fmt: skip
+    generated = engine.generate(
+        prompt, decoding(Grammar('root ::= "zzz"', (trigger,)), temperature=0)
+    )
     with pytest.raises(InvalidRequest, match="does not fit"):
         list(islice(generated, 20))
 
@@ -210,8 +219,12 @@ def test_special_tokens_satisfy_their_literal_as_in_llama_cpp(engine: MlxEngine)
     """llama.cpp's grammar sees a special token's text: ``"<|im_start|>"`` in a grammar is
     that token (the end tokens excepted: they end generation)."""
     im_start = engine.text._tokenizer.convert_tokens_to_ids("<|im_start|>")
-    out = tokens(engine, engine.text_tokens("hi"), 10,
-                 decoding(Grammar('root ::= "<|im_start|>" "ok"'), temperature=0))  # fmt: skip
+    out = tokens(
+        engine,
+        engine.text_tokens("hi"),
+        10,
+        decoding(Grammar('root ::= "<|im_start|>" "ok"'), temperature=0),
+    )
     assert out[0].id == im_start and engine.is_end(out[-1].id)
     assert text(engine, out[1:]) == b"ok"
 
@@ -234,9 +247,13 @@ def test_logprobs_are_the_raw_logits_log_softmax(
     prompt = engine.text_tokens("Once upon a time")
     # Penalties, bias, grammar and temperature change the choice, not the reported numbers.
     params: dict[str, Any] = {
-        "temperature": 1.5, "seed": 4, "presence_penalty": 1.0, "repeat_penalty": 1.3,
-        "logit_bias": {10: 5.0}, "top_k": 50,
-    }  # fmt: skip
+        "temperature": 1.5,
+        "seed": 4,
+        "presence_penalty": 1.0,
+        "repeat_penalty": 1.3,
+        "logit_bias": {10: 5.0},
+        "top_k": 50,
+    }
     out = tokens(engine, prompt, 12, decoding(None, 5, **params))
     assert [t.id for t in out] == [t.id for t in tokens(engine, prompt, 12, decoding(**params))]
     want = direct_logprobs(engine, prompt + [t.id for t in out])
@@ -312,12 +329,21 @@ def ids_of(engine: MlxEngine, prompt: list[int], n: int, **params: Any) -> list[
 
 def test_seeds_reproduce_with_every_parameter(engine: MlxEngine) -> None:
     prompt = engine.text_tokens("Once upon a time")
-    params: dict[str, Any] = {"temperature": 1.3, "top_k": 40, "top_p": 0.95, "min_p": 0.01,
-              "repeat_penalty": 1.1, "presence_penalty": 0.3, "frequency_penalty": 0.3}  # fmt: skip
+    params: dict[str, Any] = {
+        "temperature": 1.3,
+        "top_k": 40,
+        "top_p": 0.95,
+        "min_p": 0.01,
+        "repeat_penalty": 1.1,
+        "presence_penalty": 0.3,
+        "frequency_penalty": 0.3,
+    }
     grammar = schema_grammar(SMALL_SCHEMA)
     for g in (None, grammar):
-        runs = [[t.id for t in tokens(engine, prompt, 40, decoding(g, seed=s, **params))]
-                for s in (7, 7, 8)]  # fmt: skip
+        runs = [
+            [t.id for t in tokens(engine, prompt, 40, decoding(g, seed=s, **params))]
+            for s in (7, 7, 8)
+        ]
         assert runs[0] == runs[1] != runs[2]
 
 
@@ -331,8 +357,9 @@ def test_top_k_and_min_p_keep_the_likely_tokens(engine: MlxEngine) -> None:
         out = tokens(engine, prompt, 16, decoding(None, 3, top_k=3, seed=seed, **hot))
         assert all(t.id in [i for i, _ in t.top] for t in out)
         out = tokens(engine, prompt, 16, decoding(None, 1, min_p=0.2, seed=seed, **hot))
-        assert all(t.logprob is not None and t.logprob >= t.top[0][1] + np.log(0.2) - 1e-5
-                   for t in out)  # fmt: skip
+        assert all(
+            t.logprob is not None and t.logprob >= t.top[0][1] + np.log(0.2) - 1e-5 for t in out
+        )
     # Without the cuts, the same seeds leave those tokens.
     wild = [tokens(engine, prompt, 16, decoding(None, 3, seed=s, **hot)) for s in range(4)]
     assert any(t.id not in [i for i, _ in t.top] for out in wild for t in out)
@@ -385,9 +412,19 @@ PERSON = {
         "score": {"type": "number"},
         "notes": {"type": "string", "maxLength": 30},
     },
-    "required": ["name", "age", "email", "height", "active", "tags", "city", "country",
-                 "score", "notes"],
-}  # fmt: skip
+    "required": [
+        "name",
+        "age",
+        "email",
+        "height",
+        "active",
+        "tags",
+        "city",
+        "country",
+        "score",
+        "notes",
+    ],
+}
 ASK = "Describe a person as JSON: name, age, email, height, active, tags, city, country, score."
 
 
@@ -404,9 +441,18 @@ def test_smollm2_writes_json_that_validates(smollm2: MlxEngine) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_smollm2_a_tool_call_grammar_with_literal_markers(smollm2: MlxEngine) -> None:
-    call = {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-        "required": ["city"]}}, "required": ["name", "arguments"]}  # fmt: skip
+    call = {
+        "type": "object",
+        "properties": {
+            "name": {"const": "get_weather"},
+            "arguments": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+            },
+        },
+        "required": ["name", "arguments"],
+    }
     json_gbnf = llama_grammar.json_schema_to_gbnf(json.dumps(call)).replace("root ::=", "call ::=")
     gbnf = 'root ::= "<tool_call>\\n" call "\\n</tool_call>"\n' + json_gbnf
     ask = "What is the weather in Paris? Call the tool get_weather."
@@ -436,10 +482,14 @@ def test_smollm2_a_grammar_is_compiled_once(smollm2: MlxEngine) -> None:
 def test_long_bounded_repetitions_compile_and_hold(engine: MlxEngine) -> None:
     """llama-cpp-python writes maxLength 40 as 40 nested optionals, deeper than llguidance's
     Lark nests: they are followed as the same bounded repetition."""
-    schema = {"type": "object", "properties": {
-        "s": {"type": "string", "maxLength": 40},
-        "a": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 35}},
-        "required": ["s", "a"]}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "s": {"type": "string", "maxLength": 40},
+            "a": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 35},
+        },
+        "required": ["s", "a"],
+    }
     grammar = schema_grammar(schema)
     assert grammar.gbnf.count("(char ") >= 39
     constraint = engine.text.grammars.constraint(grammar)

@@ -52,11 +52,15 @@ def cases(engine: Engine) -> list[tuple[list[int], Decoding]]:
     return [
         (prompt, Decoding(greedy)),
         # Penalties over the generated tokens: the earlier ones count.
-        (prompt, Decoding(greedy.model_copy(update={"repeat_penalty": 1.5,
-                                                    "frequency_penalty": 1.0}))),
-        (engine.chat_tokens(user("Describe a person as JSON."), None),
-         Decoding(greedy.model_copy(update={"max_tokens": 200}), person)),
-    ]  # fmt: skip
+        (
+            prompt,
+            Decoding(greedy.model_copy(update={"repeat_penalty": 1.5, "frequency_penalty": 1.0})),
+        ),
+        (
+            engine.chat_tokens(user("Describe a person as JSON."), None),
+            Decoding(greedy.model_copy(update={"max_tokens": 200}), person),
+        ),
+    ]
 
 
 def check_goes_on_as_uninterrupted(engine: Engine) -> None:
@@ -76,8 +80,13 @@ def check_goes_on_as_uninterrupted(engine: Engine) -> None:
             assert whole[-1].finish_reason == "stop"
             assert json.loads(text, strict=False).keys() == PERSON["properties"].keys()
         if d.params.repeat_penalty != 1.0:  # the penalties made a difference to count
-            plain = run(engine, prompt, Decoding(d.params.model_copy(
-                update={"repeat_penalty": 1.0, "frequency_penalty": 0.0})))  # fmt: skip
+            plain = run(
+                engine,
+                prompt,
+                Decoding(
+                    d.params.model_copy(update={"repeat_penalty": 1.0, "frequency_penalty": 0.0})
+                ),
+            )
             assert [s.token_id for s in plain] != [s.token_id for s in whole]
 
 
@@ -91,9 +100,16 @@ def test_mlx_goes_on_as_an_uninterrupted_run(mlx_engines: list[MlxEngine]) -> No
 
 
 def test_a_resumed_task_prepares_to_go_on(smollm2: LlamaCppEngine) -> None:
-    task = TaskCreated(task_id="t", model_id="m", origin="test", kind="completion",
-                       prompt="Once upon a time", echo=True, logprobs=1,
-                       params=SamplingParams(seed=7, temperature=0.8))  # fmt: skip
+    task = TaskCreated(
+        task_id="t",
+        model_id="m",
+        origin="test",
+        kind="completion",
+        prompt="Once upon a time",
+        echo=True,
+        logprobs=1,
+        params=SamplingParams(seed=7, temperature=0.8),
+    )
     fresh = prepare(smollm2, task)
     again = prepare(smollm2, task.model_copy(update={"resume": Resume(attempt=1, tokens=[5, 6])}))
     assert again.prompt == fresh.prompt and again.decoding.generated == (5, 6)
