@@ -13,7 +13,7 @@ UP_ARGS ?=
 # It is built for the machine's accelerator: Metal on macOS, CUDA where nvcc and a usable
 # NVIDIA GPU are, Vulkan where its SDK and a GPU are, else the CPU (llamacpp_build.py says
 # why). SHOAL_LLAMA_CMAKE_ARGS, when set (even empty: the CPU), replaces what is found.
-LLAMA_BUILD_PY := services/runner/engines/llamacpp_build.py
+LLAMA_BUILD_PY := services/runner/engines/llamacpp/build.py
 ifeq ($(origin SHOAL_LLAMA_CMAKE_ARGS),undefined)
 LLAMA_BUILD := $(shell $(PYTHON) $(LLAMA_BUILD_PY))
 LLAMA_ACCEL := $(firstword $(LLAMA_BUILD))

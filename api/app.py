@@ -10,21 +10,18 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
-from api import (
-    anthropic_routes,
-    cluster_routes,
-    errors,
-    metrics,
-    metrics_routes,
-    ollama_routes,
-    openai_routes,
-)
+from api import errors, metrics
 from api.admission import Admission
+from api.anthropic import routes as anthropic_routes
+from api.cluster import metrics_routes
+from api.cluster import routes as cluster_routes
+from api.cluster.dashboard import install as install_dashboard
 from api.config import ApiConfig
 from api.context import ApiContext
-from api.dashboard import install as install_dashboard
-from api.embeddings_routes import router as embeddings_router
-from api.responses_routes import router as responses_router
+from api.ollama import routes as ollama_routes
+from api.openai import routes as openai_routes
+from api.openai.embeddings_routes import router as embeddings_router
+from api.responses.routes import router as responses_router
 from api.serving_verdicts import ServingVerdicts
 from bus.connection import connect
 from projectors import database

@@ -12,14 +12,15 @@ from nats.aio.client import Client
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api import admission
+from api import admission, projection
 from api.admission import Admission
 from api.config import ApiConfig
 from api.errors import ApiError
 from api.metrics import ApiMetrics
-from api.model_names import NamesCache
+from api.model_names import ModelNames, NamesCache, names_from
 from api.serving_verdicts import ServingVerdicts
 from bus.events import EventBase
+from bus.kinds import InstanceRole
 from bus.publisher import Publisher
 
 
@@ -38,6 +39,21 @@ class ApiContext:
     names: NamesCache = field(default_factory=lambda: NamesCache(1.0))
     # How many of each model's tasks this process lets run at once, and who waits (the queue).
     admission: Admission = field(default_factory=Admission)
+
+    async def model_names(self) -> ModelNames:
+        """The names clients call models by, read again at most once a second."""
+        names = self.names.fresh()
+        if names is None:
+            state = await projection.cluster(self.engine)
+            names = names_from(state, self.config.aliases, self.config.default_model)
+            self.names.keep(names)
+        return names
+
+    async def resolve_model(self, name: str | None, role: InstanceRole = "chat") -> str:
+        """The model id a request's ``model`` means (see ``ModelNames.resolve``)."""
+        if name and self.serving.fresh(name, role):
+            return name  # an id that was just served: no read on the path of most requests
+        return (await self.model_names()).resolve(name, role)
 
     async def publish(self, event: EventBase) -> None:
         """Store ``event`` on the log (counted in the metrics)."""

@@ -1,4 +1,4 @@
-"""Prometheus metrics at ``GET /metrics`` (served by ``api/metrics_routes.py``).
+"""Prometheus metrics at ``GET /metrics`` (served by ``api/cluster/metrics_routes.py``).
 
 Two kinds, in one scrape:
 

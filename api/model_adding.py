@@ -12,6 +12,7 @@ in one API process share one add.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from api import projection
 from api.context import ApiContext
@@ -23,15 +24,23 @@ POLL_S = 0.2
 # How long the projection may take to show a model once its ModelAdded is stored.
 PROJECTED_WITHIN_S = 30.0
 
+Fraction = Callable[[float], None]
 _adding: dict[str, asyncio.Future[None]] = {}
 
 
-async def add_model(ctx: ApiContext, card: ModelCard) -> ClusterState:
+async def add_model(
+    ctx: ApiContext,
+    card: ModelCard,
+    on_fetch: Fraction | None = None,
+    on_store: Fraction | None = None,
+) -> ClusterState:
     """Add ``card``'s model to the cluster; the projection once it has it. ``ApiError`` 503
-    (``model_unavailable``) when its weights cannot be had here (offline, gated...)."""
+    (``model_unavailable``) when its weights cannot be had here (offline, gated...).
+    ``on_fetch`` and ``on_store`` get the fetch's and the store's fractions (the first from
+    another thread), for the request that started the add."""
     running = _adding.get(card.id)
     if running is None:
-        running = asyncio.ensure_future(_add(ctx, card))
+        running = asyncio.ensure_future(_add(ctx, card, on_fetch, on_store))
         _adding[card.id] = running
         running.add_done_callback(lambda _: _adding.pop(card.id, None))
     await asyncio.shield(running)
@@ -44,7 +53,9 @@ async def add_model(ctx: ApiContext, card: ModelCard) -> ClusterState:
     return state
 
 
-async def _add(ctx: ApiContext, card: ModelCard) -> None:
+async def _add(
+    ctx: ApiContext, card: ModelCard, on_fetch: Fraction | None, on_store: Fraction | None
+) -> None:
     # Imported here: they pull in the Hub's client and the GGUF reader, which only an add needs.
     from services.models.add import add_model as add_to_cluster
     from services.models.metadata import GgufError
@@ -58,6 +69,8 @@ async def _add(ctx: ApiContext, card: ModelCard) -> None:
             ctx.config.models_dir,
             served_from=ctx.config.served_from(),
             origin=ctx.origin,
+            on_fetch=on_fetch,
+            on_store=on_store,
         )
     except (ModelUnavailable, GgufError, WeightsUnavailable) as exc:
         raise ApiError(

@@ -12,17 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from api import projection
 from api.errors import ApiError
-from bus.events import InstanceRole
+from bus.kinds import InstanceRole
+from bus.states import INSTANCE_ENDING
 from projectors.state import ClusterState
-
-if TYPE_CHECKING:
-    from api.context import ApiContext
-
-_GONE = frozenset({"deleting", "deleted"})
 
 
 @dataclass(frozen=True)
@@ -71,7 +65,7 @@ def names_from(
     state: ClusterState, configured: Mapping[str, str], default: str | None
 ) -> ModelNames:
     """The names in the projection (models, live instances' aliases) and the API's own."""
-    live = [i for i in state.instances() if i.status not in _GONE]
+    live = [i for i in state.instances() if i.status not in INSTANCE_ENDING]
     aliases = {a: i.model_id for i in live for a in i.aliases or []} | dict(configured)
     served: dict[InstanceRole, tuple[str, ...]] = {}
     for role in ("chat", "embed"):
@@ -95,19 +89,3 @@ class NamesCache:
 
     def keep(self, names: ModelNames) -> None:
         self.names, self.read_at = names, time.monotonic()
-
-
-async def model_names(ctx: ApiContext) -> ModelNames:
-    names = ctx.names.fresh()
-    if names is None:
-        state = await projection.cluster(ctx.engine)
-        names = names_from(state, ctx.config.aliases, ctx.config.default_model)
-        ctx.names.keep(names)
-    return names
-
-
-async def resolve_model(ctx: ApiContext, name: str | None, role: InstanceRole = "chat") -> str:
-    """The model id a request's ``model`` means (see ``ModelNames.resolve``)."""
-    if name and ctx.serving.fresh(name, role):
-        return name  # an id that was just served: no read on the path of most requests
-    return (await model_names(ctx)).resolve(name, role)

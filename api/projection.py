@@ -10,8 +10,8 @@ from sqlalchemy import Connection, Engine, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
-from bus.events import InstanceRole
-from bus.states import SERVING, STARTING, RunnerState
+from bus.kinds import InstanceRole
+from bus.states import INSTANCE_CURRENT, SERVING, STARTING, RunnerState
 from projectors.rows import InstanceRow, ModelRow, Row, RunnerRow
 from projectors.state import ClusterState, Put
 from projectors.store import load_state
@@ -92,7 +92,7 @@ def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "ch
             param="model",
             code="model_not_found",
         )
-    alive = [i for i in instances if i.status in ("requested", "placed", "rejected")]
+    alive = [i for i in instances if i.status in INSTANCE_CURRENT]
     live = [i for i in alive if i.role == role]
     if alive and not live:
         raise _wrong_role(model_id, role)

@@ -25,7 +25,8 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.reply import Reply
 from api.task_stream import Closed, Recheck, TaskStream
-from bus.events import ChunkGenerated, EventBase, InstanceRole, TaskCreated, Usage
+from bus.events import ChunkGenerated, EventBase, TaskCreated, Usage
+from bus.kinds import InstanceRole
 from bus.payload import PayloadTooLargeError, check_size
 from bus.publisher import MSG_ID_HEADER
 

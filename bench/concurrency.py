@@ -60,7 +60,7 @@ from bench.common.processes import (
 )
 from bench.llama_server import llama_server
 from bus.embedded import free_port
-from services.models.cards import card_for
+from services.models.catalogue import card_for
 from services.models.resolve import resolve_model
 
 N_CTX = 2048

@@ -250,13 +250,13 @@ def measure(engine: Engine, rounds: int, tokens: int) -> dict[str, Pair]:
 
 def load(name: str, tmp: Path) -> Engine:
     if name == "llamacpp":
-        from services.runner.engines.llamacpp import LlamaCppEngine
+        from services.runner.engines.llamacpp.engine import LlamaCppEngine
 
         llama = LlamaCppEngine(SMOLLM2, n_ctx=2048, n_threads=2)
         llama.load()
         return llama
     from services.models.gguf_to_mlx import gguf_to_mlx
-    from services.runner.engines.mlx import MlxEngine
+    from services.runner.engines.mlx.engine import MlxEngine
 
     mlx = MlxEngine(gguf_to_mlx(SMOLLM2, tmp / "smollm2-mlx"), n_ctx=2048)
     mlx.load()

@@ -55,14 +55,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
-from api.anthropic import MessagesOut, MessagesRequest, task_for
-from api.ollama import ChatRequest as OllamaChatRequest
-from api.ollama import OllamaOut
-from api.openai_routes import _ChatOut
-from api.openai_shapes import Shape
-from api.responses import ResponsesRequest, task_messages
-from api.responses_shapes import Head, ResponsesOut
-from api.schemas import ChatCompletionRequest
+from api.anthropic.messages import MessagesOut, MessagesRequest, task_for
+from api.ollama.translate import ChatRequest as OllamaChatRequest
+from api.ollama.translate import OllamaOut
+from api.openai.requests import ChatCompletionRequest
+from api.openai.routes import _ChatOut
+from api.openai.shapes import Shape
+from api.responses.requests import ResponsesRequest, task_messages
+from api.responses.shapes import Head, ResponsesOut
 from api.serving import Output
 from bench.common.chat import PROMPTS, timed_lines
 from bench.common.processes import MODEL_ID, shoal_up

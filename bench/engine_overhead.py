@@ -76,11 +76,11 @@ from bus.events import (
 from bus.publisher import Publisher
 from bus.streams import ensure_streams
 from bus.subjects import aggregate_filter
-from services.models.cards import card_for
+from services.models.catalogue import card_for
 from services.models.metadata import read_gguf
 from services.models.resolve import resolve_model
 from services.runner.decoding import PromptCached, Token
-from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.job import prepare
 from services.runner.spec import RunnerSpec
 from services.worker.supervisor import runner_command

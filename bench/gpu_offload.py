@@ -461,8 +461,8 @@ def measure(shard_json: str, tokens: int, repeat: int) -> dict[str, Any]:
     shard = ShardAssignment.model_validate_json(shard_json)
     os.environ.update(visible_devices(shard, os.environ))
     from services.runner.decoding import Decoding, Token
-    from services.runner.engines.ggml_devices import list_devices
-    from services.runner.engines.llamacpp import LlamaCppEngine
+    from services.runner.engines.llamacpp.devices import list_devices
+    from services.runner.engines.llamacpp.engine import LlamaCppEngine
 
     problem = offload_problem(shard, list_devices())
     if problem is not None:

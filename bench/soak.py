@@ -68,12 +68,12 @@ import psutil
 from bench.common import procfs
 from bench.common.processes import MODEL_ID, SHOAL_BIN
 from bus.embedded import EmbeddedNats, free_port
+from bus.units import MiB
 
 READY_TIMEOUT = 300.0  # seconds for the cluster to serve the model
 REQUEST_TIMEOUT = 600.0  # seconds for one request (queued behind others included)
 SAMPLE_S = 0.5  # seconds between memory samples during the load
 SETTLE_S = 2.0  # seconds between the last request and the "after" sample
-MiB = 1024 * 1024
 CHECKED = ("api", "projector", "runner")  # parts whose memory growth is checked
 PARTS = ("api", "projector", "runner", "planner", "worker", "nats-server")
 

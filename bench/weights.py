@@ -47,12 +47,11 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.events import WeightFile
 from bus.streams import ensure_streams
+from bus.units import GiB, MiB
 from services.models.shared import fetch_files, store_files
 from services.models.weights_cache import WeightsCache
 from services.worker.weights_server import WeightsServer
 
-MiB = 1024**2
-GiB = 1024**3
 TARGET_RATIO = 0.8
 FLAT_MIB = 64.0
 SAMPLE_S = 0.02

@@ -25,6 +25,7 @@ from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from bus.events import Event, parse_event
+from bus.leaderless import NO_LEADER_PAUSE_S
 from bus.payload import max_payload, message_size
 from bus.puller import ConsumerGone, NoResponders, Puller
 from bus.subjects import deadletter_subject
@@ -47,10 +48,6 @@ MAX_REASON_CHARS = 1000  # a reason is a line for people; an exception's repr ma
 # `shoal up`), and a client reconnected after a nats-server restart notices a lost one only
 # when it times out.
 PULL_WAIT_S = 2.0
-
-# How long a fetch that nobody answered waits before it returns nothing (the consumer exists,
-# but has no leader for the moment), so that its caller does not ask again at once.
-NO_LEADER_PAUSE_S = 0.5
 
 
 @dataclass(frozen=True)

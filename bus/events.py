@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, cast, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from bus.kinds import DEFAULT_ENGINE, Engine, InstanceRole
 from bus.states import ResponseStatus, RunnerState
 from bus.subjects import (
     CHUNKS_PREFIX,
@@ -142,7 +143,7 @@ class Accelerator(Record):
     )
     compute_capability: str | None = Field(default=None, description="NVIDIA's, e.g. '9.0'.")
     utilisation: float | None = Field(default=None, description="Percent, 0-100.")
-    engines: list[str] = Field(
+    engines: list[Engine] = Field(
         default_factory=list,
         description="The engines on this node that can run on it (llamacpp, mlx); none: seen"
         " (by NVML) but not usable, e.g. llama.cpp built without CUDA.",
@@ -329,8 +330,6 @@ class Timings(Record):
 
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
-# What an instance serves: generation (chat and completions) or embeddings.
-InstanceRole = Literal["chat", "embed"]
 
 
 # --- nodes --------------------------------------------------------------------------------
@@ -406,7 +405,7 @@ class ModelAdded(EventBase):
     n_layers: int
     context_length: int = 0
     size_bytes: int
-    engines: list[str] = Field(default_factory=lambda: ["llamacpp"])
+    engines: list[Engine] = Field(default_factory=lambda: [DEFAULT_ENGINE])
     chat_format: str | None = None
     source: str = Field(default="", description="Where the weights come from (package, repo).")
     path: str | None = Field(

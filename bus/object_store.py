@@ -47,9 +47,7 @@ from nats.js.errors import NotFoundError
 from nats.nuid import NUID
 from pydantic import BaseModel, ConfigDict
 
-from bus.consumer import NO_LEADER_PAUSE_S
-from bus.publisher import retryable
-from bus.reader import NO_LEADER_WAIT_S
+from bus.leaderless import ask_again
 
 log = logging.getLogger(__name__)
 
@@ -446,17 +444,9 @@ class _Fetch:
             mem_storage=True,
             num_replicas=1,
         )
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + NO_LEADER_WAIT_S
-        while True:
-            try:
-                await self.js.add_consumer(self.stream, config)
-                return
-            except Exception as exc:
-                if not retryable(exc) or loop.time() >= give_up:
-                    raise
-                log.info("no answer creating the fetch's consumer (%r); asking again", exc)
-                await asyncio.sleep(NO_LEADER_PAUSE_S)
+        await ask_again(
+            lambda: self.js.add_consumer(self.stream, config), what="creating the fetch's consumer"
+        )
 
     async def _pull(self) -> None:
         """Ask for more chunks while the window has room: at most ``window_chunks`` requested

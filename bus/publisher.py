@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
-from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from bus.events import EventBase
+from bus.leaderless import ask_again, retryable
 from bus.payload import check_size
 
 log = logging.getLogger(__name__)
@@ -34,27 +34,6 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 RETRY_FOR_S = 30.0
 # How long one attempt waits for its ack.
 ACK_TIMEOUT_S = 5.0
-
-
-# "duplicate message id is in process": an earlier attempt is stored but not yet replicated.
-IN_PROCESS = 10158
-
-
-def retryable(exc: BaseException) -> bool:
-    """Whether a publish that failed this way may succeed if sent again: the stream has no
-    leader at the moment, the ack was lost, an earlier attempt awaits replication, or the
-    connection is being re-established."""
-    if isinstance(exc, APIError) and exc.err_code == IN_PROCESS:
-        return True
-    return isinstance(
-        exc,
-        NoStreamResponseError
-        | ServiceUnavailableError
-        | nats.errors.TimeoutError
-        | nats.errors.NoRespondersError
-        | nats.errors.ConnectionReconnectingError
-        | nats.errors.StaleConnectionError,
-    )
 
 
 class Publisher:
@@ -70,24 +49,19 @@ class Publisher:
         de-duplication key: decisions pass a deterministic one, so that two deciders, or one
         decision made twice, store one event. Sent again, with the same id, while JetStream
         cannot store it, for up to ``retry_for`` seconds; then the last error is raised."""
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self._retry_for
         headers = {MSG_ID_HEADER: msg_id or event.event_id}
         payload = event.to_json()
         # Refused here: over the server's max_payload, the server would close the connection.
         check_size(self._js, event.subject, payload, headers)
-        pause = 0.05
-        while True:
-            try:
-                return await self._js.publish(
-                    event.subject, payload, timeout=self._timeout, headers=dict(headers)
-                )
-            except Exception as exc:
-                if not retryable(exc) or loop.time() + pause > give_up_at:
-                    raise
-                log.info("publishing %s again: %r", event.subject, exc)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 1.0)
+        return await ask_again(
+            lambda: self._js.publish(
+                event.subject, payload, timeout=self._timeout, headers=dict(headers)
+            ),
+            within_s=self._retry_for,
+            pause_s=0.05,
+            max_pause_s=1.0,
+            what=f"publishing {event.subject}",
+        )
 
 
 @dataclass

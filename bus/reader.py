@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncGenerator
 
@@ -10,11 +9,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from bus.leaderless import ask_again
 from bus.puller import NoResponders, Puller
-
-# How long a read waits for its new consumer to have a leader (on a NATS cluster, a consumer
-# made just after a server was lost may be without one for seconds).
-NO_LEADER_WAIT_S = 15.0
 
 
 async def read_stream(
@@ -65,11 +61,8 @@ async def read_stream(
 
 async def _fetch(puller: Puller, batch_size: int) -> list[Msg]:
     """A batch, asking again while nobody answers for the consumer (no leader yet)."""
-    give_up = asyncio.get_running_loop().time() + NO_LEADER_WAIT_S
-    while True:
-        try:
-            return await puller.fetch(batch_size, timeout=2.0)
-        except NoResponders:
-            if asyncio.get_running_loop().time() > give_up:
-                raise
-            await asyncio.sleep(0.2)
+    return await ask_again(
+        lambda: puller.fetch(batch_size, timeout=2.0),
+        retry_on=lambda exc: isinstance(exc, NoResponders),
+        pause_s=0.2,
+    )

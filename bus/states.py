@@ -29,3 +29,13 @@ TASK_ENDED: frozenset[TaskStatus] = frozenset({"completed", "failed", "cancelled
 SERVING: frozenset[RunnerState] = frozenset({"Ready", "Running"})
 # A runner in one of these is on its way to serving.
 STARTING: frozenset[RunnerState] = frozenset({"Assigned", "Downloading", "Loading"})
+# A runner in one of these has ended (it may be restarted under the same id).
+RUNNER_ENDED: frozenset[RunnerState] = frozenset({"Failed", "Stopped"})
+# An instance in one of these is wanted: placed, or waiting for the planner.
+INSTANCE_LIVE: frozenset[InstanceStatus] = frozenset({"requested", "placed"})
+# An instance in one of these waits for a placement (a first one, or again after a refusal).
+INSTANCE_UNPLACED: frozenset[InstanceStatus] = frozenset({"requested", "rejected"})
+# An instance in one of these is shown as current (not on its way out).
+INSTANCE_CURRENT: frozenset[InstanceStatus] = INSTANCE_LIVE | {"rejected"}
+# An instance in one of these is going or gone.
+INSTANCE_ENDING: frozenset[InstanceStatus] = frozenset({"deleting", "deleted"})

@@ -38,7 +38,7 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
-from bus.states import TASK_ENDED, NodeStatus, TaskStatus
+from bus.states import INSTANCE_ENDING, TASK_ENDED, NodeStatus, TaskStatus
 from projectors.rows import (
     DeviceRow,
     InstanceRow,
@@ -277,7 +277,7 @@ def _instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
     old = state.instance(e.instance_id) or InstanceRow(
         instance_id=e.instance_id, model_id=e.model_id, status="requested"
     )
-    if old.status in ("deleting", "deleted") or not _is_next_decision(old, e.generation):
+    if old.status in INSTANCE_ENDING or not _is_next_decision(old, e.generation):
         return []
     inst = replace(
         old,
@@ -340,7 +340,7 @@ def _placement_rejected(state: ClusterState, e: PlacementRejected) -> list[Chang
     old = state.instance(e.instance_id) or InstanceRow(
         instance_id=e.instance_id, model_id=e.model_id, status="requested"
     )
-    if old.status in ("deleting", "deleted") or not _is_next_decision(old, e.generation):
+    if old.status in INSTANCE_ENDING or not _is_next_decision(old, e.generation):
         return []
     inst = replace(
         old,

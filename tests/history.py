@@ -39,8 +39,8 @@ from bus.events import (
     Timings,
     Usage,
 )
+from bus.units import GiB
 
-GiB = 1024**3
 START = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 MODELS = ("smollm2-135m", "gemma3-270m", "Qwen2.5-0.5B")
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from bus.embedded import port_in_use
-from services.models.cards import card_for
+from services.models.catalogue import card_for
 from services.models.resolve import local_path
-from tests.api.shoal_up import REPO, read_until_ready, stop
+from tests.services.cli.shoal_up import REPO, read_until_ready, stop
 
 pytestmark = pytest.mark.slow
 

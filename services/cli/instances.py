@@ -16,7 +16,7 @@ import secrets
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, cast
+from typing import Annotated, Any, NoReturn
 
 import typer
 from nats.aio.client import Client
@@ -30,10 +30,10 @@ from bus.events import (
     InstanceDeleteRequested,
     InstancePlaced,
     InstanceRequested,
-    InstanceRole,
     PlacementRejected,
     parse_event,
 )
+from bus.kinds import InstanceRole, main_engine
 from bus.publisher import Publisher
 from bus.streams import StreamSettings, ensure_streams
 from bus.subjects import aggregate_filter
@@ -43,7 +43,7 @@ from projectors.state import ClusterState
 from projectors.store import load_state
 from services.cli.models import publish_model, worker_cache
 from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl
-from services.models.cards import builtin_cards
+from services.models.catalogue import builtin_cards
 from services.models.footprint import MAX_SLOTS
 from services.paths import default_data_dir
 from services.planner.card_fit import card_info
@@ -146,7 +146,7 @@ async def _projection(db: str) -> ClusterState:
 
 def _role(spec: str | None, role: str | None) -> InstanceRole:
     try:
-        return cast(InstanceRole, instance_role(spec, role))
+        return instance_role(spec, role)
     except PlacementSpecError as exc:
         _fail(f"invalid placement: {exc}")
 
@@ -165,7 +165,7 @@ def _request(
     card = builtin_cards().get(model_id)
     # A catalogue model not added yet is placed from its card's estimate.
     info = ModelInfo.of(model) if model else card_info(card) if card else None
-    if role == "embed" and model is not None and (model.engines or ["llamacpp"])[0] == "mlx":
+    if role == "embed" and model is not None and main_engine(model.engines) == "mlx":
         _fail(f"{model_id} runs on the mlx engine: embeddings are not supported on the mlx engine")
     if slots is not None and info is not None:
         problem = slots_problem(info, role, slots)

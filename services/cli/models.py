@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError
 
 from bus.connection import connect
 from bus.events import ModelAdded
+from bus.kinds import ENGINES, Engine
 from bus.streams import MODELS_BUCKET, StreamSettings, ensure_streams
 from projectors.state import ClusterState
 from services.cli.options import (
@@ -27,16 +28,8 @@ from services.cli.options import (
     NatsUrl,
     absolute,
 )
-from services.models.cards import (
-    ENGINES,
-    Engine,
-    HfSource,
-    ModelCard,
-    PathSource,
-    UnknownModel,
-    builtin_cards,
-    card_for,
-)
+from services.models.cards import HfSource, ModelCard, PathSource
+from services.models.catalogue import UnknownModel, builtin_cards, card_for
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
 

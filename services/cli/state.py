@@ -7,7 +7,7 @@ import json
 import urllib.error
 import urllib.request
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, assert_never
 
 import typer
 from rich.console import Console
@@ -15,11 +15,20 @@ from rich.table import Table
 from rich.text import Text
 
 from api.admission import AdmissionState
+from bus.states import (
+    INSTANCE_STATUSES,
+    NODE_STATUSES,
+    RUNNER_STATES,
+    TASK_STATUSES,
+    InstanceStatus,
+    NodeStatus,
+    RunnerState,
+    TaskStatus,
+)
+from bus.units import GiB
 from projectors import database
 from projectors.store import table_rows
 from services.cli.options import DEFAULT_DB, DbUrl
-
-GiB = 1024**3
 
 # What `shoal state` shows of each table (the JSON output has every column).
 _COLUMNS: dict[str, tuple[str, ...]] = {
@@ -106,14 +115,28 @@ async def read_state(db: str, recent_tasks: int) -> dict[str, list[dict[str, Any
     return state
 
 
-# Statuses and states by what they mean to someone reading the table.
-_STYLES = {
-    "green": {"online", "placed", "completed", "Ready", "Running"},
-    "yellow": {"requested", "Assigned", "Downloading", "Loading", "started", "created", "deleting"},
-    "red": {"timed_out", "rejected", "failed", "Failed"},
-    "dim": {"left", "deleted", "Stopped", "cancelled"},
+# Statuses and states by what they mean to someone reading the table: working, on its way,
+# wrong, over. Matched exhaustively, so that a new state without a style does not type-check.
+Style = Literal["green", "yellow", "red", "dim"]
+
+
+def style_of(value: NodeStatus | InstanceStatus | RunnerState | TaskStatus) -> Style:
+    match value:
+        case "online" | "placed" | "completed" | "Ready" | "Running" | "running":
+            return "green"
+        case "requested" | "Assigned" | "Downloading" | "Loading" | "pending" | "deleting":
+            return "yellow"
+        case "timed_out" | "rejected" | "failed" | "Failed":
+            return "red"
+        case "left" | "deleted" | "Stopped" | "cancelled":
+            return "dim"
+        case _:
+            assert_never(value)
+
+
+_STYLE_OF: dict[str, Style] = {
+    s: style_of(s) for s in (*NODE_STATUSES, *INSTANCE_STATUSES, *RUNNER_STATES, *TASK_STATUSES)
 }
-_STYLE_OF = {value: style for style, values in _STYLES.items() for value in values}
 
 
 def _styled(column: str, row: dict[str, Any]) -> Text:

@@ -26,7 +26,7 @@ from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.events import InstanceRequested
 from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
-from bus.states import SERVING
+from bus.states import INSTANCE_LIVE, SERVING
 from bus.streams import StreamSettings
 from projectors import database
 from projectors.database import absolute_db_url
@@ -55,7 +55,7 @@ from services.cli.options import (
     setup_logging,
 )
 from services.cli.up_progress import UpProgress, model_steps, weights_step
-from services.models.cards import builtin_cards
+from services.models.catalogue import builtin_cards
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
 from services.planner.planner import PLANNING_TABLES, Planner
@@ -299,9 +299,7 @@ async def _serve_model(
                 served_from=WeightsCache(data / "worker" / "models"),
             )
         live = [
-            i
-            for i in state.instances()
-            if i.model_id == model_id and i.status in ("requested", "placed")
+            i for i in state.instances() if i.model_id == model_id and i.status in INSTANCE_LIVE
         ]
         if not live:
             await Publisher(js).publish(

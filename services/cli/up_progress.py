@@ -23,7 +23,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from bus.states import SERVING
+from bus.states import INSTANCE_CURRENT, SERVING
 from projectors.state import ClusterState
 
 # What each runner state means to someone waiting for the model.
@@ -59,7 +59,7 @@ def model_steps(state: ClusterState, model_id: str) -> list[Step]:
     """The placement of each live instance of ``model_id``, and each of its runners."""
     steps: list[Step] = []
     for inst in sorted(state.instances(), key=lambda i: i.instance_id):
-        if inst.model_id != model_id or inst.status not in ("requested", "placed", "rejected"):
+        if inst.model_id != model_id or inst.status not in INSTANCE_CURRENT:
             continue
         runners = sorted(state.runners_of(inst.instance_id), key=lambda r: (r.replica, r.rank))
         key = f"placement:{inst.instance_id}"

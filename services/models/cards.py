@@ -16,8 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Engine = Literal["llamacpp", "mlx"]
-ENGINES: tuple[Engine, ...] = ("llamacpp", "mlx")
+from bus.kinds import Engine
 
 
 class _Frozen(BaseModel):
@@ -102,28 +101,3 @@ class ModelCard(_Frozen):
     variant: str = Field(default="", description="'Q4_K_M', 'mlx-4bit', 'package'...")
     estimate: CardEstimate | None = None
     source: Source
-
-
-class UnknownModel(LookupError):
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown model"
-
-
-def builtin_cards() -> dict[str, ModelCard]:
-    """The cards that ship with Shoal (the catalogue's), by id."""
-    from services.models.catalogue import catalogue_cards
-
-    return catalogue_cards()
-
-
-def card_for(model_id: str) -> ModelCard:
-    """The card for ``model_id``; ``UnknownModel`` says how to find or add one otherwise."""
-    cards = builtin_cards()
-    try:
-        return cards[model_id.removesuffix(":latest")]
-    except KeyError:
-        raise UnknownModel(
-            f"no model card {model_id!r} (`shoal models list` shows them, `shoal models search"
-            f" TEXT` searches the Hub); add others with `shoal models add {model_id} --path FILE`"
-            " or `--hf REPO --file FILE`"
-        ) from None

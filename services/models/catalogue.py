@@ -22,14 +22,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.models.cards import (
-    CardEstimate,
-    Engine,
-    HfSource,
-    ModelCard,
-    PackageSource,
-    ToolCalls,
-)
+from bus.kinds import Engine
+from services.models.cards import CardEstimate, HfSource, ModelCard, PackageSource, ToolCalls
 from services.models.footprint import engine_overhead_bytes
 
 CATALOGUE_DIR = Path(__file__).parent / "catalogue"
@@ -199,3 +193,26 @@ def catalogue_cards(directory: Path = CATALOGUE_DIR) -> dict[str, ModelCard]:
                 raise CatalogueError(f"{entry.id}.toml: a second card {card.id!r}")
             cards[card.id] = card
     return cards
+
+
+class UnknownModel(LookupError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown model"
+
+
+def builtin_cards() -> dict[str, ModelCard]:
+    """The cards that ship with Shoal (the catalogue's), by id."""
+    return catalogue_cards()
+
+
+def card_for(model_id: str) -> ModelCard:
+    """The card for ``model_id``; ``UnknownModel`` says how to find or add one otherwise."""
+    cards = builtin_cards()
+    try:
+        return cards[model_id.removesuffix(":latest")]
+    except KeyError:
+        raise UnknownModel(
+            f"no model card {model_id!r} (`shoal models list` shows them, `shoal models search"
+            f" TEXT` searches the Hub); add others with `shoal models add {model_id} --path FILE`"
+            " or `--hf REPO --file FILE`"
+        ) from None

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bus.kinds import InstanceRole
+from bus.units import MiB
 from projectors.rows import ModelRow
 
-MiB = 1024**2
 # Memory llama.cpp takes beyond the weights and the KV cache: compute buffers, the logits row,
 # the tokenizer's tables. Measured with llama-cpp-python 0.3 on CPU (RSS after loading and
 # one generation, minus weights and KV cache): 23 MiB for SmolLM2-135M (49,152 tokens) and
@@ -39,7 +40,7 @@ DEFAULT_MAX_SLOTS = 8
 MAX_SLOTS = 64
 
 
-def context_for(model_context: int, requested: int | None, role: str = "chat") -> int:
+def context_for(model_context: int, requested: int | None, role: InstanceRole = "chat") -> int:
     """The context an instance is served with: what was asked for, else the default (of its
     role), never more than the model was trained for (when that is known)."""
     if requested is not None:

@@ -30,6 +30,7 @@ from bus.events import (
     NodeTimedOut,
     PlacementRejected,
 )
+from bus.states import INSTANCE_UNPLACED
 from projectors.rows import InstanceRow, NodeRow, RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
@@ -137,7 +138,7 @@ def _why_place(
 ) -> _Why | None:
     """Why ``inst`` needs placing now, or None when it does not."""
     avoid = frozenset(inst.avoid or [])
-    if inst.status in ("requested", "rejected"):
+    if inst.status in INSTANCE_UNPLACED:
         return _Why("", avoid)
     if inst.status != "placed":
         return None
@@ -228,7 +229,7 @@ def heartbeat_may_matter(state: ClusterState, node_id: str) -> bool:
     node = state.node(node_id)
     if node is None or node.status != "online":
         return True
-    return any(i.status in ("requested", "rejected") for i in state.instances())
+    return any(i.status in INSTANCE_UNPLACED for i in state.instances())
 
 
 def next_timeout(

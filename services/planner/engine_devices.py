@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.models.cards import Engine
+from bus.kinds import Engine
 
 
 @dataclass(frozen=True)

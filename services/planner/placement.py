@@ -36,11 +36,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 from bus.events import INT32_MAX, DeviceLayers, ShardAssignment
+from bus.kinds import DEFAULT_ROLE, Engine, InstanceRole, main_engine
 from projectors.rows import ModelRow
-from services.models.cards import Engine
 from services.models.footprint import DEFAULT_MAX_SLOTS, MAX_SLOTS, Footprint, context_for
 from services.planner.cluster import ClusterView, Device, device_layers
 from services.planner.engine_devices import ENGINE_DEVICES
@@ -55,15 +54,12 @@ from services.planner.node_plan import (
     shared_options,
 )
 from services.planner.placement_spec import (
-    DEFAULT_ROLE,
     MAX_REPLICAS,
     DeviceRef,
     PlacementSpecError,
     parse_placement_spec,
 )
 from services.planner.placement_why import gib, why_node, why_split
-
-MiB = 1024**2
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,7 @@ class ModelInfo:
 
     @classmethod
     def of(cls, model: ModelRow) -> ModelInfo:
-        engine = cast(Engine, (model.engines or ["llamacpp"])[0])
+        engine = main_engine(model.engines)
         return cls(model.model_id, Footprint.of(model), model.context_length, engine, model.node_id)
 
 
@@ -92,7 +88,7 @@ class PlacementRequest:
     generation: int = 1  # names the new runners, so each placement's are distinct
     avoid: frozenset[str] = frozenset()  # 'node:device's not to use (runners failed there)
     current: tuple[ShardAssignment, ...] = ()  # the shards placed now, when placing again
-    role: str = DEFAULT_ROLE
+    role: InstanceRole = DEFAULT_ROLE
     slots: int | None = None  # tasks each replica serves at once; None: as many as fit
     current_slots: int | None = None  # what the shards placed now serve (None: 1)
 
@@ -122,13 +118,13 @@ class Placed:
     why: str
 
 
-def max_slots(model: ModelInfo, role: str) -> int:
+def max_slots(model: ModelInfo, role: InstanceRole) -> int:
     """The most slots an instance may ask for: one for an embed instance, whose runners
     serve one request (a batch of inputs) at a time."""
     return 1 if role == "embed" else MAX_SLOTS
 
 
-def slots_problem(model: ModelInfo, role: str, slots: int) -> str | None:
+def slots_problem(model: ModelInfo, role: InstanceRole, slots: int) -> str | None:
     """Why an instance of ``model`` cannot have ``slots`` slots, or None."""
     if not 1 <= slots <= MAX_SLOTS:
         return f"slots must be between 1 and {MAX_SLOTS}, not {slots}"

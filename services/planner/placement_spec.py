@@ -41,14 +41,14 @@ from types import MappingProxyType
 from typing import Any
 
 from bus.events import ACCELERATOR_BACKENDS
+from bus.kinds import DEFAULT_ROLE, InstanceRole, is_role
 from services.models.footprint import MAX_SLOTS
 
 # A new role is one new row here: parsing, checks and messages all read this table.
-ROLES: dict[str, str] = {
+ROLES: dict[InstanceRole, str] = {
     "chat": "the model that answers chat completions",
     "embed": "the model that computes embeddings",
 }
-DEFAULT_ROLE = "chat"
 MAX_REPLICAS = 64
 
 _KEYS = ("devices", "replicas", "slots", "tensor_split")
@@ -210,7 +210,7 @@ class PlacementSpec:
 
     # Read-only, so that a frozen spec cannot change under whoever holds it; left out of the
     # hash because a mapping has none.
-    roles: Mapping[str, RolePlacement] = field(hash=False)
+    roles: Mapping[InstanceRole, RolePlacement] = field(hash=False)
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -237,9 +237,8 @@ class PlacementSpec:
         return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
     def for_role(self, role: str) -> RolePlacement:
-        _check_role(role)
         try:
-            return self.roles[role]
+            return self.roles[_check_role(role)]
         except KeyError:
             raise PlacementSpecError(
                 f"the placement has no entry for role {role!r} "
@@ -260,26 +259,24 @@ def parse_placement_spec(raw: str) -> PlacementSpec:
         raise PlacementSpecError(
             f"a placement is a JSON object keyed by role, e.g. {_EXAMPLE}, not {_kind(data)}"
         )
-    roles: dict[str, RolePlacement] = {}
+    roles: dict[InstanceRole, RolePlacement] = {}
     for role, entry in data.items():
-        _check_role(role)
         try:
-            roles[role] = _parse_entry(entry)
+            roles[_check_role(role)] = _parse_entry(entry)
         except PlacementSpecError as exc:
             raise PlacementSpecError(f"role {role!r}: {exc}") from None
     return PlacementSpec(roles)
 
 
-def instance_role(raw: str | None, asked: str | None = None) -> str:
+def instance_role(raw: str | None, asked: str | None = None) -> InstanceRole:
     """The role an instance request is for: the one asked for, else the placement's only
     role (``{"embed": {...}}`` asks for an embed instance), else the default. A placement
     without an entry for that role is refused."""
     if raw is None:
-        if asked is not None:
-            _check_role(asked)
-        return asked or DEFAULT_ROLE
+        return _check_role(asked) if asked is not None else DEFAULT_ROLE
     spec = parse_placement_spec(raw)
-    role = asked or (next(iter(spec.roles)) if len(spec.roles) == 1 else DEFAULT_ROLE)
+    only = next(iter(spec.roles)) if len(spec.roles) == 1 else DEFAULT_ROLE
+    role = _check_role(asked) if asked is not None else only
     spec.for_role(role)
     return role
 
@@ -354,9 +351,10 @@ def _parse_whole(value: object, key: str) -> int:
     return value
 
 
-def _check_role(role: str) -> None:
-    if role not in ROLES:
+def _check_role(role: str) -> InstanceRole:
+    if not is_role(role):
         raise PlacementSpecError(f"unknown role {role!r} (known roles: {_known_roles()})")
+    return role
 
 
 def _known_roles() -> str:

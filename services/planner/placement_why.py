@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.models.cards import Engine
+from bus.kinds import Engine
+from bus.units import MiB
 from services.models.footprint import Footprint
 from services.planner.cluster import ClusterView, Device
 from services.planner.engine_devices import ENGINE_DEVICES
 from services.planner.node_plan import CPU, GPUS, GPUS_AND_CPU, ONE_GPU, Option, Stages
-
-MiB = 1024**2
 
 
 def why_node(

@@ -8,6 +8,7 @@ must match, how many log-probabilities to report) and yields ``Token``s; the sha
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,6 +19,16 @@ from bus.events import SamplingParams
 MAX_TOP_LOGPROBS = 20
 # What a log-probability of minus infinity is reported as: JSON has no infinity.
 LOGPROB_FLOOR = -9999.0
+
+
+def floored(logprob: float) -> float:
+    """A log-probability as reported: at least ``LOGPROB_FLOOR`` (minus infinity and NaN too)."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def request_seed(params: SamplingParams) -> int:
+    """The request's seed, or a random one (64 bits) when it gives none."""
+    return params.seed if params.seed is not None else int.from_bytes(os.urandom(8))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bus.events import FinishReason, SamplingParams, TokenLogprob, ToolCallDelta, TopLogprob
-from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
+from services.runner.decoding import MAX_TOP_LOGPROBS, Decoding, PromptCached, PromptScores, Token
 from services.runner.stops import StopMatcher
 
 
@@ -111,6 +111,23 @@ class ScoredPrompt:
 
 class InvalidRequest(ValueError):
     """The task cannot be served as asked; the message says why, for TaskFailed."""
+
+
+def check_against_vocabulary(
+    params: SamplingParams, n_vocab: int, top_logprobs: int | None
+) -> None:
+    """What depends on the model's vocabulary, checked by every engine before it computes
+    anything (the value ranges are ``check_request``'s)."""
+    outside = sorted(t for t in params.logit_bias if not 0 <= t < n_vocab)
+    if outside:
+        raise InvalidRequest(
+            f"logit_bias names token {outside[0]}, outside the model's vocabulary of"
+            f" {n_vocab} tokens"
+        )
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}"
+        )
 
 
 def check_request(

@@ -103,8 +103,8 @@ async def run_llamacpp(
     stage (an RPC server; the head sends it its layers)."""
     # Engines are imported where used: every `shoal` command imports this module, and
     # llama_cpp or mlx_lm (with transformers) take seconds to import.
-    from services.runner.engines.llamacpp import LlamaCppEngine
-    from services.runner.llamacpp_pipeline import connect_stages, serve_stage
+    from services.runner.engines.llamacpp.engine import LlamaCppEngine
+    from services.runner.engines.llamacpp.pipeline import connect_stages, serve_stage
 
     if spec.shard.rank > 0:
         await serve_stage(spec, state, stop)
@@ -116,7 +116,7 @@ async def run_llamacpp(
     path = await model_path(spec, state, nc)
     await state.report("Loading", progress=0.0)
     if spec.role == "embed":
-        from services.runner.engines.llamacpp_embed import LlamaCppEmbedder
+        from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
 
         embedder = LlamaCppEmbedder(path, n_ctx=spec.n_ctx, n_threads=spec.n_threads, **offload)
         await asyncio.to_thread(embedder.load)
@@ -138,7 +138,7 @@ def whole_model_offload(shard: ShardAssignment) -> dict[str, Any]:
     """``Llama``'s arguments that put the shard where it was placed; ``UnsupportedDevice``
     when llama.cpp here does not offer its accelerators."""
     if accelerators(shard):
-        from services.runner.engines.ggml_devices import list_devices
+        from services.runner.engines.llamacpp.devices import list_devices
 
         problem = offload_problem(shard, list_devices())
         if problem is not None:
@@ -159,8 +159,8 @@ async def run_mlx(
     """A whole MLX model, or one rank of an MLX ring: the head serves, the others follow."""
     if spec.role == "embed":
         raise UnsupportedEngine("embeddings are not supported on the mlx engine")
-    from services.runner.engines.mlx import MlxEngine
-    from services.runner.mlx_stages import follow, load_head, ring_shard
+    from services.runner.engines.mlx.engine import MlxEngine
+    from services.runner.engines.mlx.stages import follow, load_head, ring_shard
 
     use_mlx_device(spec.shard)
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from bus.events import AcceleratorBackend, ShardAssignment
-from services.runner.engines.ggml_devices import GgmlDevice, model_devices
+from services.runner.engines.llamacpp.devices import GgmlDevice, model_devices
 
 # llama.h's enum llama_split_mode (the module stays free of llama_cpp, which is slow to import).
 SPLIT_MODE_NONE = 0

@@ -20,7 +20,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
 from bus.events import RunnerStateChanged, ShardAssignment, parse_event
-from bus.states import SERVING, RunnerState
+from bus.states import RUNNER_ENDED, SERVING, RunnerState
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class Peers:
         if (
             joined is not None
             and self.lost is None
-            and (view.state in ("Failed", "Stopped") or (view.endpoint or joined) != joined)
+            and (view.state in RUNNER_ENDED or (view.endpoint or joined) != joined)
         ):
             self.lost = view.describe()
         self._changed.set()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from bus.events import InstanceRole, ShardAssignment, WeightFile
+from bus.events import ShardAssignment, WeightFile
+from bus.kinds import InstanceRole
 
 
 class RunnerSpec(BaseModel):

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from nats.aio.client import Client
 
-from services.models.cards import PackageSource, builtin_cards, card_for
+from services.models.cards import PackageSource
+from services.models.catalogue import builtin_cards, card_for
 from services.models.resolve import ProgressThrottle, local_path, resolve_model
 from services.models.shared import shard_model_path
 from services.models.weights_cache import WeightsCache, sha256_of

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from bus.events import Accelerator
-from services.runner.engines.ggml_devices import GgmlDevice
+from services.runner.engines.llamacpp.devices import GgmlDevice
 
 
 class NvidiaGpu(BaseModel):

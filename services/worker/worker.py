@@ -33,6 +33,7 @@ from bus.events import (
     parse_event,
     utc_now,
 )
+from bus.kinds import main_engine
 from bus.publisher import Publisher
 from bus.streams import StreamSettings, ensure_streams
 from bus.subjects import aggregate_filter
@@ -220,7 +221,7 @@ class Worker:
             model_id=inst.model_id,
             shard=shard,
             role=inst.role,
-            engine=(model.engines or ["llamacpp"])[0] if model is not None else "llamacpp",
+            engine=main_engine(model.engines if model is not None else None),
             model_path=model.path if model is not None else None,
             files=[WeightFile.model_validate(f) for f in (model.files or [])] if model else [],
             source=model.source if model is not None else "",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from bus.embedded import EmbeddedNats, free_port
-from tests.api.shoal_up import wait_healthy
 from tests.api.up_cluster import up_cluster
+from tests.services.cli.shoal_up import wait_healthy
 from tests.services.processes import Processes
 
 __all__ = ["ApiStack", "up_cluster", "wait_healthy"]

@@ -36,14 +36,14 @@ from api.errors import ApiError, error_response
 from api.projection import serving_slots
 from api.serving_verdicts import ServingVerdicts
 from bus.embedded import free_port
-from bus.events import InstanceRole
+from bus.kinds import InstanceRole
 from bus.states import InstanceStatus, RunnerState
 from projectors.rows import InstanceRow, RunnerRow
 from projectors.state import ClusterState, Put
 from services.cli.state import read_admission
 from tests.api.conftest import wait_healthy
-from tests.api.shoal_up import KEY, MODEL, Drained, start
 from tests.api.up_cluster import UpCluster
+from tests.services.cli.shoal_up import KEY, MODEL, Drained, start
 from tests.services.processes import SHOAL
 
 

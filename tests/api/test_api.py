@@ -21,11 +21,11 @@ from bus.events import (
     parse_event,
 )
 from bus.publisher import Publisher
+from bus.units import MiB
 from tests.api.conftest import ApiStack, wait_healthy
 
 pytestmark = pytest.mark.slow
 
-MiB = 1024**2
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -28,9 +28,9 @@ from openai.types.chat import (
 from pydantic import BaseModel
 
 import tests.api.asks as asks
-from services.runner.engines.llamacpp import LlamaCppEngine
-from tests.api.shoal_up import KEY, MODEL
+from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from tests.api.up_cluster import UpCluster
+from tests.services.cli.shoal_up import KEY, MODEL
 
 pytestmark = pytest.mark.slow
 

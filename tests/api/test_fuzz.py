@@ -54,6 +54,7 @@ from bus.events import (
     ShardAssignment,
 )
 from bus.publisher import Publisher
+from bus.units import GiB
 from tests.api.conftest import ApiStack, wait_healthy
 from tests.services.processes import Processes
 
@@ -61,7 +62,6 @@ T = TypeVar("T")
 Case = schemathesis.Case[Any]
 Operation = schemathesis.APIOperation[Any, Any, Any, Any]
 
-GiB = 1024**3
 KNOWN_MODEL = "tiny"  # known to the seeded stacks; context_length 0 (unknown), no runner
 NODE = "node-a"
 REQUEST_TIMEOUT_S = 10.0  # no request may take longer: beyond this it counts as a hang

@@ -1,6 +1,6 @@
 """GET /metrics: the pure parts on their own, then a real API, projector and nats-server.
 
-Tokens and time to first token need a runner: tests/api/test_up.py checks them against
+Tokens and time to first token need a runner: tests/services/cli/test_up.py checks them against
 `shoal up` with SmolLM2.
 """
 
@@ -46,10 +46,10 @@ from bus.events import (
 )
 from bus.publisher import Publisher
 from bus.states import NodeStatus, RunnerState
+from bus.units import MiB
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
 from tests.api.conftest import ApiStack, wait_healthy
 
-MiB = 1024**2
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 

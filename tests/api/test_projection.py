@@ -7,7 +7,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
 from api.projection import coming_back, require_serving, serving
-from bus.events import InstanceRole
+from bus.kinds import InstanceRole
 from bus.states import InstanceStatus, RunnerState
 from projectors import database
 from projectors.rows import InstanceRow, ModelRow, RunnerRow

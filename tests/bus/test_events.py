@@ -57,8 +57,8 @@ from bus.events import (
     subject_event_type,
 )
 from bus.subjects import unescape_token
+from bus.units import GiB
 
-GiB = 1024**3
 TS = datetime(2026, 11, 1, 12, 0, 0, 123456, tzinfo=UTC)
 MODEL = "Qwen2.5-0.5B"
 

@@ -30,7 +30,7 @@ from projectors import database
 from projectors.rows import RunnerRow, TaskRow
 from projectors.store import load_state, read_offset
 from services.cli.models import publish_model
-from services.models.cards import builtin_cards
+from services.models.catalogue import builtin_cards
 from tests.api.conftest import wait_healthy
 from tests.services.event_log import EventLog
 from tests.services.processes import Processes

@@ -36,6 +36,7 @@ from bus.events import (
     Usage,
     parse_event,
 )
+from bus.units import GiB
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, Row, RunnerRow, TaskRow
 from projectors.rules import changes_for, fold
 from projectors.state import ClusterState, Delete, Put
@@ -43,7 +44,6 @@ from tests.bus.test_events import SAMPLES
 from tests.history import history
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
-GiB = 1024**3
 
 
 def at(seconds: float) -> datetime:

@@ -21,10 +21,10 @@ from bus.embedded import EmbeddedNats, free_port
 from bus.events import InstancePlaced, ModelAdded, NodeJoined, RunnerStateChanged
 from bus.object_store import object_info
 from bus.streams import MODELS_BUCKET
-from services.models.cards import card_for
+from services.models.catalogue import card_for
 from services.models.resolve import resolve_model
 from services.models.weights_cache import sha256_of
-from tests.api.shoal_up import wait_healthy
+from tests.services.cli.shoal_up import wait_healthy
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes
 

@@ -39,7 +39,7 @@ from bus.events import (
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
 from bus.subjects import event_subject
-from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.job import prepare
 from services.runner.serve import tasks_consumer_name
 from tests.services.event_log import EventLog

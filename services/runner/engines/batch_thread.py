@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -62,9 +62,42 @@ G = TypeVar("G", bound=Generation)
 
 
 def max_new(prompt: list[int], decoding: Decoding, n_ctx: int) -> int:
+    """Tokens a generation may make: what the request and the context leave room for."""
     room = n_ctx - len(prompt)
     asked = decoding.params.max_tokens
     return room if asked is None else min(asked, room)
+
+
+Item = Token | PromptScores | PromptCached
+
+
+def taken_from(
+    outbox: queue.SimpleQueue[object],
+    cond: threading.Condition,
+    took: Callable[[], None],
+    left: Callable[[], None],
+) -> Generator[Item]:
+    """The consumer's side of a generation a decoding thread puts into ``outbox`` (items, then
+    ``END`` or the exception it ends with), on the consumer's thread: ``took`` after each token
+    it took and ``left`` once it is gone (done, or stopped taking), both under ``cond``, which
+    is notified, so that the decoding thread steps on, or frees the slot."""
+    try:
+        while True:
+            item = outbox.get()
+            if item is END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, Token | PromptScores | PromptCached)
+            yield item
+            if isinstance(item, Token):
+                with cond:
+                    took()
+                    cond.notify()
+    finally:
+        with cond:
+            left()
+            cond.notify()
 
 
 class DecodingThread(ABC, Generic[G]):
@@ -110,23 +143,14 @@ class DecodingThread(ABC, Generic[G]):
                 raise self._closed_with
             self._waiting.append(gen)
             self._cond.notify()
-        try:
-            while True:
-                item = gen.outbox.get()
-                if item is END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, Token | PromptScores | PromptCached)
-                yield item
-                if isinstance(item, Token):
-                    with self._cond:
-                        gen.taken += 1
-                        self._cond.notify()
-        finally:
-            with self._cond:
-                gen.released = True
-                self._cond.notify()
+
+        def took() -> None:
+            gen.taken += 1
+
+        def left() -> None:
+            gen.released = True
+
+        yield from taken_from(gen.outbox, self._cond, took, left)
 
     # --- the decoding thread ---------------------------------------------------------------------
 

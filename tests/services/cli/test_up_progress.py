@@ -29,8 +29,8 @@ def _runner(
         world_size=2,
         start_layer=start,
         end_layer=end,
-        **kw,
-    )  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def test_an_instance_waiting_for_the_planner_has_no_measure_of_progress() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.models.cards import card_for
+from services.models.catalogue import card_for
 from services.models.resolve import resolve_model
 
 

@@ -6,14 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from bus.events import ModelAdded
-from services.models.cards import (
-    ModelCard,
-    PackageSource,
-    PathSource,
-    UnknownModel,
-    builtin_cards,
-    card_for,
-)
+from services.models.cards import ModelCard, PackageSource, PathSource
+from services.models.catalogue import UnknownModel, builtin_cards, card_for
 
 
 def test_builtin_cards() -> None:

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hf_constants
 
-from services.models.cards import HfSource, PackageSource, card_for
+from services.models.cards import HfSource, PackageSource
 from services.models.catalogue import (
     CATALOGUE_DIR,
     CatalogueError,
+    card_for,
     catalogue_cards,
     catalogue_entries,
     load_entry,

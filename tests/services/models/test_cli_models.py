@@ -24,11 +24,11 @@ from bus.object_store import digest_hex, object_info
 from bus.publisher import Publisher
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM, MODELS_BUCKET
+from bus.units import GiB
 from projectors import database
 from services.models.weights_cache import sha256_of
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
-GiB = 1024**3
 
 
 async def shoal(

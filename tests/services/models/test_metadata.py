@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
+from bus.units import MiB
 from services.models.footprint import Footprint, engine_overhead_bytes
 from services.models.metadata import (
     OVERHEAD_FIXED_BYTES,
@@ -21,8 +22,6 @@ from services.models.metadata import (
     read_gguf,
     read_gguf_fields,
 )
-
-MiB = 1024**2
 
 
 def test_smollm2(smollm2_path: Path) -> None:

@@ -15,7 +15,8 @@ import pytest
 from huggingface_hub import constants as hf_constants
 
 from bus.embedded import free_port
-from services.models.cards import HfSource, ModelCard, PackageSource, PathSource, card_for
+from services.models.cards import HfSource, ModelCard, PackageSource, PathSource
+from services.models.catalogue import card_for
 from services.models.resolve import ModelUnavailable, ProgressThrottle, local_path, resolve_model
 
 # --- progress throttling --------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import cast
 
 from bus.events import (
     Accelerator,
@@ -26,17 +25,15 @@ from bus.events import (
     RunnerStateChanged,
     ShardAssignment,
 )
+from bus.kinds import Engine
 from bus.states import RunnerState
 from projectors.rules import fold
 from projectors.state import ClusterState
-from services.models.cards import Engine
 from services.models.footprint import Footprint
 from services.planner.cluster import ClusterView, cluster_view, device_layers
 from services.planner.decisions import Decision, PlannerPolicy, decide
 from services.planner.placement import ModelInfo, Placement, PlacementRequest, Rejection
 
-MiB = 1024**2
-GiB = 1024**3
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 # A shard's place in a placement, for comparing whole layouts at once:
@@ -269,8 +266,7 @@ def info(added: ModelAdded) -> ModelInfo:
         kv_bytes_per_token=added.kv_bytes_per_token,
         overhead_bytes=added.overhead_bytes,
     )
-    engine = cast(Engine, added.engines[0])
-    return ModelInfo(added.model_id, footprint, added.context_length, engine)
+    return ModelInfo(added.model_id, footprint, added.context_length, added.engines[0])
 
 
 def ask(

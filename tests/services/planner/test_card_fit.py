@@ -3,9 +3,10 @@ downloaded) or from what the cluster knows of it."""
 
 from __future__ import annotations
 
-from services.models.cards import card_for
+from bus.units import GiB
+from services.models.catalogue import card_for
 from services.planner.card_fit import card_info, fits_now
-from tests.services.planner.builders import GiB, fold_all, model, node
+from tests.services.planner.builders import fold_all, model, node
 
 
 def test_a_card_estimates_what_placement_needs() -> None:

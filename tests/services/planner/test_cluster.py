@@ -4,10 +4,9 @@ placed."""
 from __future__ import annotations
 
 from bus.events import Event, InstanceDeleted, InstanceDeleteRequested, NodeLeft, NodeTimedOut
+from bus.units import GiB, MiB
 from services.planner.cluster import ClusterView, Device, cluster_view
 from tests.services.planner.builders import (
-    GiB,
-    MiB,
     at,
     fold_all,
     gpu,

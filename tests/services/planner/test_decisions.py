@@ -15,6 +15,7 @@ from bus.events import (
     NodeTimedOut,
     PlacementRejected,
 )
+from bus.units import GiB
 from projectors.state import ClusterState
 from services.planner.decisions import (
     Decision,
@@ -25,7 +26,6 @@ from services.planner.decisions import (
 )
 from tests.services.planner.builders import (
     POLICY,
-    GiB,
     Where,
     at,
     failures,

@@ -17,24 +17,14 @@ from nats.js import JetStreamContext
 from bus.embedded import EmbeddedNats
 from bus.events import InstancePlaced, InstanceRequested
 from bus.publisher import Publisher
+from bus.units import GiB, MiB
 from projectors.rules import changes_for
 from services.models.footprint import DEFAULT_EMBED_CONTEXT_LENGTH, context_for
 from services.planner.decisions import decide
 from services.planner.placement import place
 from services.planner.placement_spec import instance_role
 from services.worker.worker import Worker, WorkerConfig
-from tests.services.planner.builders import (
-    POLICY,
-    GiB,
-    MiB,
-    ask,
-    at,
-    fold_all,
-    model,
-    node,
-    placement,
-    view,
-)
+from tests.services.planner.builders import POLICY, ask, at, fold_all, model, node, placement, view
 from tests.services.planner.test_planner import _nodes
 from tests.services.processes import SHOAL, Processes
 

@@ -10,13 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bus.events import AcceleratorBackend, Event, NodeLeft, NodeTimedOut
+from bus.units import GiB, MiB
 from services.planner.cluster import ClusterView, device_layers
 from services.planner.placement import Placement, place
 from services.planner.placement_spec import MAX_REPLICAS
 from services.planner.placement_why import gib
 from tests.services.planner.builders import (
-    GiB,
-    MiB,
     accelerator,
     ask,
     at,

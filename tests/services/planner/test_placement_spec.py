@@ -7,8 +7,8 @@ import re
 
 import pytest
 
+from bus.kinds import DEFAULT_ROLE, INSTANCE_ROLES, InstanceRole
 from services.planner.placement_spec import (
-    DEFAULT_ROLE,
     ROLES,
     DeviceRef,
     PlacementSpec,
@@ -379,16 +379,14 @@ def test_the_embed_role_has_its_own_entry() -> None:
         spec.for_role("chat")
 
 
-def test_a_new_role_is_one_row_in_roles(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(ROLES, "rerank", "the model that ranks passages")
-    spec = parse_placement_spec('{"rerank": {"devices": ["node-a:cpu"]}}')
-    assert spec.for_role("rerank").devices == devs("node-a:cpu")
-    with pytest.raises(PlacementSpecError, match=re.escape("(known roles: chat, embed, rerank)")):
+def test_every_role_of_the_vocabulary_is_described_and_no_other_is_taken() -> None:
+    assert set(ROLES) == set(INSTANCE_ROLES)
+    with pytest.raises(PlacementSpecError, match=re.escape("(known roles: chat, embed)")):
         parse_placement_spec('{"summarise": {"devices": ["node-a:cpu"]}}')
 
 
 def test_a_spec_cannot_be_changed_through_its_roles() -> None:
-    roles = {"chat": RolePlacement(devs("n:cpu"))}
+    roles: dict[InstanceRole, RolePlacement] = {"chat": RolePlacement(devs("n:cpu"))}
     spec = PlacementSpec(roles)
     roles.clear()
     assert spec.for_role("chat").devices == devs("n:cpu")

@@ -27,12 +27,11 @@ from bus.events import (
     ResourceProfiled,
 )
 from bus.publisher import Publisher
+from bus.units import MiB
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes
 
 pytestmark = pytest.mark.slow
-
-MiB = 1024**2
 
 
 async def _nodes(pub: Publisher, offered: dict[str, int], heartbeat_s: float = 3600) -> None:

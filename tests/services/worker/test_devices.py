@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 from bus.events import Accelerator
-from services.runner.engines.ggml_devices import GgmlDevice, list_devices, model_devices
+from bus.units import GiB
+from services.runner.engines.llamacpp.devices import GgmlDevice, list_devices, model_devices
 from services.worker.device_probe import Probe, probe, worth_probing
 from services.worker.devices import MlxGpu, NvidiaGpu, accelerators, pci_bus_id
 from services.worker.profile import collect_profile
 
-GiB = 1024**3
 ROOT = Path(__file__).parents[3]
 
 

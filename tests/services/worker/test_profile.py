@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from bus.events import ResourceProfiled, parse_event
+from bus.units import GiB
 from services.worker.profile import (
     collect_profile,
     cpu_model,
@@ -19,8 +20,6 @@ from services.worker.profile import (
     parse_memory_limit,
     rss_bytes,
 )
-
-GiB = 1024**3
 
 
 def test_the_profile_describes_this_machine(tmp_path: Path) -> None:

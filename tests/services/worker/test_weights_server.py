@@ -18,12 +18,11 @@ from nats.js import JetStreamContext
 from bus.events import WeightFile
 from bus.object_store import partial_paths
 from bus.streams import MODELS_BUCKET
+from bus.units import MiB
 from services.models.shared import WeightsUnavailable, fetch_files, store_files
 from services.models.weight_offers import ask_for_offer
 from services.models.weights_cache import WeightsCache, sha256_of
 from services.worker.weights_server import WeightsServer
-
-MiB = 1024 * 1024
 
 
 @pytest.fixture

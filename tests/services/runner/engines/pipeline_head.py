@@ -34,8 +34,8 @@ from typing import Any
 from bus.events import TaskCreated
 from services.runner.decoding import Decoding, Grammar, PromptScores, Token
 from services.runner.engines.base import Engine
-from services.runner.engines.mlx_head import PipelineHead
-from services.runner.engines.mlx_ring import PipelineBroken, PipelineShard
+from services.runner.engines.mlx.head import PipelineHead
+from services.runner.engines.mlx.ring import PipelineBroken, PipelineShard
 from services.runner.generation import InvalidRequest, ScoredPrompt, check_request, steps
 
 

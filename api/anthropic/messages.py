@@ -1,0 +1,556 @@
+"""Anthropic's Messages API: the request bodies Shoal accepts, how they become a
+``TaskCreated``, and the responses made from a task's chunks (whole, or as Anthropic's named
+stream events). Pure: bodies in, task fields out; chunks in, dicts and events out.
+
+Every field that changes the answer is honoured or refused with a 400 that names it (extended
+thinking, server tools, MCP servers, containers, a prefilled assistant turn, images and
+documents for models that read text); fields that do not (``metadata``, ``cache_control``,
+``service_tier``...) are accepted, as are fields Anthropic does not define.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from api.body import JsonSchema, RequestBody, ToolParameters
+from api.errors import ApiError, anthropic_error_body
+from api.reply import Reply
+from api.serving import Output, sse
+from api.task_stream import TaskStream
+from bus.events import (
+    INT32_MAX,
+    ChatMessage,
+    ChunkGenerated,
+    FinishReason,
+    ResponseFormat,
+    SamplingParams,
+    TaskCreated,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    Usage,
+    new_id,
+)
+
+MAX_TOOLS = 128
+MAX_STOPS = 64
+# Anthropic's rule for tool names.
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+
+
+# --- requests -------------------------------------------------------------------------------
+
+# Blocks a text model cannot read: the answer would be about something it never saw.
+_UNREADABLE = {"image": "an image", "document": "a document", "search_result": "a search result"}
+# Blocks of Anthropic's server tools (and containers): Shoal runs no tools of its own.
+_SERVER = (
+    "server_tool_use",
+    "web_search_tool_result",
+    "web_fetch_tool_result",
+    "code_execution_tool_result",
+    "bash_code_execution_tool_result",
+    "text_editor_code_execution_tool_result",
+    "tool_search_tool_result",
+    "container_upload",
+    "mcp_tool_use",
+    "mcp_tool_result",
+)
+# Anthropic leaves an earlier turn's thinking out of what the model reads: so does Shoal.
+_THINKING = ("thinking", "redacted_thinking")
+_ALLOWED = {
+    "user": ("text", "tool_result"),
+    "assistant": ("text", "tool_use", *_THINKING),
+    "system": ("text",),
+}
+
+
+class Block(RequestBody):
+    """A content block of any type; what a type needs is checked by the message holding it,
+    which says what is wrong with which block."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None  # tool_use
+    input: Any = None  # tool_use
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[Block] | None = None  # tool_result
+    is_error: bool | None = None  # tool_result
+
+
+def _block_problem(block: Block, allowed: tuple[str, ...]) -> str | None:
+    what = _UNREADABLE.get(block.type)
+    if what is not None:
+        return (
+            f"is {what} ({block.type!r}), and the models Shoal serves read text only:"
+            " send text blocks"
+        )
+    if block.type in _SERVER:
+        return f"is a {block.type!r} block: Shoal runs no server tools"
+    if block.type not in allowed:
+        return f"a block of type {block.type!r} is not supported here"
+    if block.type == "text" and block.text is None:
+        return "a text block needs its text"
+    if block.type == "tool_use" and not (block.id and block.name and isinstance(block.input, dict)):
+        return "a tool_use block needs its id, name and input (an object)"
+    if block.type == "tool_result":
+        if not block.tool_use_id:
+            return "a tool_result block needs the tool_use_id of the call it answers"
+        for i, inner in enumerate(block.content if isinstance(block.content, list) else []):
+            if (problem := _block_problem(inner, ("text",))) is not None:
+                return _at(f"content[{i}]", problem)
+    return None
+
+
+def _at(where: str, problem: str) -> str:
+    """``content[1] is an image``, ``content[0].content[1] is an image``."""
+    return f"{where}{'.' if problem.startswith('content[') else ' '}{problem}"
+
+
+def _text(blocks: str | list[Block] | None) -> str:
+    if blocks is None:
+        return ""
+    if isinstance(blocks, str):
+        return blocks
+    return "".join(b.text or "" for b in blocks if b.type == "text")
+
+
+class Message(RequestBody):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[Block]
+
+    @model_validator(mode="after")
+    def _blocks(self) -> Message:
+        for i, block in enumerate(self.content if isinstance(self.content, list) else []):
+            if (problem := _block_problem(block, _ALLOWED[self.role])) is not None:
+                raise ValueError(_at(f"content[{i}]", problem))
+        return self
+
+    def chat_messages(self) -> list[ChatMessage]:
+        """One message, or several: a user turn's tool results are each a ``tool`` message
+        (in their order, among its text), an assistant's tool uses are its ``tool_calls``."""
+        if isinstance(self.content, str):
+            return [ChatMessage(role=self.role, content=self.content)]
+        if self.role == "assistant":
+            calls = [
+                ToolCall(id=b.id or "", name=b.name or "", arguments=json.dumps(b.input))
+                for b in self.content
+                if b.type == "tool_use"
+            ]
+            return [ChatMessage(role="assistant", content=_text(self.content), tool_calls=calls)]
+        out: list[ChatMessage] = []
+        text: list[str] = []
+        for b in self.content:
+            if b.type == "tool_result":
+                if text:
+                    out.append(ChatMessage(role=self.role, content="".join(text)))
+                    text = []
+                result = _text(b.content)
+                # The model is told the tool failed, as Anthropic's models are.
+                result = f"Error: {result}" if b.is_error else result
+                out.append(ChatMessage(role="tool", content=result, tool_call_id=b.tool_use_id))
+            else:
+                text.append(b.text or "")
+        if text or not out:
+            out.append(ChatMessage(role=self.role, content="".join(text)))
+        return out
+
+
+class ToolDef(RequestBody):
+    """A client tool. Anthropic's own tools (``web_search_...``, ``bash_...``,
+    ``text_editor_...``, ``computer_...``) are refused: Shoal runs none."""
+
+    type: str | None = None
+    name: ToolName
+    description: str = ""
+    input_schema: ToolParameters | None = None
+    input_examples: list[Any] | None = None
+    defer_loading: bool | None = None
+    strict: bool | None = None  # every call is constrained to the schema anyway
+
+    @model_validator(mode="after")
+    def _client_tool(self) -> ToolDef:
+        if self.type not in (None, "custom"):
+            raise ValueError(
+                f"tools of type {self.type!r} are not supported: Shoal runs no"
+                " server tools, send client tools (name, input_schema)"
+            )
+        if self.input_schema is None:
+            raise ValueError(f"the tool {self.name!r} needs its input_schema")
+        if self.input_examples:
+            raise ValueError("input_examples is not supported")
+        if self.defer_loading:
+            raise ValueError("defer_loading (tool search) is not supported")
+        return self
+
+    def event(self) -> Tool:
+        assert self.input_schema is not None
+        return Tool(name=self.name, description=self.description, parameters=self.input_schema)
+
+
+class ToolChoiceIn(RequestBody):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoiceIn:
+        if self.type == "tool" and not self.name:
+            raise ValueError("a tool_choice of type 'tool' needs the tool's name")
+        return self
+
+
+class Thinking(RequestBody):
+    type: str
+
+
+class JsonOutputFormat(RequestBody):
+    type: str
+    schema_: JsonSchema = Field(default_factory=dict, alias="schema")
+
+    @model_validator(mode="after")
+    def _json_schema(self) -> JsonOutputFormat:
+        if self.type != "json_schema":
+            raise ValueError(
+                f"an output format of type {self.type!r} is not supported: send 'json_schema'"
+            )
+        return self
+
+
+class OutputConfig(RequestBody):
+    format: JsonOutputFormat | None = None
+    effort: str | None = None
+
+    @field_validator("effort")
+    @classmethod
+    def _no_effort(cls, effort: str | None) -> str | None:
+        if effort is not None:
+            raise ValueError(
+                "effort is not supported: the models Shoal serves do not think"
+                " apart from their answer"
+            )
+        return effort
+
+
+class Metadata(RequestBody):
+    user_id: Annotated[str, Field(max_length=255)] | None = None
+
+
+class MessagesBody(RequestBody):
+    """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share: the conversation as the
+    model reads it."""
+
+    model: Annotated[str, Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[Block] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoiceIn | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the structured-outputs beta's name
+    metadata: Metadata | None = None
+    # Answer-changing fields Shoal cannot honour (see _consistent).
+    thinking: Thinking | None = None
+    container: Any = None
+    mcp_servers: list[Any] | None = None
+    context_management: Any = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MessagesBody:
+        if self.thinking is not None and self.thinking.type != "disabled":
+            raise ValueError(
+                f"thinking of type {self.thinking.type!r} is not supported: the"
+                " models Shoal serves do not think apart from their answer (send"
+                " no thinking, or type 'disabled')"
+            )
+        if self.container is not None:
+            raise ValueError("container is not supported: Shoal runs no code execution")
+        if self.mcp_servers:
+            raise ValueError("mcp_servers is not supported: Shoal connects to no MCP server")
+        if self.context_management is not None:
+            raise ValueError("context_management is not supported")
+        for i, block in enumerate(self.system if isinstance(self.system, list) else []):
+            if (problem := _block_problem(block, ("text",))) is not None:
+                raise ValueError(_at(f"system[{i}]", problem))
+        if self.messages[-1].role == "assistant":
+            raise ValueError(
+                "the last message is the assistant's (a prefill, to be continued):"
+                " not supported, end with a user message"
+            )
+        names = [t.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools have the same name")
+        choice = self.tool_choice
+        if choice is not None and choice.type in ("any", "tool") and not names:
+            raise ValueError(f"tool_choice {choice.type!r} needs tools")
+        if choice is not None and choice.type == "tool" and choice.name not in names:
+            raise ValueError(
+                f"tool_choice names the tool {choice.name!r}, which is not among the tools"
+            )
+        return self
+
+    def chat_messages(self) -> list[ChatMessage]:
+        system = _text(self.system)
+        head = [ChatMessage(role="system", content=system)] if system else []
+        return head + [c for m in self.messages for c in m.chat_messages()]
+
+    def response_format(self) -> ResponseFormat | None:
+        fmt = self.output_format or (self.output_config.format if self.output_config else None)
+        if fmt is None:
+            return None
+        return ResponseFormat(type="json_schema", name="output", json_schema=fmt.schema_)
+
+    def task_fields(self) -> dict[str, Any]:
+        """What the task carries besides its messages and sampling."""
+        tools = [t.event() for t in self.tools or []]
+        choice = self.tool_choice
+        if choice is None or choice.type == "auto":
+            tool_choice = ToolChoice(mode="auto" if tools else "none")
+        elif choice.type == "any":
+            tool_choice = ToolChoice(mode="required")
+        elif choice.type == "tool":
+            tool_choice = ToolChoice(mode="function", name=choice.name)
+        else:
+            tool_choice = ToolChoice(mode="none")
+        return {
+            "messages": self.chat_messages(),
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": not (choice and choice.disable_parallel_tool_use),
+            "response_format": self.response_format(),
+            "user": self.metadata.user_id if self.metadata else None,
+        }
+
+
+class MessagesRequest(MessagesBody):
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)]
+    stop_sequences: Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    stream: bool = False
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            stop=[s for s in self.stop_sequences or [] if s],
+        )
+
+
+def task_for(body: MessagesBody, model_id: str, origin: str, params: SamplingParams) -> TaskCreated:
+    return TaskCreated(
+        task_id=new_id(),
+        model_id=model_id,
+        origin=origin,
+        kind="chat",
+        params=params,
+        **body.task_fields(),
+    )
+
+
+# A task that only counts its prompt: the runner generates at least one token for a chat
+# (``check_request``: 0 is for a completion that scores its prompt), so it generates one, as
+# cheaply as it can, and the count is the prompt's tokens in its usage.
+COUNTING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+# --- responses ------------------------------------------------------------------------------
+
+_STOP_REASONS: dict[FinishReason, str] = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "cancelled": "end_turn",
+    "error": "end_turn",
+}
+
+
+def stop_reason(reply: Reply) -> str:
+    if reply.finish_reason == "stop" and reply.stop_sequence is not None:
+        return "stop_sequence"
+    return _STOP_REASONS[reply.finish_reason] if reply.finish_reason else "end_turn"
+
+
+def stop_sequence(reply: Reply) -> str | None:
+    return reply.stop_sequence if reply.finish_reason == "stop" else None
+
+
+def usage(u: Usage | None) -> dict[str, int]:
+    """Anthropic counts a prompt's cached part apart from its ``input_tokens``."""
+    cached = u.cached_tokens if u else 0
+    return {
+        "input_tokens": u.prompt_tokens - cached if u else 0,
+        "output_tokens": u.completion_tokens if u else 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's ``input`` is; a call cut off by
+    ``max_tokens`` (not JSON yet) has ``{}``, with ``stop_reason: max_tokens``."""
+    try:
+        parsed = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def content(reply: Reply) -> list[dict[str, Any]]:
+    """The text block (left out when it is empty and there are calls), then a ``tool_use``
+    block per call."""
+    calls = reply.tool_calls()
+    blocks: list[dict[str, Any]] = []
+    if reply.text or not calls:
+        blocks.append({"type": "text", "text": reply.text})
+    blocks += [
+        {"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)}
+        for c in calls
+    ]
+    return blocks
+
+
+def message(
+    msg_id: str,
+    model: str,
+    blocks: list[dict[str, Any]],
+    reason: str | None,
+    sequence: str | None,
+    u: Usage | None,
+) -> dict[str, Any]:
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(u),
+    }
+
+
+def whole_message(msg_id: str, model: str, reply: Reply, u: Usage) -> dict[str, Any]:
+    return message(msg_id, model, content(reply), stop_reason(reply), stop_sequence(reply), u)
+
+
+class MessagesOut(Output):
+    """A message, whole or streamed. Streamed, content blocks are opened as their content
+    comes: the text block when the first text does, a ``tool_use`` block with each call's
+    first piece (the arguments then arrive as ``input_json_delta``s); a block is stopped when
+    the next one starts, so indices count blocks in their order (text first, as a model writes
+    it). ``message_start`` is sent with the first chunk, before the task's usage is known: its
+    ``input_tokens`` is 0, and the final ``message_delta`` carries both counts."""
+
+    def __init__(self, msg_id: str, model: str) -> None:
+        self._id = msg_id
+        self._model = model
+        self._open: str | int | None = None  # "text", a call's index, or none yet
+        self._blocks = 0  # blocks started so far
+        self._calls: dict[int, int] = {}  # a call's index -> its block's index
+
+    def opening(self, ts: TaskStream, index: int) -> str:
+        start = message(self._id, self._model, [], None, None, None)
+        return sse({"type": "message_start", "message": start}, "message_start") + sse(
+            {"type": "ping"}, "ping"
+        )
+
+    def _start(self, key: str | int, block: dict[str, Any]) -> str:
+        out = self._stop()
+        self._open = key
+        self._blocks += 1
+        index = self._blocks - 1
+        event = {"type": "content_block_start", "index": index, "content_block": block}
+        return out + sse(event, "content_block_start")
+
+    def _stop(self) -> str:
+        if self._open is None:
+            return ""
+        self._open = None
+        event = {"type": "content_block_stop", "index": self._blocks - 1}
+        return sse(event, "content_block_stop")
+
+    def _delta(self, index: int, delta: dict[str, Any]) -> str:
+        event = {"type": "content_block_delta", "index": index, "delta": delta}
+        return sse(event, "content_block_delta")
+
+    def events(self, index: int, group: list[ChunkGenerated]) -> str:
+        out = []
+        for c in group:
+            if c.text:
+                if self._open != "text":
+                    out.append(self._start("text", {"type": "text", "text": ""}))
+                out.append(self._delta(self._blocks - 1, {"type": "text_delta", "text": c.text}))
+            for d in c.tool_calls:
+                if d.index not in self._calls:
+                    block = {
+                        "type": "tool_use",
+                        "id": d.id or "",
+                        "name": d.name or "",
+                        "input": {},
+                    }
+                    out.append(self._start(d.index, block))
+                    self._calls[d.index] = self._blocks - 1
+                if d.arguments:
+                    delta = {"type": "input_json_delta", "partial_json": d.arguments}
+                    out.append(self._delta(self._calls[d.index], delta))
+        return "".join(out)
+
+    def closing(self, replies: list[Reply], usages: list[Usage]) -> str:
+        reply = replies[0]
+        # A reply with no content still has its (empty) text block, as the whole one does.
+        out = "" if self._blocks else self._start("text", {"type": "text", "text": ""})
+        why = {"stop_reason": stop_reason(reply), "stop_sequence": stop_sequence(reply)}
+        delta = {"type": "message_delta", "delta": why, "usage": usage(usages[0])}
+        return (
+            out
+            + self._stop()
+            + sse(delta, "message_delta")
+            + sse({"type": "message_stop"}, "message_stop")
+        )
+
+    def failure(self, err: ApiError) -> str:
+        return sse(anthropic_error_body(err.status, err.message), "error")
+
+    def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
+        return whole_message(self._id, self._model, replies[0], usages[0])
+
+
+class TokenCountOut(Output):
+    """``count_tokens``' answer: the prompt's tokens as the model read them (chat template,
+    tools and all). Never streamed: only the whole answer is made."""
+
+    def events(self, index: int, group: list[ChunkGenerated]) -> str:
+        return ""
+
+    def failure(self, err: ApiError) -> str:
+        return sse(anthropic_error_body(err.status, err.message), "error")
+
+    def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
+        return {"input_tokens": usages[0].prompt_tokens}
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+def model_entry(name: str, created: int) -> dict[str, Any]:
+    """One model as Anthropic's SDK reads it (``created`` in epoch seconds)."""
+    when = datetime.fromtimestamp(created, UTC).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": name, "display_name": name, "created_at": when}
+
+
+def model_list(models: list[tuple[str, int]]) -> dict[str, Any]:
+    """``GET /v1/models`` as Anthropic's SDK reads it: (name, when added) each."""
+    data = [model_entry(name, created) for name, created in models]
+    return {
+        "data": data,
+        "has_more": False,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }

@@ -1,0 +1,36 @@
+"""What every dialect's request bodies are made of: the base of their models, and the JSON
+schemas they carry (a structured output's, a tool's parameters), checked once for all."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+from services.runner.structured import schema_problem
+
+
+class RequestBody(BaseModel):
+    """A request body, or a part of one. Fields a dialect's clients send that Shoal has no use
+    for are let through unread (every SDK sends some); a field Shoal cannot honour is declared,
+    and refused with a 400 by the translation that reads it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+def _checked(schema: dict[str, Any]) -> dict[str, Any]:
+    if (problem := schema_problem(schema)) is not None:
+        raise ValueError(problem)
+    return schema
+
+
+def _object(schema: dict[str, Any]) -> dict[str, Any]:
+    if schema.get("type", "object") != "object":
+        raise ValueError("a tool's parameters are a JSON schema of type 'object'")
+    return _checked(schema)
+
+
+# A JSON schema the engine can constrain output to (schema_problem says why not).
+JsonSchema = Annotated[dict[str, Any], AfterValidator(_checked)]
+# A tool's parameters: such a schema, of an object.
+ToolParameters = Annotated[dict[str, Any], AfterValidator(_object)]

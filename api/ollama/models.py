@@ -1,0 +1,150 @@
+"""Ollama's model endpoints, translated: the entries of ``/api/tags`` and ``/api/ps`` and the
+answer of ``/api/show``, made from the projection's rows. Pure: rows in, dicts out."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+from api.ollama.translate import created_at
+from bus.kinds import main_engine
+from bus.states import SERVING
+from projectors.rows import InstanceRow, ModelRow, RunnerRow
+from projectors.state import ClusterState
+
+# An instance has no idle timeout: it runs until deleted (what /api/ps says of expires_at).
+NEVER = "9999-12-31T23:59:59Z"
+
+
+def tagged(name: str) -> str:
+    """A name as Ollama lists it: with a tag (``:latest`` when it has none)."""
+    return name if ":" in name else f"{name}:latest"
+
+
+_PARAMS = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)([mMbB])(?![a-zA-Z])")
+_QUANT = re.compile(
+    r"(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])", re.IGNORECASE
+)
+
+
+def _found(pattern: re.Pattern[str], *texts: str | None) -> re.Match[str] | None:
+    for text in texts:
+        match = pattern.search(text or "")
+        if match:
+            return match
+    return None
+
+
+def _file_names(model: ModelRow) -> list[str]:
+    """The weights' file names: its path's, or those of its files in the models bucket."""
+    names = [str(f.get("name", "")) for f in model.files or [] if isinstance(f, dict)]
+    return [model.path or "", *names]
+
+
+def parameter_size(model: ModelRow) -> str:
+    """Best effort, from the model's name or file (``smollm2-135m`` -> ``135M``): Shoal's
+    projection has no parameter count."""
+    match = _found(_PARAMS, model.model_id, *_file_names(model))
+    return f"{match.group(1)}{match.group(2).upper()}" if match else ""
+
+
+def quantization(model: ModelRow) -> str:
+    """Best effort, from the weights' file name (``...Q4_1.gguf`` -> ``Q4_1``)."""
+    match = _found(_QUANT, *_file_names(model), model.source)
+    return match.group(1).upper() if match else ""
+
+
+def digest(model: ModelRow) -> str:
+    """A stable stand-in for Ollama's manifest digest: the same model, the same digest."""
+    text = f"{model.model_id}\0{model.source}\0{model.size_bytes}\0{model.added_at}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def details(model: ModelRow) -> dict[str, Any]:
+    return {
+        "parent_model": "",
+        "format": "gguf" if main_engine(model.engines) == "llamacpp" else "mlx",
+        "family": model.family,
+        "families": [model.family] if model.family else None,
+        "parameter_size": parameter_size(model),
+        "quantization_level": quantization(model),
+    }
+
+
+def _modified(model: ModelRow) -> str:
+    added = model.added_at or datetime.fromtimestamp(0, UTC)
+    return created_at(added.timestamp())
+
+
+def tag(name: str, model: ModelRow) -> dict[str, Any]:
+    """One entry of ``/api/tags``."""
+    return {
+        "name": tagged(name),
+        "model": tagged(name),
+        "modified_at": _modified(model),
+        "size": model.size_bytes,
+        "digest": digest(model),
+        "details": details(model),
+    }
+
+
+def vram_bytes(model: ModelRow, runners: list[RunnerRow]) -> int:
+    """The part of the model on GPUs: its first replica's layers that are not on a CPU (a
+    runner across a node's devices counts its layers on each)."""
+    first = [r for r in runners if r.replica == 0]
+    n_layers = model.n_layers or max((r.n_layers for r in first), default=0)
+    on_gpu = sum(n for r in first for device, n in r.shard().device_layers() if device != "cpu")
+    return model.size_bytes * on_gpu // n_layers if n_layers else 0
+
+
+def serving_instance(state: ClusterState, model_id: str) -> InstanceRow | None:
+    """The model's first placed instance whose head runner serves, a chat one first."""
+    for inst in sorted(state.instances(), key=lambda i: (i.role != "chat", i.instance_id)):
+        if inst.model_id != model_id or inst.status != "placed":
+            continue
+        if any(r.rank == 0 and r.state in SERVING for r in state.runners_of(inst.instance_id)):
+            return inst
+    return None
+
+
+def running(
+    name: str, model: ModelRow, instance: InstanceRow, runners: list[RunnerRow]
+) -> dict[str, Any]:
+    """One entry of ``/api/ps``: a model with an instance that serves."""
+    return tag(name, model) | {
+        "expires_at": NEVER,
+        "size_vram": vram_bytes(model, runners),
+        "context_length": instance.context_length or model.context_length,
+    }
+
+
+def capabilities(roles: set[str]) -> list[str]:
+    """What ``/api/show`` says a model can do, by the roles of its instances (a model served
+    by none is a generation model until an embedding instance says otherwise). Every chat
+    model can call tools: the grammar makes the calls."""
+    out = ["completion", "tools"] if "chat" in roles or not roles else []
+    return out + (["embedding"] if "embed" in roles else [])
+
+
+def show(model: ModelRow, context_length: int, roles: set[str]) -> dict[str, Any]:
+    """``/api/show``: what the projection knows of the model. Its chat template is the
+    weights' own, applied by the runner: the API has no copy of it to show."""
+    arch = model.family or "unknown"
+    info: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.basename": model.model_id,
+        f"{arch}.context_length": context_length,
+        f"{arch}.block_count": model.n_layers,
+    }
+    return {
+        "modelfile": f"# Served by Shoal; models are added with `shoal models add`\n"
+        f"FROM {model.path or model.source}\n",
+        "parameters": "",
+        "template": "",
+        "details": details(model),
+        "model_info": info,
+        "capabilities": capabilities(roles),
+        "modified_at": _modified(model),
+    }

@@ -1,0 +1,272 @@
+"""Ollama's API at ``/api/...``: ``ollama.Client(host=...)`` and Open WebUI's Ollama connection
+work unchanged. Generation goes through the one serving path (``api/serving.py``); models are
+Shoal's (``shoal models add``), so what would build or upload a model is a 501."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from api import projection
+from api.context import ApiContext, context, require_key
+from api.errors import ApiError
+from api.ollama.models import digest, running, serving_instance, show, tag
+from api.ollama.pull import live_instance, placement_refusal, pull_lines
+from api.ollama.translate import (
+    VERSION,
+    ChatRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    GenerateRequest,
+    NamedRequest,
+    OllamaOut,
+    embedded,
+    loaded,
+)
+from api.openai.embeddings_routes import embed
+from api.serving import ndjson, require_serving, serve
+from bus.events import InstanceDeleteRequested, TaskCreated, new_id
+from services.models.catalogue import builtin_cards
+
+router = APIRouter(dependencies=[Depends(require_key)])
+Ctx = Annotated[ApiContext, Depends(context)]
+
+NDJSON = "application/x-ndjson"
+_GONE = ("deleting", "deleted")
+
+
+def _not_found(name: str) -> ApiError:
+    # Ollama's own words, which some clients look for.
+    return ApiError(404, f"model '{name}' not found", param="model", code="model_not_found")
+
+
+# --- generation -----------------------------------------------------------------------------
+
+
+@router.post("/api/chat", response_model=None)
+async def chat(body: ChatRequest, ctx: Ctx) -> Response:
+    return await serve_chat(ctx, body)
+
+
+@router.post("/api/generate", response_model=None)
+async def generate(body: GenerateRequest, ctx: Ctx) -> Response:
+    return await serve_generate(ctx, body)
+
+
+async def serve_chat(ctx: ApiContext, body: ChatRequest) -> Response:
+    model_id = await ctx.resolve_model(body.model)
+    name = body.model or model_id
+    if not body.messages:
+        return await _loaded(ctx, model_id, name, chat=True, stream=body.stream)
+    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
+    return await serve(ctx, [task], body.stream, OllamaOut(name, True, bool(body.logprobs)))
+
+
+async def serve_generate(ctx: ApiContext, body: GenerateRequest) -> Response:
+    model_id = await ctx.resolve_model(body.model)
+    name = body.model or model_id
+    if not body.prompt:
+        return await _loaded(ctx, model_id, name, chat=False, stream=body.stream)
+    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
+    return await serve(ctx, [task], body.stream, OllamaOut(name, False, bool(body.logprobs)))
+
+
+@router.post("/api/embed", response_model=None)
+async def embed_route(body: EmbedRequest, ctx: Ctx) -> Response:
+    return await serve_embed(ctx, body)
+
+
+async def serve_embed(ctx: ApiContext, body: EmbedRequest) -> Response:
+    model_id = await ctx.resolve_model(body.model, "embed")
+    started = time.monotonic()
+    inputs = body.inputs()
+    if not inputs:  # Ollama loads the model
+        await require_serving(ctx, model_id, "embed")
+        return JSONResponse({"model": body.model or model_id, "embeddings": []})
+    done = await embed(ctx, model_id, list(inputs), body.dimensions)
+    wall_s = time.monotonic() - started
+    return JSONResponse(embedded(body.model or model_id, done.vectors, done.prompt_tokens, wall_s))
+
+
+@router.post("/api/embeddings")
+async def embeddings(body: EmbeddingsRequest, ctx: Ctx) -> dict[str, Any]:
+    """The older endpoint: one prompt, one vector (none for an empty prompt)."""
+    model_id = await ctx.resolve_model(body.model, "embed")
+    if not body.prompt:
+        await require_serving(ctx, model_id, "embed")
+        return {"embedding": []}
+    done = await embed(ctx, model_id, [body.prompt])
+    return {"embedding": done.vectors[0]}
+
+
+async def _loaded(ctx: ApiContext, model_id: str, name: str, chat: bool, stream: bool) -> Response:
+    """Ollama loads a model for a request with nothing to answer; Shoal's instance is loaded
+    already, or the request gets the 404 or 503 that says why not."""
+    await require_serving(ctx, model_id)
+    body = loaded(name, chat)
+    return Response(ndjson(body), media_type=NDJSON) if stream else JSONResponse(body)
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+@router.get("/api/version")
+async def version() -> dict[str, str]:
+    return {"version": VERSION}
+
+
+@router.get("/api/tags")
+async def tags(ctx: Ctx) -> dict[str, Any]:
+    """Every model the cluster knows, and every alias of one, as ``name:tag``."""
+    state = await projection.cluster(ctx.engine)
+    names = await ctx.model_names()
+    return {
+        "models": [
+            tag(name, model)
+            for name, model_id in names.listed()
+            if (model := state.model(model_id)) is not None
+        ]
+    }
+
+
+@router.get("/api/ps")
+async def ps(ctx: Ctx) -> dict[str, Any]:
+    """The models (and aliases) with an instance that serves now."""
+    state = await projection.cluster(ctx.engine)
+    names = await ctx.model_names()
+    models = []
+    for name, model_id in names.listed():
+        model = state.model(model_id)
+        inst = serving_instance(state, model_id)
+        if model is not None and inst is not None:
+            runners = list(state.runners_of(inst.instance_id))
+            models.append(running(name, model, inst, runners))
+    return {"models": models}
+
+
+@router.post("/api/show")
+async def show_model(body: NamedRequest, ctx: Ctx) -> dict[str, Any]:
+    model_id = await ctx.resolve_model(body.given)
+    state = await projection.cluster(ctx.engine)
+    model = state.model(model_id)
+    if model is None:
+        raise _not_found(body.given)
+    live = [i for i in state.instances() if i.model_id == model_id and i.status not in _GONE]
+    # A chat instance's context first: an embed instance's is often shorter.
+    chat_first = sorted(live, key=lambda i: i.role != "chat")
+    context_length = next(
+        (i.context_length for i in chat_first if i.context_length), model.context_length
+    )
+    return show(model, context_length, {i.role for i in live})
+
+
+@router.delete("/api/delete")  # what Ollama's clients send
+@router.post("/api/delete")
+async def delete(body: NamedRequest, ctx: Ctx) -> dict[str, Any]:
+    """Ollama removes a model from disk; Shoal stops serving it: every live instance of it is
+    deleted (``InstanceDeleteRequested``). The model stays known, and a pull serves it again."""
+    model_id = await ctx.resolve_model(body.given)
+    state = await projection.cluster(ctx.engine)
+    live = sorted(
+        i.instance_id for i in state.instances() if i.model_id == model_id and i.status not in _GONE
+    )
+    if not live:
+        if state.model(model_id) is None:
+            raise _not_found(body.given)
+        raise ApiError(
+            404,
+            f"model '{body.given}' is not served: it has no instance to delete",
+            param="model",
+            code="model_not_found",
+        )
+    for instance_id in live:
+        await ctx.publish(
+            InstanceDeleteRequested(
+                instance_id=instance_id, origin=ctx.origin, reason="DELETE /api/delete"
+            )
+        )
+    return {"status": "success", "deleted": live}
+
+
+# Not in the OpenAPI document: like GET /v1/events, a pull lasts as long as a runner takes to
+# start, and the document's operations are the ones answered at once.
+@router.post("/api/pull", response_model=None, include_in_schema=False)
+async def pull(body: NamedRequest, ctx: Ctx) -> Response:
+    """A model the cluster knows, or a built-in card (see api/ollama/pull.py)."""
+    model_id = await ctx.resolve_model(body.given)
+    state = await projection.cluster(ctx.engine)
+    model = state.model(model_id)
+    card = None
+    if model is None:
+        card = builtin_cards().get(model_id)
+        if card is None:
+            known = ", ".join(sorted(builtin_cards()))
+            raise ApiError(
+                404,
+                f"pull model manifest: file does not exist: Shoal knows no model"
+                f" '{body.given}' (built in: {known}); add others with `shoal models"
+                " add`",
+                param="model",
+                code="model_not_found",
+            )
+    elif live_instance(state, model_id) is None:
+        # Refused before the answer starts, with its status (a stream can only end in error).
+        refused = placement_refusal(state, model)
+        if refused is not None:
+            raise refused
+    lines = pull_lines(ctx, model_id, card, digest(model) if model else "0" * 64)
+    if body.stream:
+        return StreamingResponse(_ndjson(lines), media_type=NDJSON)
+    last: dict[str, Any] = {}
+    async for line in lines:
+        last = line
+    return JSONResponse(last)
+
+
+async def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """A stream that started cannot change its status: a failure is its last line."""
+    try:
+        async for line in lines:
+            yield ndjson(line)
+    except ApiError as err:
+        yield ndjson({"error": err.message})
+
+
+# --- what Shoal leaves to `shoal models add` -------------------------------------------------
+# (Not in the OpenAPI document: they are not operations Shoal offers, only clear refusals.)
+
+
+def _unsupported(
+    what: str, instead: str = "POST /api/pull or POST /v1/instances serves one"
+) -> ApiError:
+    return ApiError(
+        501, f"{what} is not supported: Shoal manages models with `shoal models add` ({instead})"
+    )
+
+
+@router.post("/api/create", include_in_schema=False)
+async def create() -> None:
+    raise _unsupported("creating a model (/api/create)")
+
+
+@router.post("/api/copy", include_in_schema=False)
+async def copy() -> None:
+    raise _unsupported(
+        "copying a model (/api/copy)",
+        "for another name of a model, give it an"
+        " alias: `shoal up --alias NAME=MODEL`, or `aliases` on POST /v1/instances",
+    )
+
+
+@router.post("/api/push", include_in_schema=False)
+async def push() -> None:
+    raise _unsupported("pushing a model to a registry (/api/push)")
+
+
+@router.api_route("/api/blobs/{blob}", methods=["HEAD", "GET", "POST"], include_in_schema=False)
+async def blobs(blob: str) -> None:
+    raise _unsupported("uploading model files (/api/blobs)")

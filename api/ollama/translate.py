@@ -1,0 +1,554 @@
+"""Ollama's API, translated: the request bodies Ollama's clients send, how they become a
+``TaskCreated``, and the objects and NDJSON lines those clients read. Pure: bodies in, task
+fields out; chunks in, dicts out.
+
+As everywhere in Shoal, a field that changes the answer is honoured or refused with a 400 that
+names it. Options that only tune the machine (threads, GPU layers, mmap, batch size) are
+accepted and ignored: the instance was sized and placed when it was created.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from api.body import JsonSchema, RequestBody
+from api.errors import ApiError
+from api.openai.requests import MAX_TOOLS, ToolDef
+from api.reply import Reply
+from api.serving import Output, ndjson
+from api.task_stream import TaskStream
+from bus.events import (
+    INT32_MAX,
+    ChatMessage,
+    ChunkGenerated,
+    FinishReason,
+    ResponseFormat,
+    SamplingParams,
+    Timings,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    Usage,
+)
+
+# What GET /api/version answers. Clients gate features on Ollama's version: tools came with
+# 0.3, JSON-schema `format` with 0.5, `think` with 0.9. 0.6.0 is past what Shoal serves and
+# short of thinking, which it refuses, so a client that checks sends what works.
+VERSION = "0.6.0"
+
+# Ollama's own sampling defaults (its API reference), for a request that sets none: the same
+# request gives the same kind of answer as from Ollama. (Its repeat_penalty 1.1 over the last
+# 64 tokens, prompt included, is not reproducible: Shoal's penalty covers generated tokens.)
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_P = 0.9
+DEFAULT_TOP_K = 40
+MAX_STOPS = 16
+
+
+# --- options --------------------------------------------------------------------------------
+
+# Options that tune the machine, not the answer: accepted, ignored. num_ctx too: the context is
+# the instance's (set when it is created), and a longer prompt is refused, never cut.
+IGNORED_OPTIONS = frozenset(
+    {
+        "numa",
+        "num_ctx",
+        "num_batch",
+        "num_gpu",
+        "main_gpu",
+        "low_vram",
+        "f16_kv",
+        "logits_all",
+        "vocab_only",
+        "use_mmap",
+        "use_mlock",
+        "embedding_only",
+        "num_thread",
+        "num_keep",
+        "penalize_newline",  # Ollama itself no longer reads it
+    }
+)
+
+
+class Options(BaseModel):
+    """Ollama's ``options``: sampling is honoured; options Shoal cannot honour are refused
+    unless set to the value that does nothing; an option nobody knows is refused too (it would
+    most likely be a sampling setting gone unheard)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    num_predict: Annotated[int, Field(ge=-2, le=INT32_MAX)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    # Refused unless they have no effect (see _honourable).
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    tfs_z: float | None = None
+    typical_p: float | None = None
+    repeat_last_n: int | None = None
+
+    @model_validator(mode="after")
+    def _honourable(self) -> Options:
+        for key in self.model_extra or {}:
+            if key not in IGNORED_OPTIONS:
+                raise ValueError(f"{key!r} is not an option Shoal knows")
+        if self.num_predict == 0:
+            raise ValueError("num_predict 0 generates nothing: send -1 (no limit) or more")
+        if self.mirostat:
+            raise ValueError(
+                "mirostat is not supported: Shoal samples with temperature,"
+                " top_k, top_p and min_p (send mirostat 0)"
+            )
+        if self.tfs_z not in (None, 1.0):
+            raise ValueError("tfs_z (tail-free sampling) is not supported (send 1)")
+        if self.typical_p not in (None, 1.0):
+            raise ValueError("typical_p (locally typical sampling) is not supported (send 1)")
+        if self.repeat_last_n not in (None, 0) and self.repeat_penalty not in (None, 1.0):
+            raise ValueError(
+                "repeat_last_n is not supported: Shoal's repeat_penalty"
+                " covers every generated token (leave repeat_last_n out)"
+            )
+        return self
+
+    def sampling(self) -> SamplingParams:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        # -1 is no limit, -2 "until the context is full": both are the context's limit here.
+        limit = self.num_predict if self.num_predict is not None and self.num_predict > 0 else None
+        return SamplingParams(
+            max_tokens=limit,
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p,
+            top_k=DEFAULT_TOP_K if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            # A negative seed is llama.cpp's (and Ollama's) "random".
+            seed=self.seed if self.seed is not None and self.seed >= 0 else None,
+            stop=[s for s in stops if s],
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repeat_penalty=self.repeat_penalty or 1.0,
+        )
+
+
+# --- chat -----------------------------------------------------------------------------------
+
+
+class FunctionCall(RequestBody):
+    name: Annotated[str, Field(min_length=1)]
+    # An object in Ollama's API; JSON text is taken too (what an OpenAI history holds).
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolCallIn(RequestBody):
+    function: FunctionCall
+    # Not Ollama's, but what Open WebUI carries over from an OpenAI history.
+    id: str | None = None
+
+
+class Message(RequestBody):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    images: list[str] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_name: str | None = None
+    tool_call_id: str | None = None  # as a call's id above
+    # A thinking model's reasoning, from another server's answer: not given to the model
+    # (Ollama's templates drop it from the history too).
+    thinking: str | None = None
+
+    @model_validator(mode="after")
+    def _readable(self) -> Message:
+        if self.images:
+            raise ValueError("images are not supported: the models Shoal serves read text only")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return self
+
+
+def _arguments_text(arguments: dict[str, Any] | str) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+def chat_messages(messages: list[Message]) -> list[ChatMessage]:
+    """The history as Shoal's messages. Ollama's calls have no ids and a tool's result names
+    its tool: each call gets an id (its own, or its place in the history), and each result the
+    id of the call it names (``tool_call_id``), else of the oldest unanswered call of its tool,
+    else of the oldest unanswered one."""
+    out: list[ChatMessage] = []
+    unanswered: list[ToolCall] = []
+    for i, m in enumerate(messages):
+        content = m.content or ""
+        if m.role == "assistant":
+            calls = [
+                ToolCall(
+                    id=c.id or f"call_{i}_{j}",
+                    name=c.function.name,
+                    arguments=_arguments_text(c.function.arguments),
+                )
+                for j, c in enumerate(m.tool_calls or [])
+            ]
+            unanswered = list(calls)
+            out.append(ChatMessage(role="assistant", content=content, tool_calls=calls))
+        elif m.role == "tool":
+            by_id = [c for c in unanswered if c.id == m.tool_call_id]
+            by_name = [c for c in unanswered if c.name == m.tool_name]
+            call = next(iter(by_id or by_name or unanswered), None)
+            if call is not None:
+                unanswered.remove(call)
+            out.append(
+                ChatMessage(
+                    role="tool",
+                    content=content,
+                    name=m.tool_name or (call.name if call else None),
+                    tool_call_id=call.id if call else None,
+                )
+            )
+        else:
+            out.append(ChatMessage(role=m.role, content=content))
+    return out
+
+
+Format = Literal["", "json"] | JsonSchema
+
+
+def response_format(fmt: Format | None) -> ResponseFormat | None:
+    if fmt == "json":
+        return ResponseFormat(type="json_object")
+    if isinstance(fmt, dict):
+        return ResponseFormat(type="json_schema", name="response", json_schema=fmt)
+    return None
+
+
+class _Generation(RequestBody):
+    # None: the cluster's default model (api/model_names.py).
+    model: Annotated[str, Field(min_length=1)] | None = None
+    format: Format | None = None
+    options: Options | None = None
+    # Ollama streams unless told not to.
+    stream: bool = True
+    # Instances stay until deleted: there is nothing to keep alive or unload.
+    keep_alive: float | str | None = None
+    think: bool | str | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _generation(self) -> _Generation:
+        if self.think not in (None, False, ""):
+            raise ValueError(
+                "think is not supported: Shoal does not separate a model's thinking"
+                " from its answer (send think: false)"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def sampling(self) -> SamplingParams:
+        return (self.options or Options()).sampling()
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = Field(default_factory=list)
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatRequest:
+        names = [t.function.name for t in self.tools or [] if t.function is not None]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        return self
+
+    def task_fields(self) -> dict[str, Any]:
+        """What the task carries besides its model and ids. Ollama has no tool_choice: with
+        tools, the model may call them."""
+        tools = [
+            Tool(
+                name=t.function.name,
+                description=t.function.description,
+                parameters=t.function.parameters or {"type": "object", "properties": {}},
+            )
+            for t in self.tools or []
+            if t.function is not None
+        ]
+        return {
+            "kind": "chat",
+            "messages": chat_messages(self.messages),
+            "params": self.sampling(),
+            "tools": tools,
+            "tool_choice": ToolChoice(mode="auto" if tools else "none"),
+            "response_format": response_format(self.format),
+            "logprobs": self.logprob_count(),
+        }
+
+
+class GenerateRequest(_Generation):
+    prompt: str | None = None
+    system: str | None = None
+    raw: bool = False
+    # Refused when set (see _supported); accepted when empty, as the client sends them.
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    images: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> GenerateRequest:
+        if self.suffix:
+            raise ValueError("suffix (fill-in-the-middle) is not supported")
+        if self.template:
+            raise ValueError(
+                "template is not supported: Shoal applies the model's own chat"
+                " template (or none, with raw: true)"
+            )
+        if self.context:
+            raise ValueError(
+                "context is not supported: Shoal keeps no conversation between"
+                " requests; send the conversation to /api/chat"
+            )
+        if self.images:
+            raise ValueError("images are not supported: the models Shoal serves read text only")
+        if self.raw and self.system:
+            raise ValueError(
+                "system with raw: true: a raw prompt is given to the model as it"
+                " is; put the system text into the prompt"
+            )
+        if self.raw and self.format:
+            raise ValueError(
+                "format with raw: true is not supported: send the prompt without"
+                " raw to have the reply constrained"
+            )
+        return self
+
+    def task_fields(self) -> dict[str, Any]:
+        """A raw prompt is a completion; otherwise the prompt (and system) are a chat, which
+        is what Ollama does: it puts them through the model's template."""
+        fields: dict[str, Any] = {"params": self.sampling(), "logprobs": self.logprob_count()}
+        if self.raw:
+            return fields | {"kind": "completion", "prompt": self.prompt or ""}
+        system = [ChatMessage(role="system", content=self.system)] if self.system else []
+        return fields | {
+            "kind": "chat",
+            "messages": [*system, ChatMessage(role="user", content=self.prompt or "")],
+            "response_format": response_format(self.format),
+        }
+
+
+# --- other requests -------------------------------------------------------------------------
+
+
+class NamedRequest(RequestBody):
+    """``/api/show``, ``/api/delete``, ``/api/pull``: a model, as ``model`` or the older
+    ``name``."""
+
+    model: str | None = None
+    name: str | None = None
+    stream: bool = True  # /api/pull streams unless told not to
+    insecure: bool | None = None  # a registry's TLS: nothing Shoal downloads from here
+    verbose: bool | None = None  # /api/show's tokenizer arrays: Shoal has none to show
+
+    @model_validator(mode="after")
+    def _named(self) -> NamedRequest:
+        if not (self.model or self.name):
+            raise ValueError("model: the request names no model")
+        return self
+
+    @property
+    def given(self) -> str:
+        return self.model or self.name or ""
+
+
+class EmbedRequest(RequestBody):
+    model: Annotated[str, Field(min_length=1)] | None = None
+    input: str | list[str] = ""
+    # Ollama cuts an input longer than the context unless told not to; Shoal never cuts one:
+    # it is a 400 either way (what Ollama answers with truncate: false).
+    truncate: bool = True
+    dimensions: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    options: Options | None = None  # sampling means nothing here; machine options are ignored
+    keep_alive: float | str | None = None
+
+    def inputs(self) -> list[str]:
+        """The texts; none (an empty input) is Ollama's way to load the model."""
+        if isinstance(self.input, str):
+            return [self.input] if self.input else []
+        return list(self.input)
+
+
+class EmbeddingsRequest(RequestBody):
+    """The older ``/api/embeddings``: one prompt, one vector."""
+
+    model: Annotated[str, Field(min_length=1)] | None = None
+    prompt: str = ""
+    options: Options | None = None
+    keep_alive: float | str | None = None
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+def embedded(
+    model: str, vectors: list[list[float]], prompt_tokens: int, wall_s: float
+) -> dict[str, Any]:
+    """``/api/embed``'s answer: the vectors in the inputs' order, and what reading took."""
+    return {
+        "model": model,
+        "embeddings": vectors,
+        "total_duration": _ns(wall_s * 1000),
+        "load_duration": 0,
+        "prompt_eval_count": prompt_tokens,
+    }
+
+
+def created_at(now: float | None = None) -> str:
+    """Ollama's timestamps: RFC 3339 in UTC."""
+    at = datetime.fromtimestamp(time.time() if now is None else now, UTC)
+    return at.isoformat().replace("+00:00", "Z")
+
+
+DONE_REASON: dict[FinishReason, str] = {
+    "stop": "stop",
+    "length": "length",
+    "tool_calls": "stop",  # Ollama's word for a reply that ended with its calls
+    "cancelled": "stop",
+    "error": "stop",
+}
+
+
+def _ns(ms: float) -> int:
+    return max(0, round(ms * 1_000_000))
+
+
+def done_fields(
+    finish: FinishReason | None, usage: Usage, timings: Timings | None, wall_s: float
+) -> dict[str, Any]:
+    """The last line's (or the whole answer's) ending and counts, Ollama's durations in
+    nanoseconds: prompt evaluation is the runner's time to the first token (queueing in it),
+    evaluation the rest of its time; the total is what the API waited. Nothing is loaded on
+    request: load_duration is 0."""
+    prompt_ms = timings.ttft_ms if timings else 0.0
+    eval_ms = max(0.0, timings.total_ms - timings.ttft_ms) if timings else 0.0
+    return {
+        "done": True,
+        "done_reason": DONE_REASON[finish] if finish else "stop",
+        "total_duration": max(_ns(wall_s * 1000), _ns(prompt_ms + eval_ms)),
+        "load_duration": 0,
+        "prompt_eval_count": usage.prompt_tokens,
+        "prompt_eval_duration": _ns(prompt_ms),
+        "eval_count": usage.completion_tokens,
+        "eval_duration": _ns(eval_ms),
+    }
+
+
+def loaded(model: str, chat: bool, now: float | None = None) -> dict[str, Any]:
+    """The answer to an empty prompt (or no messages): Ollama's way to load a model. Shoal's
+    instances are loaded already."""
+    body: dict[str, Any] = {"model": model, "created_at": created_at(now)}
+    body |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    return body | {"done": True, "done_reason": "load"}
+
+
+def logprob_entry(lp: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob or 0.0,
+        "bytes": list(lp.bytes),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in lp.top
+        ],
+    }
+
+
+def tool_calls(reply: Reply) -> list[dict[str, Any]]:
+    """Ollama's calls: whole, with the arguments as an object. A call cut off by num_predict
+    (done_reason "length") has arguments that are not JSON yet: it comes with ``{}``."""
+    out = []
+    for i, call in enumerate(reply.tool_calls()):
+        try:
+            arguments = json.loads(call.arguments) if call.arguments else {}
+        except json.JSONDecodeError:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            arguments = {}
+        out.append({"function": {"index": i, "name": call.name, "arguments": arguments}})
+    return out
+
+
+class OllamaOut(Output):
+    """One task's answer as Ollama writes it: NDJSON lines (``done: false`` as tokens come,
+    the calls once whole, then a ``done: true`` line with the counts), or one object."""
+
+    media_type = "application/x-ndjson"
+
+    def __init__(self, model: str, chat: bool, logprobs: bool) -> None:
+        self.model = model
+        self.chat = chat
+        self.logprobs = logprobs
+        self._stream: TaskStream | None = None
+
+    def _head(self) -> dict[str, Any]:
+        return {"model": self.model, "created_at": created_at()}
+
+    def _text(self, text: str) -> dict[str, Any]:
+        if self.chat:
+            return {"message": {"role": "assistant", "content": text}}
+        return {"response": text}
+
+    def opening(self, ts: TaskStream, index: int) -> str:
+        self._stream = ts  # its outcome's timings, for the last line
+        return ""
+
+    def events(self, index: int, group: list[ChunkGenerated]) -> str:
+        lines = []
+        for c in group:
+            if not c.text and not (self.logprobs and c.logprob):
+                continue  # a call's pieces come whole, at the end
+            line = self._head() | self._text(c.text)
+            if self.logprobs:
+                line["logprobs"] = [logprob_entry(c.logprob)] if c.logprob else []
+            lines.append(ndjson(line | {"done": False}))
+        return "".join(lines)
+
+    def closing(self, replies: list[Reply], usages: list[Usage]) -> str:
+        calls = tool_calls(replies[0]) if self.chat else []
+        head = ""
+        if calls:
+            message = {"role": "assistant", "content": "", "tool_calls": calls}
+            head = ndjson(self._head() | {"message": message, "done": False})
+        last = self._head() | self._text("") | self._done(replies[0], usages[0], self._stream)
+        return head + ndjson(last)
+
+    def failure(self, err: ApiError) -> str:
+        return ndjson({"error": err.message})
+
+    def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
+        reply = replies[0]
+        body = self._head() | self._text(reply.text)
+        if self.chat and (calls := tool_calls(reply)):
+            body["message"]["tool_calls"] = calls
+        if self.logprobs:
+            body["logprobs"] = [logprob_entry(lp) for lp in reply.logprobs]
+        return body | self._done(reply, usages[0], first)
+
+    def _done(self, reply: Reply, usage: Usage, ts: TaskStream | None) -> dict[str, Any]:
+        finished = ts.finished if ts is not None else None
+        completed = finished.completed if finished is not None else None
+        started = ts.started_at if ts is not None else None
+        wall_s = time.monotonic() - started if started is not None else 0.0
+        timings = completed.timings if completed is not None else None
+        return done_fields(reply.finish_reason, usage, timings, wall_s)

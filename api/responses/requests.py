@@ -1,0 +1,454 @@
+"""The OpenAI Responses API's request body (``POST /v1/responses``) and how it becomes a
+``TaskCreated``: input items as chat messages, function tools, ``tool_choice``, ``text.format``.
+Pure: data in, data out (api/responses/routes.py reads and stores).
+
+Every field that changes the answer is honoured or refused with a 400 that names it: built-in
+tools (web search, file search, computer use...), reasoning, ``include`` of what Shoal cannot
+produce, images and files, item references, prompt templates, conversations. Fields that do
+not change it (``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``...) are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from api.body import JsonSchema, RequestBody, ToolParameters
+from api.errors import ApiError
+from api.openai.requests import MAX_TOOLS, Count, FunctionName
+from bus.events import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolCall, ToolChoice
+
+# A response's id is its task's with this prefix: either names the other.
+RESPONSE_PREFIX = "resp_"
+MAX_METADATA = 16
+
+# Content kinds a text model cannot take, and kinds of input items Shoal never makes.
+_UNREADABLE = {"input_image": "an image", "input_file": "a file", "input_audio": "audio"}
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+_ITEM_REFUSALS = {
+    "item_reference": "item references are not supported: send the items themselves, or"
+    " previous_response_id",
+    "reasoning": "reasoning items are not supported: Shoal's models produce none",
+}
+_TOOL_CHOICES = ("auto", "none", "required")
+
+
+class ContentPart(RequestBody):
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+def _parts(content: str | list[ContentPart], where: str) -> str:
+    """The text of a message's content (or of a function call's output), refusing what a text
+    model cannot read."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        what = _UNREADABLE.get(part.type)
+        if what is not None:
+            raise ValueError(
+                f"{where}[{i}] is {what} ({part.type!r}), and the models Shoal"
+                " serves read text only: send input_text parts"
+            )
+        if part.type == "refusal":
+            texts.append(part.refusal or "")
+        elif part.type in _TEXT_PARTS and part.text is not None:
+            texts.append(part.text)
+        else:
+            raise ValueError(f"{where}[{i}]: a part of type {part.type!r} is not supported")
+    return "".join(texts)
+
+
+class InputItem(RequestBody):
+    """One item of ``input``: a message (``type`` may be left out), a ``function_call`` the
+    model made, or a ``function_call_output`` answering one."""
+
+    type: str = "message"
+    id: str | None = None
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: str | list[ContentPart] | None = None
+    call_id: Annotated[str, Field(min_length=1)] | None = None
+    name: str | None = None
+    arguments: str = ""
+    output: str | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _known(self) -> InputItem:
+        if self.type in _ITEM_REFUSALS:
+            raise ValueError(_ITEM_REFUSALS[self.type])
+        if self.type == "message":
+            if self.role is None or self.content is None:
+                raise ValueError("a message item needs its role and content")
+            _parts(self.content, "content")
+        elif self.type == "function_call":
+            if not self.call_id or not self.name:
+                raise ValueError("a function_call item needs its call_id and name")
+        elif self.type == "function_call_output":
+            if not self.call_id or self.output is None:
+                raise ValueError("a function_call_output item needs its call_id and output")
+            _parts(self.output, "output")
+        else:
+            raise ValueError(
+                f"input items of type {self.type!r} are not supported: send"
+                " messages, function_call and function_call_output items"
+            )
+        return self
+
+    def text(self) -> str:
+        body = self.content if self.type == "message" else self.output
+        return _parts(body, "content") if body is not None else ""
+
+
+class FunctionTool(RequestBody):
+    """A tool, in the Responses API's flat shape; only functions can be offered."""
+
+    type: str
+    name: FunctionName | None = None
+    description: str | None = None
+    parameters: ToolParameters | None = None
+    strict: bool | None = None  # every call is constrained to the schema anyway
+    defer_loading: bool | None = None
+
+    @model_validator(mode="after")
+    def _function(self) -> FunctionTool:
+        if self.type != "function":
+            raise ValueError(
+                f"tools of type {self.type!r} are not supported: Shoal's models"
+                " call only your functions (type 'function')"
+            )
+        if self.name is None:
+            raise ValueError("a function tool needs its name")
+        if self.defer_loading:
+            raise ValueError("defer_loading is not supported: Shoal has no tool search")
+        return self
+
+    def event(self) -> Tool:
+        parameters = self.parameters or {"type": "object", "properties": {}}
+        return Tool(name=self.name or "", description=self.description or "", parameters=parameters)
+
+    def echoed(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "strict": True if self.strict is None else self.strict,
+        }
+
+
+class TextFormat(RequestBody):
+    type: str
+    name: Annotated[str, Field(max_length=64)] = "response"
+    description: str | None = None
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _known(self) -> TextFormat:
+        if self.type not in ("text", "json_object", "json_schema"):
+            raise ValueError(
+                f"text.format type {self.type!r} is not supported: send 'text',"
+                " 'json_object' or 'json_schema'"
+            )
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("a json_schema format needs its schema")
+        return self
+
+    def event(self) -> ResponseFormat | None:
+        if self.type == "json_object":
+            return ResponseFormat(type="json_object")
+        if self.type == "json_schema":
+            return ResponseFormat(type="json_schema", name=self.name, json_schema=self.schema_)
+        return None
+
+    def echoed(self) -> dict[str, Any]:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {
+            "type": "json_schema",
+            "name": self.name,
+            "description": self.description,
+            "schema": self.schema_,
+            "strict": self.strict,
+        }
+
+
+class TextConfig(RequestBody):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _medium(cls, verbosity: str | None) -> str | None:
+        # Shoal's models write as they write: "medium", the default, is the only honest answer.
+        if verbosity not in (None, "medium"):
+            raise ValueError(
+                f"verbosity {verbosity!r} is not supported: Shoal cannot make its"
+                " models more or less verbose"
+            )
+        return verbosity
+
+
+class ResponsesRequest(RequestBody):
+    model: Annotated[str, Field(min_length=1)] | None = None
+    input: Annotated[list[InputItem], Field(max_length=10_000)] = Field(default_factory=list)
+    instructions: str | None = None
+    max_output_tokens: Count | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: Annotated[str, Field(min_length=1)] | None = None
+    metadata: (
+        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
+    ) = None
+    user: Annotated[str, Field(max_length=255)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # Answer-changing fields Shoal cannot honour (see _consistent).
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    prompt: Any = None
+    conversation: Any = None
+    context_management: Any = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_message(cls, value: Any) -> Any:
+        """A string input is one user message."""
+        return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, choice: Any) -> Any:
+        if choice is None or choice in _TOOL_CHOICES:
+            return choice
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            if not isinstance(choice.get("name"), str) or not choice["name"]:
+                raise ValueError("a function tool_choice needs the function's name")
+            return {"type": "function", "name": choice["name"]}
+        kind = choice.get("type") if isinstance(choice, dict) else choice
+        raise ValueError(
+            f"tool_choice {kind!r} is not supported: send 'auto', 'none',"
+            " 'required' or {'type': 'function', 'name': ...}"
+        )
+
+    @field_validator("metadata")
+    @classmethod
+    def _few(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is not None and len(metadata) > MAX_METADATA:
+            raise ValueError(f"at most {MAX_METADATA} metadata keys")
+        return metadata
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ResponsesRequest:
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise ValueError(
+                "reasoning is not supported: Shoal's models do not reason apart from their answer"
+            )
+        if self.include:
+            raise ValueError(
+                f"include {self.include[0]!r} is not supported: Shoal produces"
+                " none of the extra data include asks for"
+            )
+        if self.top_logprobs:
+            raise ValueError(
+                "top_logprobs is not supported by the Responses API here: use"
+                " /v1/chat/completions with logprobs"
+            )
+        if self.max_tool_calls is not None:
+            raise ValueError(
+                "max_tool_calls is not supported: it limits built-in tools, which Shoal has none of"
+            )
+        for name in ("prompt", "conversation", "context_management"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name} is not supported: send the input itself, or previous_response_id"
+                )
+        if self.background and not self.keep:
+            raise ValueError("background needs store: a background response is fetched later")
+        if self.background and self.stream:
+            raise ValueError(
+                "background with stream is not supported: send one of them"
+                " (GET /v1/responses/{id} fetches a background response)"
+            )
+        if not self.input and self.previous_response_id is None:
+            raise ValueError("input is empty: send a string or a list of items")
+        names = [t.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice["name"] not in names:
+            raise ValueError(
+                f"tool_choice names the function {choice['name']!r}, which is not among the tools"
+            )
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    @property
+    def keep(self) -> bool:
+        """Whether the response is stored (``store`` defaults to true)."""
+        return self.store is not False
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_output_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+        )
+
+    def input_messages(self) -> list[ChatMessage]:
+        return chat_messages(self.input)
+
+    def task_fields(self) -> dict[str, Any]:
+        """What the task carries besides its messages and sampling."""
+        tools = [t.event() for t in self.tools or []]
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            tool_choice = ToolChoice(mode="function", name=choice["name"])
+        else:
+            tool_choice = ToolChoice(mode=choice or ("auto" if tools else "none"))
+        fmt = self.text.format if self.text is not None else None
+        return {
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "response_format": fmt.event() if fmt is not None else None,
+        }
+
+    def echoed(self) -> dict[str, Any]:
+        """The request's settings as every response object repeats them."""
+        fmt = self.text.format if self.text is not None else None
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "tools": [t.echoed() for t in self.tools or []],
+            "tool_choice": self.tool_choice or "auto",
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "text": {
+                "format": fmt.echoed() if fmt is not None else {"type": "text"},
+                "verbosity": "medium",
+            },
+            "truncation": self.truncation or "disabled",
+            "reasoning": {"effort": None, "summary": None},
+            "metadata": self.metadata or {},
+            "store": self.keep,
+            "background": bool(self.background),
+            "previous_response_id": self.previous_response_id,
+            "user": self.user,
+        }
+
+
+# --- input items as chat messages --------------------------------------------------------
+
+_ROLES: dict[str, Literal["system", "user", "assistant"]] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
+
+
+def chat_messages(items: Iterable[InputItem]) -> list[ChatMessage]:
+    """Input items as the messages of a chat: a function call joins the assistant message it
+    follows (calls the model made together are one message), its output is a tool message."""
+    out: list[ChatMessage] = []
+    for item in items:
+        if item.type == "function_call":
+            call = ToolCall(id=item.call_id or "", name=item.name or "", arguments=item.arguments)
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant":
+                out[-1] = last.model_copy(update={"tool_calls": [*last.tool_calls, call]})
+            else:
+                out.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif item.type == "function_call_output":
+            out.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
+        else:
+            out.append(ChatMessage(role=_ROLES[item.role or "user"], content=item.text()))
+    return out
+
+
+def require_answered_calls(conversation: list[ChatMessage]) -> None:
+    """A function call's output answers a call of the conversation (OpenAI's 400 otherwise)."""
+    calls = {c.id for m in conversation for c in m.tool_calls}
+    for m in conversation:
+        if m.role == "tool" and m.tool_call_id not in calls:
+            raise ApiError(
+                400,
+                f"No tool call found for function call output with call_id {m.tool_call_id}.",
+                param="input",
+            )
+
+
+def task_messages(instructions: str | None, conversation: list[ChatMessage]) -> list[ChatMessage]:
+    """The task's messages: the instructions first (they are this request's own: a response
+    that continues this one does not inherit them), then the conversation."""
+    head = [ChatMessage(role="system", content=instructions)] if instructions else []
+    return head + conversation
+
+
+def task_id_of(response_id: str) -> str | None:
+    """The task of a response id (``resp_<task_id>``); None for an id Shoal never made."""
+    if not response_id.startswith(RESPONSE_PREFIX):
+        return None
+    task_id = response_id.removeprefix(RESPONSE_PREFIX)
+    ok = 0 < len(task_id) <= 100 and all(c.isalnum() or c in "-_" for c in task_id)
+    return task_id if ok else None
+
+
+def input_items(items: list[InputItem], task_id: str) -> list[dict[str, Any]]:
+    """The request's items as ``GET /v1/responses/{id}/input_items`` lists them, each with an
+    id (the client's, or one made from the task's)."""
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        item_id = item.id or f"item_{task_id}_{i}"
+        if item.type == "function_call":
+            out.append(
+                {
+                    "type": "function_call",
+                    "id": item_id,
+                    "call_id": item.call_id,
+                    "name": item.name,
+                    "arguments": item.arguments,
+                    "status": "completed",
+                }
+            )
+        elif item.type == "function_call_output":
+            out.append(
+                {
+                    "type": "function_call_output",
+                    "id": item_id,
+                    "call_id": item.call_id,
+                    "output": item.text(),
+                    "status": "completed",
+                }
+            )
+        else:
+            role = item.role or "user"
+            kind = "output_text" if role == "assistant" else "input_text"
+            part: dict[str, Any] = {"type": kind, "text": item.text()}
+            if kind == "output_text":
+                part["annotations"] = []
+            out.append(
+                {
+                    "type": "message",
+                    "id": item_id,
+                    "role": role,
+                    "status": "completed",
+                    "content": [part],
+                }
+            )
+    return out

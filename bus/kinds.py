@@ -1,0 +1,32 @@
+"""Kinds of things the log names that are not states: the engines a model runs on and the roles
+an instance serves. Written once, here, as ``Literal`` types, so that a misspelt kind is a type
+error wherever it is used (``bus/states.py`` is the same for states and statuses)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, TypeGuard, get_args
+
+Engine = Literal["llamacpp", "mlx"]
+ENGINES: tuple[Engine, ...] = get_args(Engine)
+DEFAULT_ENGINE: Engine = "llamacpp"
+
+# What an instance serves: generation (chat and completions) or embeddings.
+InstanceRole = Literal["chat", "embed"]
+INSTANCE_ROLES: tuple[InstanceRole, ...] = get_args(InstanceRole)
+DEFAULT_ROLE: InstanceRole = "chat"
+
+
+def is_engine(value: str) -> TypeGuard[Engine]:
+    return value in ENGINES
+
+
+def is_role(value: str) -> TypeGuard[InstanceRole]:
+    return value in INSTANCE_ROLES
+
+
+def main_engine(engines: Sequence[str] | None) -> Engine:
+    """The engine a model runs on: the first it names (a model row or an event from before
+    engines were named: llama.cpp)."""
+    first = engines[0] if engines else DEFAULT_ENGINE
+    return first if is_engine(first) else DEFAULT_ENGINE

@@ -1,0 +1,326 @@
+"""The llama.cpp engine (llama-cpp-python), for GGUF models.
+
+``Llama`` loads the model (it knows the RPC devices, tensor splits and threads) and the
+tokenizer and chat template; the decoding is llama.cpp's low-level API, in a context of
+``slots`` sequences that ``BatchDecoder`` (``llamacpp_batch``) decodes together, each with a
+``SequenceSampler`` (``llamacpp_sampling``) that picks its tokens with llama.cpp's samplers and
+grammars.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import llama_cpp
+from llama_cpp import Llama, llama_chat_format
+
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Sink, Token
+from services.runner.engines.llamacpp.batch import BatchDecoder
+from services.runner.engines.llamacpp.sampling import (
+    GrammarCache,
+    SequenceSampler,
+    seed_of,
+    token_piece,
+)
+from services.runner.generation import InvalidRequest, check_against_vocabulary
+
+# Named chat formats a model card may ask for (as llama-cpp-python names them). A model without
+# one uses the chat template in its GGUF.
+_FORMATTERS: dict[str, Callable[..., Any]] = {
+    "gemma": llama_chat_format.format_gemma,
+    "chatml": llama_chat_format.format_chatml,
+    "llama-2": llama_chat_format.format_llama2,
+    "llama-3": llama_chat_format.format_llama3,
+    "mistral-instruct": llama_chat_format.format_mistral_instruct,
+}
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    llm: Llama
+    vocab: Any  # llama_vocab pointer
+    n_vocab: int
+    decoder: BatchDecoder
+    n_ctx: int  # per slot
+    grammars: GrammarCache
+    formatter: Callable[..., Any] | None
+    template: str | None  # the GGUF's Jinja template, when that is what chats go through
+    ends: frozenset[int]
+
+
+class LlamaCppEngine:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        n_ctx: int = 2048,
+        slots: int = 1,
+        chat_format: str | None = None,
+        n_threads: int | None = None,
+        **llama_kwargs: Any,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        if chat_format is not None and chat_format not in _FORMATTERS:
+            raise ValueError(
+                f"unknown chat format {chat_format!r}; known: {', '.join(sorted(_FORMATTERS))}"
+            )
+        self.path = model_path
+        self._requested_ctx = n_ctx
+        self.slots = slots
+        self._chat_format = chat_format
+        self._n_threads = n_threads or os.cpu_count() or 1
+        self._kwargs = llama_kwargs
+        self._loaded: _Loaded | None = None
+        self._pieces: dict[int, bytes] = {}
+        # Apply a grammar to every candidate, every token (llama.cpp's grammar_first), rather
+        # than check the token picked first: for measurements.
+        self.grammar_first = False
+
+    def load(self) -> None:
+        # ``Llama`` loads the model (devices, splits, threads); its own context is not used, and
+        # is made small: the decoding context is made apart, for ``slots`` sequences, each with
+        # the whole context asked for (Llama cannot make one with several sequences).
+        llm = Llama(
+            model_path=str(self.path),
+            n_ctx=_LLAMA_OWN_CTX,
+            n_threads=self._n_threads,
+            n_threads_batch=self._n_threads,
+            verbose=False,
+            **self._kwargs,
+        )
+        ctx, n_ctx = _slots_context(
+            llm, self._requested_ctx, self.slots, flash_attn_asked="flash_attn" in self._kwargs
+        )
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        formatter: Callable[..., Any] | None = None
+        template: str | None = None
+        if self._chat_format is not None:
+            formatter = _FORMATTERS[self._chat_format]
+        elif template := llm.metadata.get("tokenizer.chat_template"):
+            formatter = llama_chat_format.Jinja2ChatFormatter(
+                template=template,
+                eos_token=_special_text(vocab, llm.token_eos()),
+                bos_token=_special_text(vocab, llm.token_bos()),
+            )
+        # Every end-of-generation token of the vocabulary ends it, as in llama-cpp-python's
+        # own completions (and a grammar, once complete, allows only these).
+        ends = {llm.token_eos()}
+        ends.update(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        # A format's own stop marker (e.g. Gemma's <end_of_turn>) ends generation as a token.
+        if self._chat_format is not None:
+            assert formatter is not None
+            stop = formatter(messages=[{"role": "user", "content": ""}]).stop
+            for s in [stop] if isinstance(stop, str) else stop or []:
+                ids = llm.tokenize(s.strip().encode(), add_bos=False, special=True)
+                if len(ids) == 1:
+                    ends.add(ids[0])
+        ends_set = frozenset(ends)
+        decoder = BatchDecoder(
+            ctx,
+            owner=llm,
+            slots=self.slots,
+            n_ctx=n_ctx,
+            n_batch=int(llama_cpp.llama_n_batch(ctx)),
+            n_vocab=n_vocab,
+            is_end=ends_set.__contains__,
+        )
+        self._loaded = _Loaded(
+            llm=llm,
+            vocab=vocab,
+            n_vocab=n_vocab,
+            decoder=decoder,
+            n_ctx=n_ctx,
+            grammars=GrammarCache(vocab),
+            formatter=formatter,
+            template=template or None,
+            ends=ends_set,
+        )
+
+    @property
+    def loaded(self) -> _Loaded:
+        if self._loaded is None:
+            raise RuntimeError("engine not loaded")
+        return self._loaded
+
+    @property
+    def llm(self) -> Llama:
+        return self.loaded.llm
+
+    @property
+    def n_ctx(self) -> int:
+        """The context of one generation (each slot has one)."""
+        return self.loaded.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.loaded.n_vocab
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.loaded.template
+
+    # --- prompts ------------------------------------------------------------------------------
+
+    def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The chat as the model reads it, before tokenizing."""
+        m = self.loaded
+        if m.formatter is None:
+            raise InvalidRequest("this model has no chat template: send a plain prompt")
+        # Named formats know nothing of tools.
+        extra = {"tools": tools} if m.template is not None and tools else {}
+        if self._chat_format == "gemma":
+            messages = _system_in_first_user(messages)
+        try:
+            return str(m.formatter(messages=messages, **extra).prompt)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+            # A template's raise_exception, a role or a shape it does not take.
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        return self._tokens(self.chat_text(messages, tools))
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        return self._tokens(prompt)
+
+    def _tokens(self, text: str) -> list[int]:
+        # Chat templates write the BOS token themselves; plain prompts get one added.
+        llm = self.llm
+        bos = llm.token_bos()
+        tokens: list[int] = llm.tokenize(text.encode(), add_bos=True, special=True)
+        if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos:
+            tokens = tokens[1:]
+        return tokens
+
+    # --- tokens ---------------------------------------------------------------------------------
+
+    def piece(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            if not 0 <= token < self.n_vocab:
+                return b""
+            # Special tokens (end of turn and the like) show no text.
+            piece = self._pieces[token] = token_piece(self.loaded.vocab, token, special=False)
+        return piece
+
+    def spelled(self, token: int) -> bytes:
+        return token_piece(self.loaded.vocab, token) if 0 <= token < self.n_vocab else b""
+
+    def is_end(self, token: int) -> bool:
+        return token in self.loaded.ends
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def generate(
+        self, prompt: list[int], decoding: Decoding
+    ) -> Generator[Token | PromptScores | PromptCached]:
+        """Checks the request at once (``InvalidRequest``); decodes nothing before the first
+        ``next()``. Up to ``slots`` generations are decoded together (``BatchDecoder``); more
+        wait for a slot."""
+        return self.loaded.decoder.generate(prompt, decoding, self._sampler_for(prompt, decoding))
+
+    def submit(self, prompt: list[int], decoding: Decoding, sink: Sink) -> None:
+        """The same, its items handed to ``sink`` on the decoding thread: a runner's steps
+        are made there, between two decodes, with no thread to wake per token."""
+        self.loaded.decoder.submit(prompt, decoding, self._sampler_for(prompt, decoding), sink)
+
+    def _sampler_for(self, prompt: list[int], decoding: Decoding) -> Callable[[], SequenceSampler]:
+        """The request checked (``InvalidRequest``), and how its sampler is made."""
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt) >= self.n_ctx:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt)} tokens, more than the model's context of "
+                f"{self.n_ctx} tokens leaves room for"
+            )
+        m = self.loaded
+        check_against_vocabulary(decoding.params, m.n_vocab, decoding.top_logprobs)
+        grammar = m.grammars.get(decoding.grammar) if decoding.grammar else None
+        seed = seed_of(decoding.params)
+
+        def make() -> SequenceSampler:
+            sampler = SequenceSampler(
+                vocab=m.vocab,
+                n_vocab=m.n_vocab,
+                n_ctx=self.n_ctx,
+                params=decoding.params,
+                seed=seed,
+                grammar=grammar,
+                grammar_first=self.grammar_first,
+            )
+            sampler.take_generated(decoding.generated)
+            return sampler
+
+        return make
+
+    def drop_cache(self) -> None:
+        """Forget what the KV caches hold: the next generations run their prompts whole (for
+        a run that does not depend on the last: a prompt run in pieces rounds a little
+        differently from one run whole)."""
+        self.loaded.decoder.drop_cache()
+
+    def close(self) -> None:
+        """Stop the decoding thread (generations in flight are left unfinished)."""
+        if self._loaded is not None:
+            self._loaded.decoder.close()
+
+
+# The context ``Llama`` makes for itself, unused (see ``load``).
+_LLAMA_OWN_CTX = 64
+
+
+def _slots_context(
+    llm: Llama, n_ctx: int, slots: int, *, flash_attn_asked: bool
+) -> tuple[Any, int]:
+    """A context for ``slots`` sequences of ``n_ctx`` tokens each, with ``Llama``'s settings
+    (threads, cache types; flash attention if ``flash_attn_asked``, else llama.cpp's choice);
+    and each sequence's context as llama.cpp made it.
+    Each sequence has its own part of the KV cache (not unified): attention then reads only a
+    sequence's own, which is faster when prompts share little."""
+    params = llm.context_params
+    if not flash_attn_asked:
+        # As llama.cpp's own server: flash attention where the backend has it (llama-cpp-python
+        # turns it off unless asked); batched decoding gains most from it.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+    params.n_ctx = n_ctx * slots
+    params.n_seq_max = slots
+    params.n_batch = params.n_ubatch = _N_BATCH
+    params.kv_unified = False
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    if not ctx:
+        raise RuntimeError(f"llama.cpp could not make a context of {slots} x {n_ctx} tokens")
+    return ctx, int(llama_cpp.llama_n_ctx_seq(ctx))
+
+
+# Tokens a decode step takes at most (llama-cpp-python's and llama.cpp's default batch).
+_N_BATCH = 512
+
+
+def _system_in_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """llama-cpp-python's ``gemma`` format drops system messages (Gemma has no such role):
+    their text goes at the start of the first user message instead, as Gemma's own template
+    does."""
+    system = "\n\n".join(str(m.get("content") or "") for m in messages if m["role"] == "system")
+    rest = [m for m in messages if m["role"] != "system"]
+    if not system:
+        return rest
+    for i, m in enumerate(rest):
+        if m["role"] == "user":
+            rest[i] = m | {"content": f"{system}\n\n{m.get('content') or ''}"}
+            return rest
+    return [{"role": "user", "content": system}, *rest]
+
+
+def _special_text(vocab: Any, token: int) -> str:
+    """A special token's text, for templates (``{{ bos_token }}``)."""
+    if token < 0:
+        return ""
+    return bytes(llama_cpp.llama_vocab_get_text(vocab, token)).decode(errors="replace")

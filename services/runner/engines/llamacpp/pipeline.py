@@ -1,0 +1,121 @@
+"""A GGUF model split across nodes with llama.cpp's RPC backend.
+
+Every stage but the first runs a ggml RPC server on its node's data-plane address and reports
+it (``Ready`` with ``endpoint``); it holds no model itself. The first stage, the head, waits
+for them, registers them as devices and loads the model so that its own layers (and the
+embeddings) stay in its memory and each later stage's layers, with their KV cache, go to that
+stage's server. The head then serves tasks like a whole-model runner: llama.cpp sends the
+hidden states from stage to stage for every token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from llama_cpp import LLAMA_SPLIT_MODE_LAYER
+
+from bus.events import ShardAssignment
+from services.runner.engines.llamacpp import rpc as ggml_rpc
+from services.runner.offload import accelerators
+from services.runner.peers import Peers
+from services.runner.serve import StateReporter
+from services.runner.spec import RunnerSpec
+
+log = logging.getLogger(__name__)
+
+
+def check_stages(head: ShardAssignment, peers: list[ShardAssignment]) -> list[ShardAssignment]:
+    """The whole pipeline in rank order, checked: contiguous layers from 0 to the model's
+    last, one stage per rank."""
+    stages = sorted([head, *peers], key=lambda s: s.rank)
+    if [s.rank for s in stages] != list(range(head.world_size)):
+        ranks = ", ".join(str(s.rank) for s in stages)
+        raise ValueError(f"a pipeline of {head.world_size} stages has ranks {ranks}")
+    edge = 0
+    for s in stages:
+        if s.start_layer != edge or s.end_layer <= s.start_layer:
+            raise ValueError(
+                f"stage {s.rank} holds layers {s.start_layer}-{s.end_layer - 1}; layer {edge}"
+                " was expected to start it"
+            )
+        edge = s.end_layer
+    if edge != head.n_layers:
+        raise ValueError(f"the stages hold layers 0-{edge - 1} of a model of {head.n_layers}")
+    return stages
+
+
+def rpc_offload(head: ShardAssignment, peers: list[ShardAssignment]) -> dict[str, Any]:
+    """``Llama`` arguments that keep the head's layers local and put each later stage's on its
+    RPC device (the devices registered in rank order).
+
+    llama.cpp offloads the last ``n_gpu_layers`` of the model's layers plus its output layer,
+    and deals them out to the devices in proportion to ``tensor_split``: with one weight per
+    stage equal to its layer count (the output layer counted with the last stage), every
+    stage gets exactly its layers."""
+    stages = check_stages(head, peers)
+    if stages[0] != head:
+        raise ValueError("only the first stage loads the model")
+    counts = [s.end_layer - s.start_layer for s in stages[1:]]
+    counts[-1] += 1  # the output layer
+    return {
+        "n_gpu_layers": sum(counts),
+        "tensor_split": [float(c) for c in counts],
+        "split_mode": LLAMA_SPLIT_MODE_LAYER,
+        # Off across stages, as llama-cpp-python has it: on (a whole model's default), a split
+        # Gemma's greedy reply left one process's within 14 tokens; off, the two are equal.
+        "flash_attn": False,
+    }
+
+
+async def serve_stage(spec: RunnerSpec, state: StateReporter, stop: asyncio.Event) -> None:
+    """A later stage: serve the device it was placed on (this node's CPU or a GPU) over RPC
+    until asked to stop."""
+    ggml_rpc.check_available()
+    endpoint = ggml_rpc.free_endpoint(spec.data_host)
+    threads = spec.n_threads or os.cpu_count() or 1
+    cache = Path(spec.cache_dir) / "rpc-cache"
+    failed = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    on_gpu = bool(accelerators(spec.shard))
+
+    def run() -> None:
+        ggml_rpc.serve(endpoint, threads, cache, on_gpu)  # returns only if it could not start
+        loop.call_soon_threadsafe(failed.set)
+
+    # The server never returns: a daemon thread, which ends with the process.
+    threading.Thread(target=run, name="ggml-rpc", daemon=True).start()
+    await asyncio.to_thread(ggml_rpc.wait_listening, endpoint, 30.0)
+    s = spec.shard
+    log.info(
+        "stage %d: layers %d-%d served at %s", s.rank, s.start_layer, s.end_layer - 1, endpoint
+    )
+    await state.report("Ready", progress=1.0, endpoint=endpoint)
+    done = asyncio.ensure_future(failed.wait())
+    halt = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([done, halt], return_when=asyncio.FIRST_COMPLETED)
+    halt.cancel()
+    done.cancel()
+    if failed.is_set():
+        raise RuntimeError(f"the RPC server at {endpoint} stopped")
+
+
+async def connect_stages(spec: RunnerSpec, peers: Peers, state: StateReporter) -> dict[str, Any]:
+    """At the head: wait for the later stages to listen, register them; the ``Llama``
+    arguments that load the model across them."""
+    offload = rpc_offload(spec.shard, spec.peers)
+    ggml_rpc.check_available()
+    await state.report("Loading", progress=0.0)
+    endpoints = await peers.wait_ready(spec.peer_timeout_s)
+    # ggml aborts the whole process on a server it cannot reach: check first (a stage whose
+    # node died without a word still looks Ready in the log).
+    for endpoint in endpoints:
+        await asyncio.to_thread(ggml_rpc.wait_listening, endpoint, 5.0)
+    ggml_rpc.add_servers(endpoints)
+    log.info("stages at %s; offload %s", ", ".join(endpoints), offload)
+    return offload
