@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bus.events import ChunkGenerated, FinishReason, TokenLogprob
+from bus.events import ChunkGenerated
+from bus.records import FinishReason, TokenLogprob
 
 
 @dataclass

@@ -25,10 +25,11 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.reply import Reply
 from api.task_stream import Closed, Recheck, TaskStream
-from bus.events import ChunkGenerated, EventBase, TaskCreated, Usage
+from bus.events import ChunkGenerated, EventBase, TaskCreated
 from bus.kinds import InstanceRole
 from bus.payload import PayloadTooLargeError, check_size
 from bus.publisher import MSG_ID_HEADER
+from bus.records import Usage
 
 
 class Output(ABC):

@@ -36,11 +36,11 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
     TaskFailed,
-    TokenLogprob,
     parse_event,
 )
 from bus.publisher import Publisher
 from bus.reader import read_stream
+from bus.records import TokenLogprob
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 
 # Tasks publishing cancels, kept referenced until done (the event loop holds them weakly).

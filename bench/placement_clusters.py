@@ -13,17 +13,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from bus.events import (
-    Accelerator,
     Event,
     InstancePlaced,
     InstanceRequested,
     ModelAdded,
     NodeJoined,
-    NodeProfile,
     ResourceProfiled,
     RunnerStateChanged,
-    ShardAssignment,
 )
+from bus.records import Accelerator, NodeProfile, ShardAssignment
 from bus.units import GiB, MiB
 from projectors.rules import fold
 from projectors.state import ClusterState

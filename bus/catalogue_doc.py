@@ -11,8 +11,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from bus.events import (
-    EVENT_TYPES,
+from bus.events import EVENT_TYPES, WeightFile
+from bus.records import (
     Accelerator,
     ChatMessage,
     DeviceLayers,
@@ -30,7 +30,6 @@ from bus.events import (
     ToolChoice,
     TopLogprob,
     Usage,
-    WeightFile,
 )
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from bus.events import ShardAssignment
 from bus.kinds import InstanceRole
+from bus.records import ShardAssignment
 from bus.states import InstanceStatus, NodeStatus, RunnerState, StoredResponseStatus, TaskStatus
 
 JsonList = list[Any]

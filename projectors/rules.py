@@ -24,7 +24,6 @@ from bus.events import (
     ModelAdded,
     NodeJoined,
     NodeLeft,
-    NodeProfile,
     NodeTimedOut,
     PlacementRejected,
     PromptScored,
@@ -38,6 +37,7 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
+from bus.records import NodeProfile
 from bus.states import INSTANCE_ENDING, TASK_ENDED, NodeStatus, TaskStatus
 from projectors.rows import (
     DeviceRow,

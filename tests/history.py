@@ -12,30 +12,32 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 from bus.events import (
-    ChatMessage,
     ChunkGenerated,
     Event,
-    GpuInfo,
     InstanceDeleted,
     InstanceDeleteRequested,
     InstancePlaced,
     InstanceRequested,
     ModelAdded,
-    NetworkInterface,
     NodeJoined,
     NodeLeft,
-    NodeProfile,
     NodeTimedOut,
     PlacementRejected,
     ResourceProfiled,
     RunnerStateChanged,
-    SamplingParams,
-    ShardAssignment,
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
     TaskFailed,
     TaskStarted,
+)
+from bus.records import (
+    ChatMessage,
+    GpuInfo,
+    NetworkInterface,
+    NodeProfile,
+    SamplingParams,
+    ShardAssignment,
     Timings,
     Usage,
 )

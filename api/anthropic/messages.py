@@ -21,19 +21,17 @@ from api.errors import ApiError, anthropic_error_body
 from api.reply import Reply
 from api.serving import Output, sse
 from api.task_stream import TaskStream
-from bus.events import (
+from bus.events import ChunkGenerated, TaskCreated, new_id
+from bus.records import (
     INT32_MAX,
     ChatMessage,
-    ChunkGenerated,
     FinishReason,
     ResponseFormat,
     SamplingParams,
-    TaskCreated,
     Tool,
     ToolCall,
     ToolChoice,
     Usage,
-    new_id,
 )
 
 MAX_TOOLS = 128

@@ -22,10 +22,10 @@ from api.openai.requests import MAX_TOOLS, ToolDef
 from api.reply import Reply
 from api.serving import Output, ndjson
 from api.task_stream import TaskStream
-from bus.events import (
+from bus.events import ChunkGenerated
+from bus.records import (
     INT32_MAX,
     ChatMessage,
-    ChunkGenerated,
     FinishReason,
     ResponseFormat,
     SamplingParams,

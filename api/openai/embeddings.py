@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from bus.events import INT32_MAX
+from bus.records import INT32_MAX
 from bus.vectors import Vectors, encode_vectors
 
 # OpenAI's limit on the inputs of one request.

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from api.body import JsonSchema, RequestBody, ToolParameters
-from bus.events import (
+from bus.kinds import InstanceRole
+from bus.records import (
     INT32_MAX,
     ChatMessage,
     ResponseFormat,
@@ -22,7 +23,6 @@ from bus.events import (
     ToolCall,
     ToolChoice,
 )
-from bus.kinds import InstanceRole
 from services.models.footprint import MAX_SLOTS
 
 MAX_STOPS = 4

@@ -25,7 +25,8 @@ from api.openai.shapes import (
 from api.reply import Reply
 from api.serving import Output, serve, sse
 from api.task_stream import TaskStream
-from bus.events import ChunkGenerated, TaskCreated, Usage, new_id
+from bus.events import ChunkGenerated, TaskCreated, new_id
+from bus.records import Usage
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]

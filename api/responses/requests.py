@@ -18,7 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from api.body import JsonSchema, RequestBody, ToolParameters
 from api.errors import ApiError
 from api.openai.requests import MAX_TOOLS, Count, FunctionName
-from bus.events import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolCall, ToolChoice
+from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolCall, ToolChoice
 
 # A response's id is its task's with this prefix: either names the other.
 RESPONSE_PREFIX = "resp_"

@@ -34,14 +34,8 @@ from api.responses.requests import (
 )
 from api.responses.shapes import Head, Json, Keep, ResponsesOut, failed_response
 from api.serving import log_unavailable, require_serving, require_storable, serve
-from bus.events import (
-    ChatMessage,
-    ResponseStored,
-    TaskCancelled,
-    TaskCreated,
-    new_id,
-    utc_now,
-)
+from bus.events import ResponseStored, TaskCancelled, TaskCreated, new_id, utc_now
+from bus.records import ChatMessage
 from bus.states import TASK_ENDED
 
 log = logging.getLogger(__name__)

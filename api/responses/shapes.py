@@ -16,7 +16,8 @@ from api.errors import ApiError
 from api.reply import Call, Reply
 from api.serving import Output, sse
 from api.task_stream import TaskStream
-from bus.events import ChatMessage, ChunkGenerated, ToolCall, ToolCallDelta, Usage
+from bus.events import ChunkGenerated
+from bus.records import ChatMessage, ToolCall, ToolCallDelta, Usage
 from bus.states import ResponseStatus
 
 Json = dict[str, Any]

@@ -20,8 +20,9 @@ from sqlalchemy import select
 
 from api.context import ApiContext
 from api.serving import log_unavailable
-from bus.events import ChatMessage, ResponseDeleted, ResponseStored, parse_event
+from bus.events import ResponseDeleted, ResponseStored, parse_event
 from bus.payload import PayloadTooLargeError
+from bus.records import ChatMessage
 from bus.streams import EVENTS_STREAM
 from projectors.rows import ResponseRow, TaskRow
 from projectors.tables import responses, tasks

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from bus.events import ACCELERATOR_BACKENDS
 from bus.kinds import DEFAULT_ROLE, InstanceRole, is_role
+from bus.records import ACCELERATOR_BACKENDS
 from services.models.footprint import MAX_SLOTS
 
 # A new role is one new row here: parsing, checks and messages all read this table.

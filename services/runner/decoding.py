@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bus.events import SamplingParams
+from bus.records import SamplingParams
 
 # OpenAI's bounds: chat's top_logprobs goes to 20 (completions' logprobs to 5).
 MAX_TOP_LOGPROBS = 20

@@ -16,14 +16,8 @@ from pathlib import Path
 
 from nats.aio.client import Client
 
-from bus.events import (
-    EmbeddingsRequested,
-    TaskCancelled,
-    TaskCompleted,
-    TaskStarted,
-    Timings,
-    Usage,
-)
+from bus.events import EmbeddingsRequested, TaskCancelled, TaskCompleted, TaskStarted
+from bus.records import Timings, Usage
 from bus.vectors import Vectors
 from services.runner.claim import Claim
 from services.runner.embedding import Embedder, computed_events, cut, embedding_inputs

@@ -21,7 +21,7 @@ from typing import Any
 from nats.aio.client import Client
 
 from bus.connection import connect
-from bus.events import ShardAssignment
+from bus.records import ShardAssignment
 from bus.streams import ensure_streams
 from services.runner.embed_serve import EmbeddingServer
 from services.runner.embedding import Embedder

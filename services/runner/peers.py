@@ -19,7 +19,8 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
-from bus.events import RunnerStateChanged, ShardAssignment, parse_event
+from bus.events import RunnerStateChanged, parse_event
+from bus.records import ShardAssignment
 from bus.states import RUNNER_ENDED, SERVING, RunnerState
 
 

@@ -38,19 +38,17 @@ from bus.events import (
     ChunkGenerated,
     EmbeddingsRequested,
     EventBase,
-    FinishReason,
     RunnerStateChanged,
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
     TaskFailed,
     TaskStarted,
-    Timings,
-    Usage,
     utc_now,
 )
 from bus.publisher import ChunkPublisher, Publisher
 from bus.puller import ConsumerGone
+from bus.records import FinishReason, Timings, Usage
 from bus.states import RunnerState
 from bus.streams import EVENTS_STREAM
 from bus.subjects import escape_token

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from bus.events import ShardAssignment, WeightFile
+from bus.events import WeightFile
 from bus.kinds import InstanceRole
+from bus.records import ShardAssignment
 
 
 class RunnerSpec(BaseModel):

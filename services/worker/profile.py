@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pynvml
 
-from bus.events import NetworkInterface, NodeProfile
+from bus.records import NetworkInterface, NodeProfile
 from bus.streams import parse_size
 from services.worker.device_probe import Probe
 from services.worker.devices import NvidiaGpu, accelerators

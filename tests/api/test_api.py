@@ -14,13 +14,13 @@ from bus.events import (
     InstanceRequested,
     ModelAdded,
     NodeJoined,
-    NodeProfile,
     ResourceProfiled,
     RunnerStateChanged,
     TaskCancelled,
     parse_event,
 )
 from bus.publisher import Publisher
+from bus.records import NodeProfile
 from bus.units import MiB
 from tests.api.conftest import ApiStack, wait_healthy
 

@@ -43,17 +43,15 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.events import (
     EventBase,
-    GpuInfo,
     InstancePlaced,
     InstanceRequested,
     ModelAdded,
     NodeJoined,
-    NodeProfile,
     ResourceProfiled,
     RunnerStateChanged,
-    ShardAssignment,
 )
 from bus.publisher import Publisher
+from bus.records import GpuInfo, NodeProfile, ShardAssignment
 from bus.units import GiB
 from tests.api.conftest import ApiStack, wait_healthy
 from tests.services.processes import Processes

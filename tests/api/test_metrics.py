@@ -38,13 +38,12 @@ from bus.events import (
     InstancePlaced,
     ModelAdded,
     NodeJoined,
-    NodeProfile,
     ResourceProfiled,
     RunnerStateChanged,
-    ShardAssignment,
     event_type_filters,
 )
 from bus.publisher import Publisher
+from bus.records import NodeProfile, ShardAssignment
 from bus.states import NodeStatus, RunnerState
 from bus.units import MiB
 from projectors.rows import DeviceRow, NodeRow, RunnerRow

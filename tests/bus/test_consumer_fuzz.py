@@ -66,36 +66,38 @@ from bus.consumer import (
 )
 from bus.events import (
     EVENT_TYPES,
-    ChatMessage,
     ChunkGenerated,
     Event,
     EventBase,
-    GpuInfo,
     InstanceDeleted,
     InstanceDeleteRequested,
     InstancePlaced,
     InstanceRequested,
     ModelAdded,
-    NetworkInterface,
     NodeJoined,
     NodeLeft,
-    NodeProfile,
     NodeTimedOut,
     PlacementRejected,
     ResourceProfiled,
     RunnerStateChanged,
-    SamplingParams,
-    ShardAssignment,
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
     TaskFailed,
     TaskStarted,
-    Timings,
-    Usage,
 )
 from bus.payload import PayloadTooLargeError, message_size
 from bus.publisher import ChunkPublisher, Publisher
+from bus.records import (
+    ChatMessage,
+    GpuInfo,
+    NetworkInterface,
+    NodeProfile,
+    SamplingParams,
+    ShardAssignment,
+    Timings,
+    Usage,
+)
 from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM
 from bus.subjects import DEADLETTER_PREFIX, EVENTS_PREFIX, event_subject
 

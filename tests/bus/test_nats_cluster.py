@@ -19,18 +19,16 @@ from api.task_stream import TaskStream
 from bus.connection import connect
 from bus.consumer import EventConsumer
 from bus.events import (
-    ChatMessage,
     ChunkGenerated,
     EventBase,
     NodeJoined,
     TaskCompleted,
     TaskCreated,
-    Timings,
-    Usage,
     parse_event,
 )
 from bus.publisher import ChunkPublisher, Publisher
 from bus.reader import read_stream
+from bus.records import ChatMessage, Timings, Usage
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, StreamSettings, ensure_streams
 from projectors import database
 from projectors.rules import fold

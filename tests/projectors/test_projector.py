@@ -16,7 +16,8 @@ from sqlalchemy import Connection, inspect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import Delivered, EventConsumer
-from bus.events import ChatMessage, Event, NodeJoined, TaskCreated
+from bus.events import Event, NodeJoined, TaskCreated
+from bus.records import ChatMessage
 from bus.streams import EVENTS_STREAM
 from bus.subjects import EVENTS_PREFIX
 from projectors import database

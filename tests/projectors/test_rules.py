@@ -11,7 +11,6 @@ from bus.events import (
     ChunkGenerated,
     EmbeddingsComputed,
     EmbeddingsRequested,
-    GpuInfo,
     InstanceDeleted,
     InstanceDeleteRequested,
     InstancePlaced,
@@ -19,23 +18,20 @@ from bus.events import (
     ModelAdded,
     NodeJoined,
     NodeLeft,
-    NodeProfile,
     NodeTimedOut,
     PlacementRejected,
     PromptScored,
     ResourceProfiled,
     Resume,
     RunnerStateChanged,
-    ShardAssignment,
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
     TaskFailed,
     TaskStarted,
-    Timings,
-    Usage,
     parse_event,
 )
+from bus.records import GpuInfo, NodeProfile, ShardAssignment, Timings, Usage
 from bus.units import GiB
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, Row, RunnerRow, TaskRow
 from projectors.rules import changes_for, fold

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from bus.events import ChunkGenerated, Resume, SamplingParams, TaskCreated, TaskFailed
+from bus.events import ChunkGenerated, Resume, TaskCreated, TaskFailed
+from bus.records import SamplingParams
 from services.resume import (
     MAX_RESUMES,
     Logged,

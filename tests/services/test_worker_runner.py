@@ -19,7 +19,6 @@ from nats.js.errors import NotFoundError
 
 from bus.embedded import EmbeddedNats
 from bus.events import (
-    ChatMessage,
     InstanceDeleted,
     InstancePlaced,
     InstanceRequested,
@@ -28,8 +27,6 @@ from bus.events import (
     NodeLeft,
     ResourceProfiled,
     RunnerStateChanged,
-    SamplingParams,
-    ShardAssignment,
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
@@ -37,6 +34,7 @@ from bus.events import (
     TaskStarted,
 )
 from bus.publisher import Publisher
+from bus.records import ChatMessage, SamplingParams, ShardAssignment
 from bus.streams import EVENTS_STREAM
 from bus.subjects import event_subject
 from services.runner.engines.llamacpp.engine import LlamaCppEngine

@@ -21,7 +21,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from bus.events import Tool
+from bus.records import Tool
 from services.runner.decoding import Grammar
 from services.runner.structured.formats import (
     HERMES_CLOSE,

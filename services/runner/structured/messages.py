@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from bus.events import ChatMessage, Tool, ToolCall
+from bus.records import ChatMessage, Tool, ToolCall
 from services.runner.structured.formats import ToolFormatName, history_id
 
 

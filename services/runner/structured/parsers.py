@@ -37,7 +37,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bus.events import ToolCallDelta
+from bus.records import ToolCallDelta
 from services.runner.generation import Parsed
 from services.runner.structured.formats import (
     HERMES_CLOSE,

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bus.events import ResponseFormat, TaskCreated, Tool
+from bus.events import TaskCreated
+from bus.records import ResponseFormat, Tool
 from services.runner.decoding import Grammar
 from services.runner.generation import InvalidRequest, PlainReply, ReplyParser
 from services.runner.structured.formats import ToolFormatName, tool_format

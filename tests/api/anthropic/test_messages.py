@@ -23,9 +23,9 @@ from api.anthropic.messages import (
 )
 from api.errors import ApiError
 from api.reply import Reply
-from bus.events import (
+from bus.events import ChunkGenerated
+from bus.records import (
     ChatMessage,
-    ChunkGenerated,
     FinishReason,
     ResponseFormat,
     ToolCall,

@@ -37,12 +37,10 @@ from api.ollama.translate import (
 )
 from api.reply import Reply
 from api.task_stream import Finished, TaskStream
-from bus.events import (
+from bus.events import ChunkGenerated, TaskCompleted, TaskCreated
+from bus.records import (
     ChatMessage,
-    ChunkGenerated,
     ResponseFormat,
-    TaskCompleted,
-    TaskCreated,
     Timings,
     TokenLogprob,
     ToolCall,

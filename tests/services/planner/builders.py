@@ -12,20 +12,16 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 
 from bus.events import (
-    Accelerator,
-    AcceleratorBackend,
     Event,
-    GpuInfo,
     InstancePlaced,
     InstanceRequested,
     ModelAdded,
     NodeJoined,
-    NodeProfile,
     ResourceProfiled,
     RunnerStateChanged,
-    ShardAssignment,
 )
 from bus.kinds import Engine
+from bus.records import Accelerator, AcceleratorBackend, GpuInfo, NodeProfile, ShardAssignment
 from bus.states import RunnerState
 from projectors.rules import fold
 from projectors.state import ClusterState

@@ -16,7 +16,6 @@ from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
 from bus.events import (
-    ChatMessage,
     InstancePlaced,
     InstanceRequested,
     ModelAdded,
@@ -24,11 +23,11 @@ from bus.events import (
     NodeTimedOut,
     PlacementRejected,
     RunnerStateChanged,
-    SamplingParams,
     TaskCompleted,
     TaskCreated,
 )
 from bus.publisher import Publisher
+from bus.records import ChatMessage, SamplingParams
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.events import AcceleratorBackend, Event, NodeLeft, NodeTimedOut
+from bus.events import Event, NodeLeft, NodeTimedOut
+from bus.records import AcceleratorBackend
 from bus.units import GiB, MiB
 from services.planner.cluster import ClusterView, device_layers
 from services.planner.placement import Placement, place

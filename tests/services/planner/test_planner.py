@@ -21,12 +21,12 @@ from bus.events import (
     InstanceRequested,
     ModelAdded,
     NodeJoined,
-    NodeProfile,
     NodeTimedOut,
     PlacementRejected,
     ResourceProfiled,
 )
 from bus.publisher import Publisher
+from bus.records import NodeProfile
 from bus.units import MiB
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes

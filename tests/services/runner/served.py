@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.events import ChunkGenerated, TaskCreated, TokenLogprob, ToolCallDelta
+from bus.events import ChunkGenerated, TaskCreated
+from bus.records import TokenLogprob, ToolCallDelta
 from services.runner.engines.base import Engine
 from services.runner.generation import Step, check_request, steps
 from services.runner.job import prepare

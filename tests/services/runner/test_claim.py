@@ -9,8 +9,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from bus.consumer import EventConsumer
-from bus.events import ChatMessage, SamplingParams, TaskCreated
+from bus.events import TaskCreated
 from bus.publisher import Publisher
+from bus.records import ChatMessage, SamplingParams
 from bus.streams import EVENTS_STREAM
 from services.runner.claim import Claim, Seen, redelivered
 

@@ -13,10 +13,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from bus.events import (
-    ChatMessage,
     EmbeddingsComputed,
     EmbeddingsRequested,
-    SamplingParams,
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
@@ -24,6 +22,7 @@ from bus.events import (
     TaskStarted,
 )
 from bus.publisher import Publisher
+from bus.records import ChatMessage, SamplingParams
 from bus.vectors import decode_vectors
 from services.runner.embed_serve import EmbeddingServer
 from services.runner.engines.llamacpp.embed import LlamaCppEmbedder

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bus.events import SamplingParams, ToolCallDelta
+from bus.records import SamplingParams, ToolCallDelta
 from services.runner.decoding import Decoding, PromptScores, Token
 from services.runner.generation import (
     InvalidRequest,

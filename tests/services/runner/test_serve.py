@@ -14,16 +14,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from bus.consumer import EventConsumer
-from bus.events import (
-    ChatMessage,
-    RunnerStateChanged,
-    SamplingParams,
-    TaskCompleted,
-    TaskCreated,
-    TaskStarted,
-    utc_now,
-)
+from bus.events import RunnerStateChanged, TaskCompleted, TaskCreated, TaskStarted, utc_now
 from bus.publisher import Publisher
+from bus.records import ChatMessage, SamplingParams
 from bus.streams import EVENTS_STREAM
 from services.resume import Logged, continuation, message_id
 from services.runner.engines.llamacpp.engine import LlamaCppEngine

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bus.events import Accelerator
+from bus.records import Accelerator
 from bus.units import GiB
 from services.runner.engines.llamacpp.devices import GgmlDevice, list_devices, model_devices
 from services.worker.device_probe import Probe, probe, worth_probing

@@ -19,7 +19,7 @@ from typing import Any
 
 from llama_cpp import LLAMA_SPLIT_MODE_LAYER
 
-from bus.events import ShardAssignment
+from bus.records import ShardAssignment
 from services.runner.engines.llamacpp import rpc as ggml_rpc
 from services.runner.offload import accelerators
 from services.runner.peers import Peers

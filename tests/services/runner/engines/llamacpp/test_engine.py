@@ -22,7 +22,7 @@ import pytest
 from llama_cpp import Llama, llama_chat_format
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-from bus.events import SamplingParams, ShardAssignment
+from bus.records import SamplingParams, ShardAssignment
 from services.runner.decoding import Decoding, Grammar, PromptCached, PromptScores, Token
 from services.runner.engines.llamacpp import sampling as llamacpp_sampling
 from services.runner.engines.llamacpp.batch import ECHO_CHUNK

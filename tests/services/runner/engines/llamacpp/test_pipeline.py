@@ -21,18 +21,16 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import (
+from bus.events import RunnerStateChanged, TaskCompleted, TaskCreated
+from bus.publisher import Publisher
+from bus.records import (
     ChatMessage,
     ResponseFormat,
-    RunnerStateChanged,
     SamplingParams,
     ShardAssignment,
-    TaskCompleted,
-    TaskCreated,
     Tool,
     ToolChoice,
 )
-from bus.publisher import Publisher
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.engines.llamacpp.pipeline import check_stages, rpc_offload
 from services.runner.spec import RunnerSpec

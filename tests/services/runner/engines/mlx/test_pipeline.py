@@ -22,7 +22,8 @@ import pytest
 from llama_cpp import llama_grammar
 from mlx.utils import tree_flatten
 
-from bus.events import ChatMessage, SamplingParams, TaskCreated
+from bus.events import TaskCreated
+from bus.records import ChatMessage, SamplingParams
 from services.runner.decoding import Token
 from services.runner.engines.mlx.engine import PREFILL_STEP, MlxEngine, load_model
 from services.runner.engines.mlx.ring import PipelineShard

@@ -1,0 +1,245 @@
+"""The records events are made of: the values nested inside them (a node's profile, a shard's
+layers, a chat message, sampling parameters, usage...), and the types of their fields. Frozen
+pydantic models, JSON on the wire as the events are (``bus/events.py``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from bus.kinds import Engine
+
+# Ids name subjects and rows, so they are never empty.
+Id = Annotated[str, Field(min_length=1)]
+# Numbers the projection stores in 32-bit INTEGER columns: an event that could not be stored
+# is malformed (dead-lettered), rather than an event that stops the projector.
+INT32_MAX = 2**31 - 1
+Int32 = Annotated[int, Field(le=INT32_MAX)]
+
+
+class Record(BaseModel):
+    """A value nested inside an event."""
+
+    # NaN and Infinity are not JSON (pydantic writes them as null): refused, not projected.
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+
+
+class GpuInfo(Record):
+    index: int
+    name: str
+    memory_total: int = Field(description="Bytes.")
+    memory_used: int = Field(description="Bytes.")
+    utilisation: float | None = Field(default=None, description="Percent, 0-100.")
+
+
+# The backends through which an engine runs on an accelerator (llama.cpp's CUDA, ROCm (HIP),
+# Metal, Vulkan and SYCL; MLX's Metal and CUDA). A device is named by its backend and its
+# index among that backend's devices: 'cuda0', 'metal0'.
+AcceleratorBackend = Literal["cuda", "rocm", "metal", "vulkan", "sycl"]
+ACCELERATOR_BACKENDS: tuple[AcceleratorBackend, ...] = get_args(AcceleratorBackend)
+
+
+class Accelerator(Record):
+    """A GPU (or other accelerator) with memory of its own, as its node's engines see it."""
+
+    backend: AcceleratorBackend
+    index: int = Field(ge=0, description="Its position among the backend's devices (CUDA1: 1).")
+    name: str = ""
+    memory_total: int = Field(
+        description="Bytes the device can hold: the card's memory; for memory shared with the"
+        " CPU (Apple silicon), the GPU's recommended working set."
+    )
+    memory_free: int | None = Field(default=None, description="Bytes free when profiled.")
+    unified: bool = Field(
+        default=False, description="Its memory is the node's RAM (Apple silicon, an iGPU)."
+    )
+    compute_capability: str | None = Field(default=None, description="NVIDIA's, e.g. '9.0'.")
+    utilisation: float | None = Field(default=None, description="Percent, 0-100.")
+    engines: list[Engine] = Field(
+        default_factory=list,
+        description="The engines on this node that can run on it (llamacpp, mlx); none: seen"
+        " (by NVML) but not usable, e.g. llama.cpp built without CUDA.",
+    )
+
+    @property
+    def device(self) -> str:
+        """The device's name on its node: 'cuda0', 'metal0'."""
+        return f"{self.backend}{self.index}"
+
+
+class NetworkInterface(Record):
+    name: str
+    addresses: list[str] = Field(default_factory=list)
+    is_up: bool = True
+    speed_mbps: int | None = None
+
+
+class NodeProfile(Record):
+    ram_total: int = Field(description="Bytes.")
+    ram_available: int = Field(description="Bytes.")
+    swap_total: int = 0
+    swap_used: int = 0
+    cpu_count: int
+    cpu_model: str = ""
+    cpu_load: float = Field(default=0.0, description="Percent, 0-100, all cores.")
+    disk_free: int = Field(default=0, description="Bytes free where models live.")
+    memory_offered: int = Field(description="Bytes this node offers to placement.")
+    interfaces: list[NetworkInterface] = Field(default_factory=list)
+    gpus: list[GpuInfo] = Field(
+        default_factory=list,
+        description="NVIDIA GPUs as workers before `accelerators` reported them (device"
+        " 'gpuN'); a newer worker reports every GPU in `accelerators` and none here.",
+    )
+    accelerators: list[Accelerator] = Field(
+        default_factory=list, description="Every accelerator the node has, with its memory."
+    )
+
+
+class DeviceLayers(Record):
+    """How many of a shard's layers one device of its node holds."""
+
+    device: str = Field(description="'cpu', or an accelerator: 'cuda0', 'metal0'...")
+    layers: int = Field(ge=1)
+
+
+class ShardAssignment(Record):
+    """One runner of a placed instance: which node/device holds which layers."""
+
+    runner_id: Id
+    node_id: Id
+    device: str = Field(
+        default="cpu",
+        description="'cpu' or an accelerator on that node: the one that holds"
+        " the shard, or with `devices`, its first accelerator (llama.cpp's main GPU).",
+    )
+    devices: list[DeviceLayers] = Field(
+        default_factory=list,
+        description="The shard's layers divided between devices of its node, in layer order"
+        " (llama.cpp keeps the first layers on the CPU and offloads the rest); empty: all on"
+        " `device`.",
+    )
+    replica: int = 0
+    rank: int = Field(default=0, description="Position in the pipeline; 0 is the head.")
+    world_size: int = 1
+    start_layer: int
+    end_layer: int = Field(description="Exclusive.")
+    n_layers: int = Field(description="Layers of the whole model.")
+    tensor_split: list[float] | None = None
+
+    def device_layers(self) -> list[tuple[str, int]]:
+        """The devices of its node and the layers each holds, in layer order."""
+        if self.devices:
+            return [(d.device, d.layers) for d in self.devices]
+        return [(self.device, self.end_layer - self.start_layer)]
+
+
+class ToolCall(Record):
+    """A call an assistant made, as a chat's history carries it back."""
+
+    id: str
+    name: str
+    arguments: str = Field(description="The arguments as JSON text, as the model wrote them.")
+
+
+class ChatMessage(Record):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    name: str | None = None
+    tool_calls: list[ToolCall] = Field(
+        default_factory=list, description="An assistant's calls of tools."
+    )
+    tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
+
+
+class Tool(Record):
+    """A function the model may call: its JSON schema says what arguments it takes."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+ToolChoiceMode = Literal["auto", "none", "required", "function"]
+
+
+class ToolChoice(Record):
+    """Whether the model may (``auto``), may not (``none``) or must (``required``) call a
+    tool, or must call the one named (``function``)."""
+
+    mode: ToolChoiceMode = "auto"
+    name: str | None = None
+
+
+class ResponseFormat(Record):
+    """What the reply must be: any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingParams(Record):
+    max_tokens: Int32 | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_k: int = Field(default=0, description="0: no top-k cut.")
+    min_p: float = 0.0
+    repeat_penalty: float = Field(default=1.0, description="1: none.")
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, description="Added to a token's logit before sampling."
+    )
+
+
+# Chunks are hashable (their consumers keep sets of them): what they hold is in tuples.
+
+
+class TopLogprob(Record):
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+
+
+class TokenLogprob(Record):
+    """A token with its log-probability under the model (the raw distribution, before
+    penalties, biases, grammar and temperature), and the most likely alternatives."""
+
+    token: str
+    logprob: float | None = Field(description="None for a prompt's first token.")
+    bytes: tuple[int, ...]
+    top: tuple[TopLogprob, ...] = ()
+
+
+class ToolCallDelta(Record):
+    """A piece of a tool call as it is generated: the first piece of call ``index`` has its
+    ``id`` and ``name``, later pieces carry fragments of its arguments' JSON text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class Usage(Record):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = Field(
+        0, description="Of the prompt tokens, those the runner's cache held: not computed again."
+    )
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(Record):
+    ttft_ms: float = Field(description="Time to first token, milliseconds.")
+    tokens_per_s: float
+    total_ms: float
+
+
+FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
