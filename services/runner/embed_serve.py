@@ -20,10 +20,12 @@ from bus.events import EmbeddingsRequested, TaskCancelled, TaskCompleted, TaskSt
 from bus.records import Timings, Usage
 from bus.vectors import Vectors
 from services.runner.claim import Claim
+from services.runner.consumers import Pulled, embeddings_consumer_name
 from services.runner.embedding import Embedder, computed_events, cut, embedding_inputs
 from services.runner.engines.base import EngineBroken
 from services.runner.generation import InvalidRequest
-from services.runner.serve import Pulled, RunnerIdentity, TaskPuller, embeddings_consumer_name
+from services.runner.serve import TaskPuller
+from services.runner.state_reporter import RunnerIdentity
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,9 @@ from services.runner.embedding import Embedder
 from services.runner.engines.base import Engine, EngineBroken
 from services.runner.offload import accelerators, llama_offload, mlx_device, offload_problem
 from services.runner.peers import PeerLost, Peers, StopWhileWaiting
-from services.runner.serve import RunnerIdentity, StateReporter, TaskPuller, TaskServer
+from services.runner.serve import TaskPuller, TaskServer
 from services.runner.spec import RunnerSpec
+from services.runner.state_reporter import RunnerIdentity, StateReporter
 
 log = logging.getLogger(__name__)
 

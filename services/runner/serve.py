@@ -15,15 +15,12 @@ the next chunk index.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,9 +33,7 @@ from nats.js.errors import NotFoundError
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import (
     ChunkGenerated,
-    EmbeddingsRequested,
     EventBase,
-    RunnerStateChanged,
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
@@ -49,13 +44,13 @@ from bus.events import (
 from bus.publisher import ChunkPublisher, Publisher
 from bus.puller import ConsumerGone
 from bus.records import FinishReason, Timings, Usage
-from bus.states import RunnerState
 from bus.streams import EVENTS_STREAM
-from bus.subjects import escape_token
 from services.resume import continuation, describe, message_id, read_logged
 from services.runner.claim import ACK_WAIT_S, Claim, Seen, redelivered
-from services.runner.decoding import PromptCached, PromptScores, Token
+from services.runner.consumers import Pulled, cancel_subject, tasks_consumer_name
+from services.runner.current_tasks import CurrentTasks
 from services.runner.engines.base import Engine, EngineBroken, Pushes
+from services.runner.feed_sink import FeedSink
 from services.runner.generation import (
     InvalidRequest,
     ScoredPrompt,
@@ -65,46 +60,10 @@ from services.runner.generation import (
     steps,
 )
 from services.runner.job import prepare, prompt_scored
+from services.runner.state_reporter import RunnerIdentity, StateReporter
 from services.runner.step_feed import StepFeed
 
 log = logging.getLogger(__name__)
-
-
-class _FeedSink:
-    """A generation's items from a batch decoder's thread: made into steps there (between two
-    decodes) and put on the feed; the future says when it ended, and how."""
-
-    def __init__(self, stepper: Stepper, feed: StepFeed, ended: asyncio.Future[None]) -> None:
-        self._stepper = stepper
-        self._feed = feed
-        self._ended = ended
-        self._loop = ended.get_loop()
-
-    def take(self, item: Token | PromptScores | PromptCached) -> bool:
-        made, more = self._stepper.take(item)
-        for step in made:
-            self._feed.put(step)
-        return more
-
-    def done(self, error: BaseException | None) -> None:
-        try:
-            if error is None:
-                self._feed.put(self._stepper.finish())
-        except Exception as exc:  # a reply parser's error: the task's, as from the engine
-            error = exc
-        finally:
-            self._feed.close()
-            self._loop.call_soon_threadsafe(self._end, error)
-
-    def _end(self, error: BaseException | None) -> None:
-        if not self._ended.done():
-            if error is None:
-                self._ended.set_result(None)
-            else:
-                self._ended.set_exception(error)
-
-    def ready(self) -> bool:
-        return True
 
 
 def _reap(serving: set[asyncio.Task[None]]) -> None:
@@ -124,94 +83,8 @@ async def _first_done(serving: set[asyncio.Task[None]], stop: asyncio.Event) -> 
         stopping.cancel()
 
 
-@dataclass(frozen=True)
-class RunnerIdentity:
-    runner_id: str
-    instance_id: str
-    model_id: str
-    node_id: str
-
-
 # Chunks after the first are published in groups this far apart at most.
 CHUNK_WINDOW_S = 0.05
-
-
-def tasks_consumer_name(model_id: str) -> str:
-    return f"tasks-{escape_token(model_id).replace('%', '_')}"
-
-
-def embeddings_consumer_name(model_id: str) -> str:
-    return f"embeddings-{escape_token(model_id).replace('%', '_')}"
-
-
-# A request a runner pulls: a generation task or an embeddings one.
-Pulled = TaskCreated | EmbeddingsRequested
-
-
-def cancel_subject(task: TaskCreated) -> str:
-    return TaskCancelled.subject_for(task.model_id, task.task_id)
-
-
-class StateReporter:
-    """Publishes this runner's RunnerStateChanged events."""
-
-    def __init__(self, nc: Client, me: RunnerIdentity) -> None:
-        self._events = Publisher(nc.jetstream())
-        self._me = me
-
-    async def report(self, state: RunnerState, **fields: object) -> None:
-        me = self._me
-        await self._events.publish(
-            RunnerStateChanged.model_validate(
-                {
-                    "runner_id": me.runner_id,
-                    "instance_id": me.instance_id,
-                    "node_id": me.node_id,
-                    "state": state,
-                    "origin": me.node_id,
-                    "pid": os.getpid(),
-                    **fields,
-                }
-            )
-        )
-
-
-class CurrentTasks:
-    """The tasks a runner is serving, noted in a local file for its worker: a runner that dies
-    (killed, or aborted by its engine) cannot say which tasks it leaves unfinished, and their
-    TaskStarted may not have got out yet. Writing it costs a local write, not a round trip."""
-
-    def __init__(self, path: Path | None) -> None:
-        self._path = path
-        self._tasks: dict[str, str] = {}  # task id: model id
-
-    def begin(self, task: Pulled) -> None:
-        self._tasks[task.task_id] = task.model_id
-        self._write()
-
-    def end(self, task: Pulled) -> None:
-        self._tasks.pop(task.task_id, None)
-        self._write()
-
-    def _write(self) -> None:
-        if self._path is None:
-            return
-        if not self._tasks:
-            self._path.unlink(missing_ok=True)
-            return
-        noted = [{"task_id": t, "model_id": m} for t, m in self._tasks.items()]
-        self._path.write_text(json.dumps(noted))
-
-    @staticmethod
-    def read(path: Path) -> list[tuple[str, str]]:
-        """(task id, model id) of each task left unfinished."""
-        try:
-            noted = json.loads(path.read_text())
-            if isinstance(noted, dict):  # one task, as a runner of one slot wrote it before
-                noted = [noted]
-            return [(str(n["task_id"]), str(n["model_id"])) for n in noted]
-        except (OSError, ValueError, KeyError, TypeError):
-            return []
 
 
 class TaskPuller(ABC):
@@ -492,7 +365,7 @@ class TaskServer(TaskPuller):
         if isinstance(engine, Pushes) and stepper.replay(generated):
             # Steps are made on the decoder's thread, between two of its decodes.
             generating = loop.create_future()
-            engine.submit(prompt + generated, job.decoding, _FeedSink(stepper, feed, generating))
+            engine.submit(prompt + generated, job.decoding, FeedSink(stepper, feed, generating))
         else:
 
             def generate() -> None:

@@ -23,8 +23,8 @@ from services.models.catalogue import builtin_cards, card_for
 from services.models.resolve import ProgressThrottle, local_path, resolve_model
 from services.models.shared import shard_model_path
 from services.models.weights_cache import WeightsCache, sha256_of
-from services.runner.serve import StateReporter
 from services.runner.spec import RunnerSpec
+from services.runner.state_reporter import StateReporter
 
 
 async def shard_weights(spec: RunnerSpec, nc: Client, state: StateReporter) -> Path:

@@ -43,7 +43,7 @@ from projectors.state import ClusterState
 from services.models.footprint import context_for
 from services.models.weights_cache import WeightsCache
 from services.resume import continuation, describe, message_id, read_logged
-from services.runner.serve import CurrentTasks
+from services.runner.current_tasks import CurrentTasks
 from services.runner.spec import RunnerSpec
 from services.worker.device_probe import Probe, probe
 from services.worker.profile import collect_profile, nvidia_gpus, rss_bytes

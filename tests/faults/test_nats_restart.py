@@ -14,7 +14,7 @@ import pytest
 
 from bus.events import InstancePlaced, ResourceProfiled
 from bus.streams import EVENTS_STREAM
-from services.runner.serve import tasks_consumer_name
+from services.runner.consumers import tasks_consumer_name
 from tests.faults.cluster import MODEL, running_cluster
 from tests.faults.invariants import (
     check_answered,

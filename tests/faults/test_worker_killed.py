@@ -18,7 +18,7 @@ import pytest
 
 from bus.events import InstancePlaced, NodeTimedOut, TaskCompleted, TaskCreated, TaskStarted
 from bus.streams import EVENTS_STREAM
-from services.runner.serve import tasks_consumer_name
+from services.runner.consumers import tasks_consumer_name
 from tests.faults.cluster import MODEL, Cluster, running_cluster
 from tests.faults.invariants import (
     Outcome,

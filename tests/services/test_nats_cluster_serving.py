@@ -31,7 +31,7 @@ from bus.events import NodeJoined, NodeTimedOut, RunnerStateChanged, TaskCreated
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, StreamSettings, ensure_streams
 from projectors import database
 from projectors.store import read_offset
-from services.runner.serve import tasks_consumer_name
+from services.runner.consumers import tasks_consumer_name
 from tests.api.conftest import wait_healthy
 from tests.bus.nats_cluster import (
     NatsCluster,

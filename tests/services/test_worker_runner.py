@@ -37,9 +37,9 @@ from bus.publisher import Publisher
 from bus.records import ChatMessage, SamplingParams, ShardAssignment
 from bus.streams import EVENTS_STREAM
 from bus.subjects import event_subject
+from services.runner.consumers import tasks_consumer_name
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.job import prepare
-from services.runner.serve import tasks_consumer_name
 from tests.services.event_log import EventLog
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,8 @@ from bus.vectors import decode_vectors
 from services.runner.embed_serve import EmbeddingServer
 from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.serve import RunnerIdentity, TaskServer
+from services.runner.serve import TaskServer
+from services.runner.state_reporter import RunnerIdentity
 from tests.services.event_log import EventLog
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,11 @@ from bus.publisher import Publisher
 from bus.records import ChatMessage, SamplingParams
 from bus.streams import EVENTS_STREAM
 from services.resume import Logged, continuation, message_id
+from services.runner.consumers import tasks_consumer_name
+from services.runner.current_tasks import CurrentTasks
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.serve import CurrentTasks, RunnerIdentity, TaskServer, tasks_consumer_name
+from services.runner.serve import TaskServer
+from services.runner.state_reporter import RunnerIdentity
 from tests.services.event_log import EventLog
 
 pytestmark = pytest.mark.slow

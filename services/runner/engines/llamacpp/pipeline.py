@@ -23,8 +23,8 @@ from bus.records import ShardAssignment
 from services.runner.engines.llamacpp import rpc as ggml_rpc
 from services.runner.offload import accelerators
 from services.runner.peers import Peers
-from services.runner.serve import StateReporter
 from services.runner.spec import RunnerSpec
+from services.runner.state_reporter import StateReporter
 
 log = logging.getLogger(__name__)
 

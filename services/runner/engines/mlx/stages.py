@@ -20,8 +20,8 @@ from services.runner.engines.mlx.follower import PipelineFollower
 from services.runner.engines.mlx.head import PipelineHead
 from services.runner.engines.mlx.ring import PipelineShard
 from services.runner.peers import Peers
-from services.runner.serve import StateReporter
 from services.runner.spec import RunnerSpec
+from services.runner.state_reporter import StateReporter
 
 log = logging.getLogger(__name__)
 
