@@ -51,8 +51,8 @@ from bus.leaderless import ask_again
 
 log = logging.getLogger(__name__)
 
-# Bytes per chunk. nats-py and Go write 128 KiB; larger chunks mean fewer messages for the
-# client to parse (docs/models.md has the figures), and stay well under the 1 MiB max_payload.
+# Bytes per chunk. nats-py and Go write half as much; larger chunks mean fewer messages for
+# the client to parse (bench/weights.py), and stay well under the server's max_payload.
 CHUNK_BYTES = 256 * 1024
 # A fetch has at most this much requested but not yet written: its memory, whatever the size.
 FETCH_WINDOW_BYTES = 16 * 1024 * 1024
@@ -60,7 +60,7 @@ FETCH_WINDOW_BYTES = 16 * 1024 * 1024
 WRITE_BLOCK_BYTES = 4 * 1024 * 1024
 # A fetch notes where it got to (for a resume) after a sixteenth of the object, at most this
 # many bytes: a resumed fetch fetches that much again at most, and each note is a file
-# written and renamed (noted at every block, they took a tenth of a fetch's time).
+# written and renamed (noted at every block, they took a large share of a fetch's time).
 NOTE_EVERY_BYTES = 64 * 1024 * 1024
 # A put keeps this many chunks in flight.
 PUT_IN_FLIGHT = 32

@@ -25,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
-import signal
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -65,8 +63,8 @@ def tune_gc() -> None:
     """Collect garbage less often in a process that folds events.
 
     Parsing and folding allocate many short-lived objects, and with Python's default thresholds
-    the collector took 25-30% of a catch-up (bench/projector.py). Freezing what start-up
-    allocated and raising the young-generation threshold keeps pauses at a few milliseconds.
+    the collector takes a large share of a catch-up (bench/projector.py measures it). Freezing
+    what start-up allocated and raising the young-generation threshold keeps its pauses short.
     Called by the processes that run a projector or a replay, not on import.
     """
     gc.collect()
@@ -119,17 +117,6 @@ def counted(counts: Mapping[str, int], subjects: Iterable[str]) -> dict[str, int
     return {kind: counts.get(kind, 0) + n for kind, n in added.items()}
 
 
-# For fault tests only: ``after-dead-letters`` has the projector SIGKILL its own process once it
-# has published a batch's dead letters, before that batch's commit.
-CRASH_ENV = "SHOAL_PROJECTOR_CRASH"
-
-
-def _crash_point(point: str) -> None:
-    if os.environ.get(CRASH_ENV) == point:
-        log.warning("%s=%s: killing this process", CRASH_ENV, point)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Projector:
     def __init__(
         self,
@@ -139,8 +126,12 @@ class Projector:
         batch_size: int = 2000,
         stream_settings: StreamSettings | None = None,
         task_linger_s: float = TASK_LINGER_S,
+        after_dead_letters: Callable[[], None] | None = None,
     ) -> None:
+        """``after_dead_letters``: called once a batch's dead letters are published, before
+        that batch's commit (a fault test kills the process there)."""
         self._js = js
+        self._after_dead_letters = after_dead_letters
         self._engine = engine
         self.name = name
         self.batch_size = batch_size
@@ -242,8 +233,8 @@ class Projector:
                 else f"projection rule error: {exc!r}"
             )
             await consumer.dead_letter(d.msg, reason)
-        if failed:
-            _crash_point("after-dead-letters")
+        if failed and self._after_dead_letters is not None:
+            self._after_dead_letters()
         async with self._engine.begin() as conn:
             await write_changes(conn, changes)
             await write_counts(conn, self.name, EVENTS_STREAM, counts)

@@ -30,11 +30,12 @@ def runner_command(spec: RunnerSpec) -> list[str]:
 
 
 def _pipeline_env(spec: RunnerSpec) -> dict[str, str]:
-    """A pipeline's stages compute one after the other. libgomp's idle threads spin for about
-    300,000 iterations (a few ms) before they sleep: between tokens, one stage's spinning
-    threads took the cores from the stage computing when stages share a machine. 10,000 still
-    spins through ggml's barriers within a graph (OMP_WAIT_POLICY=PASSIVE, which sleeps at each
-    one, is slower still) and sleeps soon after. docs/runners.md has the figures."""
+    """A pipeline's stages compute one after the other. libgomp's idle threads spin a while
+    before they sleep: between tokens, one stage's spinning threads took the cores from the
+    stage computing when stages share a machine. A spin count of 10,000 still spins through
+    ggml's barriers within a graph (OMP_WAIT_POLICY=PASSIVE, which sleeps at each one, is
+    slower) and sleeps soon after (bench/pipeline.py measures it; docs/runners.md has the
+    figures)."""
     return {"GOMP_SPINCOUNT": "10000"} if spec.shard.world_size > 1 else {}
 
 

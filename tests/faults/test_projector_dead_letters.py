@@ -5,8 +5,8 @@ the restarted projector, which applies the batch again, does not store it twice.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,6 @@ from bus.embedded import EmbeddedNats
 from bus.events import NodeJoined
 from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM
 from projectors import database
-from projectors.projector import CRASH_ENV
 from projectors.rules import fold
 from projectors.store import read_counts, read_offset
 from tests.conftest import MakeDb
@@ -41,9 +40,16 @@ async def test_dead_letters_outlive_a_crash_before_the_commit(
     args = ("projector", "--nats", nats_server.url, "--db", db_url)
     engine = database.create_engine(db_url)
     try:
-        crashing = Processes(tmp_path / "crash", {**os.environ, CRASH_ENV: "after-dead-letters"})
+        crashing = Processes(tmp_path / "crash")
         with crashing:
-            proc = crashing.start("projector", *args)
+            argv = [
+                sys.executable,
+                "-m",
+                "tests.faults.crashing_projector",
+                nats_server.url,
+                db_url,
+            ]
+            proc = crashing.start_argv("projector", argv)
             assert await asyncio.to_thread(proc.wait, 60) == -signal.SIGKILL
         log = crashing.log("projector")
         assert "cannot be stored: nodes.hostname" in log and "killing this process" in log

@@ -23,11 +23,13 @@ class Processes:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        return self.start_argv(name, [SHOAL, *args])
+
+    def start_argv(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Any program, logged and stopped as the `shoal` subcommands are."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with (self.log_dir / f"{name}.log").open("wb") as out:
-            proc = subprocess.Popen(
-                [SHOAL, *args], stdout=out, stderr=subprocess.STDOUT, env=self.env
-            )
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         self.procs[name] = proc
         return proc
 
