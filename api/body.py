@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from bus.records import INT32_MAX
 from services.runner.structured import schema_problem
 
 
@@ -30,6 +31,8 @@ def _object(schema: dict[str, Any]) -> dict[str, Any]:
     return _checked(schema)
 
 
+# Token counts and context lengths: positive, and small enough for the projection's columns.
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 # A JSON schema the engine can constrain output to (schema_problem says why not).
 JsonSchema = Annotated[dict[str, Any], AfterValidator(_checked)]
 # A tool's parameters: such a schema, of an object.

@@ -16,30 +16,22 @@ from sqlalchemy import text
 
 from api import projection
 from api.admission import AdmissionState
+from api.cluster.requests import InstanceRequest
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.model_adding import add_model
-from api.openai.requests import InstanceRequest
 from bus.events import InstanceDeleteRequested, InstanceRequested, chunk_stream_type
-from bus.kinds import InstanceRole, main_engine
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, stream_of
 from bus.subjects import ALL_EVENTS, CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards
-from services.planner.card_fit import card_info
 from services.planner.cluster import cluster_view
+from services.planner.instance_request import RequestRefused, placement_request
 from services.planner.placement import (
-    ModelInfo,
     Placement,
     PlacementRequest,
     Rejection,
     place,
-    slots_problem,
-)
-from services.planner.placement_spec import (
-    PlacementSpecError,
-    instance_role,
-    parse_placement_spec,
 )
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
@@ -113,8 +105,8 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
     cannot be placed now is refused with the reason, unless ``queue`` is true."""
     s = await projection.cluster(ctx.engine)
     spec = _spec_text(body.placement)
-    role = _role(s, body, spec)
-    result = _preview(s, body.model, body.replicas, body.context_length, spec, role, body.slots)
+    request = _checked(s, body, spec)
+    result = place(cluster_view(s), request)
     if isinstance(result, Rejection) and not body.queue:
         raise ApiError(
             400, f"{body.model} cannot be placed: {result.reason}", code="placement_rejected"
@@ -124,7 +116,7 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
         # A catalogue model the cluster does not know yet: added now (weights into the
         # models bucket), then placed from its own facts rather than the card's estimate.
         s = await add_model(ctx, card)
-        result = _preview(s, body.model, body.replicas, body.context_length, spec, role, body.slots)
+        result = _preview(s, body, spec)
     instance_id = f"{body.model}-{_short_id()}"
     await ctx.publish(
         InstanceRequested(
@@ -135,7 +127,7 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
             replicas=body.replicas,
             context_length=body.context_length,
             aliases=body.aliases,
-            role=role,
+            role=request.role,
             slots=body.slots,
         )
     )
@@ -144,7 +136,7 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
         "object": "instance",
         "model": body.model,
         "status": "requested",
-        "role": role,
+        "role": request.role,
         "preview": _plan(result),
         "added": card is not None,
     }
@@ -168,9 +160,7 @@ async def delete_instance(instance_id: str, ctx: Ctx) -> dict[str, Any]:
 async def preview(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
     """Where the model would be placed now, or why it cannot be (the planner's own function)."""
     s = await projection.cluster(ctx.engine)
-    spec = _spec_text(body.placement)
-    role = _role(s, body, spec)
-    result = _preview(s, body.model, body.replicas, body.context_length, spec, role, body.slots)
+    result = _preview(s, body, _spec_text(body.placement))
     return {"model": body.model, **_plan(result)}
 
 
@@ -264,81 +254,34 @@ def _instance(s: ClusterState, instance_id: str) -> dict[str, Any]:
 
 
 def _spec_text(placement: str | dict[str, object] | None) -> str | None:
-    if placement is None:
-        return None
-    text_ = placement if isinstance(placement, str) else json.dumps(placement)
+    """The placement as JSON text, as the log keeps it (checked by ``_checked``)."""
+    if placement is None or isinstance(placement, str):
+        return placement
+    return json.dumps(placement)
+
+
+def _checked(s: ClusterState, body: InstanceRequest, spec: str | None) -> PlacementRequest:
+    """The request as placement takes it, or the 400 (404: an unknown model) saying why."""
     try:
-        parse_placement_spec(text_)
-    except PlacementSpecError as exc:
-        raise ApiError(400, f"invalid placement: {exc}", param="placement") from None
-    return text_
-
-
-def _role(s: ClusterState, body: InstanceRequest, spec: str | None) -> InstanceRole:
-    """The role asked for (or the placement's one); embeddings need an engine that has them."""
-    try:
-        role = instance_role(spec, body.role)
-    except PlacementSpecError as exc:
-        raise ApiError(400, f"invalid placement: {exc}", param="placement") from None
-    model = s.model(body.model)
-    engine = main_engine(model.engines if model is not None else None)
-    if role == "embed" and engine == "mlx":
-        raise ApiError(
-            400,
-            f"{body.model} runs on the mlx engine, and embeddings are not"
-            " supported on the mlx engine",
-            param="role",
+        return placement_request(
+            s,
+            instance_id="preview",
+            model_id=body.model,
+            spec=spec,
+            role=body.role,
+            replicas=body.replicas,
+            context_length=body.context_length,
+            slots=body.slots,
         )
-    return role
+    except RequestRefused as exc:
+        if exc.unknown_model:
+            message = exc.message[:1].upper() + exc.message[1:]
+            raise ApiError(404, message, param="model", code="model_not_found") from None
+        raise ApiError(400, exc.message, param=exc.field) from None
 
 
-def _preview(
-    s: ClusterState,
-    model_id: str,
-    replicas: int,
-    context: int | None,
-    spec: str | None,
-    role: InstanceRole = "chat",
-    slots: int | None = None,
-) -> Placement | Rejection:
-    model = s.model(model_id)
-    card = builtin_cards().get(model_id) if model is None else None
-    # A catalogue model not added yet: placed from its card's estimate.
-    info = ModelInfo.of(model) if model is not None else card_info(card) if card else None
-    if info is None:
-        raise ApiError(
-            404,
-            f"The model `{model_id}` does not exist (nor is it in the catalogue: `shoal"
-            " models list`)",
-            param="model",
-            code="model_not_found",
-        )
-    _check_slots(info, role, slots, spec)
-    request = PlacementRequest(
-        instance_id="preview",
-        model=info,
-        replicas=replicas,
-        context_length=context,
-        spec=spec,
-        role=role,
-        slots=slots,
-    )
-    return place(cluster_view(s), request)
-
-
-def _check_slots(info: ModelInfo, role: InstanceRole, slots: int | None, spec: str | None) -> None:
-    """Slots the instance could not have are refused here, naming the field, rather than
-    rejected by placement."""
-    if slots is None:
-        return
-    in_spec = parse_placement_spec(spec).for_role(role).slots if spec is not None else None
-    if in_spec is not None and in_spec != slots:
-        raise ApiError(
-            400, f"slots: {slots}, but the placement gives {in_spec}: give it once", param="slots"
-        )
-    problem = slots_problem(info, role, slots)
-    if problem is not None:
-        raise ApiError(400, f"slots: {problem}", param="slots")
+def _preview(s: ClusterState, body: InstanceRequest, spec: str | None) -> Placement | Rejection:
+    return place(cluster_view(s), _checked(s, body, spec))
 
 
 def _plan(result: Placement | Rejection) -> dict[str, Any]:

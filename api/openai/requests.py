@@ -12,8 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from api.body import JsonSchema, RequestBody, ToolParameters
-from bus.kinds import InstanceRole
+from api.body import Count, JsonSchema, RequestBody, ToolParameters
 from bus.records import (
     INT32_MAX,
     ChatMessage,
@@ -23,13 +22,10 @@ from bus.records import (
     ToolCall,
     ToolChoice,
 )
-from services.models.footprint import MAX_SLOTS
 
 MAX_STOPS = 4
 MAX_CHOICES = 8
 MAX_TOOLS = 128
-# Token counts and context lengths: positive, and small enough for the projection's columns.
-Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 # OpenAI's rule for function names.
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
@@ -368,26 +364,3 @@ class CompletionRequest(_Sampling):
         # A prompt's scores are needed for its logprobs, and for its text if it came as ids.
         scored = self.echo and (self.logprobs is not None or self.text() is None)
         return {"logprobs": self.logprobs, "echo": scored}
-
-
-class InstanceRequest(RequestBody):
-    model: Annotated[str, Field(min_length=1)]
-    placement: str | dict[str, object] | None = Field(
-        default=None, description="A placement spec, as JSON text or as an object."
-    )
-    replicas: Annotated[int, Field(ge=1, le=64)] = 1
-    context_length: Count | None = None
-    slots: Annotated[int, Field(ge=1, le=MAX_SLOTS, strict=True)] | None = Field(
-        default=None,
-        description="Tasks each replica serves at once, each with a KV cache of the whole"
-        " context; default: as many as fit, up to 8.",
-    )
-    queue: bool = Field(default=False, description="Request it even if it cannot be placed now.")
-    aliases: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=32)
-    ] = Field(default_factory=list, description="Other names clients may call the model by.")
-    role: InstanceRole | None = Field(
-        default=None,
-        description="What the instance serves: 'chat' (generation) or 'embed' (embeddings);"
-        " default: the placement's one role, else chat.",
-    )

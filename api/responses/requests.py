@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from api.body import JsonSchema, RequestBody, ToolParameters
+from api.body import Count, JsonSchema, RequestBody, ToolParameters
 from api.errors import ApiError
-from api.openai.requests import MAX_TOOLS, Count, FunctionName
+from api.openai.requests import MAX_TOOLS, FunctionName
 from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolCall, ToolChoice
 
 # A response's id is its task's with this prefix: either names the other.

@@ -33,7 +33,7 @@ from bus.events import (
     PlacementRejected,
     parse_event,
 )
-from bus.kinds import InstanceRole, main_engine
+from bus.kinds import InstanceRole
 from bus.publisher import Publisher
 from bus.streams import StreamSettings, ensure_streams
 from bus.subjects import aggregate_filter
@@ -46,19 +46,16 @@ from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl
 from services.models.catalogue import builtin_cards
 from services.models.footprint import MAX_SLOTS
 from services.paths import default_data_dir
-from services.planner.card_fit import card_info
 from services.planner.cluster import cluster_view
+from services.planner.instance_request import RequestRefused, placement_request
 from services.planner.placement import (
-    ModelInfo,
     Placement,
     PlacementRequest,
     Rejection,
     place,
-    slots_problem,
 )
 from services.planner.placement_spec import (
     PlacementSpecError,
-    instance_role,
     parse_placement_spec,
 )
 from services.planner.placement_why import gib
@@ -125,14 +122,6 @@ def _read_spec(spec: str | None) -> str | None:
     return spec
 
 
-def _check_slots(spec: str | None, slots: int | None) -> None:
-    if spec is None or slots is None:
-        return
-    in_spec = [r.slots for r in parse_placement_spec(spec).roles.values() if r.slots is not None]
-    if in_spec and in_spec != [slots] * len(in_spec):
-        _fail("give slots in the placement spec or with --slots, not both")
-
-
 async def _projection(db: str) -> ClusterState:
     engine = database.create_engine(db)
     try:
@@ -144,13 +133,6 @@ async def _projection(db: str) -> ClusterState:
         await engine.dispose()
 
 
-def _role(spec: str | None, role: str | None) -> InstanceRole:
-    try:
-        return instance_role(spec, role)
-    except PlacementSpecError as exc:
-        _fail(f"invalid placement: {exc}")
-
-
 def _request(
     state: ClusterState,
     instance_id: str,
@@ -158,28 +140,22 @@ def _request(
     replicas: int,
     context: int | None,
     spec: str | None,
-    role: InstanceRole = "chat",
-    slots: int | None = None,
+    role: str | None,
+    slots: int | None,
 ) -> PlacementRequest:
-    model = state.model(model_id)
-    card = builtin_cards().get(model_id)
-    # A catalogue model not added yet is placed from its card's estimate.
-    info = ModelInfo.of(model) if model else card_info(card) if card else None
-    if role == "embed" and model is not None and main_engine(model.engines) == "mlx":
-        _fail(f"{model_id} runs on the mlx engine: embeddings are not supported on the mlx engine")
-    if slots is not None and info is not None:
-        problem = slots_problem(info, role, slots)
-        if problem is not None:
-            _fail(f"--slots: {problem}")
-    return PlacementRequest(
-        instance_id=instance_id,
-        model=info,
-        replicas=replicas,
-        context_length=context,
-        spec=spec,
-        role=role,
-        slots=slots,
-    )
+    try:
+        return placement_request(
+            state,
+            instance_id=instance_id,
+            model_id=model_id,
+            spec=spec,
+            role=role,
+            replicas=replicas,
+            context_length=context,
+            slots=slots,
+        )
+    except RequestRefused as exc:
+        _fail(exc.message)
 
 
 def describe(result: Placement | Rejection, model_id: str) -> str:
@@ -221,15 +197,13 @@ def preview(
 ) -> None:
     """Show where MODEL would be placed now (exit status 1 if it cannot be)."""
     spec = _read_spec(placement)
-    _check_slots(spec, slots)
-    chosen = _role(spec, role)
     state = asyncio.run(_projection(db))
     if state.model(model) is None and model not in builtin_cards():
         _fail(
             f"model {model!r} is neither known to the cluster nor in the catalogue (`shoal"
             " models list`): add it with `shoal models add`"
         )
-    request = _request(state, "preview", model, replicas, context, spec, chosen, slots)
+    request = _request(state, "preview", model, replicas, context, spec, role, slots)
     result = place(cluster_view(state), request)
     typer.echo(describe(result, model))
     if isinstance(result, Rejection):
@@ -259,8 +233,6 @@ def create(
     spec = _read_spec(placement)
     if spec is not None and replicas != 1:
         _fail("give replicas in the placement spec, not with --replicas")
-    _check_slots(spec, slots)
-    chosen = _role(spec, role)
     iid = instance_id or f"{model}-{secrets.token_hex(3)}"
 
     async def main() -> Event | None:
@@ -281,7 +253,7 @@ def create(
                 )
                 typer.echo(f"added model {model}")
                 state.commit(changes_for(state, added))
-            ask = _request(state, iid, model, replicas, context, spec, chosen, slots)
+            ask = _request(state, iid, model, replicas, context, spec, role, slots)
             result = place(cluster_view(state), ask)
             if isinstance(result, Rejection) and not queue:
                 _fail(f"{model} {describe(result, model)} (--queue requests it anyway)")
@@ -292,7 +264,7 @@ def create(
                 placement=spec,
                 replicas=replicas,
                 context_length=context,
-                role=chosen,
+                role=ask.role,
                 slots=slots,
             )
             outcomes = (InstancePlaced, PlacementRejected)

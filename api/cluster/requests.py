@@ -1,0 +1,34 @@
+"""The cluster API's request bodies."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from api.body import Count, RequestBody
+from bus.kinds import InstanceRole
+from services.models.footprint import MAX_SLOTS
+
+
+class InstanceRequest(RequestBody):
+    model: Annotated[str, Field(min_length=1)]
+    placement: str | dict[str, object] | None = Field(
+        default=None, description="A placement spec, as JSON text or as an object."
+    )
+    replicas: Annotated[int, Field(ge=1, le=64)] = 1
+    context_length: Count | None = None
+    slots: Annotated[int, Field(ge=1, le=MAX_SLOTS, strict=True)] | None = Field(
+        default=None,
+        description="Tasks each replica serves at once, each with a KV cache of the whole"
+        " context; default: as many as fit, up to 8.",
+    )
+    queue: bool = Field(default=False, description="Request it even if it cannot be placed now.")
+    aliases: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=32)
+    ] = Field(default_factory=list, description="Other names clients may call the model by.")
+    role: InstanceRole | None = Field(
+        default=None,
+        description="What the instance serves: 'chat' (generation) or 'embed' (embeddings);"
+        " default: the placement's one role, else chat.",
+    )
