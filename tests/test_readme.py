@@ -25,7 +25,7 @@ import pytest
 from bus.embedded import port_in_use
 from services.models.catalogue import card_for
 from services.models.resolve import local_path
-from tests.services.cli.shoal_up import REPO, read_until_ready, stop
+from tests.cli.shoal_up import REPO, read_until_ready, stop
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 
 from bus.embedded import EmbeddedNats, free_port
 from tests.api.up_cluster import up_cluster
-from tests.services.cli.shoal_up import wait_healthy
+from tests.cli.shoal_up import wait_healthy
 from tests.services.processes import Processes
 
 __all__ = ["ApiStack", "up_cluster", "wait_healthy"]

@@ -38,12 +38,12 @@ from api.serving_verdicts import ServingVerdicts
 from bus.embedded import free_port
 from bus.kinds import InstanceRole
 from bus.states import InstanceStatus, RunnerState
+from cli.state import read_admission
 from projectors.rows import InstanceRow, RunnerRow
 from projectors.state import ClusterState, Put
-from services.cli.state import read_admission
 from tests.api.conftest import wait_healthy
 from tests.api.up_cluster import UpCluster
-from tests.services.cli.shoal_up import KEY, MODEL, Drained, start
+from tests.cli.shoal_up import KEY, MODEL, Drained, start
 from tests.services.processes import SHOAL
 
 

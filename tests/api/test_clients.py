@@ -30,7 +30,7 @@ from pydantic import BaseModel
 import tests.api.asks as asks
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from tests.api.up_cluster import UpCluster
-from tests.services.cli.shoal_up import KEY, MODEL
+from tests.cli.shoal_up import KEY, MODEL
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """GET /metrics: the pure parts on their own, then a real API, projector and nats-server.
 
-Tokens and time to first token need a runner: tests/services/cli/test_up.py checks them against
+Tokens and time to first token need a runner: tests/cli/test_up.py checks them against
 `shoal up` with SmolLM2.
 """
 

@@ -13,7 +13,7 @@ import pytest
 
 from bus.embedded import free_port
 from tests.api.embed_instance import add_embed_instance
-from tests.services.cli.shoal_up import (
+from tests.cli.shoal_up import (
     KEY,
     MODEL,
     Drained,

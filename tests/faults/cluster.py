@@ -26,10 +26,10 @@ from bus.embedded import EmbeddedNats, free_port
 from bus.events import InstancePlaced, InstanceRequested, NodeJoined, RunnerStateChanged
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
+from cli.models import publish_model
 from projectors import database
 from projectors.rows import RunnerRow, TaskRow
 from projectors.store import load_state, read_offset
-from services.cli.models import publish_model
 from services.models.catalogue import builtin_cards
 from tests.api.conftest import wait_healthy
 from tests.services.event_log import EventLog

@@ -165,7 +165,7 @@ async def test_events_tail_prints_live_events(
 
 
 async def test_up_starts_nats_and_projector_and_stops_cleanly(tmp_path: Path) -> None:
-    """Without a model (tests/services/cli/test_up.py serves one): the services come up and go
+    """Without a model (tests/cli/test_up.py serves one): the services come up and go
     down."""
     port = free_port()
     proc = subprocess.Popen(

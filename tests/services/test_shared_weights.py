@@ -24,7 +24,7 @@ from bus.streams import MODELS_BUCKET
 from services.models.catalogue import card_for
 from services.models.resolve import resolve_model
 from services.models.weights_cache import sha256_of
-from tests.services.cli.shoal_up import wait_healthy
+from tests.cli.shoal_up import wait_healthy
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes
 

@@ -24,7 +24,7 @@ from playwright.async_api import ConsoleMessage, Page, async_playwright
 
 from bus.embedded import free_port
 from tests.api.conftest import ApiStack, wait_healthy
-from tests.services.cli.shoal_up import KEY, MODEL, REPO, read_until_ready, start, stop
+from tests.cli.shoal_up import KEY, MODEL, REPO, read_until_ready, start, stop
 from tests.services.processes import SHOAL
 
 CHROMIUM = os.environ.get("SHOAL_CHROMIUM", "/usr/bin/chromium")

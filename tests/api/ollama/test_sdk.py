@@ -26,7 +26,7 @@ from pydantic import BaseModel
 import tests.api.asks as asks
 from bus.embedded import free_port
 from tests.api.up_cluster import UpCluster
-from tests.services.cli.shoal_up import KEY, MODEL, read_until_ready, start, stop
+from tests.cli.shoal_up import KEY, MODEL, read_until_ready, start, stop
 from tests.services.processes import SHOAL
 
 pytestmark = pytest.mark.slow

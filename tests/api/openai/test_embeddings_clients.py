@@ -17,7 +17,7 @@ from bus.events import InstanceRequested, ModelAdded
 from bus.publisher import Publisher
 from tests.api.conftest import ApiStack
 from tests.api.up_cluster import UpCluster
-from tests.services.cli.shoal_up import KEY
+from tests.cli.shoal_up import KEY
 
 pytestmark = pytest.mark.slow
 

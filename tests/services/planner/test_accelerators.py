@@ -289,7 +289,7 @@ def test_spec_shapes_a_runner_cannot_take_are_refused() -> None:
 
 
 def test_the_preview_says_which_layers_land_on_which_device_and_why() -> None:
-    from services.cli.instances import describe
+    from cli.instances import describe
 
     result = placement(place(view(TWO_GPUS), ask(model(size=40 * GiB, n_layers=40))))
     assert describe(result, "m").splitlines() == [

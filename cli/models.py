@@ -20,14 +20,14 @@ from bus.connection import connect
 from bus.events import ModelAdded
 from bus.kinds import ENGINES, Engine
 from bus.streams import MODELS_BUCKET, StreamSettings, ensure_streams
-from projectors.state import ClusterState
-from services.cli.options import (
+from cli.options import (
     DEFAULT_DB,
     DEFAULT_NATS,
     DbUrl,
     NatsUrl,
     absolute,
 )
+from projectors.state import ClusterState
 from services.models.cards import HfSource, ModelCard, PathSource
 from services.models.catalogue import UnknownModel, builtin_cards, card_for
 from services.models.weights_cache import WeightsCache

@@ -15,7 +15,7 @@ import uvicorn
 from api.app import create_app
 from api.config import ApiConfig, keys_from_env, parse_aliases
 from bus.embedded import port_in_use
-from services.cli.options import (
+from cli.options import (
     DEFAULT_DB,
     DEFAULT_NATS,
     DbUrl,

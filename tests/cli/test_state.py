@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.cli.state import _styled
+from cli.state import _styled
 
 
 def test_statuses_are_coloured_by_what_they_mean() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 
 from bus.states import RunnerState
+from cli.up_progress import Step, UpProgress, model_steps, weights_step
 from projectors.rows import InstanceRow, RunnerRow
 from projectors.state import ClusterState, Put
-from services.cli.up_progress import Step, UpProgress, model_steps, weights_step
 
 
 def _state(*rows: InstanceRow | RunnerRow) -> ClusterState:

@@ -10,11 +10,7 @@ import typer
 
 from bus.connection import connect
 from bus.streams import StreamSettings
-from projectors import database
-from projectors.projector import DEFAULT_NAME, Projector, tune_gc
-from projectors.replay import replay
-from projectors.store import OffsetConflict
-from services.cli.options import (
+from cli.options import (
     DEFAULT_DB,
     DEFAULT_NATS,
     DbUrl,
@@ -22,6 +18,10 @@ from services.cli.options import (
     run_until_signal,
     setup_logging,
 )
+from projectors import database
+from projectors.projector import DEFAULT_NAME, Projector, tune_gc
+from projectors.replay import replay
+from projectors.store import OffsetConflict
 
 
 def projector(

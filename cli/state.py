@@ -26,9 +26,9 @@ from bus.states import (
     TaskStatus,
 )
 from bus.units import GiB
+from cli.options import DEFAULT_DB, DbUrl
 from projectors import database
 from projectors.store import table_rows
-from services.cli.options import DEFAULT_DB, DbUrl
 
 # What `shoal state` shows of each table (the JSON output has every column).
 _COLUMNS: dict[str, tuple[str, ...]] = {

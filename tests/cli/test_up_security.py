@@ -20,7 +20,7 @@ from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
 from tests.certificates import make_certificates
-from tests.services.cli.shoal_up import MODEL, read_until_ready, start, stop
+from tests.cli.shoal_up import MODEL, read_until_ready, start, stop
 from tests.services.processes import SHOAL
 
 TOKEN = "nats-token-7f3a9c"

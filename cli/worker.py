@@ -12,7 +12,7 @@ import typer
 
 from bus.connection import connect
 from bus.streams import StreamSettings
-from services.cli.options import (
+from cli.options import (
     DEFAULT_NATS,
     DataHost,
     NatsUrl,

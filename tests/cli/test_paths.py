@@ -12,8 +12,8 @@ import typer
 from typer.testing import CliRunner
 
 from bus.events import WeightFile
+from cli.options import DbUrl, absolute
 from projectors.database import absolute_db_url
-from services.cli.options import DbUrl, absolute
 from services.models.weights_cache import WeightsCache, sha256_of
 
 

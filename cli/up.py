@@ -28,11 +28,7 @@ from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
 from bus.states import INSTANCE_LIVE, SERVING
 from bus.streams import StreamSettings
-from projectors import database
-from projectors.database import absolute_db_url
-from projectors.projector import Projector, tune_gc
-from projectors.store import load_state
-from services.cli.api import (
+from cli.api import (
     Aliases,
     ApiKeys,
     CorsOrigins,
@@ -46,15 +42,19 @@ from services.cli.api import (
     cli_aliases,
     serve_until,
 )
-from services.cli.models import publish_model
-from services.cli.options import (
+from cli.models import publish_model
+from cli.options import (
     DataHost,
     RunnerSlots,
     absolute,
     run_until_signal,
     setup_logging,
 )
-from services.cli.up_progress import UpProgress, model_steps, weights_step
+from cli.up_progress import UpProgress, model_steps, weights_step
+from projectors import database
+from projectors.database import absolute_db_url
+from projectors.projector import Projector, tune_gc
+from projectors.store import load_state
 from services.models.catalogue import builtin_cards
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir

@@ -9,9 +9,7 @@ from typing import Annotated
 import typer
 
 from bus.connection import connect
-from projectors import database
-from projectors.projector import DEFAULT_NAME, tune_gc
-from services.cli.options import (
+from cli.options import (
     DEFAULT_DB,
     DEFAULT_NATS,
     DbUrl,
@@ -19,6 +17,8 @@ from services.cli.options import (
     run_until_signal,
     setup_logging,
 )
+from projectors import database
+from projectors.projector import DEFAULT_NAME, tune_gc
 from services.planner.decisions import PlannerPolicy
 from services.planner.planner import Planner
 

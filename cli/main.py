@@ -11,16 +11,16 @@ from bus.connection import NatsUnavailable
 from bus.embedded import NatsServerError
 from bus.nats_security import NatsSecurityError
 from bus.streams import StreamSettingsError
+from cli.api import api
+from cli.nats_options import nats_security_options
+from cli.planner import planner
+from cli.projector import projector, replay_command
+from cli.state import state
+from cli.up import up
+from cli.worker import runner, worker
 from projectors.database import DatabaseUrlError
 from projectors.replay import ReplayError
-from services.cli import db, events, instances, models
-from services.cli.api import api
-from services.cli.nats_options import nats_security_options
-from services.cli.planner import planner
-from services.cli.projector import projector, replay_command
-from services.cli.state import state
-from services.cli.up import up
-from services.cli.worker import runner, worker
+from cli import db, events, instances, models
 
 app = typer.Typer(
     help="Shoal: run language models across a cluster, with an event log as the control plane.",

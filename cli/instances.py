@@ -37,12 +37,12 @@ from bus.kinds import InstanceRole
 from bus.publisher import Publisher
 from bus.streams import StreamSettings, ensure_streams
 from bus.subjects import aggregate_filter
+from cli.models import publish_model, worker_cache
+from cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl
 from projectors import database
 from projectors.rules import changes_for
 from projectors.state import ClusterState
 from projectors.store import load_state
-from services.cli.models import publish_model, worker_cache
-from services.cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl
 from services.models.catalogue import builtin_cards
 from services.models.footprint import MAX_SLOTS
 from services.paths import default_data_dir

@@ -23,7 +23,7 @@ from bus.connection import connect
 from bus.embedded import free_port
 from bus.events import TaskCancelled
 from tests.api.test_metrics import parse, value
-from tests.services.cli.shoal_up import KEY, MODEL, read_until_ready, start, stop
+from tests.cli.shoal_up import KEY, MODEL, read_until_ready, start, stop
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL
 

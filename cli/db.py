@@ -6,8 +6,8 @@ import asyncio
 
 import typer
 
+from cli.options import DEFAULT_DB, DbUrl
 from projectors import database
-from services.cli.options import DEFAULT_DB, DbUrl
 
 app = typer.Typer(help="The projection database.", no_args_is_help=True)
 

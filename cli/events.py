@@ -27,8 +27,8 @@ from bus.streams import (
     stream_of,
 )
 from bus.subjects import ALL_EVENTS
-from services.cli.event_line import event_line
-from services.cli.options import DEFAULT_NATS, NatsUrl, run_until_signal
+from cli.event_line import event_line
+from cli.options import DEFAULT_NATS, NatsUrl, run_until_signal
 
 app = typer.Typer(help="Watch and export the event log.", no_args_is_help=True)
 
