@@ -27,7 +27,7 @@ endif
 export CMAKE_ARGS ?= $(strip -DGGML_RPC=on -DGGML_NATIVE=off $(LLAMA_ACCEL_ARGS))
 LLAMA_CPP ?= llama-cpp-python>=0.3
 
-.PHONY: up test lint typecheck pytest bench clean
+.PHONY: up test test-fast lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,9 +67,13 @@ $(CHROMIUM):
 	  || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
 
 pytest: $(VENV)/.installed-test | $(CHROMIUM)
-	SHOAL_CHROMIUM=$(CHROMIUM) $(BIN)/pytest -ra
+	SHOAL_CHROMIUM=$(CHROMIUM) $(BIN)/pytest -ra --durations=15
 
 test: lint typecheck pytest
+
+# The inner loop: lint, types and the tests not marked slow (no cluster, no end-to-end run).
+test-fast: lint typecheck $(VENV)/.installed-test
+	$(BIN)/pytest -q -m "not slow" --durations=5
 
 # Benchmarks run as modules from here, where `bench` and `tests` (bench.projector's histories)
 # are found.

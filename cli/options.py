@@ -14,9 +14,8 @@ import typer
 import uvloop
 
 from bus.connection import DEFAULT_NATS_URL
-from projectors.database import absolute_db_url
 from services.models.footprint import MAX_SLOTS
-from services.paths import default_data_dir
+from services.paths import absolute_db_url, default_data_dir
 
 NatsUrl = Annotated[
     str,

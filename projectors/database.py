@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
 import migrations
+from services.paths import absolute_db_url
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 
@@ -36,22 +37,6 @@ class DatabaseUrlError(ValueError):
 
 class ProjectorRunning(RuntimeError):
     """Another projector of the same name holds this database."""
-
-
-def absolute_db_url(url: str) -> str:
-    """``url`` with a SQLite file's relative path made absolute against the current directory
-    (``sqlite:///shoal.db`` names a file where the command was typed, whichever process opens
-    it later); any other URL as it is."""
-    try:
-        u = make_url(url)
-    except ArgumentError as exc:
-        raise DatabaseUrlError(f"not a database URL: {url!r}") from exc
-    path = u.database
-    if not u.drivername.startswith("sqlite") or path in (None, "", ":memory:"):
-        return url
-    if path.startswith("file:") or Path(path).is_absolute():
-        return url
-    return u.set(database=str(Path(path).expanduser().absolute())).render_as_string(False)
 
 
 def async_url(url: str) -> URL:

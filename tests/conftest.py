@@ -79,3 +79,9 @@ async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
     eng = database.create_engine(db_url)
     yield eng
     await eng.dispose()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests not marked slow first (in their order), then the slow ones: a failure of the
+    pure logic shows in seconds, not after the end-to-end runs."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

@@ -11,6 +11,7 @@ says ``"store": false``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import nats.errors
@@ -28,6 +29,9 @@ from projectors.rows import ResponseRow, TaskRow
 from projectors.tables import responses, tasks
 
 log = logging.getLogger(__name__)
+
+# How long a delete waits for the projection to show it.
+DELETE_SEEN_WITHIN_S = 5.0
 
 # A response in one of these states changes no more (but for a cancel that came too late).
 FINISHED = frozenset({"completed", "incomplete", "failed", "cancelled"})
@@ -50,10 +54,19 @@ async def store(ctx: ApiContext, event: ResponseStored) -> bool:
 
 
 async def delete(ctx: ApiContext, response_id: str) -> None:
+    """Delete it on the log, and return once the projection shows it deleted (within a few
+    seconds): a finished response is read from the projection alone, so a read that followed
+    the delete on any API process would otherwise still find it."""
     try:
         await ctx.publish(ResponseDeleted(response_id=response_id, origin=ctx.origin))
     except (nats.errors.Error, TimeoutError) as exc:
         raise log_unavailable(exc) from exc
+    deadline = asyncio.get_running_loop().time() + DELETE_SEEN_WITHIN_S
+    while asyncio.get_running_loop().time() < deadline:
+        row = await _row(ctx, response_id)
+        if row is None or row.deleted_at is not None:
+            return
+        await asyncio.sleep(0.05)
 
 
 async def find(ctx: ApiContext, response_id: str) -> ResponseStored | None:

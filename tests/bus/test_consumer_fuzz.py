@@ -86,6 +86,7 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
+from bus.kinds import ENGINES
 from bus.payload import PayloadTooLargeError, message_size
 from bus.publisher import ChunkPublisher, Publisher
 from bus.records import (
@@ -206,7 +207,7 @@ ALWAYS_WRITTEN: st.SearchStrategy[EventBase] = st.one_of(
         size_bytes=BYTES,
         family=TEXT,
         context_length=SMALL,
-        engines=st.lists(TEXT, max_size=2),
+        engines=st.lists(st.sampled_from(ENGINES), max_size=2),
         chat_format=st.none() | TEXT,
         source=TEXT,
         path=st.none() | TEXT,

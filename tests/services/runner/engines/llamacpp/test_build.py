@@ -17,7 +17,7 @@ from services.runner.engines.llamacpp.build import (
     gather,
 )
 
-ROOT = Path(__file__).parents[3]
+ROOT = Path(__file__).parents[5]
 H200 = "GPU 0: NVIDIA H200 (UUID: GPU-5e3c1b2a-0000-0000-0000-000000000000)"
 
 

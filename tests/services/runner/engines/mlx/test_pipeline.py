@@ -39,7 +39,7 @@ from tests.services.runner.engines.pipeline_head import (
 
 HEAD = "tests.services.runner.engines.pipeline_head"
 FOLLOWER = "services.runner.engines.mlx.pipeline"
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[5]
 
 
 def shards(*bounds: int, hosts: tuple[str, ...] | None = None) -> list[PipelineShard]:
