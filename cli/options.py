@@ -14,8 +14,9 @@ import typer
 import uvloop
 
 from bus.connection import DEFAULT_NATS_URL
+from projectors.db_url import absolute_db_url
 from services.models.footprint import MAX_SLOTS
-from services.paths import absolute_db_url, default_data_dir
+from services.paths import default_data_dir
 
 NatsUrl = Annotated[
     str,

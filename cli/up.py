@@ -52,11 +52,12 @@ from cli.options import (
 )
 from cli.up_progress import UpProgress, model_steps, weights_step
 from projectors import database
+from projectors.db_url import absolute_db_url
 from projectors.projector import Projector, tune_gc
 from projectors.store import load_state
 from services.models.catalogue import builtin_cards
 from services.models.weights_cache import WeightsCache
-from services.paths import absolute_db_url, default_data_dir
+from services.paths import default_data_dir
 from services.planner.planner import PLANNING_TABLES, Planner
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit

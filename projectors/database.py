@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
 import migrations
-from services.paths import absolute_db_url
+from projectors.db_url import absolute_db_url
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 

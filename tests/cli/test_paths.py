@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from bus.events import WeightFile
 from cli.options import DbUrl, absolute
+from projectors.db_url import absolute_db_url
 from services.models.weights_cache import WeightsCache, sha256_of
-from services.paths import absolute_db_url
 
 
 def test_a_relative_sqlite_file_is_made_absolute_and_other_urls_are_left_alone(
