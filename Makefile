@@ -66,8 +66,13 @@ $(CHROMIUM):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium \
 	  || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
 
+# Three workers on two cores: much of the suite waits (on processes starting, a leader elected,
+# an ack's deadline), and the tests that use a core run llama.cpp with one thread. A module's
+# tests stay in one worker (tests/conftest.py), so its fixtures are made once.
+PYTEST_WORKERS ?= 3
+
 pytest: $(VENV)/.installed-test | $(CHROMIUM)
-	SHOAL_CHROMIUM=$(CHROMIUM) $(BIN)/pytest -ra --durations=15
+	SHOAL_CHROMIUM=$(CHROMIUM) $(BIN)/pytest -ra --durations=15 -n $(PYTEST_WORKERS)
 
 test: lint typecheck pytest
 

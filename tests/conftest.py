@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -81,7 +83,61 @@ async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
     await eng.dispose()
 
 
+# Session fixtures that cost seconds to make: the modules that name one run in one xdist
+# worker, which makes it once.
+SHARED_FIXTURES = ("up_cluster", "smollm2_mlx")
+TESTS = Path(__file__).parent
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+@functools.cache
+def shared_fixture(module: str) -> str | None:
+    """The first of SHARED_FIXTURES that a test module names (read as text: xdist's scheduler,
+    which needs it, has no collected items)."""
+    text = (TESTS.parent / module).read_text()
+    return next((name for name in SHARED_FIXTURES if name in text), None)
+
+
+# The modules that take longest (make test's --durations), started first among the slow ones
+# so that no worker is left running one of them alone at the end.
+LONGEST = (
+    "tests/services/test_nats_cluster_serving.py",
+    "tests/api/test_fuzz.py",
+    "tests/faults/test_worker_killed.py",
+    "tests/services/planner/test_planner_nats_cluster.py",
+    "tests/services/runner/engines/mlx/test_pipeline.py",
+    "tests/faults/test_runner_killed.py",
+    "tests/faults/test_nats_restart.py",
+    "tests/services/runner/engines/llamacpp/test_pipeline.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests not marked slow first (in their order), then the slow ones: a failure of the
-    pure logic shows in seconds, not after the end-to-end runs."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    """The modules without a test marked slow first (in their order), then the others: those
+    that share a session fixture (the most work in one worker), the LONGEST, the rest. A failure
+    of the pure logic shows in seconds, not after the end-to-end runs, and a module's tests stay
+    together, so that its module-scoped fixtures are made once."""
+    slow = {_module(item) for item in items if item.get_closest_marker("slow") is not None}
+
+    def order(item: pytest.Item) -> tuple[bool, bool, int]:
+        module = _module(item)
+        long = LONGEST.index(module) if module in LONGEST else len(LONGEST)
+        return module in slow, shared_fixture(module) is None, long
+
+    items.sort(key=order)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under xdist (``-n``): a module's tests in one worker, and the modules that share a
+    session fixture in one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return shared_fixture(module) or module
+
+    return ModuleScheduling(config, log)

@@ -67,7 +67,7 @@ REQUEST_TIMEOUT_S = 10.0  # no request may take longer: beyond this it counts as
 # pass, short where it pins a bug (a slow projector then cannot make that test pass wrongly).
 PROJECTION_WAIT_S = 30.0
 PROJECTION_WAIT_BUG_S = 10.0
-MAX_EXAMPLES = 25  # per operation and generation mode
+MAX_EXAMPLES = 15  # per operation and generation mode
 MAX_SHOWN = 2000  # characters of a failing request shown (generated bodies can be huge)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -59,7 +59,7 @@ def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
             "--api-key",
             KEY,
             "--runner-threads",
-            "2",
+            "1",
             "--alias",
             f"{ALIAS}={MODEL}",
         ]

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -122,19 +123,37 @@ async def stream_info(nc: Client, stream: str, timeout: float = 30.0) -> StreamI
 
 
 async def make_leader(nc: Client, stream: str, server_name: str, timeout: float = 30.0) -> None:
-    """Move the leadership of ``stream`` to ``server_name`` (a replica that is up to date)."""
+    """Move the leadership of ``stream`` to ``server_name`` (a replica that is up to date).
+    Asked again only once the election the last request started has ended: a step-down asked
+    while one is under way starts another, and on a loaded machine that never ends."""
+
+    async def leader() -> str | None:
+        info = await stream_info(nc, stream)
+        return info.cluster.leader if info.cluster is not None else None
+
+    subject = f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}"
+    await _move_leader(nc, leader, subject, server_name, timeout)
+
+
+async def _move_leader(
+    nc: Client,
+    leader: Callable[[], Awaitable[str | None]],
+    subject: str,
+    server_name: str,
+    timeout: float,
+) -> None:
+    request = json.dumps({"placement": {"preferred": server_name}}).encode()
     async with asyncio.timeout(timeout):
-        while (info := await stream_info(nc, stream)).cluster is None or (
-            info.cluster.leader != server_name
-        ):
-            request = {"placement": {"preferred": server_name}}
-            with contextlib.suppress(nats.errors.Error):
-                await nc.request(
-                    f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
-                    json.dumps(request).encode(),
-                    timeout=1.0,
-                )
-            await asyncio.sleep(0.2)
+        while (old := await leader()) != server_name:
+            if old is None:  # an election is under way
+                await asyncio.sleep(0.2)
+                continue
+            with contextlib.suppress(nats.errors.Error, JetStreamError):
+                await nc.request(subject, request, timeout=1.0)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10.0):
+                    while await leader() in (old, None):
+                        await asyncio.sleep(0.2)
 
 
 async def make_consumer_leader(
@@ -142,13 +161,13 @@ async def make_consumer_leader(
 ) -> None:
     """Move the leadership of a durable consumer (replicated like its stream) to
     ``server_name``."""
-    subject = f"$JS.API.CONSUMER.LEADER.STEPDOWN.{stream}.{consumer}"
-    request = json.dumps({"placement": {"preferred": server_name}}).encode()
-    async with asyncio.timeout(timeout):
+
+    async def leader() -> str | None:
         while True:
             with contextlib.suppress(nats.errors.Error, JetStreamError):
                 info = await nc.jetstream(timeout=1.0).consumer_info(stream, consumer)
-                if info.cluster is not None and info.cluster.leader == server_name:
-                    return
-                await nc.request(subject, request, timeout=1.0)
-            await asyncio.sleep(0.2)
+                return info.cluster.leader if info.cluster is not None else None
+            await asyncio.sleep(0.1)
+
+    subject = f"$JS.API.CONSUMER.LEADER.STEPDOWN.{stream}.{consumer}"
+    await _move_leader(nc, leader, subject, server_name, timeout)

@@ -52,7 +52,7 @@ async def up(tmp_path: Path) -> AsyncIterator[Up]:
             "--api-key",
             KEY,
             "--runner-threads",
-            "2",
+            "1",
         ],
         cwd=tmp_path,
     )

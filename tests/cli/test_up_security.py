@@ -65,7 +65,7 @@ async def test_a_locked_down_up_serves_and_never_shows_a_secret(tmp_path: Path) 
             "--port",
             str(port),
             "--runner-threads",
-            "2",
+            "1",
             "--tls-cert",
             str(certs.server_cert),
             "--tls-key",

@@ -79,6 +79,21 @@ async def read_log(js: JetStreamContext) -> Log:
     return Log(events, chunks)
 
 
+async def read_log_once_ended(js: JetStreamContext, timeout: float = 30) -> Log:
+    """The log once every task in it has an outcome (or as it is after ``timeout``): a client
+    has its answer with its last chunk, a moment before the runner's outcome is stored (longer
+    while the stream elects a leader)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        log = await read_log(js)
+        ended = {e.task_id for e in log.of(TaskCompleted) + log.of(TaskFailed)}
+        ended |= {e.task_id for e in log.of(TaskCancelled)}
+        if all(t.task_id in ended for t in log.of(TaskCreated)) or loop.time() > deadline:
+            return log
+        await asyncio.sleep(0.5)
+
+
 async def all_rows(engine: AsyncEngine) -> Rows:
     """Every state table's rows in key order, the tracking rows and the counts by type."""
     async with engine.connect() as conn:

@@ -163,7 +163,9 @@ async def test_a_split_model_serves_then_moves_then_is_rejected(
             assert "Paris" in outlived.json()["choices"][0]["message"]["content"]
             resumed = await log.wait_for(TaskCreated, lambda e: e.resume is not None, timeout=30)
             assert resumed.resume is not None
-            assert resumed.resume.runner_id == first.shards[0].runner_id
+            # Continued by the head's worker, or, when the head had not yet said it started the
+            # task, by the runner it came to again after the ack wait (claim.py): no runner named.
+            assert resumed.resume.runner_id in (first.shards[0].runner_id, "")
 
             # Placed again on the two nodes left, and serving.
             timed_out = await log.wait_for(NodeTimedOut, timeout=30)

@@ -409,7 +409,7 @@ def test_an_openai_agents_sdk_agent_on_the_responses_api(up_cluster: UpCluster) 
         tools=[get_weather],
         model=model,
         reset_tool_choice=False,
-        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=256),
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=512),
     )
     result = Runner.run_sync(
         agent, "What is the weather like in Paris?", max_turns=4, hooks=AnswerAfterTheTool()

@@ -30,7 +30,7 @@ def parts(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[
 
 
 def _greedy(path: Path) -> str:
-    llm = Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
     try:
         text = llm(PROMPT, max_tokens=6, temperature=0)["choices"][0]["text"]  # type: ignore[index]
         return str(text)

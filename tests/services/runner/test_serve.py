@@ -77,7 +77,7 @@ async def test_a_task_delivered_again_is_served_only_if_nobody_took_it(
     assert isinstance(by_worker, TaskCreated)
     await pub.publish(by_worker, msg_id=message_id(by_worker))
 
-    engine = LlamaCppEngine(GGUF, n_threads=2)
+    engine = LlamaCppEngine(GGUF, n_threads=1)
     engine.load()
     server = TaskServer(nc, engine, RunnerIdentity("r1", "i", MODEL, "n"))
     stop = asyncio.Event()
@@ -110,16 +110,19 @@ async def test_a_runner_with_slots_serves_that_many_tasks_at_once(
     free slot; the task file lists every task in flight; Running and Ready are said once per
     busy spell; a prompt seen before is mostly cached."""
     log = await EventLog().start(js)
-    engine = LlamaCppEngine(GGUF, n_threads=2, slots=3)
+    engine = LlamaCppEngine(GGUF, n_threads=1, slots=3)
     engine.load()
     task_file = tmp_path / "runner.task"
     server = TaskServer(nc, engine, RunnerIdentity("r1", "i", MODEL, "n"), task_file)
     await server.start()
-    stop = asyncio.Event()
-    serving = asyncio.create_task(server.serve_forever(stop))
     pub = Publisher(js)
     long = SamplingParams(max_tokens=24, temperature=0.0)
     tasks = [chat(f"t{i}").model_copy(update={"params": long}) for i in range(4)]
+    # All four are queued before the runner pulls: one busy spell, however slow the publishing.
+    for task in tasks:
+        await pub.publish(task)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(server.serve_forever(stop))
     in_flight: set[int] = set()
 
     async def watch_file() -> None:
@@ -129,8 +132,6 @@ async def test_a_runner_with_slots_serves_that_many_tasks_at_once(
 
     watching = asyncio.create_task(watch_file())
     try:
-        for task in tasks:
-            await pub.publish(task)
         ids = {t.task_id for t in tasks}
         await log.wait_count(TaskCompleted, lambda e: e.task_id in ids, len(ids), timeout=60)
         await pub.publish(chat("again"))  # the same prompt as t0..t3: its slot's cache has it

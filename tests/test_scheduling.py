@@ -1,0 +1,15 @@
+"""The suite's own scheduling (tests/conftest.py) names modules that exist."""
+
+from __future__ import annotations
+
+from tests.conftest import LONGEST, TESTS, shared_fixture
+
+
+def test_the_longest_modules_exist() -> None:
+    assert [m for m in LONGEST if not (TESTS.parent / m).is_file()] == []
+
+
+def test_a_module_naming_a_shared_fixture_is_grouped_by_it() -> None:
+    assert shared_fixture("tests/api/test_clients.py") == "up_cluster"
+    assert shared_fixture("tests/services/runner/engines/mlx/test_sampling.py") == "smollm2_mlx"
+    assert shared_fixture("tests/bus/test_events.py") is None
