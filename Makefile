@@ -74,7 +74,10 @@ PYTEST_WORKERS ?= 3
 pytest: $(VENV)/.installed-test | $(CHROMIUM)
 	SHOAL_CHROMIUM=$(CHROMIUM) $(BIN)/pytest -ra --durations=15 -n $(PYTEST_WORKERS)
 
-test: lint typecheck pytest
+# Lint first (a second); then mypy and pytest at once: mypy keeps one core busy for a minute,
+# which alone would leave the other idle.
+test: lint
+	$(MAKE) --no-print-directory --output-sync=line -j2 typecheck pytest
 
 # The inner loop: lint, types and the tests not marked slow (no cluster, no end-to-end run).
 test-fast: lint typecheck $(VENV)/.installed-test
