@@ -40,13 +40,14 @@ from bus.events import subject_event_type
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from bus.subjects import ALL_EVENTS, aggregate_prefix
 from projectors import database
+from projectors.residency import read_history
 from projectors.rules import changes_for
 from projectors.state import Change, ClusterState
 from projectors.store import (
     OffsetConflict,
     UnstorableError,
     check_storable,
-    load_state,
+    load_live_state,
     read_counts,
     read_offset,
     write_changes,
@@ -175,7 +176,7 @@ class Projector:
 
     async def _project(self, stop: asyncio.Event) -> None:
         async with self._engine.connect() as conn:
-            self.state = await load_state(conn)
+            self.state = await load_live_state(conn)
             self.applied_seq = await read_offset(conn, self.name, EVENTS_STREAM)
             self.counts = await read_counts(conn, self.name, EVENTS_STREAM)
         if self.consumer is not None:
@@ -218,6 +219,7 @@ class Projector:
                 await d.ack()
             return
         await self._check_contiguous(consumer.fetched_seqs)
+        await read_history(self._engine, self.state, [d.event for d in batch])
         changes, failed = fold_batch(self.state, batch, self.applied_seq)
         subjects = (
             s for seq, s in consumer.fetched_subjects.items() if self.applied_seq < seq <= last_seq
@@ -241,6 +243,7 @@ class Projector:
             await write_offset(conn, self.name, EVENTS_STREAM, last_seq, self.applied_seq)
         self.applied_seq = last_seq
         self.counts.update(counts)
+        self.state.forget_history()
         failed_msgs = {id(d.msg) for d, _ in failed}
         for d in batch:
             if id(d.msg) not in failed_msgs:

@@ -18,18 +18,23 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import describe_invalid
-from bus.events import parse_event, subject_event_type
+from bus.events import Event, parse_event, subject_event_type
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM
 from bus.subjects import ALL_EVENTS
 from projectors import database
 from projectors.projector import DEFAULT_NAME
+from projectors.residency import read_history
 from projectors.rules import changes_for
 from projectors.state import Change, ClusterState
 from projectors.store import check_storable, write_changes, write_counts, write_offset
 from projectors.tables import STATE_TABLES, event_counts, projector_offsets
 
 log = logging.getLogger(__name__)
+
+# Events read before they are folded: the history rows they name are read from the database
+# in one go.
+READ_AHEAD = 2000
 
 
 class ReplayError(RuntimeError):
@@ -73,32 +78,50 @@ async def replay(
     pending: list[Change] = []
     counts: dict[str, int] = {}
     applied = skipped = last_seq = committed = 0
+    # Events read, not yet folded: sequence, type by subject, event (None: malformed).
+    read: list[tuple[int, str | None, Event | None]] = []
+
+    async def fold_read() -> None:
+        nonlocal applied, skipped, committed, pending
+        # What memory does not hold (``residency.py``), read once for the lot.
+        await read_history(engine, state, [e for _, _, e in read if e is not None])
+        for seq, kind, event in read:
+            # Counted by subject, malformed ones too, as the projector counts them.
+            if kind is not None:
+                counts[kind] = counts.get(kind, 0) + 1
+            if event is None:
+                skipped += 1
+                continue
+            try:
+                ch = changes_for(state, event)
+                check_storable(ch)
+            except Exception as exc:  # rule error or unstorable: the projector dead-letters these
+                log.warning("replay skips seq %d: %r", seq, exc)
+                skipped += 1
+                continue
+            state.commit(ch)
+            pending.extend(ch)
+            applied += 1
+        if read and len(pending) >= commit_every:
+            committed = await _commit(engine, pending, counts, name, read[-1][0], committed)
+            pending = []
+            state.forget_history()  # once written: the database has what memory lets go
+        read.clear()
+
     async for msg in read_stream(js, EVENTS_STREAM, ALL_EVENTS, to_seq=until_seq):
         md = msg.metadata
         if until_time is not None and md.timestamp > until_time:
             break
         last_seq = md.sequence.stream
-        # Counted by subject, malformed ones too, as the projector counts them.
-        if (kind := subject_event_type(msg.subject)) is not None:
-            counts[kind] = counts.get(kind, 0) + 1
+        kind = subject_event_type(msg.subject)
         try:
-            event = parse_event(msg.data)
-            ch = changes_for(state, event)
-            check_storable(ch)
+            read.append((last_seq, kind, parse_event(msg.data)))
         except ValidationError as exc:
             log.warning("replay skips seq %d: %s", last_seq, describe_invalid(exc))
-            skipped += 1
-            continue
-        except Exception as exc:  # rule error or unstorable: the live projector dead-letters these
-            log.warning("replay skips seq %d: %r", last_seq, exc)
-            skipped += 1
-            continue
-        state.commit(ch)
-        pending.extend(ch)
-        applied += 1
-        if len(pending) >= commit_every:
-            committed = await _commit(engine, pending, counts, name, last_seq, committed)
-            pending = []
+            read.append((last_seq, kind, None))
+        if len(read) >= READ_AHEAD:
+            await fold_read()
+    await fold_read()
     await _commit(engine, pending, counts, name, last_seq, committed)
     return ReplayResult(applied=applied, skipped=skipped, last_seq=last_seq)
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from bus.states import TASK_ENDED
 from projectors.rows import (
     DeviceRow,
     InstanceRow,
@@ -125,6 +126,14 @@ class ClusterState:
 
     def put(self, row: Row) -> None:
         self._by_name[row.TABLE][row.key()] = row
+
+    def forget_history(self) -> None:
+        """Let go of what is history rather than live: ended tasks and stored responses (the
+        database keeps them; ``residency.py`` reads them back when an event names one)."""
+        ended = [key for key, row in self.task_rows.items() if row.status in TASK_ENDED]
+        for key in ended:
+            del self.task_rows[key]
+        self.response_rows.clear()
 
     def commit(self, changes: Iterable[Change]) -> None:
         """Make ``changes`` part of this state (the one place state is mutated)."""

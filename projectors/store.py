@@ -30,7 +30,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from bus.states import TASK_ENDED
-from projectors.rows import ROW_TYPES, Row, TaskRow
+from projectors.rows import ROW_TYPES, ResponseRow, Row, TaskRow
 from projectors.state import Change, ClusterState, Put, collapse
 from projectors.tables import (
     STATE_TABLES,
@@ -161,6 +161,34 @@ async def load_state(conn: AsyncConnection, tables: Iterable[str] | None = None)
         for r in result.mappings():
             state.put(row_type(**r))
     return state
+
+
+async def load_live_state(conn: AsyncConnection) -> ClusterState:
+    """What the projector keeps in memory (``residency.py``): every table but the history,
+    ended tasks and stored responses."""
+    state = await load_state(conn, [n for n in STATE_TABLES if n not in _HISTORY])
+    result = await conn.execute(select(tasks).where(tasks.c.status.not_in(TASK_ENDED)))
+    for r in result.mappings():
+        state.put(TaskRow(**r))
+    return state
+
+
+_HISTORY = (TaskRow.TABLE, ResponseRow.TABLE)
+
+
+async def read_rows(
+    conn: AsyncConnection, table_name: str, keys: Iterable[tuple[Any, ...]]
+) -> list[Row]:
+    """The rows of ``table_name`` with these primary keys (those that exist)."""
+    table = STATE_TABLES[table_name]
+    row_type = ROW_TYPE_BY_TABLE[table_name]
+    pk = tuple(table.primary_key.columns)
+    wanted = list(keys)
+    rows: list[Row] = []
+    for i in range(0, len(wanted), 500):
+        query = select(table).where(tuple_(*pk).in_(wanted[i : i + 500]))
+        rows += [row_type(**r) for r in (await conn.execute(query)).mappings()]
+    return rows
 
 
 async def unfinished_tasks(conn: AsyncConnection, runner_ids: Iterable[str]) -> list[TaskRow]:

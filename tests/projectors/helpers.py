@@ -12,9 +12,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.events import EventBase
 from bus.publisher import MSG_ID_HEADER
+from bus.states import TASK_ENDED
 from bus.streams import EVENTS_STREAM
 from projectors import database
 from projectors.projector import Projector
+from projectors.rows import ResponseRow, TaskRow
 from projectors.state import ClusterState
 from projectors.store import row_values, table_rows
 from projectors.tables import STATE_TABLES
@@ -63,6 +65,15 @@ async def db_rows_of(url: str) -> dict[str, list[dict[str, Any]]]:
         return await db_rows(engine)
     finally:
         await engine.dispose()
+
+
+def live_part(rows: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """What a projector holds in memory of these rows (``projectors/residency.py``): all but
+    ended tasks and stored responses."""
+    return rows | {
+        TaskRow.TABLE: [r for r in rows[TaskRow.TABLE] if r["status"] not in TASK_ENDED],
+        ResponseRow.TABLE: [],
+    }
 
 
 def memory_rows(state: ClusterState) -> dict[str, list[dict[str, Any]]]:
