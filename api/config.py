@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.units import MiB
 from projectors.projector import DEFAULT_NAME
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
@@ -33,6 +34,12 @@ class ApiConfig:
     aliases: Mapping[str, str] = field(default_factory=dict)
     # The model of a request that names none.
     default_model: str | None = None
+    # How long a stored response of the Responses API is kept (OpenAI's: 30 days); 0: forever.
+    response_ttl_s: float = 30 * 24 * 3600.0
+    # The bytes of events one client of GET /v1/events may have waiting to be sent; a client
+    # that would need more cannot keep up, and is told so and disconnected (api/cluster/
+    # event_feed.py). Thousands of the log's events, a few seconds of token chunks.
+    events_buffer_bytes: int = 8 * MiB
     # Origins whose browser pages may call the API (CORS); none: same-origin only.
     cors_origins: tuple[str, ...] = ()
     # Where a model pulled through the API (Ollama's /api/pull) is fetched to before it is

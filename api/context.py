@@ -21,7 +21,9 @@ from api.model_names import ModelNames, NamesCache, names_from
 from api.serving_verdicts import ServingVerdicts
 from bus.events import EventBase
 from bus.kinds import InstanceRole
+from bus.parts import PartStore
 from bus.publisher import Publisher
+from bus.streams import renewal
 
 
 @dataclass
@@ -39,6 +41,12 @@ class ApiContext:
     names: NamesCache = field(default_factory=lambda: NamesCache(1.0))
     # How many of each model's tasks this process lets run at once, and who waits (the queue).
     admission: Admission = field(default_factory=Admission)
+    # A request's messages and tools, stored once by digest (bus/parts.py).
+    parts: PartStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        js = self.nc.jetstream()
+        self.parts = PartStore(js, renewal=lambda: renewal(js))
 
     async def model_names(self) -> ModelNames:
         """The names clients call models by, read again at most once a second."""

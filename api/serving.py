@@ -25,9 +25,11 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.reply import Reply
 from api.task_stream import Closed, Recheck, TaskStream
+from bus import claim_check
+from bus.claim_check import Staged
 from bus.events import ChunkGenerated, EventBase, TaskCreated
 from bus.kinds import InstanceRole
-from bus.payload import PayloadTooLargeError, check_size
+from bus.payload import PayloadTooLargeError, check_size, max_payload
 from bus.publisher import MSG_ID_HEADER
 from bus.records import Usage
 
@@ -70,15 +72,43 @@ async def serve(
 ) -> JSONResponse | StreamingResponse:
     """Serve ``tasks`` (one per choice: they share the model) with ``out``; a refusal before
     anything is sent raises ``ApiError``, which the app renders in the path's dialect."""
-    require_storable(ctx, tasks[0], out.too_large_param)
+    # Its messages and tools go on the log as parts (bus/parts.py), the task names them: each
+    # must fit in a NATS message, as must the task.
+    stage = staged(ctx, tasks[0], out.too_large_param)
     capacity = await require_serving(ctx, tasks[0].model_id)
     # Before anything is published or sent: a full queue is a 429 a stream gets too.
     permit = await admit(ctx, tasks[0].model_id, len(tasks), capacity)
     try:
+        try:
+            await ctx.parts.store(stage.all_parts())
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise log_unavailable(exc) from exc
+        shared = {k: getattr(stage.task, k) for k in _NAMED_AS_PARTS}
+        tasks = [stage.task, *(t.model_copy(update=shared) for t in tasks[1:])]
         return await _serve(ctx, tasks, stream, out, permit)
     except BaseException:
         permit.close()  # the slots of tasks whose streams did not close them
         raise
+
+
+_NAMED_AS_PARTS = ("messages", "messages_ref", "tools", "tools_ref")
+
+
+def staged(ctx: ApiContext, task: TaskCreated, param: str | None = None) -> Staged:
+    """``task`` as it goes on the log, naming its messages and tools as parts (the choices of
+    one request share them); a 413 when a message, a tool or the task is too large for a NATS
+    message."""
+    stage = claim_check.staged(task)
+    if (too_large := stage.too_large(max_payload(ctx.nc.jetstream()))) is not None:
+        raise ApiError(
+            413,
+            f"The request is too large: {too_large.subject} is {too_large.size} bytes stored,"
+            f" more than the {too_large.limit} bytes a NATS message may hold. Shorten it.",
+            param=param or too_large.field,
+            code="request_too_large",
+        )
+    require_storable(ctx, stage.task, param)
+    return stage
 
 
 async def _serve(

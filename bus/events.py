@@ -21,6 +21,7 @@ from bus.records import (
     Id,
     Int32,
     NodeProfile,
+    PartRef,
     Record,
     ResponseFormat,
     SamplingParams,
@@ -335,6 +336,11 @@ class TaskCreated(_TaskEvent):
 
     kind: Literal["chat", "completion"] = "chat"
     messages: list[ChatMessage] | None = None
+    messages_ref: PartRef | None = Field(
+        default=None,
+        description="The chat's messages, stored as parts (bus/parts.py); `messages` is then"
+        " empty.",
+    )
     prompt: str | None = None
     prompt_token_ids: list[int] | None = Field(
         default=None, description="A completion's prompt sent as token ids, not text."
@@ -342,6 +348,9 @@ class TaskCreated(_TaskEvent):
     params: SamplingParams = Field(default_factory=SamplingParams)
     user: str | None = Field(default=None, max_length=255)
     tools: list[Tool] = Field(default_factory=list, description="Functions the model may call.")
+    tools_ref: PartRef | None = Field(
+        default=None, description="The tools, stored as parts; `tools` is then empty."
+    )
     tool_choice: ToolChoice = Field(default_factory=ToolChoice)
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
@@ -478,10 +487,22 @@ class ResponseStored(_ResponseEvent):
         description="The conversation up to its output included (not its instructions): what"
         " a request that continues it starts from.",
     )
+    input_items_ref: PartRef | None = Field(
+        default=None, description="The input items, stored as parts; `input_items` is then empty."
+    )
+    conversation_ref: PartRef | None = Field(
+        default=None,
+        description="The conversation, stored as parts; `conversation` is then empty.",
+    )
+    expires_at: datetime | None = Field(
+        default=None, description="When it is deleted unless deleted before (None: never)."
+    )
 
 
 class ResponseDeleted(_ResponseEvent):
     """A stored response was deleted: it is no longer served nor continued."""
+
+    reason: str = Field(default="", description="'expired', or empty: asked for.")
 
 
 Event = Annotated[

@@ -152,6 +152,15 @@ class ChatMessage(Record):
     tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
 
 
+class PartRef(Record):
+    """Parts stored on their own stream by digest (``bus/parts.py``) that an event names
+    instead of holding them: a chain of values, named by its last part."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the last part.")
+    parts: int = Field(ge=1, description="How many parts (messages, items) the chain holds.")
+    bytes: int = Field(ge=0, description="Their stored size, all together.")
+
+
 class Tool(Record):
     """A function the model may call: its JSON schema says what arguments it takes."""
 

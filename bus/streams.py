@@ -12,6 +12,7 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from bus.object_store import bucket_config
+from bus.parts import parts_config, parts_max_age
 from bus.subjects import CHUNKS_PREFIX, DEADLETTER_PREFIX, EVENTS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,17 @@ _COMPARED: tuple[str, ...] = (
 )
 # A bucket's stream follows the settings in its replicas only (it keeps files, not a log).
 _BUCKET_COMPARED: tuple[str, ...] = ("subjects", "num_replicas")
+# The parts' stream follows the events' age limit (bus/parts.py).
+_PARTS_COMPARED: tuple[str, ...] = ("subjects", "max_age", "num_replicas")
+
+
+async def renewal(js: JetStreamContext) -> float:
+    """After how long a process stores again a prompt part it names (``PartStore``): half the
+    events' age limit, 0 when events are kept forever (or the stream is not made yet)."""
+    try:
+        return ((await js.stream_info(EVENTS_STREAM)).config.max_age or 0.0) / 2
+    except NotFoundError:
+        return 0.0
 
 
 async def ensure_streams(js: JetStreamContext, settings: StreamSettings | None = None) -> None:
@@ -162,6 +174,8 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings | None =
     chosen = settings or StreamSettings()
     wanted_all = [(c, _COMPARED) for c in stream_configs(chosen)]
     wanted_all.append((bucket_config(MODELS_BUCKET, chosen.replicas), _BUCKET_COMPARED))
+    parts = parts_config(parts_max_age(chosen.events_max_age), chosen.replicas)
+    wanted_all.append((parts, _PARTS_COMPARED))
     for wanted, compared in wanted_all:
         assert wanted.name is not None
         try:

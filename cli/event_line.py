@@ -31,6 +31,11 @@ def _short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _part_ref(ref: dict[str, object]) -> str:
+    """Parts stored apart (bus/parts.py): how many, their size, the last one's digest."""
+    return f"{ref['parts']}parts/{ref['bytes']}B@{str(ref['digest'])[:12]}"
+
+
 def event_line(event: Event, seq: int | None = None, stored_at: datetime | None = None) -> str:
     """``#seq HH:MM:SS.mmm Type key=value ...`` with rich colour markup."""
     ts = (stored_at or event.ts).strftime("%H:%M:%S.%f")[:-3]
@@ -48,7 +53,7 @@ def event_line(event: Event, seq: int | None = None, stored_at: datetime | None 
             f"why={_short(r.reason)} "
         )
     fields = resumed + " ".join(
-        f"{k}={_short(v)}"
+        f"{k}={_part_ref(v) if k.endswith('_ref') else _short(v)}"
         for k, v in event.model_dump(exclude_none=True).items()
         if k not in _SKIP and k != "resume" and v not in ([], {}, "")
     )

@@ -14,8 +14,10 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from bus.catalogue_doc import render
+from bus.claim_check import resolved, response_resolved
 from bus.connection import connect
-from bus.events import parse_event
+from bus.events import ResponseStored, TaskCreated, parse_event
+from bus.parts import PartStore
 from bus.reader import read_stream
 from bus.streams import (
     CHUNKS_STREAM,
@@ -107,18 +109,43 @@ def dump_line(msg: Msg) -> dict[str, Any]:
     return line
 
 
+async def with_parts(parts: PartStore, line: dict[str, Any]) -> dict[str, Any]:
+    """``line`` with the prompt parts its event names (bus/parts.py) put back in the event, so
+    that the dump holds the whole conversation and restores into a cluster without them."""
+    kind = line.get("event", {}).get("type") if isinstance(line.get("event"), dict) else None
+    if kind not in (TaskCreated.__name__, ResponseStored.__name__):
+        return line
+    event = parse_event(json.dumps(line["event"]).encode())
+    if isinstance(event, TaskCreated) and (event.messages_ref or event.tools_ref):
+        event = await resolved(parts, event)
+    elif isinstance(event, ResponseStored) and (event.conversation_ref or event.input_items_ref):
+        event = await response_resolved(parts, event)
+    else:
+        return line
+    return line | {"event": event.model_dump(mode="json")}
+
+
 async def dump_stream(
-    nats: str, stream_key: str, from_seq: int, to_seq: int | None, out: TextIO
+    nats: str,
+    stream_key: str,
+    from_seq: int,
+    to_seq: int | None,
+    out: TextIO,
+    keep_refs: bool = False,
 ) -> int:
     stream = STREAMS[stream_key]
     nc = await connect(nats, name="shoal-events-dump")
     n = 0
     try:
         js = nc.jetstream()
+        parts = PartStore(js)
         async for msg in read_stream(
             js, stream, all_subjects(stream), from_seq=from_seq, to_seq=to_seq
         ):
-            out.write(json.dumps(dump_line(msg), ensure_ascii=False) + "\n")
+            line = dump_line(msg)
+            if not keep_refs:
+                line = await with_parts(parts, line)
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
             n += 1
     finally:
         await nc.close()
@@ -132,16 +159,24 @@ def dump(
     to_seq: Annotated[int | None, typer.Option(help="Last stream sequence.")] = None,
     stream: Annotated[str, typer.Option(help="events, chunks or deadletter.")] = "events",
     output: Annotated[str, typer.Option("-o", "--output", help="File (default stdout).")] = "-",
+    keep_refs: Annotated[
+        bool,
+        typer.Option(
+            "--keep-refs",
+            help="Leave prompt parts named by digest, as stored (default: put them back).",
+        ),
+    ] = False,
 ) -> None:
-    """Write the log as JSON lines: seq, subject, stored_at, headers, event."""
+    """Write the log as JSON lines: seq, subject, stored_at, headers, event. A task's
+    messages and tools, stored apart by digest, are put back in its event."""
     if stream not in STREAMS:
         raise typer.BadParameter(f"unknown stream {stream!r}: events, chunks or deadletter")
 
     if output == "-":
-        n = asyncio.run(dump_stream(nats, stream, from_seq, to_seq, sys.stdout))
+        n = asyncio.run(dump_stream(nats, stream, from_seq, to_seq, sys.stdout, keep_refs))
     else:
         with open(output, "w", encoding="utf-8") as fh:
-            n = asyncio.run(dump_stream(nats, stream, from_seq, to_seq, fh))
+            n = asyncio.run(dump_stream(nats, stream, from_seq, to_seq, fh, keep_refs))
     typer.echo(f"dumped {n} messages", err=True)
 
 

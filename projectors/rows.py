@@ -205,6 +205,9 @@ class ResponseRow:
     response: JsonDict | None = None  # the response object, as the API answers it
     input_items: JsonList | None = None
     conversation: JsonList | None = None  # ChatMessage dicts, for previous_response_id
+    conversation_ref: JsonDict | None = None  # a PartRef: the conversation stored as parts
+    input_items_ref: JsonDict | None = None  # a PartRef
+    expires_at: datetime | None = None  # None: never
 
     def key(self) -> tuple[str]:
         return (self.response_id,)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import assert_never
+from typing import Any, assert_never
 
 from bus.events import (
     ChunkGenerated,
@@ -37,7 +37,7 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
-from bus.records import NodeProfile
+from bus.records import NodeProfile, PartRef
 from bus.states import INSTANCE_ENDING, TASK_ENDED, NodeStatus, TaskStatus
 from projectors.rows import (
     DeviceRow,
@@ -503,6 +503,9 @@ def _response_stored(state: ClusterState, e: ResponseStored) -> list[Change]:
         response=dict(e.response),
         input_items=list(e.input_items),
         conversation=[m.model_dump(mode="json") for m in e.conversation],
+        conversation_ref=_dumped(e.conversation_ref),
+        input_items_ref=_dumped(e.input_items_ref),
+        expires_at=e.expires_at,
     )
     return [Put(row)]
 
@@ -522,3 +525,7 @@ def _response_deleted(state: ClusterState, e: ResponseDeleted) -> list[Change]:
         deleted_at=e.ts,
     )
     return [Put(row)]
+
+
+def _dumped(ref: PartRef | None) -> dict[str, Any] | None:
+    return ref.model_dump() if ref is not None else None

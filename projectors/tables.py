@@ -201,6 +201,9 @@ responses = Table(
     Column("response", JSON),
     Column("input_items", JSON),
     Column("conversation", JSON),
+    Column("conversation_ref", JSON),
+    Column("input_items_ref", JSON),
+    Column("expires_at", UtcDateTime),
 )
 
 # Where each projector stands in each stream: written in the same transaction as the rows.

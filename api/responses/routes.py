@@ -33,7 +33,7 @@ from api.responses.requests import (
     task_messages,
 )
 from api.responses.shapes import Head, Json, Keep, ResponsesOut, failed_response
-from api.serving import log_unavailable, require_serving, require_storable, serve
+from api.serving import log_unavailable, require_serving, serve, staged
 from bus.events import ResponseStored, TaskCancelled, TaskCreated, new_id, utc_now
 from bus.records import ChatMessage
 from bus.states import TASK_ENDED
@@ -118,7 +118,8 @@ async def list_input_items(
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
 ) -> Json:
-    items = list((await _stored(ctx, response_id)).input_items)
+    stored = await response_store.whole(ctx, await _stored(ctx, response_id))
+    items = list(stored.input_items)
     if order == "desc":
         items.reverse()
     if after is not None:
@@ -185,7 +186,7 @@ async def _previous(ctx: ApiContext, response_id: str | None) -> list[ChatMessag
             f" {found.status}: continue it once it is done.",
             param="previous_response_id",
         )
-    return list(found.conversation)
+    return list((await response_store.whole(ctx, found)).conversation)
 
 
 def _keeper(
@@ -217,7 +218,7 @@ async def _in_background(
     ctx: ApiContext, task: TaskCreated, out: ResponsesOut, keep: Keep
 ) -> JSONResponse:
     """Answer at once with the queued response, and serve it here meanwhile."""
-    require_storable(ctx, task, out.too_large_param)
+    staged(ctx, task, out.too_large_param)  # a 413 now, not in the background
     capacity = await require_serving(ctx, task.model_id)
     # A full queue is a 429 now; once answered, the response waits for its turn whatever the
     # bound (admission.in_background).

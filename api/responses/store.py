@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import timedelta
 
 import nats.errors
 from nats.js.errors import NotFoundError
@@ -20,8 +21,11 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from api.context import ApiContext
+from api.errors import ApiError
 from api.serving import log_unavailable
-from bus.events import ResponseDeleted, ResponseStored, parse_event
+from bus.claim_check import response_checked_in, response_resolved
+from bus.events import ResponseDeleted, ResponseStored, parse_event, utc_now
+from bus.parts import PartMissing
 from bus.payload import PayloadTooLargeError
 from bus.records import ChatMessage
 from bus.streams import EVENTS_STREAM
@@ -39,8 +43,13 @@ ACTIVE = frozenset({"queued", "in_progress"})
 
 
 async def store(ctx: ApiContext, event: ResponseStored) -> bool:
-    """Put ``event`` on the log; False (and a warning) when it could not be."""
+    """Put ``event`` on the log, its conversation and input items as parts (stored once, by
+    digest), with its expiry; False (and a warning) when it could not be."""
     try:
+        event = await response_checked_in(ctx.parts, event)
+        if event.expires_at is None and ctx.config.response_ttl_s > 0:
+            expires = event.ts + timedelta(seconds=ctx.config.response_ttl_s)
+            event = event.model_copy(update={"expires_at": expires})
         await ctx.publish(event)
     except PayloadTooLargeError as exc:
         log.warning("response %s is not stored: %s", event.response_id, exc)
@@ -70,7 +79,29 @@ async def delete(ctx: ApiContext, response_id: str) -> None:
 
 
 async def find(ctx: ApiContext, response_id: str) -> ResponseStored | None:
-    """The response as last stored; None for one never stored, or deleted."""
+    """The response as last stored; None for one never stored, deleted, or expired (which
+    the planner deletes on the log soon: services/planner/janitor.py)."""
+    found = await _find(ctx, response_id)
+    if found is not None and found.expires_at is not None and found.expires_at <= utc_now():
+        return None
+    return found
+
+
+async def whole(ctx: ApiContext, stored: ResponseStored) -> ResponseStored:
+    """``stored`` with its conversation and input items read back from their parts."""
+    try:
+        return await response_resolved(ctx.parts, stored)
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise log_unavailable(exc) from exc
+    except PartMissing as exc:
+        raise ApiError(
+            404,
+            f"response {stored.response_id} is no longer whole: {exc}",
+            code="response_not_found",
+        ) from exc
+
+
+async def _find(ctx: ApiContext, response_id: str) -> ResponseStored | None:
     row = await _row(ctx, response_id)
     if row is not None and (row.deleted_at is not None or row.status in FINISHED):
         return None if row.deleted_at is not None else _from_row(row)
@@ -113,6 +144,9 @@ def _from_row(row: ResponseRow) -> ResponseStored:
         response=row.response or {},
         input_items=row.input_items or [],
         conversation=[ChatMessage.model_validate(m) for m in row.conversation or []],
+        conversation_ref=row.conversation_ref,
+        input_items_ref=row.input_items_ref,
+        expires_at=row.expires_at,
     )
 
 

@@ -42,6 +42,7 @@ from services.planner.decisions import (
     heartbeat_may_matter,
     next_timeout,
 )
+from services.planner.janitor import keep_tidy
 from services.resume import continuation, describe, message_id, read_logged, still_streaming
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class Planner:
         self._seen(info.state.last_seq)
         log.info("planner %s watching from seq %d", self.origin, info.state.last_seq)
         loop = asyncio.get_running_loop()
+        tidying = asyncio.create_task(keep_tidy(self._pub, self._engine, self.origin, stop))
         try:
             while not stop.is_set():
                 started = loop.time()
@@ -139,6 +141,7 @@ class Planner:
                     self._log_failed = True
                     await asyncio.sleep(self.tick_s)
         finally:
+            tidying.cancel()
             await sub.unsubscribe()
 
     async def round(self) -> list[Decision]:

@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from bus.claim_check import resolved
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import (
     ChunkGenerated,
@@ -41,6 +42,7 @@ from bus.events import (
     TaskStarted,
     utc_now,
 )
+from bus.parts import PartMissing, PartStore
 from bus.publisher import ChunkPublisher, Publisher
 from bus.puller import ConsumerGone
 from bus.records import FinishReason, Timings, Usage
@@ -103,6 +105,7 @@ class TaskPuller(ABC):
         self._me = me
         self._events = Publisher(self._js)
         self._chunks = ChunkPublisher(self._js)
+        self._parts = PartStore(self._js)
         self._state = StateReporter(nc, me)
         self._consumer: EventConsumer | None = None
         # Generation runs here, off the event loop (see step_feed.py); one thread per slot (with
@@ -317,6 +320,10 @@ class TaskServer(TaskPuller):
             first_out.set()
             await announced
             await self._fail(task, f"invalid request: {exc}")
+        except PartMissing as exc:
+            first_out.set()
+            await announced
+            await self._fail(task, f"its prompt cannot be read from the log: {exc}")
         except Exception as exc:  # an engine error fails this task, not the runner...
             log.exception("task %s failed", task.task_id)
             first_out.set()
@@ -344,6 +351,7 @@ class TaskServer(TaskPuller):
         announced: Awaitable[object],
     ) -> None:
         engine, me = self._engine, self._me
+        task = await resolved(self._parts, task)  # its messages and tools, stored as parts
         job = prepare(engine, task)
         prompt = job.prompt
         limit = check_request(len(prompt), task.params, engine.n_ctx, echo=task.echo)

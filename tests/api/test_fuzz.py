@@ -639,14 +639,19 @@ async def test_a_prompt_too_large_for_the_log_is_a_413(
     assert (await client.post(CHAT, json=small)).status_code == 503  # no runner, but answering
 
 
-async def test_tools_count_toward_the_size_of_a_request(client: httpx.AsyncClient) -> None:
+async def test_a_tool_too_large_for_the_log_is_a_413(client: httpx.AsyncClient) -> None:
+    """Each message and tool is stored on its own (bus/parts.py): tools that are more than a
+    NATS message together are taken, one that is more alone is named."""
     tools = [
         {"type": "function", "function": {"name": f"f{i}", "description": "x" * 50_000}}
         for i in range(22)
     ]
     body = {"model": KNOWN_MODEL, "messages": MESSAGES, "tools": tools}
+    assert (await client.post(CHAT, json=body)).status_code == 503  # taken; no runner to serve
+    tools[3]["function"]["description"] = "x" * (1024**2 + 10)  # type: ignore[index]
     err = _error(await client.post(CHAT, json=body), 413)
     assert err["code"] == "request_too_large" and err["param"] == "tools"
+    assert "tools[3]" in err["message"], err
 
 
 async def test_placement_preview_for_an_unknown_model_is_a_404(client: httpx.AsyncClient) -> None:

@@ -12,6 +12,7 @@ from nats.js.errors import NotFoundError
 
 from bus.events import ChunkGenerated, NodeJoined
 from bus.object_store import object_stream
+from bus.parts import PARTS_STREAM
 from bus.publisher import Publisher
 from bus.streams import (
     CHUNKS_STREAM,
@@ -41,8 +42,11 @@ async def test_creates_the_three_streams_and_the_bucket(
             await js.stream_info(name)
     with caplog.at_level(logging.INFO, logger="bus.streams"):
         await ensure_streams(js)
-    assert {s.config.name for s in await js.streams_info()} == {*ALL_STREAMS, BUCKET_STREAM}
-    assert sum("created stream" in r.getMessage() for r in caplog.records) == 4
+    made = {s.config.name for s in await js.streams_info()}
+    assert made == {*ALL_STREAMS, BUCKET_STREAM, PARTS_STREAM}
+    assert sum("created stream" in r.getMessage() for r in caplog.records) == 5
+    parts = (await js.stream_info(PARTS_STREAM)).config
+    assert parts.max_msgs_per_subject == 1 and parts.max_age == 0  # kept as long as events
     # nats-py's own object store client sees it as a bucket.
     status = await (await js.object_store(MODELS_BUCKET)).status()
     assert status.bucket == MODELS_BUCKET and status.replicas == 1
@@ -114,7 +118,7 @@ async def test_second_call_is_a_noop(
         assert after.created == before[name].created
         assert after.config == before[name].config
         assert after.state.messages == before[name].state.messages
-    assert len(await js.streams_info()) == 4  # with the models bucket
+    assert len(await js.streams_info()) == 5  # with the models bucket and the parts
 
 
 async def test_changed_settings_update_the_streams(
@@ -131,7 +135,10 @@ async def test_changed_settings_update_the_streams(
     with caplog.at_level(logging.INFO, logger="bus.streams"):
         await ensure_streams(js, settings)
     updated = sorted(r.getMessage() for r in caplog.records if "updated stream" in r.getMessage())
-    assert updated == [f"updated stream {n}" for n in sorted(ALL_STREAMS)]  # window changed all
+    # The window changed all; the parts follow the events' age.
+    assert updated == [f"updated stream {n}" for n in sorted([*ALL_STREAMS, PARTS_STREAM])]
+    parts = await js.stream_info(PARTS_STREAM)
+    assert parts.config.max_age == pytest.approx(45 * DAY)  # half again the events'
 
     events = await js.stream_info(EVENTS_STREAM)
     assert events.config.max_age == pytest.approx(30 * DAY)
@@ -155,7 +162,9 @@ async def test_only_the_changed_stream_is_updated(
     with caplog.at_level(logging.INFO, logger="bus.streams"):
         await ensure_streams(js, StreamSettings(events_max_age=7 * DAY))
     messages = [r.getMessage() for r in caplog.records if r.name == "bus.streams"]
-    assert messages == [f"updated stream {EVENTS_STREAM}"]
+    # And the parts, which the events name: kept half again as long.
+    assert messages == [f"updated stream {EVENTS_STREAM}", f"updated stream {PARTS_STREAM}"]
+    assert (await js.stream_info(PARTS_STREAM)).config.max_age == pytest.approx(10.5 * DAY)
     assert (await js.stream_info(EVENTS_STREAM)).config.max_age == pytest.approx(7 * DAY)
     assert (await js.stream_info(CHUNKS_STREAM)).config.max_age == pytest.approx(DAY)
 

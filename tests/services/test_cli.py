@@ -14,10 +14,13 @@ from pathlib import Path
 
 from nats.js import JetStreamContext
 
+from bus.claim_check import checked_in
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
-from bus.events import NodeJoined, ResourceProfiled
+from bus.events import NodeJoined, ResourceProfiled, TaskCreated
+from bus.parts import PartStore
 from bus.publisher import Publisher
+from bus.records import ChatMessage, Tool
 from projectors import database
 from projectors.replay import replay
 from tests.history import history, profile
@@ -84,6 +87,28 @@ async def test_events_dump_writes_json_lines(
     chunks = await ashoal("events", "dump", "--nats", nats_server.url, "--stream", "chunks")
     assert chunks.stdout == ""  # publish_all sent no chunks here
     assert (await ashoal("events", "dump", "--stream", "nope")).returncode != 0
+
+
+async def test_events_dump_puts_a_tasks_parts_back(
+    nats_server: EmbeddedNats, js: JetStreamContext
+) -> None:
+    """A task naming its messages and tools as parts (bus/parts.py) is dumped whole, so that a
+    dump restores into a cluster that has no parts; --keep-refs dumps it as stored."""
+    task = TaskCreated(
+        task_id="t",
+        model_id="m",
+        origin="api",
+        messages=[ChatMessage(role="user", content="hi")],
+        tools=[Tool(name="f")],
+    )
+    await Publisher(js).publish(await checked_in(PartStore(js), task))
+    whole = await ashoal("events", "dump", "--nats", nats_server.url)
+    event = json.loads(whole.stdout)["event"]
+    assert event["messages"] == [{**task.model_dump(mode="json")["messages"][0]}]
+    assert event["tools"][0]["name"] == "f" and event["messages_ref"] is None
+    stored = await ashoal("events", "dump", "--nats", nats_server.url, "--keep-refs")
+    event = json.loads(stored.stdout)["event"]
+    assert event["messages"] is None and event["messages_ref"]["parts"] == 1
 
 
 async def test_state_prints_the_projection(

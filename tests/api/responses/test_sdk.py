@@ -10,10 +10,12 @@ call of an offered function, arguments that validate), not how clever a 135M mod
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import openai
@@ -25,6 +27,9 @@ from openai.types.responses import (
     ResponseOutputMessage,
 )
 
+from bus.connection import connect
+from bus.events import ResponseStored
+from bus.publisher import Publisher
 from tests.api.asks import (
     HELLO,
     WEATHER_DESCRIPTION,
@@ -280,6 +285,20 @@ def test_stored_responses_are_read_and_deleted_through_either_process(
     assert unstored.to_dict()["store"] is False  # on the wire; the SDK's type has no field
     with pytest.raises(openai.NotFoundError):
         second.responses.retrieve(unstored.id)
+
+
+async def test_an_expired_response_is_gone(client: openai.OpenAI, up_cluster: UpCluster) -> None:
+    """Past its expiry a stored response is not found, before the planner deletes it on the
+    log (services/planner/janitor.py, tested in tests/services/planner)."""
+    nc = await connect(up_cluster.nats_url)
+    past = datetime.now(UTC) - timedelta(seconds=1)
+    response_id = "resp_expired0123"
+    await Publisher(nc.jetstream()).publish(
+        ResponseStored(response_id=response_id, origin="test", status="completed", expires_at=past)
+    )
+    await nc.close()
+    with pytest.raises(openai.NotFoundError):
+        await asyncio.to_thread(client.responses.retrieve, response_id)
 
 
 def test_a_background_response_is_fetched_when_done(
