@@ -11,11 +11,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from sqlalchemy import text
 
 from api import projection
 from api.admission import AdmissionState
+from api.cluster.event_feed import FeedBuffer, overflow_event
 from api.cluster.requests import InstanceRequest
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
@@ -173,7 +175,8 @@ async def events(
         int, Query(ge=0, le=10_000, description="Start with this many past events")
     ] = 0,
 ) -> StreamingResponse:
-    """The event log, live, as server-sent events (``event: <type>``, ``data: <event JSON>``)."""
+    """The event log, live, as server-sent events (``event: <type>``, ``data: <event JSON>``).
+    A client that cannot keep up gets an ``error`` event (``events_overflow``) and is let go."""
     problem = _subject_problem(subject)
     if problem is not None:
         raise ApiError(400, f"subject {subject!r}: {problem}", param="subject")
@@ -203,11 +206,24 @@ def _subject_problem(subject: str) -> str | None:
 
 
 async def _tail(request: Request, ctx: ApiContext, subject: str, last: int) -> AsyncIterator[str]:
-    queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
+    # Bounded in bytes: a client that cannot keep up is told so and let go (event_feed.py).
+    buffer: FeedBuffer[Msg] = FeedBuffer(ctx.config.events_buffer_bytes)
+    ready = asyncio.Event()
+    sub: JetStreamContext.PushSubscription | None = None
+    dropping: asyncio.Task[None] | None = None
+
+    def drop() -> None:
+        """Stop receiving for an overflowed client now, not when its last event is sent (a
+        client that reads nothing would hold the subscription until it leaves). From a task
+        of its own: unsubscribing cancels the task that runs ``on_msg``."""
+        nonlocal dropping
+        if sub is not None and dropping is None:
+            dropping = asyncio.create_task(sub.unsubscribe())
 
     async def on_msg(msg: Msg) -> None:
-        if not queue.full():  # a client that cannot keep up loses events, not the API's memory
-            queue.put_nowait(msg)
+        if not buffer.offer(msg, len(msg.data)):
+            drop()
+        ready.set()
 
     js = ctx.nc.jetstream()
     if last:
@@ -217,13 +233,21 @@ async def _tail(request: Request, ctx: ApiContext, subject: str, last: int) -> A
     else:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
     sub = await js.subscribe(subject, cb=on_msg, ordered_consumer=True, config=config)
+    if buffer.overflowed:  # already, with the past events (before ``sub`` was set)
+        drop()
     try:
         yield ": tailing the event log\n\n"
         while not await request.is_disconnected():
-            try:
-                msg = await asyncio.wait_for(queue.get(), timeout=15)
-            except TimeoutError:
-                yield ": keep-alive\n\n"
+            msg = buffer.take()
+            if msg is None:
+                if buffer.overflowed:
+                    yield overflow_event(buffer.limit)
+                    return
+                ready.clear()
+                try:
+                    await asyncio.wait_for(ready.wait(), timeout=15)
+                except TimeoutError:
+                    yield ": keep-alive\n\n"
                 continue
             kind = (
                 msg.subject.rsplit(".", 1)[-1]
@@ -233,7 +257,10 @@ async def _tail(request: Request, ctx: ApiContext, subject: str, last: int) -> A
             data = msg.data.decode(errors="replace").replace("\n", " ")
             yield f"id: {msg.metadata.sequence.stream}\nevent: {kind}\ndata: {data}\n\n"
     finally:
-        await sub.unsubscribe()
+        if dropping is not None:
+            await dropping
+        else:
+            await sub.unsubscribe()
 
 
 def _instances(s: ClusterState, include_deleted: bool) -> list[Any]:
