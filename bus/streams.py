@@ -23,6 +23,8 @@ DEADLETTER_STREAM = "SHOAL_DEADLETTER"
 # The object store bucket that holds model weights, replicated as the streams are (its stream
 # is OBJ_SHOAL_MODELS; bus/object_store.py has the layout).
 MODELS_BUCKET = "SHOAL_MODELS"
+# Snapshots of the projection (projectors/snapshot.py), so that old events may age out.
+SNAPSHOTS_BUCKET = "SHOAL_SNAPSHOTS"
 
 DAY = 24 * 3600.0
 
@@ -174,6 +176,7 @@ async def ensure_streams(js: JetStreamContext, settings: StreamSettings | None =
     chosen = settings or StreamSettings()
     wanted_all = [(c, _COMPARED) for c in stream_configs(chosen)]
     wanted_all.append((bucket_config(MODELS_BUCKET, chosen.replicas), _BUCKET_COMPARED))
+    wanted_all.append((bucket_config(SNAPSHOTS_BUCKET, chosen.replicas), _BUCKET_COMPARED))
     parts = parts_config(parts_max_age(chosen.events_max_age), chosen.replicas)
     wanted_all.append((parts, _PARTS_COMPARED))
     for wanted, compared in wanted_all:

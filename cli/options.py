@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,6 +15,7 @@ import typer
 import uvloop
 
 from bus.connection import DEFAULT_NATS_URL
+from bus.streams import StreamSettings, parse_duration
 from projectors.db_url import absolute_db_url
 from services.models.footprint import MAX_SLOTS
 from services.paths import default_data_dir
@@ -51,7 +53,29 @@ RunnerSlots = Annotated[
         " the memory.",
     ),
 ]
+Retain = Annotated[
+    str | None,
+    typer.Option(
+        "--retain",
+        envvar="SHOAL_EVENTS_MAX_AGE",
+        help="How long the event log keeps an event: '30d', '12h', 0 for ever. Older state is"
+        " kept in snapshots of the projection (docs/operations.md).",
+    ),
+]
 DEFAULT_NATS = DEFAULT_NATS_URL
+
+
+def stream_settings(retain: str | None) -> StreamSettings | None:
+    """The streams' settings from the environment, the events' age limit from ``retain``
+    (None: as the environment says, or as the streams are)."""
+    settings = StreamSettings.from_env()
+    if retain is None:
+        return settings
+    try:
+        age = parse_duration(retain)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{retain!r}: {exc}", param_hint="--retain") from None
+    return replace(settings or StreamSettings(), events_max_age=age)
 
 
 def absolute(path: Path | None) -> Path | None:

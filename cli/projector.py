@@ -9,17 +9,18 @@ from typing import Annotated
 import typer
 
 from bus.connection import connect
-from bus.streams import StreamSettings
 from cli.options import (
     DEFAULT_DB,
     DEFAULT_NATS,
     DbUrl,
     NatsUrl,
+    Retain,
     run_until_signal,
     setup_logging,
+    stream_settings,
 )
 from projectors import database
-from projectors.projector import DEFAULT_NAME, Projector, tune_gc
+from projectors.projector import DEFAULT_NAME, ProjectionLost, Projector, tune_gc
 from projectors.replay import replay
 from projectors.store import OffsetConflict
 
@@ -28,8 +29,10 @@ def projector(
     nats: NatsUrl = DEFAULT_NATS,
     db: DbUrl = DEFAULT_DB,
     name: Annotated[str, typer.Option(help="Projector name (its tracking row).")] = DEFAULT_NAME,
+    retain: Retain = None,
 ) -> None:
     """Run the projector: fold the event log into the projection database."""
+    settings = stream_settings(retain)
     setup_logging()
     tune_gc()
 
@@ -37,10 +40,8 @@ def projector(
         nc = await connect(nats, name=f"shoal-projector-{name}")
         engine = database.create_engine(db)
         try:
-            await Projector(
-                nc.jetstream(), engine, name=name, stream_settings=StreamSettings.from_env()
-            ).run(stop)
-        except (database.ProjectorRunning, OffsetConflict):
+            await Projector(nc.jetstream(), engine, name=name, stream_settings=settings).run(stop)
+        except (database.ProjectorRunning, OffsetConflict, ProjectionLost):
             raise SystemExit(1) from None  # the projector logged why
         finally:
             await engine.dispose()
@@ -64,6 +65,13 @@ def replay_command(
     until_time: Annotated[
         str | None, typer.Option(help="Stop before events stored after this ISO time (UTC).")
     ] = None,
+    from_snapshot: Annotated[
+        bool,
+        typer.Option(
+            help="Start from the newest snapshot at or before where it stops; without, from"
+            " the first event (the whole log must be kept)."
+        ),
+    ] = True,
 ) -> None:
     """Build a fresh projection from the log, up to a sequence or a time."""
     if not db:
@@ -77,7 +85,13 @@ def replay_command(
         nc = await connect(nats, name="shoal-replay")
         engine = database.create_engine(db)
         try:
-            result = await replay(nc.jetstream(), engine, until_seq=until_seq, until_time=until)
+            result = await replay(
+                nc.jetstream(),
+                engine,
+                until_seq=until_seq,
+                until_time=until,
+                from_snapshot=from_snapshot,
+            )
         finally:
             await engine.dispose()
             await nc.close()

@@ -27,7 +27,6 @@ from bus.events import InstanceRequested
 from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
 from bus.states import INSTANCE_LIVE, SERVING
-from bus.streams import StreamSettings
 from cli.api import (
     Aliases,
     ApiKeys,
@@ -45,10 +44,12 @@ from cli.api import (
 from cli.models import publish_model
 from cli.options import (
     DataHost,
+    Retain,
     RunnerSlots,
     absolute,
     run_until_signal,
     setup_logging,
+    stream_settings,
 )
 from cli.up_progress import UpProgress, model_steps, weights_step
 from projectors import database
@@ -99,6 +100,7 @@ def up(
     max_queued: MaxQueued = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
+    retain: Retain = "30d",
     nats_tls_cert: Annotated[
         Path | None,
         typer.Option(
@@ -136,6 +138,7 @@ def up(
         )
         raise typer.Exit(1)
     tls = api_tls(tls_cert, tls_key)
+    settings = stream_settings(retain)
     if (nats_tls_cert is None) != (nats_tls_key is None):
         typer.echo("error: --nats-tls-cert and --nats-tls-key go together", err=True)
         raise typer.Exit(1)
@@ -170,7 +173,7 @@ def up(
         nc = await connect(server.url, name="shoal-up")
         worker_nc = await connect(server.url, name="shoal-up-worker")
         engine = database.create_engine(db_url)
-        projector = Projector(nc.jetstream(), engine, stream_settings=StreamSettings.from_env())
+        projector = Projector(nc.jetstream(), engine, stream_settings=settings)
         tasks = [asyncio.create_task(projector.run(stop))]
         try:
             await _first(projector.ready.wait(), tasks[0])

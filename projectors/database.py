@@ -97,11 +97,16 @@ async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
         await conn.run_sync(lambda c: command.upgrade(_alembic_config(c), revision))
 
 
-async def current_revision(engine: AsyncEngine) -> str | None:
+def revision_of(conn: Connection) -> str | None:
+    """The schema revision of the database ``conn`` is on."""
     from alembic.runtime.migration import MigrationContext
 
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+async def current_revision(engine: AsyncEngine) -> str | None:
     async with engine.connect() as conn:
-        return await conn.run_sync(lambda c: MigrationContext.configure(c).get_current_revision())
+        return await conn.run_sync(revision_of)
 
 
 @contextlib.asynccontextmanager

@@ -39,7 +39,7 @@ from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import subject_event_type
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from bus.subjects import ALL_EVENTS, aggregate_prefix
-from projectors import database
+from projectors import database, snapshot
 from projectors.residency import read_history
 from projectors.rules import changes_for
 from projectors.state import Change, ClusterState
@@ -73,6 +73,11 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
+# A snapshot of the projection (projectors/snapshot.py) after this many events, or this long
+# with any event since the last.
+SNAPSHOT_EVERY = 100_000
+SNAPSHOT_EVERY_S = 6 * 3600.0
+
 # How long a batch of task events only waits for more (see above).
 TASK_LINGER_S = 0.25
 _TASK_SUBJECTS = aggregate_prefix("task")
@@ -80,6 +85,11 @@ _TASK_SUBJECTS = aggregate_prefix("task")
 # A projection that ran this long before an error starts its retries from the shortest wait
 # again (a restart of the nats-server loses its consumer each time, see run()).
 BACKOFF_RESET_S = 30.0
+
+
+class ProjectionLost(RuntimeError):
+    """Events the projection needs are gone from the log and no snapshot covers them: the
+    projector stops rather than project a history with a hole in it."""
 
 
 class ProjectionGap(RuntimeError):
@@ -128,9 +138,13 @@ class Projector:
         stream_settings: StreamSettings | None = None,
         task_linger_s: float = TASK_LINGER_S,
         after_dead_letters: Callable[[], None] | None = None,
+        snapshot_every: int = SNAPSHOT_EVERY,
+        snapshot_every_s: float = SNAPSHOT_EVERY_S,
     ) -> None:
         """``after_dead_letters``: called once a batch's dead letters are published, before
-        that batch's commit (a fault test kills the process there)."""
+        that batch's commit (a fault test kills the process there). A snapshot of the
+        projection is written after ``snapshot_every`` events, or ``snapshot_every_s`` seconds
+        with events since the last (0: never)."""
         self._js = js
         self._after_dead_letters = after_dead_letters
         self._engine = engine
@@ -143,6 +157,10 @@ class Projector:
         self.counts: dict[str, int] = {}  # events by type up to applied_seq
         self.consumer: EventConsumer | None = None
         self.ready = asyncio.Event()
+        self.snapshot_every = snapshot_every
+        self.snapshot_every_s = snapshot_every_s
+        self.snapshot_seq = 0  # the newest snapshot's sequence
+        self._snapshot_at = 0.0  # loop time of the last snapshot (or of the start)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Project until ``stop`` is set (or forever). Database errors are retried with backoff
@@ -153,7 +171,7 @@ class Projector:
         try:
             async with database.projector_hold(self._engine, self.name):
                 await self._run(stop)
-        except (database.ProjectorRunning, OffsetConflict) as exc:
+        except (database.ProjectorRunning, OffsetConflict, ProjectionLost) as exc:
             log.critical("projector %s stops: %s", self.name, exc)
             raise
         finally:
@@ -175,6 +193,7 @@ class Projector:
                 backoff = min(backoff * 2, 10.0)
 
     async def _project(self, stop: asyncio.Event) -> None:
+        await self._start_from_snapshot()
         async with self._engine.connect() as conn:
             self.state = await load_live_state(conn)
             self.applied_seq = await read_offset(conn, self.name, EVENTS_STREAM)
@@ -202,6 +221,48 @@ class Projector:
                 left = self.batch_size - len(batch)
                 batch += await self.consumer.fetch(left, timeout=0.5, more=True)
             await self.apply_batch(batch, self.consumer)
+            if self._snapshot_due():
+                await self._snapshot()
+
+    async def _start_from_snapshot(self) -> None:
+        """Restore the newest snapshot into a database that has nothing yet, or one so far
+        behind that the events it needs next are gone from the log (their age passed the
+        stream's limit); a gap no snapshot covers stops the projector (ProjectionLost)."""
+        async with self._engine.connect() as conn:
+            applied = await read_offset(conn, self.name, EVENTS_STREAM)
+        first = (await self._js.stream_info(EVENTS_STREAM)).state.first_seq
+        snapshots = await snapshot.listed(self._js, self.name)
+        self.snapshot_seq = snapshots[-1].seq if snapshots else 0
+        self._snapshot_at = asyncio.get_running_loop().time()
+        newest = snapshot.chosen(snapshots, None)
+        gap = applied + 1 < first
+        if gap and (newest is None or newest.seq < first - 1):
+            raise ProjectionLost(
+                f"projector {self.name} is at seq {applied}, and the log's oldest event is"
+                f" #{first}: events {applied + 1}..{first - 1} are gone and no snapshot of"
+                f" {self.name} covers them (newest: {newest.seq if newest else 'none'})"
+            )
+        if newest is not None and newest.seq > applied and (applied == 0 or gap):
+            await snapshot.restore(self._engine, self._js, newest)
+
+    def _snapshot_due(self) -> bool:
+        if self.snapshot_every <= 0 or self.applied_seq <= self.snapshot_seq:
+            return False
+        if self.applied_seq - self.snapshot_seq >= self.snapshot_every:
+            return True
+        waited = asyncio.get_running_loop().time() - self._snapshot_at
+        return self.snapshot_every_s > 0 and waited >= self.snapshot_every_s
+
+    async def _snapshot(self) -> None:
+        """Write a snapshot between two batches (nothing writes meanwhile): a failure is
+        logged and tried again after the next batch."""
+        self._snapshot_at = asyncio.get_running_loop().time()
+        try:
+            made = await snapshot.write(self._engine, self._js, self.name)
+        except (SQLAlchemyError, nats.errors.Error, OSError) as exc:
+            log.warning("projector %s could not write a snapshot: %r", self.name, exc)
+            return
+        self.snapshot_seq = made.seq
 
     def _lingers(self, batch: list[Delivered]) -> bool:
         """Whether ``batch`` waits for more before it is written: task events only, room left."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -22,12 +23,19 @@ from bus.events import Event, parse_event, subject_event_type
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM
 from bus.subjects import ALL_EVENTS
-from projectors import database
+from projectors import database, snapshot
 from projectors.projector import DEFAULT_NAME
 from projectors.residency import read_history
 from projectors.rules import changes_for
-from projectors.state import Change, ClusterState
-from projectors.store import check_storable, write_changes, write_counts, write_offset
+from projectors.state import Change
+from projectors.store import (
+    check_storable,
+    load_live_state,
+    read_counts,
+    write_changes,
+    write_counts,
+    write_offset,
+)
 from projectors.tables import STATE_TABLES, event_counts, projector_offsets
 
 log = logging.getLogger(__name__)
@@ -67,17 +75,30 @@ async def replay(
     until_time: datetime | None = None,
     name: str = DEFAULT_NAME,
     commit_every: int = 50_000,
+    from_snapshot: bool = True,
 ) -> ReplayResult:
-    """Fold the event stream from its first message into the empty database at ``engine``.
-    Stops after ``until_seq``, before the first event stored after ``until_time``, or at the
-    stream's last message when replay started. Events the live projector sets aside (malformed,
-    whose rule fails, or whose rows cannot be stored) are skipped here too."""
+    """Fold the event stream into the empty database at ``engine``: from the newest snapshot
+    at or before where it stops (``from_snapshot``; needed once old events aged out), else
+    from its first message. Stops after ``until_seq``, before the first event stored after
+    ``until_time``, or at the stream's last message when replay started. Events the live
+    projector sets aside (malformed, whose rule fails, or whose rows cannot be stored) are
+    skipped here too."""
     await database.upgrade(engine)
     await _ensure_empty(engine)
-    state = ClusterState()
+    start = await _starting_snapshot(js, name, until_seq, from_snapshot)
+    committed = 0
+    if start is not None:
+        committed = await snapshot.restore(engine, js, start)
+    async with engine.connect() as conn:
+        state = await load_live_state(conn)
+        counts = await read_counts(conn, name, EVENTS_STREAM)
+    if until_time is not None and committed and await _stored_at(js, committed + 1) > until_time:
+        raise ReplayError(
+            f"the snapshot at seq {committed}, the oldest usable, is later than {until_time}"
+        )
     pending: list[Change] = []
-    counts: dict[str, int] = {}
-    applied = skipped = last_seq = committed = 0
+    applied = skipped = 0
+    last_seq = committed
     # Events read, not yet folded: sequence, type by subject, event (None: malformed).
     read: list[tuple[int, str | None, Event | None]] = []
 
@@ -108,7 +129,9 @@ async def replay(
             state.forget_history()  # once written: the database has what memory lets go
         read.clear()
 
-    async for msg in read_stream(js, EVENTS_STREAM, ALL_EVENTS, to_seq=until_seq):
+    async for msg in read_stream(
+        js, EVENTS_STREAM, ALL_EVENTS, from_seq=committed + 1, to_seq=until_seq
+    ):
         md = msg.metadata
         if until_time is not None and md.timestamp > until_time:
             break
@@ -124,6 +147,44 @@ async def replay(
     await fold_read()
     await _commit(engine, pending, counts, name, last_seq, committed)
     return ReplayResult(applied=applied, skipped=skipped, last_seq=last_seq)
+
+
+async def _starting_snapshot(
+    js: JetStreamContext, name: str, until_seq: int | None, wanted: bool
+) -> snapshot.Snapshot | None:
+    """The snapshot a replay to ``until_seq`` starts from: the newest at or before it whose
+    following events are all still in the log; None to start from the first event. A replay
+    that the log and the snapshots cannot make is a ReplayError naming the oldest event kept."""
+    first = (await js.stream_info(EVENTS_STREAM)).state.first_seq
+    if until_seq is not None and first > 1 and until_seq < first - 1:
+        raise ReplayError(
+            f"seq {until_seq} is older than the log's oldest kept event, #{first}"
+            " (older ones aged out): replay to a later sequence"
+        )
+    if not wanted:
+        if first > 1:
+            raise ReplayError(
+                f"the log's oldest kept event is #{first} (older ones aged out): it cannot be"
+                " rebuilt from its first event; replay from a snapshot"
+            )
+        return None
+    usable = [s for s in await snapshot.listed(js, name) if s.seq >= first - 1]
+    found = snapshot.chosen(usable, until_seq)
+    if found is None and first > 1:
+        raise ReplayError(
+            f"the log's oldest kept event is #{first} and no snapshot of projector {name!r}"
+            f" at or after #{first - 1} is at or before seq {until_seq}: it cannot be rebuilt"
+        )
+    return found
+
+
+async def _stored_at(js: JetStreamContext, seq: int) -> datetime:
+    """When event ``seq`` was stored (the end of time when there is none yet)."""
+    try:
+        msg = await js.get_msg(EVENTS_STREAM, seq)
+    except NotFoundError:
+        return datetime.max.replace(tzinfo=UTC)
+    return msg.time or datetime.max.replace(tzinfo=UTC)
 
 
 async def _commit(

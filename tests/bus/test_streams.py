@@ -20,6 +20,7 @@ from bus.streams import (
     DEADLETTER_STREAM,
     EVENTS_STREAM,
     MODELS_BUCKET,
+    SNAPSHOTS_BUCKET,
     StreamSettings,
     StreamSettingsError,
     ensure_streams,
@@ -31,6 +32,7 @@ from bus.streams import (
 ALL_STREAMS = (EVENTS_STREAM, CHUNKS_STREAM, DEADLETTER_STREAM)
 # The models bucket's stream, made with them.
 BUCKET_STREAM = object_stream(MODELS_BUCKET)
+SNAPSHOTS_STREAM = object_stream(SNAPSHOTS_BUCKET)
 
 
 async def test_creates_the_three_streams_and_the_bucket(
@@ -43,8 +45,8 @@ async def test_creates_the_three_streams_and_the_bucket(
     with caplog.at_level(logging.INFO, logger="bus.streams"):
         await ensure_streams(js)
     made = {s.config.name for s in await js.streams_info()}
-    assert made == {*ALL_STREAMS, BUCKET_STREAM, PARTS_STREAM}
-    assert sum("created stream" in r.getMessage() for r in caplog.records) == 5
+    assert made == {*ALL_STREAMS, BUCKET_STREAM, SNAPSHOTS_STREAM, PARTS_STREAM}
+    assert sum("created stream" in r.getMessage() for r in caplog.records) == 6
     parts = (await js.stream_info(PARTS_STREAM)).config
     assert parts.max_msgs_per_subject == 1 and parts.max_age == 0  # kept as long as events
     # nats-py's own object store client sees it as a bucket.
@@ -118,7 +120,7 @@ async def test_second_call_is_a_noop(
         assert after.created == before[name].created
         assert after.config == before[name].config
         assert after.state.messages == before[name].state.messages
-    assert len(await js.streams_info()) == 5  # with the models bucket and the parts
+    assert len(await js.streams_info()) == 6  # with the buckets and the parts
 
 
 async def test_changed_settings_update_the_streams(
