@@ -99,6 +99,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench.concurrency
 	$(BIN)/python -m bench.mlx_prompt_cache
 	$(BIN)/python -m bench.weights
+	$(BIN)/python -m bench.longevity
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache
