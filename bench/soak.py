@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -67,7 +68,10 @@ import psutil
 
 from bench.common import procfs
 from bench.common.processes import MODEL_ID, SHOAL_BIN
+from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
+from bus.parts import PARTS_STREAM
+from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
 from bus.units import MiB
 
 READY_TIMEOUT = 300.0  # seconds for the cluster to serve the model
@@ -190,14 +194,22 @@ async def run_load(
     concurrency: int,
     max_tokens: int,
     timeout: float,
+    duration: float | None = None,
 ) -> tuple[list[Result], int, float]:
-    """``n`` requests, ``concurrency`` at a time, for at most ``timeout`` seconds. Returns the
-    results of those that ended, how many did not, and the wall time."""
-    queue = iter(range(first, first + n))
+    """``n`` requests (as many as ``duration`` seconds take, given one), ``concurrency`` at a
+    time, for at most ``timeout`` seconds. Returns the results of those that ended, how many
+    did not, and the wall time."""
+    queue = iter(range(first, first + n)) if duration is None else itertools.count(first)
+    until = time.perf_counter() + duration if duration is not None else None
     results: list[Result] = []
+    sent = 0
 
     async def worker() -> None:
+        nonlocal sent
         for i in queue:
+            if until is not None and time.perf_counter() > until:
+                return
+            sent += 1
             result = await one_request(client, url, i, max_tokens)
             results.append(result)
             if result.refused:  # as the SDKs do: wait as long as the API says
@@ -209,7 +221,7 @@ async def run_load(
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    return results, n - len(results), time.perf_counter() - start
+    return results, sent - len(results), time.perf_counter() - start
 
 
 # --- the cluster ----------------------------------------------------------------------------
@@ -276,6 +288,19 @@ class Cluster:
         ]
         self.nats.stop()
         return said
+
+
+async def log_bytes(nats_url: str) -> str:
+    """What the log's streams hold now: with an age limit (SHOAL_EVENTS_MAX_AGE), flat once
+    the oldest events go."""
+    nc = await connect(nats_url, name="soak-sizes")
+    try:
+        js = nc.jetstream()
+        streams = (EVENTS_STREAM, CHUNKS_STREAM, DEADLETTER_STREAM, PARTS_STREAM)
+        sizes = [(s, (await js.stream_info(s)).state.bytes) for s in streams]
+    finally:
+        await nc.close()
+    return ", ".join(f"{name} {mib(n)}" for name, n in sizes)
 
 
 def runner_pids(worker_pid: int) -> list[int]:
@@ -577,7 +602,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         runner_before = pids["runner"]
         machine = f"{os.cpu_count()} cpus, {args.runner_threads} runner threads"
         print(
-            f"soak: {args.requests} streamed chat completions of {MODEL_ID}, max_tokens"
+            f"soak: {f'{args.duration:.0f} s of' if args.duration else args.requests} streamed"
+            f" chat completions of {MODEL_ID}, max_tokens"
             f" {args.max_tokens}, concurrency {args.concurrency}, after {args.warmup} warm-up"
             f" requests; {machine}"
         )
@@ -598,6 +624,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                 + (f" ({bad_warm} not answered)" if bad_warm else "")
             )
             before = await asyncio.to_thread(memory, cluster.pids())
+            print(f"log after the warm-up: {await log_bytes(cluster.nats.url)}")
             peaks: dict[str, int] = {}
             stop = asyncio.Event()
             sampler = asyncio.create_task(sample_peaks(cluster, peaks, stop))
@@ -611,6 +638,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                 args.concurrency,
                 args.max_tokens,
                 args.timeout,
+                args.duration,
             )
             other = watch.other_cores()
             stop.set()
@@ -619,6 +647,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         after_pids = cluster.pids()
         after = await asyncio.to_thread(memory, after_pids)
         ok = report(args, results, unfinished, wall, before, after, peaks, other)
+        print(f"log at the end: {await log_bytes(cluster.nats.url)}")
         if after_pids["runner"] != runner_before:
             print(
                 f"FAIL  the runner changed during the run: pids {runner_before} ->"
@@ -645,6 +674,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=50, help="requests before measuring")
     parser.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds the measured load may take, in all"
+    )
+    parser.add_argument(
+        "--duration", type=float, default=None, help="seconds of load (instead of --requests)"
     )
     parser.add_argument("--runner-threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument(

@@ -230,7 +230,12 @@ class Projector:
         stream's limit); a gap no snapshot covers stops the projector (ProjectionLost)."""
         async with self._engine.connect() as conn:
             applied = await read_offset(conn, self.name, EVENTS_STREAM)
-        first = (await self._js.stream_info(EVENTS_STREAM)).state.first_seq
+        info = await self._js.stream_info(EVENTS_STREAM)
+        first = info.state.first_seq
+        if (max_age := info.config.max_age or 0.0) > 0 and self.snapshot_every > 0:
+            # Snapshots well within the log's age limit: an event ages out only after a
+            # snapshot holds what it did.
+            self.snapshot_every_s = min(self.snapshot_every_s or max_age / 4, max_age / 4)
         snapshots = await snapshot.listed(self._js, self.name)
         self.snapshot_seq = snapshots[-1].seq if snapshots else 0
         self._snapshot_at = asyncio.get_running_loop().time()
