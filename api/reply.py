@@ -1,5 +1,6 @@
-"""One task's answer as its chunks arrive, in no dialect's words: the text, the tool calls,
-the log-probabilities and why it ended. Every dialect's whole response is made from these."""
+"""One task's answer as its chunks arrive, in no dialect's words: the text, a thinking model's
+thinking, the tool calls, the log-probabilities and why it ended. Every dialect's whole
+response is made from these."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Call:
 @dataclass
 class Reply:
     text: str = ""
+    reasoning: str = ""
     calls: dict[int, Call] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -27,6 +29,7 @@ class Reply:
 
     def add(self, chunk: ChunkGenerated) -> None:
         self.text += chunk.text
+        self.reasoning += chunk.reasoning
         for d in chunk.tool_calls:
             call = self.calls.setdefault(d.index, Call())
             call.id = d.id or call.id

@@ -360,6 +360,14 @@ class TaskCreated(_TaskEvent):
         " each; None: none.",
     )
     echo: bool = Field(default=False, description="Score the prompt's tokens too (PromptScored).")
+    thinking: bool | None = Field(
+        default=None,
+        description="Whether a thinking model thinks first: false turns it off where its chat"
+        " template has a switch (`enable_thinking`); None: the template's default.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="More variables for the chat template, as given."
+    )
     resume: Resume | None = Field(
         default=None, description="A continuation: where the lost runner had got to."
     )
@@ -427,6 +435,9 @@ class ChunkGenerated(_ChunkStreamEvent):
 
     idx: int = Field(description="0, 1, 2... in generation order.")
     text: str = Field(description="The reply's text (a tool call's text is in tool_calls).")
+    reasoning: str = Field(
+        default="", description="A thinking model's thinking, apart from the reply's text."
+    )
     token_id: int | None = None
     finish_reason: FinishReason | None = None
     logprob: TokenLogprob | None = Field(default=None, description="When the task asked.")

@@ -150,6 +150,11 @@ class ChatMessage(Record):
         default_factory=list, description="An assistant's calls of tools."
     )
     tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
+    reasoning: str | None = Field(
+        default=None,
+        description="An assistant's thinking before its answer, as a client sent it back: the"
+        " chat template keeps or drops it.",
+    )
 
 
 class PartRef(Record):

@@ -2,14 +2,21 @@
 ``TaskCreated``, and the responses made from a task's chunks (whole, or as Anthropic's named
 stream events). Pure: bodies in, task fields out; chunks in, dicts and events out.
 
-Every field that changes the answer is honoured or refused with a 400 that names it (extended
-thinking, server tools, MCP servers, containers, a prefilled assistant turn, images and
-documents for models that read text); fields that do not (``metadata``, ``cache_control``,
-``service_tier``...) are accepted, as are fields Anthropic does not define.
+Every field that changes the answer is honoured or refused with a 400 that names it (server
+tools, MCP servers, containers, a prefilled assistant turn, images and documents for models
+that read text); fields that do not (``metadata``, ``cache_control``, ``service_tier``...) are
+accepted, as are fields Anthropic does not define.
+
+Extended thinking: with ``thinking: {"type": "enabled"}`` a thinking model's thinking comes as
+a ``thinking`` block before the text (``thinking_delta`` events, then a ``signature_delta``,
+streamed); without it the model is asked not to think (its template's switch) and what it
+thinks anyway is left out, as Anthropic's models do not think unless asked. An earlier turn's
+``thinking`` block goes to the chat template as the turn's thinking, which keeps or drops it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -57,7 +64,7 @@ _SERVER = (
     "mcp_tool_use",
     "mcp_tool_result",
 )
-# Anthropic leaves an earlier turn's thinking out of what the model reads: so does Shoal.
+# An earlier turn's thinking: its text is the turn's reasoning (a redacted one has none).
 _THINKING = ("thinking", "redacted_thinking")
 _ALLOWED = {
     "user": ("text", "tool_result"),
@@ -78,6 +85,7 @@ class Block(RequestBody):
     tool_use_id: str | None = None  # tool_result
     content: str | list[Block] | None = None  # tool_result
     is_error: bool | None = None  # tool_result
+    thinking: str | None = None  # thinking
 
 
 def _block_problem(block: Block, allowed: tuple[str, ...]) -> str | None:
@@ -139,7 +147,15 @@ class Message(RequestBody):
                 for b in self.content
                 if b.type == "tool_use"
             ]
-            return [ChatMessage(role="assistant", content=_text(self.content), tool_calls=calls)]
+            thought = "".join(b.thinking or "" for b in self.content if b.type == "thinking")
+            return [
+                ChatMessage(
+                    role="assistant",
+                    content=_text(self.content),
+                    tool_calls=calls,
+                    reasoning=thought or None,
+                )
+            ]
         out: list[ChatMessage] = []
         text: list[str] = []
         for b in self.content:
@@ -204,6 +220,28 @@ class ToolChoiceIn(RequestBody):
 
 class Thinking(RequestBody):
     type: str
+    # The thinking's budget: accepted, not enforced (the model ends its thinking itself).
+    budget_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    display: str | None = None
+
+    @model_validator(mode="after")
+    def _known(self) -> Thinking:
+        if self.type not in ("enabled", "adaptive", "disabled"):
+            raise ValueError(
+                f"thinking of type {self.type!r} is not supported: send 'enabled',"
+                " 'adaptive' or 'disabled'"
+            )
+        if self.display not in (None, "summarized"):
+            raise ValueError(
+                f"thinking display {self.display!r} is not supported: the thinking is shown"
+                " as the model wrote it (send 'summarized', or no display)"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Adaptive thinking is the model's own budget: as Shoal's always is."""
+        return self.type != "disabled"
 
 
 class JsonOutputFormat(RequestBody):
@@ -228,8 +266,8 @@ class OutputConfig(RequestBody):
     def _no_effort(cls, effort: str | None) -> str | None:
         if effort is not None:
             raise ValueError(
-                "effort is not supported: the models Shoal serves do not think"
-                " apart from their answer"
+                "effort is not supported: Shoal sets no thinking budget (send thinking"
+                " {'type': 'enabled'} to have a thinking model's thinking)"
             )
         return effort
 
@@ -250,20 +288,14 @@ class MessagesBody(RequestBody):
     output_config: OutputConfig | None = None
     output_format: JsonOutputFormat | None = None  # the structured-outputs beta's name
     metadata: Metadata | None = None
-    # Answer-changing fields Shoal cannot honour (see _consistent).
     thinking: Thinking | None = None
+    # Answer-changing fields Shoal cannot honour (see _consistent).
     container: Any = None
     mcp_servers: list[Any] | None = None
     context_management: Any = None
 
     @model_validator(mode="after")
     def _consistent(self) -> MessagesBody:
-        if self.thinking is not None and self.thinking.type != "disabled":
-            raise ValueError(
-                f"thinking of type {self.thinking.type!r} is not supported: the"
-                " models Shoal serves do not think apart from their answer (send"
-                " no thinking, or type 'disabled')"
-            )
         if self.container is not None:
             raise ValueError("container is not supported: Shoal runs no code execution")
         if self.mcp_servers:
@@ -320,7 +352,13 @@ class MessagesBody(RequestBody):
             "parallel_tool_calls": not (choice and choice.disable_parallel_tool_use),
             "response_format": self.response_format(),
             "user": self.metadata.user_id if self.metadata else None,
+            "thinking": self.thinks,
         }
+
+    @property
+    def thinks(self) -> bool:
+        """Anthropic's models think only when asked."""
+        return self.thinking is not None and self.thinking.enabled
 
 
 class MessagesRequest(MessagesBody):
@@ -400,11 +438,23 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def content(reply: Reply) -> list[dict[str, Any]]:
-    """The text block (left out when it is empty and there are calls), then a ``tool_use``
-    block per call."""
+def signature(thinking: str) -> str:
+    """A thinking block's signature: Anthropic's is opaque, checked when the block comes back;
+    Shoal's is a digest of the text, for clients that require one."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+def thinking_block(thinking: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": thinking, "signature": signature(thinking)}
+
+
+def content(reply: Reply, thinking: bool = False) -> list[dict[str, Any]]:
+    """The thinking block (``thinking``: when asked, and there was some), the text block (left
+    out when it is empty and there are calls), then a ``tool_use`` block per call."""
     calls = reply.tool_calls()
     blocks: list[dict[str, Any]] = []
+    if thinking and reply.reasoning:
+        blocks.append(thinking_block(reply.reasoning))
     if reply.text or not calls:
         blocks.append({"type": "text", "text": reply.text})
     blocks += [
@@ -434,22 +484,29 @@ def message(
     }
 
 
-def whole_message(msg_id: str, model: str, reply: Reply, u: Usage) -> dict[str, Any]:
-    return message(msg_id, model, content(reply), stop_reason(reply), stop_sequence(reply), u)
+def whole_message(
+    msg_id: str, model: str, reply: Reply, u: Usage, thinking: bool = False
+) -> dict[str, Any]:
+    blocks = content(reply, thinking)
+    return message(msg_id, model, blocks, stop_reason(reply), stop_sequence(reply), u)
 
 
 class MessagesOut(Output):
     """A message, whole or streamed. Streamed, content blocks are opened as their content
-    comes: the text block when the first text does, a ``tool_use`` block with each call's
-    first piece (the arguments then arrive as ``input_json_delta``s); a block is stopped when
-    the next one starts, so indices count blocks in their order (text first, as a model writes
-    it). ``message_start`` is sent with the first chunk, before the task's usage is known: its
-    ``input_tokens`` is 0, and the final ``message_delta`` carries both counts."""
+    comes: the thinking block when the first thinking does (``thinking``: when asked), the
+    text block when the first text does, a ``tool_use`` block with each call's first piece (the
+    arguments then arrive as ``input_json_delta``s); a block is stopped when the next one
+    starts, so indices count blocks in their order (thinking, text, calls, as a model writes
+    them); a thinking block gets its ``signature_delta`` before it stops. ``message_start`` is
+    sent with the first chunk, before the task's usage is known: its ``input_tokens`` is 0,
+    and the final ``message_delta`` carries both counts."""
 
-    def __init__(self, msg_id: str, model: str) -> None:
+    def __init__(self, msg_id: str, model: str, thinking: bool = False) -> None:
         self._id = msg_id
         self._model = model
-        self._open: str | int | None = None  # "text", a call's index, or none yet
+        self._thinking = thinking
+        self._thought = ""  # the thinking block's text, for its signature
+        self._open: str | int | None = None  # "thinking", "text", a call's index, or none yet
         self._blocks = 0  # blocks started so far
         self._calls: dict[int, int] = {}  # a call's index -> its block's index
 
@@ -470,9 +527,13 @@ class MessagesOut(Output):
     def _stop(self) -> str:
         if self._open is None:
             return ""
+        out = ""
+        if self._open == "thinking":
+            delta = {"type": "signature_delta", "signature": signature(self._thought)}
+            out = self._delta(self._blocks - 1, delta)
         self._open = None
         event = {"type": "content_block_stop", "index": self._blocks - 1}
-        return sse(event, "content_block_stop")
+        return out + sse(event, "content_block_stop")
 
     def _delta(self, index: int, delta: dict[str, Any]) -> str:
         event = {"type": "content_block_delta", "index": index, "delta": delta}
@@ -481,6 +542,13 @@ class MessagesOut(Output):
     def events(self, index: int, group: list[ChunkGenerated]) -> str:
         out = []
         for c in group:
+            if c.reasoning and self._thinking:
+                if self._open != "thinking":
+                    opened = {"type": "thinking", "thinking": "", "signature": ""}
+                    out.append(self._start("thinking", opened))
+                self._thought += c.reasoning
+                thought = {"type": "thinking_delta", "thinking": c.reasoning}
+                out.append(self._delta(self._blocks - 1, thought))
             if c.text:
                 if self._open != "text":
                     out.append(self._start("text", {"type": "text", "text": ""}))
@@ -517,7 +585,7 @@ class MessagesOut(Output):
         return sse(anthropic_error_body(err.status, err.message), "error")
 
     def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
-        return whole_message(self._id, self._model, replies[0], usages[0])
+        return whole_message(self._id, self._model, replies[0], usages[0], self._thinking)
 
 
 class TokenCountOut(Output):

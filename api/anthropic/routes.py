@@ -45,5 +45,5 @@ async def serve_messages(
 ) -> JSONResponse | StreamingResponse:
     model_id = await ctx.resolve_model(body.model)
     task = task_for(body, model_id, ctx.origin, body.sampling())
-    out = MessagesOut(f"msg_{task.task_id}", body.model)
+    out = MessagesOut(f"msg_{task.task_id}", body.model, body.thinks)
     return await serve(ctx, [task], body.stream, out)

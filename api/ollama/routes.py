@@ -29,6 +29,7 @@ from api.ollama.translate import (
 )
 from api.openai.embeddings_routes import embed
 from api.serving import ndjson, require_serving, serve
+from api.thinking import shown
 from bus.events import InstanceDeleteRequested, TaskCreated, new_id
 from services.models.catalogue import builtin_cards
 
@@ -63,7 +64,8 @@ async def serve_chat(ctx: ApiContext, body: ChatRequest) -> Response:
     if not body.messages:
         return await _loaded(ctx, model_id, name, chat=True, stream=body.stream)
     task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
-    return await serve(ctx, [task], body.stream, OllamaOut(name, True, bool(body.logprobs)))
+    out = OllamaOut(name, True, bool(body.logprobs), shown(task.thinking))
+    return await serve(ctx, [task], body.stream, out)
 
 
 async def serve_generate(ctx: ApiContext, body: GenerateRequest) -> Response:
@@ -72,7 +74,8 @@ async def serve_generate(ctx: ApiContext, body: GenerateRequest) -> Response:
     if not body.prompt:
         return await _loaded(ctx, model_id, name, chat=False, stream=body.stream)
     task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
-    return await serve(ctx, [task], body.stream, OllamaOut(name, False, bool(body.logprobs)))
+    out = OllamaOut(name, False, bool(body.logprobs), shown(task.thinking))
+    return await serve(ctx, [task], body.stream, out)
 
 
 @router.post("/api/embed", response_model=None)

@@ -38,9 +38,10 @@ from bus.records import (
 )
 
 # What GET /api/version answers. Clients gate features on Ollama's version: tools came with
-# 0.3, JSON-schema `format` with 0.5, `think` with 0.9. 0.6.0 is past what Shoal serves and
-# short of thinking, which it refuses, so a client that checks sends what works.
-VERSION = "0.6.0"
+# 0.3, JSON-schema `format` with 0.5, `think` with 0.9 (Open WebUI and the `ollama` client
+# check it). 0.9.0 is the newest whose features Shoal serves, so a client that checks sends
+# what works.
+VERSION = "0.9.0"
 
 # Ollama's own sampling defaults (its API reference), for a request that sets none: the same
 # request gives the same kind of answer as from Ollama. (Its repeat_penalty 1.1 over the last
@@ -165,8 +166,7 @@ class Message(RequestBody):
     tool_calls: list[ToolCallIn] | None = None
     tool_name: str | None = None
     tool_call_id: str | None = None  # as a call's id above
-    # A thinking model's reasoning, from another server's answer: not given to the model
-    # (Ollama's templates drop it from the history too).
+    # An earlier answer's thinking: the chat template keeps or drops it.
     thinking: str | None = None
 
     @model_validator(mode="after")
@@ -201,7 +201,14 @@ def chat_messages(messages: list[Message]) -> list[ChatMessage]:
                 for j, c in enumerate(m.tool_calls or [])
             ]
             unanswered = list(calls)
-            out.append(ChatMessage(role="assistant", content=content, tool_calls=calls))
+            out.append(
+                ChatMessage(
+                    role="assistant",
+                    content=content,
+                    tool_calls=calls,
+                    reasoning=m.thinking or None,
+                )
+            )
         elif m.role == "tool":
             by_id = [c for c in unanswered if c.id == m.tool_call_id]
             by_name = [c for c in unanswered if c.name == m.tool_name]
@@ -247,10 +254,10 @@ class _Generation(RequestBody):
 
     @model_validator(mode="after")
     def _generation(self) -> _Generation:
-        if self.think not in (None, False, ""):
+        if isinstance(self.think, str) and self.think:
             raise ValueError(
-                "think is not supported: Shoal does not separate a model's thinking"
-                " from its answer (send think: false)"
+                f"think {self.think!r}: thinking levels are for models that have them"
+                " (gpt-oss), which Shoal does not serve: send think true or false"
             )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
@@ -261,6 +268,12 @@ class _Generation(RequestBody):
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def thinking(self) -> bool | None:
+        """``think``: true or false; not sent, the model's default (its thinking shown apart,
+        as Ollama does)."""
+        return self.think if isinstance(self.think, bool) else None
 
 
 class ChatRequest(_Generation):
@@ -294,6 +307,7 @@ class ChatRequest(_Generation):
             "tool_choice": ToolChoice(mode="auto" if tools else "none"),
             "response_format": response_format(self.format),
             "logprobs": self.logprob_count(),
+            "thinking": self.thinking,
         }
 
 
@@ -338,7 +352,11 @@ class GenerateRequest(_Generation):
     def task_fields(self) -> dict[str, Any]:
         """A raw prompt is a completion; otherwise the prompt (and system) are a chat, which
         is what Ollama does: it puts them through the model's template."""
-        fields: dict[str, Any] = {"params": self.sampling(), "logprobs": self.logprob_count()}
+        fields: dict[str, Any] = {
+            "params": self.sampling(),
+            "logprobs": self.logprob_count(),
+            "thinking": self.thinking,
+        }
         if self.raw:
             return fields | {"kind": "completion", "prompt": self.prompt or ""}
         system = [ChatMessage(role="system", content=self.system)] if self.system else []
@@ -491,23 +509,27 @@ def tool_calls(reply: Reply) -> list[dict[str, Any]]:
 
 class OllamaOut(Output):
     """One task's answer as Ollama writes it: NDJSON lines (``done: false`` as tokens come,
-    the calls once whole, then a ``done: true`` line with the counts), or one object."""
+    the calls once whole, then a ``done: true`` line with the counts), or one object. A
+    thinking model's thinking (``thinking``: unless the request turned it off) is
+    ``message.thinking`` (``/api/chat``) or ``thinking`` (``/api/generate``), as Ollama's."""
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, model: str, chat: bool, logprobs: bool) -> None:
+    def __init__(self, model: str, chat: bool, logprobs: bool, thinking: bool = True) -> None:
         self.model = model
         self.chat = chat
         self.logprobs = logprobs
+        self.thinking = thinking
         self._stream: TaskStream | None = None
 
     def _head(self) -> dict[str, Any]:
         return {"model": self.model, "created_at": created_at()}
 
-    def _text(self, text: str) -> dict[str, Any]:
+    def _text(self, text: str, thought: str = "") -> dict[str, Any]:
+        thinking = {"thinking": thought} if thought and self.thinking else {}
         if self.chat:
-            return {"message": {"role": "assistant", "content": text}}
-        return {"response": text}
+            return {"message": {"role": "assistant", "content": text} | thinking}
+        return {"response": text} | thinking
 
     def opening(self, ts: TaskStream, index: int) -> str:
         self._stream = ts  # its outcome's timings, for the last line
@@ -516,9 +538,10 @@ class OllamaOut(Output):
     def events(self, index: int, group: list[ChunkGenerated]) -> str:
         lines = []
         for c in group:
-            if not c.text and not (self.logprobs and c.logprob):
+            thought = c.reasoning if self.thinking else ""
+            if not c.text and not thought and not (self.logprobs and c.logprob):
                 continue  # a call's pieces come whole, at the end
-            line = self._head() | self._text(c.text)
+            line = self._head() | self._text(c.text, thought)
             if self.logprobs:
                 line["logprobs"] = [logprob_entry(c.logprob)] if c.logprob else []
             lines.append(ndjson(line | {"done": False}))
@@ -538,7 +561,7 @@ class OllamaOut(Output):
 
     def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
         reply = replies[0]
-        body = self._head() | self._text(reply.text)
+        body = self._head() | self._text(reply.text, reply.reasoning)
         if self.chat and (calls := tool_calls(reply)):
             body["message"]["tool_calls"] = calls
         if self.logprobs:

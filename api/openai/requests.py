@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from api.body import Count, JsonSchema, RequestBody, ToolParameters
+from api.thinking import TemplateKwargs, effort_thinks
 from bus.records import (
     INT32_MAX,
     ChatMessage,
@@ -67,6 +68,9 @@ class Message(RequestBody):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # An earlier answer's thinking, sent back (DeepSeek's and vLLM's name, and OpenRouter's).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _readable(self) -> Message:
@@ -104,6 +108,9 @@ class Message(RequestBody):
             name=self.name,
             tool_calls=calls,
             tool_call_id=self.tool_call_id,
+            reasoning=(self.reasoning_content or self.reasoning or None)
+            if self.role == "assistant"
+            else None,
         )
 
 
@@ -243,6 +250,10 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormatIn | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # A thinking model: "none" turns its thinking off; any other effort lets it think (the
+    # effort sets no budget). chat_template_kwargs: as llama.cpp's server and vLLM take them.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     # Answer-changing fields Shoal cannot honour (see _unsupported).
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -308,6 +319,8 @@ class ChatCompletionRequest(_Sampling):
             else self.parallel_tool_calls,
             "response_format": self.response_format.event() if self.response_format else None,
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            "thinking": effort_thinks(self.reasoning_effort),
+            "chat_template_kwargs": self.chat_template_kwargs or {},
         }
 
 

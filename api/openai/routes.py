@@ -25,6 +25,7 @@ from api.openai.shapes import (
 from api.reply import Reply
 from api.serving import Output, serve, sse
 from api.task_stream import TaskStream
+from api.thinking import shown
 from bus.events import ChunkGenerated, TaskCreated, new_id
 from bus.records import Usage
 
@@ -97,7 +98,7 @@ async def serve_chat(
         **body.task_fields(),
     )
     shape = Shape(f"chatcmpl-{task.task_id}", body.model or model_id, chat=True)
-    out = _ChatOut(shape, bool(body.logprobs), body.include_usage)
+    out = _ChatOut(shape, bool(body.logprobs), body.include_usage, shown(task.thinking))
     return await serve(ctx, _choices(task, body.n), body.stream, out)
 
 
@@ -155,9 +156,10 @@ class _OpenAiOut(Output):
 
 
 class _ChatOut(_OpenAiOut):
-    def __init__(self, shape: Shape, logprobs: bool, include_usage: bool) -> None:
+    def __init__(self, shape: Shape, logprobs: bool, include_usage: bool, reasoning: bool) -> None:
         super().__init__(shape, include_usage)
         self._logprobs = logprobs
+        self._reasoning = reasoning
 
     def opening(self, ts: TaskStream, index: int) -> str:
         role = {
@@ -170,11 +172,14 @@ class _ChatOut(_OpenAiOut):
 
     def events(self, index: int, group: list[ChunkGenerated]) -> str:
         # One event per chunk, each as the client would get it alone.
-        made = (chat_chunk(self.shape, index, [c], False, self._logprobs) for c in group)
+        made = (
+            chat_chunk(self.shape, index, [c], False, self._logprobs, self._reasoning)
+            for c in group
+        )
         return "".join(sse(m) for m in made if m is not None)
 
     def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
-        return chat_completion(self.shape, replies, usages, self._logprobs)
+        return chat_completion(self.shape, replies, usages, self._logprobs, self._reasoning)
 
 
 class _CompletionOut(_OpenAiOut):

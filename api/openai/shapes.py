@@ -1,5 +1,7 @@
 """OpenAI's response objects, made from a task's chunks: chat completions and text completions,
-whole or as stream chunks, with tool calls and log-probabilities. Pure: chunks in, dicts out.
+whole or as stream chunks, with tool calls, log-probabilities and a thinking model's thinking
+(``reasoning_content``, as DeepSeek, vLLM and llama.cpp's server name it). Pure: chunks in,
+dicts out.
 
 A request with ``n`` choices is ``n`` tasks; each choice is made from its own task's chunks.
 """
@@ -96,11 +98,20 @@ def tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
 
 
 def chat_chunk(
-    shape: Shape, index: int, chunks: list[ChunkGenerated], role: bool, logprobs: bool
+    shape: Shape,
+    index: int,
+    chunks: list[ChunkGenerated],
+    role: bool,
+    logprobs: bool,
+    reasoning: bool = True,
 ) -> dict[str, Any] | None:
     """One stream chunk for chunks of choice ``index`` that arrived together (None when they
-    hold nothing to send). The first chunk of a choice has the assistant's role."""
+    hold nothing to send). The first chunk of a choice has the assistant's role. ``reasoning``:
+    whether the thinking is shown."""
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+    thought = "".join(c.reasoning for c in chunks) if reasoning else ""
+    if thought:
+        delta["reasoning_content"] = thought
     text = "".join(c.text for c in chunks)
     if text:
         delta["content"] = text
@@ -121,11 +132,13 @@ def chat_chunk(
 
 
 def chat_completion(
-    shape: Shape, replies: list[Reply], usages: list[Usage], logprobs: bool
+    shape: Shape, replies: list[Reply], usages: list[Usage], logprobs: bool, reasoning: bool = True
 ) -> dict[str, Any]:
     choices = []
     for i, r in enumerate(replies):
         message: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
+        if reasoning and r.reasoning:
+            message["reasoning_content"] = r.reasoning
         if r.calls:
             message["content"] = r.text or None
             message["tool_calls"] = [

@@ -3,9 +3,12 @@
 Pure: data in, data out (api/responses/routes.py reads and stores).
 
 Every field that changes the answer is honoured or refused with a 400 that names it: built-in
-tools (web search, file search, computer use...), reasoning, ``include`` of what Shoal cannot
-produce, images and files, item references, prompt templates, conversations. Fields that do
-not change it (``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``...) are accepted.
+tools (web search, file search, computer use...), reasoning summaries, ``include`` of what
+Shoal cannot produce, images and files, item references, prompt templates, conversations.
+Fields that do not change it (``metadata``, ``user``, ``service_tier``,
+``prompt_cache_key``...) are accepted. ``reasoning.effort`` "none" turns a thinking model's
+thinking off, any other effort on (no budget); a ``reasoning`` input item is the next
+assistant turn's thinking, which the chat template keeps or drops.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from api.body import Count, JsonSchema, RequestBody, ToolParameters
 from api.errors import ApiError
 from api.openai.requests import MAX_TOOLS, FunctionName
+from api.thinking import effort_thinks
 from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolCall, ToolChoice
 
 # A response's id is its task's with this prefix: either names the other.
@@ -30,7 +34,6 @@ _TEXT_PARTS = {"input_text", "output_text", "text"}
 _ITEM_REFUSALS = {
     "item_reference": "item references are not supported: send the items themselves, or"
     " previous_response_id",
-    "reasoning": "reasoning items are not supported: Shoal's models produce none",
 }
 _TOOL_CHOICES = ("auto", "none", "required")
 
@@ -75,6 +78,8 @@ class InputItem(RequestBody):
     name: str | None = None
     arguments: str = ""
     output: str | list[ContentPart] | None = None
+    summary: list[ContentPart] | None = None  # a reasoning item's
+    encrypted_content: str | None = None  # a reasoning item's: another server's, unreadable
 
     @model_validator(mode="after")
     def _known(self) -> InputItem:
@@ -91,14 +96,21 @@ class InputItem(RequestBody):
             if not self.call_id or self.output is None:
                 raise ValueError("a function_call_output item needs its call_id and output")
             _parts(self.output, "output")
+        elif self.type == "reasoning":
+            for i, part in enumerate(self.content if isinstance(self.content, list) else []):
+                if part.type != "reasoning_text":
+                    raise ValueError(f"content[{i}]: a reasoning item holds reasoning_text parts")
         else:
             raise ValueError(
                 f"input items of type {self.type!r} are not supported: send"
-                " messages, function_call and function_call_output items"
+                " messages, reasoning, function_call and function_call_output items"
             )
         return self
 
     def text(self) -> str:
+        if self.type == "reasoning":
+            parts = self.content if isinstance(self.content, list) else []
+            return "".join(p.text or "" for p in parts)
         body = self.content if self.type == "message" else self.output
         return _parts(body, "content") if body is not None else ""
 
@@ -193,6 +205,24 @@ class TextConfig(RequestBody):
         return verbosity
 
 
+class ReasoningConfig(RequestBody):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # A summary of the thinking: Shoal writes none ("auto" may choose so); the thinking itself
+    # is the reasoning item's content.
+    summary: str | None = None
+    generate_summary: str | None = None  # the older name
+
+    @model_validator(mode="after")
+    def _no_summary(self) -> ReasoningConfig:
+        for asked in (self.summary, self.generate_summary):
+            if asked not in (None, "auto"):
+                raise ValueError(
+                    f"reasoning summary {asked!r} is not supported: Shoal does not summarise"
+                    " a model's thinking (its reasoning items hold the thinking itself)"
+                )
+        return self
+
+
 class ResponsesRequest(RequestBody):
     model: Annotated[str, Field(min_length=1)] | None = None
     input: Annotated[list[InputItem], Field(max_length=10_000)] = Field(default_factory=list)
@@ -213,8 +243,8 @@ class ResponsesRequest(RequestBody):
     ) = None
     user: Annotated[str, Field(max_length=255)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    reasoning: ReasoningConfig | None = None
     # Answer-changing fields Shoal cannot honour (see _consistent).
-    reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
@@ -252,10 +282,6 @@ class ResponsesRequest(RequestBody):
 
     @model_validator(mode="after")
     def _consistent(self) -> ResponsesRequest:
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise ValueError(
-                "reasoning is not supported: Shoal's models do not reason apart from their answer"
-            )
         if self.include:
             raise ValueError(
                 f"include {self.include[0]!r} is not supported: Shoal produces"
@@ -325,7 +351,12 @@ class ResponsesRequest(RequestBody):
             "tool_choice": tool_choice,
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "response_format": fmt.event() if fmt is not None else None,
+            "thinking": self.thinking,
         }
+
+    @property
+    def thinking(self) -> bool | None:
+        return effort_thinks(self.reasoning.effort if self.reasoning else None)
 
     def echoed(self) -> dict[str, Any]:
         """The request's settings as every response object repeats them."""
@@ -343,7 +374,10 @@ class ResponsesRequest(RequestBody):
                 "verbosity": "medium",
             },
             "truncation": self.truncation or "disabled",
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {
+                "effort": self.reasoning.effort if self.reasoning else None,
+                "summary": self.reasoning.summary if self.reasoning else None,
+            },
             "metadata": self.metadata or {},
             "store": self.keep,
             "background": bool(self.background),
@@ -364,20 +398,30 @@ _ROLES: dict[str, Literal["system", "user", "assistant"]] = {
 
 def chat_messages(items: Iterable[InputItem]) -> list[ChatMessage]:
     """Input items as the messages of a chat: a function call joins the assistant message it
-    follows (calls the model made together are one message), its output is a tool message."""
+    follows (calls the model made together are one message), its output is a tool message; a
+    reasoning item is the thinking of the assistant turn that follows it."""
     out: list[ChatMessage] = []
+    thought = ""  # a reasoning item's, for the next assistant turn
     for item in items:
-        if item.type == "function_call":
+        if item.type == "reasoning":
+            thought += item.text()
+        elif item.type == "function_call":
             call = ToolCall(id=item.call_id or "", name=item.name or "", arguments=item.arguments)
             last = out[-1] if out else None
-            if last is not None and last.role == "assistant":
+            if last is not None and last.role == "assistant" and not thought:
                 out[-1] = last.model_copy(update={"tool_calls": [*last.tool_calls, call]})
             else:
-                out.append(ChatMessage(role="assistant", tool_calls=[call]))
+                out.append(
+                    ChatMessage(role="assistant", tool_calls=[call], reasoning=thought or None)
+                )
+                thought = ""
         elif item.type == "function_call_output":
             out.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
         else:
-            out.append(ChatMessage(role=_ROLES[item.role or "user"], content=item.text()))
+            role = _ROLES[item.role or "user"]
+            reasoning = (thought or None) if role == "assistant" else None
+            out.append(ChatMessage(role=role, content=item.text(), reasoning=reasoning))
+            thought = ""  # a thinking no assistant turn followed is dropped
     return out
 
 
@@ -415,7 +459,10 @@ def input_items(items: list[InputItem], task_id: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         item_id = item.id or f"item_{task_id}_{i}"
-        if item.type == "function_call":
+        if item.type == "reasoning":
+            content = [{"type": "reasoning_text", "text": item.text()}]
+            out.append({"type": "reasoning", "id": item_id, "summary": [], "content": content})
+        elif item.type == "function_call":
             out.append(
                 {
                     "type": "function_call",

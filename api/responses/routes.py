@@ -34,6 +34,7 @@ from api.responses.requests import (
 )
 from api.responses.shapes import Head, Json, Keep, ResponsesOut, failed_response
 from api.serving import log_unavailable, require_serving, serve, staged
+from api.thinking import shown
 from bus.events import ResponseStored, TaskCancelled, TaskCreated, new_id, utc_now
 from bus.records import ChatMessage
 from bus.states import TASK_ENDED
@@ -161,7 +162,7 @@ async def serve_responses(
         body.echoed(),
     )
     keep = _keeper(ctx, head, task, input_items(body.input, task.task_id), conversation)
-    out = ResponsesOut(head, body.stream, keep if body.keep else None)
+    out = ResponsesOut(head, body.stream, keep if body.keep else None, shown(task.thinking))
     if body.background:
         return await _in_background(ctx, task, out, keep)
     return await serve(ctx, [task], body.stream, out)

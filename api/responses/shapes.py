@@ -1,5 +1,6 @@
 """The Responses API's response objects and stream events, made from a task's chunks: output
-items (an assistant ``message`` with ``output_text``, ``function_call``s), usage, status, and
+items (a thinking model's ``reasoning``, with its thinking as ``reasoning_text`` content and no
+summary; an assistant ``message`` with ``output_text``; ``function_call``s), usage, status, and
 the semantic events of a stream (``response.created`` ... ``response.completed``), each with its
 ``sequence_number``. Pure, but for the clock of ``completed_at``; ``ResponsesOut`` is told how
 to keep a finished response (api/responses/routes.py stores it on the log).
@@ -73,6 +74,24 @@ def message_id(task_id: str, n: int = 0) -> str:
     return f"msg_{task_id}" + (f"_{n}" if n else "")
 
 
+def reasoning_id(task_id: str) -> str:
+    return f"rs_{task_id}"
+
+
+def reasoning_part(text: str) -> Json:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> Json:
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [reasoning_part(text)],
+        "status": status,
+    }
+
+
 def call_item_id(task_id: str, index: int) -> str:
     return f"fc_{task_id}_{index}"
 
@@ -128,10 +147,13 @@ def status_of(reply: Reply) -> tuple[ResponseStatus, Json | None, Json | None]:
     return "completed", None, None
 
 
-def output_items(task_id: str, reply: Reply) -> list[Json]:
-    """A whole reply's output: its text as a message (even an empty one, when it called
-    nothing), then its calls; the last item is ``incomplete`` when max_output_tokens cut it."""
+def output_items(task_id: str, reply: Reply, reasoning: bool = True) -> list[Json]:
+    """A whole reply's output: its thinking (``reasoning``: when shown, and there was some),
+    its text as a message (even an empty one, when it called nothing), then its calls; the
+    last item is ``incomplete`` when max_output_tokens cut it."""
     items = []
+    if reasoning and reply.reasoning:
+        items.append(reasoning_item(reasoning_id(task_id), reply.reasoning, "completed"))
     if reply.text or not reply.calls:
         items.append(message_item(message_id(task_id), reply.text, "completed"))
     for index, call in sorted(reply.calls.items()):
@@ -158,20 +180,24 @@ def assistant_message(output: list[Json]) -> ChatMessage:
     text = "".join(
         p.get("text", "") for item in output if item["type"] == "message" for p in item["content"]
     )
+    thought = "".join(
+        p.get("text", "") for item in output if item["type"] == "reasoning" for p in item["content"]
+    )
     calls = [
         ToolCall(id=i["call_id"], name=i["name"], arguments=i["arguments"])
         for i in output
         if i["type"] == "function_call"
     ]
-    return ChatMessage(role="assistant", content=text, tool_calls=calls)
+    return ChatMessage(role="assistant", content=text, tool_calls=calls, reasoning=thought or None)
 
 
 class ResponseStream:
     """A streamed response's output items as its chunks arrive, and the events saying so: an
     item is added, written (text or arguments deltas) and done before the next one starts."""
 
-    def __init__(self, head: Head) -> None:
+    def __init__(self, head: Head, reasoning: bool = True) -> None:
         self.head = head
+        self._reasoning = reasoning  # whether the thinking is shown
         self.items: list[Json] = []
         self.started = False
         self._seq = 0
@@ -195,8 +221,43 @@ class ResponseStream:
         )
 
     def feed(self, chunk: ChunkGenerated) -> str:
-        out = self._text(chunk.text) if chunk.text else ""
+        out = self._think(chunk.reasoning) if chunk.reasoning and self._reasoning else ""
+        out += self._text(chunk.text) if chunk.text else ""
         return out + "".join(self._call(d) for d in chunk.tool_calls)
+
+    def _think(self, text: str) -> str:
+        out = ""
+        i = self._current
+        if i is None or self.items[i]["type"] != "reasoning":
+            out = self._close("completed")
+            item: Json = {
+                "type": "reasoning",
+                "id": reasoning_id(self.head.task_id),
+                "summary": [],
+                "content": [],
+                "status": "in_progress",
+            }
+            i = self._current = len(self.items)
+            self.items.append(item)
+            out += self._event("response.output_item.added", output_index=i, item=item)
+            part = reasoning_part("")
+            item["content"].append(part)
+            out += self._event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=i,
+                content_index=0,
+                part=part,
+            )
+        item = self.items[i]
+        item["content"][0]["text"] += text
+        return out + self._event(
+            "response.reasoning_text.delta",
+            item_id=item["id"],
+            output_index=i,
+            content_index=0,
+            delta=text,
+        )
 
     def _open_message(self) -> str:
         out = self._close("completed")
@@ -280,6 +341,22 @@ class ResponseStream:
                 arguments=item["arguments"],
                 name=item["name"],
             )
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out = self._event(
+                "response.reasoning_text.done",
+                item_id=item["id"],
+                output_index=i,
+                content_index=0,
+                text=part["text"],
+            )
+            out += self._event(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=i,
+                content_index=0,
+                part=part,
+            )
         else:
             part = item["content"][0]
             out = self._event(
@@ -302,7 +379,8 @@ class ResponseStream:
     def finish(self, reply: Reply) -> str:
         """The events that end the output (``items`` is then the response's output)."""
         out = self.start()
-        if not self.items:  # nothing was said: an empty message, as a whole response has
+        if all(item["type"] == "reasoning" for item in self.items):
+            # nothing was said: an empty message, as a whole response has
             out += self._open_message()
         return out + self._close("incomplete" if reply.finish_reason == "length" else "completed")
 
@@ -323,11 +401,14 @@ class ResponsesOut(Output):
 
     too_large_param = "input"
 
-    def __init__(self, head: Head, streaming: bool, keep: Keep | None) -> None:
+    def __init__(
+        self, head: Head, streaming: bool, keep: Keep | None, reasoning: bool = True
+    ) -> None:
         self.head = head
         self._streaming = streaming
         self._keep = keep
-        self._stream = ResponseStream(head)
+        self._reasoning = reasoning
+        self._stream = ResponseStream(head, reasoning)
         self._tail = ""
         self.final: Json | None = None
 
@@ -343,7 +424,7 @@ class ResponsesOut(Output):
             self._tail = self._stream.finish(reply)
             output = self._stream.items
         else:
-            output = output_items(self.head.task_id, reply)
+            output = output_items(self.head.task_id, reply, self._reasoning)
         self.final = final_response(self.head, output, reply, usages[0])
         if self._keep is not None and not await self._keep(self.final, assistant_message(output)):
             self.final["store"] = False

@@ -44,11 +44,12 @@ class TokenSource(Protocol):
 
 @dataclass(frozen=True)
 class Parsed:
-    """What a reply parser made of some generated text: text for the reply's content, and
-    pieces of tool calls."""
+    """What a reply parser made of some generated text: text for the reply's content, pieces
+    of tool calls, and a thinking model's thinking."""
 
     text: str = ""
     calls: tuple[ToolCallDelta, ...] = ()
+    reasoning: str = ""
 
 
 class ReplyParser(Protocol):
@@ -99,6 +100,7 @@ class Step:
     tool_calls: tuple[ToolCallDelta, ...] = ()
     # On the final marker of a reply that a stop string ended: that string.
     stop_sequence: str | None = None
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,14 @@ class Stepper:
         out = self._matcher.feed(raw)
         parsed = reply.feed(out.text)
         logprob = _logprob(source, item, raw, piece) if item.logprob is not None else None
-        step = Step(self._idx, parsed.text, token, logprob=logprob, tool_calls=parsed.calls)
+        step = Step(
+            self._idx,
+            parsed.text,
+            token,
+            logprob=logprob,
+            tool_calls=parsed.calls,
+            reasoning=parsed.reasoning,
+        )
         self._idx += 1
         if out.stopped:  # what came after the stop string is dropped with it
             self._finish, self._stopped_by = "stop", out.stop
@@ -259,6 +268,7 @@ class Stepper:
             finish,
             tool_calls=parsed.calls + rest.calls,
             stop_sequence=stopped_by,
+            reasoning=parsed.reasoning + rest.reasoning,
         )
 
 

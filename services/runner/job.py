@@ -13,10 +13,14 @@ from services.runner.decoding import Decoding
 from services.runner.engines.base import Engine
 from services.runner.generation import InvalidRequest, PlainReply, ReplyParser, ScoredPrompt
 from services.runner.structured import plan_reply
+from services.runner.structured.reasoning import template_kwargs, thinking_reply, thinking_start
+from services.runner.structured.reasoning_grammar import think_first
 
 # Prompt tokens per PromptScored event: with 20 alternatives each, 64 entries stay far below a
 # NATS message's 1 MiB.
 PROMPT_SLICE = 64
+# The prompt's last tokens, read for whether the template opened (or closed) the thinking.
+_PROMPT_END = 16
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,13 @@ def prepare(engine: Engine, task: TaskCreated) -> Job:
             raise InvalidRequest("a completion task needs a prompt")
         prompt = engine.text_tokens(task.prompt)
     else:
-        plan = plan_reply(task, engine.chat_template)
-        prompt = engine.chat_tokens(plan.messages, plan.tools)
-        grammar, reply = plan.grammar, plan.parser()
+        template = engine.chat_template
+        plan = plan_reply(task, template)
+        kwargs = template_kwargs(template, task.thinking, task.chat_template_kwargs)
+        prompt = engine.chat_tokens(plan.messages, plan.tools, kwargs)
+        end = b"".join(engine.spelled(t) for t in prompt[-_PROMPT_END:])
+        start = thinking_start(template, end.decode(errors="replace"))
+        grammar, reply = think_first(plan.grammar, start), thinking_reply(plan.parser(), start)
     if not prompt:
         raise InvalidRequest("the prompt is empty")
     decoding = Decoding(task.params, grammar, task.logprobs, task.echo)

@@ -444,6 +444,7 @@ class TaskServer(TaskPuller):
             task_id=task.task_id,
             idx=step.idx,
             text=step.text,
+            reasoning=step.reasoning,
             token_id=step.token_id,
             finish_reason=step.finish_reason,
             logprob=step.logprob,

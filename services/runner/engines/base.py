@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from services.runner.decoding import Decoding, Sink
@@ -31,13 +32,17 @@ class Engine(TokenSource, Protocol):
         ...
 
     def chat_tokens(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """A chat (OpenAI-shaped message dicts; an assistant's ``tool_calls`` with arguments
         as objects, as Hugging Face templates expect) through the model's chat template, with
         the generation prompt, tokenized. ``tools`` (OpenAI's ``{"type": "function",
-        "function": ...}`` entries) are passed to the template. Raises ``InvalidRequest`` for a
-        chat it cannot render."""
+        "function": ...}`` entries) are passed to the template, and so are
+        ``template_kwargs`` (``enable_thinking``...). Raises ``InvalidRequest`` for a chat it
+        cannot render."""
         ...
 
     def text_tokens(self, prompt: str) -> list[int]:

@@ -40,7 +40,8 @@ def template_messages(messages: Sequence[ChatMessage], fmt: ToolFormatName) -> l
             groups = [[c] for c in calls] if fmt == "llama3" else [calls]
             for i, group in enumerate(groups):
                 content = m.content if i == 0 and m.content else None
-                out.append({"role": "assistant", "content": content, "tool_calls": group})
+                message = {"role": "assistant", "content": content, "tool_calls": group}
+                out.append(_with_reasoning(message, m) if i == 0 else message)
         elif m.role == "tool":
             call = m.tool_call_id or ""
             message = {"role": "tool", "tool_call_id": history_id(fmt, call), "content": m.content}
@@ -51,7 +52,7 @@ def template_messages(messages: Sequence[ChatMessage], fmt: ToolFormatName) -> l
             message = {"role": m.role, "content": m.content}
             if m.name:
                 message["name"] = m.name
-            out.append(message)
+            out.append(_with_reasoning(message, m))
     return out
 
 
@@ -89,9 +90,9 @@ def generic_messages(
                 }
             )
             content = f"{m.content}\n{written}" if m.content else written
-            out.append({"role": "assistant", "content": content})
+            out.append(_with_reasoning({"role": "assistant", "content": content}, m))
         else:
-            out.append({"role": m.role, "content": m.content})
+            out.append(_with_reasoning({"role": m.role, "content": m.content}, m))
     flush()
     if instructions and not system:
         first = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
@@ -160,6 +161,15 @@ def generic_instructions(
         ' "name": "<tool name>", "content": "<result>"}}.'
     )
     return "\n".join(lines)
+
+
+def _with_reasoning(message: dict[str, Any], m: ChatMessage) -> dict[str, Any]:
+    """An assistant's earlier thinking, sent back by the client, as ``reasoning_content`` (the
+    name Qwen3's and other templates read): the template keeps or drops it (R1's and Qwen3's
+    drop it from turns before the last question)."""
+    if m.role == "assistant" and m.reasoning:
+        return message | {"reasoning_content": m.reasoning}
+    return message
 
 
 def _call_names(messages: Sequence[ChatMessage]) -> dict[str, str]:

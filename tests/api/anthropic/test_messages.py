@@ -83,7 +83,7 @@ def test_a_tool_round_trip_becomes_calls_and_tool_messages() -> None:
             {
                 "role": "assistant",
                 "content": [
-                    {"type": "thinking", "thinking": "...", "signature": "s"},
+                    {"type": "thinking", "thinking": "Two calls.", "signature": "s"},
                     {"type": "text", "text": "Let me look."},
                     {
                         "type": "tool_use",
@@ -118,6 +118,7 @@ def test_a_tool_round_trip_becomes_calls_and_tool_messages() -> None:
         ChatMessage(
             role="assistant",
             content="Let me look.",
+            reasoning="Two calls.",
             tool_calls=[
                 ToolCall(id="call_1", name="get_weather", arguments=json.dumps({"city": "Paris"})),
                 ToolCall(id="call_2", name="get_weather", arguments=json.dumps({"city": "Nice"})),
@@ -248,7 +249,8 @@ def test_an_output_format_constrains_the_reply() -> None:
             "'tool_use' is not supported here",
         ),
         ({"messages": [*ASK, {"role": "assistant", "content": "The weather is"}]}, "prefill"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+        ({"thinking": {"type": "between_tools"}}, "thinking of type 'between_tools'"),
+        ({"thinking": {"type": "adaptive", "display": "omitted"}}, "display 'omitted'"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
         (
             {

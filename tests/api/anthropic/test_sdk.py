@@ -231,7 +231,7 @@ def test_errors_are_the_sdks_own(client: anthropic.Anthropic, up_cluster: UpClus
             model=up_cluster.model,
             max_tokens=2048,
             messages=HELLO,
-            thinking={"type": "enabled", "budget_tokens": 1024},
+            thinking={"type": "between_tools"},
         )
     assert "thinking" in str(thinking.value)
 

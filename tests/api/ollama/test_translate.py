@@ -162,9 +162,10 @@ def test_options_that_would_change_the_answer_unheard_are_refused() -> None:
 
 def test_what_shoal_cannot_do_is_a_named_refusal() -> None:
     assert "images" in refused(chat, messages=[{"role": "user", "content": "?", "images": ["x"]}])
-    assert "think" in refused(chat, think=True)
-    assert "think" in refused(chat, think="high")
-    chat(think=False)
+    assert "thinking levels" in refused(chat, think="high")
+    assert chat(think=True).task_fields()["thinking"] is True
+    assert chat(think=False).task_fields()["thinking"] is False
+    assert chat().task_fields()["thinking"] is None
     assert "top_logprobs needs logprobs" in refused(chat, top_logprobs=3)
     assert "minimum" in refused(
         chat, format={"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}}
@@ -230,7 +231,7 @@ def test_a_history_of_calls_gets_ids_and_each_result_answers_its_call() -> None:
         ),
         ChatMessage(role="tool", content="12:00", name="get_time", tool_call_id="call_2_1"),
         ChatMessage(role="tool", content="sunny", name="get_weather", tool_call_id="call_2_0"),
-        ChatMessage(role="assistant", content="Sunny, noon."),
+        ChatMessage(role="assistant", content="Sunny, noon.", reasoning="easy"),
     ]
 
 

@@ -376,8 +376,10 @@ def test_errors_are_the_sdks_own(client: openai.OpenAI, up_cluster: UpCluster) -
     image: Any = [{"role": "user", "content": [picture]}]
     with pytest.raises(openai.BadRequestError, match="an image"):
         client.responses.create(model=up_cluster.model, input=image)
-    with pytest.raises(openai.BadRequestError, match="reasoning"):
-        client.responses.create(model=up_cluster.model, input=HELLO, reasoning={"effort": "high"})
+    with pytest.raises(openai.BadRequestError, match="reasoning summary"):
+        client.responses.create(
+            model=up_cluster.model, input=HELLO, reasoning={"summary": "detailed"}
+        )
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_nothing")
     with pytest.raises(openai.NotFoundError):

@@ -10,7 +10,7 @@ grammars.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,13 +168,20 @@ class LlamaCppEngine:
 
     # --- prompts ------------------------------------------------------------------------------
 
-    def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    def chat_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """The chat as the model reads it, before tokenizing."""
         m = self.loaded
         if m.formatter is None:
             raise InvalidRequest("this model has no chat template: send a plain prompt")
         # Named formats know nothing of tools.
-        extra = {"tools": tools} if m.template is not None and tools else {}
+        extra: dict[str, Any] = {"tools": tools} if m.template is not None and tools else {}
+        if m.template is not None and template_kwargs:
+            extra = dict(template_kwargs) | extra
         if self._chat_format == "gemma":
             messages = _system_in_first_user(messages)
         try:
@@ -184,9 +191,12 @@ class LlamaCppEngine:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
 
     def chat_tokens(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return self._tokens(self.chat_text(messages, tools))
+        return self._tokens(self.chat_text(messages, tools, template_kwargs))
 
     def text_tokens(self, prompt: str) -> list[int]:
         return self._tokens(prompt)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +94,21 @@ class MlxText:
         return template if isinstance(template, str) else None
 
     def chat_tokens(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         tok = self._tokenizer
         if not tok.has_chat_template:
             raise InvalidRequest("this model has no chat template: send a plain prompt")
         try:
             text = tok.apply_chat_template(  # type: ignore[no-untyped-call]
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+                messages,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **(template_kwargs or {}),
             )
         except TemplateError as exc:  # e.g. a role the template rejects
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
@@ -260,9 +267,12 @@ class MlxTextEngine:
         return self.text.chat_template
 
     def chat_tokens(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return self.text.chat_tokens(messages, tools)
+        return self.text.chat_tokens(messages, tools, template_kwargs)
 
     def text_tokens(self, prompt: str) -> list[int]:
         return self.text.text_tokens(prompt)
