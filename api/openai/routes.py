@@ -156,7 +156,9 @@ class _OpenAiOut(Output):
 
 
 class _ChatOut(_OpenAiOut):
-    def __init__(self, shape: Shape, logprobs: bool, include_usage: bool, reasoning: bool) -> None:
+    def __init__(
+        self, shape: Shape, logprobs: bool, include_usage: bool, reasoning: bool = True
+    ) -> None:
         super().__init__(shape, include_usage)
         self._logprobs = logprobs
         self._reasoning = reasoning
