@@ -3,6 +3,8 @@ and what is answer, fed whole, a character at a time and cut anywhere."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,13 +19,15 @@ from services.runner.structured.reasoning import (
     thinking_start,
 )
 
-R1 = "{{ '<｜Assistant｜><think>\\n' }}{% if '</think>' in content %}{% endif %}"
+# DeepSeek's own markers use the fullwidth bar (U+FF5C).
+R1_ASSISTANT = "<\uff5cAssistant\uff5c>"
+R1 = "{{ '" + R1_ASSISTANT + "<think>\\n' }}{% if '</think>' in content %}{% endif %}"
 QWEN3 = "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>"
 CHATML = "<|im_start|>assistant\n"
 
 
 def test_where_the_thinking_starts() -> None:
-    assert thinking_start(R1, "<｜Assistant｜><think>\n") == "inside"
+    assert thinking_start(R1, R1_ASSISTANT + "<think>\n") == "inside"
     assert thinking_start(QWEN3, "<|im_start|>assistant\n") == "may_open"
     assert thinking_start(QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n") == "none"
     assert thinking_start(CHATML, "<|im_start|>assistant\n<think>\n") == "none"  # no thinking
@@ -112,7 +116,7 @@ def _split(draw: st.DrawFn) -> tuple[str, list[str]]:
     text = draw(_TEXTS)
     cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=8)))
     bounds = [0, *cuts, len(text)]
-    return text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return text, [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 @settings(max_examples=300, deadline=None)
