@@ -8,6 +8,11 @@ outcome up in the log, and takes its stored chunks from there. The stream ends w
 chunk (the one with a finish reason) together with ``TaskCompleted``, or with ``TaskFailed``.
 Leaving early (a client that went away) publishes ``TaskCancelled``, and the runner stops
 within a token.
+
+A task continued after its runner was thought lost has several attempts (``bus/attempts.py``):
+the stream follows the task's ``TaskCreated`` subject too, and takes only the chunks and the
+outcome that count for the newest attempt it knows of, so that a runner that was only stalled,
+and wakes up, cannot mix its sampling into the answer.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
+from bus.attempts import Attempt, attempt_of, better, counts, newest, outcome_counts, seen_in
 from bus.events import (
     ChunkGenerated,
     EmbeddingsRequested,
@@ -59,6 +65,8 @@ Recheck = Callable[[], Awaitable[str | None]]
 Published = Callable[[EventBase], None]
 # Told once when the API stops following the task, however that is (admission's slot frees).
 Closed = Callable[[], None]
+# What the stream follows of its task: chunks, the outcome, continuations.
+Followed = ChunkGenerated | TaskCompleted | TaskFailed | TaskCreated
 
 
 @dataclass(frozen=True)
@@ -135,7 +143,7 @@ class TaskStream:
         self.task = task
         self._origin = origin
         self._timeout_s = timeout_s
-        self._queue: asyncio.Queue[ChunkGenerated | TaskCompleted | TaskFailed] = asyncio.Queue()
+        self._queue: asyncio.Queue[Followed] = asyncio.Queue()
         self._subs: list[Subscription] = []
         self.finished: Finished | None = None
         # A task with echo: its prompt's scores, by the position of each slice's first token.
@@ -152,6 +160,8 @@ class TaskStream:
             await self._nc.subscribe(ChunkGenerated.subject_for(t.task_id), cb=self._on_msg),
             await self._nc.subscribe(outcome_subject(t, TaskCompleted), cb=self._on_msg),
             await self._nc.subscribe(outcome_subject(t, TaskFailed), cb=self._on_msg),
+            # Its continuations: which attempt's chunks count.
+            await self._nc.subscribe(t.subject, cb=self._on_msg),
         ]
         try:
             await self._publish(t)
@@ -199,6 +209,8 @@ class TaskStream:
         """Queue the task's outcome and its chunks from ``next_idx`` on, if the log has the
         outcome (``stored_outcome``)."""
         outcome, stored = await stored_outcome(self._nc, self.task)
+        if outcome is not None and (created := await self._last_created()) is not None:
+            self._queue.put_nowait(created)  # the newest attempt, before its chunks
         for chunk in stored:
             if isinstance(chunk, ChunkGenerated) and chunk.idx >= next_idx:
                 self._queue.put_nowait(chunk)
@@ -207,12 +219,22 @@ class TaskStream:
         if outcome is not None:
             self._queue.put_nowait(outcome)
 
+    async def _last_created(self) -> TaskCreated | None:
+        """The task's last ``TaskCreated`` in the log (its newest attempt); None if it cannot
+        be read now."""
+        try:
+            stored = await self._nc.jetstream().get_last_msg(EVENTS_STREAM, self.task.subject)
+            created = parse_event(stored.data or b"")
+        except (nats.errors.Error, TimeoutError, ValidationError):
+            return None
+        return created if isinstance(created, TaskCreated) else None
+
     async def _on_msg(self, msg: Msg) -> None:
         try:
             event = parse_event(msg.data)
         except ValidationError:
             return
-        if isinstance(event, ChunkGenerated | TaskCompleted | TaskFailed):
+        if isinstance(event, ChunkGenerated | TaskCompleted | TaskFailed | TaskCreated):
             self._queue.put_nowait(event)
         elif isinstance(event, PromptScored):
             # Published before the first chunk, on the same subject: here before it.
@@ -240,6 +262,7 @@ class TaskStream:
         early: dict[int, ChunkGenerated] = {}
         last_seen = False
         completed: TaskCompleted | None = None
+        latest: Attempt | None = attempt_of(self.task)  # the newest attempt known
         async with asyncio.timeout(self._timeout_s):
             while True:
                 try:
@@ -257,13 +280,28 @@ class TaskStream:
                 group: list[ChunkGenerated] = []
                 failed: TaskFailed | None = None
                 for event in events:
-                    if isinstance(event, TaskFailed):
-                        failed = failed or event
+                    if isinstance(event, TaskCreated | ChunkGenerated):
+                        was = latest
+                        if isinstance(event, TaskCreated):
+                            latest = newest(latest, attempt_of(event))
+                        else:
+                            latest = newest(latest, seen_in(event))
+                        if latest != was:  # what older attempts left waiting may not count
+                            early = {i: c for i, c in early.items() if counts(c, latest)}
+                    if isinstance(event, TaskCreated):
                         continue
-                    if isinstance(event, TaskCompleted):
-                        completed = event
+                    if isinstance(event, TaskFailed | TaskCompleted):
+                        if not outcome_counts(event, latest):
+                            continue  # an older attempt's: the task goes on
+                        if isinstance(event, TaskFailed):
+                            failed = failed or event
+                        else:
+                            completed = event
                         continue
-                    early[event.idx] = event
+                    if event.idx < next_idx or not counts(event, latest):
+                        continue
+                    if better(event, early.get(event.idx)):
+                        early[event.idx] = event
                     while next_idx in early:
                         chunk = early.pop(next_idx)
                         next_idx += 1

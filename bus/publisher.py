@@ -90,13 +90,15 @@ class ChunkPublisher:
         self._retry_for = retry_for
         self._ack_timeout = ack_timeout
 
-    async def publish(self, event: EventBase) -> None:
+    async def publish(self, event: EventBase, msg_id: str | None = None) -> None:
+        """Send ``event``; ``msg_id`` (default: the event id) as ``Publisher.publish``."""
         if len(self._in_flight) >= self._max_in_flight:
             await self._settle(wait_all=False, timeout=None)
         payload = event.to_json()
-        check_size(self._js, event.subject, payload, {MSG_ID_HEADER: event.event_id})
+        msg_id = msg_id or event.event_id
+        check_size(self._js, event.subject, payload, {MSG_ID_HEADER: msg_id})
         now = asyncio.get_running_loop().time()
-        await self._send(_Sent(event.subject, payload, event.event_id, now, now))
+        await self._send(_Sent(event.subject, payload, msg_id, now, now))
 
     async def flush(self, timeout: float | None = None) -> list[PubAck]:
         """Wait for every publish in flight, publishing again those JetStream did not store

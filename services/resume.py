@@ -15,6 +15,9 @@ whose chunks stopped coming (for ``QUIET_S``).
 
 Not continued, but failed as before: a task that was cancelled, one whose last chunk was stored
 (it ended; only its outcome was lost), and one resumed ``MAX_RESUMES`` times already.
+
+The tokens read are the newest attempt's (``bus/attempts.py``): a runner that was only stalled
+may have published chunks of an attempt continued since, and those are not the task's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from datetime import datetime, timedelta
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from bus.attempts import Attempt, attempt_of, kept_chunks, outcome_msg_id
 from bus.events import (
     ChunkGenerated,
     Resume,
@@ -42,10 +46,13 @@ MAX_RESUMES = 3
 QUIET_S = 2.0
 
 
-def generated_tokens(chunks: Iterable[ChunkGenerated]) -> tuple[list[int], bool]:
+def generated_tokens(
+    chunks: Iterable[ChunkGenerated], latest: Attempt | None = None
+) -> tuple[list[int], bool]:
     """The tokens of the chunks stored from idx 0 on without a gap, and whether the last
-    chunk (the one with a finish reason) is among them."""
-    by_idx = {c.idx: c for c in chunks}
+    chunk (the one with a finish reason) is among them: the chunks that count, ``latest``
+    being the newest attempt (``bus.attempts.kept_chunks``)."""
+    by_idx = kept_chunks(chunks, latest)
     tokens: list[int] = []
     while (chunk := by_idx.get(len(tokens))) is not None:
         if chunk.finish_reason is not None:
@@ -81,8 +88,9 @@ def continuation(
     failure."""
     created = task.created
     error = f"the runner serving this task {cause}"
-    attempt = (created.resume.attempt if created and created.resume else 0) + 1
-    tokens, ended = generated_tokens(task.chunks)
+    lost = attempt_of(created) if created is not None else None
+    attempt = (lost.number if lost is not None else 0) + 1
+    tokens, ended = generated_tokens(task.chunks, lost)
     if created is None or task.cancelled or ended or attempt > max_resumes:
         if attempt > max_resumes:
             error += f" (resumed {max_resumes} times already)"
@@ -92,6 +100,8 @@ def continuation(
             origin=origin,
             runner_id=runner_id,
             error=error,
+            # The lost attempt's outcome (its runner's would have had the same message id).
+            attempt=lost.number if lost is not None else None,
         )
     resume = Resume(attempt=attempt, tokens=tokens, runner_id=runner_id, reason=error)
     return TaskCreated.model_validate(
@@ -106,7 +116,17 @@ def message_id(event: TaskCreated | TaskFailed) -> str:
     failure's is the runner's own outcome's (if that got out, this is dropped)."""
     if isinstance(event, TaskCreated) and event.resume is not None:
         return f"resume:{event.task_id}:{event.resume.attempt}"
-    return f"done:{event.task_id}"
+    return outcome_msg_id(event.task_id, event.attempt if isinstance(event, TaskFailed) else None)
+
+
+def superseded_since(task: Logged, attempt: int | None) -> bool:
+    """Whether the attempt a lost runner held (None: not known) was continued since: its
+    loss is then nothing to act on (the task goes on with the newer attempt)."""
+    return (
+        attempt is not None
+        and task.created is not None
+        and attempt_of(task.created).number > attempt
+    )
 
 
 def describe(outcome: TaskCreated | TaskFailed) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -83,6 +84,13 @@ class Decoding:
     # A resumed task's tokens generated before: the engine's prompt ends with them, and its
     # sampler takes them as its own (penalties, the grammar) before it picks the next one.
     generated: tuple[int, ...] = ()
+    # Whether the task was told to stop (its client left, another runner has it): asked by the
+    # engine between a prompt's prefill chunks, where no token is made that a consumer could
+    # stop taking, so that a long prompt stops within one chunk rather than at its end.
+    cancelled: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+
+    def stop_asked(self) -> bool:
+        return self.cancelled is not None and self.cancelled()
 
 
 @dataclass(frozen=True)

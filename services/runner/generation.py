@@ -2,7 +2,8 @@
 
 An engine gives token ids and their bytes; this turns them into ``Step``s, one per generated
 token, with text that is valid UTF-8, stop strings applied, and the finish reason on a last
-step. It checks for cancellation between tokens, so a cancel stops generation within one token.
+step. It checks for cancellation between tokens, so a cancel stops generation within one token;
+engines check it between a prompt's prefill chunks too (``Decoding.cancelled``).
 """
 
 from __future__ import annotations
@@ -252,6 +253,10 @@ class Stepper:
 
     def finish(self) -> Step:
         """The last step, once the engine gave its last item (or was told to stop)."""
+        if self._finish == "length" and self._idx < self._limit and self._cancelled():
+            # The engine ended short of the limit because it was told to: a cancel during the
+            # prompt's prefill (``Decoding.cancelled``), before any token came to be taken.
+            self._finish = "cancelled"
         if self._finish == "cancelled":
             return Step(self._idx, "", None, "cancelled")
         matcher, reply = self._matcher, self._reply

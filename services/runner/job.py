@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
+from bus.attempts import attempt_of
 from bus.events import PromptScored, TaskCreated
 from services.runner.decoding import Decoding
 from services.runner.engines.base import Engine
@@ -87,9 +88,10 @@ def _in_vocabulary(engine: Engine, tokens: Iterable[int], what: str) -> None:
 def prompt_scored(
     task: TaskCreated, scored: ScoredPrompt, origin: str, ts: float
 ) -> Iterator[PromptScored]:
-    """The prompt's scores as events, ``PROMPT_SLICE`` tokens each."""
+    """The prompt's scores as events, ``PROMPT_SLICE`` tokens each, of the task's attempt."""
     at = datetime.fromtimestamp(ts, UTC)
     total = len(scored.tokens)
+    attempt = attempt_of(task).number
     for start in range(0, total, PROMPT_SLICE):
         yield PromptScored(
             task_id=task.task_id,
@@ -98,4 +100,5 @@ def prompt_scored(
             start=start,
             total=total,
             tokens=scored.tokens[start : start + PROMPT_SLICE],
+            attempt=attempt,
         )

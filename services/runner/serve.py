@@ -9,7 +9,9 @@ A task is acked once its TaskStarted is stored (``claim.py``): a runner lost bef
 it to be delivered again. A runner that dies mid-generation has its tasks continued
 (``services/resume.py``, by its worker or a planner): each comes again as a ``TaskCreated``
 with ``resume``, and the runner that takes it goes on after the tokens already published, at
-the next chunk index.
+the next chunk index. Each run of a task is an attempt (0, then each continuation's
+``resume.attempt``): its chunks and outcome say which, and a runner that was only stalled while
+its task was continued stops before it publishes again (``fence.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from bus.attempts import attempt_of, chunk_msg_id, outcome_msg_id, scored_msg_id
 from bus.claim_check import resolved
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import (
@@ -53,6 +57,7 @@ from services.runner.consumers import Pulled, cancel_subject, tasks_consumer_nam
 from services.runner.current_tasks import CurrentTasks
 from services.runner.engines.base import Engine, EngineBroken, Pushes
 from services.runner.feed_sink import FeedSink
+from services.runner.fence import Fence, Superseded
 from services.runner.generation import (
     InvalidRequest,
     ScoredPrompt,
@@ -250,6 +255,7 @@ class TaskPuller(ABC):
             return 0
 
     async def _fail(self, task: Pulled, error: str) -> None:
+        attempt = attempt_of(task).number if isinstance(task, TaskCreated) else None
         await self._events.publish(
             TaskFailed(
                 task_id=task.task_id,
@@ -257,8 +263,9 @@ class TaskPuller(ABC):
                 origin=self._me.node_id,
                 runner_id=self._me.runner_id,
                 error=error,
+                attempt=attempt,
             ),
-            msg_id=f"done:{task.task_id}",
+            msg_id=outcome_msg_id(task.task_id, attempt),
         )
 
 
@@ -290,6 +297,8 @@ class TaskServer(TaskPuller):
             cancelled.set()
 
         sub = await self._nc.subscribe(cancel_subject(task), cb=on_cancel)
+        fence = Fence(self._nc, task)  # a newer attempt of the task stops this one
+        await fence.start()
         started = TaskStarted(
             task_id=task.task_id,
             model_id=task.model_id,
@@ -309,13 +318,25 @@ class TaskServer(TaskPuller):
             await work()
 
         async def announce() -> None:
+            if fence.superseded:  # it published nothing: it did not start the task
+                return
             await asyncio.gather(self._events.publish(started), self.report_running())
             await claim.done()
 
         announced = asyncio.ensure_future(after_first(announce))
         already = asyncio.ensure_future(after_first(lambda: self._was_cancelled(task, cancelled)))
         try:
-            await self._generate(task, received, cancelled.is_set, first_out, announced)
+            await self._generate(
+                task,
+                received,
+                lambda: cancelled.is_set() or fence.superseded,
+                first_out,
+                announced,
+                fence,
+            )
+        except Superseded:
+            # Another runner has the task: this attempt ends without an outcome.
+            announced.cancel()
         except InvalidRequest as exc:
             first_out.set()
             await announced
@@ -328,12 +349,14 @@ class TaskServer(TaskPuller):
             log.exception("task %s failed", task.task_id)
             first_out.set()
             await announced
-            await self._fail(task, f"engine error: {exc}")
+            if not fence.superseded:  # (a superseded attempt's failure is nobody's)
+                await self._fail(task, f"engine error: {exc}")
             if isinstance(exc, EngineBroken):  # ...unless the engine cannot go on
                 raise
         finally:
             already.cancel()
             await sub.unsubscribe()
+            await fence.stop()
 
     async def _was_cancelled(self, task: TaskCreated, flag: asyncio.Event) -> None:
         """A cancel published before this runner subscribed is in the log; so is the failure of
@@ -349,7 +372,10 @@ class TaskServer(TaskPuller):
         cancelled: Callable[[], bool],
         first_out: asyncio.Event,
         announced: Awaitable[object],
+        fence: Fence,
     ) -> None:
+        """Generate and publish; raises ``Superseded`` (having published no more) once a newer
+        attempt of the task exists."""
         engine, me = self._engine, self._me
         task = await resolved(self._parts, task)  # its messages and tools, stored as parts
         job = prepare(engine, task)
@@ -359,21 +385,26 @@ class TaskServer(TaskPuller):
         feed = StepFeed(loop, CHUNK_WINDOW_S)
         stopping = threading.Event()  # this coroutine was cancelled: the engine stops too
 
+        def stop_asked() -> bool:
+            return cancelled() or stopping.is_set()
+
+        # The engine asks it between prefill chunks too, the stepper between tokens.
+        decoding = replace(job.decoding, cancelled=stop_asked)
         cached = [0]  # the prompt's tokens the engine's cache held (read once it is done)
         stepper = Stepper(
             engine,
-            job.decoding,
+            decoding,
             limit,
-            lambda: cancelled() or stopping.is_set(),
+            stop_asked,
             job.reply,
             on_cached=lambda n: cached.__setitem__(0, n),
         )
         generating: asyncio.Future[None]
-        generated = list(job.decoding.generated)  # a resumed task's, published before
+        generated = list(decoding.generated)  # a resumed task's, published before
         if isinstance(engine, Pushes) and stepper.replay(generated):
             # Steps are made on the decoder's thread, between two of its decodes.
             generating = loop.create_future()
-            engine.submit(prompt + generated, job.decoding, FeedSink(stepper, feed, generating))
+            engine.submit(prompt + generated, decoding, FeedSink(stepper, feed, generating))
         else:
 
             def generate() -> None:
@@ -381,9 +412,9 @@ class TaskServer(TaskPuller):
                     for step in steps(
                         engine,
                         prompt,
-                        job.decoding,
+                        decoding,
                         limit,
-                        lambda: cancelled() or stopping.is_set(),
+                        stop_asked,
                         job.reply,
                         on_cached=lambda n: cached.__setitem__(0, n),
                     ):
@@ -395,28 +426,37 @@ class TaskServer(TaskPuller):
         first: float | None = None
         n = len(generated)
         finish: FinishReason = "length"
+        attempt = fence.attempt
         try:
             # What was generated before an engine error still counts: every step is published.
             while (made := await feed.next_group()) is not None:
+                if not await fence.holds():  # continued elsewhere: nothing more goes out
+                    break
                 for m in made:
                     if isinstance(m.step, ScoredPrompt):
                         for scored in prompt_scored(task, m.step, me.node_id, m.ts):
-                            await self._chunks.publish(scored)
+                            msg_id = scored_msg_id(task.task_id, attempt, scored.start)
+                            await self._chunks.publish(scored, msg_id=msg_id)
                         continue
                     if m.step.token_id is not None:
                         n += 1
                         first = first or m.at
                     else:
                         finish = m.step.finish_reason or "stop"
-                    await self._chunks.publish(self._chunk(task, m.step, m.ts))
+                    msg_id = chunk_msg_id(task.task_id, attempt, m.step.idx)
+                    await self._chunks.publish(self._chunk(task, m.step, m.ts), msg_id=msg_id)
                 first_out.set()
         finally:
             first_out.set()
             stopping.set()
             await asyncio.wait({generating})  # the engine is never left running
+        if fence.superseded:
+            raise Superseded(task.task_id)
         generating.result()  # the engine's error, if it raised one
         await self._chunks.flush()
         await announced
+        if not await fence.holds():  # (its last chunk is out: only a race gets here)
+            raise Superseded(task.task_id)
         end = time.perf_counter()
         first = first or end
         decode_s = end - first
@@ -427,6 +467,7 @@ class TaskServer(TaskPuller):
                 origin=me.node_id,
                 runner_id=me.runner_id,
                 finish_reason=finish,
+                attempt=attempt,
                 usage=Usage(
                     prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=cached[0]
                 ),
@@ -436,7 +477,7 @@ class TaskServer(TaskPuller):
                     total_ms=(end - received) * 1000,
                 ),
             ),
-            msg_id=f"done:{task.task_id}",
+            msg_id=outcome_msg_id(task.task_id, attempt),
         )
 
     def _chunk(self, task: TaskCreated, step: Step, ts: float) -> ChunkGenerated:
@@ -450,6 +491,7 @@ class TaskServer(TaskPuller):
             logprob=step.logprob,
             tool_calls=step.tool_calls,
             stop_sequence=step.stop_sequence,
+            attempt=attempt_of(task).number,
             origin=self._me.node_id,
             ts=datetime.fromtimestamp(ts, UTC),
         )

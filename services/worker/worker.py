@@ -1,6 +1,7 @@
 """The worker: one per machine. It joins the cluster, sends its resource profile every few
 seconds (the heartbeat), runs the runners of the shards placed on it, reports their deaths, and
-gives the weight files its cache holds to other nodes' runners (``weights_server``).
+gives the weight files its cache holds to other nodes' runners (``weights_server``), and keeps
+that cache within its size budget (``cache_upkeep``).
 
 It keeps no state of its own: which shards belong here is folded from the instance and model
 events with the same rules the projector uses (``projectors.rules``).
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import socket
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,6 +25,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
 from bus.events import (
+    ModelRemoved,
     NodeJoined,
     NodeLeft,
     ResourceProfiled,
@@ -40,11 +43,13 @@ from bus.subjects import aggregate_filter
 from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
+from services.models.cache_budget import DEFAULT_CACHE_SIZE, CacheSize
 from services.models.footprint import context_for
 from services.models.weights_cache import WeightsCache
-from services.resume import continuation, describe, message_id, read_logged
+from services.resume import continuation, describe, message_id, read_logged, superseded_since
 from services.runner.current_tasks import CurrentTasks
 from services.runner.spec import RunnerSpec
+from services.worker.cache_upkeep import CacheUpkeep
 from services.worker.device_probe import Probe, probe
 from services.worker.profile import collect_profile, nvidia_gpus, rss_bytes
 from services.worker.reconcile import describe_exit, desired_runners, plan, runner_slots
@@ -72,6 +77,8 @@ class WorkerConfig:
     # Tasks each of this node's runners serves at once, whatever its instance was placed with
     # (the operator answers for the memory). None: the placement's.
     slots: int | None = None
+    # The weights cache's size budget (--cache-size): beyond it, unused models are evicted.
+    cache_size: CacheSize = DEFAULT_CACHE_SIZE
 
     @property
     def models_dir(self) -> Path:
@@ -88,6 +95,11 @@ class Worker:
         self.supervisor = Supervisor(self._runner_exited, config.data_dir / "logs")
         self._caught_up = asyncio.Event()
         self._devices = Probe()  # what the engines can run on: asked once, in run()
+        self.upkeep = CacheUpkeep(
+            WeightsCache(config.models_dir), config.cache_size, config.node_id, self._pub.publish
+        )
+        # Models removed since the last catch-up: their files, and when they were removed.
+        self._removed: dict[str, tuple[list[WeightFile], datetime]] = {}
 
     @property
     def node_id(self) -> str:
@@ -173,9 +185,13 @@ class Worker:
             event = parse_event(msg.data)
         except ValidationError:
             return  # the projector dead-letters it; here it simply is no placement
+        if isinstance(event, ModelRemoved) and (old := self.state.model(event.model_id)):
+            files = [WeightFile.model_validate(f) for f in old.files or []]
+            self._removed[event.model_id] = (files, event.ts)
         self.state.commit(changes_for(self.state, event))
         if msg.metadata.num_pending == 0:  # caught up: act on the latest picture only
             await self._reconcile()
+            await self._forget_removed()
 
     async def _reconcile(self) -> None:
         desired = desired_runners(self.state, self.node_id)
@@ -189,7 +205,14 @@ class Worker:
             if r in specs and specs[r] != entry.spec
         }
         for runner_id in p.stop | changed:
+            stopped = self.supervisor.runners[runner_id].spec
             await self.supervisor.stop(runner_id)
+            self.upkeep.cache.touch(stopped.model_id)  # used until now: the last use
+        if p.start or changed:
+            try:
+                await self.upkeep.make_room(specs.values())
+            except Exception:  # a cache that cannot be trimmed does not stop the runners
+                log.exception("could not keep the weights cache within its budget")
         for runner_id in sorted(p.start | changed):
             spec = specs[runner_id]
             await self.supervisor.start(spec)
@@ -203,6 +226,24 @@ class Worker:
                     pid=self.supervisor.pid(runner_id),
                 )
             )
+
+    async def _forget_removed(self) -> None:
+        """Drop the files of the models removed since the last catch-up that are still removed
+        and that no runner of this node uses (those are left to the budget)."""
+        removed, self._removed = self._removed, {}
+        in_use = {entry.spec.model_id for entry in self.supervisor.runners.values()}
+        named = {
+            str(f.get("sha256"))
+            for model in self.state.models()
+            for f in model.files or []
+            if isinstance(f, dict)
+        }
+        for model_id, (files, removed_at) in removed.items():
+            if self.state.model(model_id) is None and model_id not in in_use:
+                try:
+                    await self.upkeep.forget(model_id, files, removed_at, named)
+                except OSError:
+                    log.exception("could not delete the files of removed model %s", model_id)
 
     def _spec(self, row: RunnerRow) -> RunnerSpec:
         inst = self.state.instance(row.instance_id)
@@ -257,11 +298,14 @@ class Worker:
         left = CurrentTasks.read(task_file) if task_file is not None else []
         if task_file is not None:
             task_file.unlink(missing_ok=True)
-        for task_id, model_id in left:
+        for task_id, model_id, attempt in left:
             # Continued from the log (resume.py), or failed where it cannot be.
             outcome: TaskCreated | TaskFailed
             try:
                 logged = await read_logged(self._js, task_id, model_id)
+                if superseded_since(logged, attempt):  # it was stalled: another runner has it
+                    log.info("task %s: attempt %s was continued already", task_id, attempt)
+                    continue
                 outcome = continuation(
                     logged, runner_id=spec.runner_id, cause=cause, origin=self.node_id, at=utc_now()
                 )
@@ -273,6 +317,7 @@ class Worker:
                     origin=self.node_id,
                     runner_id=spec.runner_id,
                     error=f"the runner serving this task {cause}",
+                    attempt=attempt,
                 )
             log.info("task %s: %s", task_id, describe(outcome))
             await self._pub.publish(outcome, msg_id=message_id(outcome))

@@ -14,6 +14,7 @@ from services.resume import (
     generated_tokens,
     message_id,
     still_streaming,
+    superseded_since,
 )
 
 TASK = TaskCreated(
@@ -26,7 +27,9 @@ TASK = TaskCreated(
 )
 
 
-def chunk(idx: int, token: int | None = None, finish: bool = False) -> ChunkGenerated:
+def chunk(
+    idx: int, token: int | None = None, finish: bool = False, attempt: int | None = None
+) -> ChunkGenerated:
     return ChunkGenerated(
         task_id="t1",
         idx=idx,
@@ -34,6 +37,7 @@ def chunk(idx: int, token: int | None = None, finish: bool = False) -> ChunkGene
         origin="r",
         token_id=None if finish else (token if token is not None else 100 + idx),
         finish_reason="stop" if finish else None,
+        attempt=attempt,
     )
 
 
@@ -90,7 +94,9 @@ def test_a_continuation_lost_again_counts_its_attempts_up_to_the_limit() -> None
     assert message_id(second) == "resume:t1:2"
     last = TASK.model_copy(update={"resume": Resume(attempt=MAX_RESUMES, tokens=[100])})
     failed = lost(last, [chunk(0)])
-    assert isinstance(failed, TaskFailed) and message_id(failed) == "done:t1"
+    # The lost attempt's outcome, under the id its runner's own would have had.
+    assert isinstance(failed, TaskFailed) and failed.attempt == MAX_RESUMES
+    assert message_id(failed) == f"done:t1:{MAX_RESUMES}"
     assert failed.error == (
         f"the runner serving this task killed by SIGKILL (resumed {MAX_RESUMES} times already)"
     )
@@ -112,3 +118,26 @@ def test_a_task_whose_chunks_still_come_still_has_its_runner() -> None:
     assert still_streaming(logged(TASK, [fresh]), NOW)
     assert not still_streaming(logged(TASK, [stale]), NOW)
     assert not still_streaming(logged(TASK, []), NOW)  # none yet: it is not known to go on
+
+
+def test_a_continuation_goes_on_from_the_newest_attempts_tokens() -> None:
+    # Attempt 1 went on after 2 tokens; attempt 0, stalled, then published its own 2 and 3,
+    # and attempt 1 was lost after its own 2, 3 and 4.
+    first = TASK.model_copy(update={"resume": Resume(attempt=1, tokens=[100, 101])})
+    stored = [chunk(0, attempt=0), chunk(1, attempt=0), chunk(2, 900, attempt=0)]
+    stored += [chunk(2, 200, attempt=1), chunk(3, 201, attempt=1), chunk(3, 901, attempt=0)]
+    stored += [chunk(4, 202, attempt=1)]
+    out = lost(first, stored)
+    assert isinstance(out, TaskCreated) and out.resume is not None
+    assert out.resume.attempt == 2 and out.resume.tokens == [100, 101, 200, 201, 202]
+    # Nor does a superseded attempt's last chunk end the task.
+    ended_late = [*stored[:2], chunk(2, finish=True, attempt=0), chunk(2, 200, attempt=1)]
+    assert isinstance(lost(first, ended_late), TaskCreated)
+
+
+def test_a_lost_runner_that_held_an_older_attempt_leaves_nothing_to_do() -> None:
+    second = TASK.model_copy(update={"resume": Resume(attempt=2, tokens=[100])})
+    assert superseded_since(logged(second, []), 1)  # stalled, continued, then killed
+    assert not superseded_since(logged(second, []), 2)
+    assert not superseded_since(logged(second, []), None)  # not known: as before
+    assert not superseded_since(logged(None, []), 0)

@@ -195,7 +195,14 @@ class DecodingThread(ABC, Generic[G]):
             self._step()
 
     def _settle(self) -> None:
-        """Between steps: drop ended or released generations, admit waiting ones."""
+        """Between steps: drop ended or released generations, admit waiting ones. One whose
+        task was told to stop (``Decoding.stop_asked``) ends here: its consumer, waiting for
+        a first token while the prompt is prefilled, cannot leave, and a long prompt would keep
+        its slot to the end of its prefill; this way it stops within one chunk."""
+        for gen in [*self._active, *self._waiting]:
+            if not gen.finished and gen.given == 0 and gen.decoding.stop_asked():
+                gen.end()
+        self._waiting = [g for g in self._waiting if not g.finished]
         for gen in [g for g in self._active if g.released or g.finished]:
             self._active.remove(gen)
             self._forget(gen)

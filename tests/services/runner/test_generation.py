@@ -125,6 +125,17 @@ def test_cancel_stops_within_one_token() -> None:
     assert source.generated <= 4
 
 
+def test_an_engine_stopped_during_the_prompt_finishes_as_cancelled() -> None:
+    # An engine told to stop between prefill chunks (Decoding.cancelled) ends before any token:
+    # the task was cancelled, not cut by its length.
+    source = Scripted([], end=False)
+    out = list(steps(source, [1], Decoding(SamplingParams()), 100, cancelled=lambda: True))
+    assert out == [Step(0, "", None, "cancelled")]
+    # The same end without a cancel is the engine's own (its context full): length.
+    out = list(steps(source, [1], Decoding(SamplingParams()), 100, cancelled=lambda: False))
+    assert out == [Step(0, "", None, "length")]
+
+
 def test_stop_matcher_directly() -> None:
     m = StopMatcher(["END", "xy"])
     assert m.feed("abE") == Emitted("ab", False)

@@ -380,7 +380,15 @@ class BatchDecoder:
                     seq.end(exc)
 
     def _settle(self) -> None:
-        """Between steps: free the slots of ended or released generations, admit waiting ones."""
+        """Between steps: free the slots of ended or released generations, admit waiting ones.
+        A generation whose task was told to stop (``Decoding.stop_asked``) ends here too: a
+        prompt being prefilled makes no token whose sink could say so, and a long one would
+        hold its slot (and the runner's shutdown) to the end of its prefill; this way it stops
+        within one chunk of ``n_batch`` tokens."""
+        for seq in [*self._active.values(), *self._waiting]:
+            if seq.prefill_left > 0 and not seq.finished and seq.decoding.stop_asked():
+                seq.end()
+        self._waiting = [s for s in self._waiting if not s.finished]
         for slot, seq in list(self._active.items()):
             if seq.released or seq.finished:
                 seq.end()

@@ -416,6 +416,8 @@ class MlxEngine(MlxTextEngine):
         scored = [Token(prompt[0])]
         done = 0
         for chunk in body:
+            if decoding.stop_asked():  # told to stop: within one chunk, not at the prompt's end
+                return
             logits = model(mx.array([chunk]), cache=cache)
             if decoding.echo:
                 # Each position's logits score the prompt's next token (the lm head runs on
