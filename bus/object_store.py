@@ -43,7 +43,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from nats.nuid import NUID
 from pydantic import BaseModel, ConfigDict
 
@@ -66,9 +66,16 @@ NOTE_EVERY_BYTES = 64 * 1024 * 1024
 PUT_IN_FLIGHT = 32
 # A fetch that receives nothing for this long gives up (and resumes when run again).
 STALL_S = 20.0
+# A put that knows its file's digest looks this often whether another put stored the same
+# bytes under the name meanwhile, and then stops: a race sends the bytes once and a bit.
+CHECK_EVERY_BYTES = 64 * 1024 * 1024
 
 _DIGEST_PREFIX = "SHA-256="
 _ROLLUP = {"Nats-Rollup": "sub"}
+# JetStream stores a message with this header only if the last one on its subject has that
+# sequence (0: there is none), so that of two puts of one name only one stores its meta.
+_EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+_WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when it is not
 
 
 class ObjectStoreError(RuntimeError):
@@ -90,7 +97,7 @@ def object_stream(bucket: str) -> str:
     return f"OBJ_{bucket}"
 
 
-def chunk_subject(bucket: str, nuid: str) -> str:
+def object_chunks_subject(bucket: str, nuid: str) -> str:
     return f"$O.{bucket}.C.{nuid}"
 
 
@@ -135,14 +142,62 @@ def hex_digest_text(hex_digest: str) -> str:
 
 async def object_info(js: JetStreamContext, bucket: str, name: str) -> ObjectInfo | None:
     """The object's meta, or None when the bucket has no such object (or it was deleted)."""
+    return (await _meta(js, bucket, name))[0]
+
+
+async def _meta(js: JetStreamContext, bucket: str, name: str) -> tuple[ObjectInfo | None, int]:
+    """The object's meta (None: no such object, or deleted) and the stream sequence of its meta
+    subject's last message (0: none), which a later write of the meta expects."""
     try:
         msg = await js.get_last_msg(object_stream(bucket), meta_subject(bucket, name))
     except NotFoundError:
-        return None
+        return None, 0
     if not msg.data:
-        return None
+        return None, msg.seq or 0
     info = ObjectInfo.from_response(json.loads(msg.data))
-    return None if info.deleted else info
+    return (None if info.deleted else info), msg.seq or 0
+
+
+def same_bytes(info: ObjectInfo | None, sha256: str, size: int) -> bool:
+    """Whether ``info`` is an object of the file with this SHA-256 (hex) and size."""
+    if info is None or info.size != size or not info.digest:
+        return False
+    try:
+        return digest_hex(info.digest) == sha256
+    except ValueError:
+        return False
+
+
+async def delete_object(js: JetStreamContext, bucket: str, name: str) -> ObjectInfo | None:
+    """Delete object ``name`` as JetStream's object store does (its meta marked deleted, its
+    chunks purged); the object that was deleted, or None when there was none."""
+    info, seq = await _meta(js, bucket, name)
+    if info is None:
+        return None
+    gone = ObjectInfo(
+        name=name,
+        bucket=bucket,
+        nuid=info.nuid,
+        size=0,
+        chunks=0,
+        mtime=datetime.now(UTC).isoformat(),
+        digest="",
+        deleted=True,
+    )
+    try:
+        # Only over the meta it read: a put that stored another object meanwhile keeps it.
+        await js.publish(
+            meta_subject(bucket, name),
+            json.dumps(gone.as_dict()).encode(),
+            headers={**_ROLLUP, _EXPECTED_LAST: str(seq)},
+        )
+    except APIError as exc:
+        if exc.err_code != _WRONG_LAST_SEQUENCE:
+            raise
+        log.info("object %s in %s was stored again meanwhile: kept", name, bucket)
+        return None
+    await _purge_quietly(js, object_stream(bucket), object_chunks_subject(bucket, info.nuid))
+    return info
 
 
 # --- put ----------------------------------------------------------------------------------
@@ -160,23 +215,38 @@ async def put_file(
     headers: dict[str, str] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     on_progress: Progress | None = None,
+    sha256: str | None = None,
 ) -> ObjectInfo:
     """Store the file at ``path`` as object ``name``, chunk by chunk, with its SHA-256.
 
     The file is read in a thread and up to ``PUT_IN_FLIGHT`` chunks are unacknowledged at
     once. A put that fails purges its chunks (the object keeps what it was, if anything); one
     that replaces an object purges the old one's chunks after the new meta is stored.
-    ``on_progress`` gets the bytes stored so far."""
+    ``on_progress`` gets the bytes stored so far. Given the file's ``sha256`` (hex), an
+    object of those bytes under ``name`` is kept as it is (nothing is sent).
+
+    Two puts of one name at once store one object: the meta is written only over the one the
+    put started from, so the put that comes second purges its chunks and returns the first
+    one's object when it holds the same bytes (else ``ObjectStoreError``). Given ``sha256``, a
+    put also stops early once another has stored those bytes."""
     nuid = NUID().next().decode()
-    subject = chunk_subject(bucket, nuid)
+    subject = object_chunks_subject(bucket, nuid)
     stream = object_stream(bucket)
-    previous = await object_info(js, bucket, name)
+    previous, previous_seq = await _meta(js, bucket, name)
     sha = hashlib.sha256()
-    size = chunks = 0
+    size = chunks = checked = 0
     in_flight: deque[asyncio.Future[Any]] = deque()
     try:
         with path.open("rb") as f:
+            total = os.fstat(f.fileno()).st_size
+            if sha256 is not None and previous is not None and same_bytes(previous, sha256, total):
+                return previous  # stored already: a put of a content name is idempotent
             while True:
+                if sha256 is not None and size - checked >= CHECK_EVERY_BYTES:
+                    checked = size
+                    other = await object_info(js, bucket, name)
+                    if other is not None and same_bytes(other, sha256, total):
+                        raise _StoredElsewhere(other)
                 block = await asyncio.to_thread(f.read, WRITE_BLOCK_BYTES)
                 if not block:
                     break
@@ -206,16 +276,38 @@ async def put_file(
             options=ObjectMetaOptions(max_chunk_size=chunk_bytes),
         )
         await js.publish(
-            meta_subject(bucket, name), json.dumps(info.as_dict()).encode(), headers=_ROLLUP
+            meta_subject(bucket, name),
+            json.dumps(info.as_dict()).encode(),
+            headers={**_ROLLUP, _EXPECTED_LAST: str(previous_seq)},
         )
-    except BaseException:
+    except BaseException as exc:
         for fut in in_flight:
             fut.cancel()
         await _purge_quietly(js, stream, subject)
+        if isinstance(exc, _StoredElsewhere):
+            log.info("%s in %s: stored by another put meanwhile", name, bucket)
+            return exc.info
+        if isinstance(exc, APIError) and exc.err_code == _WRONG_LAST_SEQUENCE:
+            other = await object_info(js, bucket, name)
+            if other is not None and same_bytes(other, sha.hexdigest(), size):
+                log.info("%s in %s: stored by another put meanwhile", name, bucket)
+                return other
+            raise ObjectStoreError(
+                f"object {name} in {bucket} was stored by another put meanwhile, with other"
+                " bytes; put again to replace it"
+            ) from exc
         raise
     if previous is not None and previous.nuid != nuid:
-        await _purge_quietly(js, stream, chunk_subject(bucket, previous.nuid))
+        await _purge_quietly(js, stream, object_chunks_subject(bucket, previous.nuid))
     return info
+
+
+class _StoredElsewhere(Exception):
+    """Another put stored the bytes this one was storing: it stops."""
+
+    def __init__(self, info: ObjectInfo) -> None:
+        super().__init__(info.name)
+        self.info = info
 
 
 async def _purge_quietly(js: JetStreamContext, stream: str, subject: str) -> None:
@@ -436,7 +528,7 @@ class _Fetch:
         harmless)."""
         config = ConsumerConfig(
             name=self.consumer,
-            filter_subject=chunk_subject(self.bucket, self.info.nuid),
+            filter_subject=object_chunks_subject(self.bucket, self.info.nuid),
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if seq else DeliverPolicy.ALL,
             opt_start_seq=seq + 1 if seq else None,
             ack_policy=AckPolicy.NONE,

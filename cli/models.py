@@ -339,6 +339,51 @@ def add(
         typer.echo(f"  weights: {names} in {MODELS_BUCKET} (from {weights})")
 
 
+@app.command()
+def remove(
+    model_id: Annotated[str, typer.Argument(metavar="ID", help="The model's id in the cluster.")],
+    nats: NatsUrl = DEFAULT_NATS,
+    db: DbUrl = DEFAULT_DB,
+) -> None:
+    """Make the cluster forget a model that no live instance uses (publishes ModelRemoved): the
+    objects of the models bucket that no other model names are deleted, and each node drops
+    its files from its cache. It can be added again."""
+    from services.models.remove import ModelInUse, ModelNotKnown, Removal, remove_model
+
+    if not _has_projection(db):
+        _fail(f"no projection at {db}: give --db (the projector's database)")
+
+    async def main() -> Removal:
+        state = await _cluster_state(db)
+        if state is None:
+            _fail(f"{db} holds no projection yet: is `shoal projector` running on it?")
+        nc = await connect(nats, name="shoal-models-remove")
+        try:
+            return await remove_model(
+                nc.jetstream(), state, model_id, reason="removed with `shoal models remove`"
+            )
+        finally:
+            await nc.close()
+
+    try:
+        removal = asyncio.run(main())
+    except ModelNotKnown:
+        _fail(f"the cluster knows no model {model_id!r} (see `shoal state`)")
+    except ModelInUse as exc:
+        _fail(
+            f"model {model_id!r} is used by live instance(s) {', '.join(exc.instances)}:"
+            " delete them first (`shoal instances delete ID`)"
+        )
+    freed = sum(f.size for f in removal.deleted)
+    typer.echo(f"removed {model_id} (seq {removal.seq})")
+    if removal.deleted:
+        typer.echo(
+            f"  deleted {len(removal.deleted)} object(s) from {MODELS_BUCKET} ({_size(freed)})"
+        )
+    if removal.kept:
+        typer.echo(f"  kept {len(removal.kept)} object(s) another model names")
+
+
 def _worker_dir(*candidates: Path) -> tuple[Path, str] | None:
     """The data dir of the first of ``candidates`` (then the default data dir's: `shoal up`
     keeps its worker's data in <data dir>/worker) where a worker has run, and its node id."""

@@ -17,6 +17,7 @@ import uvloop
 from bus.connection import DEFAULT_NATS_URL
 from bus.streams import StreamSettings, parse_duration
 from projectors.db_url import absolute_db_url
+from services.models.cache_budget import DEFAULT_CACHE_FRACTION, CacheSize, parse_cache_size
 from services.models.footprint import MAX_SLOTS
 from services.paths import default_data_dir
 
@@ -62,7 +63,26 @@ Retain = Annotated[
         " kept in snapshots of the projection (docs/operations.md).",
     ),
 ]
+CacheSizeText = Annotated[
+    str,
+    typer.Option(
+        "--cache-size",
+        metavar="SIZE",
+        help="The most this node's weights cache holds: '50%' of the disk it is on, '200G',"
+        " or -1 for no limit. Beyond it, the least recently used models no runner of the node"
+        " uses are evicted (docs/models.md).",
+    ),
+]
+DEFAULT_CACHE_SIZE_TEXT = f"{DEFAULT_CACHE_FRACTION * 100:g}%"
 DEFAULT_NATS = DEFAULT_NATS_URL
+
+
+def cache_size(text: str) -> CacheSize:
+    """``--cache-size``, parsed (a bad one is the option's error)."""
+    try:
+        return parse_cache_size(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--cache-size") from None
 
 
 def stream_settings(retain: str | None) -> StreamSettings | None:

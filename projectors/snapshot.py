@@ -33,9 +33,9 @@ from sqlalchemy import Table, delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from bus.object_store import (
-    chunk_subject,
     fetch_file,
     meta_subject,
+    object_chunks_subject,
     object_info,
     object_stream,
     put_file,
@@ -192,7 +192,7 @@ async def remove(js: JetStreamContext, snapshot: Snapshot) -> None:
     stream = object_stream(SNAPSHOTS_BUCKET)
     await js.purge_stream(stream, subject=meta_subject(SNAPSHOTS_BUCKET, snapshot.name))
     if meta is not None and meta.nuid:
-        await js.purge_stream(stream, subject=chunk_subject(SNAPSHOTS_BUCKET, meta.nuid))
+        await js.purge_stream(stream, subject=object_chunks_subject(SNAPSHOTS_BUCKET, meta.nuid))
 
 
 # --- reading ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from api.serving import ndjson, require_serving, serve
 from api.thinking import shown
 from bus.events import InstanceDeleteRequested, TaskCreated, new_id
 from services.models.catalogue import builtin_cards
+from services.models.remove import ModelInUse, ModelNotKnown, live_instances, remove_model
 
 router = APIRouter(dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]
@@ -170,28 +171,40 @@ async def show_model(body: NamedRequest, ctx: Ctx) -> dict[str, Any]:
 @router.delete("/api/delete")  # what Ollama's clients send
 @router.post("/api/delete")
 async def delete(body: NamedRequest, ctx: Ctx) -> dict[str, Any]:
-    """Ollama removes a model from disk; Shoal stops serving it: every live instance of it is
-    deleted (``InstanceDeleteRequested``). The model stays known, and a pull serves it again."""
+    """Ollama removes a model from disk, and so does Shoal: every live instance of it is deleted
+    (``InstanceDeleteRequested``), then the model is removed (``ModelRemoved``: the bucket's
+    objects no other model names go, and each node's cache drops its files). A pull adds it
+    again. 404 for a model the cluster does not know; 409 when an instance of it was asked for
+    meanwhile."""
     model_id = await ctx.resolve_model(body.given)
     state = await projection.cluster(ctx.engine)
-    live = sorted(
-        i.instance_id for i in state.instances() if i.model_id == model_id and i.status not in _GONE
-    )
-    if not live:
-        if state.model(model_id) is None:
-            raise _not_found(body.given)
-        raise ApiError(
-            404,
-            f"model '{body.given}' is not served: it has no instance to delete",
-            param="model",
-            code="model_not_found",
-        )
+    live = live_instances(state, model_id)
+    if not live and state.model(model_id) is None:
+        raise _not_found(body.given)
     for instance_id in live:
         await ctx.publish(
             InstanceDeleteRequested(
                 instance_id=instance_id, origin=ctx.origin, reason="DELETE /api/delete"
             )
         )
+    try:
+        removal = await remove_model(
+            ctx.nc.jetstream(),
+            state,
+            model_id,
+            origin=ctx.origin,
+            reason="DELETE /api/delete",
+            deleting=live,
+        )
+    except ModelNotKnown:
+        if not live:
+            raise _not_found(body.given) from None
+        # Instances of a model the projection has no row of (a log from before models had
+        # events): deleting them was all there was to do.
+        return {"status": "success", "deleted": live}
+    except ModelInUse as exc:
+        raise ApiError(409, f"model '{body.given}' could not be removed: {exc}") from None
+    ctx.metrics.event_published(removal.event)
     return {"status": "success", "deleted": live}
 
 

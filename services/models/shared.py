@@ -99,13 +99,22 @@ async def store_files(
                 if on_progress is not None:
                     on_progress(base + n, total)
 
+            # Another add storing the same file at once makes no second copy (put_file).
             await put_file(
-                js, MODELS_BUCKET, weight.object, path, description=name, on_progress=progress
+                js,
+                MODELS_BUCKET,
+                weight.object,
+                path,
+                description=name,
+                on_progress=progress,
+                sha256=sha,
             )
         done += size
         if on_progress is not None:
             on_progress(done, total)
-        if cache is not None and not cache.holds(weight):
+        # A copy the cache fetched earlier becomes a link too: a link costs the cache's budget
+        # nothing and is never evicted, and this file is the one its worker now gives out.
+        if cache is not None and not (cache.holds(weight) and cache.blob(sha).is_symlink()):
             cache.adopt(path, weight)
         out.append(weight)
     return out

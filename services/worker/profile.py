@@ -113,10 +113,19 @@ def cpu_model() -> str:
 def disk_free(path: Path) -> int:
     """Free bytes on the filesystem that holds ``path``; the directory need not exist yet
     (the worker creates it on first download), so its nearest existing parent is measured."""
+    return int(psutil.disk_usage(str(_existing(path))).free)
+
+
+def disk_total(path: Path) -> int:
+    """The size of the filesystem that holds ``path`` (or its nearest existing parent)."""
+    return int(psutil.disk_usage(str(_existing(path))).total)
+
+
+def _existing(path: Path) -> Path:
     p = Path(path).expanduser().absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
-    return int(psutil.disk_usage(str(p)).free)
+    return p
 
 
 def network_interfaces() -> list[NetworkInterface]:

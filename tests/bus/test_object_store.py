@@ -15,11 +15,11 @@ from nats.js.api import ObjectInfo, ObjectMetaOptions
 from bus.object_store import (
     DigestMismatch,
     ResumeNote,
-    chunk_subject,
     digest_hex,
     digest_text,
     fetch_file,
     meta_subject,
+    object_chunks_subject,
     object_info,
     partial_paths,
     put_file,
@@ -89,7 +89,9 @@ async def test_replacing_an_object_purges_the_old_chunks(
     first = await put_file(js, MODELS_BUCKET, "x", _random_file(tmp_path / "1", 200_000))
     second = await put_file(js, MODELS_BUCKET, "x", _random_file(tmp_path / "2", 100_000))
     stream = f"OBJ_{MODELS_BUCKET}"
-    old = await js.stream_info(stream, subjects_filter=chunk_subject(MODELS_BUCKET, first.nuid))
+    old = await js.stream_info(
+        stream, subjects_filter=object_chunks_subject(MODELS_BUCKET, first.nuid)
+    )
     assert not old.state.subjects
     info = await object_info(js, MODELS_BUCKET, "x")
     assert info is not None and info.nuid == second.nuid
@@ -101,7 +103,7 @@ async def _put_damaged(js: JetStreamContext, name: str, data: bytes, bad_chunk: 
     chunks = [bytearray(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
     chunks[bad_chunk][17] ^= 0xFF
     for chunk in chunks:
-        await js.publish(chunk_subject(MODELS_BUCKET, nuid), bytes(chunk))
+        await js.publish(object_chunks_subject(MODELS_BUCKET, nuid), bytes(chunk))
     info = ObjectInfo(
         name=name,
         bucket=MODELS_BUCKET,
