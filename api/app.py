@@ -18,6 +18,7 @@ from api.cluster import routes as cluster_routes
 from api.cluster.dashboard import install as install_dashboard
 from api.config import ApiConfig
 from api.context import ApiContext
+from api.limits import RequestGuard, limits_of
 from api.ollama import routes as ollama_routes
 from api.openai import routes as openai_routes
 from api.openai.embeddings_routes import router as embeddings_router
@@ -60,6 +61,8 @@ def create_app(config: ApiConfig) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
+    # Inside the metrics (its refusals are counted) and CORS (an allowed page reads them).
+    app.add_middleware(RequestGuard, limits=limits_of(config))
     metrics_routes.install(app, counted)
     if config.cors_origins:
         # Outermost: a browser's preflight is answered before keys are asked for. A wildcard

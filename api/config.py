@@ -7,10 +7,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.units import MiB
+from bus.units import KiB, MiB
 from projectors.projector import DEFAULT_NAME
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
+
+# The largest request body accepted by default (api/limits.py). A task is stored as events and
+# prompt parts of up to NATS's max_payload each (1 MiB by default, bus/parts.py), so a request
+# may well be larger than one message: 32 of them, more than any model's context holds as text
+# (128k tokens are about 0.5 MiB), and a bound on what one request makes the process hold.
+DEFAULT_MAX_BODY = 32 * MiB
+# How long a client may take to send a whole body (32 MiB at 10 Mbit/s take 27 s).
+DEFAULT_BODY_TIMEOUT_S = 30.0
+# A request's line and headers (browsers send the cookies of every application on localhost;
+# nginx allows 32 KiB, h11 16 KiB), and how long they may take (api/http_protocol.py).
+DEFAULT_MAX_HEADER_BYTES = 64 * KiB
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -40,8 +52,22 @@ class ApiConfig:
     # that would need more cannot keep up, and is told so and disconnected (api/cluster/
     # event_feed.py). Thousands of the log's events, a few seconds of token chunks.
     events_buffer_bytes: int = 8 * MiB
-    # Origins whose browser pages may call the API (CORS); none: same-origin only.
+    # Origins whose browser pages may call the API (CORS); none: same-origin only. A request
+    # from a page of another origin is refused (api/hosts.py).
     cors_origins: tuple[str, ...] = ()
+    # The addresses the API listens on (its --host), and other names requests may be addressed
+    # to (--allowed-host; '*': any): a request with another Host is refused (api/hosts.py).
+    listen_hosts: tuple[str, ...] = ("127.0.0.1",)
+    allowed_hosts: tuple[str, ...] = ()
+    # Past these, a request is refused before its body is read (api/limits.py): 413, 408.
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    # Past these, a connection is answered 431 or 408 and closed (api/http_protocol.py).
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    # Connections served at once; past it, uvicorn answers 503 (None: half the process's open
+    # files limit, at most 1024, as `connection_limit` says).
+    max_connections: int | None = None
     # Where a model pulled through the API (Ollama's /api/pull) is fetched to before it is
     # added, as `shoal models add` does (`shoal up` gives its own data directory's).
     models_dir: Path = field(default_factory=lambda: default_data_dir() / "models")

@@ -45,8 +45,11 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",  # the body did not arrive in time (api/limits.py)
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     503: "overloaded_error",
     504: "timeout_error",
 }

@@ -13,8 +13,11 @@ import typer
 import uvicorn
 
 from api.app import create_app
-from api.config import ApiConfig, keys_from_env, parse_aliases
+from api.config import DEFAULT_BODY_TIMEOUT_S, ApiConfig, keys_from_env, parse_aliases
+from api.http_protocol import bounded_httptools, connection_limit
 from bus.embedded import port_in_use
+from bus.streams import parse_size
+from cli.exposure import refuse_exposure
 from cli.options import (
     DEFAULT_DB,
     DEFAULT_NATS,
@@ -84,6 +87,46 @@ ApiKeys = Annotated[
     ),
 ]
 
+MaxBody = Annotated[
+    str,
+    typer.Option(
+        "--max-body",
+        help="The largest request body accepted (e.g. 32M, 1G); a larger one is refused with"
+        " a 413 before it is read.",
+    ),
+]
+BodyTimeout = Annotated[
+    float,
+    typer.Option(
+        "--body-timeout",
+        min=0.1,
+        help="Seconds a client may take to send a request's body; past them, a 408.",
+    ),
+]
+AllowedHosts = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allowed-host",
+        help="A name or address clients reach the API by (its Host header), besides"
+        " localhost, loopback addresses, --host and, beyond loopback, this machine's names"
+        " and addresses (repeatable; '*' for any). Other names are refused (DNS rebinding).",
+    ),
+]
+DEFAULT_MAX_BODY_TEXT = "32M"
+# uvicorn's default: an idle kept-alive connection is closed after this.
+KEEP_ALIVE_S = 5
+
+
+def max_body_bytes(text: str) -> int:
+    """``--max-body``: '32M', '1G', '1000000' -> bytes (more than 0)."""
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{text!r}: {exc}", param_hint="--max-body") from None
+    if value <= 0:
+        raise typer.BadParameter(f"{text!r}: a size above 0", param_hint="--max-body")
+    return value
+
 
 class ApiServer(uvicorn.Server):
     """uvicorn, with signals left to the `shoal` process that runs it: Ctrl-C stops every
@@ -121,6 +164,11 @@ def api_server(config: ApiConfig, host: str, port: int, tls: ApiTls | None = Non
             lifespan="on",
             ssl_certfile=str(tls.cert) if tls else None,
             ssl_keyfile=str(tls.key) if tls else None,
+            # Headers bounded in size and time (uvicorn bounds them only with h11), idle
+            # connections closed, connections past the limit answered 503.
+            http=bounded_httptools(config.max_header_bytes, config.header_timeout_s),
+            timeout_keep_alive=KEEP_ALIVE_S,
+            limit_concurrency=connection_limit(config.max_connections),
         )
     )
 
@@ -166,12 +214,19 @@ def api(
     ] = None,
     cors_origin: CorsOrigins = None,
     max_queued: MaxQueued = None,
+    allowed_host: AllowedHosts = None,
+    max_body: MaxBody = DEFAULT_MAX_BODY_TEXT,
+    body_timeout: BodyTimeout = DEFAULT_BODY_TIMEOUT_S,
 ) -> None:
     """Serve the HTTP API: OpenAI's, Anthropic's and Ollama's endpoints, and cluster control."""
     setup_logging()
     tls = api_tls(tls_cert, tls_key)
-    check_port_free(host, port, "API", "--port")
     keys = frozenset(api_key or ()) | keys_from_env()
+    exposed = refuse_exposure(host, None, keys, None)
+    if exposed:
+        typer.echo(f"error: {exposed}", err=True)
+        raise typer.Exit(1)
+    check_port_free(host, port, "API", "--port")
     config = ApiConfig(
         nats_url=nats,
         db_url=db,
@@ -180,6 +235,10 @@ def api(
         default_model=default_model,
         cors_origins=tuple(cors_origin or ()),
         max_queued=max_queued,
+        listen_hosts=(host,),
+        allowed_hosts=tuple(allowed_host or ()),
+        max_body_bytes=max_body_bytes(max_body),
+        body_timeout_s=body_timeout,
     )
     typer.echo(f"API on {api_url(host, port, tls)}" + (" (API keys required)" if keys else ""))
 

@@ -10,7 +10,6 @@ NodeLeft, the API stops listening, the projector commits what it has.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from collections.abc import Awaitable
 from pathlib import Path
@@ -20,7 +19,7 @@ import typer
 from nats.aio.client import Client
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.config import ApiConfig, keys_from_env
+from api.config import DEFAULT_BODY_TIMEOUT_S, ApiConfig, keys_from_env
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.events import InstanceRequested
@@ -28,9 +27,13 @@ from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
 from bus.states import INSTANCE_LIVE, SERVING
 from cli.api import (
+    DEFAULT_MAX_BODY_TEXT,
     Aliases,
+    AllowedHosts,
     ApiKeys,
+    BodyTimeout,
     CorsOrigins,
+    MaxBody,
     MaxQueued,
     TlsCert,
     TlsKey,
@@ -39,14 +42,19 @@ from cli.api import (
     api_url,
     check_port_free,
     cli_aliases,
+    max_body_bytes,
     serve_until,
 )
+from cli.exposure import refuse_exposure
 from cli.models import publish_model
 from cli.options import (
+    DEFAULT_CACHE_SIZE_TEXT,
+    CacheSizeText,
     DataHost,
     Retain,
     RunnerSlots,
     absolute,
+    cache_size,
     run_until_signal,
     setup_logging,
     stream_settings,
@@ -94,10 +102,14 @@ def up(
     ] = None,
     data_host: DataHost = None,
     slots: RunnerSlots = None,
+    cache_size_text: CacheSizeText = DEFAULT_CACHE_SIZE_TEXT,
     api_key: ApiKeys = None,
     alias: Aliases = None,
     cors_origin: CorsOrigins = None,
+    allowed_host: AllowedHosts = None,
     max_queued: MaxQueued = None,
+    max_body: MaxBody = DEFAULT_MAX_BODY_TEXT,
+    body_timeout: BodyTimeout = DEFAULT_BODY_TIMEOUT_S,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     retain: Retain = "30d",
@@ -129,6 +141,7 @@ def up(
     data = data_dir or default_data_dir()
     db_url = absolute_db_url(db) if db else f"sqlite:///{data / 'shoal.db'}"
     limit = parse_memory_limit(memory_limit) if memory_limit else None
+    budget = cache_size(cache_size_text)
     if not no_model and model not in builtin_cards():
         known = ", ".join(sorted(builtin_cards()))
         typer.echo(
@@ -144,6 +157,7 @@ def up(
         raise typer.Exit(1)
     keys = frozenset(api_key or ()) | keys_from_env()
     aliases = cli_aliases(alias)
+    body_limit = max_body_bytes(max_body)
     security = NatsSecurity.from_env()
     exposed = refuse_exposure(host, nats_host, keys, security)
     if exposed:
@@ -188,6 +202,7 @@ def up(
                     runner_threads=runner_threads,
                     data_host=data_host,
                     slots=slots,
+                    cache_size=budget,
                 ),
             )
             config = ApiConfig(
@@ -197,6 +212,10 @@ def up(
                 aliases=aliases,
                 default_model=None if no_model else model,
                 cors_origins=tuple(cors_origin or ()),
+                listen_hosts=(host,),
+                allowed_hosts=tuple(allowed_host or ()),
+                max_body_bytes=body_limit,
+                body_timeout_s=body_timeout,
                 models_dir=data / "models",
                 worker_models_dir=worker_dir / "models",
                 max_queued=max_queued,
@@ -236,37 +255,6 @@ def up(
     finally:
         server.stop()
     typer.echo("stopped")
-
-
-def refuse_exposure(
-    api_host: str, nats_host: str, keys: frozenset[str], security: NatsSecurity
-) -> str | None:
-    """Why `shoal up` must not listen where others can reach it, or None. Beyond loopback,
-    the API needs keys and NATS needs authentication: either open would hand the cluster (and
-    every prompt) to whoever can reach the port."""
-    missing = []
-    beyond = [h for h in (api_host, nats_host) if not _loopback(h)]
-    if beyond and not keys:
-        missing.append("API keys (--api-key or SHOAL_API_KEYS)")
-    if beyond and not security.authenticates:
-        missing.append(
-            "NATS authentication (SHOAL_NATS_TOKEN, SHOAL_NATS_USER and"
-            " SHOAL_NATS_PASSWORD, or SHOAL_NATS_NKEY)"
-        )
-    if not missing:
-        return None
-    return f"refusing to listen on {', '.join(sorted(set(beyond)))} without " + " and ".join(
-        missing
-    )
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 async def _first(*aws: Awaitable[object]) -> None:

@@ -119,7 +119,7 @@ function main() {
   const feed = new EventFeed({
     onEvent: (type) => {
       if (STATE_EVENTS.test(type)) refresh();
-      if (type === "ModelAdded") loadModels(form);
+      if (type === "ModelAdded" || type === "ModelRemoved") loadModels(form);
     },
     onStatus: (status) => {
       $("events-status").textContent = status;
