@@ -81,7 +81,7 @@ from services.runner.decoding import PromptCached, Token
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.job import prepare
 from services.runner.spec import RunnerSpec
-from services.worker.supervisor import runner_command
+from services.worker.supervisor import start_runner
 
 TPS_TARGET = 0.97  # runner tokens/s at least this fraction of in-process
 TTFT_TARGET_MS = 10.0  # at most this much added to the time to the first token
@@ -329,12 +329,7 @@ class Runner:
         )
         await nc.flush()
         with self.log_path.open("wb") as log_file:
-            self.proc = await asyncio.create_subprocess_exec(
-                *runner_command(self.spec),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=asyncio.subprocess.STDOUT,
-            )
+            self.proc = await start_runner(self.spec, log_file)
         exited = asyncio.create_task(self.proc.wait())
         ready = asyncio.create_task(states.done.wait())
         try:

@@ -13,11 +13,14 @@ import typer
 from bus.connection import connect
 from bus.streams import StreamSettings
 from cli.options import (
+    DEFAULT_CACHE_SIZE_TEXT,
     DEFAULT_NATS,
+    CacheSizeText,
     DataHost,
     NatsUrl,
     RunnerSlots,
     absolute,
+    cache_size,
     run_until_signal,
     setup_logging,
 )
@@ -50,9 +53,11 @@ def worker(
     ] = None,
     data_host: DataHost = None,
     slots: RunnerSlots = None,
+    cache_size_text: CacheSizeText = DEFAULT_CACHE_SIZE_TEXT,
 ) -> None:
     """Join the cluster as a worker: heartbeat, and run the runners placed on this node."""
     setup_logging()
+    budget = cache_size(cache_size_text)
     limit = parse_memory_limit(memory_limit) if memory_limit else None
     config = WorkerConfig(
         nats_url=nats,
@@ -63,6 +68,7 @@ def worker(
         runner_threads=runner_threads,
         data_host=data_host,
         slots=slots,
+        cache_size=budget,
         stream_settings=StreamSettings.from_env(),
     )
     typer.echo(f"worker {config.node_id} joining {nats}")
@@ -78,11 +84,18 @@ def worker(
 
 
 def runner(
-    spec: Annotated[str, typer.Option(help="The RunnerSpec, as JSON (written by the worker).")],
+    spec: Annotated[
+        str,
+        typer.Option(
+            help="The RunnerSpec, as JSON, or '-' to read it from the standard input (as the"
+            " worker gives it: the spec holds the NATS URL, and a command line is anyone's to"
+            " read)."
+        ),
+    ],
 ) -> None:
     """Serve one shard (started by a worker; not usually run by hand)."""
     setup_logging()
-    parsed = RunnerSpec.model_validate_json(spec)
+    parsed = RunnerSpec.model_validate_json(sys.stdin.read() if spec == "-" else spec)
     # Before any engine is loaded: the process sees only its shard's accelerators.
     os.environ.update(visible_devices(parsed.shard, os.environ))
     code = 0

@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
 from bus.embedded import die_with_parent
 from services.runner.spec import RunnerSpec
@@ -24,9 +25,28 @@ HEALTHY_AFTER_S = 60.0
 OnExit = Callable[[RunnerSpec, int, bool], Awaitable[None]]
 
 
-def runner_command(spec: RunnerSpec) -> list[str]:
-    shoal = Path(sys.executable).parent / "shoal"
-    return [str(shoal), "runner", "--spec", spec.model_dump_json()]
+# A runner reads its spec from its standard input: the spec holds the NATS URL, which may
+# hold credentials (nats://TOKEN@host), and a command line is anyone's to read (ps, /proc).
+RUNNER_COMMAND = [str(Path(sys.executable).parent / "shoal"), "runner", "--spec", "-"]
+
+
+async def start_runner(
+    spec: RunnerSpec, stdout: int | IO[Any], env: dict[str, str] | None = None, **kwargs: Any
+) -> asyncio.subprocess.Process:
+    """A runner process for ``spec``, given its spec on a pipe (``RUNNER_COMMAND``)."""
+    proc = await asyncio.create_subprocess_exec(
+        *RUNNER_COMMAND,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=stdout,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        **kwargs,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(spec.model_dump_json().encode())
+    await proc.stdin.drain()
+    proc.stdin.close()
+    return proc
 
 
 def _pipeline_env(spec: RunnerSpec) -> dict[str, str]:
@@ -74,11 +94,9 @@ class Supervisor:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._log_dir / f"runner-{entry.spec.runner_id}.log"
         with log_path.open("ab") as out:
-            entry.proc = await asyncio.create_subprocess_exec(
-                *runner_command(entry.spec),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
+            entry.proc = await start_runner(
+                entry.spec,
+                out,
                 # A runner must not outlive its worker (a worker killed with SIGKILL would leave
                 # a runner nobody supervises), and only its worker stops it: in a session of
                 # its own, a Ctrl-C at the terminal does not reach it behind the worker's back.
