@@ -6,13 +6,16 @@ bucket, ``ModelAdded`` published; then the request goes on once the projection h
 
 A request asks for it only once its card's estimate fits the cluster (checked by the caller),
 so nothing is downloaded for a model that could not be placed. Two requests for the same model
-in one API process share one add.
+in one API process share one add, and when every request waiting for it has gone (a client
+that left a pull), a download under way stops (the Hub's cache keeps what it fetched).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from api import projection
 from api.context import ApiContext
@@ -25,7 +28,18 @@ POLL_S = 0.2
 PROJECTED_WITHIN_S = 30.0
 
 Fraction = Callable[[float], None]
-_adding: dict[str, asyncio.Future[None]] = {}
+
+
+@dataclass
+class _Adding:
+    """An add under way, the requests waiting for it, and its download's stop."""
+
+    done: asyncio.Future[None]
+    stop: threading.Event = field(default_factory=threading.Event)
+    waiting: int = 0
+
+
+_adding: dict[str, _Adding] = {}
 
 
 async def add_model(
@@ -39,11 +53,22 @@ async def add_model(
     ``on_fetch`` and ``on_store`` get the fetch's and the store's fractions (the first from
     another thread), for the request that started the add."""
     running = _adding.get(card.id)
-    if running is None:
-        running = asyncio.ensure_future(_add(ctx, card, on_fetch, on_store))
-        _adding[card.id] = running
-        running.add_done_callback(lambda _: _adding.pop(card.id, None))
-    await asyncio.shield(running)
+    if running is None or running.stop.is_set():  # none, or one stopping: a new one
+        stop = threading.Event()
+        adding = _Adding(asyncio.ensure_future(_add(ctx, card, on_fetch, on_store, stop)), stop)
+        _adding[card.id] = running = adding
+        adding.done.add_done_callback(
+            lambda _: _adding.pop(card.id) if _adding.get(card.id) is adding else None
+        )
+    running.waiting += 1
+    try:
+        await asyncio.shield(running.done)
+    except asyncio.CancelledError:
+        if running.waiting == 1 and not running.done.done():
+            running.stop.set()  # the last request waiting for it left
+        raise
+    finally:
+        running.waiting -= 1
     loop = asyncio.get_running_loop()
     deadline = loop.time() + PROJECTED_WITHIN_S
     while (state := await projection.cluster(ctx.engine)).model(card.id) is None:
@@ -54,12 +79,16 @@ async def add_model(
 
 
 async def _add(
-    ctx: ApiContext, card: ModelCard, on_fetch: Fraction | None, on_store: Fraction | None
+    ctx: ApiContext,
+    card: ModelCard,
+    on_fetch: Fraction | None,
+    on_store: Fraction | None,
+    stop: threading.Event,
 ) -> None:
     # Imported here: they pull in the Hub's client and the GGUF reader, which only an add needs.
     from services.models.add import add_model as add_to_cluster
     from services.models.metadata import GgufError
-    from services.models.resolve import ModelUnavailable
+    from services.models.resolve import FetchStopped, ModelUnavailable
     from services.models.shared import WeightsUnavailable
 
     try:
@@ -71,7 +100,10 @@ async def _add(
             origin=ctx.origin,
             on_fetch=on_fetch,
             on_store=on_store,
+            stop=stop,
         )
+    except FetchStopped as exc:
+        raise ApiError(503, f"{card.id} was not added: {exc}", code="model_unavailable") from None
     except (ModelUnavailable, GgufError, WeightsUnavailable) as exc:
         raise ApiError(
             503, f"{card.id} could not be added: {exc}", code="model_unavailable"

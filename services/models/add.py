@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,16 +38,17 @@ async def add_model(
     origin: str | None = None,
     on_fetch: Fraction | None = None,
     on_store: Fraction | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[ModelAdded, Path, int]:
     """Fetch the card's weights here (if not here yet), read their facts, link their files into
     ``served_from`` (the cache of this machine's worker, which serves them to other nodes) or,
     without it, store them in the models bucket (``local_node`` given: keep them at their path,
     served by that node only), publish ``ModelAdded``. ``on_fetch`` and ``on_store`` get
-    fractions, the first from another thread. Returns the event, the weights' path here and
-    the event's sequence."""
+    fractions, the first from another thread; ``stop``, once set, ends a download under way
+    (``FetchStopped``). Returns the event, the weights' path here and the event's sequence."""
 
     def fetch() -> tuple[Path, ModelFacts]:
-        weights = resolve_model(card, cache_dir, on_fetch)
+        weights = resolve_model(card, cache_dir, on_fetch, stop=stop)
         return weights, model_facts(weights, card.engines[0])
 
     # In a thread, so that the connection keeps answering pings during a download.

