@@ -61,7 +61,7 @@ def _serving(conn: Connection, model_id: str) -> ClusterState:
         state.commit([Put(InstanceRow(**_prefixed(row, "i_")))])
         if row["r_runner_id"] is not None:
             state.commit([Put(RunnerRow(**_prefixed(row, "r_")))])
-    if not state.instances():
+    if not any(i.status in INSTANCE_CURRENT for i in state.instances()):
         # Whether the model is known (404 or 503), and for the 404's list of known models.
         for row in conn.execute(select(models)).mappings():
             state.commit([Put(ModelRow(**row))])
@@ -84,7 +84,9 @@ def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "ch
     in the other role (saying how to ask for this one), 503 (saying why) for one with no
     runner ready."""
     instances = [i for i in state.instances() if i.model_id == model_id]
-    if state.model(model_id) is None and not instances:
+    alive = [i for i in instances if i.status in INSTANCE_CURRENT]
+    # A model removed (or never added) with only deleted instances left is not known.
+    if state.model(model_id) is None and not alive:
         known = ", ".join(sorted(r.model_id for r in state.models())) or "none yet"
         raise ApiError(
             404,
@@ -92,7 +94,6 @@ def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "ch
             param="model",
             code="model_not_found",
         )
-    alive = [i for i in instances if i.status in INSTANCE_CURRENT]
     live = [i for i in alive if i.role == role]
     if alive and not live:
         raise _wrong_role(model_id, role)

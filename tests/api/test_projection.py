@@ -11,7 +11,7 @@ from bus.kinds import InstanceRole
 from bus.states import InstanceStatus, RunnerState
 from projectors import database
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
-from projectors.state import ClusterState, Put
+from projectors.state import ClusterState, Delete, Put
 from projectors.store import write_changes
 
 
@@ -78,6 +78,17 @@ def test_an_unknown_model_is_404() -> None:
     with pytest.raises(ApiError) as err:
         require_serving(cluster("placed", (0, "Ready")), "other")
     assert err.value.status == 404 and "known models: m" in err.value.message
+
+
+def test_a_removed_model_with_deleted_instances_is_404_and_a_known_one_503() -> None:
+    removed = cluster("deleted")
+    removed.commit([Delete(ModelRow.TABLE, ("m",))])
+    with pytest.raises(ApiError) as err:
+        require_serving(removed, "m")
+    assert err.value.status == 404 and "does not exist" in err.value.message
+    with pytest.raises(ApiError) as err:
+        require_serving(cluster("deleted"), "m")
+    assert err.value.status == 503
 
 
 async def test_serving_reads_the_model_s_instances_and_runners_from_the_database(
