@@ -99,7 +99,7 @@ from bus.records import (
     Timings,
     Usage,
 )
-from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM
+from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM, ensure_streams
 from bus.subjects import DEADLETTER_PREFIX, EVENTS_PREFIX, event_subject
 
 MAX_EXAMPLES = 40
@@ -578,12 +578,15 @@ class Published:
 
 
 async def publish(nc: Client, js: JetStreamContext, messages: list[Message]) -> Published:
-    """Purge the streams, then publish ``messages`` raw, in order. A message larger than the
-    server accepts must be refused by the client, and leave the connection usable."""
+    """Make the streams anew (their sequences start at 1 again: a log whose first events are
+    gone is one a projector refuses without a snapshot), then publish ``messages`` raw, in
+    order. A message larger than the server accepts must be refused by the client, and leave
+    the connection usable."""
     note("messages:\n" + "\n".join(f"  {m!r}" for m in messages))  # shown if the example fails
     assert nc.max_payload == MAX_PAYLOAD
-    await js.purge_stream(EVENTS_STREAM)
-    await js.purge_stream(DEADLETTER_STREAM)
+    await js.delete_stream(EVENTS_STREAM)
+    await js.delete_stream(DEADLETTER_STREAM)
+    await ensure_streams(js)
     seqs = []
     for m in messages:
         if m.refused:

@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bus.claim_check import resolved
 from bus.events import InstancePlaced, NodeTimedOut, TaskCompleted, TaskCreated, TaskStarted
+from bus.parts import PartStore
 from bus.streams import EVENTS_STREAM
 from services.runner.consumers import tasks_consumer_name
 from tests.faults.cluster import MODEL, Cluster, running_cluster
@@ -38,18 +40,25 @@ STORY = "Write a long story about a fish."
 LONG = " ".join(f"Fact {i}: the fish number {i} swims in the sea." for i in range(110))
 
 
-def asks(task: TaskCreated, marker: str) -> bool:
-    return task.messages is not None and str(task.messages[-1].content).endswith(marker)
+async def asks(store: PartStore, task: TaskCreated, marker: str) -> bool:
+    """Whether ``task``'s last message ends with ``marker`` (its messages are parts on the log,
+    read back as the runner reads them)."""
+    whole = await resolved(store, task)
+    return whole.messages is not None and str(whole.messages[-1].content).endswith(marker)
 
 
 async def pulled_not_started(c: Cluster, marker: str) -> str:
     """The id of the task whose last message ends with ``marker``, once a runner pulled it
     (the task consumer's one message in progress) and before its TaskStarted."""
+    store, seen = PartStore(c.js), set[str]()
+    task_id: str | None = None
     async with asyncio.timeout(60):
         while True:
-            created = c.log.of(TaskCreated, lambda e: asks(e, marker))
-            if created:
-                task_id = created[0].task_id
+            for e in c.log.of(TaskCreated, lambda e: e.task_id not in seen):
+                seen.add(e.task_id)
+                if task_id is None and await asks(store, e, marker):
+                    task_id = e.task_id
+            if task_id is not None:
                 started = {e.task_id for e in c.log.of(TaskStarted)}
                 assert task_id not in started, "too late: the task started already"
                 info = await c.js.consumer_info(EVENTS_STREAM, tasks_consumer_name(MODEL))
