@@ -3,21 +3,23 @@ own: all state is on the log)."""
 
 from __future__ import annotations
 
-import hmac
 import socket
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from fastapi.routing import APIRoute
 from nats.aio.client import Client
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api import admission, projection
+from api import admission, keys, projection, roles
 from api.admission import Admission
 from api.config import ApiConfig
 from api.errors import ApiError
+from api.keys import KeyBook, Principal, given_key, principal_or_refusal
 from api.metrics import ApiMetrics
 from api.model_names import ModelNames, NamesCache, names_from
+from api.rate_limit import RateLimits
 from api.serving_verdicts import ServingVerdicts
 from bus.events import EventBase
 from bus.kinds import InstanceRole
@@ -43,6 +45,10 @@ class ApiContext:
     admission: Admission = field(default_factory=Admission)
     # A request's messages and tools, stored once by digest (bus/parts.py).
     parts: PartStore = field(init=False)
+    # Each key's requests and tokens of the last minute (api/rate_limit.py).
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    # The keys made with `shoal keys add`, as last read (api/keys.py).
+    key_book: KeyBook = field(default_factory=KeyBook)
 
     def __post_init__(self) -> None:
         js = self.nc.jetstream()
@@ -83,40 +89,31 @@ def _context(request: Request) -> ApiContext:
 
 
 async def require_key(request: Request) -> None:
-    """With API keys configured, every endpoint but the health checks needs a key, as
-    ``Authorization: Bearer`` (OpenAI's and Ollama's clients) or ``x-api-key`` (Anthropic's).
-    The key given is never echoed back or logged."""
-    headers = request.headers
-    authorization, x_api_key = headers.get("authorization"), headers.get("x-api-key")
-    refused = key_refusal(_context(request).config.api_keys, authorization, x_api_key)
-    if refused is not None:
-        raise refused
-    # For admission's fairness between keys, and to hear a queued request's client leave.
-    admission.note_caller(given_key(authorization, x_api_key), request.receive)
-
-
-def given_key(authorization: str | None, x_api_key: str | None = None) -> str:
-    """The key a request sent: its ``Authorization: Bearer`` value, else ``x-api-key``."""
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        given = x_api_key or ""
-    return given.strip()
-
-
-def key_refusal(
-    keys: frozenset[str], authorization: str | None, x_api_key: str | None = None
-) -> ApiError | None:
-    """The 401 for a request with these headers, or None when it may pass."""
-    if not keys:
-        return None
-    given = given_key(authorization, x_api_key)
-    if not given:
-        return ApiError(
-            401,
-            "You didn't provide an API key: send `Authorization: Bearer <key>`"
-            " (or `x-api-key: <key>`)",
-            code="invalid_api_key",
+    """Every route but the public ones needs a key whose role allows it (``api/roles.py``):
+    who the request is was found by the guard at the edge (``api/limits.py``), before its
+    body was read (a 401 there); a key whose role does not reach the route gets a 403 here."""
+    route = request.scope.get("route")
+    path = route.path if isinstance(route, APIRoute) else request.url.path
+    role = roles.needed(request.method, path)
+    if role == "public":
+        return
+    ctx = _context(request)
+    given = given_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
+    who = request.scope.get("state", {}).get("principal")
+    if not isinstance(who, Principal):  # an app without the guard (it is always installed)
+        found = principal_or_refusal(
+            given, ctx.config.api_keys, await ctx.key_book.keys(ctx.engine)
         )
-    if not any(hmac.compare_digest(given, k) for k in keys):
-        return ApiError(401, "Incorrect API key provided", code="invalid_api_key")
-    return None
+        if isinstance(found, ApiError):
+            raise found
+        who = found
+    if not roles.allows(who.role, role):
+        raise ApiError(
+            403,
+            f"The key {who.name!r} is a {who.role} key: {request.method} {path} needs an"
+            f" {role} key",
+            code="permission_denied",
+        )
+    keys.PRINCIPAL.set(who)
+    # For admission's fairness between keys, and to hear a queued request's client leave.
+    admission.note_caller(who.key_id or given, request.receive)

@@ -42,7 +42,7 @@ from bus.states import NODE_STATUSES, RUNNER_STATES
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
 from bus.subjects import ALL_DEAD_LETTERS, dead_letter_origin
 from projectors.projector import DEFAULT_NAME
-from projectors.rows import DeviceRow, NodeRow, RunnerRow
+from projectors.rows import DeviceRow, KeyRow, NodeRow, RunnerRow, UsageRow
 from projectors.store import load_state, read_progress, task_resumes
 
 if TYPE_CHECKING:
@@ -298,6 +298,8 @@ class ProjectionReading:
     resumes: int = 0  # tasks' continuations after a lost runner, all tasks together
     # Events of each type the projector (the one this API reads) counted up to its sequence.
     events_by_type: dict[str, int] = field(default_factory=dict)
+    keys: list[KeyRow] = field(default_factory=list)
+    usage: list[UsageRow] = field(default_factory=list)
 
 
 def cluster_families(
@@ -433,7 +435,30 @@ def _projection_families(p: ProjectionReading) -> list[Metric]:
         "Continuations of tasks after the runner serving them was lost (services/resume.py).",
     )
     resumes.add_metric([], p.resumes)
-    return [applied, runners, nodes, memory, load, gpu, resumes]
+    return [applied, runners, nodes, memory, load, gpu, resumes, *_usage_families(p)]
+
+
+def _usage_families(p: ProjectionReading) -> list[Metric]:
+    """What each API key used, by model: requests and tokens of its tasks that ended."""
+    names = {k.key_id: k.name for k in p.keys}
+    requests = CounterMetricFamily(
+        "shoal_key_requests",
+        "Tasks an API key asked for that ended, by model.",
+        labels=["key", "model"],
+    )
+    tokens = CounterMetricFamily(
+        "shoal_tokens",
+        "Tokens of an API key's ended tasks, by model: prompt (cached ones included), cached"
+        " (of the prompt, not computed again) and completion.",
+        labels=["key", "model", "kind"],
+    )
+    for u in sorted(p.usage, key=lambda u: (u.key_id, u.model_id)):
+        key = names.get(u.key_id, u.key_id)
+        requests.add_metric([key, u.model_id], u.requests)
+        tokens.add_metric([key, u.model_id, "prompt"], u.prompt_tokens)
+        tokens.add_metric([key, u.model_id, "cached"], u.cached_tokens)
+        tokens.add_metric([key, u.model_id, "completion"], u.completion_tokens)
+    return [requests, tokens]
 
 
 def _gauge(name: str, documentation: str, labels: Sequence[str]) -> GaugeMetricFamily:
@@ -492,7 +517,7 @@ async def _types_after(js: JetStreamContext, after: int, last: int) -> dict[str,
 async def read_projection(engine: AsyncEngine, projector: str) -> ProjectionReading:
     """Nodes, devices, runners, where each projector stands (``projector``, the one this API
     reads, at 0 until it has applied anything) and what it counted by type."""
-    tables = (NodeRow.TABLE, DeviceRow.TABLE, RunnerRow.TABLE)
+    tables = (NodeRow.TABLE, DeviceRow.TABLE, RunnerRow.TABLE, KeyRow.TABLE, UsageRow.TABLE)
     async with engine.connect() as conn:
         state = await load_state(conn, tables)
         progress = await read_progress(conn, EVENTS_STREAM)
@@ -500,7 +525,14 @@ async def read_projection(engine: AsyncEngine, projector: str) -> ProjectionRead
     applied = {projector: 0} | {name: p.last_seq for name, p in progress.items()}
     counts = progress[projector].events_by_type if projector in progress else {}
     return ProjectionReading(
-        applied, state.nodes(), state.devices(), state.runners(), resumes, counts
+        applied,
+        state.nodes(),
+        state.devices(),
+        state.runners(),
+        resumes,
+        counts,
+        list(state.key_rows.values()),
+        list(state.usage_rows.values()),
     )
 
 

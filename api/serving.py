@@ -19,10 +19,11 @@ import nats.errors
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from api import admission, projection
+from api import admission, keys, projection
 from api.admission import Permit
 from api.context import ApiContext
 from api.errors import ApiError
+from api.rate_limit import retry_after
 from api.reply import Reply
 from api.task_stream import Closed, Recheck, TaskStream
 from bus import claim_check
@@ -74,7 +75,11 @@ async def serve(
     anything is sent raises ``ApiError``, which the app renders in the path's dialect."""
     # Its messages and tools go on the log as parts (bus/parts.py), the task names them: each
     # must fit in a NATS message, as must the task.
+    who = keys.current()
+    if who.key_id is not None:  # what it asks for is its own: only it (and admins) see it
+        tasks = [t.model_copy(update={"owner": who.key_id}) for t in tasks]
     stage = staged(ctx, tasks[0], out.too_large_param)
+    require_within_limits(ctx, who)
     capacity = await require_serving(ctx, tasks[0].model_id)
     # Before anything is published or sent: a full queue is a 429 a stream gets too.
     permit = await admit(ctx, tasks[0].model_id, len(tasks), capacity)
@@ -306,15 +311,41 @@ async def _events(ctx: ApiContext, streams: list[TaskStream], out: Output) -> As
 
 def task_stream(ctx: ApiContext, task: TaskCreated, on_closed: Closed | None = None) -> TaskStream:
     why_not = recheck(ctx, task.model_id)
-    return TaskStream(
+    who = keys.current()
+
+    def closed() -> None:
+        if on_closed is not None:
+            on_closed()
+        done = ts.finished.completed if ts.finished is not None else None
+        if who.key_id is not None and done is not None:  # for the key's tokens a minute
+            ctx.rate_limits.used(who.key_id, done.usage.total_tokens)
+
+    ts = TaskStream(
         ctx.nc,
         task,
         ctx.origin,
         ctx.config.task_timeout_s,
         why_not,
         on_published=ctx.metrics.event_published,
-        on_closed=on_closed,
+        on_closed=closed,
     )
+    return ts
+
+
+def require_within_limits(ctx: ApiContext, who: keys.Principal) -> None:
+    """A key over its requests or tokens a minute gets a 429 with Retry-After."""
+    if who.key_id is None:
+        return
+    wait = ctx.rate_limits.refusal(who.key_id, who.requests_per_minute, who.tokens_per_minute)
+    if wait is not None:
+        raise ApiError(
+            429,
+            f"Rate limit reached for key {who.name!r}: at most {who.requests_per_minute}"
+            f" requests and {who.tokens_per_minute} tokens a minute. Try again in"
+            f" {retry_after(wait)} s.",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": retry_after(wait)},
+        )
 
 
 def recheck(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> Recheck:

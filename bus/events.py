@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, cast, get_args
 
 from pydantic import Field, TypeAdapter
 
-from bus.kinds import DEFAULT_ENGINE, Engine, InstanceRole
+from bus.kinds import DEFAULT_ENGINE, Engine, InstanceRole, KeyRole
 from bus.records import (
     ChatMessage,
     FinishReason,
@@ -213,6 +213,33 @@ class ModelAdded(EventBase):
     )
 
 
+class ModelRemoved(EventBase):
+    """A model the cluster knew is no longer known (``shoal models remove``, Ollama's DELETE),
+    asked for when no live instance used it. The objects of the models bucket that no other
+    model names go with it; it may be added again."""
+
+    aggregate: ClassVar[Aggregate] = "model"
+    subject_fields: ClassVar[tuple[str, ...]] = ("model_id",)
+    model_id: Id
+    reason: str = Field(default="", description="Who asked: the command or the API route.")
+
+
+class ModelEvicted(EventBase):
+    """A node's worker deleted a model's files from its weights cache to stay within the
+    cache's size budget (the model stays known: a runner fetches them again if it needs
+    them)."""
+
+    aggregate: ClassVar[Aggregate] = "node"
+    subject_fields: ClassVar[tuple[str, ...]] = ("node_id", "model_id")
+    node_id: Id
+    model_id: Id
+    bytes_freed: int = Field(
+        ge=0, description="Bytes of the cache's own copies deleted (links to files cost none)."
+    )
+    budget_bytes: int = Field(ge=0, description="The cache's size budget.")
+    reason: str = Field(default="", description="What the room was made for.")
+
+
 # --- instances ----------------------------------------------------------------------------
 
 
@@ -347,6 +374,9 @@ class TaskCreated(_TaskEvent):
     )
     params: SamplingParams = Field(default_factory=SamplingParams)
     user: str | None = Field(default=None, max_length=255)
+    owner: str | None = Field(
+        default=None, description="The API key (its key_id) that asked for it; None: no key."
+    )
     tools: list[Tool] = Field(default_factory=list, description="Functions the model may call.")
     tools_ref: PartRef | None = Field(
         default=None, description="The tools, stored as parts; `tools` is then empty."
@@ -389,6 +419,7 @@ class EmbeddingsRequested(_TaskEvent):
         default=False, description="Cut an input longer than the context short (Ollama's way)."
     )
     user: str | None = Field(default=None, max_length=255)
+    owner: str | None = Field(default=None, description="The API key (key_id) that asked for it.")
 
 
 class TaskStarted(_TaskEvent):
@@ -405,6 +436,12 @@ class TaskCompleted(_TaskEvent):
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    attempt: int | None = Field(
+        default=None,
+        ge=0,
+        description="The attempt that ended: 0 the first run, n the n-th continuation; an older"
+        " attempt's outcome does not end the task. None: logged before attempts were.",
+    )
 
 
 class TaskFailed(_TaskEvent):
@@ -412,6 +449,12 @@ class TaskFailed(_TaskEvent):
 
     runner_id: str | None = None
     error: str
+    attempt: int | None = Field(
+        default=None,
+        ge=0,
+        description="The attempt that failed: 0 the first run, n the n-th continuation; an older"
+        " attempt's failure does not end the task. None: logged before attempts were.",
+    )
 
 
 class TaskCancelled(_TaskEvent):
@@ -445,6 +488,13 @@ class ChunkGenerated(_ChunkStreamEvent):
     stop_sequence: str | None = Field(
         default=None, description="On the last chunk: the stop sequence that ended the task."
     )
+    attempt: int | None = Field(
+        default=None,
+        ge=0,
+        description="The attempt that made it: 0 the first run, n the n-th continuation"
+        " (`resume.attempt`); only the newest attempt's chunks count (bus/attempts.py)."
+        " None: logged before attempts were.",
+    )
 
 
 class PromptScored(_ChunkStreamEvent):
@@ -454,6 +504,12 @@ class PromptScored(_ChunkStreamEvent):
     start: int = Field(description="The position in the prompt of the first token here.")
     total: int = Field(description="Tokens in the whole prompt.")
     tokens: tuple[TokenLogprob, ...]
+    attempt: int | None = Field(
+        default=None,
+        ge=0,
+        description="The attempt that scored it (0 the first run). None: logged before attempts"
+        " were.",
+    )
 
 
 class EmbeddingsComputed(_ChunkStreamEvent):
@@ -486,6 +542,7 @@ class ResponseStored(_ResponseEvent):
 
     task_id: str = Field(default="", description="The task that made it.")
     model_id: str = ""
+    owner: str | None = Field(default=None, description="The API key (key_id) that made it.")
     status: ResponseStatus = "completed"
     response: dict[str, Any] = Field(
         default_factory=dict, description="The response object, as the API answers it."
@@ -516,12 +573,44 @@ class ResponseDeleted(_ResponseEvent):
     reason: str = Field(default="", description="'expired', or empty: asked for.")
 
 
+# --- API keys -----------------------------------------------------------------------------
+
+
+class _KeyEvent(EventBase):
+    aggregate: ClassVar[Aggregate] = "key"
+    subject_fields: ClassVar[tuple[str, ...]] = ("key_id",)
+    key_id: Id
+
+
+class KeyAdded(_KeyEvent):
+    """An API key was made (``shoal keys add``). The key itself is never on the log: only its
+    digest, which the API compares with a digest of the key a request sends."""
+
+    name: Annotated[str, Field(min_length=1, max_length=100)]
+    role: KeyRole = "user"
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the key, hex.")
+    requests_per_minute: Int32 | None = Field(
+        default=None, description="The most requests it may make in a minute (None: any)."
+    )
+    tokens_per_minute: Int32 | None = Field(
+        default=None, description="The most tokens (prompt and generated) in a minute."
+    )
+
+
+class KeyRevoked(_KeyEvent):
+    """An API key no longer opens anything."""
+
+    reason: str = ""
+
+
 Event = Annotated[
     NodeJoined
     | NodeLeft
     | NodeTimedOut
     | ResourceProfiled
     | ModelAdded
+    | ModelRemoved
+    | ModelEvicted
     | InstanceRequested
     | InstancePlaced
     | PlacementRejected
@@ -538,7 +627,9 @@ Event = Annotated[
     | TaskFailed
     | TaskCancelled
     | ResponseStored
-    | ResponseDeleted,
+    | ResponseDeleted
+    | KeyAdded
+    | KeyRevoked,
     Field(discriminator="type"),
 ]
 

@@ -1,6 +1,7 @@
-"""Kinds of things the log names that are not states: the engines a model runs on and the roles
-an instance serves. Written once, here, as ``Literal`` types, so that a misspelt kind is a type
-error wherever it is used (``bus/states.py`` is the same for states and statuses)."""
+"""Kinds of things the log names that are not states: the engines a model runs on, the roles
+an instance serves and the roles of API keys. Written once, here, as ``Literal`` types, so that
+a misspelt kind is a type error wherever it is used (``bus/states.py`` is the same for states
+and statuses)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ DEFAULT_ENGINE: Engine = "llamacpp"
 InstanceRole = Literal["chat", "embed"]
 INSTANCE_ROLES: tuple[InstanceRole, ...] = get_args(InstanceRole)
 DEFAULT_ROLE: InstanceRole = "chat"
+
+
+# What an API key may do: ``user`` keys run inference and see only what they made; ``admin``
+# keys manage the cluster (instances, models, keys) and read its events.
+KeyRole = Literal["admin", "user"]
+KEY_ROLES: tuple[KeyRole, ...] = get_args(KeyRole)
 
 
 def is_engine(value: str) -> TypeGuard[Engine]:

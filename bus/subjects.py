@@ -26,7 +26,7 @@ ALL_DEAD_LETTERS = f"{DEADLETTER_PREFIX}.>"
 WEIGHTS_WANTED = "shoal.weights.wanted"
 
 # What an event is about: the token after ``shoal.events`` (chunks have a stream of their own).
-Aggregate = Literal["node", "model", "instance", "runner", "task", "response", "chunk"]
+Aggregate = Literal["node", "model", "instance", "runner", "task", "response", "key", "chunk"]
 
 # Letters, digits, '-', '_' , ':' and '=' pass unchanged; everything else is %XX (UTF-8 bytes).
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-:=]")

@@ -36,6 +36,7 @@ _COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
 _GROUPS: dict[str, tuple[str, str]] = {
     "db": ("cli.db", "app"),
     "events": ("cli.events", "app"),
+    "keys": ("cli.keys", "app"),
     "models": ("cli.models", "app"),
     "instances": ("cli.instances", "app"),
     "placement": ("cli.instances", "placement_app"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from bus.kinds import InstanceRole
+from bus.kinds import InstanceRole, KeyRole
 from bus.records import ShardAssignment
 from bus.states import InstanceStatus, NodeStatus, RunnerState, StoredResponseStatus, TaskStatus
 
@@ -184,6 +184,7 @@ class TaskRow:
     finish_reason: str | None = None
     error: str | None = None
     resumes: int = 0  # continuations after a lost runner
+    owner: str | None = None  # the API key (key_id) that asked for it
 
     def key(self) -> tuple[str]:
         return (self.task_id,)
@@ -208,12 +209,57 @@ class ResponseRow:
     conversation_ref: JsonDict | None = None  # a PartRef: the conversation stored as parts
     input_items_ref: JsonDict | None = None  # a PartRef
     expires_at: datetime | None = None  # None: never
+    owner: str | None = None  # the API key (key_id) that made it: only it (or an admin) sees it
 
     def key(self) -> tuple[str]:
         return (self.response_id,)
 
 
-Row = NodeRow | DeviceRow | ModelRow | InstanceRow | RunnerRow | TaskRow | ResponseRow
+@dataclass(frozen=True, slots=True)
+class KeyRow:
+    """An API key: its name, role and digest (the key itself is nowhere), and its limits."""
+
+    TABLE: ClassVar[str] = "api_keys"
+    key_id: str
+    name: str
+    role: KeyRole
+    digest: str
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    added_at: datetime | None = None
+    revoked_at: datetime | None = None
+
+    def key(self) -> tuple[str]:
+        return (self.key_id,)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """What one API key's tasks of one model used, all together (ended tasks only)."""
+
+    TABLE: ClassVar[str] = "key_usage"
+    key_id: str
+    model_id: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def key(self) -> tuple[str, str]:
+        return (self.key_id, self.model_id)
+
+
+Row = (
+    NodeRow
+    | DeviceRow
+    | ModelRow
+    | InstanceRow
+    | RunnerRow
+    | TaskRow
+    | ResponseRow
+    | KeyRow
+    | UsageRow
+)
 ROW_TYPES: tuple[type[Row], ...] = (
     NodeRow,
     DeviceRow,
@@ -222,4 +268,6 @@ ROW_TYPES: tuple[type[Row], ...] = (
     RunnerRow,
     TaskRow,
     ResponseRow,
+    KeyRow,
+    UsageRow,
 )

@@ -21,7 +21,11 @@ from bus.events import (
     InstanceDeleteRequested,
     InstancePlaced,
     InstanceRequested,
+    KeyAdded,
+    KeyRevoked,
     ModelAdded,
+    ModelEvicted,
+    ModelRemoved,
     NodeJoined,
     NodeLeft,
     NodeTimedOut,
@@ -42,11 +46,13 @@ from bus.states import INSTANCE_ENDING, TASK_ENDED, NodeStatus, TaskStatus
 from projectors.rows import (
     DeviceRow,
     InstanceRow,
+    KeyRow,
     ModelRow,
     NodeRow,
     ResponseRow,
     RunnerRow,
     TaskRow,
+    UsageRow,
 )
 from projectors.state import Change, ClusterState, Delete, Put
 
@@ -82,6 +88,8 @@ def changes_for(state: ClusterState, event: Event) -> list[Change]:
             return _node_timed_out(state, event)
         case ModelAdded():
             return _model_added(state, event)
+        case ModelRemoved():
+            return _model_removed(state, event)
         case InstanceRequested():
             return _instance_requested(state, event)
         case InstancePlaced():
@@ -96,8 +104,14 @@ def changes_for(state: ClusterState, event: Event) -> list[Change]:
             return _response_stored(state, event)
         case ResponseDeleted():
             return _response_deleted(state, event)
+        case KeyAdded():
+            return _key_added(state, event)
+        case KeyRevoked():
+            return _key_revoked(state, event)
         case ChunkGenerated() | PromptScored() | EmbeddingsComputed():
             return []  # projection-free: the chunk stream's; the projection keeps task outcomes
+        case ModelEvicted():
+            return []  # projection-free: what one node's disk holds is that node's business
         case _:
             assert_never(event)
 
@@ -239,6 +253,13 @@ def _model_added(state: ClusterState, e: ModelAdded) -> list[Change]:
         node_id=e.node_id,
     )
     return [Put(row)]
+
+
+def _model_removed(state: ClusterState, e: ModelRemoved) -> list[Change]:
+    # Refused at the edge while a live instance uses it; an instance row that names it later
+    # is placed as any instance of an unknown model is (rejected).
+    old = state.model(e.model_id)
+    return [Delete(ModelRow.TABLE, old.key())] if old is not None else []
 
 
 # --- instances ----------------------------------------------------------------------------
@@ -415,6 +436,7 @@ def _task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
         user=e.user,
         max_tokens=e.params.max_tokens,
         created_at=e.ts,
+        owner=e.owner,
     )
     return [Put(row)]
 
@@ -429,6 +451,7 @@ def _embeddings_requested(state: ClusterState, e: EmbeddingsRequested) -> list[C
         kind="embedding",
         user=e.user,
         created_at=e.ts,
+        owner=e.owner,
     )
     return [Put(row)]
 
@@ -444,9 +467,15 @@ def _task_started(state: ClusterState, e: TaskStarted) -> list[Change]:
     return [Put(row)]
 
 
+def _superseded(old: TaskRow, e: TaskCompleted | TaskFailed) -> bool:
+    """An outcome of an attempt continued since (its runner was stalled, not lost): the task
+    goes on with the newer attempt (``resumes`` counts them; bus/attempts.py)."""
+    return e.attempt is not None and e.attempt < old.resumes
+
+
 def _task_completed(state: ClusterState, e: TaskCompleted) -> list[Change]:
     old = state.task(e.task_id)
-    if old is None:
+    if old is None or _superseded(old, e):
         return []
     # A runner that honoured a cancel reports finish_reason "cancelled": keep "cancelled".
     status: TaskStatus = "cancelled" if old.status == "cancelled" else "completed"
@@ -462,12 +491,23 @@ def _task_completed(state: ClusterState, e: TaskCompleted) -> list[Change]:
         total_ms=e.timings.total_ms,
         finish_reason=e.finish_reason,
     )
-    return [Put(row)]
+    changes: list[Change] = [Put(row)]
+    if old.owner is not None and old.status != "completed":  # counted once
+        used = state.usage(old.owner, old.model_id) or UsageRow(old.owner, old.model_id)
+        used = replace(
+            used,
+            requests=used.requests + 1,
+            prompt_tokens=used.prompt_tokens + e.usage.prompt_tokens,
+            cached_tokens=used.cached_tokens + e.usage.cached_tokens,
+            completion_tokens=used.completion_tokens + e.usage.completion_tokens,
+        )
+        changes.append(Put(used))
+    return changes
 
 
 def _task_failed(state: ClusterState, e: TaskFailed) -> list[Change]:
     old = state.task(e.task_id)
-    if old is None or old.status in TASK_ENDED:
+    if old is None or old.status in TASK_ENDED or _superseded(old, e):
         return []
     row = replace(
         old,
@@ -506,6 +546,7 @@ def _response_stored(state: ClusterState, e: ResponseStored) -> list[Change]:
         conversation_ref=_dumped(e.conversation_ref),
         input_items_ref=_dumped(e.input_items_ref),
         expires_at=e.expires_at,
+        owner=old.owner if old is not None else e.owner,  # whoever made it first
     )
     return [Put(row)]
 
@@ -523,8 +564,34 @@ def _response_deleted(state: ClusterState, e: ResponseDeleted) -> list[Change]:
         created_at=old.created_at if old is not None else e.ts,
         updated_at=e.ts,
         deleted_at=e.ts,
+        owner=old.owner if old is not None else None,
     )
     return [Put(row)]
+
+
+# --- API keys -----------------------------------------------------------------------------
+
+
+def _key_added(state: ClusterState, e: KeyAdded) -> list[Change]:
+    if state.api_key(e.key_id) is not None:
+        return []  # an id is made once: a key revoked stays revoked
+    row = KeyRow(
+        key_id=e.key_id,
+        name=e.name,
+        role=e.role,
+        digest=e.digest,
+        requests_per_minute=e.requests_per_minute,
+        tokens_per_minute=e.tokens_per_minute,
+        added_at=e.ts,
+    )
+    return [Put(row)]
+
+
+def _key_revoked(state: ClusterState, e: KeyRevoked) -> list[Change]:
+    old = state.api_key(e.key_id)
+    if old is None or old.revoked_at is not None:
+        return []
+    return [Put(replace(old, revoked_at=e.ts))]
 
 
 def _dumped(ref: PartRef | None) -> dict[str, Any] | None:

@@ -10,12 +10,14 @@ from bus.states import TASK_ENDED
 from projectors.rows import (
     DeviceRow,
     InstanceRow,
+    KeyRow,
     ModelRow,
     NodeRow,
     ResponseRow,
     Row,
     RunnerRow,
     TaskRow,
+    UsageRow,
 )
 
 
@@ -54,6 +56,8 @@ class ClusterState:
         self.runner_rows: dict[tuple[str], RunnerRow] = {}
         self.task_rows: dict[tuple[str], TaskRow] = {}
         self.response_rows: dict[tuple[str], ResponseRow] = {}
+        self.key_rows: dict[tuple[str], KeyRow] = {}
+        self.usage_rows: dict[tuple[str, str], UsageRow] = {}
         # The same dicts by table name, for changes, which name their table. Each row type has
         # a table of its own (its TABLE), so a row put through here lands in its typed dict.
         self._by_name: dict[str, dict[Any, Any]] = {
@@ -64,6 +68,8 @@ class ClusterState:
             RunnerRow.TABLE: self.runner_rows,
             TaskRow.TABLE: self.task_rows,
             ResponseRow.TABLE: self.response_rows,
+            KeyRow.TABLE: self.key_rows,
+            UsageRow.TABLE: self.usage_rows,
         }
 
     @property
@@ -89,6 +95,12 @@ class ClusterState:
 
     def response(self, response_id: str) -> ResponseRow | None:
         return self.response_rows.get((response_id,))
+
+    def api_key(self, key_id: str) -> KeyRow | None:
+        return self.key_rows.get((key_id,))
+
+    def usage(self, key_id: str, model_id: str) -> UsageRow | None:
+        return self.usage_rows.get((key_id, model_id))
 
     def nodes(self) -> list[NodeRow]:
         return list(self.node_rows.values())

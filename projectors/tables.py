@@ -184,7 +184,9 @@ tasks = Table(
     Column("finish_reason", String(20)),
     Column("error", Text),
     Column("resumes", Integer, nullable=False, server_default="0"),
+    Column("owner", String(200)),
     Index("ix_tasks_created_at", "created_at"),
+    Index("ix_tasks_owner", "owner"),
     Index("ix_tasks_status", "status"),
 )
 
@@ -204,6 +206,31 @@ responses = Table(
     Column("conversation_ref", JSON),
     Column("input_items_ref", JSON),
     Column("expires_at", UtcDateTime),
+    Column("owner", String(200)),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    _id("key_id"),
+    Column("name", String(100), nullable=False),
+    Column("role", String(20), nullable=False),
+    Column("digest", String(64), nullable=False),
+    Column("requests_per_minute", Integer),
+    Column("tokens_per_minute", Integer),
+    Column("added_at", UtcDateTime),
+    Column("revoked_at", UtcDateTime),
+)
+
+key_usage = Table(
+    "key_usage",
+    metadata,
+    Column("key_id", String(200), primary_key=True),
+    Column("model_id", String(200), primary_key=True),
+    Column("requests", BigInteger, nullable=False),
+    Column("prompt_tokens", BigInteger, nullable=False),
+    Column("cached_tokens", BigInteger, nullable=False),
+    Column("completion_tokens", BigInteger, nullable=False),
 )
 
 # Where each projector stands in each stream: written in the same transaction as the rows.
@@ -227,5 +254,6 @@ event_counts = Table(
 )
 
 STATE_TABLES: dict[str, Table] = {
-    t.name: t for t in (nodes, devices, models, instances, runners, tasks, responses)
+    t.name: t
+    for t in (nodes, devices, models, instances, runners, tasks, responses, api_keys, key_usage)
 }

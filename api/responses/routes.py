@@ -20,7 +20,7 @@ import nats.errors
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api import admission
+from api import admission, keys
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.responses import store as response_store
@@ -78,7 +78,7 @@ async def cancel_response(response_id: str, ctx: Ctx) -> Json:
     if found is None:
         # Not stored (yet): a streamed response in progress, found by its task.
         task = await response_store.task(ctx, task_id) if task_id is not None else None
-        if task is None or task.status in TASK_ENDED:
+        if task is None or task.status in TASK_ENDED or not keys.current().sees(task.owner):
             raise _not_found(response_id)
         await _cancel_task(ctx, task.task_id, task.model_id, "its response was cancelled")
         created = int(task.created_at.timestamp()) if task.created_at else 0
@@ -197,6 +197,8 @@ def _keeper(
     items: list[Json],
     conversation: list[ChatMessage],
 ) -> Keep:
+    owner = keys.current().key_id  # now: the response may be kept from another task
+
     async def keep(response: Json, reply: ChatMessage | None) -> bool:
         event = ResponseStored.model_validate(
             {
@@ -204,6 +206,7 @@ def _keeper(
                 "origin": ctx.origin,
                 "task_id": task.task_id,
                 "model_id": task.model_id,
+                "owner": owner,
                 "status": response["status"],
                 "response": response,
                 "input_items": items,

@@ -20,6 +20,7 @@ from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 from sqlalchemy import select
 
+from api import keys
 from api.context import ApiContext
 from api.errors import ApiError
 from api.serving import log_unavailable
@@ -79,11 +80,13 @@ async def delete(ctx: ApiContext, response_id: str) -> None:
 
 
 async def find(ctx: ApiContext, response_id: str) -> ResponseStored | None:
-    """The response as last stored; None for one never stored, deleted, or expired (which
-    the planner deletes on the log soon: services/planner/janitor.py)."""
+    """The response as last stored; None for one never stored, deleted, expired (which the
+    planner deletes on the log soon: services/planner/janitor.py), or another key's."""
     found = await _find(ctx, response_id)
     if found is not None and found.expires_at is not None and found.expires_at <= utc_now():
         return None
+    if found is not None and not keys.current().sees(found.owner):
+        return None  # another key's: as a missing one
     return found
 
 
@@ -147,6 +150,7 @@ def _from_row(row: ResponseRow) -> ResponseStored:
         conversation_ref=row.conversation_ref,
         input_items_ref=row.input_items_ref,
         expires_at=row.expires_at,
+        owner=row.owner,
     )
 
 

@@ -31,8 +31,8 @@ from api.admission import (
     queue_full,
     retry_after_s,
 )
-from api.context import given_key
 from api.errors import ApiError, error_response
+from api.keys import given_key
 from api.projection import serving_slots
 from api.serving_verdicts import ServingVerdicts
 from bus.embedded import free_port

@@ -25,6 +25,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,20 +39,25 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis.core.result import Ok
 
+from api import roles
 from api.errors import Dialect, dialect_of
+from api.keys import key_digest
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.events import (
     EventBase,
     InstancePlaced,
     InstanceRequested,
+    KeyAdded,
     ModelAdded,
     NodeJoined,
     ResourceProfiled,
+    ResponseStored,
     RunnerStateChanged,
+    TaskCreated,
 )
 from bus.publisher import Publisher
-from bus.records import GpuInfo, NodeProfile, ShardAssignment
+from bus.records import ChatMessage, GpuInfo, NodeProfile, ShardAssignment
 from bus.units import GiB
 from tests.api.conftest import ApiStack, wait_healthy
 from tests.services.processes import Processes
@@ -73,6 +79,10 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
 ERROR_KEYS = {"message", "type", "param", "code"}
+# Two user keys (their ids are the keys themselves, for brevity) and what the first made.
+OWNER_KEY, OTHER_KEY = "sk-owner-key", "sk-other-key"
+OWNED_RESPONSE = "resp_owned"
+SECRET = b"the-owners-secret-7f3a"
 
 
 # --- the stacks -----------------------------------------------------------------------------
@@ -281,18 +291,43 @@ def _with_known_model(drawn: tuple[Case, bool]) -> Case:
     case, known = drawn
     if known and isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
         case.body["model"] = KNOWN_MODEL
+    if known and case.path_parameters and "response_id" in case.path_parameters:
+        case.path_parameters["response_id"] = OWNED_RESPONSE  # one key's, asked by another
+    if known and isinstance(case.body, dict) and "previous_response_id" in case.body:
+        case.body["previous_response_id"] = OWNED_RESPONSE
     return case
 
 
-def _call_problems(case: Case, url: str, session: requests.Session) -> list[str]:
+@dataclass(frozen=True)
+class Caller:
+    """Who the fuzz calls as: the headers it sends, and text it must never be shown (another
+    key's objects) nor be let through to (admin routes, for a user key)."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    secret: bytes | None = None
+    user: bool = False
+
+
+NOBODY = Caller()
+
+
+def _call_problems(
+    case: Case, url: str, session: requests.Session, caller: Caller = NOBODY
+) -> list[str]:
     try:
-        response = case.call(base_url=url, session=session, timeout=REQUEST_TIMEOUT_S)
+        response = case.call(
+            base_url=url, session=session, headers=caller.headers, timeout=REQUEST_TIMEOUT_S
+        )
     except requests.Timeout:
         return [f"no answer within {REQUEST_TIMEOUT_S:g} s (a hang)"]
     except requests.RequestException as exc:
         return [f"no answer: {exc!r}"]
     status = response.status_code
     problems = []
+    if caller.secret is not None and caller.secret in response.content:
+        problems.append(f"{status}: shows another key's object")
+    if caller.user and status < 400 and roles.needed(case.method.upper(), case.path) == "admin":
+        problems.append(f"{status}: an admin route let a user key through")
     if status >= 500 and not _model_not_ready(status, response.content):
         problems.append(f"server error {status}: {response.content[:300]!r}")
     if response.elapsed > REQUEST_TIMEOUT_S:
@@ -323,8 +358,10 @@ def _fuzz(
     mode: schemathesis.GenerationMode,
     url: str,
     session: requests.Session,
+    caller: Caller = NOBODY,
+    examples: int = MAX_EXAMPLES,
 ) -> list[str]:
-    """Up to MAX_EXAMPLES requests; every problem found, with the request as a curl command.
+    """Up to ``examples`` requests; every problem found, with the request as a curl command.
     Failures are collected, not raised, so one run reports them all and none is shrunk (which
     would cost many more requests, each up to the timeout when the problem is a hang)."""
     found: list[str] = []
@@ -333,7 +370,7 @@ def _fuzz(
         cases = st.tuples(cases, st.booleans()).map(_with_known_model)
 
     @settings(
-        max_examples=MAX_EXAMPLES,
+        max_examples=examples,
         deadline=None,
         database=None,
         derandomize=True,
@@ -341,8 +378,8 @@ def _fuzz(
     )
     @given(case=cases)
     def run(case: Case) -> None:
-        for problem in _call_problems(case, url, session):
-            curl = case.as_curl_command(base_url=url)
+        for problem in _call_problems(case, url, session, caller):
+            curl = case.as_curl_command(base_url=url, headers=caller.headers)
             if len(curl) > MAX_SHOWN:
                 curl = f"{curl[:MAX_SHOWN]}... ({len(curl)} characters)"
             found.append(f"{operation.label} ({mode.value}): {problem}\n    {curl}")
@@ -398,6 +435,76 @@ def test_openapi_operations_never_fail_on_generated_requests(tmp_path: Path) -> 
         if not _run_sync(_projection_alive(stack, "probe-after-fuzz", PROJECTION_WAIT_S)):
             problems.append("the projector stopped projecting during the run")
         assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+
+
+def _owned_events() -> list[EventBase]:
+    """Two user keys; a stored response and a task of the first, each holding ``SECRET``."""
+    keys: list[EventBase] = [
+        KeyAdded(key_id=k, origin="test", name=k, role="user", digest=key_digest(k))
+        for k in (OWNER_KEY, OTHER_KEY)
+    ]
+    text = SECRET.decode()
+    return [
+        *keys,
+        ResponseStored(
+            response_id=OWNED_RESPONSE,
+            origin="test",
+            owner=OWNER_KEY,
+            model_id=KNOWN_MODEL,
+            response={"id": OWNED_RESPONSE, "object": "response", "output_text": text},
+            input_items=[{"id": "msg_1", "type": "message", "role": "user", "content": text}],
+        ),
+        TaskCreated(
+            task_id="owned-task",
+            model_id=KNOWN_MODEL,
+            origin="test",
+            owner=OWNER_KEY,
+            messages=[ChatMessage(role="user", content=text)],
+        ),
+    ]
+
+
+@pytest.mark.slow
+def test_no_route_shows_one_key_what_another_made(tmp_path: Path) -> None:
+    """Every operation, fuzzed as a user key: none shows a stored response or a task that
+    another user key made (a response id in a path or a ``previous_response_id`` is drawn as
+    that response's half the time), no admin route lets it through, and no 5xx."""
+    with _running_stack(tmp_path) as stack:
+        _run_sync(_publish(stack, _owned_events()))
+        headers = {"Authorization": f"Bearer {OTHER_KEY}"}
+
+        async def keys_taken(client: httpx.AsyncClient) -> bool:
+            r = await client.get(f"/v1/responses/{OWNED_RESPONSE}", headers=headers)
+            return r.status_code == 404 and (await client.get("/v1/models")).status_code == 401
+
+        assert _run_sync(_eventually(stack.url, keys_taken, timeout=PROJECTION_WAIT_S))
+        owner = {"Authorization": f"Bearer {OWNER_KEY}"}
+        mine = httpx.get(f"{stack.url}/v1/responses/{OWNED_RESPONSE}", headers=owner)
+        assert mine.status_code == 200 and SECRET in mine.content  # the owner's: shown
+        loaded = schemathesis.openapi.from_url(f"{stack.url}/openapi.json", timeout=30)
+        loaded.config.output.sanitization.update(enabled=False)
+        schema = loaded.exclude(method="GET", path="/v1/events")
+        caller = Caller(headers, SECRET, user=True)
+        problems: list[str] = []
+        with requests.Session() as session:
+            for result in schema.get_all_operations():
+                if not isinstance(result, Ok):
+                    raise result.err()
+                for mode in schemathesis.GenerationMode:
+                    problems += _fuzz(result.ok(), mode, stack.url, session, caller, examples=5)
+        events = httpx.get(f"{stack.url}/v1/events", headers=headers, timeout=10)
+        assert events.status_code == 403  # the feed (every prompt): admins only
+        assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+
+
+async def _publish(stack: ApiStack, events: list[EventBase]) -> None:
+    nc = await connect(stack.nats_url, name="test-fuzz-keys")
+    try:
+        pub = Publisher(nc.jetstream())
+        for event in events:
+            await pub.publish(event)
+    finally:
+        await nc.close()
 
 
 # --- 2. hand-written bad requests -----------------------------------------------------------
@@ -507,6 +614,11 @@ _BAD = [
                  "temperature", "less than or equal to 2", id="temperature-nan"),
     pytest.param(CHAT, b'{"model": "m\xff"}', None, "error parsing the body",
                  id="invalid-utf8"),
+    # JSON allows a lone surrogate's escape; no event can hold one (it was a 500).
+    pytest.param(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                 "messages.0.content", "lone UTF-16 surrogate", id="lone-surrogate"),
+    pytest.param(COMPLETIONS, '{"model": "m", "prompt": "\udfff"}'.encode("utf-8", "surrogatepass"),
+                 "prompt", "lone UTF-16 surrogate", id="lone-surrogate-raw-bytes"),
     pytest.param(COMPLETIONS, {"model": "m", "prompt": ["one", "two"]}, "prompt",
                  "one prompt per request", id="completions-two-prompts"),
     pytest.param(COMPLETIONS, {"model": "m", "prompt": []}, "prompt", "one prompt per request",
@@ -677,6 +789,80 @@ async def test_events_with_a_subject_outside_shoal_is_a_400(client: httpx.AsyncC
 async def test_unknown_path_and_method_are_openai_shaped(client: httpx.AsyncClient) -> None:
     _error(await client.get("/v1/nothing-here"), 404)
     _error(await client.put(CHAT, json={}), 405)
+
+
+# Valid bodies of each dialect, whose every string the test below gives a lone surrogate.
+_TEXT_BODIES: list[tuple[str, dict[str, Any]]] = [
+    (CHAT, {"model": KNOWN_MODEL, "messages": MESSAGES, "stop": ["x"], "user": "u"}),
+    (COMPLETIONS, {"model": KNOWN_MODEL, "prompt": "hi", "stop": "s"}),
+    ("/v1/messages", {"model": KNOWN_MODEL, "max_tokens": 5, "system": "s", "messages": MESSAGES}),
+    ("/v1/responses", {"model": KNOWN_MODEL, "input": "hi", "instructions": "be brief"}),
+    ("/v1/embeddings", {"model": KNOWN_MODEL, "input": ["a", "b"]}),
+    ("/api/chat", {"model": KNOWN_MODEL, "messages": MESSAGES, "options": {"stop": ["x"]}}),
+    ("/api/generate", {"model": KNOWN_MODEL, "prompt": "hi", "system": "s"}),
+    ("/v1/placement/preview", {"model": KNOWN_MODEL, "aliases": ["a"]}),
+]
+
+
+def _string_paths(value: Any, path: tuple[str | int, ...] = ()) -> list[tuple[str | int, ...]]:
+    """Where the strings of a JSON value are."""
+    if isinstance(value, str):
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _string_paths(v, (*path, k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _string_paths(v, (*path, i))]
+    return []
+
+
+def _replaced(value: Any, path: tuple[str | int, ...], text: str) -> Any:
+    if not path:
+        return text
+    copy = dict(value) if isinstance(value, dict) else list(value)
+    copy[path[0]] = _replaced(value[path[0]], path[1:], text)  # type: ignore[index]
+    return copy
+
+
+def test_a_lone_surrogate_in_any_string_is_a_400_naming_it(seeded_stack: ApiStack) -> None:
+    """Any string of any dialect's body, given a lone surrogate (escaped, as json.dumps and
+    the SDKs send it): a 400 in the dialect's shape that names the field, never a 5xx."""
+    strategy = st.sampled_from(_TEXT_BODIES).flatmap(
+        lambda pb: st.tuples(
+            st.just(pb),
+            st.sampled_from(_string_paths(pb[1])),
+            st.text(max_size=3),
+            st.characters(categories=["Cs"]),
+            st.text(max_size=3),
+        )
+    )
+    problems: list[str] = []
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True)
+    @given(drawn=strategy)
+    def run(drawn: Any) -> None:
+        (path, body), where, before, surrogate, after = drawn
+        sent = _replaced(body, where, before + surrogate + after)
+        r = session.post(
+            f"{seeded_stack.url}{path}",
+            data=json.dumps(sent).encode(),
+            headers={"content-type": "application/json"},
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        content_type = r.headers.get("content-type", "")
+        dialect = dialect_of(path)
+        found = _shape_problems(r.status_code, r.content, content_type, dialect)
+        param = ".".join(str(p) for p in where)
+        if r.status_code != 400:
+            found.append(f"status {r.status_code}, not 400")
+        elif dialect == "openai" and r.json()["error"]["param"] != param:
+            found.append(f"param {r.json()['error']['param']!r}, not {param!r}")
+        elif param not in r.text:
+            found.append(f"the message does not name {param!r}")
+        problems.extend(f"{path} {param}={sent!r}: {p}: {r.text[:300]}" for p in found)
+
+    with requests.Session() as session:
+        run()
+    assert not problems, "\n".join(problems)
 
 
 # --- 3. the official SDK ------------------------------------------------------------------

@@ -24,7 +24,11 @@ from bus.events import (
     InstanceDeleteRequested,
     InstancePlaced,
     InstanceRequested,
+    KeyAdded,
+    KeyRevoked,
     ModelAdded,
+    ModelEvicted,
+    ModelRemoved,
     NodeJoined,
     NodeLeft,
     NodeTimedOut,
@@ -151,6 +155,15 @@ SAMPLES: dict[type[EventBase], EventBase] = {
         chat_format="chatml",
         source="hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF",
         path="/models/qwen2.5-0.5b-instruct-q4_k_m.gguf",
+    ),
+    ModelRemoved: ModelRemoved(model_id=MODEL, origin="cli", ts=TS, reason="not used"),
+    ModelEvicted: ModelEvicted(
+        node_id="node-a",
+        model_id=MODEL,
+        origin="node-a",
+        ts=TS,
+        bytes_freed=398 * 1024**2,
+        budget_bytes=50 * GiB,
     ),
     InstanceRequested: InstanceRequested(
         instance_id="inst-1",
@@ -302,6 +315,16 @@ SAMPLES: dict[type[EventBase], EventBase] = {
         ],
     ),
     ResponseDeleted: ResponseDeleted(response_id="resp_task-1", origin="api", ts=TS),
+    KeyAdded: KeyAdded(
+        key_id="key-1",
+        origin="cli",
+        ts=TS,
+        name="alice",
+        role="user",
+        digest="a" * 64,
+        requests_per_minute=60,
+    ),
+    KeyRevoked: KeyRevoked(key_id="key-1", origin="cli", ts=TS, reason="left"),
 }
 
 ALL_TYPES = pytest.mark.parametrize("cls", EVENT_TYPES, ids=lambda c: c.__name__)
