@@ -11,6 +11,7 @@ from bus.units import KiB, MiB
 from projectors.projector import DEFAULT_NAME
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
+from services.planner.on_demand import DEFAULT_KEEP_ALIVE_S
 
 # The largest request body accepted by default (api/limits.py). A task is stored as events and
 # prompt parts of up to NATS's max_payload each (1 MiB by default, bus/parts.py), so a request
@@ -34,6 +35,13 @@ class ApiConfig:
     projector: str = DEFAULT_NAME
     # How long a request may wait for its task to finish (queueing included).
     task_timeout_s: float = 600.0
+    # How long a request for a model nothing serves waits while an instance of it is loaded on
+    # demand (api/on_demand.py): placement, the weights' fetch, the load.
+    load_timeout_s: float = 600.0
+    # Whether such a request loads its model (False: a 503 saying no instance serves it).
+    load_on_demand: bool = True
+    # The planners' keep-alive of such a model (what Ollama's /api/ps says of its expiry).
+    default_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
     # How long a task waits for its model to serve again (its runner restarting, its instance
     # placed anew) before it fails: a task resumed after its runner was lost, or one queued.
     resume_within_s: float = 60.0

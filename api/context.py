@@ -69,9 +69,10 @@ class ApiContext:
             return name  # an id that was just served: no read on the path of most requests
         return (await self.model_names()).resolve(name, role)
 
-    async def publish(self, event: EventBase) -> None:
-        """Store ``event`` on the log (counted in the metrics)."""
-        await Publisher(self.nc.jetstream()).publish(event)
+    async def publish(self, event: EventBase, msg_id: str | None = None) -> None:
+        """Store ``event`` on the log (counted in the metrics); ``msg_id``: its message id,
+        when every API process must store one event for one thing (else the event's id)."""
+        await Publisher(self.nc.jetstream()).publish(event, msg_id=msg_id)
         self.metrics.event_published(event)
 
 

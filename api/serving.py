@@ -19,7 +19,7 @@ import nats.errors
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from api import admission, keys, projection
+from api import admission, keys, on_demand, projection
 from api.admission import Permit
 from api.context import ApiContext
 from api.errors import ApiError
@@ -147,13 +147,30 @@ async def _serve(
     return JSONResponse(out.whole(replies, usages, streams[0]))
 
 
-async def require_serving(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> int:
+async def require_serving(
+    ctx: ApiContext,
+    model_id: str,
+    role: InstanceRole = "chat",
+    why: str = "",
+    keep_alive_s: float | None = None,
+) -> int:
     """The 404, 400 or 503 of a model that cannot answer now in ``role`` (its yes remembered
-    a moment); else its serving slots (the capacity admission control lets run at once)."""
+    a moment); else its serving slots (the capacity admission control lets run at once). A
+    model the cluster knows that nothing serves in ``role`` is loaded on demand first, unless
+    the API was told not to (``api/on_demand.py``); ``why``: the request, for the log;
+    ``keep_alive_s``: the instance's keep-alive, when one is loaded."""
     slots = ctx.serving.slots(model_id, role)
     if slots is None:
         state = await projection.serving(ctx.engine, model_id, ctx.reader)
-        projection.require_serving(state, model_id, role)
+        try:
+            projection.require_serving(state, model_id, role)
+        except ApiError as err:
+            if not ctx.config.load_on_demand or err.code not in on_demand.LOADABLE:
+                raise
+            why = why or f"loaded on demand: a {role} request for {model_id}"
+            await on_demand.load(ctx, model_id, role, why, keep_alive_s)
+            state = await projection.serving(ctx.engine, model_id, ctx.reader)
+            projection.require_serving(state, model_id, role)
         slots = projection.serving_slots(state, model_id, role)
         ctx.serving.found(model_id, role, slots)
     return slots

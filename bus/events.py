@@ -266,6 +266,17 @@ class InstanceRequested(_InstanceEvent):
         default_factory=list,
         description="Other names clients may call the model by (an SDK's own model names).",
     )
+    on_demand: bool = Field(
+        default=False,
+        description="Asked for by a request for a model nothing served: unloaded once idle"
+        " past its keep-alive, or to make room. False: pinned (asked for explicitly).",
+    )
+    keep_alive_s: float | None = Field(
+        default=None,
+        description="An on-demand instance's seconds idle before it is unloaded (negative:"
+        " never); None: the planner's default.",
+    )
+    reason: str = Field(default="", description="Why it was asked for (the request's route).")
 
 
 class InstancePlaced(_InstanceEvent):
@@ -377,6 +388,11 @@ class TaskCreated(_TaskEvent):
     owner: str | None = Field(
         default=None, description="The API key (its key_id) that asked for it; None: no key."
     )
+    keep_alive_s: float | None = Field(
+        default=None,
+        description="How long the model stays loaded once idle, from this task's end (Ollama's"
+        " keep_alive; negative: for ever); None: as it was.",
+    )
     tools: list[Tool] = Field(default_factory=list, description="Functions the model may call.")
     tools_ref: PartRef | None = Field(
         default=None, description="The tools, stored as parts; `tools` is then empty."
@@ -420,6 +436,9 @@ class EmbeddingsRequested(_TaskEvent):
     )
     user: str | None = Field(default=None, max_length=255)
     owner: str | None = Field(default=None, description="The API key (key_id) that asked for it.")
+    keep_alive_s: float | None = Field(
+        default=None, description="As TaskCreated's: how long the model stays loaded once idle."
+    )
 
 
 class TaskStarted(_TaskEvent):

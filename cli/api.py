@@ -112,6 +112,14 @@ AllowedHosts = Annotated[
         " and addresses (repeatable; '*' for any). Other names are refused (DNS rebinding).",
     ),
 ]
+LoadOnDemand = Annotated[
+    bool,
+    typer.Option(
+        "--load-on-demand/--no-load-on-demand",
+        help="A request for a model the cluster knows that nothing serves loads it (and waits"
+        " for it); without: a 503 saying no instance serves it.",
+    ),
+]
 DEFAULT_MAX_BODY_TEXT = "32M"
 # uvicorn's default: an idle kept-alive connection is closed after this.
 KEEP_ALIVE_S = 5
@@ -217,6 +225,7 @@ def api(
     allowed_host: AllowedHosts = None,
     max_body: MaxBody = DEFAULT_MAX_BODY_TEXT,
     body_timeout: BodyTimeout = DEFAULT_BODY_TIMEOUT_S,
+    load_on_demand: LoadOnDemand = True,
 ) -> None:
     """Serve the HTTP API: OpenAI's, Anthropic's and Ollama's endpoints, and cluster control."""
     setup_logging()
@@ -239,6 +248,7 @@ def api(
         allowed_hosts=tuple(allowed_host or ()),
         max_body_bytes=max_body_bytes(max_body),
         body_timeout_s=body_timeout,
+        load_on_demand=load_on_demand,
     )
     typer.echo(f"API on {api_url(host, port, tls)}" + (" (API keys required)" if keys else ""))
 

@@ -20,6 +20,7 @@ from projectors.db_url import absolute_db_url
 from services.models.cache_budget import DEFAULT_CACHE_FRACTION, CacheSize, parse_cache_size
 from services.models.footprint import MAX_SLOTS
 from services.paths import default_data_dir
+from services.planner.on_demand import parse_keep_alive
 
 NatsUrl = Annotated[
     str,
@@ -132,3 +133,34 @@ def run_until_signal(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]])
     # uvloop: a long-running service spends much of its CPU in the event loop and its socket
     # I/O, and on a machine whose cores serve a model that time is taken from generation.
     uvloop.run(runner())
+
+
+KeepAlive = Annotated[
+    str,
+    typer.Option(
+        "--keep-alive",
+        metavar="DURATION",
+        help="How long a model loaded on demand (a request for a model nothing served) stays"
+        " loaded once idle: seconds or 5m, 1h; -1: for ever. A request's own keep_alive"
+        " (Ollama's) wins. Models asked for explicitly are never unloaded.",
+    ),
+]
+DEFAULT_KEEP_ALIVE_TEXT = "5m"
+MaxLoaded = Annotated[
+    int | None,
+    typer.Option(
+        "--max-loaded",
+        min=1,
+        help="The most instances a node holds (as OLLAMA_MAX_LOADED_MODELS); past it, idle"
+        " on-demand ones are unloaded to make room, least recently used first. Default: as"
+        " memory allows.",
+    ),
+]
+
+
+def keep_alive_s(text: str) -> float:
+    """``--keep-alive``, parsed (a bad one is the option's error)."""
+    try:
+        return parse_keep_alive(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--keep-alive") from None

@@ -11,9 +11,13 @@ import typer
 from bus.connection import connect
 from cli.options import (
     DEFAULT_DB,
+    DEFAULT_KEEP_ALIVE_TEXT,
     DEFAULT_NATS,
     DbUrl,
+    KeepAlive,
+    MaxLoaded,
     NatsUrl,
+    keep_alive_s,
     run_until_signal,
     setup_logging,
 )
@@ -38,6 +42,8 @@ def planner(
     projector: Annotated[
         str, typer.Option(help="Name of the projector whose database this is.")
     ] = DEFAULT_NAME,
+    keep_alive: KeepAlive = DEFAULT_KEEP_ALIVE_TEXT,
+    max_loaded: MaxLoaded = None,
 ) -> None:
     """Run a planner: place instances, time out silent nodes, move failing instances.
 
@@ -48,6 +54,8 @@ def planner(
         missed_heartbeats=missed_heartbeats,
         failure_limit=failure_limit,
         failure_window_s=failure_window,
+        default_keep_alive_s=keep_alive_s(keep_alive),
+        max_loaded=max_loaded,
     )
     origin = f"planner@{socket.gethostname()}"
 

@@ -33,6 +33,7 @@ from cli.api import (
     ApiKeys,
     BodyTimeout,
     CorsOrigins,
+    LoadOnDemand,
     MaxBody,
     MaxQueued,
     TlsCert,
@@ -49,12 +50,16 @@ from cli.exposure import refuse_exposure
 from cli.models import publish_model
 from cli.options import (
     DEFAULT_CACHE_SIZE_TEXT,
+    DEFAULT_KEEP_ALIVE_TEXT,
     CacheSizeText,
     DataHost,
+    KeepAlive,
+    MaxLoaded,
     Retain,
     RunnerSlots,
     absolute,
     cache_size,
+    keep_alive_s,
     run_until_signal,
     setup_logging,
     stream_settings,
@@ -67,6 +72,7 @@ from projectors.store import load_state
 from services.models.catalogue import builtin_cards
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
+from services.planner.decisions import PlannerPolicy
 from services.planner.planner import PLANNING_TABLES, Planner
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit
@@ -113,6 +119,9 @@ def up(
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     retain: Retain = "30d",
+    keep_alive: KeepAlive = DEFAULT_KEEP_ALIVE_TEXT,
+    load_on_demand: LoadOnDemand = True,
+    max_loaded: MaxLoaded = None,
     nats_tls_cert: Annotated[
         Path | None,
         typer.Option(
@@ -142,6 +151,7 @@ def up(
     db_url = absolute_db_url(db) if db else f"sqlite:///{data / 'shoal.db'}"
     limit = parse_memory_limit(memory_limit) if memory_limit else None
     budget = cache_size(cache_size_text)
+    policy = PlannerPolicy(default_keep_alive_s=keep_alive_s(keep_alive), max_loaded=max_loaded)
     if not no_model and model not in builtin_cards():
         known = ", ".join(sorted(builtin_cards()))
         typer.echo(
@@ -216,13 +226,15 @@ def up(
                 allowed_hosts=tuple(allowed_host or ()),
                 max_body_bytes=body_limit,
                 body_timeout_s=body_timeout,
+                load_on_demand=load_on_demand,
+                default_keep_alive_s=policy.default_keep_alive_s,
                 models_dir=data / "models",
                 worker_models_dir=worker_dir / "models",
                 max_queued=max_queued,
             )
             api = api_server(config, host, port, tls)
             tasks += [
-                asyncio.create_task(Planner(nc, engine, origin="planner@up").run(stop)),
+                asyncio.create_task(Planner(nc, engine, policy, origin="planner@up").run(stop)),
                 asyncio.create_task(worker.run(stop)),
                 asyncio.create_task(serve_until(api, stop)),
             ]

@@ -108,6 +108,9 @@ class InstanceRow:
     aliases: JsonList | None = None  # other names the model is called by through this instance
     requested_slots: int | None = None  # as asked for; None: chosen at placement
     slots: int | None = None  # tasks each replica serves at once, as placed; None: 1
+    on_demand: bool = False  # asked for by a request: unloaded when idle (planner/on_demand.py)
+    keep_alive_s: float | None = None  # an on-demand instance's; None: the planner's default
+    last_used_at: datetime | None = None  # when its model's last task in its role ended
 
     def key(self) -> tuple[str]:
         return (self.instance_id,)

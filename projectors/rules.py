@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from datetime import datetime
 from typing import Any, assert_never
 
 from bus.events import (
@@ -41,6 +42,7 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
+from bus.kinds import InstanceRole
 from bus.records import NodeProfile, PartRef
 from bus.states import INSTANCE_ENDING, TASK_ENDED, NodeStatus, TaskStatus
 from projectors.rows import (
@@ -283,6 +285,9 @@ def _instance_requested(state: ClusterState, e: InstanceRequested) -> list[Chang
         role=e.role,
         aliases=list(e.aliases) or None,
         requested_slots=e.slots,
+        on_demand=e.on_demand,
+        keep_alive_s=e.keep_alive_s,
+        reason=e.reason or None,
     )
     return [Put(row)]
 
@@ -438,7 +443,7 @@ def _task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
         created_at=e.ts,
         owner=e.owner,
     )
-    return [Put(row)]
+    return [Put(row), *_kept_alive(state, e.model_id, "chat", e.keep_alive_s)]
 
 
 def _embeddings_requested(state: ClusterState, e: EmbeddingsRequested) -> list[Change]:
@@ -453,7 +458,41 @@ def _embeddings_requested(state: ClusterState, e: EmbeddingsRequested) -> list[C
         created_at=e.ts,
         owner=e.owner,
     )
-    return [Put(row)]
+    return [Put(row), *_kept_alive(state, e.model_id, "embed", e.keep_alive_s)]
+
+
+def _on_demand_serving(state: ClusterState, model_id: str, role: InstanceRole) -> list[InstanceRow]:
+    return [
+        i
+        for i in state.instances()
+        if i.on_demand
+        and i.model_id == model_id
+        and i.role == role
+        and i.status in ("requested", "placed")
+    ]
+
+
+def _kept_alive(
+    state: ClusterState, model_id: str, role: InstanceRole, keep_alive_s: float | None
+) -> list[Change]:
+    """A task that says how long its model stays loaded once idle (Ollama's keep_alive) sets it
+    for the on-demand instances serving it; pinned ones stay pinned."""
+    if keep_alive_s is None:
+        return []
+    return [
+        Put(replace(i, keep_alive_s=keep_alive_s))
+        for i in _on_demand_serving(state, model_id, role)
+        if i.keep_alive_s != keep_alive_s
+    ]
+
+
+def _used(state: ClusterState, task: TaskRow, at: datetime) -> list[Change]:
+    """A task ended: the on-demand instances of its model and role were used until ``at`` (their
+    keep-alive counts from there)."""
+    role: InstanceRole = "embed" if task.kind == "embedding" else "chat"
+    return [
+        Put(replace(i, last_used_at=at)) for i in _on_demand_serving(state, task.model_id, role)
+    ]
 
 
 def _task_started(state: ClusterState, e: TaskStarted) -> list[Change]:
@@ -491,7 +530,7 @@ def _task_completed(state: ClusterState, e: TaskCompleted) -> list[Change]:
         total_ms=e.timings.total_ms,
         finish_reason=e.finish_reason,
     )
-    changes: list[Change] = [Put(row)]
+    changes: list[Change] = [Put(row), *_used(state, old, e.ts)]
     if old.owner is not None and old.status != "completed":  # counted once
         used = state.usage(old.owner, old.model_id) or UsageRow(old.owner, old.model_id)
         used = replace(
@@ -516,14 +555,15 @@ def _task_failed(state: ClusterState, e: TaskFailed) -> list[Change]:
         error=e.error,
         runner_id=e.runner_id or old.runner_id,
     )
-    return [Put(row)]
+    return [Put(row), *_used(state, old, e.ts)]
 
 
 def _task_cancelled(state: ClusterState, e: TaskCancelled) -> list[Change]:
     old = state.task(e.task_id)
     if old is None or old.status in TASK_ENDED:
         return []
-    return [Put(replace(old, status="cancelled", finished_at=e.ts, error=e.reason or None))]
+    row = replace(old, status="cancelled", finished_at=e.ts, error=e.reason or None)
+    return [Put(row), *_used(state, old, e.ts)]
 
 
 # --- responses ----------------------------------------------------------------------------

@@ -202,6 +202,16 @@ async def unfinished_tasks(conn: AsyncConnection, runner_ids: Iterable[str]) -> 
     return [TaskRow(**r) for r in result.mappings()]
 
 
+async def unfinished_by_model(conn: AsyncConnection) -> dict[tuple[str, str], int]:
+    """Tasks not ended, by model and kind ('chat', 'completion', 'embedding')."""
+    query = (
+        select(tasks.c.model_id, tasks.c.kind, func.count())
+        .where(tasks.c.status.not_in(TASK_ENDED))
+        .group_by(tasks.c.model_id, tasks.c.kind)
+    )
+    return {(m, k): n for m, k, n in (await conn.execute(query)).all()}
+
+
 async def task_resumes(conn: AsyncConnection) -> int:
     """Tasks' continuations after a lost runner, all tasks together."""
     return int(await conn.scalar(select(func.coalesce(func.sum(tasks.c.resumes), 0))) or 0)

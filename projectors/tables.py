@@ -132,6 +132,9 @@ instances = Table(
     Column("aliases", JSON),
     Column("requested_slots", Integer),
     Column("slots", Integer),
+    Column("on_demand", Boolean, nullable=False, server_default=false()),
+    Column("keep_alive_s", Float),
+    Column("last_used_at", UtcDateTime),
 )
 
 runners = Table(

@@ -14,7 +14,7 @@ from bus.states import SERVING
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState
 
-# An instance has no idle timeout: it runs until deleted (what /api/ps says of expires_at).
+# A pinned instance has no idle timeout: it runs until deleted (what /api/ps says of it).
 NEVER = "9999-12-31T23:59:59Z"
 
 
@@ -110,11 +110,17 @@ def serving_instance(state: ClusterState, model_id: str) -> InstanceRow | None:
 
 
 def running(
-    name: str, model: ModelRow, instance: InstanceRow, runners: list[RunnerRow]
+    name: str,
+    model: ModelRow,
+    instance: InstanceRow,
+    runners: list[RunnerRow],
+    expires_at: datetime | None = None,
 ) -> dict[str, Any]:
-    """One entry of ``/api/ps``: a model with an instance that serves."""
+    """One entry of ``/api/ps``: a model with an instance that serves, and when it is unloaded
+    if it stays idle (None: never, a pinned one)."""
+    expiry = expires_at.astimezone(UTC).isoformat().replace("+00:00", "Z") if expires_at else NEVER
     return tag(name, model) | {
-        "expires_at": NEVER,
+        "expires_at": expiry,
         "size_vram": vram_bytes(model, runners),
         "context_length": instance.context_length or model.context_length,
     }

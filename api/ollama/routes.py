@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api import projection
+from api import on_demand, projection
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.ollama.models import digest, running, serving_instance, show, tag
@@ -33,6 +33,7 @@ from api.thinking import shown
 from bus.events import InstanceDeleteRequested, TaskCreated, new_id
 from services.models.catalogue import builtin_cards
 from services.models.remove import ModelInUse, ModelNotKnown, live_instances, remove_model
+from services.planner.on_demand import expires_at
 
 router = APIRouter(dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]
@@ -63,7 +64,7 @@ async def serve_chat(ctx: ApiContext, body: ChatRequest) -> Response:
     model_id = await ctx.resolve_model(body.model)
     name = body.model or model_id
     if not body.messages:
-        return await _loaded(ctx, model_id, name, chat=True, stream=body.stream)
+        return await _loaded(ctx, model_id, name, body, chat=True)
     task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
     out = OllamaOut(name, True, bool(body.logprobs), shown(task.thinking))
     return await serve(ctx, [task], body.stream, out)
@@ -73,7 +74,7 @@ async def serve_generate(ctx: ApiContext, body: GenerateRequest) -> Response:
     model_id = await ctx.resolve_model(body.model)
     name = body.model or model_id
     if not body.prompt:
-        return await _loaded(ctx, model_id, name, chat=False, stream=body.stream)
+        return await _loaded(ctx, model_id, name, body, chat=False)
     task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
     out = OllamaOut(name, False, bool(body.logprobs), shown(task.thinking))
     return await serve(ctx, [task], body.stream, out)
@@ -107,12 +108,27 @@ async def embeddings(body: EmbeddingsRequest, ctx: Ctx) -> dict[str, Any]:
     return {"embedding": done.vectors[0]}
 
 
-async def _loaded(ctx: ApiContext, model_id: str, name: str, chat: bool, stream: bool) -> Response:
-    """Ollama loads a model for a request with nothing to answer; Shoal's instance is loaded
-    already, or the request gets the 404 or 503 that says why not."""
-    await require_serving(ctx, model_id)
-    body = loaded(name, chat)
-    return Response(ndjson(body), media_type=NDJSON) if stream else JSONResponse(body)
+async def _loaded(
+    ctx: ApiContext, model_id: str, name: str, request: ChatRequest | GenerateRequest, chat: bool
+) -> Response:
+    """Ollama's way to load a model: a request with nothing to answer (loaded on demand if
+    nothing serves it, else the 404 or 503 that says why not); with ``keep_alive: 0``, to
+    unload it: its instances loaded on demand are deleted (pinned ones stay)."""
+    keep = request.keep_alive_s()
+    if keep == 0:
+        state = await projection.cluster(ctx.engine)
+        for inst in on_demand.unloadable(state, model_id):
+            reason = f"unloaded: keep_alive 0 ({'/api/chat' if chat else '/api/generate'})"
+            await ctx.publish(
+                InstanceDeleteRequested(
+                    instance_id=inst.instance_id, origin=ctx.origin, reason=reason
+                )
+            )
+        body = loaded(name, chat, reason="unload")
+    else:
+        await require_serving(ctx, model_id, keep_alive_s=keep)
+        body = loaded(name, chat)
+    return Response(ndjson(body), media_type=NDJSON) if request.stream else JSONResponse(body)
 
 
 # --- models ---------------------------------------------------------------------------------
@@ -148,7 +164,8 @@ async def ps(ctx: Ctx) -> dict[str, Any]:
         inst = serving_instance(state, model_id)
         if model is not None and inst is not None:
             runners = list(state.runners_of(inst.instance_id))
-            models.append(running(name, model, inst, runners))
+            expiry = expires_at(inst, ctx.config.default_keep_alive_s)
+            models.append(running(name, model, inst, runners, expiry))
     return {"models": models}
 
 

@@ -36,6 +36,7 @@ from bus.records import (
     ToolChoice,
     Usage,
 )
+from services.planner.on_demand import parse_keep_alive
 
 # What GET /api/version answers. Clients gate features on Ollama's version: tools came with
 # 0.3, JSON-schema `format` with 0.5, `think` with 0.9 (Open WebUI and the `ollama` client
@@ -246,7 +247,9 @@ class _Generation(RequestBody):
     options: Options | None = None
     # Ollama streams unless told not to.
     stream: bool = True
-    # Instances stay until deleted: there is nothing to keep alive or unload.
+    # How long the model stays loaded once idle: seconds, a duration ('5m'), 0 (unload after
+    # the request) or negative (keep); it sets the keep-alive of instances loaded on demand
+    # (pinned ones stay: services/planner/on_demand.py).
     keep_alive: float | str | None = None
     think: bool | str | None = None
     logprobs: bool | None = None
@@ -261,7 +264,17 @@ class _Generation(RequestBody):
             )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        self.keep_alive_s()  # a bad one is a 400 now
         return self
+
+    def keep_alive_s(self) -> float | None:
+        """``keep_alive`` in seconds (None: not sent)."""
+        if self.keep_alive is None:
+            return None
+        try:
+            return parse_keep_alive(self.keep_alive)
+        except ValueError as exc:
+            raise ValueError(f"keep_alive: {exc}") from None
 
     def sampling(self) -> SamplingParams:
         return (self.options or Options()).sampling()
@@ -308,6 +321,7 @@ class ChatRequest(_Generation):
             "response_format": response_format(self.format),
             "logprobs": self.logprob_count(),
             "thinking": self.thinking,
+            "keep_alive_s": self.keep_alive_s(),
         }
 
 
@@ -356,6 +370,7 @@ class GenerateRequest(_Generation):
             "params": self.sampling(),
             "logprobs": self.logprob_count(),
             "thinking": self.thinking,
+            "keep_alive_s": self.keep_alive_s(),
         }
         if self.raw:
             return fields | {"kind": "completion", "prompt": self.prompt or ""}
@@ -473,12 +488,14 @@ def done_fields(
     }
 
 
-def loaded(model: str, chat: bool, now: float | None = None) -> dict[str, Any]:
-    """The answer to an empty prompt (or no messages): Ollama's way to load a model. Shoal's
-    instances are loaded already."""
+def loaded(
+    model: str, chat: bool, now: float | None = None, reason: str = "load"
+) -> dict[str, Any]:
+    """The answer to an empty prompt (or no messages): Ollama's way to load a model (``load``),
+    or with ``keep_alive: 0`` to unload it (``unload``)."""
     body: dict[str, Any] = {"model": model, "created_at": created_at(now)}
     body |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-    return body | {"done": True, "done_reason": "load"}
+    return body | {"done": True, "done_reason": reason}
 
 
 def logprob_entry(lp: TokenLogprob) -> dict[str, Any]:

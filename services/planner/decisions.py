@@ -15,6 +15,9 @@ one decision per generation even when two planners decided differently.
   are fine, avoiding the failing device), or rejected with the reason.
 - A rejected instance: placed when it fits now (a node joined, a model was added...);
   otherwise nothing, so a rejection is said once, not at every heartbeat.
+- An instance made on demand, idle past its keep-alive: ``InstanceDeleted``; and idle ones,
+  least recently used first, to make room for an instance that does not fit (memory, or a
+  node's limit on loaded instances) (``on_demand.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from bus.states import INSTANCE_UNPLACED
 from projectors.rows import InstanceRow, NodeRow, RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
+from services.planner import on_demand
 from services.planner.cluster import ClusterView, charges_of, cluster_view
+from services.planner.on_demand import DEFAULT_KEEP_ALIVE_S, Busy
 from services.planner.placement import (
     ModelInfo,
     Placement,
@@ -52,6 +57,10 @@ class PlannerPolicy:
     default_heartbeat_s: float = 2.0  # for nodes that did not say their interval
     failure_limit: int = 3
     failure_window_s: float = 120.0
+    # An on-demand instance's keep-alive when it has none of its own (shoal planner --keep-alive).
+    default_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    # The most instances a node holds (shoal planner --max-loaded; None: as memory allows).
+    max_loaded: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,11 +75,14 @@ def decide(
     policy: PlannerPolicy,
     origin: str = "planner",
     heard_since: datetime | None = None,
+    busy: Busy | None = None,
 ) -> list[Decision]:
     """The decisions ``state`` calls for at ``now``. Later decisions in the list see the
     effect of earlier ones (a timed-out node is not placed on), as the projection will.
     ``heard_since``: since when the log could store heartbeats (after it could not, e.g. while
-    a stream elected a new leader); a node's silence before then does not count."""
+    a stream elected a new leader); a node's silence before then does not count. ``busy``:
+    the unfinished tasks of each model and role (their instances are not unloaded)."""
+    busy = busy or {}
     scratch = state.copy()
     decisions: list[Decision] = []
 
@@ -103,6 +115,18 @@ def decide(
                 ),
                 f"deleted:{inst.instance_id}",
             )
+    for inst in on_demand.idle(state, now, busy, policy.default_keep_alive_s):
+        since = on_demand.last_used(inst)
+        keep = on_demand.keep_alive_s(inst, policy.default_keep_alive_s)
+        emit(
+            InstanceDeleted(
+                instance_id=inst.instance_id,
+                origin=origin,
+                reason=f"unloaded: idle for {keep:g} s (its keep-alive)",
+                ts=now,
+            ),
+            f"idle:{inst.instance_id}:{since.isoformat() if since else ''}",
+        )
     # Built once, after time-outs and deletions, and kept up to date with each placement:
     # rebuilt per instance, it made a large cluster's round slow (docs/placement.md).
     runners: dict[str, list[RunnerRow]] = defaultdict(list)
@@ -119,7 +143,21 @@ def decide(
         if view is None:
             view = cluster_view(scratch)
         others = view.release(charges_of(scratch, own))
-        result = _place(scratch, current, own, why, others, now, origin, emit)
+        request = _request(scratch, current, own, why)
+        victims, others = _room_for(scratch, request, others, busy, policy.max_loaded)
+        for victim in victims:
+            emit(
+                InstanceDeleted(
+                    instance_id=victim.instance_id,
+                    origin=origin,
+                    reason=f"unloaded to make room for {current.model_id} ({current.instance_id})",
+                    ts=now,
+                ),
+                f"room:{victim.instance_id}:{current.instance_id}:{request.generation}",
+            )
+        loaded = on_demand.loaded_per_node(scratch, excluding=[current.instance_id])
+        limited = on_demand.within_limit(others, loaded, policy.max_loaded)
+        result = _place(scratch, current, request, why, limited, now, origin, emit)
         if isinstance(result, Placement):
             view = others.reserve(result.charges)
         elif current.status != "rejected":
@@ -157,20 +195,11 @@ def _why_place(
     return _Why("; ".join(reasons), avoid)
 
 
-def _place(
-    state: ClusterState,
-    inst: InstanceRow,
-    runners: list[RunnerRow],
-    why: _Why,
-    view: ClusterView,
-    now: datetime,
-    origin: str,
-    emit: Callable[[DecisionEvent, str], None],
-) -> Placement | Rejection:
-    """Place ``inst`` on ``view`` (which does not count its own shards) and emit the decision:
-    a placement, or a rejection unless it was rejected already."""
+def _request(
+    state: ClusterState, inst: InstanceRow, runners: list[RunnerRow], why: _Why
+) -> PlacementRequest:
     model = state.model(inst.model_id)
-    request = PlacementRequest(
+    return PlacementRequest(
         instance_id=inst.instance_id,
         model=ModelInfo.of(model) if model is not None else None,
         replicas=inst.replicas,
@@ -183,6 +212,47 @@ def _place(
         slots=inst.requested_slots,
         current_slots=inst.slots,
     )
+
+
+def _room_for(
+    state: ClusterState,
+    request: PlacementRequest,
+    view: ClusterView,
+    busy: Busy,
+    max_loaded: int | None,
+) -> tuple[list[InstanceRow], ClusterView]:
+    """The idle on-demand instances to unload so that ``request`` fits (least recently used
+    first, as few as it takes), and the view without them; none when it fits already, or
+    would not fit even with all of them gone."""
+    if request.model is None:
+        return [], view
+    loaded = on_demand.loaded_per_node(state, excluding=[request.instance_id])
+    if isinstance(place(on_demand.within_limit(view, loaded, max_loaded), request), Placement):
+        return [], view
+    victims, freed = [], view
+    for victim in on_demand.evictable(state, busy, sparing=request.instance_id):
+        victims.append(victim)
+        freed = freed.release(charges_of(state, state.runners_of(victim.instance_id)))
+        for held in loaded.values():
+            held.discard(victim.instance_id)
+        if isinstance(place(on_demand.within_limit(freed, loaded, max_loaded), request), Placement):
+            return victims, freed
+    return [], view
+
+
+def _place(
+    state: ClusterState,
+    inst: InstanceRow,
+    request: PlacementRequest,
+    why: _Why,
+    view: ClusterView,
+    now: datetime,
+    origin: str,
+    emit: Callable[[DecisionEvent, str], None],
+) -> Placement | Rejection:
+    """Place ``inst`` on ``view`` (which does not count its own shards) and emit the decision:
+    a placement, or a rejection unless it was rejected already."""
+    model = state.model(inst.model_id)
     result = place(view, request)
     msg_id = f"placement:{inst.instance_id}:{request.generation}"
     reason = why.reason

@@ -34,7 +34,7 @@ from bus.subjects import Aggregate, aggregate_filter
 from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, RunnerRow
 from projectors.state import ClusterState
-from projectors.store import load_state, read_offset, unfinished_tasks
+from projectors.store import load_state, read_offset, unfinished_by_model, unfinished_tasks
 from services.planner.decisions import (
     Decision,
     PlannerPolicy,
@@ -43,6 +43,7 @@ from services.planner.decisions import (
     next_timeout,
 )
 from services.planner.janitor import keep_tidy
+from services.planner.on_demand import Busy, busy_roles
 from services.resume import continuation, describe, message_id, read_logged, still_streaming
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class Planner:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._loaded: tuple[int, ClusterState] | None = None  # the last state read, and its seq
+        self._busy: Busy = {}  # unfinished tasks by model and role, read with it
         # Set when a round fails, most likely because the log did not answer (a nats-server
         # lost, a stream electing a new leader for seconds): no heartbeat could be stored
         # meanwhile, so silence counts only from the next round (``_heard_since``).
@@ -167,14 +169,16 @@ class Planner:
         if state is None:
             return []  # stopping: the projector may be gone already
         self._loaded = (target, state)
-        decisions = decide(state, datetime.now(UTC), self.policy, self.origin, self._heard_since)
+        decisions = decide(
+            state, datetime.now(UTC), self.policy, self.origin, self._heard_since, self._busy
+        )
         if any(isinstance(d.event, NodeTimedOut) for d in decisions):
             # Before a node is timed out: was its silence the log's? (A stream whose leader
             # changed could store nothing for a while, and its nodes' heartbeats are only now
             # being stored again.)
             self._note_leader(await self._probe.stream_info(EVENTS_STREAM))
             decisions = decide(
-                state, datetime.now(UTC), self.policy, self.origin, self._heard_since
+                state, datetime.now(UTC), self.policy, self.origin, self._heard_since, self._busy
             )
         for d in decisions:
             if isinstance(d.event, NodeTimedOut):  # its tasks go on elsewhere (resume.py)
@@ -287,6 +291,7 @@ class Planner:
                 try:
                     applied = await read_offset(conn, self.projector, EVENTS_STREAM)
                     if applied >= seq:
+                        self._busy = busy_roles(await unfinished_by_model(conn))
                         return await load_state(conn, PLANNING_TABLES)
                 except DBAPIError:  # not (fully) migrated yet: the projector is at it
                     applied = -1

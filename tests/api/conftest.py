@@ -25,10 +25,20 @@ class ApiStack:
     procs: Processes
 
     def start_api(self, name: str, *extra: str) -> str:
-        """Another `shoal api` process on the same NATS and database; returns its URL."""
+        """Another `shoal api` process on the same NATS and database; returns its URL. Without
+        loading models on demand: these stacks' nodes are events, with no worker to load one."""
         port = free_port("127.0.0.1")
         self.procs.start(
-            name, "api", "--nats", self.nats_url, "--db", self.db_url, "--port", str(port), *extra
+            name,
+            "api",
+            "--nats",
+            self.nats_url,
+            "--db",
+            self.db_url,
+            "--port",
+            str(port),
+            "--no-load-on-demand",
+            *extra,
         )
         return f"http://127.0.0.1:{port}"
 

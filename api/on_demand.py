@@ -1,0 +1,127 @@
+"""Loading a model on request: a request for a model the cluster knows (or a catalogue card
+it can fetch) that no instance serves in the role asked asks the planner for one
+(``InstanceRequested`` with ``on_demand``, and the request's route as its reason), then waits
+until it serves: bounded by the API's ``load_timeout_s``, and a 503 at once, with the planner's
+reason, when it cannot be placed.
+
+Every API process names the instance alike: ``<model>-<role>-on-demand-<n>``, ``n`` the number
+of on-demand instances of that model and role the projection has seen, so that many requests
+for one cold model, on any number of API processes, cause one placement (one message id, and
+the projection keeps the first request for an id). The planner unloads it once idle
+(``services/planner/on_demand.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from api import projection
+from api.context import ApiContext
+from api.errors import ApiError
+from bus.events import InstanceRequested
+from bus.kinds import InstanceRole
+from bus.states import INSTANCE_CURRENT
+from projectors.rows import InstanceRow
+from projectors.state import ClusterState
+from services.models.catalogue import builtin_cards
+from services.planner.card_fit import fits_now
+
+POLL_S = 0.2
+# The refusals a model loaded on demand may answer: not known here (a catalogue card), served
+# in the other role only, no instance serving it (or one on its way).
+LOADABLE = frozenset(
+    {"model_not_found", "model_not_embedding", "model_not_chat", "model_not_ready"}
+)
+
+
+def instance_id_for(state: ClusterState, model_id: str, role: InstanceRole) -> str:
+    """The id every API process gives the next on-demand instance of ``model_id`` in
+    ``role``."""
+    made = sum(
+        1 for i in state.instances() if i.on_demand and i.model_id == model_id and i.role == role
+    )
+    return f"{model_id}-{role}-on-demand-{made}"
+
+
+def loading(state: ClusterState, model_id: str, role: InstanceRole) -> bool:
+    """Whether an instance of ``model_id`` in ``role`` is on its way (requested, or placed with
+    runners not serving yet): a request waits for it rather than asking for another."""
+    return any(
+        i.model_id == model_id and i.role == role and i.status in ("requested", "placed")
+        for i in state.instances()
+    )
+
+
+def unloadable(state: ClusterState, model_id: str) -> list[InstanceRow]:
+    """The instances of ``model_id`` a client may unload (Ollama's ``keep_alive: 0``): those
+    loaded on demand, still current."""
+    return [
+        i
+        for i in state.instances()
+        if i.on_demand and i.model_id == model_id and i.status in INSTANCE_CURRENT
+    ]
+
+
+def wanted(state: ClusterState, model_id: str, role: InstanceRole) -> bool:
+    """Whether a request for ``model_id`` in ``role`` should ask for an instance: the model is
+    known (or a catalogue card) and no instance of it in that role is current."""
+    known = state.model(model_id) is not None or model_id in builtin_cards()
+    current = any(
+        i.model_id == model_id and i.role == role and i.status in INSTANCE_CURRENT
+        for i in state.instances()
+    )
+    return known and not current
+
+
+async def load(
+    ctx: ApiContext,
+    model_id: str,
+    role: InstanceRole,
+    why: str,
+    keep_alive_s: float | None = None,
+) -> None:
+    """Ask for an instance of ``model_id`` in ``role`` (unless one is on its way) and wait
+    until it serves; ``ApiError`` 503 when it cannot be placed, or does not load in time."""
+    state = await projection.cluster(ctx.engine)
+    if wanted(state, model_id, role):
+        if state.model(model_id) is None:
+            state = await _add_card(ctx, state, model_id)
+        instance_id = instance_id_for(state, model_id, role)
+        event = InstanceRequested(
+            instance_id=instance_id,
+            model_id=model_id,
+            origin=ctx.origin,
+            role=role,
+            on_demand=True,
+            keep_alive_s=keep_alive_s,
+            reason=why,
+        )
+        await ctx.publish(event, msg_id=f"on-demand:{instance_id}")
+    await _until_serving(ctx, model_id, role)
+
+
+async def _add_card(ctx: ApiContext, state: ClusterState, model_id: str) -> ClusterState:
+    """A catalogue card's model, added (its weights fetched) once its card's estimate fits."""
+    from api.model_adding import add_model  # the Hub's client: only an add needs it
+
+    card = builtin_cards()[model_id]
+    fits, why = fits_now(state, card)
+    if not fits:
+        raise ApiError(503, f"model `{model_id}` cannot be placed: {why}", code="model_not_ready")
+    return await add_model(ctx, card)
+
+
+async def _until_serving(ctx: ApiContext, model_id: str, role: InstanceRole) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ctx.config.load_timeout_s
+    while True:
+        state = await projection.serving(ctx.engine, model_id, ctx.reader)
+        try:
+            projection.require_serving(state, model_id, role)
+            return
+        except ApiError as err:
+            if not loading(state, model_id, role) or loop.time() > deadline:
+                if loop.time() > deadline:
+                    err.message += f" (waited {ctx.config.load_timeout_s:g} s for it to load)"
+                raise
+        await asyncio.sleep(POLL_S)
