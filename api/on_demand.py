@@ -27,6 +27,8 @@ from services.models.catalogue import builtin_cards
 from services.planner.card_fit import fits_now
 
 POLL_S = 0.2
+# How long the projection may take to show an instance once its InstanceRequested is stored.
+PROJECTED_WITHIN_S = 30.0
 # The refusals a model loaded on demand may answer: not known here (a catalogue card), served
 # in the other role only, no instance serving it (or one on its way).
 LOADABLE = frozenset(
@@ -97,7 +99,9 @@ async def load(
             reason=why,
         )
         await ctx.publish(event, msg_id=f"on-demand:{instance_id}")
-    await _until_serving(ctx, model_id, role)
+        await _until_serving(ctx, model_id, role, asked=instance_id)
+    else:
+        await _until_serving(ctx, model_id, role)
 
 
 async def _add_card(ctx: ApiContext, state: ClusterState, model_id: str) -> ClusterState:
@@ -111,16 +115,23 @@ async def _add_card(ctx: ApiContext, state: ClusterState, model_id: str) -> Clus
     return await add_model(ctx, card)
 
 
-async def _until_serving(ctx: ApiContext, model_id: str, role: InstanceRole) -> None:
+async def _until_serving(
+    ctx: ApiContext, model_id: str, role: InstanceRole, asked: str | None = None
+) -> None:
+    """Until the model serves in ``role``, while an instance of it is on its way (``asked``:
+    the one just asked for, which the projection may not show yet)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.load_timeout_s
+    projected_by = loop.time() + PROJECTED_WITHIN_S
     while True:
         state = await projection.serving(ctx.engine, model_id, ctx.reader)
         try:
             projection.require_serving(state, model_id, role)
             return
         except ApiError as err:
-            if not loading(state, model_id, role) or loop.time() > deadline:
+            unseen = asked is not None and state.instance(asked) is None
+            coming = loading(state, model_id, role) or (unseen and loop.time() < projected_by)
+            if not coming or loop.time() > deadline:
                 if loop.time() > deadline:
                     err.message += f" (waited {ctx.config.load_timeout_s:g} s for it to load)"
                 raise

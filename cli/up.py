@@ -246,6 +246,8 @@ def up(
                 f"clients   OpenAI {url}, Anthropic and Ollama {root} (/v1/messages, /api/chat)"
             )
             if no_model:
+                # Ready once this node can be placed on: a request then loads its model.
+                await _first(_node_online(engine, worker.node_id), *tasks, stop.wait())
                 typer.echo(f"ready: {url} (no model requested; Ctrl-C stops)")
             else:
                 own = [name for name, target in aliases.items() if target == model]
@@ -277,6 +279,17 @@ async def _first(*aws: Awaitable[object]) -> None:
         error = None if f.cancelled() else f.exception()
         if error is not None:
             raise error
+
+
+async def _node_online(engine: AsyncEngine, node_id: str) -> None:
+    """Until the projection has this node online, with its resources."""
+    while True:
+        async with engine.connect() as conn:
+            state = await load_state(conn, PLANNING_TABLES)
+        node = state.node(node_id)
+        if node is not None and node.status == "online" and node.memory_offered:
+            return
+        await asyncio.sleep(0.1)
 
 
 async def _serve_model(

@@ -1,0 +1,90 @@
+"""Models loaded on demand, as a user of Ollama's client sees them: `shoal up --no-model
+--max-loaded 1`, then chats with SmolLM2, Gemma 3 270M and SmolLM2 again, through the real
+`ollama` client. Neither model was added or placed by hand: each request loads its model
+(a catalogue card, added on the way), and each load makes room by unloading the other."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import ollama
+import pytest
+
+from bus.connection import connect
+from bus.embedded import free_port
+from bus.events import InstanceDeleted, InstanceRequested, parse_event
+from bus.streams import EVENTS_STREAM
+from bus.subjects import aggregate_filter
+from tests.cli.shoal_up import Drained, read_until_ready, start
+from tests.services.processes import SHOAL
+
+pytestmark = pytest.mark.slow
+
+SMOLLM2, GEMMA = "smollm2-135m", "gemma3-270m"
+
+
+async def instance_events(nats_url: str) -> list[InstanceRequested | InstanceDeleted]:
+    nc = await connect(nats_url, name="test-on-demand")
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe(aggregate_filter("instance"), ordered_consumer=True)
+        info = await js.stream_info(EVENTS_STREAM)
+        found: list[InstanceRequested | InstanceDeleted] = []
+        last = 0
+        while last < info.state.last_seq:
+            try:
+                msg = await sub.next_msg(timeout=2)
+            except TimeoutError:
+                break
+            last = msg.metadata.sequence.stream
+            event = parse_event(msg.data)
+            if isinstance(event, InstanceRequested | InstanceDeleted):
+                found.append(event)
+        await sub.unsubscribe()
+        return found
+    finally:
+        await nc.close()
+
+
+async def test_each_request_loads_its_model_and_makes_room(tmp_path: Path) -> None:
+    up = start(
+        [
+            SHOAL,
+            "up",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port",
+            str(free_port("127.0.0.1")),
+            "--no-model",
+            "--max-loaded",
+            "1",
+            "--runner-threads",
+            "1",
+        ]
+    )
+    lines = await read_until_ready(up)
+    drained = Drained(up)
+    try:
+        url = next(x for x in lines if x.startswith("ready:")).split()[1].removesuffix("/v1")
+        nats_url = next(x for x in lines if x.startswith("NATS")).split()[1]
+        client = ollama.AsyncClient(host=url, timeout=300)
+        for name in (SMOLLM2, GEMMA, SMOLLM2):
+            reply = await client.chat(
+                model=name,
+                messages=[{"role": "user", "content": "Say hi."}],
+                options={"num_predict": 4, "temperature": 0},
+            )
+            assert reply.done and reply.message.role == "assistant", name
+            loaded = [m.model for m in (await client.ps()).models]
+            assert loaded == [f"{name}:latest"], loaded  # the other was unloaded for it
+        events = await instance_events(nats_url)
+        asked = [(e.model_id, e.on_demand) for e in events if isinstance(e, InstanceRequested)]
+        assert asked == [(SMOLLM2, True), (GEMMA, True), (SMOLLM2, True)]
+        room = [e.reason for e in events if isinstance(e, InstanceDeleted)]
+        assert room == [
+            f"unloaded to make room for {GEMMA} ({GEMMA}-chat-on-demand-0)",
+            f"unloaded to make room for {SMOLLM2} ({SMOLLM2}-chat-on-demand-1)",
+        ]
+    finally:
+        await asyncio.to_thread(drained.stop)
