@@ -122,6 +122,17 @@ def coming_back(state: ClusterState, model_id: str, role: InstanceRole = "chat")
     return False
 
 
+def loaded_models(state: ClusterState) -> set[str]:
+    """The models an instance serves now (a placed one whose pipeline head serves): what the
+    model lists say is ``loaded``; the others load when asked for (api/on_demand.py)."""
+    return {
+        inst.model_id
+        for inst in state.instances()
+        if inst.status == "placed"
+        and any(r.rank == 0 and r.state in SERVING for r in state.runners_of(inst.instance_id))
+    }
+
+
 def serving_slots(state: ClusterState, model_id: str, role: InstanceRole = "chat") -> int:
     """How many tasks of ``model_id`` can run at once in ``role``: the slots of its serving
     pipeline heads (rank 0, Ready or Running) in placed instances, a runner without a count

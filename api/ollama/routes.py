@@ -144,9 +144,10 @@ async def tags(ctx: Ctx) -> dict[str, Any]:
     """Every model the cluster knows, and every alias of one, as ``name:tag``."""
     state = await projection.cluster(ctx.engine)
     names = await ctx.model_names()
+    loaded = projection.loaded_models(state)
     return {
         "models": [
-            tag(name, model)
+            tag(name, model) | {"loaded": model_id in loaded}  # Shoal's: the rest load when asked
             for name, model_id in names.listed()
             if (model := state.model(model_id)) is not None
         ]

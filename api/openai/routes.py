@@ -41,7 +41,7 @@ async def list_models(
     shape, or in Anthropic's to its SDK (which always sends ``anthropic-version``)."""
     listed = await _listed(ctx)
     if anthropic_version is not None:
-        return model_list([(name, created) for name, _, created in listed])
+        return model_list([(name, created) for name, _, created, _ in listed])
     return {"object": "list", "data": [_model(*entry) for entry in listed]}
 
 
@@ -58,17 +58,20 @@ async def get_model(
     )
 
 
-async def _listed(ctx: ApiContext) -> list[tuple[str, str, int]]:
-    """(name, model id, when the model was added) of every name clients may use."""
+async def _listed(ctx: ApiContext) -> list[tuple[str, str, int, bool]]:
+    """(name, model id, when the model was added, whether it is loaded) of every name clients
+    may use (a model not loaded is loaded when asked for)."""
     state = await projection.cluster(ctx.engine)
     names = names_from(state, ctx.config.aliases, ctx.config.default_model)
     created = {m.model_id: int(m.added_at.timestamp()) if m.added_at else 0 for m in state.models()}
-    return [(name, model, created.get(model, 0)) for name, model in names.listed()]
+    loaded = projection.loaded_models(state)
+    return [(n, m, created.get(m, 0), m in loaded) for n, m in names.listed()]
 
 
-def _model(name: str, model: str, created: int) -> dict[str, Any]:
+def _model(name: str, model: str, created: int, loaded: bool) -> dict[str, Any]:
     alias = {} if name == model else {"alias_of": model}
-    return {"id": name, "object": "model", "owned_by": "shoal", "created": created} | alias
+    entry = {"id": name, "object": "model", "owned_by": "shoal", "created": created}
+    return entry | alias | {"loaded": loaded}
 
 
 @router.post("/chat/completions", response_model=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import ollama
 import pytest
 
@@ -69,7 +70,9 @@ async def test_each_request_loads_its_model_and_makes_room(tmp_path: Path) -> No
         url = next(x for x in lines if x.startswith("ready:")).split()[1].removesuffix("/v1")
         nats_url = next(x for x in lines if x.startswith("NATS")).split()[1]
         client = ollama.AsyncClient(host=url, timeout=300)
+        added: set[str] = set()
         for name in (SMOLLM2, GEMMA, SMOLLM2):
+            added.add(name)
             reply = await client.chat(
                 model=name,
                 messages=[{"role": "user", "content": "Say hi."}],
@@ -78,6 +81,14 @@ async def test_each_request_loads_its_model_and_makes_room(tmp_path: Path) -> No
             assert reply.done and reply.message.role == "assistant", name
             loaded = [m.model for m in (await client.ps()).models]
             assert loaded == [f"{name}:latest"], loaded  # the other was unloaded for it
+            async with httpx.AsyncClient(base_url=url) as http:
+                tags = (await http.get("/api/tags")).json()["models"]
+                listed = (await http.get("/v1/models")).json()["data"]
+            # Every model that can be asked for is listed, and says whether it is loaded.
+            assert {t["name"]: t["loaded"] for t in tags} == {
+                f"{m}:latest": m == name for m in {SMOLLM2, GEMMA} if m in added
+            }
+            assert {m["id"]: m["loaded"] for m in listed} == {m: m == name for m in added}
         events = await instance_events(nats_url)
         asked = [(e.model_id, e.on_demand) for e in events if isinstance(e, InstanceRequested)]
         assert asked == [(SMOLLM2, True), (GEMMA, True), (SMOLLM2, True)]
