@@ -100,6 +100,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench.mlx_prompt_cache
 	$(BIN)/python -m bench.weights
 	$(BIN)/python -m bench.longevity
+	$(BIN)/python -m bench.cold_start
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache

@@ -25,6 +25,7 @@ from api.ollama.translate import (
     NamedRequest,
     OllamaOut,
     embedded,
+    keep_alive_s,
     loaded,
 )
 from api.openai.embeddings_routes import embed
@@ -89,10 +90,11 @@ async def serve_embed(ctx: ApiContext, body: EmbedRequest) -> Response:
     model_id = await ctx.resolve_model(body.model, "embed")
     started = time.monotonic()
     inputs = body.inputs()
+    keep = keep_alive_s(body.keep_alive)
     if not inputs:  # Ollama loads the model
-        await require_serving(ctx, model_id, "embed")
+        await require_serving(ctx, model_id, "embed", keep_alive_s=keep)
         return JSONResponse({"model": body.model or model_id, "embeddings": []})
-    done = await embed(ctx, model_id, list(inputs), body.dimensions)
+    done = await embed(ctx, model_id, list(inputs), body.dimensions, keep_alive_s=keep)
     wall_s = time.monotonic() - started
     return JSONResponse(embedded(body.model or model_id, done.vectors, done.prompt_tokens, wall_s))
 
@@ -101,10 +103,11 @@ async def serve_embed(ctx: ApiContext, body: EmbedRequest) -> Response:
 async def embeddings(body: EmbeddingsRequest, ctx: Ctx) -> dict[str, Any]:
     """The older endpoint: one prompt, one vector (none for an empty prompt)."""
     model_id = await ctx.resolve_model(body.model, "embed")
+    keep = keep_alive_s(body.keep_alive)
     if not body.prompt:
-        await require_serving(ctx, model_id, "embed")
+        await require_serving(ctx, model_id, "embed", keep_alive_s=keep)
         return {"embedding": []}
-    done = await embed(ctx, model_id, [body.prompt])
+    done = await embed(ctx, model_id, [body.prompt], keep_alive_s=keep)
     return {"embedding": done.vectors[0]}
 
 

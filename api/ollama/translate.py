@@ -240,6 +240,16 @@ def response_format(fmt: Format | None) -> ResponseFormat | None:
     return None
 
 
+def keep_alive_s(keep_alive: float | str | None) -> float | None:
+    """Ollama's ``keep_alive`` in seconds (None: not sent); ``ValueError`` naming it."""
+    if keep_alive is None:
+        return None
+    try:
+        return parse_keep_alive(keep_alive)
+    except ValueError as exc:
+        raise ValueError(f"keep_alive: {exc}") from None
+
+
 class _Generation(RequestBody):
     # None: the cluster's default model (api/model_names.py).
     model: Annotated[str, Field(min_length=1)] | None = None
@@ -269,12 +279,7 @@ class _Generation(RequestBody):
 
     def keep_alive_s(self) -> float | None:
         """``keep_alive`` in seconds (None: not sent)."""
-        if self.keep_alive is None:
-            return None
-        try:
-            return parse_keep_alive(self.keep_alive)
-        except ValueError as exc:
-            raise ValueError(f"keep_alive: {exc}") from None
+        return keep_alive_s(self.keep_alive)
 
     def sampling(self) -> SamplingParams:
         return (self.options or Options()).sampling()
@@ -414,7 +419,12 @@ class EmbedRequest(RequestBody):
     truncate: bool = True
     dimensions: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     options: Options | None = None  # sampling means nothing here; machine options are ignored
-    keep_alive: float | str | None = None
+    keep_alive: float | str | None = None  # as _Generation's
+
+    @model_validator(mode="after")
+    def _keep_alive(self) -> EmbedRequest:
+        keep_alive_s(self.keep_alive)  # a bad one is a 400 now
+        return self
 
     def inputs(self) -> list[str]:
         """The texts; none (an empty input) is Ollama's way to load the model."""
@@ -429,7 +439,12 @@ class EmbeddingsRequest(RequestBody):
     model: Annotated[str, Field(min_length=1)] | None = None
     prompt: str = ""
     options: Options | None = None
-    keep_alive: float | str | None = None
+    keep_alive: float | str | None = None  # as _Generation's
+
+    @model_validator(mode="after")
+    def _keep_alive(self) -> EmbeddingsRequest:
+        keep_alive_s(self.keep_alive)  # a bad one is a 400 now
+        return self
 
 
 # --- responses ------------------------------------------------------------------------------

@@ -43,13 +43,14 @@ async def embed(
     dimensions: int | None = None,
     user: str | None = None,
     truncate: bool = False,
+    keep_alive_s: float | None = None,
 ) -> Embedded:
     """The embeddings of ``inputs`` (texts, or token-id lists) by ``model_id``'s embed
     instance, each cut to ``dimensions`` and normalised again when given. A refusal raises
     ``ApiError``: 400 for an empty input, a model served for chat only (saying how to ask for
     an embed instance), an input longer than the instance's context (unless ``truncate``: then
     its end is cut off), or more dimensions than the model has; 404, 503, 413 or 504 as for
-    any task."""
+    any task. ``keep_alive_s``: Ollama's, for an embed instance loaded on demand."""
     if not inputs or any(not i for i in inputs):
         raise ApiError(
             400, "every input must be a non-empty text or list of token ids", param="input"
@@ -64,11 +65,12 @@ async def embed(
         dimensions=dimensions,
         truncate=truncate,
         user=user,
+        keep_alive_s=keep_alive_s,
         texts=texts or None,
         token_ids=None if texts else [list(i) for i in inputs if not isinstance(i, str)],
     )
     require_storable(ctx, task, "input", "Send fewer inputs.")
-    await require_serving(ctx, model_id, "embed")
+    await require_serving(ctx, model_id, "embed", keep_alive_s=keep_alive_s)
     try:
         vectors, done = await EmbeddingTask(ctx, task, recheck(ctx, model_id, "embed")).run()
     except nats.errors.Error as exc:

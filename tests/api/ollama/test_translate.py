@@ -27,6 +27,8 @@ from api.ollama.models import (
 from api.ollama.pull import live_instance, pull_step
 from api.ollama.translate import (
     ChatRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
     GenerateRequest,
     NamedRequest,
     OllamaOut,
@@ -584,3 +586,14 @@ def test_a_pull_uses_a_live_instance_a_serving_one_first() -> None:
     )
     assert live_instance(state, "smollm2-135m") == "b"
     assert live_instance(cluster(None), "smollm2-135m") is None
+
+
+def test_keep_alive_is_a_duration_or_a_400() -> None:
+    chat = ChatRequest.model_validate({"model": "m", "keep_alive": "5m"})
+    assert chat.keep_alive_s() == 300.0 and chat.task_fields()["keep_alive_s"] == 300.0
+    assert ChatRequest.model_validate({"model": "m"}).keep_alive_s() is None
+    assert GenerateRequest.model_validate({"model": "m", "keep_alive": 0}).keep_alive_s() == 0
+    bodies: list[type[Any]] = [ChatRequest, GenerateRequest, EmbedRequest, EmbeddingsRequest]
+    for body in bodies:
+        with pytest.raises(ValidationError, match="keep_alive"):
+            body.model_validate({"model": "m", "keep_alive": "soon"})

@@ -1,0 +1,238 @@
+"""Cold starts, side by side in one run: llama.cpp's ``llama-server`` in router mode
+(``--models-dir`` with two GGUF files, ``--models-max 1``) and ``shoal up --no-model
+--max-loaded 1`` with the same two models added, the same files and threads.
+
+For each: the time to the first token of a request for a cold model (nothing loaded), of a warm
+one (loaded), and of requests alternating between the two models with room for one (each
+evicting the other), medians of ``--rounds``. Targets (issue 34): Shoal's cold and alternating
+first tokens <= 1.25x llama-server's; warm as before. Shoal's cold start is broken down from
+its log: placement (InstanceRequested to InstancePlaced), runner start (to Loading), load (to
+Ready), then the first token.
+
+    .venv/bin/python -m bench.cold_start
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.common.processes import SHOAL_BIN, Proc, shoal_env, wait_shoal_ready
+from bench.concurrency import gguf, wait_http
+from bench.llama_server import llama_server
+from bus.connection import connect
+from bus.embedded import free_port
+from bus.events import InstancePlaced, InstanceRequested, RunnerStateChanged, parse_event
+from bus.streams import EVENTS_STREAM
+from bus.subjects import aggregate_filter
+
+MODELS = ("smollm2-135m", "gemma3-270m")
+PROMPT = "The capital of France is"
+ANCHOR, SHOAL = "llama-server (router)", "shoal up"
+
+
+@dataclass
+class Timings:
+    cold: float = 0.0
+    warm: list[float] = field(default_factory=list)
+    alternating: list[float] = field(default_factory=list)
+
+
+async def first_token(client: httpx.AsyncClient, url: str, model: str) -> float:
+    """Seconds until the first streamed token of a one-token completion."""
+    started = time.monotonic()
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "stream": True, "temperature": 0}
+    async with client.stream("POST", f"{url}/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                return time.monotonic() - started
+    raise RuntimeError(f"{model}: no token")
+
+
+async def measure(url: str, names: tuple[str, str], rounds: int) -> Timings:
+    a, b = names
+    t = Timings()
+    async with httpx.AsyncClient(timeout=600) as client:
+        t.cold = await first_token(client, url, a)
+        for _ in range(rounds):
+            t.warm.append(await first_token(client, url, a))
+        for i in range(rounds * 2):
+            t.alternating.append(await first_token(client, url, b if i % 2 == 0 else a))
+    return t
+
+
+async def anchor(
+    binary: Path, files: dict[str, Path], threads: int, rounds: int, tmp: Path
+) -> Timings:
+    models = tmp / "router-models"
+    models.mkdir()
+    for name, path in files.items():
+        (models / f"{name}.gguf").symlink_to(path)
+    port = free_port("127.0.0.1")
+    argv = [
+        str(binary),
+        "--models-dir",
+        str(models),
+        "--models-max",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-c",
+        "2048",
+        "--no-webui",
+    ]
+    proc = Proc(ANCHOR, argv, tmp / "router.log")
+    await proc.start()
+    try:
+        await wait_http(proc, f"http://127.0.0.1:{port}/health", "health")
+        return await measure(f"http://127.0.0.1:{port}/v1", MODELS, rounds)
+    finally:
+        await proc.stop()
+
+
+async def shoal(threads: int, rounds: int, tmp: Path) -> tuple[Timings, dict[str, float]]:
+    port = free_port("127.0.0.1")
+    data = tmp / "up"
+    argv = [
+        str(SHOAL_BIN),
+        "up",
+        "--data-dir",
+        str(data),
+        "--port",
+        str(port),
+        "--nats-port",
+        str(free_port("127.0.0.1")),
+        "--runner-threads",
+        str(threads),
+        "--no-model",
+        "--max-loaded",
+        "1",
+    ]
+    proc = Proc(SHOAL, argv, tmp / "up.log")
+    await proc.start(shoal_env())
+    try:
+        await wait_shoal_ready(proc)
+        nats_url = next(x.split()[1] for x in proc.log().splitlines() if x.startswith("NATS "))
+        for model in MODELS:  # added beforehand, as llama-server's directory holds them
+            added = await asyncio.create_subprocess_exec(
+                str(SHOAL_BIN),
+                "models",
+                "add",
+                model,
+                "--nats",
+                nats_url,
+                "--cache-dir",  # beside the worker: linked into its cache, as `shoal up` does
+                str(data / "models"),
+            )
+            if await added.wait() != 0:
+                raise RuntimeError(f"shoal models add {model} failed")
+        started = time.time()
+        timings = await measure(f"http://127.0.0.1:{port}/v1", MODELS, rounds)
+        return timings, await breakdown(nats_url, started)
+    finally:
+        await proc.stop()
+
+
+async def breakdown(nats_url: str, since: float) -> dict[str, float]:
+    """The first on-demand instance's steps, in seconds from its request (from the log)."""
+    nc = await connect(nats_url, name="bench-cold-start")
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(EVENTS_STREAM)
+        steps: dict[str, float] = {}
+        requested: float | None = None
+        for aggregate in ("instance", "runner"):
+            sub = await js.subscribe(aggregate_filter(aggregate), ordered_consumer=True)
+            seq = 0
+            while seq < info.state.last_seq:
+                try:
+                    msg = await sub.next_msg(timeout=2)
+                except TimeoutError:
+                    break
+                seq = msg.metadata.sequence.stream
+                event = parse_event(msg.data)
+                at = event.ts.timestamp()
+                if at < since:
+                    continue
+                if isinstance(event, InstanceRequested) and requested is None:
+                    requested = at
+                elif isinstance(event, InstancePlaced):
+                    steps.setdefault("placed", at)
+                elif isinstance(event, RunnerStateChanged) and event.state in ("Loading", "Ready"):
+                    steps.setdefault(event.state.lower(), at)
+            await sub.unsubscribe()
+        base = requested or since
+        return {k: v - base for k, v in steps.items()}
+    finally:
+        await nc.close()
+
+
+def ratio(shoal_s: float, anchor_s: float) -> str:
+    return f"{shoal_s / anchor_s:.2f}x" if anchor_s else "-"
+
+
+def report(a: Timings, s: Timings, steps: dict[str, float]) -> bool:
+    rows = [
+        ("cold (nothing loaded)", a.cold, s.cold, 1.25),
+        ("warm", statistics.median(a.warm), statistics.median(s.warm), None),
+        (
+            "alternating (room for one)",
+            statistics.median(a.alternating),
+            statistics.median(s.alternating),
+            1.25,
+        ),
+    ]
+    print(f"| first token, s | {ANCHOR} | {SHOAL} | ratio | target |")
+    print("|---|---|---|---|---|")
+    ok = True
+    for what, anchor_s, shoal_s, target in rows:
+        met = target is None or shoal_s <= target * anchor_s
+        ok &= met
+        want = f"<= {target}x" if target else ""
+        print(
+            f"| {what} | {anchor_s:.3f} | {shoal_s:.3f} | {ratio(shoal_s, anchor_s)} | {want}"
+            f"{'' if met else ' MISSED'} |"
+        )
+    shown = ", ".join(f"{k} at {v:.2f} s" for k, v in sorted(steps.items(), key=lambda kv: kv[1]))
+    print(f"\nShoal's first cold start, from its request: {shown}; first token at {s.cold:.2f} s")
+    return ok
+
+
+async def run(args: argparse.Namespace) -> int:
+    binary = llama_server()
+    with tempfile.TemporaryDirectory(prefix="shoal-cold-start-") as d:
+        tmp = Path(d)
+        files = {m: gguf(m, tmp) for m in MODELS}
+        print(
+            f"# Cold starts: {', '.join(MODELS)}, {args.threads} threads, {args.rounds} rounds",
+            file=sys.stderr,
+        )
+        a = await anchor(binary, files, args.threads, args.rounds, tmp)
+        s, steps = await shoal(args.threads, args.rounds, tmp)
+    return 0 if report(a, s, steps) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
+    parser.add_argument("--rounds", type=int, default=3, help="warm and alternating requests")
+    return asyncio.run(run(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
