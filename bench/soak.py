@@ -53,28 +53,22 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 
 from bench.common import procfs
-from bench.common.processes import MODEL_ID, SHOAL_BIN
-from bus.connection import connect
-from bus.embedded import EmbeddedNats, free_port
-from bus.parts import PARTS_STREAM
-from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
+from bench.common.processes import MODEL_ID
+from bench.soak_cluster import Cluster, log_bytes, start_cluster
 from bus.units import MiB
 
-READY_TIMEOUT = 300.0  # seconds for the cluster to serve the model
 REQUEST_TIMEOUT = 600.0  # seconds for one request (queued behind others included)
 SAMPLE_S = 0.5  # seconds between memory samples during the load
 SETTLE_S = 2.0  # seconds between the last request and the "after" sample
@@ -222,212 +216,6 @@ async def run_load(
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     return results, sent - len(results), time.perf_counter() - start
-
-
-# --- the cluster ----------------------------------------------------------------------------
-
-
-class Part:
-    """A `shoal` subcommand run by the bench, its output in a log file."""
-
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        with self.log_path.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [str(SHOAL_BIN), *args],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def check_running(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"{self.name} exited ({self.proc.returncode}):\n{self.log()[-3000:]}"
-            )
-
-    def stop(self, timeout: float = 30.0) -> str:
-        """SIGINT (as Ctrl-C), then SIGKILL to its session if it has not stopped in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-                return f"{self.name}: killed after {timeout:.0f} s"
-        return f"{self.name}: exit {self.proc.returncode}"
-
-
-@dataclass
-class Cluster:
-    nats: EmbeddedNats
-    parts: dict[str, Part] = field(default_factory=dict)
-    api_url: str = ""
-
-    def pids(self) -> dict[str, list[int]]:
-        """The processes of each part; the runner is the worker's child."""
-        out: dict[str, list[int]] = {name: [p.proc.pid] for name, p in self.parts.items()}
-        out["runner"] = runner_pids(self.parts["worker"].proc.pid)
-        nats_proc = self.nats._proc  # the server's process; EmbeddedNats has no accessor
-        out["nats-server"] = [nats_proc.pid] if nats_proc is not None else []
-        return out
-
-    def stop(self) -> list[str]:
-        said = [
-            self.parts[n].stop()
-            for n in ("api", "worker", "planner", "projector")
-            if n in self.parts
-        ]
-        self.nats.stop()
-        return said
-
-
-async def log_bytes(nats_url: str) -> str:
-    """What the log's streams hold now: with an age limit (SHOAL_EVENTS_MAX_AGE), flat once
-    the oldest events go."""
-    nc = await connect(nats_url, name="soak-sizes")
-    try:
-        js = nc.jetstream()
-        streams = (EVENTS_STREAM, CHUNKS_STREAM, DEADLETTER_STREAM, PARTS_STREAM)
-        sizes = [(s, (await js.stream_info(s)).state.bytes) for s in streams]
-    finally:
-        await nc.close()
-    return ", ".join(f"{name} {mib(n)}" for name, n in sizes)
-
-
-def runner_pids(worker_pid: int) -> list[int]:
-    try:
-        children = psutil.Process(worker_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    out = []
-    for child in children:
-        with contextlib.suppress(psutil.Error):
-            if "runner" in child.cmdline():
-                out.append(child.pid)
-    return out
-
-
-async def start_cluster(tmp: Path, runner_threads: int, max_queued: int | None) -> Cluster:
-    nats = EmbeddedNats(tmp / "nats")
-    nats.start()
-    cluster = Cluster(nats)
-    env = {k: v for k, v in os.environ.items() if k != "SHOAL_API_KEYS"}  # no keys
-    env["SHOAL_DATA_DIR"] = str(tmp / "cli")
-    logs = tmp / "logs"
-    logs.mkdir()
-    db = f"sqlite:///{tmp / 'shoal.db'}"
-    port = free_port("127.0.0.1")
-    cluster.api_url = f"http://127.0.0.1:{port}"
-    common = ["--nats", nats.url]
-    for name, args in (
-        ("projector", ["projector", *common, "--db", db]),
-        ("planner", ["planner", *common, "--db", db]),
-        (
-            "worker",
-            [
-                "worker",
-                *common,
-                "--node-id",
-                "soak",
-                "--data-dir",
-                str(tmp / "worker"),
-                "--runner-threads",
-                str(runner_threads),
-            ],
-        ),
-        (
-            "api",
-            [
-                "api",
-                *common,
-                "--db",
-                db,
-                "--port",
-                str(port),
-                *(["--max-queued", str(max_queued)] if max_queued is not None else []),
-            ],
-        ),
-    ):
-        cluster.parts[name] = Part(name, args, logs, env)
-    try:
-        await wait_for(
-            cluster,
-            lambda: "resuming after seq" in cluster.parts["projector"].log(),
-            "the projector to start",
-        )
-        async with httpx.AsyncClient(base_url=cluster.api_url, timeout=10.0) as client:
-
-            async def healthy() -> bool:
-                with contextlib.suppress(httpx.HTTPError):
-                    return (await client.get("/healthz")).status_code == 200
-                return False
-
-            await wait_for_async(cluster, healthy, "the API to answer /healthz")
-            created = await asyncio.to_thread(
-                subprocess.run,
-                [
-                    str(SHOAL_BIN),
-                    "instances",
-                    "create",
-                    MODEL_ID,
-                    "--id",
-                    "soak",
-                    *common,
-                    "--db",
-                    db,
-                    "--wait",
-                    "60",
-                ],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=180,
-            )
-            if created.returncode != 0:
-                raise RuntimeError(f"shoal instances create failed:\n{created.stderr}")
-
-            async def serving() -> bool:
-                r = await client.get("/v1/instances")
-                return any(
-                    s.get("state") in ("Ready", "Running")
-                    for i in r.json().get("data", [])
-                    for s in i.get("shards", [])
-                )
-
-            await wait_for_async(cluster, serving, "a runner of the model to be ready")
-    except BaseException:
-        for line in cluster.stop():
-            print(line, file=sys.stderr)
-        for part in cluster.parts.values():
-            sys.stderr.write(f"--- {part.name} ({part.log_path})\n{part.log()[-2000:]}\n")
-        raise
-    return cluster
-
-
-async def wait_for(cluster: Cluster, ready: Callable[[], bool], what: str) -> None:
-    async def check() -> bool:
-        return bool(ready())
-
-    await wait_for_async(cluster, check, what)
-
-
-async def wait_for_async(cluster: Cluster, ready: Callable[[], Awaitable[bool]], what: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while not await ready():
-        for part in cluster.parts.values():
-            part.check_running()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} within {READY_TIMEOUT:.0f} s")
-        await asyncio.sleep(0.2)
 
 
 # --- memory and CPU -------------------------------------------------------------------------
