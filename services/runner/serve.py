@@ -318,7 +318,9 @@ class TaskServer(TaskPuller):
             await work()
 
         async def announce() -> None:
-            if fence.superseded:  # it published nothing: it did not start the task
+            # Only the newest attempt says it started. An error before any chunk (a part read
+            # that timed out in a stall, say) comes here without the fence having read the log.
+            if not await fence.holds():
                 return
             await asyncio.gather(self._events.publish(started), self.report_running())
             await claim.done()
@@ -337,20 +339,18 @@ class TaskServer(TaskPuller):
         except Superseded:
             # Another runner has the task: this attempt ends without an outcome.
             announced.cancel()
-        except InvalidRequest as exc:
-            first_out.set()
-            await announced
-            await self._fail(task, f"invalid request: {exc}")
-        except PartMissing as exc:
-            first_out.set()
-            await announced
-            await self._fail(task, f"its prompt cannot be read from the log: {exc}")
-        except Exception as exc:  # an engine error fails this task, not the runner...
-            log.exception("task %s failed", task.task_id)
+        except Exception as exc:
+            if isinstance(exc, InvalidRequest):
+                error = f"invalid request: {exc}"
+            elif isinstance(exc, PartMissing):
+                error = f"its prompt cannot be read from the log: {exc}"
+            else:  # an engine error fails this task, not the runner...
+                log.exception("task %s failed", task.task_id)
+                error = f"engine error: {exc}"
             first_out.set()
             await announced
             if not fence.superseded:  # (a superseded attempt's failure is nobody's)
-                await self._fail(task, f"engine error: {exc}")
+                await self._fail(task, error)
             if isinstance(exc, EngineBroken):  # ...unless the engine cannot go on
                 raise
         finally:
