@@ -121,8 +121,11 @@ LoadOnDemand = Annotated[
     ),
 ]
 DEFAULT_MAX_BODY_TEXT = "32M"
-# uvicorn's default: an idle kept-alive connection is closed after this.
-KEEP_ALIVE_S = 5
+# An idle kept-alive connection is closed after this. Longer than the clients' own pool expiry
+# (httpx, under the openai and anthropic SDKs: 5 s, uvicorn's default too), so the client drops
+# an idle connection first: with equal times, a request sent on one just as the server closed
+# it fails with a read error. nginx's default.
+KEEP_ALIVE_S = 75
 
 
 def max_body_bytes(text: str) -> int:
