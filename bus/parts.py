@@ -39,10 +39,12 @@ from bus.subjects import PARTS_PREFIX
 PARTS_STREAM = "SHOAL_PARTS"
 # How many parts are stored at once (each waits for its ack).
 IN_FLIGHT = 64
-# Parts read back, kept by a process for the next turn of their conversation.
-CACHE_BYTES = 64 * 1024 * 1024
+# Parts read back, kept by a process for the next turn of their conversation (their bytes).
+CACHE_BYTES = 16 * 1024 * 1024
 # How often the events' age limit is read again (an operator may change it).
 RENEWAL_READ_S = 600.0
+# What one kept part costs besides its bytes (its digest, the bytes' header, the dict's entry).
+ENTRY_BYTES = 256
 # Digests a process stored, and when (so that it stores them again only when they age).
 KNOWN_MAX = 200_000
 
@@ -84,7 +86,9 @@ def part_subject(digest: str) -> str:
 
 
 def _encode(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode()
+    # Keys in the order they came: a tool's schema, as a chat template renders it and as its
+    # grammar orders the arguments, is the client's (sorted, the model saw another prompt).
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @dataclass(frozen=True)
@@ -127,14 +131,21 @@ def read_part(digest: str, body: bytes) -> Part:
     """A part from its stored bytes, checked against its digest."""
     if hashlib.sha256(body).hexdigest() != digest:
         raise PartMissing(f"part {digest} is damaged: its bytes are not those of its digest")
+    return _decoded(digest, body)
+
+
+def _decoded(digest: str, body: bytes) -> Part:
     decoded = json.loads(body)
     return Part(digest, decoded["parent"], decoded["value"], body)
 
 
 class PartStore:
     """Stores and reads chains of parts for one process. It remembers which parts it stored and
-    when (so a conversation's next turn stores only its new messages), and keeps the parts it
-    read within ``cache_bytes`` (so a runner reads only a turn's new messages)."""
+    when (so a conversation's next turn stores only its new messages), and keeps the bytes of
+    the parts it read within ``cache_bytes``, least recently read out first (so a runner reads
+    only a turn's new messages). A chain's last part is not kept when read: a one-turn request
+    (most are) is never read again, and a conversation that goes on reads its last part once
+    more, as an earlier one, and keeps it then. So one-turn requests leave the cache alone."""
 
     def __init__(
         self,
@@ -151,7 +162,7 @@ class PartStore:
         self._renew_after_s = 0.0
         self._renewal_read_at: float | None = None
         self._stored: OrderedDict[str, float] = OrderedDict()
-        self._cache: OrderedDict[str, Part] = OrderedDict()
+        self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._cached = 0
         self._in_flight = asyncio.Semaphore(IN_FLIGHT)
@@ -188,7 +199,7 @@ class PartStore:
         values: list[Any] = []
         digest: str | None = ref.digest
         while digest is not None:
-            part = await self._part(digest)
+            part = await self._part(digest, keep=digest != ref.digest)
             values.append(part.value)
             digest = part.parent
             if len(values) > ref.parts:
@@ -208,10 +219,10 @@ class PartStore:
                 what=f"storing part {part.digest}",
             )
 
-    async def _part(self, digest: str) -> Part:
+    async def _part(self, digest: str, keep: bool) -> Part:
         if (cached := self._cache.get(digest)) is not None:
             self._cache.move_to_end(digest)
-            return cached
+            return _decoded(digest, cached)
         try:
             msg = await ask_again(
                 lambda: self._js.get_last_msg(PARTS_STREAM, part_subject(digest), direct=True)
@@ -219,12 +230,18 @@ class PartStore:
         except NotFoundError:
             raise PartMissing(f"part {digest} is not stored (aged out, or never stored)") from None
         part = read_part(digest, msg.data or b"")
-        self._cache[digest] = part
-        self._cached += len(part.body)
-        while self._cached > self._cache_bytes and self._cache:
-            _, old = self._cache.popitem(last=False)
-            self._cached -= len(old.body)
+        if keep:
+            self._cache[digest] = part.body
+            self._cached += len(part.body) + ENTRY_BYTES
+            while self._cached > self._cache_bytes and self._cache:
+                _, old = self._cache.popitem(last=False)
+                self._cached -= len(old) + ENTRY_BYTES
         return part
+
+    @property
+    def cached_bytes(self) -> int:
+        """The memory the parts kept for the next turn take (about)."""
+        return self._cached
 
     def _remember(self, digest: str, at: float) -> None:
         self._stored[digest] = at

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 from nats.js import JetStreamContext
@@ -15,7 +16,16 @@ from bus.claim_check import (
     response_resolved,
 )
 from bus.events import ResponseStored, TaskCreated
-from bus.parts import PARTS_STREAM, PartMissing, PartStore, chain, part_subject, read_part, ref_of
+from bus.parts import (
+    ENTRY_BYTES,
+    PARTS_STREAM,
+    PartMissing,
+    PartStore,
+    chain,
+    part_subject,
+    read_part,
+    ref_of,
+)
 from bus.payload import max_payload
 from bus.records import ChatMessage, Tool
 
@@ -94,6 +104,18 @@ async def test_a_task_and_a_response_go_out_as_parts_and_come_back_whole(
     assert await response_resolved(PartStore(js), out_r) == stored
 
 
+async def test_a_tool_schema_comes_back_in_the_order_it_was_sent(js: JetStreamContext) -> None:
+    """A chat template renders a tool's schema as it is, and its grammar orders the arguments
+    by it: the runner reads the keys in the client's order."""
+    schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
+    tools = [Tool(name="f", description="F.", parameters=schema)]
+    messages = [ChatMessage(role="user", content="hi")]
+    task = TaskCreated(task_id="t", model_id="m", origin="api", messages=messages, tools=tools)
+    served = await resolved(PartStore(js), await checked_in(PartStore(js), task))
+    assert json.dumps(served.tools[0].parameters) == json.dumps(schema)
+    assert served.messages == messages
+
+
 async def test_a_message_too_large_for_nats_is_named(js: JetStreamContext) -> None:
     huge = "x" * max_payload(js)
     messages = [ChatMessage(role="user", content="hi"), ChatMessage(role="user", content=huge)]
@@ -101,3 +123,21 @@ async def test_a_message_too_large_for_nats_is_named(js: JetStreamContext) -> No
     with pytest.raises(TooLarge) as caught:
         await checked_in(PartStore(js), task)
     assert (caught.value.field, caught.value.index) == ("messages", 1)
+
+
+async def test_a_one_turn_request_leaves_the_cache_alone(js: JetStreamContext) -> None:
+    """The cache keeps what a conversation's next turn reads again: a chain's earlier parts, not
+    its last one (a one-turn request's message is read once), within its bytes."""
+    store = PartStore(js)
+    one = await store.put([{"role": "user", "content": "once"}])
+    assert one is not None
+    reader = PartStore(js, cache_bytes=2 * (ENTRY_BYTES + 100))
+    assert await reader.get(one) == [{"role": "user", "content": "once"}]
+    assert reader.cached_bytes == 0
+    turns = [{"role": "user", "content": f"turn {i}"} for i in range(4)]
+    refs = [await store.put(turns[: i + 1]) for i in range(4)]
+    for i, ref in enumerate(refs):
+        assert ref is not None
+        assert await reader.get(ref) == turns[: i + 1]
+    # The earlier turns were kept, the oldest gone past the bound.
+    assert 0 < reader.cached_bytes <= 2 * (ENTRY_BYTES + 100)
