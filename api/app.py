@@ -24,6 +24,7 @@ from api.openai import routes as openai_routes
 from api.openai.embeddings_routes import router as embeddings_router
 from api.responses.routes import router as responses_router
 from api.serving_verdicts import ServingVerdicts
+from api.tokenizer.routes import router as tokenizer_router
 from bus.connection import connect
 from projectors import database
 
@@ -80,6 +81,7 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.include_router(embeddings_router)
     app.include_router(responses_router)
     app.include_router(ollama_routes.router)
+    app.include_router(tokenizer_router)
     app.include_router(cluster_routes.router)
     app.include_router(cluster_routes.health)
     install_dashboard(app)  # the page at / and its files at /static

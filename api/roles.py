@@ -46,6 +46,9 @@ ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
     ("GET", "/api/tags"): "user",
     ("GET", "/api/ps"): "user",
     ("POST", "/api/show"): "user",
+    ("POST", "/tokenize"): "user",
+    ("POST", "/detokenize"): "user",
+    ("GET", "/tokenizer_info"): "user",
     # The cluster: instances, models, keys, its events and state.
     ("GET", "/v1/instances"): "admin",
     ("POST", "/v1/instances"): "admin",

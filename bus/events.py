@@ -514,6 +514,13 @@ class ChunkGenerated(_ChunkStreamEvent):
         " (`resume.attempt`); only the newest attempt's chunks count (bus/attempts.py)."
         " None: logged before attempts were.",
     )
+    # Known before the outcome's usage, for Anthropic's message_start.
+    prompt_tokens: int | None = Field(
+        None, ge=0, description="On the first chunk an attempt publishes: the prompt's tokens."
+    )
+    cached_tokens: int | None = Field(
+        None, ge=0, description="With `prompt_tokens`: those of them the runner's cache held."
+    )
 
 
 class PromptScored(_ChunkStreamEvent):

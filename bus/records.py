@@ -244,6 +244,11 @@ class Usage(Record):
     cached_tokens: int = Field(
         0, description="Of the prompt tokens, those the runner's cache held: not computed again."
     )
+    reasoning_tokens: int = Field(
+        0,
+        description="Of the completion tokens, those of a thinking model's thinking (its tags"
+        " included).",
+    )
 
     @property
     def total_tokens(self) -> int:

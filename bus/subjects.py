@@ -24,6 +24,11 @@ ALL_DEAD_LETTERS = f"{DEADLETTER_PREFIX}.>"
 # A runner asking which node holds some weight files: core NATS request-reply, in no stream
 # (services/models/weight_offers.py).
 WEIGHTS_WANTED = "shoal.weights.wanted"
+# Asking a chat runner of a model about its tokenizer (tokenize, detokenize, count a chat's
+# prompt): core NATS request-reply to ``shoal.tokenizer.<model_id>``, answered by one runner of
+# the queue group, in no stream (bus/tokenizer.py).
+TOKENIZER_PREFIX = "shoal.tokenizer"
+TOKENIZER_QUEUE = "tokenizers"
 
 # What an event is about: the token after ``shoal.events`` (chunks have a stream of their own).
 Aggregate = Literal["node", "model", "instance", "runner", "task", "response", "key", "chunk"]
@@ -50,6 +55,11 @@ def event_subject(aggregate: Aggregate, ids: tuple[str, ...], event_type: str) -
 
 def chunk_subject(task_id: str) -> str:
     return f"{CHUNKS_PREFIX}.{escape_token(task_id)}"
+
+
+def tokenizer_subject(model_id: str) -> str:
+    """Where a model's chat runners answer questions about its tokenizer."""
+    return f"{TOKENIZER_PREFIX}.{escape_token(model_id)}"
 
 
 def deadletter_subject(stream: str) -> str:

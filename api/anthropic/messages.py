@@ -1,6 +1,7 @@
 """Anthropic's Messages API: the request bodies Shoal accepts, how they become a
 ``TaskCreated``, and the responses made from a task's chunks (whole, or as Anthropic's named
-stream events). Pure: bodies in, task fields out; chunks in, dicts and events out.
+stream events; the message's own shape is ``shapes.py``). Pure: bodies in, task fields out;
+chunks in, dicts and events out.
 
 Every field that changes the answer is honoured or refused with a 400 that names it (server
 tools, MCP servers, containers, a prefilled assistant turn, images and documents for models
@@ -16,13 +17,20 @@ thinks anyway is left out, as Anthropic's models do not think unless asked. An e
 
 from __future__ import annotations
 
-import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from api.anthropic.shapes import (
+    message,
+    signature,
+    stop_reason,
+    stop_sequence,
+    usage,
+    whole_message,
+)
 from api.body import JsonSchema, RequestBody, ToolParameters
 from api.errors import ApiError, anthropic_error_body
 from api.reply import Reply
@@ -32,7 +40,6 @@ from bus.events import ChunkGenerated, TaskCreated, new_id
 from bus.records import (
     INT32_MAX,
     ChatMessage,
-    FinishReason,
     ResponseFormat,
     SamplingParams,
     Tool,
@@ -390,105 +397,7 @@ def task_for(body: MessagesBody, model_id: str, origin: str, params: SamplingPar
     )
 
 
-# A task that only counts its prompt: the runner generates at least one token for a chat
-# (``check_request``: 0 is for a completion that scores its prompt), so it generates one, as
-# cheaply as it can, and the count is the prompt's tokens in its usage.
-COUNTING = SamplingParams(max_tokens=1, temperature=0.0)
-
-
 # --- responses ------------------------------------------------------------------------------
-
-_STOP_REASONS: dict[FinishReason, str] = {
-    "stop": "end_turn",
-    "length": "max_tokens",
-    "tool_calls": "tool_use",
-    "cancelled": "end_turn",
-    "error": "end_turn",
-}
-
-
-def stop_reason(reply: Reply) -> str:
-    if reply.finish_reason == "stop" and reply.stop_sequence is not None:
-        return "stop_sequence"
-    return _STOP_REASONS[reply.finish_reason] if reply.finish_reason else "end_turn"
-
-
-def stop_sequence(reply: Reply) -> str | None:
-    return reply.stop_sequence if reply.finish_reason == "stop" else None
-
-
-def usage(u: Usage | None) -> dict[str, int]:
-    """Anthropic counts a prompt's cached part apart from its ``input_tokens``."""
-    cached = u.cached_tokens if u else 0
-    return {
-        "input_tokens": u.prompt_tokens - cached if u else 0,
-        "output_tokens": u.completion_tokens if u else 0,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
-    }
-
-
-def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as the object Anthropic's ``input`` is; a call cut off by
-    ``max_tokens`` (not JSON yet) has ``{}``, with ``stop_reason: max_tokens``."""
-    try:
-        parsed = json.loads(arguments) if arguments else {}
-    except ValueError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
-
-
-def signature(thinking: str) -> str:
-    """A thinking block's signature: Anthropic's is opaque, checked when the block comes back;
-    Shoal's is a digest of the text, for clients that require one."""
-    return hashlib.sha256(thinking.encode()).hexdigest()
-
-
-def thinking_block(thinking: str) -> dict[str, Any]:
-    return {"type": "thinking", "thinking": thinking, "signature": signature(thinking)}
-
-
-def content(reply: Reply, thinking: bool = False) -> list[dict[str, Any]]:
-    """The thinking block (``thinking``: when asked, and there was some), the text block (left
-    out when it is empty and there are calls), then a ``tool_use`` block per call."""
-    calls = reply.tool_calls()
-    blocks: list[dict[str, Any]] = []
-    if thinking and reply.reasoning:
-        blocks.append(thinking_block(reply.reasoning))
-    if reply.text or not calls:
-        blocks.append({"type": "text", "text": reply.text})
-    blocks += [
-        {"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)}
-        for c in calls
-    ]
-    return blocks
-
-
-def message(
-    msg_id: str,
-    model: str,
-    blocks: list[dict[str, Any]],
-    reason: str | None,
-    sequence: str | None,
-    u: Usage | None,
-) -> dict[str, Any]:
-    return {
-        "id": msg_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": blocks,
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": usage(u),
-    }
-
-
-def whole_message(
-    msg_id: str, model: str, reply: Reply, u: Usage, thinking: bool = False
-) -> dict[str, Any]:
-    blocks = content(reply, thinking)
-    return message(msg_id, model, blocks, stop_reason(reply), stop_sequence(reply), u)
 
 
 class MessagesOut(Output):
@@ -498,8 +407,9 @@ class MessagesOut(Output):
     arguments then arrive as ``input_json_delta``s); a block is stopped when the next one
     starts, so indices count blocks in their order (thinking, text, calls, as a model writes
     them); a thinking block gets its ``signature_delta`` before it stops. ``message_start`` is
-    sent with the first chunk, before the task's usage is known: its ``input_tokens`` is 0,
-    and the final ``message_delta`` carries both counts."""
+    sent with the first chunk's events, and made from that chunk, which says the prompt's
+    size: its ``input_tokens`` are the final usage's (0 from a runner that does not say); the
+    final ``message_delta`` carries both counts."""
 
     def __init__(self, msg_id: str, model: str, thinking: bool = False) -> None:
         self._id = msg_id
@@ -509,12 +419,23 @@ class MessagesOut(Output):
         self._open: str | int | None = None  # "thinking", "text", a call's index, or none yet
         self._blocks = 0  # blocks started so far
         self._calls: dict[int, int] = {}  # a call's index -> its block's index
+        # The stream opened, its message_start not sent yet: it goes with the first events
+        # (as an opening would), made once the first chunk said the prompt's size.
+        self._starting = False
+        self._prompt: Usage | None = None
 
     def opening(self, ts: TaskStream, index: int) -> str:
-        start = message(self._id, self._model, [], None, None, None)
-        return sse({"type": "message_start", "message": start}, "message_start") + sse(
-            {"type": "ping"}, "ping"
-        )
+        self._starting = True
+        return ""
+
+    def _started(self, events: str) -> str:
+        """``events``, after ``message_start`` (and a ping) the first time."""
+        if not self._starting:
+            return events
+        self._starting = False
+        start = message(self._id, self._model, [], None, None, self._prompt)
+        opened = sse({"type": "message_start", "message": start}, "message_start")
+        return opened + sse({"type": "ping"}, "ping") + events
 
     def _start(self, key: str | int, block: dict[str, Any]) -> str:
         out = self._stop()
@@ -542,6 +463,11 @@ class MessagesOut(Output):
     def events(self, index: int, group: list[ChunkGenerated]) -> str:
         out = []
         for c in group:
+            if c.prompt_tokens is not None and self._prompt is None:
+                cached = c.cached_tokens or 0
+                self._prompt = Usage(
+                    prompt_tokens=c.prompt_tokens, completion_tokens=0, cached_tokens=cached
+                )
             if c.reasoning and self._thinking:
                 if self._open != "thinking":
                     opened = {"type": "thinking", "thinking": "", "signature": ""}
@@ -566,7 +492,7 @@ class MessagesOut(Output):
                 if d.arguments:
                     delta = {"type": "input_json_delta", "partial_json": d.arguments}
                     out.append(self._delta(self._calls[d.index], delta))
-        return "".join(out)
+        return self._started("".join(out)) if out else ""
 
     def closing(self, replies: list[Reply], usages: list[Usage]) -> str:
         reply = replies[0]
@@ -574,7 +500,7 @@ class MessagesOut(Output):
         out = "" if self._blocks else self._start("text", {"type": "text", "text": ""})
         why = {"stop_reason": stop_reason(reply), "stop_sequence": stop_sequence(reply)}
         delta = {"type": "message_delta", "delta": why, "usage": usage(usages[0])}
-        return (
+        return self._started(
             out
             + self._stop()
             + sse(delta, "message_delta")
@@ -582,24 +508,10 @@ class MessagesOut(Output):
         )
 
     def failure(self, err: ApiError) -> str:
-        return sse(anthropic_error_body(err.status, err.message), "error")
+        return self._started(sse(anthropic_error_body(err.status, err.message), "error"))
 
     def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
         return whole_message(self._id, self._model, replies[0], usages[0], self._thinking)
-
-
-class TokenCountOut(Output):
-    """``count_tokens``' answer: the prompt's tokens as the model read them (chat template,
-    tools and all). Never streamed: only the whole answer is made."""
-
-    def events(self, index: int, group: list[ChunkGenerated]) -> str:
-        return ""
-
-    def failure(self, err: ApiError) -> str:
-        return sse(anthropic_error_body(err.status, err.message), "error")
-
-    def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
-        return {"input_tokens": usages[0].prompt_tokens}
 
 
 # --- models ---------------------------------------------------------------------------------

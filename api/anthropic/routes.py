@@ -8,16 +8,12 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.anthropic.messages import (
-    COUNTING,
-    MessagesBody,
-    MessagesOut,
-    MessagesRequest,
-    TokenCountOut,
-    task_for,
-)
+from api.anthropic.messages import MessagesBody, MessagesOut, MessagesRequest, task_for
 from api.context import ApiContext, context, require_key
 from api.serving import serve
+from api.tokenizer.asking import ask
+from bus.records import SamplingParams
+from bus.tokenizer import TokenizeChat
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]
@@ -28,16 +24,16 @@ async def messages(body: MessagesRequest, ctx: Ctx) -> JSONResponse | StreamingR
     return await serve_messages(ctx, body)
 
 
-@router.post("/messages/count_tokens", response_model=None)
-async def count_tokens(body: MessagesBody, ctx: Ctx) -> JSONResponse | StreamingResponse:
+@router.post("/messages/count_tokens")
+async def count_tokens(body: MessagesBody, ctx: Ctx) -> dict[str, int]:
     """The prompt's tokens as the model reads them: its chat template, the system prompt and
-    the tools as the runner renders them. The API has no tokenizer, so the count is made where
-    the prompt is, by a task: a chat task generates at least one token (``max_tokens`` 0 is
-    only for a completion that scores its prompt), so this one generates one, greedily, and
-    its usage's prompt tokens are the answer."""
+    the tools as the runner renders them for a message of the same body, counted by a runner
+    of the model without generating (``api/tokenizer/asking.py``): the API has no
+    tokenizer."""
     model_id = await ctx.resolve_model(body.model)
-    task = task_for(body, model_id, ctx.origin, COUNTING)
-    return await serve(ctx, [task], False, TokenCountOut())
+    task = task_for(body, model_id, ctx.origin, SamplingParams())
+    counted = await ask(ctx, model_id, TokenizeChat(task=task, count_only=True), "messages")
+    return {"input_tokens": counted.count}
 
 
 async def serve_messages(

@@ -33,7 +33,8 @@ def finish(reply: Reply) -> str:
 
 def usage(usages: list[Usage]) -> dict[str, Any]:
     """Several choices share one prompt: it is counted once (its cached part as the first
-    choice's runner had it)."""
+    choice's runner had it). A thinking model's thinking is among the completion tokens, and
+    counted apart too (``reasoning_tokens``)."""
     prompt = usages[0].prompt_tokens if usages else 0
     cached = usages[0].cached_tokens if usages else 0
     completion = sum(u.completion_tokens for u in usages)
@@ -42,6 +43,7 @@ def usage(usages: list[Usage]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": sum(u.reasoning_tokens for u in usages)},
     }
 
 

@@ -51,6 +51,12 @@ class Parsed:
     text: str = ""
     calls: tuple[ToolCallDelta, ...] = ()
     reasoning: str = ""
+    # The reply is over, though the model would go on: it repeated a call it made
+    # (``structured/repeats.py``). Nothing more is generated; it ends with ``tool_calls``.
+    ended: bool = False
+    # What was fed was (or opened, or closed) a thinking model's thinking: for the usage's
+    # count of reasoning tokens.
+    thinking: bool = False
 
 
 class ReplyParser(Protocol):
@@ -102,6 +108,8 @@ class Step:
     # On the final marker of a reply that a stop string ended: that string.
     stop_sequence: str | None = None
     reasoning: str = ""
+    # On the final marker: how many of the generated tokens were the thinking.
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -190,6 +198,7 @@ class Stepper:
         self._idx = 0
         self._finish: FinishReason = "length"
         self._stopped_by: str | None = None
+        self._thinking = 0  # tokens of the thinking
         # Whether the engine is asked at all (with a limit of 0, only for the prompt's scores).
         self.wants = limit > 0 or decoding.echo
 
@@ -229,6 +238,11 @@ class Stepper:
             reasoning=parsed.reasoning,
         )
         self._idx += 1
+        if parsed.thinking:
+            self._thinking += 1
+        if parsed.ended:  # a repeated call: the model would only go on repeating
+            self._finish, self._stopped_by = "tool_calls", None
+            return [step], False
         if out.stopped:  # what came after the stop string is dropped with it
             self._finish, self._stopped_by = "stop", out.stop
             self._decoder.reset()
@@ -258,13 +272,13 @@ class Stepper:
             # prompt's prefill (``Decoding.cancelled``), before any token came to be taken.
             self._finish = "cancelled"
         if self._finish == "cancelled":
-            return Step(self._idx, "", None, "cancelled")
+            return Step(self._idx, "", None, "cancelled", reasoning_tokens=self._thinking)
         matcher, reply = self._matcher, self._reply
         tail = matcher.feed(self._decoder.decode(b"", final=True)).text + matcher.flush()
         parsed = reply.feed(tail)
         rest = reply.finish()
         finish, stopped_by = self._finish, self._stopped_by
-        if finish == "stop" and reply.called:
+        if (finish == "stop" and reply.called) or parsed.ended or rest.ended:
             finish, stopped_by = "tool_calls", None
         return Step(
             self._idx,
@@ -274,6 +288,7 @@ class Stepper:
             tool_calls=parsed.calls + rest.calls,
             stop_sequence=stopped_by,
             reasoning=parsed.reasoning + rest.reasoning,
+            reasoning_tokens=self._thinking,
         )
 
 
@@ -288,8 +303,9 @@ def steps(
 ) -> Iterator[Step | ScoredPrompt]:
     """Generate at most ``limit`` tokens. Every token gives a Step; the last Step has the
     finish reason: "stop" (end token or stop string), "tool_calls" (stopped after a tool
-    call), "length" (limit), "cancelled". With ``decoding.echo`` a ``ScoredPrompt`` comes
-    first, even with a limit of 0. ``on_cached`` is told how many of the prompt's tokens the
+    call, or at a call repeating an earlier one), "length" (limit), "cancelled"; and how many
+    tokens were the thinking. With ``decoding.echo`` a ``ScoredPrompt`` comes first, even
+    with a limit of 0. ``on_cached`` is told how many of the prompt's tokens the
     engine's cache held (when it says). A resumed task's ``decoding.generated`` tokens count as
     generated (their steps are not given again), and the engine goes on after them."""
     stepper = Stepper(source, decoding, limit, cancelled, reply, on_cached)

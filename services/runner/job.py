@@ -13,7 +13,7 @@ from bus.events import PromptScored, TaskCreated
 from services.runner.decoding import Decoding
 from services.runner.engines.base import Engine
 from services.runner.generation import InvalidRequest, PlainReply, ReplyParser, ScoredPrompt
-from services.runner.structured import plan_reply
+from services.runner.structured import ReplyPlan, plan_reply
 from services.runner.structured.reasoning import template_kwargs, thinking_reply, thinking_start
 from services.runner.structured.reasoning_grammar import think_first
 
@@ -45,8 +45,7 @@ def prepare(engine: Engine, task: TaskCreated) -> Job:
     else:
         template = engine.chat_template
         plan = plan_reply(task, template)
-        kwargs = template_kwargs(template, task.thinking, task.chat_template_kwargs)
-        prompt = engine.chat_tokens(plan.messages, plan.tools, kwargs)
+        prompt = _rendered(engine, task, plan)
         end = b"".join(engine.spelled(t) for t in prompt[-_PROMPT_END:])
         start = thinking_start(template, end.decode(errors="replace"))
         grammar, reply = think_first(plan.grammar, start), thinking_reply(plan.parser(), start)
@@ -57,6 +56,20 @@ def prepare(engine: Engine, task: TaskCreated) -> Job:
         decoding = resumed(decoding, task.resume.tokens)
         _in_vocabulary(engine, decoding.generated, "the generated text")
     return Job(prompt, decoding, reply)
+
+
+def chat_prompt(engine: Engine, task: TaskCreated, add_generation_prompt: bool = True) -> list[int]:
+    """A chat task's prompt tokens, made as ``prepare`` makes them (its tools, tool choice,
+    response format and thinking included), without preparing the rest: what counting a
+    chat's tokens answers. Raises ``InvalidRequest`` as ``prepare`` does."""
+    return _rendered(engine, task, plan_reply(task, engine.chat_template), add_generation_prompt)
+
+
+def _rendered(
+    engine: Engine, task: TaskCreated, plan: ReplyPlan, add_generation_prompt: bool = True
+) -> list[int]:
+    kwargs = template_kwargs(engine.chat_template, task.thinking, task.chat_template_kwargs)
+    return engine.chat_tokens(plan.messages, plan.tools, kwargs, add_generation_prompt)
 
 
 def resumed(decoding: Decoding, generated: Sequence[int]) -> Decoding:

@@ -31,6 +31,7 @@ from services.runner.peers import PeerLost, Peers, StopWhileWaiting
 from services.runner.serve import TaskPuller, TaskServer
 from services.runner.spec import RunnerSpec
 from services.runner.state_reporter import RunnerIdentity, StateReporter
+from services.runner.tokenizer_service import TokenizerService
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +198,14 @@ async def serve_tasks(
     stop: asyncio.Event,
 ) -> None:
     """Serve tasks with a loaded engine until asked to stop, or until a stage it depends on is
-    lost (``PeerLost``)."""
-    await _serve(TaskServer(nc, engine, me, _task_file(spec)), state, peers, stop)
+    lost (``PeerLost``); and answer questions about the model's tokenizer meanwhile (from
+    before the runner is Ready)."""
+    tokenizer = TokenizerService(nc, engine, spec.model_id)
+    await tokenizer.start()
+    try:
+        await _serve(TaskServer(nc, engine, me, _task_file(spec)), state, peers, stop)
+    finally:
+        await tokenizer.stop()
 
 
 async def serve_embeddings(

@@ -425,7 +425,11 @@ class TaskServer(TaskPuller):
             generating = loop.run_in_executor(self._engine_thread, generate)
         first: float | None = None
         n = len(generated)
+        reasoning = 0  # of the n, the thinking's (the last step counts them)
         finish: FinishReason = "length"
+        # The prompt's size goes with the attempt's first chunk: the stream starts before the
+        # outcome's usage is known.
+        sized = False
         attempt = fence.attempt
         try:
             # What was generated before an engine error still counts: every step is published.
@@ -443,8 +447,12 @@ class TaskServer(TaskPuller):
                         first = first or m.at
                     else:
                         finish = m.step.finish_reason or "stop"
+                        reasoning = m.step.reasoning_tokens
                     msg_id = chunk_msg_id(task.task_id, attempt, m.step.idx)
-                    await self._chunks.publish(self._chunk(task, m.step, m.ts), msg_id=msg_id)
+                    counts = None if sized else (len(prompt), cached[0])
+                    sized = True
+                    chunk = self._chunk(task, m.step, m.ts, counts)
+                    await self._chunks.publish(chunk, msg_id=msg_id)
                 first_out.set()
         finally:
             first_out.set()
@@ -469,7 +477,10 @@ class TaskServer(TaskPuller):
                 finish_reason=finish,
                 attempt=attempt,
                 usage=Usage(
-                    prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=cached[0]
+                    prompt_tokens=len(prompt),
+                    completion_tokens=n,
+                    cached_tokens=cached[0],
+                    reasoning_tokens=reasoning,
                 ),
                 timings=Timings(
                     ttft_ms=(first - received) * 1000,
@@ -480,7 +491,10 @@ class TaskServer(TaskPuller):
             msg_id=outcome_msg_id(task.task_id, attempt),
         )
 
-    def _chunk(self, task: TaskCreated, step: Step, ts: float) -> ChunkGenerated:
+    def _chunk(
+        self, task: TaskCreated, step: Step, ts: float, prompt: tuple[int, int] | None = None
+    ) -> ChunkGenerated:
+        """``prompt``: the prompt's tokens and those of them the cache held, on the first."""
         return ChunkGenerated(
             task_id=task.task_id,
             idx=step.idx,
@@ -491,6 +505,8 @@ class TaskServer(TaskPuller):
             logprob=step.logprob,
             tool_calls=step.tool_calls,
             stop_sequence=step.stop_sequence,
+            prompt_tokens=None if prompt is None else prompt[0],
+            cached_tokens=None if prompt is None else prompt[1],
             attempt=attempt_of(task).number,
             origin=self._me.node_id,
             ts=datetime.fromtimestamp(ts, UTC),

@@ -96,7 +96,7 @@ def _weather_args(arguments: str) -> dict[str, Any]:
 
 
 def test_a_required_tool_call_plain_and_streamed(client: openai.OpenAI) -> None:
-    # One call: allowed several, this model repeats the same call until max_tokens.
+    # One call (allowed several, this model repeats the first: see the next test).
     reply = client.chat.completions.create(
         model=MODEL,
         messages=ASK,
@@ -146,23 +146,40 @@ def test_a_required_tool_call_plain_and_streamed(client: openai.OpenAI) -> None:
     assert all(c["id"].startswith("call_") for c in streamed.values())
 
 
-def test_parallel_calls_are_each_a_valid_call(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,
-        tools=[WEATHER, TIME],
-        tool_choice="required",
-        temperature=0,
-        max_tokens=120,
-    )
+def test_parallel_calls_are_distinct_and_end_with_tool_calls(client: openai.OpenAI) -> None:
+    # Allowed several calls, this model writes the same one until max_tokens: the runner ends
+    # the answer at the first repeat, which is left out (issue 35).
+    asked: dict[str, Any] = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": 200,
+    }
+    reply = client.chat.completions.create(**asked)
     choice = reply.choices[0]
     calls = _functions(choice.message)
-    assert len(calls) > 1 and choice.finish_reason in ("tool_calls", "length")
-    # Cut by max_tokens, the last call may be unfinished; every one before it is whole.
-    whole = calls if choice.finish_reason == "tool_calls" else calls[:-1]
-    for c in whole:
-        assert c.function.name in ("get_weather", "get_time")
-        assert isinstance(json.loads(c.function.arguments), dict)
+    assert calls and choice.finish_reason == "tool_calls"
+    made = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    assert all(call not in made[:i] for i, call in enumerate(made)), made
+    for name, _ in made:
+        assert name in ("get_weather", "get_time")
+    assert reply.usage is not None and reply.usage.completion_tokens < 200
+
+    finish = None
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        for choice_delta in chunk.choices:
+            finish = choice_delta.finish_reason or finish
+            for d in choice_delta.delta.tool_calls or []:
+                call = streamed.setdefault(d.index, ["", ""])
+                if d.function is not None:
+                    call[0] += d.function.name or ""
+                    call[1] += d.function.arguments or ""
+    # Greedy: the same calls, and no piece of the repeated one went out.
+    assert finish == "tool_calls"
+    assert [(n, json.loads(a)) for _, (n, a) in sorted(streamed.items())] == made
 
 
 def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:

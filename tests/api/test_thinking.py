@@ -13,7 +13,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
 from pydantic import ValidationError
 
-from api.anthropic.messages import MessagesOut, MessagesRequest, signature, whole_message
+from api.anthropic.messages import MessagesOut, MessagesRequest
+from api.anthropic.shapes import signature, whole_message
 from api.ollama.translate import VERSION, ChatRequest, GenerateRequest, OllamaOut
 from api.openai.requests import ChatCompletionRequest
 from api.openai.shapes import Shape, chat_chunk, chat_completion

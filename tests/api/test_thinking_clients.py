@@ -69,7 +69,11 @@ def thinks(up_cluster: UpCluster, smollm2_with_template: WithTemplate) -> Iterat
     headers = {"Authorization": f"Bearer {up_cluster.key}"}
 
     async def serving() -> None:
-        async with httpx.AsyncClient(base_url=up_cluster.base, headers=headers) as client:
+        # A request for a model whose instance is loading waits for it (loading on demand),
+        # longer than httpx's 5 s on a busy machine.
+        async with httpx.AsyncClient(
+            base_url=up_cluster.base, headers=headers, timeout=240
+        ) as client:
             asked = await client.post("/v1/instances", json={"model": MODEL, "slots": 1})
             assert asked.status_code == 202, asked.text
             ask = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "?"}]}
@@ -98,6 +102,10 @@ def test_openai_reasoning_content(thinks: UpCluster) -> None:
     thinking = (message.model_extra or {}).get("reasoning_content")
     assert thinking and message.content, message
     assert "</think>" not in thinking + message.content
+    # The thinking's tokens, its tags included, are counted among the completion's.
+    assert made.usage is not None and made.usage.completion_tokens_details is not None
+    reasoning = made.usage.completion_tokens_details.reasoning_tokens
+    assert reasoning is not None and 0 < reasoning < made.usage.completion_tokens
     streamed = client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=40, stream=True
     )
@@ -110,6 +118,8 @@ def test_openai_reasoning_content(thinks: UpCluster) -> None:
     )
     assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
     assert off.choices[0].message.content
+    assert off.usage is not None and off.usage.completion_tokens_details is not None
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_anthropic_thinking_blocks(thinks: UpCluster) -> None:
@@ -186,6 +196,8 @@ def test_responses_reasoning_items(thinks: UpCluster) -> None:
         store=False,
     )
     assert [i.type for i in made.output] == ["reasoning", "message"], made.output
+    assert made.usage is not None
+    assert 0 < made.usage.output_tokens_details.reasoning_tokens < made.usage.output_tokens
     reasoning = made.output[0]
     assert reasoning.type == "reasoning" and reasoning.content and reasoning.content[0].text
     assert made.output_text

@@ -16,6 +16,7 @@ from bus.subjects import (
     CHUNKS_PREFIX,
     DEADLETTER_PREFIX,
     EVENTS_PREFIX,
+    TOKENIZER_PREFIX,
     aggregate_filter,
     aggregate_prefix,
     chunk_subject,
@@ -24,6 +25,7 @@ from bus.subjects import (
     escape_token,
     event_subject,
     event_type_filter,
+    tokenizer_subject,
     unescape_token,
 )
 
@@ -164,6 +166,14 @@ def test_deadletter_subject_shape() -> None:
     assert len(deadletter_subject("x.y").split(".")) == 3
 
 
+def test_tokenizer_subject_shape() -> None:
+    assert tokenizer_subject("Qwen2.5-0.5B") == "shoal.tokenizer.Qwen2%2E5-0%2E5B"
+    assert tokenizer_subject("m").startswith(TOKENIZER_PREFIX + ".")
+    assert len(tokenizer_subject("a.b.>").split(".")) == 3
+    # In no stream: a question to a runner is not stored.
+    assert stream_of(tokenizer_subject("m")) is None
+
+
 def test_a_models_tasks_filter_shape() -> None:
     f = TaskCreated.filter_for("Qwen2.5-0.5B")
     assert f == "shoal.events.task.Qwen2%2E5-0%2E5B.*.TaskCreated"
@@ -203,7 +213,8 @@ REPO = Path(__file__).resolve().parents[2]
 # A subject written out by hand: the prefix of a stream in an f-string or a concatenation, or
 # an event's subject made from its parts rather than by its class (``TaskStarted.subject_for``).
 _HAND_MADE = re.compile(
-    r'f"\{(EVENTS|CHUNKS|DEADLETTER)_PREFIX\}|_PREFIX \+ "|"shoal\.(events|chunks|deadletter)\.'
+    r'f"\{(EVENTS|CHUNKS|DEADLETTER|TOKENIZER)_PREFIX\}|_PREFIX \+ "'
+    r'|"shoal\.(events|chunks|deadletter|tokenizer)\.'
     r"|\b(event_subject|chunk_subject|event_type_filter)\("
 )
 

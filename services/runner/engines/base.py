@@ -14,7 +14,33 @@ class EngineBroken(RuntimeError):
     task it was serving, then reports Failed and exits, to be restarted."""
 
 
-class Engine(TokenSource, Protocol):
+class Tokenizer(Protocol):
+    """The model's own tokenizer, as clients may ask it (``/tokenize``, ``/detokenize``,
+    ``/tokenizer_info``: ``services/runner/tokenizer_answers.py``). Safe to call from a thread
+    other than the decoding one: tokenizing only reads the vocabulary."""
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        """``text``'s tokens: with ``add_special``, the BOS (and EOS) the vocabulary adds; with
+        ``parse_special``, special tokens written in the text are those tokens, else text."""
+        ...
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens``, special tokens spelled out (the tokenizer's own decoding,
+        as llama.cpp's server and vLLM give it). Raises ``InvalidRequest`` for a token outside
+        the vocabulary."""
+        ...
+
+    def vocabulary_text(self, token: int) -> str:
+        """The token as the vocabulary spells it (``Ġworld`` in a byte-level BPE)."""
+        ...
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's settings, as vLLM's ``/tokenizer_info`` gives them: its class, its
+        special tokens, ``model_max_length`` and the chat template, where the model has them."""
+        ...
+
+
+class Engine(TokenSource, Tokenizer, Protocol):
     @property
     def n_ctx(self) -> int:
         """The context of one generation."""
@@ -36,13 +62,14 @@ class Engine(TokenSource, Protocol):
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """A chat (OpenAI-shaped message dicts; an assistant's ``tool_calls`` with arguments
         as objects, as Hugging Face templates expect) through the model's chat template, with
-        the generation prompt, tokenized. ``tools`` (OpenAI's ``{"type": "function",
-        "function": ...}`` entries) are passed to the template, and so are
-        ``template_kwargs`` (``enable_thinking``...). Raises ``InvalidRequest`` for a chat it
-        cannot render."""
+        the generation prompt (unless not ``add_generation_prompt``), tokenized. ``tools``
+        (OpenAI's ``{"type": "function", "function": ...}`` entries) are passed to the
+        template, and so are ``template_kwargs`` (``enable_thinking``...). Raises
+        ``InvalidRequest`` for a chat it cannot render."""
         ...
 
     def text_tokens(self, prompt: str) -> list[int]:

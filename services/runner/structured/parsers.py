@@ -19,6 +19,10 @@ Malformed output is handled so that nothing is lost and nothing is invented:
 - Arguments written before the name are held until the name comes. Keys other than the name and
   the arguments (``"arguments"`` or ``"parameters"``) are ignored, and so is a second value of
   either. A call without arguments gets ``{}``.
+- A call identical to one the reply already made (same name, same arguments as JSON values:
+  ``repeats.py``) ends the reply: it is dropped and nothing after it is read, and the parse says
+  so (``Parsed.ended``), for generation to stop. A call whose name an earlier whole call has is
+  held back until it is whole, so that none of a dropped call goes out.
 - A bare JSON call with no marker (Llama's form; Mistral's array when the marker token is not
   shown) counts only at the start of the reply and only if its name is one of the tools offered;
   anything else is content.
@@ -47,6 +51,7 @@ from services.runner.structured.formats import (
     ToolFormatName,
     call_id,
 )
+from services.runner.structured.repeats import CallKey, call_key
 from services.runner.structured.text_reader import (
     WHITESPACE,
     Broken,
@@ -56,6 +61,10 @@ from services.runner.structured.text_reader import (
 
 _ARGUMENT_KEYS = ("arguments", "parameters")
 Outcome = Literal["call", "cut", "none"]
+
+
+class _Repeated(Exception):
+    """The call just read is identical to an earlier one: the reply ends before it."""
 
 
 # The format's markers, which some models' vocabularies hold as special tokens (Mistral's
@@ -98,6 +107,12 @@ class ToolReplyParser(TextReader):
         self._gap = ""  # the whitespace before the marker just read
         self._pending = ""  # whitespace to write before more content, if more comes
         self._said = False  # whether there is content yet
+        self._made: set[CallKey] = set()  # the calls read whole
+        self._made_names: set[str] = set()
+        self._reading: tuple[str, list[str]] | None = None  # the call being read: its name, args
+        # The deltas of the call being read, held while it may repeat an earlier one.
+        self._held: list[ToolCallDelta] | None = None
+        self._repeated = False  # the reply ended at a repeated call
         runs = {
             "hermes": self._hermes,
             "llama3": self._llama3,
@@ -132,6 +147,9 @@ class ToolReplyParser(TextReader):
             self._reader.send(char)
         except StopIteration:
             self._reader = None
+        except _Repeated:
+            self._reader = None
+            self._repeated = True
 
     def _take(self) -> Parsed:
         text = "".join(self._text)
@@ -144,7 +162,7 @@ class ToolReplyParser(TextReader):
             else:
                 merged.append(delta)
         self._deltas.clear()
-        return Parsed(text, tuple(merged))
+        return Parsed(text, tuple(merged), ended=self._repeated)
 
     # --- output -----------------------------------------------------------------------
 
@@ -163,7 +181,9 @@ class ToolReplyParser(TextReader):
             self._gap = ""
         index = self._calls
         self._calls += 1
-        self._deltas.append(
+        self._reading = (name, [])
+        self._held = [] if name in self._made_names else None
+        self._out().append(
             ToolCallDelta(
                 index=index, id=call_id(self._spec.format, self._spec.task_id, index), name=name
             )
@@ -172,7 +192,31 @@ class ToolReplyParser(TextReader):
 
     def _arguments(self, index: int, text: str) -> None:
         if text:
-            self._deltas.append(ToolCallDelta(index=index, arguments=text))
+            if self._reading is not None:
+                self._reading[1].append(text)
+            self._out().append(ToolCallDelta(index=index, arguments=text))
+
+    def _out(self) -> list[ToolCallDelta]:
+        return self._deltas if self._held is None else self._held
+
+    def _read_whole(self) -> None:
+        """The call being read is whole: it ends the reply if it repeats an earlier one."""
+        assert self._reading is not None
+        name, arguments = self._reading
+        key = call_key(name, "".join(arguments))
+        if key is not None and key in self._made:
+            self._held, self._reading = None, None
+            self._calls -= 1
+            raise _Repeated
+        if key is not None:
+            self._made.add(key)
+            self._made_names.add(name)
+        self._release()
+
+    def _release(self) -> None:
+        """What was held of the call being read goes out (it is whole and new, or cut off)."""
+        self._deltas.extend(self._held or ())
+        self._held, self._reading = None, None
 
     def _begin(self, lead: str) -> None:
         """Keep what is read from here on (after ``lead``), in case it is not a call."""
@@ -231,8 +275,10 @@ class ToolReplyParser(TextReader):
             if self._calls == before:
                 return "none"
             self._record = None
+            self._release()
             return "cut"
         self._record = None
+        self._read_whole()
         return "call"
 
     def _call_object(self, names: frozenset[str] | None) -> Reading:

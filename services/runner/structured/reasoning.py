@@ -15,7 +15,9 @@ depends on the prompt the template made (``thinking_start``):
 ``Parsed.reasoning``, what follows ``</think>`` to the inner parser. Whitespace around the
 thinking is dropped (the template's ``\\n`` after ``<think>`` and before ``</think>``, the blank
 line before the answer). A reply cut off inside its thinking is all thinking. It reads one
-character at a time, so where the pieces are cut does not change what comes out.
+character at a time, so where the pieces are cut does not change what comes out. Each piece
+says whether it was the thinking, its tags included (``Parsed.thinking``): the runner feeds one
+token's text at a time, and counts the usage's reasoning tokens so.
 """
 
 from __future__ import annotations
@@ -117,12 +119,15 @@ class ThinkingReply:
         return self._inner.markers | {THINK_OPEN, THINK_CLOSE}
 
     def feed(self, text: str) -> Parsed:
+        before = self._state
         for i, char in enumerate(text):
             if self._state == "answer":
                 self._answer.append(text[i:])
                 break
             self._read(char)
-        return self._take(self._inner.feed(self._flush_answer()))
+        # The text was the thinking, or the tag that opened or closed it.
+        thinking = "thinking" in (before, self._state)
+        return self._take(self._inner.feed(self._flush_answer()), thinking)
 
     def finish(self) -> Parsed:
         if self._state == "lead":
@@ -132,7 +137,8 @@ class ThinkingReply:
         self._held = ""
         parsed = self._inner.feed(self._flush_answer())
         rest = self._inner.finish()
-        return self._take(Parsed(parsed.text + rest.text, parsed.calls + rest.calls))
+        ended = parsed.ended or rest.ended
+        return self._take(Parsed(parsed.text + rest.text, parsed.calls + rest.calls, ended=ended))
 
     def _read(self, char: str) -> None:
         if self._state == "lead":
@@ -173,10 +179,10 @@ class ThinkingReply:
         self._answer.clear()
         return text
 
-    def _take(self, inner: Parsed) -> Parsed:
+    def _take(self, inner: Parsed, thinking: bool = False) -> Parsed:
         reasoning = "".join(self._reasoning)
         self._reasoning.clear()
-        return Parsed(inner.text, inner.calls, reasoning)
+        return Parsed(inner.text, inner.calls, reasoning, inner.ended, thinking)
 
 
 def _tag_start(held: str) -> int:

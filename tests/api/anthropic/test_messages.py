@@ -12,15 +12,13 @@ import pytest
 from pydantic import ValidationError
 
 from api.anthropic.messages import (
-    COUNTING,
     MessagesBody,
     MessagesOut,
     MessagesRequest,
-    TokenCountOut,
     model_list,
     task_for,
-    whole_message,
 )
+from api.anthropic.shapes import whole_message
 from api.errors import ApiError
 from api.reply import Reply
 from bus.events import ChunkGenerated
@@ -28,6 +26,7 @@ from bus.records import (
     ChatMessage,
     FinishReason,
     ResponseFormat,
+    SamplingParams,
     ToolCall,
     ToolCallDelta,
     ToolChoice,
@@ -285,8 +284,8 @@ def test_max_tokens_is_required_but_not_to_count() -> None:
     with pytest.raises(ValidationError, match="max_tokens"):
         MessagesRequest.model_validate({"model": "m", "messages": ASK})
     body = MessagesBody.model_validate({"model": "m", "messages": ASK, "tools": [WEATHER]})
-    task = task_for(body, "m", "api", COUNTING)
-    assert task.params.max_tokens == 1 and task.tools[0].name == "get_weather"
+    task = task_for(body, "m", "api", SamplingParams())
+    assert task.tools[0].name == "get_weather"
     assert task.tool_choice == ToolChoice(mode="auto")  # the tools as the model sees them
 
 
@@ -326,8 +325,9 @@ def reply(
 def chunks(
     text: str, calls: Sequence[Call], finish: FinishReason, stop: str | None = None
 ) -> list[ChunkGenerated]:
-    """The text a word a chunk, then each call: its id and name, then its arguments in two."""
-    out = [ChunkGenerated(task_id="t", idx=0, text="", origin="r")]
+    """The text a word a chunk, then each call: its id and name, then its arguments in two.
+    The first says the prompt's size, as a runner's does."""
+    out = [ChunkGenerated(task_id="t", idx=0, text="", origin="r", prompt_tokens=12)]
     for word in text.split(" ") if text else []:
         piece = word if len(out) == 1 else f" {word}"
         out.append(ChunkGenerated(task_id="t", idx=len(out), text=piece, origin="r"))
@@ -479,11 +479,38 @@ def test_a_streamed_text_message() -> None:
     ]
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["model"] == "claude-x"
-    assert start["usage"]["input_tokens"] == 0  # not known before the task ends
+    assert start["usage"]["input_tokens"] == 12  # as the first chunk said
     final = events[-2][1]
     assert final["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n"}
     assert final["usage"]["input_tokens"] == 12 and final["usage"]["output_tokens"] == 5
     assert accumulate(events) == whole_message("msg_1", "claude-x", r, USAGE)
+
+
+def test_message_start_says_the_prompts_size_from_the_first_chunk() -> None:
+    def start_usage(first: ChunkGenerated) -> dict[str, int]:
+        out = MessagesOut("msg_1", "claude-x")
+        later = ChunkGenerated(task_id="t", idx=1, text="Hi", origin="r")
+        # The first group holds no block's content (a thinking not asked for): message_start
+        # waits for the second, and is sent once.
+        stream = out.opening(None, 0) + out.events(0, [first])  # type: ignore[arg-type]
+        assert stream == ""
+        events = parse(out.events(0, [later]) + out.events(0, [later]))
+        assert [n for n, _ in events].count("message_start") == 1
+        usage: dict[str, int] = events[0][1]["message"]["usage"]
+        return usage
+
+    said = ChunkGenerated(
+        task_id="t", idx=0, text="", reasoning="Hm.", origin="r", prompt_tokens=30, cached_tokens=8
+    )
+    assert start_usage(said) == {
+        "input_tokens": 22,  # as the final usage counts them: the cached ones apart
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 8,
+    }
+    # A runner from before the chunks said it: 0, as before.
+    old = ChunkGenerated(task_id="t", idx=0, text="", origin="r")
+    assert start_usage(old)["input_tokens"] == 0
 
 
 def test_a_streamed_tool_use_message() -> None:
@@ -516,11 +543,6 @@ def test_a_failure_is_an_error_event() -> None:
     [(name, data)] = parse(MessagesOut("m", "x").failure(ApiError(503, "no runner")))
     assert name == "error"
     assert data == {"type": "error", "error": {"type": "overloaded_error", "message": "no runner"}}
-
-
-def test_counting_answers_the_prompt_tokens() -> None:
-    counted = TokenCountOut().whole([reply("a")], [USAGE], None)  # type: ignore[arg-type]
-    assert counted == {"input_tokens": 12}
 
 
 def test_the_model_list_in_anthropic_shape() -> None:

@@ -90,8 +90,26 @@ def test_a_stream_and_its_final_message(client: anthropic.Anthropic, up_cluster:
     assert len(pieces) > 1 and "".join(pieces).strip()
     assert _text(final) == "".join(pieces)
     assert final.stop_reason in ("end_turn", "max_tokens") and final.model == up_cluster.model
-    # The stream's start knows no usage yet; its end has both counts.
     assert final.usage.input_tokens > 0 and 0 < final.usage.output_tokens <= 24
+
+
+def test_message_start_says_the_prompts_tokens(
+    client: anthropic.Anthropic, up_cluster: UpCluster
+) -> None:
+    # As Anthropic's does, and Claude Code's context accounting reads: the stream starts with
+    # the first token, when the prompt's size is known (issue 35).
+    for system in ("You are terse.", "You are friendly and you answer in one short line."):
+        with client.messages.stream(
+            model=up_cluster.model, max_tokens=8, system=system, messages=HELLO, extra_body=GREEDY
+        ) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        starts = [e for e in events if e.type == "message_start"]
+        assert len(starts) == 1 and events[0] is starts[0]
+        said = starts[0].message.usage
+        assert said.input_tokens == final.usage.input_tokens > 0
+        assert said.cache_read_input_tokens == final.usage.cache_read_input_tokens
+        assert said.output_tokens == 0
 
 
 def test_a_tool_use_round_trip(client: anthropic.Anthropic, up_cluster: UpCluster) -> None:
@@ -150,6 +168,25 @@ def test_a_tool_use_round_trip(client: anthropic.Anthropic, up_cluster: UpCluste
             _weather_input(block)
     else:
         assert not _tool_uses(auto) and '"response"' not in _text(auto)
+
+
+def test_parallel_tool_uses_end_at_the_first_repeat(
+    client: anthropic.Anthropic, up_cluster: UpCluster
+) -> None:
+    # Allowed several calls, this model writes the same one until max_tokens: the first repeat
+    # ends the message, with stop_reason tool_use, and is not in it.
+    made = client.messages.create(
+        model=up_cluster.model,
+        max_tokens=200,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice={"type": "any"},
+        extra_body=GREEDY,
+    )
+    inputs = [_weather_input(block) for block in _tool_uses(made)]
+    assert made.stop_reason == "tool_use" and inputs
+    assert all(given not in inputs[:i] for i, given in enumerate(inputs)), inputs
+    assert made.usage.output_tokens < 200
 
 
 def test_stop_sequences(client: anthropic.Anthropic, up_cluster: UpCluster) -> None:

@@ -67,6 +67,7 @@ def test_a_reply_with_tool_calls_is_openais_message() -> None:
         "completion_tokens": 4,
         "total_tokens": 7,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 
@@ -155,10 +156,15 @@ def test_completion_logprobs_with_echo_count_offsets_from_the_prompt() -> None:
 
 
 def test_choices_share_the_prompt_in_usage() -> None:
-    usages = [Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=4) for n in (2, 3)]
+    usages = [
+        Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=4, reasoning_tokens=n - 1)
+        for n in (2, 3)
+    ]
     assert usage(usages) == {
         "prompt_tokens": 5,
         "completion_tokens": 5,
         "total_tokens": 10,
         "prompt_tokens_details": {"cached_tokens": 4},
+        # Each choice's thinking is its own: counted for each, as its completion tokens are.
+        "completion_tokens_details": {"reasoning_tokens": 3},
     }

@@ -204,6 +204,26 @@ def test_a_function_call_then_its_output_continues_the_conversation(
     assert [i.type for i in listed.data] == ["function_call_output"]
 
 
+def test_parallel_calls_end_at_the_first_repeat(
+    client: openai.OpenAI, up_cluster: UpCluster
+) -> None:
+    # Allowed several calls, this model writes the same one until max_output_tokens: the first
+    # repeat ends the response, complete, and is not in it.
+    made = client.responses.create(
+        model=up_cluster.model,
+        input=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=200,
+        store=False,
+    )
+    calls = [(c.name, json.loads(c.arguments)) for c in _calls(made)]
+    assert made.status == "completed" and calls
+    assert all(call not in calls[:i] for i, call in enumerate(calls)), calls
+    assert made.usage is not None and made.usage.output_tokens < 200
+
+
 def test_a_stream_of_a_call_has_its_arguments(client: openai.OpenAI, up_cluster: UpCluster) -> None:
     arguments = ""
     with client.responses.stream(

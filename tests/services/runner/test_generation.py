@@ -1,5 +1,5 @@
-"""Stop strings, UTF-8 pieces, limits, cancellation, log-probabilities, prompt scores and
-reply parsers, on a scripted token source."""
+"""Stop strings, UTF-8 pieces, limits, cancellation, log-probabilities, prompt scores, reply
+parsers (a repeated call, the thinking's tokens), on a scripted token source."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ from services.runner.decoding import Decoding, PromptScores, Token
 from services.runner.generation import (
     InvalidRequest,
     Parsed,
+    PlainReply,
     ScoredPrompt,
     Step,
     check_request,
     steps,
 )
 from services.runner.stops import Emitted, StopMatcher
+from services.runner.structured.parsers import ParserSpec, make_parser
+from services.runner.structured.reasoning import ThinkingStart, thinking_reply
 
 END = 0
 
@@ -249,3 +252,35 @@ def test_a_special_token_marker_reaches_the_parser_only() -> None:
     assert [len(s.tool_calls) for s in out if isinstance(s, Step)] == [0, 1, 0]
     plain = run(Scripted([b"hi", b""]))
     assert "".join(s.text for s in plain) == "hi"
+
+
+def test_a_repeated_call_ends_the_reply_and_its_generation() -> None:
+    # What SmolLM2 does with several calls allowed: the same call until max_tokens.
+    call = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+    reply = '{"tool_calls": [' + ", ".join([call] * 10)
+    source = Scripted([c.encode() for c in reply], end=False)  # a character a token
+    parser = make_parser(ParserSpec("generic", "t", frozenset({"get_time"})))
+    out = list(steps(source, [1], Decoding(SamplingParams()), 1000, lambda: False, parser))
+    made = [s for s in out if isinstance(s, Step)]
+    # The engine was asked for no token after the one that closed the second call.
+    assert source.generated == len('{"tool_calls": [' + call + ", " + call)
+    assert made[-1].finish_reason == "tool_calls" and made[-1].token_id is None
+    deltas = [d for s in made for d in s.tool_calls]
+    assert {d.index for d in deltas} == {0}
+    assert "".join(d.arguments for d in deltas) == '{"zone": "UTC"}'
+
+
+def test_the_final_marker_counts_the_thinkings_tokens() -> None:
+    pieces = [b"<think>", b"\n", b"Hmm", b".", b"\n", b"</think>", b"\n\n", b"Hi", b"!"]
+    cases: list[tuple[ThinkingStart, list[bytes], int]] = [
+        ("may_open", pieces, 6),  # <think> to </think>
+        ("inside", pieces[2:], 4),  # the prompt opened it
+        ("may_open", pieces[6:], 0),  # no thinking
+        ("inside", pieces[2:4], 2),  # cut off while thinking: all of it
+    ]
+    for start, tokens, thinking in cases:
+        reply = thinking_reply(PlainReply(), start)
+        decoding = Decoding(SamplingParams())
+        out = list(steps(Scripted(tokens), [1], decoding, 100, lambda: False, reply))
+        last = out[-1]
+        assert isinstance(last, Step) and last.reasoning_tokens == thinking, start

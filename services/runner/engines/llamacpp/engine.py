@@ -20,6 +20,7 @@ import llama_cpp
 from llama_cpp import Llama, llama_chat_format
 
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Sink, Token
+from services.runner.engines.llamacpp import vocabulary
 from services.runner.engines.llamacpp.batch import BatchDecoder
 from services.runner.engines.llamacpp.sampling import (
     GrammarCache,
@@ -49,6 +50,9 @@ class _Loaded:
     n_ctx: int  # per slot
     grammars: GrammarCache
     formatter: Callable[..., Any] | None
+    # The same template without the generation prompt (what a client that counts a chat's
+    # tokens may ask for); None for a named format, which always writes it.
+    bare_formatter: Callable[..., Any] | None
     template: str | None  # the GGUF's Jinja template, when that is what chats go through
     ends: frozenset[int]
 
@@ -100,14 +104,16 @@ class LlamaCppEngine:
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         formatter: Callable[..., Any] | None = None
+        bare_formatter: Callable[..., Any] | None = None
         template: str | None = None
         if self._chat_format is not None:
             formatter = _FORMATTERS[self._chat_format]
         elif template := llm.metadata.get("tokenizer.chat_template"):
-            formatter = llama_chat_format.Jinja2ChatFormatter(
-                template=template,
-                eos_token=_special_text(vocab, llm.token_eos()),
-                bos_token=_special_text(vocab, llm.token_bos()),
+            eos = _special_text(vocab, llm.token_eos())
+            bos = _special_text(vocab, llm.token_bos())
+            formatter = llama_chat_format.Jinja2ChatFormatter(template, eos, bos)
+            bare_formatter = llama_chat_format.Jinja2ChatFormatter(
+                template, eos, bos, add_generation_prompt=False
             )
         # Every end-of-generation token of the vocabulary ends it, as in llama-cpp-python's
         # own completions (and a grammar, once complete, allows only these).
@@ -139,6 +145,7 @@ class LlamaCppEngine:
             n_ctx=n_ctx,
             grammars=GrammarCache(vocab),
             formatter=formatter,
+            bare_formatter=bare_formatter,
             template=template or None,
             ends=ends_set,
         )
@@ -173,11 +180,18 @@ class LlamaCppEngine:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
         """The chat as the model reads it, before tokenizing."""
         m = self.loaded
+        formatter = m.formatter if add_generation_prompt else m.bare_formatter
         if m.formatter is None:
             raise InvalidRequest("this model has no chat template: send a plain prompt")
+        if formatter is None:
+            raise InvalidRequest(
+                f"this model's chat format ({self._chat_format}) always ends with the"
+                " generation prompt: add_generation_prompt cannot be false"
+            )
         # Named formats know nothing of tools.
         extra: dict[str, Any] = {"tools": tools} if m.template is not None and tools else {}
         if m.template is not None and template_kwargs:
@@ -185,7 +199,7 @@ class LlamaCppEngine:
         if self._chat_format == "gemma":
             messages = _system_in_first_user(messages)
         try:
-            return str(m.formatter(messages=messages, **extra).prompt)
+            return str(formatter(messages=messages, **extra).prompt)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             # A template's raise_exception, a role or a shape it does not take.
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
@@ -195,8 +209,9 @@ class LlamaCppEngine:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
-        return self._tokens(self.chat_text(messages, tools, template_kwargs))
+        return self._tokens(self.chat_text(messages, tools, template_kwargs, add_generation_prompt))
 
     def text_tokens(self, prompt: str) -> list[int]:
         return self._tokens(prompt)
@@ -209,6 +224,21 @@ class LlamaCppEngine:
         if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos:
             tokens = tokens[1:]
         return tokens
+
+    # --- the tokenizer, as clients ask it (vocabulary.py) ----------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return vocabulary.tokenize(self.llm, text, add_special, parse_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return vocabulary.detokenize(self.loaded.vocab, self.n_vocab, tokens)
+
+    def vocabulary_text(self, token: int) -> str:
+        return vocabulary.vocabulary_text(self.loaded.vocab, self.n_vocab, token)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        m = self.loaded
+        return vocabulary.tokenizer_info(m.llm, m.vocab, m.n_vocab, m.template)
 
     # --- tokens ---------------------------------------------------------------------------------
 

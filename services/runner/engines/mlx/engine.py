@@ -25,6 +25,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token, request_seed
+from services.runner.engines.mlx import vocabulary
 from services.runner.engines.mlx.batch import MlxBatchDecoder, SequencePicker, batchable
 from services.runner.engines.mlx.prompt_cache import PromptCaches
 from services.runner.engines.mlx.sampling import (
@@ -74,6 +75,10 @@ class MlxText:
         self._pieces = _token_bytes(tokenizer, model_dir)
         self._n_vocab = n_vocab
         self._grammars: Grammars | None = None
+        # Hugging Face's tokenizer itself (the wrapper's): its settings, and a copy of it that
+        # reads special tokens' texts as text.
+        self._hf: Any = getattr(tokenizer, "_tokenizer", tokenizer)
+        self._literal = vocabulary.LiteralSpecials(self._hf)
 
     @classmethod
     def load(cls, model_dir: Path, config: dict[str, Any]) -> MlxText:
@@ -98,6 +103,7 @@ class MlxText:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         tok = self._tokenizer
         if not tok.has_chat_template:
@@ -106,7 +112,7 @@ class MlxText:
             text = tok.apply_chat_template(  # type: ignore[no-untyped-call]
                 messages,
                 tools=tools,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **(template_kwargs or {}),
             )
@@ -118,6 +124,20 @@ class MlxText:
     def text_tokens(self, prompt: str) -> list[int]:
         # A plain prompt gets the tokenizer's BOS, if it has one.
         return _non_empty(self._tokenizer.encode(prompt, add_special_tokens=True))
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        if not parse_special:
+            return self._literal.encode(text, add_special)
+        return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=add_special)]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return vocabulary.decode(self._hf, len(self._pieces), tokens)
+
+    def vocabulary_text(self, token: int) -> str:
+        return vocabulary.spelling(self._hf, len(self._pieces), token)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return vocabulary.tokenizer_info(self._hf, self.chat_template)
 
     def piece(self, token: int) -> bytes:
         return self._pieces[token] if 0 <= token < len(self._pieces) else b""
@@ -271,11 +291,24 @@ class MlxTextEngine:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
-        return self.text.chat_tokens(messages, tools, template_kwargs)
+        return self.text.chat_tokens(messages, tools, template_kwargs, add_generation_prompt)
 
     def text_tokens(self, prompt: str) -> list[int]:
         return self.text.text_tokens(prompt)
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return self.text.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.text.detokenize(tokens)
+
+    def vocabulary_text(self, token: int) -> str:
+        return self.text.vocabulary_text(token)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return self.text.tokenizer_info()
 
     def piece(self, token: int) -> bytes:
         return self.text.piece(token)

@@ -1,5 +1,5 @@
 """Reading replies back, as they stream: recorded-style outputs of each format, well-formed and
-not, fed whole, a character at a time and cut anywhere."""
+not, fed whole, a character at a time and cut anywhere; a call repeated ends the reply."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from bus.records import ToolCallDelta
 from services.runner.generation import Parsed
 from services.runner.structured.formats import ToolFormatName, call_id
 from services.runner.structured.parsers import ParserSpec, ToolReplyParser, make_parser
+from services.runner.structured.repeats import first_repeat
 
 TASK = "task-7"
 NAMES = frozenset({"get_weather", "get_time"})
@@ -25,6 +26,7 @@ class Read:
     calls: list[tuple[str, str]]  # (name, arguments)
     called: bool
     deltas: list[ToolCallDelta]
+    ended: bool  # at a repeated call
 
 
 def read(fmt: ToolFormatName, pieces: list[str], bare: bool = True) -> Read:
@@ -43,8 +45,15 @@ def read(fmt: ToolFormatName, pieces: list[str], bare: bool = True) -> Read:
         else:
             assert d.id is None and d.name is None
         calls[d.index][1] += d.arguments
+    # Once ended, every parse says so.
+    ended = [r.ended for r in results]
+    assert ended == sorted(ended)
     return Read(
-        "".join(r.text for r in results), [(n, a) for n, a in calls.values()], parser.called, deltas
+        "".join(r.text for r in results),
+        [(n, a) for n, a in calls.values()],
+        parser.called,
+        deltas,
+        ended[-1],
     )
 
 
@@ -202,6 +211,13 @@ CASES: list[tuple[ToolFormatName, str, str, list[tuple[str, str]]]] = [
     ("generic", '{"response": "cut off', "cut off", []),
     (
         "generic",
+        '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}},'
+        ' {"name": "get_weather", "arguments": {"city": "Rome"}}]}',
+        "",
+        [W, ("get_weather", '{"city": "Rome"}')],
+    ),
+    (
+        "generic",
         '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa',
         "",
         [("get_weather", '{"city": "Pa')],
@@ -213,6 +229,59 @@ CASES: list[tuple[ToolFormatName, str, str, list[tuple[str, str]]]] = [
         [("unknown_tool", "{}")],
     ),
 ]
+
+
+# A call identical to an earlier one (name and arguments as JSON values) ends the reply: it is
+# dropped, and what follows it is not read.
+REPEATED: list[tuple[ToolFormatName, str, str, list[tuple[str, str]]]] = [
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>\n'
+        "Then more text.",
+        "",
+        [W],
+    ),
+    (
+        "hermes",
+        'Let me see. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        '</tool_call> <tool_call>{"name": "get_time", "arguments": {}}</tool_call> and'
+        ' <tool_call>{"arguments": "{\\"city\\": \\"Paris\\"}", "name": "get_weather"}'
+        "</tool_call> again",
+        "Let me see. and",
+        [W, T],
+    ),
+    (
+        "generic",
+        '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}},'
+        ' {"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather",'
+        ' "arguments": {"city": "Par',
+        "",
+        [W],
+    ),
+    (
+        "generic",
+        '{"tool_calls": [{"name": "get_time", "arguments": {}}, {"name": "get_time"}]}',
+        "",
+        [T],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_weather",'
+        ' "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+        "",
+        [T, W],
+    ),
+    (
+        "llama3",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_weather",'
+        ' "parameters": {"city": "Paris"}}',
+        "",
+        [W],
+    ),
+]
+ENDED = {text for _, text, _, _ in REPEATED}
+CASES += REPEATED
 
 
 @pytest.mark.parametrize(
@@ -230,6 +299,7 @@ def test_recorded_replies(
         got = read(fmt, pieces)
         assert (got.content, got.calls) == (content, calls), pieces[:3]
         assert got.called is bool(calls)
+        assert got.ended is (text in ENDED)
 
 
 def test_a_call_streams_as_it_comes() -> None:
@@ -314,7 +384,53 @@ def test_any_cut_gives_the_same_reply(
     at = sorted({min(c, len(text)) for c in cuts})
     pieces = [text[a:b] for a, b in zip([0, *at], [*at, len(text)], strict=True)]
     got = read(fmt, pieces)
-    assert (got.content, got.calls) == (content, calls)
+    assert (got.content, got.calls, got.ended) == (content, calls, text in ENDED)
+
+
+def test_a_call_that_may_repeat_one_is_held_until_it_is_whole() -> None:
+    parser = make_parser(ParserSpec("hermes", TASK, NAMES))
+    paris = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert parser.feed(paris).calls[0].name == "get_weather"
+    # The name of a call made: nothing goes out until the arguments say whether it repeats it.
+    assert parser.feed('<tool_call>{"name": "get_weather", "arguments": {"ci') == Parsed()
+    assert parser.feed('ty": "Rome"}') == Parsed()
+    assert parser.feed("}") == Parsed(
+        calls=(
+            ToolCallDelta(
+                index=1,
+                id=call_id("hermes", TASK, 1),
+                name="get_weather",
+                arguments='{"city": "Rome"}',
+            ),
+        )
+    )
+    # A new name streams at once.
+    assert parser.feed('</tool_call><tool_call>{"name": "get_time", "arg').calls[0].index == 2
+    rest = parser.feed('uments": {}}</tool_call>')
+    assert rest.calls == (ToolCallDelta(index=2, arguments="{}"),)
+    assert parser.feed(paris[:-12]) == Parsed(ended=True)  # the first one again: the end
+    assert parser.feed("</tool_call>More.") == Parsed(ended=True)
+    assert parser.finish() == Parsed(ended=True)
+    assert parser.called
+
+
+def test_a_held_call_cut_off_keeps_what_was_written() -> None:
+    got = read(
+        "hermes",
+        [
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+            '<tool_call>{"name": "get_time", "arguments": {"zone": "U',
+        ],
+    )
+    assert got.calls == [T, ("get_time", '{"zone": "U')] and not got.ended
+
+
+def test_a_broken_held_call_keeps_its_place_before_later_text() -> None:
+    got = read(
+        "hermes",
+        ['<tool_call>{"name": "get_time"}</tool_call>', '<tool_call>{"name": "get_time", x} ok'],
+    )
+    assert got.calls == [T, ("get_time", "")] and got.content == "x} ok" and not got.ended
 
 
 _call = st.builds(
@@ -341,5 +457,7 @@ def test_hermes_calls_with_any_text_and_any_cut(
     expected = [(json.loads(c)["name"], json.dumps(json.loads(c)["arguments"])) for c in calls]
     if "<tool_call>" in text or "<" in text[-12:]:
         return  # the text itself may hold (the start of) a marker
-    assert got.calls == expected
+    repeat = first_repeat(expected)
+    assert got.calls == expected[:repeat]
+    assert got.ended is (repeat is not None)
     assert got.content == text.rstrip(" \t\r\n")
