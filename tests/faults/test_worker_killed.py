@@ -121,7 +121,7 @@ async def test_a_killed_worker_s_instance_serves_again_elsewhere(tmp_path: Path)
         )
         pulled = await pulled_not_started(c, "Sum it up.")
         during = asyncio.create_task(
-            load(["api"], c.apis, 8, label="during", concurrency=4, max_tokens=32, deadline_s=60)
+            load(["api"], c.apis, 8, label="during", concurrency=4, max_tokens=32, deadline_s=120)
         )
         # The machine is lost: its worker and its runner at once (a runner whose worker alone
         # dies finishes what it serves first).
