@@ -53,6 +53,9 @@ async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed
                 "--missed-heartbeats",
                 str(MISSED),
             )
+            # The planner must see the leader before and after the change: on a loaded machine
+            # its start (imports, connecting) takes seconds.
+            await procs.wait_log("planner", "watching from seq", timeout=60)
             beating = {"a", "b"}
             last_beat: dict[str, float] = {}
             profile = NodeProfile(
