@@ -56,8 +56,8 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx
 
 from api.anthropic.messages import MessagesOut, MessagesRequest, task_for
+from api.ollama.replies import OllamaOut
 from api.ollama.translate import ChatRequest as OllamaChatRequest
-from api.ollama.translate import OllamaOut
 from api.openai.requests import ChatCompletionRequest
 from api.openai.routes import _ChatOut
 from api.openai.shapes import Shape

@@ -8,7 +8,7 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
-from api.ollama.translate import created_at
+from api.ollama.replies import created_at
 from bus.kinds import main_engine
 from bus.states import SERVING
 from projectors.rows import InstanceRow, ModelRow, RunnerRow

@@ -16,6 +16,7 @@ from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.ollama.models import digest, running, serving_instance, show, tag
 from api.ollama.pull import live_instance, placement_refusal, pull_lines
+from api.ollama.replies import OllamaOut, embedded, loaded
 from api.ollama.translate import (
     VERSION,
     ChatRequest,
@@ -23,10 +24,7 @@ from api.ollama.translate import (
     EmbedRequest,
     GenerateRequest,
     NamedRequest,
-    OllamaOut,
-    embedded,
     keep_alive_s,
-    loaded,
 )
 from api.openai.embeddings_routes import embed
 from api.serving import ndjson, require_serving, serve

@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from api.anthropic.messages import MessagesOut, MessagesRequest
 from api.anthropic.shapes import signature, whole_message
-from api.ollama.translate import VERSION, ChatRequest, GenerateRequest, OllamaOut
+from api.ollama.replies import OllamaOut
+from api.ollama.translate import VERSION, ChatRequest, GenerateRequest
 from api.openai.requests import ChatCompletionRequest
 from api.openai.shapes import Shape, chat_chunk, chat_completion
 from api.reply import Reply

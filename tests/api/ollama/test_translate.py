@@ -25,17 +25,15 @@ from api.ollama.models import (
     vram_bytes,
 )
 from api.ollama.pull import live_instance, pull_step
+from api.ollama.replies import OllamaOut, done_fields, loaded
 from api.ollama.translate import (
     ChatRequest,
     EmbeddingsRequest,
     EmbedRequest,
     GenerateRequest,
     NamedRequest,
-    OllamaOut,
     Options,
     chat_messages,
-    done_fields,
-    loaded,
 )
 from api.reply import Reply
 from api.task_stream import Finished, TaskStream
