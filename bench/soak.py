@@ -26,7 +26,8 @@ stream that has started cannot change its status line, so the API sends a late f
 error chunk: those of type ``server_error`` count as 5xx too.
 
 Memory, with psutil, per part (RSS, and USS: the pages only that process holds): after the
-warm-up ("before"), every 0.5 s during the load ("peak"), and 2 s after the last request
+warm-up ("before"), every 0.5 s during the load ("peak"; each minute's sample is printed as a
+curve, which tells a cache filling to its bound from a leak), and 2 s after the last request
 ("after"). Growth = after - before.
 
 Checks, each a PASS or FAIL line (exit status 1 on a FAIL): zero 5xx; every request answered
@@ -71,6 +72,8 @@ from bus.units import MiB
 
 REQUEST_TIMEOUT = 600.0  # seconds for one request (queued behind others included)
 SAMPLE_S = 0.5  # seconds between memory samples during the load
+SERIES_S = 60.0  # seconds between the samples kept for the curve (a cache filling to its bound
+# rises, then stays flat; a leak keeps rising)
 SETTLE_S = 2.0  # seconds between the last request and the "after" sample
 CHECKED = ("api", "projector", "runner")  # parts whose memory growth is checked
 PARTS = ("api", "projector", "runner", "planner", "worker", "nats-server")
@@ -256,10 +259,20 @@ def other_load(ours: Sequence[int]) -> procfs.CpuWatch:
     return procfs.CpuWatch(lambda: {"ours": sum(procfs.process_ticks(p) for p in ours)})
 
 
-async def sample_peaks(cluster: Cluster, peaks: dict[str, int], stop: asyncio.Event) -> None:
+async def sample_peaks(
+    cluster: Cluster,
+    peaks: dict[str, int],
+    series: list[tuple[float, dict[str, int]]],
+    stop: asyncio.Event,
+) -> None:
+    began = time.monotonic()
     while not stop.is_set():
-        for name, rss in (await asyncio.to_thread(rss_only, cluster.pids())).items():
+        now = await asyncio.to_thread(rss_only, cluster.pids())
+        for name, rss in now.items():
             peaks[name] = max(peaks.get(name, 0), rss)
+        at = time.monotonic() - began
+        if not series or at - series[-1][0] >= SERIES_S:
+            series.append((at, now))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), SAMPLE_S)
 
@@ -292,6 +305,7 @@ def report(
     before: dict[str, Mem],
     after: dict[str, Mem],
     peaks: dict[str, int],
+    series: list[tuple[float, dict[str, int]]],
     other_cores: float,
 ) -> bool:
     n = len(results) + unfinished
@@ -348,6 +362,9 @@ def report(
             f"{mib(peaks.get(name, 0))} | {mib(b.uss):>10} {mib(a.uss)} "
             f"{mib(a.uss - b.uss)}"
         )
+    print(f"RSS, MiB, every {SERIES_S:.0f} s of the load:")
+    for name in PARTS:
+        print(f"  {name:<14} " + " ".join(f"{mib(now.get(name, 0))}" for _, now in series))
     load = os.getloadavg()
     print(
         f"other processes used {other_cores:.2f} cores on average during the load; load average"
@@ -415,7 +432,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             print(f"log after the warm-up: {await log_bytes(cluster.nats.url)}")
             peaks: dict[str, int] = {}
             stop = asyncio.Event()
-            sampler = asyncio.create_task(sample_peaks(cluster, peaks, stop))
+            series: list[tuple[float, dict[str, int]]] = []
+            sampler = asyncio.create_task(sample_peaks(cluster, peaks, series, stop))
             ours = [os.getpid(), *(p for ps in cluster.pids().values() for p in ps)]
             watch = other_load(ours)
             results, unfinished, wall = await run_load(
@@ -434,7 +452,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         await asyncio.sleep(SETTLE_S)
         after_pids = cluster.pids()
         after = await asyncio.to_thread(memory, after_pids)
-        ok = report(args, results, unfinished, wall, before, after, peaks, other)
+        ok = report(args, results, unfinished, wall, before, after, peaks, series, other)
         print(f"log at the end: {await log_bytes(cluster.nats.url)}")
         if after_pids["runner"] != runner_before:
             print(
