@@ -4,16 +4,26 @@ One model per event type, discriminated by ``type``. Events are JSON on the wire
 ``nats sub 'shoal.events.>'`` shows readable text. An event is never edited: a new field gets a
 default, a changed meaning gets a new type or a new ``v``. Unknown extra fields are ignored, so
 an older consumer still reads a newer producer's events.
+
+What every event is (its type, id, time, subjects) is ``bus/event_base.py``; the events of the
+chunk stream (tokens, prompt scores, embeddings) are ``bus/chunk_events.py``. This module holds
+the others and the union of all, ``Event``.
 """
 
 from __future__ import annotations
 
-import uuid
-from datetime import UTC, datetime
-from typing import Annotated, Any, ClassVar, Literal, cast, get_args
+from datetime import datetime
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import Field, TypeAdapter
 
+from bus.chunk_events import ChunkGenerated as ChunkGenerated
+from bus.chunk_events import EmbeddingsComputed as EmbeddingsComputed
+from bus.chunk_events import PromptScored as PromptScored
+from bus.event_base import SCHEMA_VERSION as SCHEMA_VERSION
+from bus.event_base import EventBase as EventBase
+from bus.event_base import new_id as new_id
+from bus.event_base import utc_now as utc_now
 from bus.kinds import DEFAULT_ENGINE, Engine, InstanceRole, KeyRole
 from bus.records import (
     ChatMessage,
@@ -27,91 +37,12 @@ from bus.records import (
     SamplingParams,
     ShardAssignment,
     Timings,
-    TokenLogprob,
     Tool,
-    ToolCallDelta,
     ToolChoice,
     Usage,
 )
 from bus.states import ResponseStatus, RunnerState
-from bus.subjects import (
-    CHUNKS_PREFIX,
-    EVENTS_PREFIX,
-    Aggregate,
-    chunk_subject,
-    event_subject,
-    event_type_filter,
-)
-
-SCHEMA_VERSION = 1
-
-
-def new_id() -> str:
-    return uuid.uuid4().hex
-
-
-def utc_now() -> datetime:
-    return datetime.now(UTC)
-
-
-class EventBase(Record):
-    """Every event. A concrete event is a class whose name does not start with ``_``: its
-    name is its ``type``, written once (``__init_subclass__`` makes the field a Literal of it,
-    which the discriminated union ``Event`` needs)."""
-
-    aggregate: ClassVar[Aggregate]
-    # The fields whose values name the subject, after the aggregate.
-    subject_fields: ClassVar[tuple[str, ...]]
-    # Token chunks and prompt scores live on the chunk stream, everything else on the events'.
-    on_chunk_stream: ClassVar[bool] = False
-
-    type: str = Field(default="", description="The event type: its class's name.")
-    event_id: str = Field(default_factory=new_id, description="Unique id; the default Nats-Msg-Id.")
-    ts: datetime = Field(default_factory=utc_now, description="When the fact happened (UTC).")
-    origin: str = Field(description="Node id (or service name) that published the event.")
-    v: int = Field(default=SCHEMA_VERSION, description="Schema version of this event type.")
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        if not cls.__name__.startswith("_"):
-            # Before pydantic collects the fields (it does once this returns).
-            cls.__annotations__["type"] = cast(Any, Literal)[cls.__name__]
-            cls.type = cls.__name__
-        super().__init_subclass__(**kwargs)
-
-    @property
-    def subject(self) -> str:
-        return self.subject_for(*(str(getattr(self, f)) for f in self.subject_fields))
-
-    @classmethod
-    def subject_for(cls, *ids: str) -> str:
-        """The subject of this type's event about ``ids``, its ``subject_fields`` in order:
-        ``TaskCancelled.subject_for(model_id, task_id)``."""
-        if len(ids) != len(cls.subject_fields):
-            raise ValueError(f"{cls.__name__}'s subject names {', '.join(cls.subject_fields)}")
-        if cls.on_chunk_stream:  # a task's chunks share one subject, whatever their type
-            return chunk_subject(*ids)
-        return event_subject(cls.aggregate, ids, cls.__name__)
-
-    @classmethod
-    def filter_for(cls, *ids: str) -> str:
-        """The subject filter of this type's events about the members named by ``ids``, the
-        leading ones of its ``subject_fields`` (the rest any):
-        ``TaskCreated.filter_for(model_id)`` is a model's tasks."""
-        if cls.on_chunk_stream or len(ids) > len(cls.subject_fields):
-            raise ValueError(f"{cls.__name__} has no filter by {len(ids)} ids")
-        return event_type_filter(cls.aggregate, ids, len(cls.subject_fields), cls.__name__)
-
-    @classmethod
-    def subject_pattern(cls) -> str:
-        """The subject with field names for ids, for documentation."""
-        ids = ".".join(f"<{f}>" for f in cls.subject_fields)
-        if cls.on_chunk_stream:
-            return f"{CHUNKS_PREFIX}.{ids}"
-        return f"{EVENTS_PREFIX}.{cls.aggregate}.{ids}.{cls.__name__}"
-
-    def to_json(self) -> bytes:
-        return self.model_dump_json().encode()
-
+from bus.subjects import Aggregate
 
 # --- nodes --------------------------------------------------------------------------------
 
@@ -480,74 +411,6 @@ class TaskCancelled(_TaskEvent):
     """The client gave up on the task (e.g. disconnected); runners stop generating."""
 
     reason: str = ""
-
-
-class _ChunkStreamEvent(EventBase):
-    """What a task's runner streams to whoever waits for its answer: on the chunk stream, one
-    subject a task (``shoal.chunks.<task_id>``), not on the event stream."""
-
-    aggregate: ClassVar[Aggregate] = "chunk"
-    subject_fields: ClassVar[tuple[str, ...]] = ("task_id",)
-    on_chunk_stream: ClassVar[bool] = True
-    task_id: Id
-
-
-class ChunkGenerated(_ChunkStreamEvent):
-    """One generated token. Lives on the chunk stream, not the event stream."""
-
-    idx: int = Field(description="0, 1, 2... in generation order.")
-    text: str = Field(description="The reply's text (a tool call's text is in tool_calls).")
-    reasoning: str = Field(
-        default="", description="A thinking model's thinking, apart from the reply's text."
-    )
-    token_id: int | None = None
-    finish_reason: FinishReason | None = None
-    logprob: TokenLogprob | None = Field(default=None, description="When the task asked.")
-    tool_calls: tuple[ToolCallDelta, ...] = ()
-    stop_sequence: str | None = Field(
-        default=None, description="On the last chunk: the stop sequence that ended the task."
-    )
-    attempt: int | None = Field(
-        default=None,
-        ge=0,
-        description="The attempt that made it: 0 the first run, n the n-th continuation"
-        " (`resume.attempt`); only the newest attempt's chunks count (bus/attempts.py)."
-        " None: logged before attempts were.",
-    )
-    # Known before the outcome's usage, for Anthropic's message_start.
-    prompt_tokens: int | None = Field(
-        None, ge=0, description="On the first chunk an attempt publishes: the prompt's tokens."
-    )
-    cached_tokens: int | None = Field(
-        None, ge=0, description="With `prompt_tokens`: those of them the runner's cache held."
-    )
-
-
-class PromptScored(_ChunkStreamEvent):
-    """Log-probabilities of a slice of a task's prompt tokens (a task with ``echo``), published
-    before its first chunk, on the chunk stream."""
-
-    start: int = Field(description="The position in the prompt of the first token here.")
-    total: int = Field(description="Tokens in the whole prompt.")
-    tokens: tuple[TokenLogprob, ...]
-    attempt: int | None = Field(
-        default=None,
-        ge=0,
-        description="The attempt that scored it (0 the first run). None: logged before attempts"
-        " were.",
-    )
-
-
-class EmbeddingsComputed(_ChunkStreamEvent):
-    """The vectors of a slice of an embeddings task's inputs, L2-normalised, as base64 of
-    float32 little-endian (``bus.vectors``), one row of ``dimensions`` after the other: 64
-    vectors of 576 dimensions are 197 KB, far below a NATS message's 1 MiB, and larger answers
-    come in several slices. Published before the task's ``TaskCompleted``."""
-
-    start: int = Field(description="The index of this slice's first input.")
-    total: int = Field(description="Inputs in the whole task.")
-    dimensions: int = Field(description="Floats per vector.")
-    vectors: str = Field(description="base64 of float32 little-endian, vector after vector.")
 
 
 # --- responses ----------------------------------------------------------------------------
