@@ -221,6 +221,11 @@ class Projector:
                 left = self.batch_size - len(batch)
                 batch += await self.consumer.fetch(left, timeout=0.5, more=True)
             await self.apply_batch(batch, self.consumer)
+            if len(batch) < self.batch_size:
+                # Live, a few events a batch: the young garbage goes now. With tune_gc's
+                # threshold a light load would reach a collection only after minutes, holding
+                # every cycle the database layer made meanwhile (bench/soak.py's projector curve).
+                gc.collect(1)
             if self._snapshot_due():
                 await self._snapshot()
 
