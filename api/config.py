@@ -54,6 +54,8 @@ class ApiConfig:
     aliases: Mapping[str, str] = field(default_factory=dict)
     # The model of a request that names none.
     default_model: str | None = None
+    # The thinking budget of a request that sets none (--reasoning-budget); None: unbounded.
+    reasoning_budget: int | None = None
     # How long a stored response of the Responses API is kept (OpenAI's: 30 days); 0: forever.
     response_ttl_s: float = 30 * 24 * 3600.0
     # The bytes of events one client of GET /v1/events may have waiting to be sent; a client

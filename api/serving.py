@@ -26,6 +26,7 @@ from api.errors import ApiError
 from api.rate_limit import retry_after
 from api.reply import Reply
 from api.task_stream import Closed, Recheck, TaskStream
+from api.thinking import with_default_budget
 from bus import claim_check
 from bus.claim_check import Staged
 from bus.events import ChunkGenerated, EventBase, TaskCreated
@@ -78,6 +79,7 @@ async def serve(
     who = keys.current()
     if who.key_id is not None:  # what it asks for is its own: only it (and admins) see it
         tasks = [t.model_copy(update={"owner": who.key_id}) for t in tasks]
+    tasks = [with_default_budget(t, ctx.config.reasoning_budget) for t in tasks]
     stage = staged(ctx, tasks[0], out.too_large_param)
     require_within_limits(ctx, who)
     capacity = await require_serving(ctx, tasks[0].model_id)

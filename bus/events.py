@@ -345,6 +345,12 @@ class TaskCreated(_TaskEvent):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="More variables for the chat template, as given."
     )
+    thinking_budget: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description="The most tokens a thinking model thinks: once spent, the runner ends the"
+        " thinking itself (it makes the model write `</think>`) and the answer follows; None:"
+        " as long as the model thinks.",
+    )
     resume: Resume | None = Field(
         default=None, description="A continuation: where the lost runner had got to."
     )

@@ -120,6 +120,16 @@ LoadOnDemand = Annotated[
         " for it); without: a 503 saying no instance serves it.",
     ),
 ]
+ReasoningBudget = Annotated[
+    int,
+    typer.Option(
+        "--reasoning-budget",
+        min=-1,
+        help="The most tokens a thinking model thinks when the request sets no budget (as"
+        " llama-server's --reasoning-budget); once spent, the runner ends the thinking and the"
+        " answer follows. -1: unbounded.",
+    ),
+]
 DEFAULT_MAX_BODY_TEXT = "32M"
 # An idle kept-alive connection is closed after this. Longer than the clients' own pool expiry
 # (httpx, under the openai and anthropic SDKs: 5 s, uvicorn's default too), so the client drops
@@ -163,6 +173,19 @@ def api_tls(cert: Path | None, key: Path | None) -> ApiTls | None:
 
 def api_url(host: str, port: int, tls: ApiTls | None) -> str:
     return f"{'https' if tls else 'http'}://{host}:{port}/v1"
+
+
+def reasoning_budget(budget: int) -> int | None:
+    """``--reasoning-budget`` as ``ApiConfig`` takes it (None: unbounded); 0 is an error: a
+    request turns the thinking off itself."""
+    if budget == 0:
+        typer.echo(
+            "error: --reasoning-budget 0: a budget is 1 token or more (-1: unbounded); a"
+            " request turns thinking off itself (reasoning_effort 'none', think false)",
+            err=True,
+        )
+        raise typer.Exit(1)
+    return None if budget < 0 else budget
 
 
 def api_server(config: ApiConfig, host: str, port: int, tls: ApiTls | None = None) -> ApiServer:
@@ -229,6 +252,7 @@ def api(
     max_body: MaxBody = DEFAULT_MAX_BODY_TEXT,
     body_timeout: BodyTimeout = DEFAULT_BODY_TIMEOUT_S,
     load_on_demand: LoadOnDemand = True,
+    reasoning_budget_tokens: ReasoningBudget = -1,
 ) -> None:
     """Serve the HTTP API: OpenAI's, Anthropic's and Ollama's endpoints, and cluster control."""
     setup_logging()
@@ -252,6 +276,7 @@ def api(
         max_body_bytes=max_body_bytes(max_body),
         body_timeout_s=body_timeout,
         load_on_demand=load_on_demand,
+        reasoning_budget=reasoning_budget(reasoning_budget_tokens),
     )
     typer.echo(f"API on {api_url(host, port, tls)}" + (" (API keys required)" if keys else ""))
 

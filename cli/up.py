@@ -36,6 +36,7 @@ from cli.api import (
     LoadOnDemand,
     MaxBody,
     MaxQueued,
+    ReasoningBudget,
     TlsCert,
     TlsKey,
     api_server,
@@ -44,6 +45,7 @@ from cli.api import (
     check_port_free,
     cli_aliases,
     max_body_bytes,
+    reasoning_budget,
     serve_until,
 )
 from cli.exposure import refuse_exposure
@@ -121,6 +123,7 @@ def up(
     retain: Retain = "30d",
     keep_alive: KeepAlive = DEFAULT_KEEP_ALIVE_TEXT,
     load_on_demand: LoadOnDemand = True,
+    reasoning_budget_tokens: ReasoningBudget = -1,
     max_loaded: MaxLoaded = None,
     nats_tls_cert: Annotated[
         Path | None,
@@ -168,6 +171,7 @@ def up(
     keys = frozenset(api_key or ()) | keys_from_env()
     aliases = cli_aliases(alias)
     body_limit = max_body_bytes(max_body)
+    thinking_budget = reasoning_budget(reasoning_budget_tokens)
     security = NatsSecurity.from_env()
     exposed = refuse_exposure(host, nats_host, keys, security)
     if exposed:
@@ -227,6 +231,7 @@ def up(
                 max_body_bytes=body_limit,
                 body_timeout_s=body_timeout,
                 load_on_demand=load_on_demand,
+                reasoning_budget=thinking_budget,
                 default_keep_alive_s=policy.default_keep_alive_s,
                 models_dir=data / "models",
                 worker_models_dir=worker_dir / "models",

@@ -10,7 +10,8 @@ accepted, as are fields Anthropic does not define.
 
 Extended thinking: with ``thinking: {"type": "enabled"}`` a thinking model's thinking comes as
 a ``thinking`` block before the text (``thinking_delta`` events, then a ``signature_delta``,
-streamed); without it the model is asked not to think (its template's switch) and what it
+streamed), for at most ``budget_tokens`` (then the runner ends the thinking itself and the
+answer follows); without it the model is asked not to think (its template's switch) and what it
 thinks anyway is left out, as Anthropic's models do not think unless asked. An earlier turn's
 ``thinking`` block goes to the chat template as the turn's thinking, which keeps or drops it.
 """
@@ -227,7 +228,8 @@ class ToolChoiceIn(RequestBody):
 
 class Thinking(RequestBody):
     type: str
-    # The thinking's budget: accepted, not enforced (the model ends its thinking itself).
+    # The thinking's budget: the runner ends a thinking that spent it (TaskCreated's
+    # thinking_budget). Adaptive thinking has none (the model's own, or the server's default).
     budget_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     display: str | None = None
 
@@ -247,8 +249,13 @@ class Thinking(RequestBody):
 
     @property
     def enabled(self) -> bool:
-        """Adaptive thinking is the model's own budget: as Shoal's always is."""
         return self.type != "disabled"
+
+    @property
+    def budget(self) -> int | None:
+        """The thinking budget: ``budget_tokens`` of enabled thinking; adaptive thinking is the
+        model's own (none, or the server's default)."""
+        return self.budget_tokens if self.type == "enabled" else None
 
 
 class JsonOutputFormat(RequestBody):
@@ -273,8 +280,8 @@ class OutputConfig(RequestBody):
     def _no_effort(cls, effort: str | None) -> str | None:
         if effort is not None:
             raise ValueError(
-                "effort is not supported: Shoal sets no thinking budget (send thinking"
-                " {'type': 'enabled'} to have a thinking model's thinking)"
+                "effort is not supported: it would bound every output token, and Shoal bounds"
+                " only the thinking (send thinking {'type': 'enabled', 'budget_tokens': N})"
             )
         return effort
 
@@ -360,6 +367,7 @@ class MessagesBody(RequestBody):
             "response_format": self.response_format(),
             "user": self.metadata.user_id if self.metadata else None,
             "thinking": self.thinks,
+            "thinking_budget": self.thinking.budget if self.thinking is not None else None,
         }
 
     @property

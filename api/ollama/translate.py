@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.body import JsonSchema, RequestBody
 from api.openai.requests import MAX_TOOLS, ToolDef
+from api.thinking import effort_budget, effort_thinks
 from bus.records import (
     INT32_MAX,
     ChatMessage,
@@ -250,17 +251,14 @@ class _Generation(RequestBody):
     # the request) or negative (keep); it sets the keep-alive of instances loaded on demand
     # (pinned ones stay: services/planner/on_demand.py).
     keep_alive: float | str | None = None
-    think: bool | str | None = None
+    # true, false, or a level ("low", "medium", "high": thinking, as long as the level's
+    # budget, api/thinking.py's table).
+    think: bool | Literal["low", "medium", "high"] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @model_validator(mode="after")
     def _generation(self) -> _Generation:
-        if isinstance(self.think, str) and self.think:
-            raise ValueError(
-                f"think {self.think!r}: thinking levels are for models that have them"
-                " (gpt-oss), which Shoal does not serve: send think true or false"
-            )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         self.keep_alive_s()  # a bad one is a 400 now
@@ -278,9 +276,14 @@ class _Generation(RequestBody):
 
     @property
     def thinking(self) -> bool | None:
-        """``think``: true or false; not sent, the model's default (its thinking shown apart,
-        as Ollama does)."""
-        return self.think if isinstance(self.think, bool) else None
+        """``think``: true or false, a level is true; not sent, the model's default (its
+        thinking shown apart, as Ollama does)."""
+        return self.think if isinstance(self.think, bool) else effort_thinks(self.think)
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """A level's budget (``think: "low"``...); true, false or not sent: none."""
+        return effort_budget(self.think) if isinstance(self.think, str) else None
 
 
 class ChatRequest(_Generation):
@@ -315,6 +318,7 @@ class ChatRequest(_Generation):
             "response_format": response_format(self.format),
             "logprobs": self.logprob_count(),
             "thinking": self.thinking,
+            "thinking_budget": self.thinking_budget,
             "keep_alive_s": self.keep_alive_s(),
         }
 
@@ -364,6 +368,7 @@ class GenerateRequest(_Generation):
             "params": self.sampling(),
             "logprobs": self.logprob_count(),
             "thinking": self.thinking,
+            "thinking_budget": self.thinking_budget,
             "keep_alive_s": self.keep_alive_s(),
         }
         if self.raw:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from api.body import Count, JsonSchema, RequestBody, ToolParameters
-from api.thinking import TemplateKwargs, effort_thinks
+from api.thinking import Effort, TemplateKwargs, effort_budget, effort_thinks
 from bus.records import (
     INT32_MAX,
     ChatMessage,
@@ -250,9 +250,10 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormatIn | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # A thinking model: "none" turns its thinking off; any other effort lets it think (the
-    # effort sets no budget). chat_template_kwargs: as llama.cpp's server and vLLM take them.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # A thinking model: "none" turns its thinking off; any other effort lets it think, as
+    # long as the effort's budget (api/thinking.py). chat_template_kwargs: as llama.cpp's
+    # server and vLLM take them.
+    reasoning_effort: Effort | None = None
     chat_template_kwargs: TemplateKwargs | None = None
     # Answer-changing fields Shoal cannot honour (see _unsupported).
     audio: dict[str, Any] | None = None
@@ -320,6 +321,7 @@ class ChatCompletionRequest(_Sampling):
             "response_format": self.response_format.event() if self.response_format else None,
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             "thinking": effort_thinks(self.reasoning_effort),
+            "thinking_budget": effort_budget(self.reasoning_effort),
             "chat_template_kwargs": self.chat_template_kwargs or {},
         }
 

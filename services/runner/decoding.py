@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,6 +73,44 @@ class Trigger:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """How many tokens a thinking model may think (``TaskCreated.thinking_budget``), and the
+    tokens that end its thinking (``\\n</think>\\n\\n`` in the model's vocabulary), which the
+    engine is made to generate once the budget is spent (``ForcedTokens``)."""
+
+    tokens: int
+    close: tuple[int, ...]
+
+
+class ForcedTokens:
+    """Token ids an engine generates next instead of sampling them: a thinking budget's closing
+    tag. The ``Stepper`` puts them (it reads the reply), the engine takes one at each of its
+    sample points (``next``) and accepts it into its sampler as if picked (penalties, the
+    grammar). The two may be on different threads: a deque's ends are thread-safe.
+
+    An engine that samples ahead of its consumer (MLX's ``BatchGenerator`` computes the next
+    token before the last is handed over, and a batch decoder runs up to ``LOOKAHEAD`` tokens
+    ahead) takes the first forced token that much later: the thinking is then a few tokens
+    over its budget."""
+
+    def __init__(self) -> None:
+        self._queue: deque[int] = deque()
+
+    def put(self, tokens: Sequence[int]) -> None:
+        self._queue.extend(tokens)
+
+    def next(self) -> int | None:
+        """The token to generate next instead of sampling; None: sample."""
+        try:
+            return self._queue.popleft()
+        except IndexError:
+            return None
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+
+@dataclass(frozen=True)
 class Decoding:
     """How to pick a task's tokens."""
 
@@ -88,6 +127,11 @@ class Decoding:
     # engine between a prompt's prefill chunks, where no token is made that a consumer could
     # stop taking, so that a long prompt stops within one chunk rather than at its end.
     cancelled: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+    # A thinking model's budget: once spent inside the thinking, the closing tag is forced.
+    thinking_budget: ThinkingBudget | None = None
+    # What the engine generates next instead of sampling (shared by every copy of this
+    # ``Decoding``: the ``Stepper`` puts, the engine takes).
+    forced: ForcedTokens = field(default_factory=ForcedTokens, compare=False, repr=False)
 
     def stop_asked(self) -> bool:
         return self.cancelled is not None and self.cancelled()

@@ -57,6 +57,9 @@ class Parsed:
     # What was fed was (or opened, or closed) a thinking model's thinking: for the usage's
     # count of reasoning tokens.
     thinking: bool = False
+    # After what was fed, the reply is inside its thinking (opened, not yet closed): where a
+    # thinking budget can end it.
+    thinking_open: bool = False
 
 
 class ReplyParser(Protocol):
@@ -199,6 +202,11 @@ class Stepper:
         self._finish: FinishReason = "length"
         self._stopped_by: str | None = None
         self._thinking = 0  # tokens of the thinking
+        self._budget = decoding.thinking_budget
+        self._forced = decoding.forced
+        self._open = False  # the reply is inside its thinking
+        self._closing: list[int] = []  # the closing tag's tokens put, not yet taken
+        self._closed = False  # the budget's closing tag was put (once a task)
         # Whether the engine is asked at all (with a limit of 0, only for the prompt's scores).
         self.wants = limit > 0 or decoding.echo
 
@@ -240,6 +248,8 @@ class Stepper:
         self._idx += 1
         if parsed.thinking:
             self._thinking += 1
+        self._open = parsed.thinking_open
+        self._spend(token)
         if parsed.ended:  # a repeated call: the model would only go on repeating
             self._finish, self._stopped_by = "tool_calls", None
             return [step], False
@@ -263,7 +273,29 @@ class Stepper:
             if not more:
                 break
             _, more = self.take(Token(token))
+        # The lost runner's forced tokens are among those taken: what it had not yet
+        # generated of the closing tag is forced next.
+        self._forced.clear()
+        self._forced.put(self._closing)
         return more
+
+    def _spend(self, token: int) -> None:
+        """The thinking budget, after ``token`` was taken: once the thinking has its budget's
+        tokens and is still open, its closing tag is put for the engine to generate next
+        (``Decoding.forced``), once a task. A thinking the model closed itself (an engine that
+        samples ahead took no forced token yet) forces nothing more."""
+        budget = self._budget
+        if budget is None:
+            return
+        if self._closing and token == self._closing[0]:
+            self._closing.pop(0)  # a forced token taken
+        elif self._closing and not self._open:
+            self._forced.clear()
+            self._closing.clear()
+        if not self._closed and self._open and self._thinking >= budget.tokens:
+            self._closed = True
+            self._closing = list(budget.close)
+            self._forced.put(budget.close)
 
     def finish(self) -> Step:
         """The last step, once the engine gave its last item (or was told to stop)."""

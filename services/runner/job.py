@@ -10,11 +10,16 @@ from datetime import UTC, datetime
 
 from bus.attempts import attempt_of
 from bus.events import PromptScored, TaskCreated
-from services.runner.decoding import Decoding
-from services.runner.engines.base import Engine
+from services.runner.decoding import Decoding, ThinkingBudget
+from services.runner.engines.base import Engine, Tokenizer
 from services.runner.generation import InvalidRequest, PlainReply, ReplyParser, ScoredPrompt
 from services.runner.structured import ReplyPlan, plan_reply
-from services.runner.structured.reasoning import template_kwargs, thinking_reply, thinking_start
+from services.runner.structured.reasoning import (
+    THINK_CLOSE,
+    template_kwargs,
+    thinking_reply,
+    thinking_start,
+)
 from services.runner.structured.reasoning_grammar import think_first
 
 # Prompt tokens per PromptScored event: with 20 alternatives each, 64 entries stay far below a
@@ -22,6 +27,9 @@ from services.runner.structured.reasoning_grammar import think_first
 PROMPT_SLICE = 64
 # The prompt's last tokens, read for whether the template opened (or closed) the thinking.
 _PROMPT_END = 16
+# What ends a thinking whose budget is spent: the tag, and the blank line a model writes
+# before its answer.
+CLOSE = f"\n{THINK_CLOSE}\n\n"
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,7 @@ def prepare(engine: Engine, task: TaskCreated) -> Job:
     """Raises ``InvalidRequest`` for a task the engine cannot serve as asked."""
     grammar = None
     reply: ReplyParser = PlainReply()
+    budget = None
     if task.prompt_token_ids is not None:
         prompt = list(task.prompt_token_ids)
         _in_vocabulary(engine, prompt, "the prompt")
@@ -49,13 +58,25 @@ def prepare(engine: Engine, task: TaskCreated) -> Job:
         end = b"".join(engine.spelled(t) for t in prompt[-_PROMPT_END:])
         start = thinking_start(template, end.decode(errors="replace"))
         grammar, reply = think_first(plan.grammar, start), thinking_reply(plan.parser(), start)
+        if start != "none" and task.thinking is not False:
+            budget = thinking_budget(engine, task.thinking_budget)
     if not prompt:
         raise InvalidRequest("the prompt is empty")
-    decoding = Decoding(task.params, grammar, task.logprobs, task.echo)
+    decoding = Decoding(task.params, grammar, task.logprobs, task.echo, thinking_budget=budget)
     if task.resume is not None:
         decoding = resumed(decoding, task.resume.tokens)
         _in_vocabulary(engine, decoding.generated, "the generated text")
     return Job(prompt, decoding, reply)
+
+
+def thinking_budget(engine: Tokenizer, tokens: int | None) -> ThinkingBudget | None:
+    """A task's thinking budget (None: unbounded), with the tokens that close the thinking in
+    the engine's vocabulary: ``CLOSE``, its ``</think>`` the model's own token where it has one
+    (Qwen3's, R1's), as llama.cpp's server forces them."""
+    if tokens is None:
+        return None
+    close = engine.tokenize(CLOSE, add_special=False, parse_special=True)
+    return ThinkingBudget(tokens, tuple(close))
 
 
 def chat_prompt(engine: Engine, task: TaskCreated, add_generation_prompt: bool = True) -> list[int]:

@@ -22,7 +22,8 @@ from api.openai.shapes import Shape, chat_chunk, chat_completion
 from api.reply import Reply
 from api.responses.requests import ResponsesRequest, chat_messages
 from api.responses.shapes import Head, ResponsesOut, assistant_message, output_items
-from bus.events import ChunkGenerated
+from api.thinking import EFFORT_BUDGETS, with_default_budget
+from bus.events import ChunkGenerated, TaskCreated
 from bus.records import ChatMessage, ToolCallDelta, Usage
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=4)
@@ -75,6 +76,37 @@ def test_openai_reasoning_effort_and_template_variables() -> None:
         openai(reasoning_effort="extreme")
 
 
+def test_efforts_are_budgets_by_one_table() -> None:
+    budgets = list(EFFORT_BUDGETS.values())
+    assert budgets == sorted(budgets) and list(EFFORT_BUDGETS) == [
+        "minimal",
+        "low",
+        "medium",
+        "high",
+        "xhigh",
+    ]
+    assert openai().task_fields()["thinking_budget"] is None
+    assert openai(reasoning_effort="none").task_fields()["thinking_budget"] is None
+    for effort, budget in EFFORT_BUDGETS.items():
+        fields = openai(reasoning_effort=effort).task_fields()
+        assert (fields["thinking"], fields["thinking_budget"]) == (True, budget)
+        fields = responses(reasoning={"effort": effort}).task_fields()
+        assert (fields["thinking"], fields["thinking_budget"]) == (True, budget)
+
+
+def test_the_servers_default_budget_fills_what_a_request_left_open() -> None:
+    def task(**fields: Any) -> TaskCreated:
+        return TaskCreated(task_id="t", model_id="m", origin="o", **fields)
+
+    assert with_default_budget(task(), 512).thinking_budget == 512
+    assert with_default_budget(task(thinking=True), 512).thinking_budget == 512
+    assert with_default_budget(task(thinking_budget=64), 512).thinking_budget == 64
+    assert with_default_budget(task(thinking=False), 512).thinking_budget is None
+    assert with_default_budget(task(), None).thinking_budget is None
+    with pytest.raises(ValidationError):
+        task(thinking_budget=0)
+
+
 def test_openai_history_sends_the_thinking_back() -> None:
     body = openai(
         messages=[
@@ -119,6 +151,19 @@ def test_anthropic_thinks_only_when_asked() -> None:
     enabled = anthropic(thinking={"type": "enabled", "budget_tokens": 2048})
     assert enabled.task_fields()["thinking"] is True and enabled.thinks
     assert anthropic(thinking={"type": "adaptive"}).thinks
+
+
+def test_anthropic_budget_tokens_is_the_budget() -> None:
+    enabled = anthropic(thinking={"type": "enabled", "budget_tokens": 2048})
+    assert enabled.task_fields()["thinking_budget"] == 2048
+    # Adaptive: the model's own (or the server's default); no budget without thinking.
+    assert anthropic(thinking={"type": "adaptive"}).task_fields()["thinking_budget"] is None
+    assert anthropic(thinking={"type": "enabled"}).task_fields()["thinking_budget"] is None
+    assert anthropic().task_fields()["thinking_budget"] is None
+    with pytest.raises(ValidationError, match="budget_tokens"):
+        anthropic(thinking={"type": "enabled", "budget_tokens": 0})
+    with pytest.raises(ValidationError, match="effort is not supported"):
+        anthropic(output_config={"effort": "low"})
 
 
 def test_anthropic_thinking_block_first() -> None:
@@ -196,8 +241,17 @@ def test_ollama_think() -> None:
     assert chat.task_fields()["thinking"] is True
     generate = GenerateRequest.model_validate({"prompt": "2 + 2?", "think": False})
     assert generate.task_fields()["thinking"] is False
-    with pytest.raises(ValidationError, match="thinking levels"):
-        ChatRequest.model_validate({"messages": ASK, "think": "high"})
+    assert generate.task_fields()["thinking_budget"] is None
+
+
+def test_ollama_think_levels_are_budgets() -> None:
+    for level in ("low", "medium", "high"):
+        fields = ChatRequest.model_validate({"messages": ASK, "think": level}).task_fields()
+        assert (fields["thinking"], fields["thinking_budget"]) == (True, EFFORT_BUDGETS[level])
+        generate = GenerateRequest.model_validate({"prompt": "2 + 2?", "think": level})
+        assert generate.task_fields()["thinking_budget"] == EFFORT_BUDGETS[level]
+    with pytest.raises(ValidationError, match="think"):
+        ChatRequest.model_validate({"messages": ASK, "think": "extreme"})
 
 
 def test_ollama_thinking_whole_and_streamed() -> None:

@@ -150,6 +150,16 @@ def test_anthropic_thinking_blocks(thinks: UpCluster) -> None:
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in made.content]
     plain = client.messages.create(model=MODEL, max_tokens=40, messages=messages, extra_body=GREEDY)
     assert [b.type for b in plain.content] == ["text"]
+    # A budget shorter than the thinking: the runner ends it, and the answer follows.
+    short: Any = {"type": "enabled", "budget_tokens": 2}
+    cut = client.messages.create(
+        model=MODEL, max_tokens=40, messages=messages, extra_body=GREEDY, thinking=short
+    )
+    assert [b.type for b in cut.content] == ["thinking", "text"], cut.content
+    full, short_block = made.content[0], cut.content[0]
+    assert full.type == "thinking" and short_block.type == "thinking"
+    assert short_block.thinking and len(short_block.thinking) < len(full.thinking)
+    assert full.thinking.startswith(short_block.thinking), (short_block.thinking, full.thinking)
 
 
 def test_ollama_thinking(thinks: UpCluster) -> None:

@@ -182,7 +182,9 @@ class ThinkingReply:
     def _take(self, inner: Parsed, thinking: bool = False) -> Parsed:
         reasoning = "".join(self._reasoning)
         self._reasoning.clear()
-        return Parsed(inner.text, inner.calls, reasoning, inner.ended, thinking)
+        return Parsed(
+            inner.text, inner.calls, reasoning, inner.ended, thinking, self._state == "thinking"
+        )
 
 
 def _tag_start(held: str) -> int:

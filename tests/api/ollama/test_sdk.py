@@ -276,8 +276,6 @@ def test_errors_are_ollamas(client: ollama.Client, up_cluster: UpCluster) -> Non
     )
     image = [{"role": "user", "content": "What is this?", "images": [b"\x89PNG\r\n"]}]
     assert _status(lambda: client.chat(model=up_cluster.model, messages=image)) == 400
-    high = "high"  # a thinking level: for gpt-oss, which Shoal does not serve
-    assert _status(lambda: client.chat(model=up_cluster.model, messages=HELLO, think=high)) == 400
     assert _status(lambda: client.generate(model=up_cluster.model, prompt="x", suffix="y")) == 400
     with pytest.raises(ollama.ResponseError) as caught:
         client.chat(model=up_cluster.model, messages=HELLO, options={"mirostat": 2})

@@ -162,7 +162,7 @@ def test_options_that_would_change_the_answer_unheard_are_refused() -> None:
 
 def test_what_shoal_cannot_do_is_a_named_refusal() -> None:
     assert "images" in refused(chat, messages=[{"role": "user", "content": "?", "images": ["x"]}])
-    assert "thinking levels" in refused(chat, think="high")
+    assert "think" in refused(chat, think="extreme")
     assert chat(think=True).task_fields()["thinking"] is True
     assert chat(think=False).task_fields()["thinking"] is False
     assert chat().task_fields()["thinking"] is None

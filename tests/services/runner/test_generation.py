@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from bus.records import SamplingParams, ToolCallDelta
-from services.runner.decoding import Decoding, PromptScores, Token
+from services.runner.decoding import Decoding, PromptScores, ThinkingBudget, Token
 from services.runner.generation import (
     InvalidRequest,
     Parsed,
@@ -284,3 +284,115 @@ def test_the_final_marker_counts_the_thinkings_tokens() -> None:
         out = list(steps(Scripted(tokens), [1], decoding, 100, lambda: False, reply))
         last = out[-1]
         assert isinstance(last, Step) and last.reasoning_tokens == thinking, start
+
+
+# --- a thinking budget ----------------------------------------------------------------------
+
+THINK_PIECES = {1: b"Hmm ", 2: b"\n", 3: b"</think>", 4: b"\n\n", 5: b"Hi", 6: b"<think>"}
+CLOSE = (2, 3, 4)  # "\n</think>\n\n"
+
+
+class Thinker:
+    """A model that writes ``script`` (token ids), then thinks on (``Hmm``) until ``limit``;
+    at each sample point a forced token (``Decoding.forced``) is taken instead, as the engines
+    do. ``ahead``: the next token is picked before the last one is taken (an engine that samples
+    ahead of its consumer, as MLX's batch does)."""
+
+    def __init__(self, script: list[int], ahead: bool = False) -> None:
+        self.script = script
+        self.ahead = ahead
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prompt: list[int], decoding: Decoding) -> Iterator[Token]:
+        self.prompts.append(prompt)
+        script = iter(self.script)
+
+        def pick() -> int:
+            forced = decoding.forced.next()
+            return forced if forced is not None else next(script, 1)
+
+        picked = pick()
+        while True:
+            if self.ahead:
+                after = pick()
+                yield Token(picked)
+                picked = after
+            else:
+                yield Token(picked)
+                picked = pick()
+
+    def piece(self, token: int) -> bytes:
+        return THINK_PIECES[token]
+
+    def spelled(self, token: int) -> bytes:
+        return self.piece(token)
+
+    def is_end(self, token: int) -> bool:
+        return token == END
+
+
+def think(
+    source: Thinker,
+    budget: int | None,
+    start: ThinkingStart = "inside",
+    generated: tuple[int, ...] = (),
+    limit: int = 12,
+) -> tuple[list[int], str, str, int]:
+    """The tokens generated, the thinking, the answer and the reasoning tokens."""
+    decoding = Decoding(
+        SamplingParams(),
+        thinking_budget=None if budget is None else ThinkingBudget(budget, CLOSE),
+        generated=generated,
+    )
+    reply = thinking_reply(PlainReply(), start)
+    out = [s for s in steps(source, [9], decoding, limit, lambda: False, reply)]
+    made = [s for s in out if isinstance(s, Step)]
+    tokens = [s.token_id for s in made if s.token_id is not None]
+    last = made[-1]
+    reasoning = "".join(s.reasoning for s in made)
+    return tokens, reasoning, "".join(s.text for s in made), last.reasoning_tokens
+
+
+def test_a_spent_budget_forces_the_closing_tag_and_the_answer_follows() -> None:
+    tokens, reasoning, answer, counted = think(Thinker([1, 1, 1, 1, 1, 1, 1, 5]), budget=3)
+    assert tokens[:6] == [1, 1, 1, *CLOSE]
+    assert reasoning == "Hmm Hmm Hmm"
+    assert answer.startswith("Hmm")  # the model goes on after the tag: its answer
+    assert counted == 3 + 2  # the budget, and the forced "\n</think>"
+
+
+def test_without_a_budget_the_thinking_goes_on() -> None:
+    tokens, _, answer, counted = think(Thinker([1] * 20), budget=None)
+    assert tokens == [1] * 12 and answer == "" and counted == 12
+
+
+def test_a_thinking_the_model_ends_within_its_budget_is_left_alone() -> None:
+    tokens, _, answer, counted = think(Thinker([1, 1, *CLOSE, 5, 5]), budget=4)
+    assert tokens[:7] == [1, 1, *CLOSE, 5, 5] and answer.startswith("HiHi")
+    assert counted == 4
+
+
+def test_a_thinking_the_model_opens_is_budgeted_from_its_tag() -> None:
+    tokens, reasoning, _, _ = think(Thinker([6, 1, 1, 1, 1]), 3, "may_open")
+    assert tokens[:6] == [6, 1, 1, *CLOSE] and reasoning == "Hmm Hmm"
+
+
+def test_an_engine_that_samples_ahead_forces_a_token_late() -> None:
+    tokens, reasoning, _, _ = think(Thinker([1] * 20, ahead=True), budget=3)
+    assert tokens[:7] == [1, 1, 1, 1, *CLOSE] and reasoning == "Hmm Hmm Hmm Hmm"
+    # The model closing its thinking itself meanwhile: nothing more is forced after it (the
+    # forced token it had taken already is whitespace before the answer).
+    tokens, _, answer, _ = think(Thinker([1, 1, 1, 3, 5, 5], ahead=True), 3)
+    assert tokens[:7] == [1, 1, 1, 3, 2, 5, 5] and answer.startswith("HiHi"), answer
+    assert "</think>" not in answer
+
+
+def test_a_resumed_task_goes_on_after_the_tokens_forced_before() -> None:
+    whole, _, _, counted = think(Thinker([1, 1, 1, 5, 5, 5]), budget=3)
+    # Lost within the closing tag: what is left of it is forced, and nothing again; the
+    # steps and their count go on as they would have.
+    for cut in (3, 4, 5, 6):
+        source = Thinker([5, 5, 5])
+        tokens, _, _, resumed_counted = think(source, 3, generated=tuple(whole[:cut]))
+        assert source.prompts == [[9, *whole[:cut]]]
+        assert tokens == whole[cut:] and resumed_counted == counted, cut

@@ -295,6 +295,7 @@ class LlamaCppEngine:
                 seed=seed,
                 grammar=grammar,
                 grammar_first=self.grammar_first,
+                forced=decoding.forced,
             )
             sampler.take_generated(decoding.generated)
             return sampler

@@ -26,7 +26,14 @@ import numpy as np
 import numpy.typing as npt
 
 from bus.records import SamplingParams
-from services.runner.decoding import Grammar, Token, Trigger, floored, request_seed
+from services.runner.decoding import (
+    ForcedTokens,
+    Grammar,
+    Token,
+    Trigger,
+    floored,
+    request_seed,
+)
 from services.runner.generation import InvalidRequest
 
 Logits = npt.NDArray[np.float32]
@@ -285,8 +292,10 @@ class SequenceSampler:
         grammar: CompiledGrammar | None = None,
         grammar_first: bool = False,
         retries: int = 0,
+        forced: ForcedTokens | None = None,
     ) -> None:
         self._vocab = vocab
+        self._forced = forced
         self._grammar_first = grammar_first
         self._retries = retries
         self._candidates = Candidates(n_vocab)
@@ -313,7 +322,14 @@ class SequenceSampler:
 
     def sample(self, logits: Logits) -> int:
         """The next token after a position with these logits; it is accepted (the chain's and
-        the grammar's states move on)."""
+        the grammar's states move on). A forced token (``ForcedTokens``: a thinking budget's
+        closing tag) is taken instead of a pick, unless the grammar refuses it (then none
+        more is forced, and the pick goes on)."""
+        if self._forced is not None and (forced := self._forced.next()) is not None:
+            if self._can_force(forced):
+                self._accept(forced)
+                return forced
+            self._forced.clear()
         banned: list[int] = []
         while True:
             token = self._pick(logits, banned)
@@ -324,6 +340,12 @@ class SequenceSampler:
                 raise InvalidRequest("the grammar refuses what its trigger would hand it")
         self._accept(token)
         return token
+
+    def _can_force(self, token: int) -> bool:
+        """Whether the grammar takes ``token`` (accepting one it refuses would abort)."""
+        if self._grammar is None:
+            return True
+        return self._allows(token) and (not self._triggers or self._hands_over_well(token))
 
     def take_generated(self, tokens: Sequence[int]) -> None:
         """Tokens this sequence generated before (a resumed task), accepted as if picked: the

@@ -63,7 +63,12 @@ class SequencePicker:
     forward pass overlaps the reading), so the grammar learns a token at the next token's
     ``process``, which waits for it (a grammar's batch loses that overlap). Nothing here raises
     into the generator's step, which would break every sequence's: a failure is kept, and
-    ``token`` raises it for the first token that cannot be given."""
+    ``token`` raises it for the first token that cannot be given.
+
+    A forced token (``Decoding.forced``: a thinking budget's closing tag) is ``sample``'s pick,
+    unless the processed logits rule it out (the grammar's mask). The generator runs ahead of
+    the consumer that forces it (the step under way, and the tokens a consumer may lag), so the
+    thinking goes a token or a few over its budget."""
 
     def __init__(
         self,
@@ -80,6 +85,7 @@ class SequencePicker:
         self._processors = penalty_processors(decoding.params)
         self._prompt_len = prompt_len  # the context's tokens before the generated ones
         self._constraint = constraint
+        self._forced = decoding.forced
         self._calls = 0
         self._picked: deque[mx.array] = deque()  # a grammar's: picked, not yet accepted
         self._raw: deque[mx.array] = deque()  # with logprobs: each token's raw logits
@@ -113,10 +119,16 @@ class SequencePicker:
         return x if allowed is None else mx.where(mx.array(allowed), x, -math.inf)
 
     def sample(self, logprobs: mx.array) -> mx.array:
-        key = None
-        if self._params.temperature != 0:
-            self._key, key = mx.random.split(self._key)
-        choice = draw(logprobs, self._params, self._n_vocab, key)
+        forced = self._forced.next()
+        if forced is not None and self._error is None and bool(logprobs[0, forced] > -math.inf):
+            choice = mx.array([forced], dtype=mx.uint32)
+        else:
+            if forced is not None:
+                self._forced.clear()
+            key = None
+            if self._params.temperature != 0:
+                self._key, key = mx.random.split(self._key)
+            choice = draw(logprobs, self._params, self._n_vocab, key)
         if self._constraint is not None:
             self._picked.append(choice)
         return choice

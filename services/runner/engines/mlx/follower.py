@@ -98,17 +98,20 @@ class PipelineFollower:
                         wire.send(ring, wire.RunChunk(slot, h, flags))
                     if flags & wire.Run.SAMPLE:
                         caches.join(slot)
-                case wire.Step(slots, hidden):
+                case wire.Step(slots, hidden, forced):
                     h = caches.step(slots, hidden)
                     if last:
                         logits = stage.logits(h)
-                        replies = [requests[s].pick(logits[i : i + 1]) for i, s in enumerate(slots)]
+                        replies = [
+                            requests[s].pick(logits[i : i + 1], message.forced_at(i))
+                            for i, s in enumerate(slots)
+                        ]
                         caches.evaluate(h)
                         for reply in replies:
                             wire.send_reply(ring, reply)
                     else:
                         caches.evaluate(h)
-                        wire.send(ring, wire.Step(slots, h))
+                        wire.send(ring, wire.Step(slots, h, forced))
 
 
 @dataclass
@@ -145,10 +148,13 @@ class _Request:
         ids, lps = prompt_scores(stage.every_logits(h), targets, self.top_logprobs)
         return wire.Scores(ids, lps)
 
-    def pick(self, logits: mx.array) -> wire.Reply:
-        """The next token from ``logits`` (1, vocab)."""
+    def pick(self, logits: mx.array, forced: int | None = None) -> wire.Reply:
+        """The next token from ``logits`` (1, vocab), or ``forced`` (rank 0's: a thinking
+        budget's closing tag), which the picker takes unless its grammar refuses it."""
         if self.picker is None:
             return self._failed()
+        if forced is not None:
+            self.picker.forced.put([forced])
         try:
             token = self.picker.pick(logits)
         except InvalidRequest as exc:  # the grammar could not go on: the task fails

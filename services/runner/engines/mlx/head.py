@@ -215,7 +215,13 @@ class _RingDecoder(DecodingThread[_Flow]):
         x = mx.array([[self._by_slot[slot].last] for slot in rows])
         h = self._caches.step(rows, x)
         self._caches.evaluate(h)
-        wire.send(self._ring, wire.Step(rows, h))
+        # The last rank picks: a token forced on a sequence (a thinking budget's closing tag)
+        # goes with the step. (A prompt's first token, picked at its last chunk, is never
+        # forced: a resumed task whose budget was spent has its tag from its second token.)
+        forced = [self._by_slot[slot].decoding.forced.next() for slot in rows]
+        wire.send(
+            self._ring, wire.Step(rows, h, [wire.NOT_FORCED if t is None else t for t in forced])
+        )
         self.steps += 1
         self.widest = max(self.widest, len(rows))
         for slot in rows:

@@ -250,6 +250,9 @@ class Picker:
             if grammars is None:
                 raise InvalidRequest("this engine cannot follow a grammar")
             self._constraint = grammars().constraint(decoding.grammar)
+        # Taken instead of a pick (a thinking budget's closing tag): the engine's own Stepper
+        # puts them, or a pipeline's last rank from what rank 0 sends.
+        self.forced = decoding.forced
         self.take_generated(decoding.generated)
 
     def take_generated(self, tokens: Sequence[int]) -> None:
@@ -261,24 +264,16 @@ class Picker:
                 self._constraint.accept(token)
 
     def pick(self, logits: mx.array) -> Token:
-        """``logits``: the last position's, shape (1, vocab)."""
-        params = self._params
-        x = logits
-        if self._processors:
-            # In float32: mlx-lm's processors update their input in place.
-            x = logits.astype(mx.float32)
-            tokens = mx.array(self._generated, dtype=mx.int32)
-            for processor in self._processors:
-                x = processor(tokens, x)
+        """``logits``: the last position's, shape (1, vocab). A forced token (``forced``) is
+        taken instead of a pick, unless the grammar refuses it (then none more is forced)."""
+        forced = self.forced.next()
         allowed = self._constraint.allowed() if self._constraint is not None else None
-        if allowed is not None:
-            x = mx.where(mx.array(allowed), x, -math.inf)
-        # Log-probabilities in the logits' dtype, as mlx-lm's samplers take them.
-        logprobs = x - mx.logsumexp(x, keepdims=True)
-        key = None
-        if params.temperature != 0:
-            self._key, key = mx.random.split(self._key)
-        choice = draw(logprobs, params, self._n_vocab, key)
+        if forced is not None and (allowed is None or bool(allowed[forced])):
+            choice = mx.array([forced], dtype=mx.uint32)
+        else:
+            if forced is not None:
+                self.forced.clear()
+            choice = self._draw(logits, allowed)
         if self._top_logprobs is None:
             token = int(np.array(choice)[0])
             picked = Token(token)
@@ -290,6 +285,24 @@ class Picker:
         if self._constraint is not None:
             self._constraint.accept(token)
         return picked
+
+    def _draw(self, logits: mx.array, allowed: npt.NDArray[np.bool_] | None) -> mx.array:
+        params = self._params
+        x = logits
+        if self._processors:
+            # In float32: mlx-lm's processors update their input in place.
+            x = logits.astype(mx.float32)
+            tokens = mx.array(self._generated, dtype=mx.int32)
+            for processor in self._processors:
+                x = processor(tokens, x)
+        if allowed is not None:
+            x = mx.where(mx.array(allowed), x, -math.inf)
+        # Log-probabilities in the logits' dtype, as mlx-lm's samplers take them.
+        logprobs = x - mx.logsumexp(x, keepdims=True)
+        key = None
+        if params.temperature != 0:
+            self._key, key = mx.random.split(self._key)
+        return draw(logprobs, params, self._n_vocab, key)
 
 
 def penalty_processors(params: SamplingParams) -> list[Processor]:

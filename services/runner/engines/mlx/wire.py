@@ -28,7 +28,7 @@ log-probabilities, the shutdown acknowledgement).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 
 import mlx.core as mx
@@ -70,6 +70,7 @@ class Answer(IntEnum):
 
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # a header's dtype word indexes this
+NOT_FORCED = -1  # a STEP's row whose token is picked
 HEADER_WORDS = 5
 REPLY_WORDS = 4
 
@@ -99,10 +100,17 @@ class RunChunk:
 @dataclass(frozen=True, eq=False)
 class Step:
     """STEP: one token for every sequence of the decoding batch: its ``slots`` in row order,
-    and the hidden states (rows, 1, hidden)."""
+    and the hidden states (rows, 1, hidden); ``forced``, a row's token the last rank takes
+    instead of a pick (a thinking budget's closing tag, from rank 0's ``Decoding.forced``),
+    ``NOT_FORCED`` for a row that picks (empty: none is forced)."""
 
     slots: list[int]
     hidden: mx.array
+    forced: list[int] = field(default_factory=list)
+
+    def forced_at(self, row: int) -> int | None:
+        token = self.forced[row] if self.forced else NOT_FORCED
+        return None if token == NOT_FORCED else token
 
 
 @dataclass(frozen=True)
@@ -128,9 +136,10 @@ def send(ring: Ring, message: Message) -> None:
         case RunChunk(slot, hidden, flags):
             words = [Command.RUN, slot, hidden.shape[1], flags, _dtype_word(hidden)]
             payloads = [hidden]
-        case Step(slots, hidden):
+        case Step(slots, hidden, forced):
             words = [Command.STEP, len(slots), _dtype_word(hidden)]
-            payloads = [mx.array(slots, dtype=mx.int32), hidden]
+            forced = forced or [NOT_FORCED] * len(slots)
+            payloads = [mx.array(slots, dtype=mx.int32), mx.array(forced, dtype=mx.int32), hidden]
         case Stop(slot):
             words, payloads = [Command.STOP, slot], []
         case Shutdown():
@@ -153,7 +162,8 @@ def receive(ring: Ring, hidden_size: int) -> Message:
         case Command.STEP:
             rows, dtype = words[:2]
             slots = [int(r) for r in np.array(ring.recv((rows,), mx.int32))]
-            return Step(slots, ring.recv((rows, 1, hidden_size), DTYPES[dtype]))
+            forced = [int(t) for t in np.array(ring.recv((rows,), mx.int32))]
+            return Step(slots, ring.recv((rows, 1, hidden_size), DTYPES[dtype]), forced)
         case Command.STOP:
             return Stop(words[0])
         case Command.SHUTDOWN:
