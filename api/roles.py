@@ -35,6 +35,7 @@ ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
     ("GET", "/v1/models"): "user",
     ("GET", "/v1/models/{model}"): "user",
     ("POST", "/v1/responses"): "user",
+    ("POST", "/v1/responses/input_tokens"): "user",
     ("GET", "/v1/responses/{response_id}"): "user",
     ("DELETE", "/v1/responses/{response_id}"): "user",
     ("POST", "/v1/responses/{response_id}/cancel"): "user",

@@ -1,14 +1,16 @@
-"""The OpenAI Responses API's request body (``POST /v1/responses``) and how it becomes a
-``TaskCreated``: input items as chat messages, function tools, ``tool_choice``, ``text.format``.
-Pure: data in, data out (api/responses/routes.py reads and stores).
+"""The OpenAI Responses API's request body (``POST /v1/responses``; its conversation part,
+``ResponsesBody``, is also what ``POST /v1/responses/input_tokens`` counts) and how it becomes
+a ``TaskCreated``: input items as chat messages, function tools, ``tool_choice``,
+``text.format``. Pure: data in, data out (api/responses/routes.py reads and stores).
 
 Every field that changes the answer is honoured or refused with a 400 that names it: built-in
 tools (web search, file search, computer use...), reasoning summaries, ``include`` of what
 Shoal cannot produce, images and files, item references, prompt templates, conversations.
 Fields that do not change it (``metadata``, ``user``, ``service_tier``,
 ``prompt_cache_key``...) are accepted. ``reasoning.effort`` "none" turns a thinking model's
-thinking off, any other effort on (no budget); a ``reasoning`` input item is the next
-assistant turn's thinking, which the chat template keeps or drops.
+thinking off, any other effort on, with that effort's budget (``api/thinking.py``); a
+``reasoning`` input item is the next assistant turn's thinking, which the chat template keeps or
+drops.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pydantic import Field, field_validator, model_validator
 from api.body import Count, JsonSchema, RequestBody, ToolParameters
 from api.errors import ApiError
 from api.openai.requests import MAX_TOOLS, FunctionName
-from api.thinking import effort_thinks
+from api.thinking import Effort, effort_budget, effort_thinks
+from bus.events import TaskCreated, new_id
 from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolCall, ToolChoice
 
 # A response's id is its task's with this prefix: either names the other.
@@ -206,7 +209,7 @@ class TextConfig(RequestBody):
 
 
 class ReasoningConfig(RequestBody):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Effort | None = None
     # A summary of the thinking: Shoal writes none ("auto" may choose so); the thinking itself
     # is the reasoning item's content.
     summary: str | None = None
@@ -223,34 +226,23 @@ class ReasoningConfig(RequestBody):
         return self
 
 
-class ResponsesRequest(RequestBody):
+class ResponsesBody(RequestBody):
+    """What ``POST /v1/responses`` and ``POST /v1/responses/input_tokens`` share: the
+    conversation as the model reads it (the fields the SDK's ``input_tokens.count`` takes)."""
+
     model: Annotated[str, Field(min_length=1)] | None = None
     input: Annotated[list[InputItem], Field(max_length=10_000)] = Field(default_factory=list)
     instructions: str | None = None
-    max_output_tokens: Count | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    stream: bool = False
-    store: bool | None = None
-    background: bool | None = None
     previous_response_id: Annotated[str, Field(min_length=1)] | None = None
-    metadata: (
-        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
-    ) = None
-    user: Annotated[str, Field(max_length=255)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: ReasoningConfig | None = None
-    # Answer-changing fields Shoal cannot honour (see _consistent).
-    include: list[str] | None = None
-    top_logprobs: int | None = None
-    max_tool_calls: int | None = None
-    prompt: Any = None
+    # Answer-changing, and not honoured (see _consistent).
     conversation: Any = None
-    context_management: Any = None
+    personality: Any = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -273,40 +265,16 @@ class ResponsesRequest(RequestBody):
             " 'required' or {'type': 'function', 'name': ...}"
         )
 
-    @field_validator("metadata")
-    @classmethod
-    def _few(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        if metadata is not None and len(metadata) > MAX_METADATA:
-            raise ValueError(f"at most {MAX_METADATA} metadata keys")
-        return metadata
-
     @model_validator(mode="after")
-    def _consistent(self) -> ResponsesRequest:
-        if self.include:
+    def _consistent(self) -> ResponsesBody:
+        if self.conversation is not None:
             raise ValueError(
-                f"include {self.include[0]!r} is not supported: Shoal produces"
-                " none of the extra data include asks for"
+                "conversation is not supported: send the input itself, or previous_response_id"
             )
-        if self.top_logprobs:
+        if self.personality is not None:
             raise ValueError(
-                "top_logprobs is not supported by the Responses API here: use"
-                " /v1/chat/completions with logprobs"
-            )
-        if self.max_tool_calls is not None:
-            raise ValueError(
-                "max_tool_calls is not supported: it limits built-in tools, which Shoal has none of"
-            )
-        for name in ("prompt", "conversation", "context_management"):
-            if getattr(self, name) is not None:
-                raise ValueError(
-                    f"{name} is not supported: send the input itself, or previous_response_id"
-                )
-        if self.background and not self.keep:
-            raise ValueError("background needs store: a background response is fetched later")
-        if self.background and self.stream:
-            raise ValueError(
-                "background with stream is not supported: send one of them"
-                " (GET /v1/responses/{id} fetches a background response)"
+                "personality is not supported: Shoal's models have no style presets (say how to"
+                " answer in the instructions)"
             )
         if not self.input and self.previous_response_id is None:
             raise ValueError("input is empty: send a string or a list of items")
@@ -321,18 +289,6 @@ class ResponsesRequest(RequestBody):
         if choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         return self
-
-    @property
-    def keep(self) -> bool:
-        """Whether the response is stored (``store`` defaults to true)."""
-        return self.store is not False
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.max_output_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-        )
 
     def input_messages(self) -> list[ChatMessage]:
         return chat_messages(self.input)
@@ -352,11 +308,82 @@ class ResponsesRequest(RequestBody):
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "response_format": fmt.event() if fmt is not None else None,
             "thinking": self.thinking,
+            "thinking_budget": effort_budget(self.reasoning.effort if self.reasoning else None),
         }
 
     @property
     def thinking(self) -> bool | None:
         return effort_thinks(self.reasoning.effort if self.reasoning else None)
+
+
+class ResponsesRequest(ResponsesBody):
+    """``POST /v1/responses``: the conversation, and how to answer and keep it."""
+
+    max_output_tokens: Count | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stream: bool = False
+    store: bool | None = None
+    background: bool | None = None
+    metadata: (
+        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
+    ) = None
+    user: Annotated[str, Field(max_length=255)] | None = None
+    # Answer-changing fields Shoal cannot honour (see _supported).
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    prompt: Any = None
+    context_management: Any = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _few(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is not None and len(metadata) > MAX_METADATA:
+            raise ValueError(f"at most {MAX_METADATA} metadata keys")
+        return metadata
+
+    @model_validator(mode="after")
+    def _supported(self) -> ResponsesRequest:
+        if self.include:
+            raise ValueError(
+                f"include {self.include[0]!r} is not supported: Shoal produces"
+                " none of the extra data include asks for"
+            )
+        if self.top_logprobs:
+            raise ValueError(
+                "top_logprobs is not supported by the Responses API here: use"
+                " /v1/chat/completions with logprobs"
+            )
+        if self.max_tool_calls is not None:
+            raise ValueError(
+                "max_tool_calls is not supported: it limits built-in tools, which Shoal has none of"
+            )
+        for name in ("prompt", "context_management"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name} is not supported: send the input itself, or previous_response_id"
+                )
+        if self.background and not self.keep:
+            raise ValueError("background needs store: a background response is fetched later")
+        if self.background and self.stream:
+            raise ValueError(
+                "background with stream is not supported: send one of them"
+                " (GET /v1/responses/{id} fetches a background response)"
+            )
+        return self
+
+    @property
+    def keep(self) -> bool:
+        """Whether the response is stored (``store`` defaults to true)."""
+        return self.store is not False
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_output_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+        )
 
     def echoed(self) -> dict[str, Any]:
         """The request's settings as every response object repeats them."""
@@ -435,6 +462,36 @@ def require_answered_calls(conversation: list[ChatMessage]) -> None:
                 f"No tool call found for function call output with call_id {m.tool_call_id}.",
                 param="input",
             )
+
+
+def continued(previous: list[ChatMessage], body: ResponsesBody) -> list[ChatMessage]:
+    """The conversation of a request: the one it continues (its previous response's, output
+    included), then its input; each function call output answers a call of it."""
+    conversation = previous + body.input_messages()
+    require_answered_calls(conversation)
+    return conversation
+
+
+def chat_task(
+    body: ResponsesBody,
+    conversation: list[ChatMessage],
+    model_id: str,
+    origin: str,
+    params: SamplingParams,
+    user: str | None = None,
+) -> TaskCreated:
+    """The chat task of a request: what a response is generated from, and what its input
+    tokens are counted of (the same task, so the count is the response's ``input_tokens``)."""
+    return TaskCreated(
+        task_id=new_id(),
+        model_id=model_id,
+        origin=origin,
+        kind="chat",
+        messages=task_messages(body.instructions, conversation),
+        params=params,
+        user=user,
+        **body.task_fields(),
+    )
 
 
 def task_messages(instructions: str | None, conversation: list[ChatMessage]) -> list[ChatMessage]:

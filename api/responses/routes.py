@@ -1,6 +1,6 @@
 """The OpenAI Responses API: ``POST /v1/responses`` (whole, streamed, or in the background),
-``GET`` and ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` and
-``GET /v1/responses/{id}/input_items``.
+``GET`` and ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``,
+``GET /v1/responses/{id}/input_items`` and ``POST /v1/responses/input_tokens``.
 
 A response's id is its task's, ``resp_<task_id>``. A stored response (``store``, the default)
 lives on the log (api/responses/store.py), so any API process serves, continues
@@ -24,17 +24,20 @@ from api import admission, keys
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.responses import store as response_store
+from api.responses.counting import count_question, input_tokens
 from api.responses.requests import (
     RESPONSE_PREFIX,
+    ResponsesBody,
     ResponsesRequest,
+    chat_task,
+    continued,
     input_items,
-    require_answered_calls,
     task_id_of,
-    task_messages,
 )
 from api.responses.shapes import Head, Json, Keep, ResponsesOut, failed_response
 from api.serving import log_unavailable, require_serving, serve, staged
 from api.thinking import shown
+from api.tokenizer.asking import ask
 from bus.events import ResponseStored, TaskCancelled, TaskCreated, new_id, utc_now
 from bus.records import ChatMessage
 from bus.states import TASK_ENDED
@@ -51,6 +54,19 @@ _RUNNING: set[asyncio.Task[None]] = set()
 @router.post("/responses", response_model=None)
 async def create_response(body: ResponsesRequest, ctx: Ctx) -> JSONResponse | StreamingResponse:
     return await serve_responses(ctx, body)
+
+
+@router.post("/responses/input_tokens")
+async def count_input_tokens(body: ResponsesBody, ctx: Ctx) -> Json:
+    """The input's tokens as the model would read them in a response of the same body (its
+    chat template, the instructions, the tools, the conversation a ``previous_response_id``
+    continues), counted by a runner of the model without generating
+    (``api/tokenizer/asking.py``): the API has no tokenizer."""
+    model_id = await ctx.resolve_model(body.model)
+    conversation = continued(await _previous(ctx, body.previous_response_id), body)
+    question = count_question(body, conversation, model_id, ctx.origin)
+    counted = await ask(ctx, model_id, question, "input")
+    return input_tokens(counted)
 
 
 @router.get("/responses/{response_id}")
@@ -142,18 +158,8 @@ async def serve_responses(
     ctx: ApiContext, body: ResponsesRequest
 ) -> JSONResponse | StreamingResponse:
     model_id = await ctx.resolve_model(body.model)
-    conversation = await _previous(ctx, body.previous_response_id) + body.input_messages()
-    require_answered_calls(conversation)
-    task = TaskCreated(
-        task_id=new_id(),
-        model_id=model_id,
-        origin=ctx.origin,
-        kind="chat",
-        messages=task_messages(body.instructions, conversation),
-        params=body.sampling(),
-        user=body.user,
-        **body.task_fields(),
-    )
+    conversation = continued(await _previous(ctx, body.previous_response_id), body)
+    task = chat_task(body, conversation, model_id, ctx.origin, body.sampling(), body.user)
     head = Head(
         RESPONSE_PREFIX + task.task_id,
         task.task_id,
