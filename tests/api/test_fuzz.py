@@ -11,7 +11,8 @@ Three parts:
 
 No model runs in these stacks. Most tests share one stack per module (nats-server, projector,
 ``shoal api``) that knows a model, ``tiny``, and a node, ``node-a`` (a CPU and one GPU), so that
-requests reach placement; tests that break or dirty the cluster start their own.
+requests reach placement; the two property-based tests share another (their requests create
+instances), and the tests that break the cluster start their own.
 
 The tests at the end pin what fuzzing found (each was a bug: a 5xx, a cut-off response, an
 event that stopped the projector), so that it stays fixed.
@@ -208,6 +209,15 @@ def seeded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiStack]
         yield stack
 
 
+@pytest.fixture(scope="module")
+def fuzzed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiStack]:
+    """One stack for the two property-based tests, which dirty it (generated requests create
+    instances): the fuzz without a key first, then the fuzz as a user key, which adds keys
+    (from then on a request without one is refused)."""
+    with _running_stack(tmp_path_factory.mktemp("fuzzed-stack")) as stack:
+        yield stack
+
+
 @pytest.fixture
 async def client(seeded_stack: ApiStack) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=seeded_stack.url, timeout=REQUEST_TIMEOUT_S) as c:
@@ -353,18 +363,23 @@ def _model_not_ready(status: int, content: bytes) -> bool:
     return status == 503 and isinstance(message, str) and "cannot answer now" in message
 
 
-def _fuzz(
-    operation: Operation,
-    mode: schemathesis.GenerationMode,
-    url: str,
-    session: requests.Session,
-    caller: Caller = NOBODY,
-    examples: int = MAX_EXAMPLES,
-) -> list[str]:
-    """Up to ``examples`` requests; every problem found, with the request as a curl command.
-    Failures are collected, not raised, so one run reports them all and none is shrunk (which
-    would cost many more requests, each up to the timeout when the problem is a hang)."""
-    found: list[str] = []
+@dataclass(frozen=True)
+class Fuzzed:
+    """The requests generated for one operation in one generation mode."""
+
+    operation: Operation
+    mode: schemathesis.GenerationMode
+    cases: list[Case]
+
+
+def _generate(
+    operation: Operation, mode: schemathesis.GenerationMode, examples: int = MAX_EXAMPLES
+) -> Fuzzed:
+    """Up to ``examples`` requests, drawn once and sent by each test that fuzzes (drawing costs
+    more than sending: a tenth of a second a request for the larger bodies, such as Anthropic's
+    messages). Nothing is raised while drawing, so none is shrunk (which would cost many more
+    requests, each up to the timeout when the problem is a hang)."""
+    drawn: list[Case] = []
     cases = operation.as_strategy(generation_mode=mode)
     if mode is schemathesis.GenerationMode.POSITIVE:
         cases = st.tuples(cases, st.booleans()).map(_with_known_model)
@@ -378,63 +393,90 @@ def _fuzz(
     )
     @given(case=cases)
     def run(case: Case) -> None:
-        for problem in _call_problems(case, url, session, caller):
-            curl = case.as_curl_command(base_url=url, headers=caller.headers)
-            if len(curl) > MAX_SHOWN:
-                curl = f"{curl[:MAX_SHOWN]}... ({len(curl)} characters)"
-            found.append(f"{operation.label} ({mode.value}): {problem}\n    {curl}")
+        drawn.append(case)
 
     try:
         run()
     except Unsatisfiable:
         # Nothing to make invalid: no parameters, or only a path parameter (any text is one).
         assert mode is schemathesis.GenerationMode.NEGATIVE, operation.label
+    return Fuzzed(operation, mode, drawn)
+
+
+def _send(
+    fuzzed: Fuzzed, url: str, session: requests.Session, caller: Caller = NOBODY
+) -> list[str]:
+    """Every problem the requests meet, each with the request as a curl command. Problems are
+    collected, not raised, so that one run reports them all."""
+    found: list[str] = []
+    for case in fuzzed.cases:
+        for problem in _call_problems(case, url, session, caller):
+            curl = case.as_curl_command(base_url=url, headers=caller.headers)
+            if len(curl) > MAX_SHOWN:
+                curl = f"{curl[:MAX_SHOWN]}... ({len(curl)} characters)"
+            found.append(f"{fuzzed.operation.label} ({fuzzed.mode.value}): {problem}\n    {curl}")
     return found
 
 
-@pytest.mark.slow
-def test_openapi_operations_never_fail_on_generated_requests(tmp_path: Path) -> None:
-    """Valid and invalid requests for every operation in /openapi.json: no 5xx, no hang, and
-    every 4xx in OpenAI's shape. The stack is this test's own: generated requests create
-    instances. Afterwards, the projector must still be projecting."""
-    with _running_stack(tmp_path) as stack:
-        loaded = schemathesis.openapi.from_url(f"{stack.url}/openapi.json", timeout=30)
-        loaded.config.output.sanitization.update(enabled=False)  # show max_tokens, not [Filtered]
-        schema = loaded.exclude(method="GET", path="/v1/events")  # streams until disconnected
-        operations: list[Operation] = []
-        for result in schema.get_all_operations():
-            if not isinstance(result, Ok):
-                raise result.err()
-            operations.append(result.ok())
-        labels = {op.label for op in operations}
-        assert {
-            f"POST {CHAT}",
-            f"POST {COMPLETIONS}",
-            "POST /v1/instances",
-            "DELETE /v1/instances/{instance_id}",
-            "POST /v1/placement/preview",
-            "GET /v1/state",
-            "GET /healthz",
-            "POST /v1/messages",
-            "POST /v1/messages/count_tokens",
-            "POST /v1/responses",
-            "GET /v1/responses/{response_id}",
-            "POST /v1/embeddings",
-            "POST /api/chat",
-            "POST /api/generate",
-            "POST /api/embed",
-            "GET /api/tags",
-        } <= labels, labels
-        assert "GET /v1/events" not in labels
+@pytest.fixture(scope="module")
+def fuzz_cases(fuzzed_stack: ApiStack) -> list[Fuzzed]:
+    """Valid and invalid requests for every operation in /openapi.json but the never-ending
+    ``GET /v1/events``, drawn once for both property-based tests."""
+    loaded = schemathesis.openapi.from_url(f"{fuzzed_stack.url}/openapi.json", timeout=30)
+    loaded.config.output.sanitization.update(enabled=False)  # show max_tokens, not [Filtered]
+    schema = loaded.exclude(method="GET", path="/v1/events")  # streams until disconnected
+    fuzzed: list[Fuzzed] = []
+    for result in schema.get_all_operations():
+        if not isinstance(result, Ok):
+            raise result.err()
+        for mode in schemathesis.GenerationMode:
+            fuzzed.append(_generate(result.ok(), mode))
+    return fuzzed
 
-        problems: list[str] = []
-        with requests.Session() as session:
-            for operation in operations:
-                for mode in schemathesis.GenerationMode:
-                    problems += _fuzz(operation, mode, stack.url, session)
-        if not _run_sync(_projection_alive(stack, "probe-after-fuzz", PROJECTION_WAIT_S)):
-            problems.append("the projector stopped projecting during the run")
-        assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+
+def _no_key_yet(stack: ApiStack) -> bool:
+    """Whether the stack answers a request without a key (no key was added)."""
+    return httpx.get(f"{stack.url}/v1/models", timeout=REQUEST_TIMEOUT_S).status_code == 200
+
+
+@pytest.mark.slow
+def test_openapi_operations_never_fail_on_generated_requests(
+    fuzzed_stack: ApiStack, fuzz_cases: list[Fuzzed]
+) -> None:
+    """Valid and invalid requests for every operation in /openapi.json: no 5xx, no hang, and
+    every 4xx in OpenAI's shape. Afterwards, the projector must still be projecting."""
+    stack = fuzzed_stack
+    # Before the fuzz as a user key (below), which adds keys: without a key, every request
+    # would be a 401.
+    assert _no_key_yet(stack), "the stack has keys: the fuzz without a key must run first"
+    labels = {f.operation.label for f in fuzz_cases}
+    assert {
+        f"POST {CHAT}",
+        f"POST {COMPLETIONS}",
+        "POST /v1/instances",
+        "DELETE /v1/instances/{instance_id}",
+        "POST /v1/placement/preview",
+        "GET /v1/state",
+        "GET /healthz",
+        "POST /v1/messages",
+        "POST /v1/messages/count_tokens",
+        "POST /v1/responses",
+        "GET /v1/responses/{response_id}",
+        "POST /v1/embeddings",
+        "POST /api/chat",
+        "POST /api/generate",
+        "POST /api/embed",
+        "GET /api/tags",
+    } <= labels, labels
+    assert "GET /v1/events" not in labels
+
+    problems: list[str] = []
+    with requests.Session() as session:
+        for fuzzed in fuzz_cases:
+            problems += _send(fuzzed, stack.url, session)
+    if not _run_sync(_projection_alive(stack, "probe-after-fuzz", PROJECTION_WAIT_S)):
+        problems.append("the projector stopped projecting during the run")
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
 
 
 def _owned_events() -> list[EventBase]:
@@ -465,36 +507,33 @@ def _owned_events() -> list[EventBase]:
 
 
 @pytest.mark.slow
-def test_no_route_shows_one_key_what_another_made(tmp_path: Path) -> None:
+def test_no_route_shows_one_key_what_another_made(
+    fuzzed_stack: ApiStack, fuzz_cases: list[Fuzzed]
+) -> None:
     """Every operation, fuzzed as a user key: none shows a stored response or a task that
     another user key made (a response id in a path or a ``previous_response_id`` is drawn as
-    that response's half the time), no admin route lets it through, and no 5xx."""
-    with _running_stack(tmp_path) as stack:
-        _run_sync(_publish(stack, _owned_events()))
-        headers = {"Authorization": f"Bearer {OTHER_KEY}"}
+    that response's half the time), no admin route lets it through, and no 5xx. The requests
+    are the fuzz's above, on its stack, which this test gives keys."""
+    stack = fuzzed_stack
+    _run_sync(_publish(stack, _owned_events()))
+    headers = {"Authorization": f"Bearer {OTHER_KEY}"}
 
-        async def keys_taken(client: httpx.AsyncClient) -> bool:
-            r = await client.get(f"/v1/responses/{OWNED_RESPONSE}", headers=headers)
-            return r.status_code == 404 and (await client.get("/v1/models")).status_code == 401
+    async def keys_taken(client: httpx.AsyncClient) -> bool:
+        r = await client.get(f"/v1/responses/{OWNED_RESPONSE}", headers=headers)
+        return r.status_code == 404 and (await client.get("/v1/models")).status_code == 401
 
-        assert _run_sync(_eventually(stack.url, keys_taken, timeout=PROJECTION_WAIT_S))
-        owner = {"Authorization": f"Bearer {OWNER_KEY}"}
-        mine = httpx.get(f"{stack.url}/v1/responses/{OWNED_RESPONSE}", headers=owner)
-        assert mine.status_code == 200 and SECRET in mine.content  # the owner's: shown
-        loaded = schemathesis.openapi.from_url(f"{stack.url}/openapi.json", timeout=30)
-        loaded.config.output.sanitization.update(enabled=False)
-        schema = loaded.exclude(method="GET", path="/v1/events")
-        caller = Caller(headers, SECRET, user=True)
-        problems: list[str] = []
-        with requests.Session() as session:
-            for result in schema.get_all_operations():
-                if not isinstance(result, Ok):
-                    raise result.err()
-                for mode in schemathesis.GenerationMode:
-                    problems += _fuzz(result.ok(), mode, stack.url, session, caller, examples=3)
-        events = httpx.get(f"{stack.url}/v1/events", headers=headers, timeout=10)
-        assert events.status_code == 403  # the feed (every prompt): admins only
-        assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+    assert _run_sync(_eventually(stack.url, keys_taken, timeout=PROJECTION_WAIT_S))
+    owner = {"Authorization": f"Bearer {OWNER_KEY}"}
+    mine = httpx.get(f"{stack.url}/v1/responses/{OWNED_RESPONSE}", headers=owner)
+    assert mine.status_code == 200 and SECRET in mine.content  # the owner's: shown
+    caller = Caller(headers, SECRET, user=True)
+    problems: list[str] = []
+    with requests.Session() as session:
+        for fuzzed in fuzz_cases:
+            problems += _send(fuzzed, stack.url, session, caller)
+    events = httpx.get(f"{stack.url}/v1/events", headers=headers, timeout=10)
+    assert events.status_code == 403  # the feed (every prompt): admins only
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
 
 
 async def _publish(stack: ApiStack, events: list[EventBase]) -> None:
