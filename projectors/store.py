@@ -79,10 +79,11 @@ def _json_problem(value: Any) -> str | None:
     return None
 
 
-def _column_check(column: Column[Any]) -> Check:
+def _column_check(column: Column[Any]) -> Check | None:
     """What SQLite and PostgreSQL alike can store in ``column``. Checked before writing, so
     that an event with such a value is set aside like a malformed one rather than failing its
-    batch again and again (and so that both databases hold the same rows)."""
+    batch again and again (and so that both databases hold the same rows). None: any value of
+    the column's type fits."""
     kind = column.type
     check: Check
     if isinstance(kind, UtcDateTime):
@@ -109,19 +110,18 @@ def _column_check(column: Column[Any]) -> Check:
     elif isinstance(kind, JSON):
         check = _json_problem
     else:
-        return lambda v: None
-    nullable = column.nullable
-
-    def checked(v: Any) -> str | None:
-        if v is None:
-            return None if nullable else "missing (NOT NULL)"
-        return check(v)
-
-    return checked
+        return None
+    return check
 
 
-_CHECKS: dict[str, list[tuple[str, Check]]] = {
-    name: [(c.name, _column_check(c)) for c in table.columns]
+# Per table, the columns a value could be wrong for: (name, its check or None, nullable). A
+# nullable column of a type any value fits is left out: every event's rows pass through here.
+_CHECKS: dict[str, list[tuple[str, Check | None, bool]]] = {
+    name: [
+        (c.name, check, bool(c.nullable))
+        for c in table.columns
+        if (check := _column_check(c)) is not None or not c.nullable
+    ]
     for name, table in STATE_TABLES.items()
 }
 
@@ -131,8 +131,13 @@ def check_storable(changes: Iterable[Change]) -> None:
     for ch in changes:
         if isinstance(ch, Put):
             row = ch.row
-            for name, check in _CHECKS[ch.table]:
-                if problem := check(getattr(row, name)):
+            for name, check, nullable in _CHECKS[ch.table]:
+                value = getattr(row, name)
+                if value is None:
+                    problem = None if nullable else "missing (NOT NULL)"
+                else:
+                    problem = check(value) if check is not None else None
+                if problem:
                     raise UnstorableError(f"{ch.table}.{name}: {problem}")
 
 
