@@ -32,8 +32,8 @@ from nats.js.errors import NotFoundError
 from sqlalchemy import Table, delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from bus.object_fetch import fetch_file
 from bus.object_store import (
-    fetch_file,
     meta_subject,
     object_chunks_subject,
     object_info,

@@ -26,7 +26,8 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
 
 from bus.events import WeightFile
-from bus.object_store import DigestMismatch, digest_hex, fetch_file, object_info, put_file
+from bus.object_fetch import fetch_file
+from bus.object_store import DigestMismatch, digest_hex, object_info, put_file
 from bus.streams import MODELS_BUCKET
 from services.models.peer_fetch import PeerFetchError, fetch_from_peer
 from services.models.shard_files import SAFETENSORS_INDEX, gguf_entry, needed_files, split_parts

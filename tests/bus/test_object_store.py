@@ -12,18 +12,15 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo, ObjectMetaOptions
 
+from bus.object_fetch import ResumeNote, fetch_file, partial_paths, resume_from
 from bus.object_store import (
     DigestMismatch,
-    ResumeNote,
     digest_hex,
     digest_text,
-    fetch_file,
     meta_subject,
     object_chunks_subject,
     object_info,
-    partial_paths,
     put_file,
-    resume_from,
 )
 from bus.streams import MODELS_BUCKET
 

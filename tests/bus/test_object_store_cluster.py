@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from bus.connection import connect
-from bus.object_store import fetch_file, object_info, object_stream, put_file
+from bus.object_fetch import fetch_file
+from bus.object_store import object_info, object_stream, put_file
 from bus.streams import MODELS_BUCKET, StreamSettings, ensure_streams
 from tests.bus.nats_cluster import NatsCluster, make_leader, stream_info
 

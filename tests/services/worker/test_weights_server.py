@@ -16,7 +16,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from bus.events import WeightFile
-from bus.object_store import partial_paths
+from bus.object_fetch import partial_paths
 from bus.streams import MODELS_BUCKET
 from bus.units import MiB
 from services.models.shared import WeightsUnavailable, fetch_files, store_files
