@@ -1,5 +1,6 @@
-"""One embeddings task, from the API's side: publish ``EmbeddingsRequested``, then gather its
-vectors (``EmbeddingsComputed``, on its chunk subject) and its outcome.
+"""One embeddings (or rerank) task, from the API's side: publish ``EmbeddingsRequested``, then
+gather its vectors (``EmbeddingsComputed``, on its chunk subject; a rerank task's scores, one
+float a row) and its outcome.
 
 As for a generation task (``task_stream.py``): the subscriptions are opened before the task is
 published, so nothing is missed; until the first vectors come, the model is checked every
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import nats.errors
 import numpy as np
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -20,7 +22,7 @@ from pydantic import ValidationError
 
 from api.context import ApiContext
 from api.errors import ApiError
-from api.serving import task_error
+from api.serving import log_unavailable, recheck, task_error, unavailable
 from api.task_stream import (
     RECHECK_S,
     Recheck,
@@ -43,6 +45,21 @@ Outcome = TaskCompleted | TaskFailed
 
 class Unavailable(Exception):
     """No runner is left to serve the task; the message says why."""
+
+
+async def computed(ctx: ApiContext, task: EmbeddingsRequested) -> tuple[Vectors, TaskCompleted]:
+    """The task's rows (one per input, in order) and its completion, once its model serves in
+    the task's role (``require_serving``, asked by the caller); ``ApiError`` otherwise: the
+    task's failure, a 503 when no runner is left (or the log cannot be reached), a 504 when it
+    takes longer than the API waits."""
+    try:
+        return await EmbeddingTask(ctx, task, recheck(ctx, task.model_id, task.role)).run()
+    except nats.errors.Error as exc:
+        raise log_unavailable(exc) from exc
+    except Unavailable as exc:
+        raise unavailable(str(exc)) from None
+    except TimeoutError:
+        raise ApiError(504, "the task took longer than the API waits") from None
 
 
 class EmbeddingTask:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from api.errors import ApiError
-from bus.kinds import InstanceRole
+from bus.kinds import INSTANCE_ROLES, InstanceRole
 from bus.states import INSTANCE_ENDING
 from projectors.state import ClusterState
 
@@ -68,7 +68,7 @@ def names_from(
     live = [i for i in state.instances() if i.status not in INSTANCE_ENDING]
     aliases = {a: i.model_id for i in live for a in i.aliases or []} | dict(configured)
     served: dict[InstanceRole, tuple[str, ...]] = {}
-    for role in ("chat", "embed"):
+    for role in INSTANCE_ROLES:
         served[role] = tuple(sorted({i.model_id for i in live if i.role == role}))
     return ModelNames(frozenset(m.model_id for m in state.models()), aliases, served, default)
 

@@ -30,9 +30,15 @@ POLL_S = 0.2
 # How long the projection may take to show an instance once its InstanceRequested is stored.
 PROJECTED_WITHIN_S = 30.0
 # The refusals a model loaded on demand may answer: not known here (a catalogue card), served
-# in the other role only, no instance serving it (or one on its way).
+# in another role only, no instance serving it (or one on its way).
 LOADABLE = frozenset(
-    {"model_not_found", "model_not_embedding", "model_not_chat", "model_not_ready"}
+    {
+        "model_not_found",
+        "model_not_embedding",
+        "model_not_chat",
+        "model_not_reranker",
+        "model_not_ready",
+    }
 )
 
 

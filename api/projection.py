@@ -96,7 +96,7 @@ def require_serving(state: ClusterState, model_id: str, role: InstanceRole = "ch
         )
     live = [i for i in alive if i.role == role]
     if alive and not live:
-        raise _wrong_role(model_id, role)
+        raise _wrong_role(model_id, role, {i.role for i in alive})
     for inst in live:
         # A rejected instance's runners are being stopped; only a pipeline's head serves.
         heads = [r for r in state.runners_of(inst.instance_id) if r.rank == 0]
@@ -149,14 +149,30 @@ def serving_slots(state: ClusterState, model_id: str, role: InstanceRole = "chat
     )
 
 
-def _wrong_role(model_id: str, role: InstanceRole) -> ApiError:
-    """A model whose instances all serve the other role: chat and embed instances are apart
-    (an embedding-mode engine generates nothing)."""
+# What each role's instances are said to serve, in the refusals.
+_SERVES: dict[InstanceRole, str] = {"chat": "chat", "embed": "embeddings", "rerank": "reranking"}
+
+
+def _wrong_role(model_id: str, role: InstanceRole, roles: set[InstanceRole]) -> ApiError:
+    """A model whose instances all serve other ``roles``: chat, embed and rerank instances
+    are apart (an embedding-mode engine generates nothing, a reranker scores pairs only)."""
+    served = " and ".join(_SERVES[r] for r in sorted(roles))
+    if role == "rerank":
+        body = f'{{"model": "{model_id}", "role": "rerank"}}'
+        return ApiError(
+            400,
+            f"model `{model_id}` is served for {served} only, not for reranking: ask for a"
+            " rerank instance of it"
+            f" with POST /v1/instances {body} (or `shoal instances create {model_id} --role"
+            " rerank`); the model must be a reranker (a GGUF with rank pooling)",
+            param="model",
+            code="model_not_reranker",
+        )
     if role == "embed":
         body = f'{{"model": "{model_id}", "role": "embed"}}'
         return ApiError(
             400,
-            f"model `{model_id}` is served for chat only, not for embeddings:"
+            f"model `{model_id}` is served for {served} only, not for embeddings:"
             f" ask for an embed instance of it with POST /v1/instances {body}"
             f" (or `shoal instances create {model_id} --role embed`)",
             param="model",
@@ -165,7 +181,7 @@ def _wrong_role(model_id: str, role: InstanceRole) -> ApiError:
     body = f'{{"model": "{model_id}"}}'
     return ApiError(
         400,
-        f"model `{model_id}` is served for embeddings only: ask for a chat"
+        f"model `{model_id}` is served for {served} only: ask for a chat"
         f" instance of it with POST /v1/instances {body} (or `shoal instances"
         f" create {model_id}`)",
         param="model",
@@ -183,9 +199,13 @@ def _why_not(state: ClusterState, live: list[InstanceRow]) -> str:
         elif inst.status == "rejected":
             reasons.append(f"instance {inst.instance_id} could not be placed: {inst.reason}")
         else:
-            states = sorted({r.state for r in state.runners_of(inst.instance_id)})
+            runners = state.runners_of(inst.instance_id)
+            states = sorted({r.state for r in runners})
+            # A runner that failed says why (a model its role cannot load, for one).
+            errors = sorted({r.error for r in runners if r.state == "Failed" and r.error})
+            failed = f"; last failure: {errors[0]}" if errors else ""
             reasons.append(
-                f"instance {inst.instance_id} is starting (runners: {', '.join(states)})"
+                f"instance {inst.instance_id} is starting (runners: {', '.join(states)}{failed})"
             )
     return "; ".join(reasons)
 

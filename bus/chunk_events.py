@@ -73,7 +73,8 @@ class EmbeddingsComputed(_ChunkStreamEvent):
     """The vectors of a slice of an embeddings task's inputs, L2-normalised, as base64 of
     float32 little-endian (``bus.vectors``), one row of ``dimensions`` after the other: 64
     vectors of 576 dimensions are 197 KB, far below a NATS message's 1 MiB, and larger answers
-    come in several slices. Published before the task's ``TaskCompleted``."""
+    come in several slices. Published before the task's ``TaskCompleted``. A rerank task's
+    (one with a ``query``) are its scores: one float per input, not normalised."""
 
     start: int = Field(description="The index of this slice's first input.")
     total: int = Field(description="Inputs in the whole task.")

@@ -358,10 +358,16 @@ class TaskCreated(_TaskEvent):
 
 class EmbeddingsRequested(_TaskEvent):
     """A request for embeddings of several inputs, for an embed instance's runners (its own
-    type, so that chat runners of the same model, which pull ``TaskCreated``, never take it).
+    type, so that chat runners of the same model, which pull ``TaskCreated``, never take it);
+    with a ``query``, for relevance scores of the inputs to it, for a rerank instance's.
     Answered by ``EmbeddingsComputed`` on the chunk stream, then ``TaskCompleted``."""
 
     texts: list[str] | None = Field(default=None, description="The inputs as text.")
+    query: str | None = Field(
+        default=None,
+        description="Reranking: score each text's relevance to this query (one score per"
+        " text, by a rerank instance); None: embeddings.",
+    )
     token_ids: list[list[int]] | None = Field(
         default=None, description="The inputs as token ids (when not sent as texts)."
     )
@@ -376,6 +382,16 @@ class EmbeddingsRequested(_TaskEvent):
     keep_alive_s: float | None = Field(
         default=None, description="As TaskCreated's: how long the model stays loaded once idle."
     )
+
+    @property
+    def role(self) -> InstanceRole:
+        """The role of the instances that serve it."""
+        return "embed" if self.query is None else "rerank"
+
+    @property
+    def kind(self) -> Literal["embedding", "rerank"]:
+        """Its kind, as a task row names it (``bus.kinds.role_of_task``)."""
+        return "embedding" if self.query is None else "rerank"
 
 
 class TaskStarted(_TaskEvent):

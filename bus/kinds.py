@@ -12,8 +12,9 @@ Engine = Literal["llamacpp", "mlx"]
 ENGINES: tuple[Engine, ...] = get_args(Engine)
 DEFAULT_ENGINE: Engine = "llamacpp"
 
-# What an instance serves: generation (chat and completions) or embeddings.
-InstanceRole = Literal["chat", "embed"]
+# What an instance serves: generation (chat and completions), embeddings, or relevance scores
+# of documents to a query (a reranker's).
+InstanceRole = Literal["chat", "embed", "rerank"]
 INSTANCE_ROLES: tuple[InstanceRole, ...] = get_args(InstanceRole)
 DEFAULT_ROLE: InstanceRole = "chat"
 
@@ -30,6 +31,16 @@ def is_engine(value: str) -> TypeGuard[Engine]:
 
 def is_role(value: str) -> TypeGuard[InstanceRole]:
     return value in INSTANCE_ROLES
+
+
+def role_of_task(kind: str) -> InstanceRole:
+    """The role of the instances that serve a task of ``kind`` (a task row's): embeddings and
+    reranking each their own, every other kind (chat, completion) generation."""
+    if kind == "embedding":
+        return "embed"
+    if kind == "rerank":
+        return "rerank"
+    return "chat"
 
 
 def main_engine(engines: Sequence[str] | None) -> Engine:

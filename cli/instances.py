@@ -78,7 +78,8 @@ Context = Annotated[
     typer.Option(
         "--context",
         min=1,
-        help="Context length in tokens [default: 2048, or less; an embed instance's: 512].",
+        help="Context length in tokens [default: 2048, or less; an embed or rerank"
+        " instance's: 512].",
     ),
 ]
 Slots = Annotated[
@@ -95,7 +96,8 @@ Role = Annotated[
     InstanceRole | None,
     typer.Option(
         "--role",
-        help="What it serves: chat (generation) or embed (embeddings)"
+        help="What it serves: chat (generation), embed (embeddings) or rerank (a reranker's"
+        " relevance scores)"
         "; default: the placement's one role, else chat.",
     ),
 ]

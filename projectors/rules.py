@@ -42,7 +42,7 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
-from bus.kinds import InstanceRole
+from bus.kinds import InstanceRole, role_of_task
 from bus.records import NodeProfile, PartRef
 from bus.states import INSTANCE_ENDING, TASK_ENDED, NodeStatus, TaskStatus
 from projectors.rows import (
@@ -453,12 +453,12 @@ def _embeddings_requested(state: ClusterState, e: EmbeddingsRequested) -> list[C
         task_id=e.task_id,
         model_id=e.model_id,
         status="pending",
-        kind="embedding",
+        kind=e.kind,
         user=e.user,
         created_at=e.ts,
         owner=e.owner,
     )
-    return [Put(row), *_kept_alive(state, e.model_id, "embed", e.keep_alive_s)]
+    return [Put(row), *_kept_alive(state, e.model_id, e.role, e.keep_alive_s)]
 
 
 def _on_demand_serving(state: ClusterState, model_id: str, role: InstanceRole) -> list[InstanceRow]:
@@ -489,7 +489,7 @@ def _kept_alive(
 def _used(state: ClusterState, task: TaskRow, at: datetime) -> list[Change]:
     """A task ended: the on-demand instances of its model and role were used until ``at`` (their
     keep-alive counts from there)."""
-    role: InstanceRole = "embed" if task.kind == "embedding" else "chat"
+    role = role_of_task(task.kind)
     return [
         Put(replace(i, last_used_at=at)) for i in _on_demand_serving(state, task.model_id, role)
     ]

@@ -7,15 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-import nats.errors
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from api.context import ApiContext, context, require_key
-from api.embedding_task import EmbeddingTask, Unavailable
+from api.embedding_task import computed
 from api.errors import ApiError
 from api.openai.embeddings import EmbeddingsRequest, embeddings_response
-from api.serving import log_unavailable, recheck, require_serving, require_storable, unavailable
+from api.serving import require_serving, require_storable
 from bus.events import EmbeddingsRequested, new_id
 from bus.vectors import Vectors
 
@@ -71,14 +70,7 @@ async def embed(
     )
     require_storable(ctx, task, "input", "Send fewer inputs.")
     await require_serving(ctx, model_id, "embed", keep_alive_s=keep_alive_s)
-    try:
-        vectors, done = await EmbeddingTask(ctx, task, recheck(ctx, model_id, "embed")).run()
-    except nats.errors.Error as exc:
-        raise log_unavailable(exc) from exc
-    except Unavailable as exc:
-        raise unavailable(str(exc)) from None
-    except TimeoutError:
-        raise ApiError(504, "the task took longer than the API waits") from None
+    vectors, done = await computed(ctx, task)
     return Embedded(vectors, done.usage.prompt_tokens)
 
 

@@ -31,8 +31,8 @@ def engine_overhead_bytes(vocab_size: int) -> int:
 
 # The context a runner gets when the request names none (capped at the model's own).
 DEFAULT_CONTEXT_LENGTH = 2048
-# An embed instance's: the longest input it takes, and what one batch of inputs holds. Small,
-# so that such an instance needs little beyond its weights.
+# An embed or rerank instance's: the longest input (or query and document) it takes, and what
+# one batch of inputs holds. Small, so that such an instance needs little beyond its weights.
 DEFAULT_EMBED_CONTEXT_LENGTH = 512
 # Slots (tasks a runner serves at once): when the request names none, placement gives as many
 # as fit beside the weights, up to this; a request may ask for up to MAX_SLOTS.
@@ -45,7 +45,7 @@ def context_for(model_context: int, requested: int | None, role: InstanceRole = 
     role), never more than the model was trained for (when that is known)."""
     if requested is not None:
         return requested
-    default = DEFAULT_EMBED_CONTEXT_LENGTH if role == "embed" else DEFAULT_CONTEXT_LENGTH
+    default = DEFAULT_CONTEXT_LENGTH if role == "chat" else DEFAULT_EMBED_CONTEXT_LENGTH
     return min(default, model_context) if model_context else default
 
 

@@ -67,9 +67,10 @@ def placement_request(
             unknown_model=True,
         )
     model = state.model(model_id)
-    if chosen == "embed" and model is not None and main_engine(model.engines) == "mlx":
+    if chosen != "chat" and model is not None and main_engine(model.engines) == "mlx":
+        what = "embeddings" if chosen == "embed" else "reranking"
         raise RequestRefused(
-            "role", f"{model_id} runs on the mlx engine: embeddings are not supported on it"
+            "role", f"{model_id} runs on the mlx engine: {what} is not supported on it"
         )
     if slots is not None:
         in_spec = parsed.for_role(chosen).slots if parsed is not None else None

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 
-from bus.kinds import InstanceRole
+from bus.kinds import InstanceRole, role_of_task
 from projectors.rows import InstanceRow
 from projectors.state import ClusterState
 from services.planner.cluster import HOLDING, ClusterView
@@ -49,10 +49,10 @@ def parse_keep_alive(value: float | str) -> float:
 
 def busy_roles(unfinished: Mapping[tuple[str, str], int]) -> dict[tuple[str, InstanceRole], int]:
     """Unfinished tasks by model and kind, as ``Busy``: embeddings keep embed instances busy,
-    the rest chat ones."""
+    reranking rerank ones, the rest chat ones."""
     found: dict[tuple[str, InstanceRole], int] = {}
     for (model_id, kind), n in unfinished.items():
-        role: InstanceRole = "embed" if kind == "embedding" else "chat"
+        role = role_of_task(kind)
         found[(model_id, role)] = found.get((model_id, role), 0) + n
     return found
 

@@ -119,9 +119,9 @@ class Placed:
 
 
 def max_slots(model: ModelInfo, role: InstanceRole) -> int:
-    """The most slots an instance may ask for: one for an embed instance, whose runners
-    serve one request (a batch of inputs) at a time."""
-    return 1 if role == "embed" else MAX_SLOTS
+    """The most slots an instance may ask for: one for an embed or rerank instance, whose
+    runners serve one request (a batch of inputs) at a time."""
+    return MAX_SLOTS if role == "chat" else 1
 
 
 def slots_problem(model: ModelInfo, role: InstanceRole, slots: int) -> str | None:
@@ -129,7 +129,8 @@ def slots_problem(model: ModelInfo, role: InstanceRole, slots: int) -> str | Non
     if not 1 <= slots <= MAX_SLOTS:
         return f"slots must be between 1 and {MAX_SLOTS}, not {slots}"
     if slots > max_slots(model, role):
-        return f"an embed instance serves one task at a time: slots must be 1, not {slots}"
+        article = "an" if role[0] in "aeiou" else "a"
+        return f"{article} {role} instance serves one task at a time: slots must be 1, not {slots}"
     return None
 
 

@@ -48,6 +48,7 @@ from services.models.footprint import MAX_SLOTS
 ROLES: dict[InstanceRole, str] = {
     "chat": "the model that answers chat completions",
     "embed": "the model that computes embeddings",
+    "rerank": "the reranker that scores documents' relevance to a query",
 }
 MAX_REPLICAS = 64
 

@@ -15,7 +15,14 @@ def embeddings_consumer_name(model_id: str) -> str:
     return f"embeddings-{escape_token(model_id).replace('%', '_')}"
 
 
-# A request a runner pulls: a generation task or an embeddings one.
+def rerank_consumer_name(model_id: str) -> str:
+    """Rerank tasks are ``EmbeddingsRequested`` too: this consumer has the same filter as the
+    embeddings one, and each role's runners leave the other's tasks (a model is a reranker or
+    not, so that only one of them serves it)."""
+    return f"rerank-{escape_token(model_id).replace('%', '_')}"
+
+
+# A request a runner pulls: a generation task, or an embeddings (or rerank) one.
 Pulled = TaskCreated | EmbeddingsRequested
 
 

@@ -1,7 +1,9 @@
 """Serving embeddings: an embed instance's runners pull ``EmbeddingsRequested`` from their
 model's own consumer (``embeddings-<model>``), compute all its inputs together, and publish
 the vectors (``EmbeddingsComputed`` on the task's chunk subject), then ``TaskCompleted`` with
-the prompt tokens, or ``TaskFailed``.
+the prompt tokens, or ``TaskFailed``. A rerank instance's runners are the same server
+(``RerankServer``) with a reranker engine: they pull the tasks with a ``query`` from a consumer
+of their own (``rerank-<model>``), and publish one score per document in place of vectors.
 
 Everything but the work is ``TaskPuller``'s, as for chat runners: one request at a time, acked
 when started, a redelivered one that was taken already not served twice, the task noted for
@@ -12,37 +14,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from abc import abstractmethod
 from pathlib import Path
+from typing import ClassVar
 
 from nats.aio.client import Client
 
 from bus.events import EmbeddingsRequested, TaskCancelled, TaskCompleted, TaskStarted
+from bus.kinds import InstanceRole
 from bus.records import Timings, Usage
 from bus.vectors import Vectors
 from services.runner.claim import Claim
-from services.runner.consumers import Pulled, embeddings_consumer_name
+from services.runner.consumers import Pulled, embeddings_consumer_name, rerank_consumer_name
 from services.runner.embedding import Embedder, computed_events, cut, embedding_inputs
 from services.runner.engines.base import EngineBroken
 from services.runner.generation import InvalidRequest
+from services.runner.reranking import Reranker, scores_of
 from services.runner.serve import TaskPuller
 from services.runner.state_reporter import RunnerIdentity
 
 log = logging.getLogger(__name__)
 
 
-class EmbeddingServer(TaskPuller):
-    def __init__(
-        self, nc: Client, embedder: Embedder, me: RunnerIdentity, task_file: Path | None = None
-    ) -> None:
-        super().__init__(nc, me, task_file)
-        self._embedder = embedder
+class _PoolingServer(TaskPuller):
+    """What embed and rerank runners share: all but the computing."""
 
-    def consumer_names(self) -> tuple[str, str]:
-        model = self._me.model_id
-        return embeddings_consumer_name(model), EmbeddingsRequested.filter_for(model)
+    role: ClassVar[InstanceRole]
 
     async def serve_pulled(self, task: Pulled, claim: Claim) -> bool:
-        if not isinstance(task, EmbeddingsRequested):
+        # The other role's tasks come through this consumer too (one type, one filter): left.
+        if not isinstance(task, EmbeddingsRequested) or task.role != self.role:
             return False
         # Cancelled while it waited (its client went away): the vectors are for no one. (A
         # request is computed whole, so one cancelled once it started is computed anyway.)
@@ -92,12 +93,48 @@ class EmbeddingServer(TaskPuller):
         except InvalidRequest as exc:
             await self._fail(task, f"invalid request: {exc}")
         except Exception as exc:  # an engine error fails this task, not the runner...
-            log.exception("embeddings task %s failed", task.task_id)
+            log.exception("%s task %s failed", self.role, task.task_id)
             await self._fail(task, f"engine error: {exc}")
             if isinstance(exc, EngineBroken):  # ...unless the engine cannot go on
                 raise
 
+    @abstractmethod
     def _compute(self, task: EmbeddingsRequested) -> tuple[int, Vectors]:
-        """(prompt tokens, vectors): on the engine's thread."""
+        """(prompt tokens, one row per input): on the engine's thread."""
+
+
+class EmbeddingServer(_PoolingServer):
+    role: ClassVar[InstanceRole] = "embed"
+
+    def __init__(
+        self, nc: Client, embedder: Embedder, me: RunnerIdentity, task_file: Path | None = None
+    ) -> None:
+        super().__init__(nc, me, task_file)
+        self._embedder = embedder
+
+    def consumer_names(self) -> tuple[str, str]:
+        model = self._me.model_id
+        return embeddings_consumer_name(model), EmbeddingsRequested.filter_for(model)
+
+    def _compute(self, task: EmbeddingsRequested) -> tuple[int, Vectors]:
         inputs = embedding_inputs(self._embedder, task)
         return sum(map(len, inputs)), cut(self._embedder.embed(inputs), task.dimensions)
+
+
+class RerankServer(_PoolingServer):
+    """A rerank instance's: the tasks with a query, scored by a reranker."""
+
+    role: ClassVar[InstanceRole] = "rerank"
+
+    def __init__(
+        self, nc: Client, reranker: Reranker, me: RunnerIdentity, task_file: Path | None = None
+    ) -> None:
+        super().__init__(nc, me, task_file)
+        self._reranker = reranker
+
+    def consumer_names(self) -> tuple[str, str]:
+        model = self._me.model_id
+        return rerank_consumer_name(model), EmbeddingsRequested.filter_for(model)
+
+    def _compute(self, task: EmbeddingsRequested) -> tuple[int, Vectors]:
+        return scores_of(self._reranker, task)

@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from bus.connection import connect
 from bus.records import ShardAssignment
 from bus.streams import ensure_streams
-from services.runner.embed_serve import EmbeddingServer
+from services.runner.embed_serve import EmbeddingServer, RerankServer
 from services.runner.embedding import Embedder
 from services.runner.engines.base import Engine, EngineBroken
 from services.runner.offload import accelerators, llama_offload, mlx_device, offload_problem
@@ -124,6 +124,13 @@ async def run_llamacpp(
         await asyncio.to_thread(embedder.load)
         await serve_embeddings(spec, nc, me, embedder, state, peers, stop)
         return
+    if spec.role == "rerank":
+        from services.runner.engines.llamacpp.rerank import LlamaCppReranker
+
+        reranker = LlamaCppReranker(path, n_ctx=spec.n_ctx, n_threads=spec.n_threads, **offload)
+        await asyncio.to_thread(reranker.load)
+        await _serve(RerankServer(nc, reranker, me, _task_file(spec)), state, peers, stop)
+        return
     engine = LlamaCppEngine(
         path,
         n_ctx=spec.n_ctx,
@@ -159,8 +166,8 @@ async def run_mlx(
     stop: asyncio.Event,
 ) -> None:
     """A whole MLX model, or one rank of an MLX ring: the head serves, the others follow."""
-    if spec.role == "embed":
-        raise UnsupportedEngine("embeddings are not supported on the mlx engine")
+    if spec.role != "chat":
+        raise UnsupportedEngine(f"role {spec.role} is not supported on the mlx engine")
     from services.runner.engines.mlx.engine import MlxEngine
     from services.runner.engines.mlx.stages import follow, load_head, ring_shard
 

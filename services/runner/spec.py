@@ -17,7 +17,8 @@ class RunnerSpec(BaseModel):
     instance_id: str
     model_id: str
     shard: ShardAssignment
-    # What the instance serves: generation tasks, or embeddings (an embedding-mode engine).
+    # What the instance serves: generation tasks, embeddings (an embedding-mode engine), or
+    # reranking (the same with rank pooling).
     role: InstanceRole = "chat"
     engine: str = "llamacpp"
     # A model added with `shoal models add --local` (or before the models bucket) has its

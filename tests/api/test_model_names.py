@@ -47,7 +47,7 @@ def test_names_from_the_projection() -> None:
     )
     names = names_from(state, {"a2": "m"}, None)
     assert names.listed() == [("m", "m"), ("a1", "m"), ("a2", "m")]
-    assert names.served == {"chat": ("m",), "embed": ("m",)}
+    assert names.served == {"chat": ("m",), "embed": ("m",), "rerank": ()}
 
 
 def test_aliases_from_the_command_line_and_the_environment() -> None:

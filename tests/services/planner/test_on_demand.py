@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from bus.events import (
+    EmbeddingsRequested,
     InstanceDeleted,
     InstancePlaced,
     InstanceRequested,
@@ -21,7 +22,7 @@ from bus.units import GiB
 from projectors.rules import fold
 from projectors.state import ClusterState
 from services.planner.decisions import Decision, PlannerPolicy, decide
-from services.planner.on_demand import Busy, expires_at, parse_keep_alive
+from services.planner.on_demand import Busy, busy_roles, expires_at, parse_keep_alive
 from tests.services.planner.builders import at, fold_all, model
 from tests.services.planner.builders import node as make_node
 
@@ -213,3 +214,26 @@ def test_keep_alive_durations(given: float | str, seconds: float) -> None:
 def test_bad_keep_alive_durations(given: Any) -> None:
     with pytest.raises(ValueError):
         parse_keep_alive(given)
+
+
+def test_a_rerank_task_keeps_its_rerank_instance_in_use() -> None:
+    """A rerank task (``EmbeddingsRequested`` with a query) is the rerank instance's, as an
+    embeddings task is the embed instance's: its keep-alive, its last use, and busy."""
+    reranker = on_demand("od", "m", 1).model_copy(update={"role": "rerank"})
+    state = fold_all(node("a", 20 * GiB), model("m", size=2 * GiB), reranker)
+    round_at(state, 2)
+    asked = EmbeddingsRequested(
+        task_id="t1", model_id="m", origin="api", ts=at(100), query="q", texts=["d"]
+    ).model_copy(update={"keep_alive_s": 60.0})
+    ended = used("m", "t1", 100)[1]
+    fold_all(asked, ended, state=state)
+    row, task = state.instance("od"), state.task("t1")
+    assert task is not None and task.kind == "rerank"
+    assert row is not None and (row.keep_alive_s, row.last_used_at) == (60, at(101))
+    assert busy_roles({("m", "rerank"): 1, ("m", "embedding"): 2, ("m", "chat"): 3}) == {
+        ("m", "rerank"): 1,
+        ("m", "embed"): 2,
+        ("m", "chat"): 3,
+    }
+    assert round_at(state, 200, busy={("m", "rerank"): 1}) == []  # a task under way: kept
+    assert deleted(round_at(state, 200)) == {"od": "unloaded: idle for 60 s (its keep-alive)"}

@@ -169,9 +169,12 @@ EXAMPLE = "a placement is a JSON object keyed by role, e.g. {"
         (
             "{}",
             "the placement is empty: give an entry for at least one role"
-            " (known roles: chat, embed)",
+            " (known roles: chat, embed, rerank)",
         ),
-        ('{"embedx": {"devices": ["n:cpu"]}}', "unknown role 'embedx' (known roles: chat, embed)"),
+        (
+            '{"embedx": {"devices": ["n:cpu"]}}',
+            "unknown role 'embedx' (known roles: chat, embed, rerank)",
+        ),
         (
             '{"chat": {"devices": ["n:cpu"]}, "chat": {"devices": ["m:cpu"]}}',
             "the placement has the key 'chat' twice in one object",
@@ -365,8 +368,9 @@ def test_roles_know_the_default() -> None:
 
 def test_for_role_of_an_unknown_role() -> None:
     spec = parse_placement_spec(chat({"devices": ["n:cpu"]}))
-    with pytest.raises(PlacementSpecError, match=re.escape("unknown role 'rerank' (known roles:")):
-        spec.for_role("rerank")
+    unknown = re.escape("unknown role 'summarise' (known roles:")
+    with pytest.raises(PlacementSpecError, match=unknown):
+        spec.for_role("summarise")
 
 
 def test_the_embed_role_has_its_own_entry() -> None:
@@ -381,7 +385,7 @@ def test_the_embed_role_has_its_own_entry() -> None:
 
 def test_every_role_of_the_vocabulary_is_described_and_no_other_is_taken() -> None:
     assert set(ROLES) == set(INSTANCE_ROLES)
-    with pytest.raises(PlacementSpecError, match=re.escape("(known roles: chat, embed)")):
+    with pytest.raises(PlacementSpecError, match=re.escape("(known roles: chat, embed, rerank)")):
         parse_placement_spec('{"summarise": {"devices": ["node-a:cpu"]}}')
 
 

@@ -6,7 +6,8 @@ mean-pooled. Inputs are computed as ``Llama.embed`` does: as many sequences as f
 ``llama_decode`` (``n_batch`` tokens, ``n_seq_max`` sequences), each with its own sequence
 id, the memory cleared between batches. ``Llama.embed`` itself takes only text, cuts a long
 input short in silence (or raises a bare ``ValueError``), and returns Python lists; this one
-takes token ids, says which input is too long, and fills one numpy array.
+takes token ids, says which input is too long, and fills one numpy array. A reranker's
+engine (``rerank.py``) is this one with rank pooling: one score per sequence, not a vector.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ POOLING_NAMES = {
     llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
     llama_cpp.LLAMA_POOLING_TYPE_LAST: "last",
 }
+RANK = "rank"
 
 
 def pooling_of(fields: dict[str, Any]) -> int:
@@ -44,11 +46,17 @@ def pooling_of(fields: dict[str, Any]) -> int:
     ):
         return llama_cpp.LLAMA_POOLING_TYPE_MEAN
     if value not in POOLING_NAMES:
-        raise ValueError(f"the model's pooling type {value} gives no embedding (a reranker?)")
+        raise ValueError(
+            f"the model's pooling type {value} gives no embedding (a reranker? serve it with"
+            " role rerank)"
+        )
     return int(value)
 
 
 class LlamaCppEmbedder:
+    # What the instance serves, for the messages that refuse an input.
+    serves = "embed"
+
     def __init__(
         self, model_path: Path, *, n_ctx: int = 512, n_threads: int | None = None, **kwargs: Any
     ) -> None:
@@ -60,8 +68,13 @@ class LlamaCppEmbedder:
         self._batch: Batch | None = None
         self.pooling = "mean"
 
+    def pooling_for(self, fields: dict[str, Any]) -> int:
+        """The pooling the context is made with, from the GGUF's header (``ValueError``: a
+        model this engine cannot serve)."""
+        return pooling_of(fields)
+
     def load(self) -> None:
-        pooling = pooling_of(read_gguf_fields(self._path))
+        pooling = self.pooling_for(read_gguf_fields(self._path))
         # One batch holds a whole input (a non-causal model's must be in one micro-batch),
         # and as many short ones as fit: batch and micro-batch are the context. Flash
         # attention: without it, a sequence's vector depends on where it sits in the batch
@@ -81,7 +94,7 @@ class LlamaCppEmbedder:
         )
         self._llm = llm
         self._batch = Batch(llm.n_batch)
-        self.pooling = POOLING_NAMES[pooling]
+        self.pooling = POOLING_NAMES.get(pooling, RANK)
 
     @property
     def llm(self) -> Llama:
@@ -114,6 +127,14 @@ class LlamaCppEmbedder:
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> Vectors:
         """The inputs' vectors, L2-normalised, one row each, in order."""
+        out = self.pooled(inputs, self.n_embd)
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        out /= np.where(norms > 0, norms, np.float32(1.0))
+        return out
+
+    def pooled(self, inputs: Sequence[Sequence[int]], width: int) -> Vectors:
+        """What the pooling gives for each input (``width`` floats: a vector, or a reranker's
+        scores), one row each, in order."""
         batch = self._batch
         assert batch is not None
         limit = self.n_ctx
@@ -122,10 +143,10 @@ class LlamaCppEmbedder:
                 raise InvalidRequest(f"input {i} is empty")
             if len(tokens) > limit:
                 raise InvalidRequest(
-                    f"input {i} has {len(tokens)} tokens, more than the {limit} this embed"
-                    " instance takes (request one with a larger context_length)"
+                    f"input {i} has {len(tokens)} tokens, more than the {limit} this"
+                    f" {self.serves} instance takes (request one with a larger context_length)"
                 )
-        out = np.empty((len(inputs), self.n_embd), dtype=np.float32)
+        out = np.empty((len(inputs), width), dtype=np.float32)
         rows: list[int] = []  # the input of each sequence of the batch being filled
         batch.clear()
         for i, tokens in enumerate(inputs):
@@ -137,8 +158,6 @@ class LlamaCppEmbedder:
             rows.append(i)
         if rows:
             self._decode(rows, out)
-        norms = np.linalg.norm(out, axis=1, keepdims=True)
-        out /= np.where(norms > 0, norms, np.float32(1.0))
         return out
 
     def _decode(self, rows: list[int], out: Vectors) -> None:
@@ -150,9 +169,9 @@ class LlamaCppEmbedder:
             llama_cpp.llama_memory_clear(memory, True)
         batch.decode(llm.ctx)
         batch.clear()
-        n_embd = self.n_embd
+        width = out.shape[1]
         for seq, row in enumerate(rows):
             pointer = llama_cpp.llama_get_embeddings_seq(llm.ctx, seq)
             if not pointer:
-                raise RuntimeError(f"no embedding for sequence {seq}")
-            out[row] = np.ctypeslib.as_array(pointer, shape=(n_embd,))
+                raise RuntimeError(f"no output for sequence {seq}")
+            out[row] = np.ctypeslib.as_array(pointer, shape=(width,))
