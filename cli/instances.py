@@ -35,6 +35,7 @@ from bus.events import (
 )
 from bus.kinds import InstanceRole
 from bus.publisher import Publisher
+from bus.states import STARTING
 from bus.streams import StreamSettings, ensure_streams
 from bus.subjects import aggregate_filter
 from cli.models import publish_model, worker_cache
@@ -352,6 +353,14 @@ async def _publish_and_wait(
 
 
 @app.command("list")
+def shard_state(state: str, progress: float | None) -> str:
+    """A runner's state as the list shows it: with how far it got while it downloads or loads
+    its weights (a model loaded on demand answers its first request once that is done)."""
+    if progress is None or state not in STARTING:
+        return state
+    return f"{state} {progress:.0%}"
+
+
 def list_instances(
     db: DbUrl = DEFAULT_DB,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per instance.")] = False,
@@ -383,6 +392,7 @@ def list_instances(
                         "rank": r.rank,
                         "layers": [r.start_layer, r.end_layer],
                         "state": r.state,
+                        "progress": r.progress,
                         "slots": r.slots,
                     }
                     for r in runners
@@ -398,7 +408,8 @@ def list_instances(
         table.add_column(column)
     for row in rows:
         shards = "\n".join(
-            f"{s['node']}:{s['device']} [{s['layers'][0]}:{s['layers'][1]}] {s['state']}"
+            f"{s['node']}:{s['device']} [{s['layers'][0]}:{s['layers'][1]}]"
+            f" {shard_state(s['state'], s['progress'])}"
             for s in row["shards"]
         )
         table.add_row(
