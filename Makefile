@@ -97,6 +97,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench.soak --concurrency 64 --requests 500 --max-queued 16
 	$(BIN)/python -m bench.embeddings
 	$(BIN)/python -m bench.concurrency
+	$(BIN)/python -m bench.unwanted_calls
 	$(BIN)/python -m bench.mlx_prompt_cache
 	$(BIN)/python -m bench.weights
 	$(BIN)/python -m bench.longevity

@@ -9,8 +9,9 @@
 - ``mistral``, for templates that contain ``[TOOL_CALLS]`` (Mistral 7B v0.3, Nemo, Small):
   ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``.
 - ``generic``, for any other template, and for models served with a named chat format rather
-  than a template: JSON only, ``{"tool_calls": [{"name": "f", "arguments": {...}}, ...]}``, or
-  ``{"response": "text"}`` where the model may answer instead.
+  than a template: calls as JSON only, ``{"tool_calls": [{"name": "f", "arguments": {...}}]}``
+  as the whole reply; with ``auto`` the model may answer in plain text instead (a lazy grammar,
+  triggered by the object's start), or, with a ``response_format``, ``{"response": ...}``.
 
 With a native format (``hermes``, ``llama3``, ``mistral``) the tools go to the chat template, which
 describes them the way the model was trained on, and the chat's earlier calls and tool results
@@ -43,6 +44,10 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 # first key is "name" (an optional "type": "function" before it), the grammar's whitespace.
 _LLAMA3_CALL_START = r'\{[ \t\r\n]{0,4}(?:"type" ?: ?"function" ?, ?)?"name"'
 
+# What starts a generic reply's calls: the object's brace, then its "tool_calls" key, with the
+# whitespace the grammar's ``space`` allows between them.
+_GENERIC_CALLS_START = r'\{ ?"tool_calls"'
+
 # Lazy grammars' triggers (``Grammar.triggers``): the call's opening marker. The grammar then
 # holds from the marker on, so the model may write text before a call, never a broken call.
 TRIGGERS: dict[ToolFormatName, tuple[str, ...]] = {
@@ -51,7 +56,9 @@ TRIGGERS: dict[ToolFormatName, tuple[str, ...]] = {
     # A bare call is the whole reply (after whitespace), so it must start it; the tag may
     # come anywhere. The group is where the grammar starts.
     "llama3": (rf"^[ \t\r\n]*({_LLAMA3_CALL_START})[\s\S]*$", re.escape(PYTHON_TAG)),
-    "generic": (),
+    # With auto, a reply that starts with the calls' object (after whitespace); the grammar
+    # starts at its brace.
+    "generic": (rf"^[ \t\r\n]*({_GENERIC_CALLS_START})[\s\S]*$",),
 }
 
 _MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")

@@ -132,7 +132,12 @@ def generic_instructions(
 ) -> str:
     """What the system message says of the tools, for the ``generic`` format: short and
     plain, since small models read it. ``must``: the function that has to be called;
-    ``required``: a call is required; ``response``: the schema a direct answer follows."""
+    ``required``: a call is required; ``response``: the schema a direct answer follows.
+
+    With a choice (``auto``) the model answers in plain text, as it would with no tools, and
+    only a reply that starts with the calls' JSON is a call (a lazy grammar): a small model
+    asked to answer in JSON either way chose the calls' JSON for greetings, arithmetic, and
+    after the tool's result was already in the chat (issue 35)."""
     lines = ["You can use these tools:"]
     for t in tools:
         lines.append(f"- {t.name}: {t.description}" if t.description else f"- {t.name}")
@@ -144,22 +149,25 @@ def generic_instructions(
     elif required:
         lines.append(f"You must call a tool. Answer with this JSON only: {call}")
     else:
-        lines.append(f"When a tool can help, call it: answer with this JSON only: {call}")
-        answer = '{"response": "<your answer>"}'
-        if response is not None:
-            schema = _json(response)
-            answer = f'{{"response": <your answer as JSON that follows this schema: {schema}>}}'
-
-        lines.append(f"Otherwise, answer with this JSON only: {answer}")
+        lines.append(f"To call a tool, answer with this JSON only: {call}")
     lines.append(
         'To call several tools at once, put each call in the "tool_calls" list.'
         if parallel
         else "Call one tool at a time."
     )
+    if must is None and not required:
+        if response is None:
+            lines.append("Otherwise answer the user in plain text, without JSON.")
+        else:
+            schema = _json(response)
+            answer = f'{{"response": <your answer as JSON that follows this schema: {schema}>}}'
+            lines.append(f"Otherwise, answer with this JSON only: {answer}")
     lines.append(
         'A tool\'s result comes back in a message like {"tool_response": {"id": "<call id>",'
         ' "name": "<tool name>", "content": "<result>"}}.'
     )
+    if must is None and not required:
+        lines.append("Once a tool's result is there, answer the user with it; do not call again.")
     return "\n".join(lines)
 
 

@@ -5,7 +5,9 @@ reply must follow, and how to read the reply back.
   ``response_format``'s); calls and results in the history are still rendered.
 - ``auto``: native formats get a lazy grammar: the model writes freely, and from a call's
   marker on it can only write calls of the tools offered, their arguments matching the
-  function's schema. ``generic``: ``{"tool_calls": [...]}`` or ``{"response": "text"}``.
+  function's schema. ``generic``: plain text, or ``{"tool_calls": [...]}`` as the whole reply
+  (lazy too, triggered by the object's start; with ``response_format``, the format's JSON as
+  ``{"response": ...}`` instead of text, eager).
 - ``required``: the whole reply is calls: ``<tool_call>`` blocks, ``[TOOL_CALLS][...]``,
   Llama's JSON call, ``{"tool_calls": [...]}``.
 - a named function: as ``required``, that function only.
@@ -30,7 +32,6 @@ from services.runner.generation import InvalidRequest, PlainReply, ReplyParser
 from services.runner.structured.formats import ToolFormatName, tool_format
 from services.runner.structured.grammar import (
     OBJECT_SCHEMA,
-    STRING_SCHEMA,
     json_grammar,
     tool_grammar,
 )
@@ -86,7 +87,6 @@ def plan_reply(task: TaskCreated, chat_template: str | None) -> ReplyPlan:
         names = frozenset(t.name for t in offered)
         parallel = task.parallel_tool_calls
         if fmt == "generic":
-            answer = None if forced else (STRING_SCHEMA if response is None else response)
             instructions = generic_instructions(
                 tools,
                 must=task.tool_choice.name if task.tool_choice.mode == "function" else None,
@@ -94,12 +94,15 @@ def plan_reply(task: TaskCreated, chat_template: str | None) -> ReplyPlan:
                 parallel=parallel,
                 response=None if forced else response,
             )
+            # auto, no response_format: plain text, or the calls' JSON from the reply's start.
+            lazy = not forced and response is None
+            answer = None if forced else response
             return ReplyPlan(
                 messages=generic_messages(
                     task.messages, instructions, system=not refuses_system(chat_template)
                 ),
                 tools=None,
-                grammar=tool_grammar(fmt, offered, parallel=parallel, lazy=False, response=answer),
+                grammar=tool_grammar(fmt, offered, parallel=parallel, lazy=lazy, response=answer),
                 format=fmt,
                 reading=ParserSpec(fmt, task.task_id, names),
             )

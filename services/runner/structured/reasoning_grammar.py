@@ -1,12 +1,13 @@
 """A reply's grammar when the model thinks first: the thinking is free, the answer constrained.
 
-- A lazy grammar (tool calls with ``auto``) keeps its grammar and gets triggers that fire only
-  after the thinking ended: a ``<tool_call>`` the model writes while it thinks is thinking, and
-  neither starts the grammar nor is read as a call.
+- A lazy grammar (tool calls with ``auto``, the ``generic`` format's included) keeps its
+  grammar and gets triggers that fire only after the thinking ended: a ``<tool_call>`` the
+  model writes while it thinks is thinking, and neither starts the grammar nor is read as a call.
 - A grammar that holds from the first token (a required call, ``response_format``, the
-  ``generic`` format's JSON) is given the thinking before its own root: any text up to the first
-  ``</think>`` (``inside``), or an optional ``<think>...</think>`` block (``may_open``), then
-  whitespace, then the answer the grammar asks for.
+  ``generic`` format's JSON with a ``response_format``) is given the thinking before its own
+  root: any text up to the first ``</think>`` (``inside``), or an optional
+  ``<think>...</think>`` block (``may_open``), then whitespace, then the answer the grammar
+  asks for.
 """
 
 from __future__ import annotations

@@ -231,11 +231,29 @@ def test_generic_describes_the_tools_in_the_system_message() -> None:
     assert system["role"] == "system"
     assert "- get_weather: The current weather in a city" in system["content"]
     assert '"city": {"type": "string"}' in system["content"]
-    assert '{"response": "<your answer>"}' in system["content"]
+    assert "Otherwise answer the user in plain text" in system["content"]
+    assert '"response"' not in system["content"]
     assert plan.messages[1:] == [{"role": "user", "content": "Weather in Paris?"}]
-    assert plan.grammar is not None and plan.grammar.triggers == ()
-    assert oracle.accepts(plan.grammar, '{"response": "Sunny."}')
-    assert reply(plan, '{"response": "Sunny.\\nWarm."}') == ("Sunny.\nWarm.", [])
+
+
+def test_generic_auto_is_plain_text_or_the_calls_json() -> None:
+    # Answering is as without tools (issue 35); only a reply that starts with the calls'
+    # object is held to the grammar, from its brace.
+    plan = plan_reply(task(), CHATML)
+    assert plan.grammar is not None and plan.grammar.triggers
+    assert oracle.accepts(plan.grammar, "It is sunny.")
+    assert oracle.accepts(plan.grammar, '{"tool_response": "an echo is text"}')
+    assert oracle.accepts(plan.grammar, " " + CALLS["generic"])
+    assert oracle.accepts(plan.grammar, CALLS["generic"].replace("{", "{ ", 1))
+    assert not oracle.accepts(plan.grammar, '{"tool_calls": [{"name": "nope", "arguments": {}}]}')
+    assert not oracle.accepts(plan.grammar, CALLS["generic"] + " and more")
+    assert oracle.lazy_sampler_accepts(plan.grammar, "It is sunny.")
+    assert oracle.lazy_sampler_accepts(plan.grammar, CALLS["generic"])
+    assert reply(plan, "Sunny.\nWarm.") == ("Sunny.\nWarm.", [])
+    assert reply(plan, CALLS["generic"]) == ("", [("get_weather", '{"city": "Paris"}')])
+    required = plan_reply(task(tool_choice=ToolChoice(mode="required")), CHATML)
+    assert required.grammar is not None and not required.grammar.triggers
+    assert not oracle.accepts(required.grammar, "It is sunny.")
 
 
 def test_generic_merges_into_the_first_system_message() -> None:
