@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import httpx
 import openai
 
 from bench.common.processes import MODEL_ID, MODEL_PATH, Proc, shoal_up
+from bench.concurrency import wait_http
 from bench.llama_server import llama_server
 from bus.embedded import free_port
 
@@ -253,18 +253,6 @@ def run_all(url: str, max_tokens: int) -> list[Reply]:
     return out
 
 
-async def wait_http(proc: Proc, url: str) -> None:
-    async with httpx.AsyncClient(timeout=5) as client:
-
-        async def ready() -> bool:
-            try:
-                return (await client.get(url)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        await proc.wait_for(ready, "health")
-
-
 async def run_llama_server(tmp: Path, args: argparse.Namespace) -> list[Reply]:
     binary = llama_server()
     port = free_port("127.0.0.1")
@@ -290,7 +278,7 @@ async def run_llama_server(tmp: Path, args: argparse.Namespace) -> list[Reply]:
     print(f"  {ANCHOR} ...", file=sys.stderr, flush=True)
     await proc.start()
     try:
-        await wait_http(proc, f"http://127.0.0.1:{port}/health")
+        await wait_http(proc, f"http://127.0.0.1:{port}/health", "health")
         url = f"http://127.0.0.1:{port}/v1"
         return await asyncio.to_thread(run_all, url, args.max_tokens)
     finally:
