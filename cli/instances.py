@@ -352,7 +352,6 @@ async def _publish_and_wait(
         await sub.unsubscribe()
 
 
-@app.command("list")
 def shard_state(state: str, progress: float | None) -> str:
     """A runner's state as the list shows it: with how far it got while it downloads or loads
     its weights (a model loaded on demand answers its first request once that is done)."""
@@ -361,6 +360,7 @@ def shard_state(state: str, progress: float | None) -> str:
     return f"{state} {progress:.0%}"
 
 
+@app.command("list")
 def list_instances(
     db: DbUrl = DEFAULT_DB,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per instance.")] = False,

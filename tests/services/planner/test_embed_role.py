@@ -55,7 +55,7 @@ def test_the_role_comes_from_the_request_or_from_the_spec_s_one_entry() -> None:
     assert instance_role(both) == "chat"
     for spec, asked, message in [
         ('{"chat": {"devices": ["a:cpu"]}}', "embed", "no entry for role 'embed'"),
-        (None, "rerank", "unknown role 'rerank'"),
+        (None, "classify", "unknown role 'classify'"),
     ]:
         try:
             instance_role(spec, asked)
