@@ -1,6 +1,6 @@
 """Rows of the projection, as plain immutable values.
 
-The pure rules (``rules.py``) read and produce these; ``tables.py`` stores them with the same
+The pure rules (``rules/``) read and produce these; ``tables.py`` stores them with the same
 column names (a test keeps the two in step).
 """
 
