@@ -74,7 +74,8 @@ async def delete(ctx: ApiContext, response_id: str) -> None:
     deadline = asyncio.get_running_loop().time() + DELETE_SEEN_WITHIN_S
     while asyncio.get_running_loop().time() < deadline:
         row = await _row(ctx, response_id)
-        if row is None or row.deleted_at is not None:
+        # No row yet is not "deleted": the projector may write the stored one next.
+        if row is not None and row.deleted_at is not None:
             return
         await asyncio.sleep(0.05)
 
