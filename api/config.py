@@ -7,12 +7,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from api.model_defaults import ModelDefaults
 from bus.units import KiB, MiB
 from projectors.projector import DEFAULT_NAME
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
 from services.planner.on_demand import DEFAULT_KEEP_ALIVE_S
 
+# The largest image a request may hold by default, decoded: a photo from a phone is 2-5 MiB.
+DEFAULT_MAX_IMAGE_BYTES = 10 * MiB
 # The largest request body accepted by default (api/limits.py). A task is stored as events and
 # prompt parts of up to NATS's max_payload each (1 MiB by default, bus/parts.py), so a request
 # may well be larger than one message: 32 of them, more than any model's context holds as text
@@ -42,6 +45,9 @@ class ApiConfig:
     load_on_demand: bool = True
     # The planners' keep-alive of such a model (what Ollama's /api/ps says of its expiry).
     default_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    # Per-model defaults of such an instance (--model-defaults: keep-alive, pinned, placement,
+    # context; api/model_defaults.py).
+    model_defaults: ModelDefaults = field(default_factory=ModelDefaults)
     # How long a task waits for its model to serve again (its runner restarting, its instance
     # placed anew) before it fails: a task resumed after its runner was lost, or one queued.
     resume_within_s: float = 60.0
@@ -78,6 +84,10 @@ class ApiConfig:
     # Connections served at once; past it, uvicorn answers 503 (None: half the process's open
     # files limit, at most 1024, as `connection_limit` says).
     max_connections: int | None = None
+    # The largest image a request may hold, decoded (api/images/loading.py), and whether the
+    # API fetches images given by http(s) URL (--allow-image-urls; public addresses only).
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    allow_image_urls: bool = False
     # Where a model pulled through the API (Ollama's /api/pull) is fetched to before it is
     # added, as `shoal models add` does (`shoal up` gives its own data directory's).
     models_dir: Path = field(default_factory=lambda: default_data_dir() / "models")

@@ -4,7 +4,9 @@ Clients send their own names (Claude Code sends Anthropic's model names, Ollama'
 ``:latest`` tag, llama-server's and vLLM's clients send none). An alias comes from an instance
 request (``shoal up --alias``, ``"aliases"`` on ``POST /v1/instances``) or from the API's own
 configuration (``SHOAL_MODEL_ALIASES``, ``shoal api --alias``); a request without a model goes
-to the configured default, or to the only model served.
+to the configured default, or to the only model served. A catalogue card not added yet is a
+name too (``qwen3-8b:latest`` is ``qwen3-8b``): the model lists show it, and a request for it
+adds and loads it (api/on_demand.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from api.errors import ApiError
 from bus.kinds import INSTANCE_ROLES, InstanceRole
 from bus.states import INSTANCE_ENDING
 from projectors.state import ClusterState
+from services.models.catalogue import builtin_cards
 
 
 @dataclass(frozen=True)
@@ -25,17 +28,23 @@ class ModelNames:
     aliases: Mapping[str, str] = field(default_factory=dict)  # alias -> model id
     served: Mapping[InstanceRole, tuple[str, ...]] = field(default_factory=dict)
     default: str | None = None
+    catalogue: frozenset[str] = frozenset()  # the catalogue's cards, added or not
 
     def resolve(self, name: str | None, role: InstanceRole = "chat") -> str:
-        """The model id ``name`` means. A name that is neither an id nor an alias is returned
-        as it is: the serving check answers it with a 404 that lists the known models."""
+        """The model id ``name`` means. A name that is neither an id, an alias nor a catalogue
+        card is returned as it is: the serving check answers it with a 404 that lists the
+        known models."""
         if not name:
             return self._default(role)
-        for candidate in (name, name.removesuffix(":latest")):
+        candidates = (name, name.removesuffix(":latest"))
+        for candidate in candidates:
             if candidate in self.ids:
                 return candidate
             if candidate in self.aliases:
                 return self.aliases[candidate]
+        for candidate in candidates:
+            if candidate in self.catalogue:
+                return candidate
         return name
 
     def _default(self, role: InstanceRole) -> str:
@@ -70,7 +79,13 @@ def names_from(
     served: dict[InstanceRole, tuple[str, ...]] = {}
     for role in INSTANCE_ROLES:
         served[role] = tuple(sorted({i.model_id for i in live if i.role == role}))
-    return ModelNames(frozenset(m.model_id for m in state.models()), aliases, served, default)
+    return ModelNames(
+        frozenset(m.model_id for m in state.models()),
+        aliases,
+        served,
+        default,
+        frozenset(builtin_cards()),
+    )
 
 
 @dataclass

@@ -8,7 +8,10 @@ Every API process names the instance alike: ``<model>-<role>-on-demand-<n>``, ``
 of on-demand instances of that model and role the projection has seen, so that many requests
 for one cold model, on any number of API processes, cause one placement (one message id, and
 the projection keeps the first request for an id). The planner unloads it once idle
-(``services/planner/on_demand.py``).
+(``services/planner/on_demand.py``). The API's per-model defaults (``--model-defaults``,
+api/model_defaults.py) give its keep-alive (a request's own wins), its placement, its context,
+or pin it: a pinned one is asked for as an explicit one is (``on_demand`` false), never
+unloaded unless asked.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 from api import projection
 from api.context import ApiContext
 from api.errors import ApiError
+from api.model_defaults import ModelDefault
 from bus.events import InstanceRequested
 from bus.kinds import InstanceRole
 from bus.states import INSTANCE_CURRENT
@@ -45,10 +49,42 @@ LOADABLE = frozenset(
 def instance_id_for(state: ClusterState, model_id: str, role: InstanceRole) -> str:
     """The id every API process gives the next on-demand instance of ``model_id`` in
     ``role``."""
+    prefix = f"{model_id}-{role}-on-demand-"
     made = sum(
-        1 for i in state.instances() if i.on_demand and i.model_id == model_id and i.role == role
+        1
+        for i in state.instances()
+        if i.model_id == model_id
+        and i.role == role
+        # A pinned one (per-model defaults) is not on demand, but it has one of these ids.
+        and (i.on_demand or i.instance_id.startswith(prefix))
     )
-    return f"{model_id}-{role}-on-demand-{made}"
+    return f"{prefix}{made}"
+
+
+def requested(
+    state: ClusterState,
+    model_id: str,
+    role: InstanceRole,
+    why: str,
+    origin: str,
+    keep_alive_s: float | None = None,
+    defaults: ModelDefault | None = None,
+) -> InstanceRequested:
+    """The request for an instance of ``model_id`` in ``role`` that a request for it makes
+    (``why``: the request; ``keep_alive_s``: its own keep-alive), with the model's
+    ``defaults``: a pinned model's is not on demand (never unloaded unless asked)."""
+    given = defaults or ModelDefault()
+    return InstanceRequested(
+        instance_id=instance_id_for(state, model_id, role),
+        model_id=model_id,
+        origin=origin,
+        role=role,
+        placement=given.placement_for(role),
+        context_length=given.context_length,
+        on_demand=not given.pinned,
+        keep_alive_s=None if given.pinned else given.keep_alive_for(keep_alive_s),
+        reason=f"{why}; pinned (--model-defaults)" if given.pinned else why,
+    )
 
 
 def loading(state: ClusterState, model_id: str, role: InstanceRole) -> bool:
@@ -94,18 +130,11 @@ async def load(
     if wanted(state, model_id, role):
         if state.model(model_id) is None:
             state = await _add_card(ctx, state, model_id)
-        instance_id = instance_id_for(state, model_id, role)
-        event = InstanceRequested(
-            instance_id=instance_id,
-            model_id=model_id,
-            origin=ctx.origin,
-            role=role,
-            on_demand=True,
-            keep_alive_s=keep_alive_s,
-            reason=why,
-        )
-        await ctx.publish(event, msg_id=f"on-demand:{instance_id}")
-        await _until_serving(ctx, model_id, role, asked=instance_id)
+        names = await ctx.model_names()
+        defaults = ctx.config.model_defaults.for_model(model_id, names.resolve)
+        event = requested(state, model_id, role, why, ctx.origin, keep_alive_s, defaults)
+        await ctx.publish(event, msg_id=f"on-demand:{event.instance_id}")
+        await _until_serving(ctx, model_id, role, asked=event.instance_id)
     else:
         await _until_serving(ctx, model_id, role)
 

@@ -23,6 +23,7 @@ from api import admission, keys, on_demand, projection
 from api.admission import Permit
 from api.context import ApiContext
 from api.errors import ApiError
+from api.images.placed import NO_IMAGES, Images
 from api.rate_limit import retry_after
 from api.reply import Reply
 from api.task_stream import Closed, Recheck, TaskStream
@@ -70,24 +71,30 @@ class Output(ABC):
 
 
 async def serve(
-    ctx: ApiContext, tasks: list[TaskCreated], stream: bool, out: Output
+    ctx: ApiContext,
+    tasks: list[TaskCreated],
+    stream: bool,
+    out: Output,
+    images: Images = NO_IMAGES,
 ) -> JSONResponse | StreamingResponse:
     """Serve ``tasks`` (one per choice: they share the model) with ``out``; a refusal before
-    anything is sent raises ``ApiError``, which the app renders in the path's dialect."""
+    anything is sent raises ``ApiError``, which the app renders in the path's dialect.
+    ``images``: those the tasks' messages name (``api/images/loading.py``), stored with them."""
     # Its messages and tools go on the log as parts (bus/parts.py), the task names them: each
-    # must fit in a NATS message, as must the task.
+    # must fit in a NATS message, as must the task. So do its images (bus/images.py).
     who = keys.current()
     if who.key_id is not None:  # what it asks for is its own: only it (and admins) see it
         tasks = [t.model_copy(update={"owner": who.key_id}) for t in tasks]
     tasks = [with_default_budget(t, ctx.config.reasoning_budget) for t in tasks]
     stage = staged(ctx, tasks[0], out.too_large_param)
     require_within_limits(ctx, who)
-    capacity = await require_serving(ctx, tasks[0].model_id)
+    # A model loaded for it takes the request's own keep-alive (Ollama's), as its task will.
+    capacity = await require_serving(ctx, tasks[0].model_id, keep_alive_s=tasks[0].keep_alive_s)
     # Before anything is published or sent: a full queue is a 429 a stream gets too.
     permit = await admit(ctx, tasks[0].model_id, len(tasks), capacity)
     try:
         try:
-            await ctx.parts.store(stage.all_parts())
+            await ctx.parts.store([*images.parts, *stage.all_parts()])
         except (nats.errors.Error, TimeoutError) as exc:
             raise log_unavailable(exc) from exc
         shared = {k: getattr(stage.task, k) for k in _NAMED_AS_PARTS}

@@ -194,12 +194,13 @@ class PartStore:
         for p in new:
             self._remember(p.digest, now)
 
-    async def get(self, ref: PartRef) -> list[Any]:
-        """The values of the chain ``ref`` names, in order."""
+    async def get(self, ref: PartRef, *, keep: bool = True) -> list[Any]:
+        """The values of the chain ``ref`` names, in order. ``keep``: the parts read are kept
+        for the next turn (an image's are not: they would push a conversation's out)."""
         values: list[Any] = []
         digest: str | None = ref.digest
         while digest is not None:
-            part = await self._part(digest, keep=digest != ref.digest)
+            part = await self._part(digest, keep=keep and digest != ref.digest)
             values.append(part.value)
             digest = part.parent
             if len(values) > ref.parts:

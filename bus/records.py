@@ -142,9 +142,46 @@ class ToolCall(Record):
     arguments: str = Field(description="The arguments as JSON text, as the model wrote them.")
 
 
+class PartRef(Record):
+    """Parts stored on their own stream by digest (``bus/parts.py``) that an event names
+    instead of holding them: a chain of values, named by its last part."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the last part.")
+    parts: int = Field(ge=1, description="How many parts (messages, items) the chain holds.")
+    bytes: int = Field(ge=0, description="Their stored size, all together.")
+
+
+# The image formats Shoal accepts, by their bytes (api/images/formats.py).
+ImageMediaType = Literal["image/png", "image/jpeg", "image/webp", "image/gif"]
+IMAGE_MEDIA_TYPES: tuple[ImageMediaType, ...] = get_args(ImageMediaType)
+
+
+class ImagePart(Record):
+    """An image of a message. Its bytes never ride in an event: they are stored as prompt
+    parts are (``bus/images.py``), and ``ref`` names them; ``sha256`` is the image's own
+    digest, the same however a client sent it."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the image's bytes.")
+    media_type: ImageMediaType = Field(description="Its format, read from its bytes.")
+    width: int = Field(ge=1, description="Pixels, as its header says.")
+    height: int = Field(ge=1, description="Pixels, as its header says.")
+    bytes: int = Field(ge=1, description="Its size.")
+    ref: PartRef = Field(description="Its bytes, stored as parts (base64 pieces, in order).")
+    at: int = Field(
+        default=0,
+        ge=0,
+        description="Where in the message's `content` it goes: before the character at this"
+        " offset (0: before the text; the content's length: after it).",
+    )
+
+
 class ChatMessage(Record):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    images: list[ImagePart] = Field(
+        default_factory=list,
+        description="Images among the content (a user's, a tool result's), in order.",
+    )
     name: str | None = None
     tool_calls: list[ToolCall] = Field(
         default_factory=list, description="An assistant's calls of tools."
@@ -155,15 +192,6 @@ class ChatMessage(Record):
         description="An assistant's thinking before its answer, as a client sent it back: the"
         " chat template keeps or drops it.",
     )
-
-
-class PartRef(Record):
-    """Parts stored on their own stream by digest (``bus/parts.py``) that an event names
-    instead of holding them: a chain of values, named by its last part."""
-
-    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the last part.")
-    parts: int = Field(ge=1, description="How many parts (messages, items) the chain holds.")
-    bytes: int = Field(ge=0, description="Their stored size, all together.")
 
 
 class Tool(Record):

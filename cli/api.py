@@ -15,6 +15,7 @@ import uvicorn
 from api.app import create_app
 from api.config import DEFAULT_BODY_TIMEOUT_S, ApiConfig, keys_from_env, parse_aliases
 from api.http_protocol import bounded_httptools, connection_limit
+from api.model_defaults import ModelDefaults, ModelDefaultsError, parse_model_defaults
 from bus.embedded import port_in_use
 from bus.streams import parse_size
 from cli.exposure import refuse_exposure
@@ -130,6 +131,30 @@ ReasoningBudget = Annotated[
         " answer follows. -1: unbounded.",
     ),
 ]
+ModelDefaultsFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--model-defaults",
+        envvar="SHOAL_MODEL_DEFAULTS",
+        metavar="PATH",
+        exists=True,
+        dir_okay=False,
+        callback=absolute,
+        help="A JSON file of per-model defaults for models loaded on demand, keyed by the name"
+        ' clients ask for (an alias too): {"qwen3-8b": {"keep_alive": "30m", "context_length":'
+        ' 8192}, "smollm2-135m": {"pinned": true}}. Keys: keep_alive (as Ollama\'s; a'
+        " request's own wins), pinned (never unloaded), placement (a placement spec),"
+        " context_length. Checked at start: a bad one stops the command.",
+    ),
+]
+AllowImageUrls = Annotated[
+    bool,
+    typer.Option(
+        "--allow-image-urls",
+        help="Fetch the images requests give by http(s) URL (from public addresses only, up to"
+        " the image size limit); without it, a request sends its images as data.",
+    ),
+]
 DEFAULT_MAX_BODY_TEXT = "32M"
 # An idle kept-alive connection is closed after this. Longer than the clients' own pool expiry
 # (httpx, under the openai and anthropic SDKs: 5 s, uvicorn's default too), so the client drops
@@ -224,6 +249,18 @@ def cli_aliases(items: list[str] | None) -> dict[str, str]:
         raise typer.Exit(1) from None
 
 
+def model_defaults(path: Path | None, aliases: dict[str, str]) -> ModelDefaults:
+    """``--model-defaults``, read and checked (``aliases``: the API's own); a bad file is an
+    error line naming the model and the key, and the command stops."""
+    if path is None:
+        return ModelDefaults()
+    try:
+        return parse_model_defaults(path.read_text(encoding="utf-8"), aliases)
+    except (OSError, UnicodeDecodeError, ModelDefaultsError) as exc:
+        typer.echo(f"error: --model-defaults {path}: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 def check_port_free(host: str, port: int, what: str, option: str) -> None:
     if port_in_use(host, port):
         typer.echo(
@@ -253,10 +290,14 @@ def api(
     body_timeout: BodyTimeout = DEFAULT_BODY_TIMEOUT_S,
     load_on_demand: LoadOnDemand = True,
     reasoning_budget_tokens: ReasoningBudget = -1,
+    allow_image_urls: AllowImageUrls = False,
+    model_defaults_file: ModelDefaultsFile = None,
 ) -> None:
     """Serve the HTTP API: OpenAI's, Anthropic's and Ollama's endpoints, and cluster control."""
     setup_logging()
     tls = api_tls(tls_cert, tls_key)
+    aliases = cli_aliases(alias)
+    defaults = model_defaults(model_defaults_file, aliases)
     keys = frozenset(api_key or ()) | keys_from_env()
     exposed = refuse_exposure(host, None, keys, None)
     if exposed:
@@ -267,7 +308,7 @@ def api(
         nats_url=nats,
         db_url=db,
         api_keys=keys,
-        aliases=cli_aliases(alias),
+        aliases=aliases,
         default_model=default_model,
         cors_origins=tuple(cors_origin or ()),
         max_queued=max_queued,
@@ -277,6 +318,8 @@ def api(
         body_timeout_s=body_timeout,
         load_on_demand=load_on_demand,
         reasoning_budget=reasoning_budget(reasoning_budget_tokens),
+        allow_image_urls=allow_image_urls,
+        model_defaults=defaults,
     )
     typer.echo(f"API on {api_url(host, port, tls)}" + (" (API keys required)" if keys else ""))
 

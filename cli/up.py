@@ -30,12 +30,14 @@ from cli.api import (
     DEFAULT_MAX_BODY_TEXT,
     Aliases,
     AllowedHosts,
+    AllowImageUrls,
     ApiKeys,
     BodyTimeout,
     CorsOrigins,
     LoadOnDemand,
     MaxBody,
     MaxQueued,
+    ModelDefaultsFile,
     ReasoningBudget,
     TlsCert,
     TlsKey,
@@ -45,6 +47,7 @@ from cli.api import (
     check_port_free,
     cli_aliases,
     max_body_bytes,
+    model_defaults,
     reasoning_budget,
     serve_until,
 )
@@ -124,7 +127,9 @@ def up(
     keep_alive: KeepAlive = DEFAULT_KEEP_ALIVE_TEXT,
     load_on_demand: LoadOnDemand = True,
     reasoning_budget_tokens: ReasoningBudget = -1,
+    allow_image_urls: AllowImageUrls = False,
     max_loaded: MaxLoaded = None,
+    model_defaults_file: ModelDefaultsFile = None,
     nats_tls_cert: Annotated[
         Path | None,
         typer.Option(
@@ -170,6 +175,7 @@ def up(
         raise typer.Exit(1)
     keys = frozenset(api_key or ()) | keys_from_env()
     aliases = cli_aliases(alias)
+    defaults = model_defaults(model_defaults_file, aliases)
     body_limit = max_body_bytes(max_body)
     thinking_budget = reasoning_budget(reasoning_budget_tokens)
     security = NatsSecurity.from_env()
@@ -232,7 +238,9 @@ def up(
                 body_timeout_s=body_timeout,
                 load_on_demand=load_on_demand,
                 reasoning_budget=thinking_budget,
+                allow_image_urls=allow_image_urls,
                 default_keep_alive_s=policy.default_keep_alive_s,
+                model_defaults=defaults,
                 models_dir=data / "models",
                 worker_models_dir=worker_dir / "models",
                 max_queued=max_queued,

@@ -4,8 +4,8 @@ stream events; the message's own shape is ``shapes.py``). Pure: bodies in, task 
 chunks in, dicts and events out.
 
 Every field that changes the answer is honoured or refused with a 400 that names it (server
-tools, MCP servers, containers, a prefilled assistant turn, images and documents for models
-that read text); fields that do not (``metadata``, ``cache_control``, ``service_tier``...) are
+tools, MCP servers, containers, a prefilled assistant turn, documents, images for a model that
+reads text only); fields that do not (``metadata``, ``cache_control``, ``service_tier``...) are
 accepted, as are fields Anthropic does not define.
 
 Extended thinking: with ``thinking: {"type": "enabled"}`` a thinking model's thinking comes as
@@ -19,10 +19,11 @@ thinks anyway is left out, as Anthropic's models do not think unless asked. An e
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from api.anthropic.shapes import (
     message,
@@ -34,6 +35,8 @@ from api.anthropic.shapes import (
 )
 from api.body import JsonSchema, RequestBody, ToolParameters
 from api.errors import ApiError, anthropic_error_body
+from api.images.inputs import ImageInput, image_base64, image_url
+from api.images.placed import NO_IMAGES, Images
 from api.reply import Reply
 from api.serving import Output, sse
 from api.task_stream import TaskStream
@@ -57,8 +60,8 @@ ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
 
 # --- requests -------------------------------------------------------------------------------
 
-# Blocks a text model cannot read: the answer would be about something it never saw.
-_UNREADABLE = {"image": "an image", "document": "a document", "search_result": "a search result"}
+# Blocks the models cannot read: the answer would be about something they never saw.
+_UNREADABLE = {"document": "a document", "search_result": "a search result"}
 # Blocks of Anthropic's server tools (and containers): Shoal runs no tools of its own.
 _SERVER = (
     "server_tool_use",
@@ -75,10 +78,20 @@ _SERVER = (
 # An earlier turn's thinking: its text is the turn's reasoning (a redacted one has none).
 _THINKING = ("thinking", "redacted_thinking")
 _ALLOWED = {
-    "user": ("text", "tool_result"),
+    "user": ("text", "image", "tool_result"),
     "assistant": ("text", "tool_use", *_THINKING),
     "system": ("text",),
 }
+
+
+class ImageSource(RequestBody):
+    """An image block's source: ``base64`` (with a ``media_type``, which the image's own bytes
+    decide here) or ``url``; a ``file`` is refused (Shoal keeps no files)."""
+
+    type: str | None = None
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
 
 
 class Block(RequestBody):
@@ -87,6 +100,7 @@ class Block(RequestBody):
 
     type: str
     text: str | None = None
+    source: ImageSource | None = None  # image
     id: str | None = None  # tool_use
     name: str | None = None  # tool_use
     input: Any = None  # tool_use
@@ -94,14 +108,43 @@ class Block(RequestBody):
     content: str | list[Block] | None = None  # tool_result
     is_error: bool | None = None  # tool_result
     thinking: str | None = None  # thinking
+    # An image block's image, as its message's validation read it.
+    _image: ImageInput | None = PrivateAttr(default=None)
+
+    def piece(self) -> str | ImageInput:
+        """What a user's block adds to its message: its text, or its image."""
+        return self._image if self._image is not None else self.text or ""
+
+
+def _image_problem(block: Block) -> str | None:
+    """What is wrong with an image block (None: nothing; its image is read into it)."""
+    source = block.source
+    if source is None or source.type is None:
+        return "an image block needs its source (and the source its type)"
+    try:
+        if source.type == "base64" and source.data:
+            block._image = image_base64(source.data)
+        elif source.type == "url" and source.url:
+            block._image = image_url(source.url)
+        elif source.type in ("base64", "url"):
+            needed = "data" if source.type == "base64" else "url"
+            return f"an image's {source.type} source needs its {needed}"
+        else:
+            return (
+                f"an image source of type {source.type!r} is not supported: send base64 or"
+                " url (Shoal keeps no files)"
+            )
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _block_problem(block: Block, allowed: tuple[str, ...]) -> str | None:
     what = _UNREADABLE.get(block.type)
     if what is not None:
         return (
-            f"is {what} ({block.type!r}), and the models Shoal serves read text only:"
-            " send text blocks"
+            f"is {what} ({block.type!r}), which Shoal does not take: send text blocks, and"
+            " images as image blocks"
         )
     if block.type in _SERVER:
         return f"is a {block.type!r} block: Shoal runs no server tools"
@@ -109,13 +152,15 @@ def _block_problem(block: Block, allowed: tuple[str, ...]) -> str | None:
         return f"a block of type {block.type!r} is not supported here"
     if block.type == "text" and block.text is None:
         return "a text block needs its text"
+    if block.type == "image":
+        return _image_problem(block)
     if block.type == "tool_use" and not (block.id and block.name and isinstance(block.input, dict)):
         return "a tool_use block needs its id, name and input (an object)"
     if block.type == "tool_result":
         if not block.tool_use_id:
             return "a tool_result block needs the tool_use_id of the call it answers"
         for i, inner in enumerate(block.content if isinstance(block.content, list) else []):
-            if (problem := _block_problem(inner, ("text",))) is not None:
+            if (problem := _block_problem(inner, ("text", "image"))) is not None:
                 return _at(f"content[{i}]", problem)
     return None
 
@@ -133,6 +178,25 @@ def _text(blocks: str | list[Block] | None) -> str:
     return "".join(b.text or "" for b in blocks if b.type == "text")
 
 
+def _pieces(blocks: str | list[Block] | None) -> list[str | ImageInput]:
+    """A user's (or a tool result's) text and images, in order."""
+    if blocks is None:
+        return []
+    if isinstance(blocks, str):
+        return [blocks]
+    return [b.piece() for b in blocks if b.type in ("text", "image")]
+
+
+def _images(blocks: str | list[Block] | None, where: str) -> list[ImageInput]:
+    """The images of ``blocks`` (those of ``where``) and of the tool results among them."""
+    found: list[ImageInput] = []
+    for i, b in enumerate(blocks if isinstance(blocks, list) else []):
+        if b._image is not None:
+            found.append(replace(b._image, where=f"{where}.{i}"))
+        found += _images(b.content, f"{where}.{i}.content")
+    return found
+
+
 class Message(RequestBody):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
@@ -144,9 +208,10 @@ class Message(RequestBody):
                 raise ValueError(_at(f"content[{i}]", problem))
         return self
 
-    def chat_messages(self) -> list[ChatMessage]:
+    def chat_messages(self, images: Images = NO_IMAGES) -> list[ChatMessage]:
         """One message, or several: a user turn's tool results are each a ``tool`` message
-        (in their order, among its text), an assistant's tool uses are its ``tool_calls``."""
+        (in their order, among its text and images), an assistant's tool uses are its
+        ``tool_calls``; ``images``: the request's images, read."""
         if isinstance(self.content, str):
             return [ChatMessage(role=self.role, content=self.content)]
         if self.role == "assistant":
@@ -165,20 +230,26 @@ class Message(RequestBody):
                 )
             ]
         out: list[ChatMessage] = []
-        text: list[str] = []
+        pieces: list[str | ImageInput] = []
         for b in self.content:
             if b.type == "tool_result":
-                if text:
-                    out.append(ChatMessage(role=self.role, content="".join(text)))
-                    text = []
-                result = _text(b.content)
+                if pieces:
+                    content, placed = images.placed(pieces)
+                    out.append(ChatMessage(role=self.role, content=content, images=placed))
+                    pieces = []
                 # The model is told the tool failed, as Anthropic's models are.
-                result = f"Error: {result}" if b.is_error else result
-                out.append(ChatMessage(role="tool", content=result, tool_call_id=b.tool_use_id))
+                failed: list[str | ImageInput] = ["Error: "] if b.is_error else []
+                result, shown = images.placed([*failed, *_pieces(b.content)])
+                out.append(
+                    ChatMessage(
+                        role="tool", content=result, images=shown, tool_call_id=b.tool_use_id
+                    )
+                )
             else:
-                text.append(b.text or "")
-        if text or not out:
-            out.append(ChatMessage(role=self.role, content="".join(text)))
+                pieces.append(b.piece())
+        if pieces or not out:
+            content, placed = images.placed(pieces)
+            out.append(ChatMessage(role=self.role, content=content, images=placed))
         return out
 
 
@@ -336,10 +407,20 @@ class MessagesBody(RequestBody):
             )
         return self
 
-    def chat_messages(self) -> list[ChatMessage]:
+    def image_inputs(self) -> list[ImageInput]:
+        """The images the messages send (tool results' included), in order."""
+        return [
+            image
+            for i, m in enumerate(self.messages)
+            for image in _images(m.content, f"messages.{i}.content")
+        ]
+
+    def chat_messages(self, images: Images = NO_IMAGES) -> list[ChatMessage]:
+        """The system prompt and the messages, with ``images`` (``image_inputs``, read) in
+        their places."""
         system = _text(self.system)
         head = [ChatMessage(role="system", content=system)] if system else []
-        return head + [c for m in self.messages for c in m.chat_messages()]
+        return head + [c for m in self.messages for c in m.chat_messages(images)]
 
     def response_format(self) -> ResponseFormat | None:
         fmt = self.output_format or (self.output_config.format if self.output_config else None)
@@ -347,8 +428,8 @@ class MessagesBody(RequestBody):
             return None
         return ResponseFormat(type="json_schema", name="output", json_schema=fmt.schema_)
 
-    def task_fields(self) -> dict[str, Any]:
-        """What the task carries besides its messages and sampling."""
+    def task_fields(self, images: Images = NO_IMAGES) -> dict[str, Any]:
+        """What the task carries besides its sampling (``images``: the request's, read)."""
         tools = [t.event() for t in self.tools or []]
         choice = self.tool_choice
         if choice is None or choice.type == "auto":
@@ -360,7 +441,7 @@ class MessagesBody(RequestBody):
         else:
             tool_choice = ToolChoice(mode="none")
         return {
-            "messages": self.chat_messages(),
+            "messages": self.chat_messages(images),
             "tools": tools,
             "tool_choice": tool_choice,
             "parallel_tool_calls": not (choice and choice.disable_parallel_tool_use),
@@ -394,14 +475,20 @@ class MessagesRequest(MessagesBody):
         )
 
 
-def task_for(body: MessagesBody, model_id: str, origin: str, params: SamplingParams) -> TaskCreated:
+def task_for(
+    body: MessagesBody,
+    model_id: str,
+    origin: str,
+    params: SamplingParams,
+    images: Images = NO_IMAGES,
+) -> TaskCreated:
     return TaskCreated(
         task_id=new_id(),
         model_id=model_id,
         origin=origin,
         kind="chat",
         params=params,
-        **body.task_fields(),
+        **body.task_fields(images),
     )
 
 

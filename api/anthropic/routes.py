@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.anthropic.messages import MessagesBody, MessagesOut, MessagesRequest, task_for
 from api.context import ApiContext, context, require_key
+from api.images.loading import request_images, stored_images
 from api.serving import serve
 from api.tokenizer.asking import ask
 from bus.records import SamplingParams
@@ -31,7 +32,8 @@ async def count_tokens(body: MessagesBody, ctx: Ctx) -> dict[str, int]:
     of the model without generating (``api/tokenizer/asking.py``): the API has no
     tokenizer."""
     model_id = await ctx.resolve_model(body.model)
-    task = task_for(body, model_id, ctx.origin, SamplingParams())
+    images = await stored_images(ctx, model_id, body.image_inputs())
+    task = task_for(body, model_id, ctx.origin, SamplingParams(), images)
     counted = await ask(ctx, model_id, TokenizeChat(task=task, count_only=True), "messages")
     return {"input_tokens": counted.count}
 
@@ -40,6 +42,7 @@ async def serve_messages(
     ctx: ApiContext, body: MessagesRequest
 ) -> JSONResponse | StreamingResponse:
     model_id = await ctx.resolve_model(body.model)
-    task = task_for(body, model_id, ctx.origin, body.sampling())
+    images = await request_images(ctx, model_id, body.image_inputs())
+    task = task_for(body, model_id, ctx.origin, body.sampling(), images)
     out = MessagesOut(f"msg_{task.task_id}", body.model, body.thinks)
-    return await serve(ctx, [task], body.stream, out)
+    return await serve(ctx, [task], body.stream, out, images)

@@ -8,11 +8,13 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
+from api.model_list import Askable
 from api.ollama.replies import created_at
 from bus.kinds import main_engine
 from bus.states import SERVING
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState
+from services.models.cards import HfSource, ModelCard, PackageSource
 
 # A pinned instance has no idle timeout: it runs until deleted (what /api/ps says of it).
 NEVER = "9999-12-31T23:59:59Z"
@@ -63,14 +65,45 @@ def digest(model: ModelRow) -> str:
 
 
 def details(model: ModelRow) -> dict[str, Any]:
+    return _details(model.engines, model.family, parameter_size(model), quantization(model))
+
+
+def _details(engines: list[str] | None, family: str, parameters: str, quant: str) -> dict[str, Any]:
     return {
         "parent_model": "",
-        "format": "gguf" if main_engine(model.engines) == "llamacpp" else "mlx",
-        "family": model.family,
-        "families": [model.family] if model.family else None,
-        "parameter_size": parameter_size(model),
-        "quantization_level": quantization(model),
+        "format": "gguf" if main_engine(engines) == "llamacpp" else "mlx",
+        "family": family,
+        "families": [family] if family else None,
+        "parameter_size": parameters,
+        "quantization_level": quant,
     }
+
+
+def _card_files(card: ModelCard) -> list[str]:
+    """The names its weights would be fetched by: a file (the Hub's, a package's), a repo."""
+    source = card.source
+    if isinstance(source, HfSource):
+        return [source.filename or source.repo]
+    if isinstance(source, PackageSource):
+        return [source.file or source.package]
+    return [source.path]
+
+
+def card_details(card: ModelCard) -> dict[str, Any]:
+    """``details`` of a catalogue card not added yet: from its id, variant and file names."""
+    params = _found(_PARAMS, card.id, *_card_files(card))
+    quant = _found(_QUANT, card.variant, *_card_files(card))
+    return _details(
+        list(card.engines),
+        card.family,
+        f"{params.group(1)}{params.group(2).upper()}" if params else "",
+        quant.group(1).upper() if quant else "",
+    )
+
+
+def card_digest(card: ModelCard) -> str:
+    """A stable stand-in for a digest of a card not added yet (another than once added)."""
+    return hashlib.sha256(f"{card.id}\0{card.source.label()}".encode()).hexdigest()
 
 
 def _modified(model: ModelRow) -> str:
@@ -88,6 +121,31 @@ def tag(name: str, model: ModelRow) -> dict[str, Any]:
         "digest": digest(model),
         "details": details(model),
     }
+
+
+def card_tag(name: str, card: ModelCard) -> dict[str, Any]:
+    """One entry of ``/api/tags`` for a catalogue card not added yet: none of its weights are
+    in the cluster (``size`` 0, never modified); a request for it adds and loads it."""
+    return {
+        "name": tagged(name),
+        "model": tagged(name),
+        "modified_at": created_at(0),
+        "size": 0,
+        "digest": card_digest(card),
+        "details": card_details(card),
+    }
+
+
+def listed(entry: Askable) -> dict[str, Any]:
+    """One entry of ``/api/tags``, with Shoal's fields: ``loaded`` (an instance serves it
+    now; the others load when asked for) and ``added`` (the cluster has it; else a catalogue
+    card, fetched when first asked for)."""
+    if entry.model is not None:
+        shown = tag(entry.name, entry.model)
+    else:
+        assert entry.card is not None  # an entry is a model or a card (api/model_list.py)
+        shown = card_tag(entry.name, entry.card)
+    return shown | {"loaded": entry.loaded, "added": entry.added}
 
 
 def vram_bytes(model: ModelRow, runners: list[RunnerRow]) -> int:

@@ -14,7 +14,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from api import on_demand, projection
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
-from api.ollama.models import digest, running, serving_instance, show, tag
+from api.images.loading import request_images
+from api.model_list import askable
+from api.model_names import names_from
+from api.ollama.models import digest, listed, running, serving_instance, show
 from api.ollama.pull import live_instance, placement_refusal, pull_lines
 from api.ollama.replies import OllamaOut, embedded, loaded
 from api.ollama.translate import (
@@ -64,19 +67,23 @@ async def serve_chat(ctx: ApiContext, body: ChatRequest) -> Response:
     name = body.model or model_id
     if not body.messages:
         return await _loaded(ctx, model_id, name, body, chat=True)
-    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
+    images = await request_images(ctx, model_id, body.image_inputs())
+    fields = body.task_fields(images)
+    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **fields)
     out = OllamaOut(name, True, bool(body.logprobs), shown(task.thinking))
-    return await serve(ctx, [task], body.stream, out)
+    return await serve(ctx, [task], body.stream, out, images)
 
 
 async def serve_generate(ctx: ApiContext, body: GenerateRequest) -> Response:
     model_id = await ctx.resolve_model(body.model)
     name = body.model or model_id
-    if not body.prompt:
+    if not body.prompt and not body.images:
         return await _loaded(ctx, model_id, name, body, chat=False)
-    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **body.task_fields())
+    images = await request_images(ctx, model_id, body.image_inputs())
+    fields = body.task_fields(images)
+    task = TaskCreated(task_id=new_id(), model_id=model_id, origin=ctx.origin, **fields)
     out = OllamaOut(name, False, bool(body.logprobs), shown(task.thinking))
-    return await serve(ctx, [task], body.stream, out)
+    return await serve(ctx, [task], body.stream, out, images)
 
 
 @router.post("/api/embed", response_model=None)
@@ -142,17 +149,11 @@ async def version() -> dict[str, str]:
 
 @router.get("/api/tags")
 async def tags(ctx: Ctx) -> dict[str, Any]:
-    """Every model the cluster knows, and every alias of one, as ``name:tag``."""
+    """Every model a client can ask for, as ``name:tag`` (api/model_list.py): those the cluster
+    knows and their aliases, then the catalogue's cards not added yet."""
     state = await projection.cluster(ctx.engine)
-    names = await ctx.model_names()
-    loaded = projection.loaded_models(state)
-    return {
-        "models": [
-            tag(name, model) | {"loaded": model_id in loaded}  # Shoal's: the rest load when asked
-            for name, model_id in names.listed()
-            if (model := state.model(model_id)) is not None
-        ]
-    }
+    names = names_from(state, ctx.config.aliases, ctx.config.default_model)
+    return {"models": [listed(entry) for entry in askable(state, names, builtin_cards())]}
 
 
 @router.get("/api/ps")

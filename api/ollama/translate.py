@@ -10,11 +10,14 @@ accepted and ignored: the instance was sized and placed when it was created.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from api.body import JsonSchema, RequestBody
+from api.images.inputs import ImageInput, image_base64
+from api.images.placed import NO_IMAGES, Images
 from api.openai.requests import MAX_TOOLS, ToolDef
 from api.thinking import effort_budget, effort_thinks
 from bus.records import (
@@ -160,24 +163,44 @@ class Message(RequestBody):
     # An earlier answer's thinking: the chat template keeps or drops it.
     thinking: str | None = None
 
+    # Its images, as its validation read them.
+    _images: list[ImageInput] = PrivateAttr(default_factory=list)
+
     @model_validator(mode="after")
     def _readable(self) -> Message:
-        if self.images:
-            raise ValueError("images are not supported: the models Shoal serves read text only")
+        if self.images and self.role != "user":
+            raise ValueError("only a user message may hold images")
+        self._images = _read(self.images)
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
         return self
+
+    def image_inputs(self, where: str) -> list[ImageInput]:
+        """Its images (``where``: the field of the request that holds them)."""
+        return [replace(image, where=f"{where}.{j}") for j, image in enumerate(self._images)]
+
+
+def _read(images: list[str] | None) -> list[ImageInput]:
+    """Ollama's images: base64 strings (a data URL is taken too)."""
+    read = []
+    for j, data in enumerate(images or []):
+        try:
+            read.append(image_base64(data))
+        except ValueError as exc:
+            raise ValueError(f"images[{j}]: {exc}") from None
+    return read
 
 
 def _arguments_text(arguments: dict[str, Any] | str) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
-def chat_messages(messages: list[Message]) -> list[ChatMessage]:
+def chat_messages(messages: list[Message], images: Images = NO_IMAGES) -> list[ChatMessage]:
     """The history as Shoal's messages. Ollama's calls have no ids and a tool's result names
     its tool: each call gets an id (its own, or its place in the history), and each result the
     id of the call it names (``tool_call_id``), else of the oldest unanswered call of its tool,
-    else of the oldest unanswered one."""
+    else of the oldest unanswered one. A user's images (``images``: the request's, read) come
+    before its text, as Ollama puts them."""
     out: list[ChatMessage] = []
     unanswered: list[ToolCall] = []
     for i, m in enumerate(messages):
@@ -215,7 +238,8 @@ def chat_messages(messages: list[Message]) -> list[ChatMessage]:
                 )
             )
         else:
-            out.append(ChatMessage(role=m.role, content=content))
+            placed = [images.at(image, 0) for image in m._images]
+            out.append(ChatMessage(role=m.role, content=content, images=placed))
     return out
 
 
@@ -297,9 +321,17 @@ class ChatRequest(_Generation):
             raise ValueError("tools: two functions have the same name")
         return self
 
-    def task_fields(self) -> dict[str, Any]:
-        """What the task carries besides its model and ids. Ollama has no tool_choice: with
-        tools, the model may call them."""
+    def image_inputs(self) -> list[ImageInput]:
+        """The images the messages send, in order."""
+        return [
+            image
+            for i, m in enumerate(self.messages)
+            for image in m.image_inputs(f"messages.{i}.images")
+        ]
+
+    def task_fields(self, images: Images = NO_IMAGES) -> dict[str, Any]:
+        """What the task carries besides its model and ids (``images``: the request's, read).
+        Ollama has no tool_choice: with tools, the model may call them."""
         tools = [
             Tool(
                 name=t.function.name,
@@ -311,7 +343,7 @@ class ChatRequest(_Generation):
         ]
         return {
             "kind": "chat",
-            "messages": chat_messages(self.messages),
+            "messages": chat_messages(self.messages, images),
             "params": self.sampling(),
             "tools": tools,
             "tool_choice": ToolChoice(mode="auto" if tools else "none"),
@@ -332,6 +364,8 @@ class GenerateRequest(_Generation):
     template: str | None = None
     context: list[int] | None = None
     images: list[str] | None = None
+    # Its images, as its validation read them.
+    _images: list[ImageInput] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _supported(self) -> GenerateRequest:
@@ -347,8 +381,12 @@ class GenerateRequest(_Generation):
                 "context is not supported: Shoal keeps no conversation between"
                 " requests; send the conversation to /api/chat"
             )
-        if self.images:
-            raise ValueError("images are not supported: the models Shoal serves read text only")
+        if self.images and self.raw:
+            raise ValueError(
+                "images with raw: true are not supported: a raw prompt has no place for them"
+                " (send them without raw, or to /api/chat)"
+            )
+        self._images = _read(self.images)
         if self.raw and self.system:
             raise ValueError(
                 "system with raw: true: a raw prompt is given to the model as it"
@@ -361,9 +399,14 @@ class GenerateRequest(_Generation):
             )
         return self
 
-    def task_fields(self) -> dict[str, Any]:
+    def image_inputs(self) -> list[ImageInput]:
+        """The images sent with the prompt, in order."""
+        return [replace(image, where=f"images.{j}") for j, image in enumerate(self._images)]
+
+    def task_fields(self, images: Images = NO_IMAGES) -> dict[str, Any]:
         """A raw prompt is a completion; otherwise the prompt (and system) are a chat, which
-        is what Ollama does: it puts them through the model's template."""
+        is what Ollama does: it puts them through the model's template (its images, ``images``
+        read, before the prompt's text)."""
         fields: dict[str, Any] = {
             "params": self.sampling(),
             "logprobs": self.logprob_count(),
@@ -374,9 +417,11 @@ class GenerateRequest(_Generation):
         if self.raw:
             return fields | {"kind": "completion", "prompt": self.prompt or ""}
         system = [ChatMessage(role="system", content=self.system)] if self.system else []
+        placed = [images.at(image, 0) for image in self._images]
+        user = ChatMessage(role="user", content=self.prompt or "", images=placed)
         return fields | {
             "kind": "chat",
-            "messages": [*system, ChatMessage(role="user", content=self.prompt or "")],
+            "messages": [*system, user],
             "response_format": response_format(self.format),
         }
 

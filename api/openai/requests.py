@@ -8,11 +8,14 @@ not define, as other servers do.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from api.body import Count, JsonSchema, RequestBody, ToolParameters
+from api.images.inputs import ImageInput, image_url
+from api.images.placed import NO_IMAGES, Images
 from api.thinking import Effort, TemplateKwargs, effort_budget, effort_thinks
 from bus.records import (
     INT32_MAX,
@@ -31,12 +34,24 @@ MAX_TOOLS = 128
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
+class ImageUrl(RequestBody):
+    url: str
+    detail: str | None = None  # the model reads the image as it is, whatever the detail
+
+
 class ContentPart(RequestBody):
-    """A part of a message's content. Only text can be read; any other kind is refused by the
-    message that holds it, with a message saying so."""
+    """A part of a message's content: text, or a user's image (``image_url``). Any other kind
+    is refused by the message that holds it, with a message saying so."""
 
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
+    # The image an image_url part sends, as its message's validation read it.
+    _image: ImageInput | None = PrivateAttr(default=None)
+
+    def piece(self) -> str | ImageInput:
+        """What the part adds to its message's content: its text, or its image."""
+        return self._image if self._image is not None else self.text or ""
 
 
 class FunctionCall(RequestBody):
@@ -50,11 +65,10 @@ class ToolCallIn(RequestBody):
     function: FunctionCall
 
 
-# Content kinds a text model cannot take: the answer would be about something it never saw.
+# Content kinds the models cannot take: the answer would be about something they never saw.
 _UNREADABLE = {
-    "image_url": "an image",
-    "input_image": "an image",
-    "image": "an image",
+    "input_image": "an image in the Responses API's shape",
+    "image": "an image in Anthropic's shape",
     "input_audio": "audio",
     "audio": "audio",
     "file": "a file",
@@ -78,10 +92,19 @@ class Message(RequestBody):
             what = _UNREADABLE.get(part.type)
             if what is not None:
                 raise ValueError(
-                    f"content[{i}] is {what} ({part.type!r}), and the models Shoal serves read"
-                    " text only: send text parts"
+                    f"content[{i}] is {what} ({part.type!r}), which Shoal does not take here:"
+                    " send text parts, and images as image_url parts"
                 )
-            if part.type not in ("text", "refusal") or part.text is None:
+            if part.type == "image_url":
+                if self.role != "user":
+                    raise ValueError(f"content[{i}]: only a user message may hold an image")
+                if part.image_url is None:
+                    raise ValueError(f"content[{i}]: an image_url part needs its image_url")
+                try:
+                    part._image = image_url(part.image_url.url)
+                except ValueError as exc:
+                    raise ValueError(f"content[{i}]: {exc}") from None
+            elif part.type not in ("text", "refusal") or part.text is None:
                 raise ValueError(f"content[{i}]: a part of type {part.type!r} is not supported")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
@@ -89,22 +112,29 @@ class Message(RequestBody):
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text or "" for p in self.content)
+    def images(self, index: int) -> list[ImageInput]:
+        """The images the message sends (message ``index`` of the request's)."""
+        parts = self.content if isinstance(self.content, list) else []
+        return [
+            replace(p._image, where=f"messages.{index}.content.{j}")
+            for j, p in enumerate(parts)
+            if p._image is not None
+        ]
 
-    def chat_message(self) -> ChatMessage:
+    def chat_message(self, images: Images = NO_IMAGES) -> ChatMessage:
         calls = [
             ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
             for c in self.tool_calls or []
         ]
+        if isinstance(self.content, list):
+            content, placed = images.placed(p.piece() for p in self.content)
+        else:
+            content, placed = self.content or "", []
         # "developer" is the newer name for the system role.
         return ChatMessage(
             role="system" if self.role == "developer" else self.role,
-            content=self.text(),
+            content=content,
+            images=placed,
             name=self.name,
             tool_calls=calls,
             tool_call_id=self.tool_call_id,
@@ -290,8 +320,13 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("tool_choice 'required' needs tools")
         return self
 
-    def chat_messages(self) -> list[ChatMessage]:
-        return [m.chat_message() for m in self.messages]
+    def image_inputs(self) -> list[ImageInput]:
+        """The images the messages send, in order."""
+        return [image for i, m in enumerate(self.messages) for image in m.images(i)]
+
+    def chat_messages(self, images: Images = NO_IMAGES) -> list[ChatMessage]:
+        """The messages, with ``images`` (``image_inputs``, read) in their places."""
+        return [m.chat_message(images) for m in self.messages]
 
     def sampling(self) -> SamplingParams:
         return self.params(self.max_completion_tokens or self.max_tokens)

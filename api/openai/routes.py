@@ -11,6 +11,8 @@ from api import projection
 from api.anthropic.messages import model_entry, model_list
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError, error_body
+from api.images.loading import request_images
+from api.model_list import Askable, askable
 from api.model_names import names_from
 from api.openai.requests import ChatCompletionRequest, CompletionRequest, choice_params
 from api.openai.shapes import (
@@ -28,6 +30,7 @@ from api.task_stream import TaskStream
 from api.thinking import shown
 from bus.events import ChunkGenerated, TaskCreated, new_id
 from bus.records import Usage
+from services.models.catalogue import builtin_cards
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]
@@ -37,12 +40,13 @@ Ctx = Annotated[ApiContext, Depends(context)]
 async def list_models(
     ctx: Ctx, anthropic_version: Annotated[str | None, Header()] = None
 ) -> dict[str, Any]:
-    """Models known to the cluster, and the aliases clients may call them by, in OpenAI's list
+    """Every model a client can ask for (api/model_list.py): those the cluster knows, the
+    aliases clients may call them by and the catalogue's cards not added yet, in OpenAI's list
     shape, or in Anthropic's to its SDK (which always sends ``anthropic-version``)."""
     listed = await _listed(ctx)
     if anthropic_version is not None:
-        return model_list([(name, created) for name, _, created, _ in listed])
-    return {"object": "list", "data": [_model(*entry) for entry in listed]}
+        return model_list([(entry.name, entry.created) for entry in listed])
+    return {"object": "list", "data": [_model(entry) for entry in listed]}
 
 
 @router.get("/models/{model}")
@@ -51,27 +55,26 @@ async def get_model(
 ) -> dict[str, Any]:
     """One model or alias (the SDKs' ``models.retrieve``)."""
     for entry in await _listed(ctx):
-        if entry[0] == model:
-            return model_entry(model, entry[2]) if anthropic_version else _model(*entry)
+        if entry.name == model:
+            return model_entry(model, entry.created) if anthropic_version else _model(entry)
     raise ApiError(
         404, f"The model `{model}` does not exist", param="model", code="model_not_found"
     )
 
 
-async def _listed(ctx: ApiContext) -> list[tuple[str, str, int, bool]]:
-    """(name, model id, when the model was added, whether it is loaded) of every name clients
-    may use (a model not loaded is loaded when asked for)."""
+async def _listed(ctx: ApiContext) -> list[Askable]:
     state = await projection.cluster(ctx.engine)
     names = names_from(state, ctx.config.aliases, ctx.config.default_model)
-    created = {m.model_id: int(m.added_at.timestamp()) if m.added_at else 0 for m in state.models()}
-    loaded = projection.loaded_models(state)
-    return [(n, m, created.get(m, 0), m in loaded) for n, m in names.listed()]
+    return askable(state, names, builtin_cards())
 
 
-def _model(name: str, model: str, created: int, loaded: bool) -> dict[str, Any]:
-    alias = {} if name == model else {"alias_of": model}
-    entry = {"id": name, "object": "model", "owned_by": "shoal", "created": created}
-    return entry | alias | {"loaded": loaded}
+def _model(entry: Askable) -> dict[str, Any]:
+    """OpenAI's model object, with Shoal's fields: ``alias_of`` (an alias's model), ``loaded``
+    (an instance serves it now; any other loads when asked for) and ``added`` (the cluster has
+    it; else a catalogue card, fetched when first asked for)."""
+    alias = {} if entry.alias_of is None else {"alias_of": entry.alias_of}
+    made = {"id": entry.name, "object": "model", "owned_by": "shoal", "created": entry.created}
+    return made | alias | {"loaded": entry.loaded, "added": entry.added}
 
 
 @router.post("/chat/completions", response_model=None)
@@ -90,19 +93,20 @@ async def serve_chat(
     ctx: ApiContext, body: ChatCompletionRequest
 ) -> JSONResponse | StreamingResponse:
     model_id = await ctx.resolve_model(body.model)
+    images = await request_images(ctx, model_id, body.image_inputs())
     task = TaskCreated(
         task_id=new_id(),
         model_id=model_id,
         origin=ctx.origin,
         kind="chat",
-        messages=body.chat_messages(),
+        messages=body.chat_messages(images),
         params=body.sampling(),
         user=body.user,
         **body.task_fields(),
     )
     shape = Shape(f"chatcmpl-{task.task_id}", body.model or model_id, chat=True)
     out = _ChatOut(shape, bool(body.logprobs), body.include_usage, shown(task.thinking))
-    return await serve(ctx, _choices(task, body.n), body.stream, out)
+    return await serve(ctx, _choices(task, body.n), body.stream, out, images)
 
 
 async def serve_completion(

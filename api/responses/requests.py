@@ -5,7 +5,7 @@ a ``TaskCreated``: input items as chat messages, function tools, ``tool_choice``
 
 Every field that changes the answer is honoured or refused with a 400 that names it: built-in
 tools (web search, file search, computer use...), reasoning summaries, ``include`` of what
-Shoal cannot produce, images and files, item references, prompt templates, conversations.
+Shoal cannot produce, files and audio, item references, prompt templates, conversations.
 Fields that do not change it (``metadata``, ``user``, ``service_tier``,
 ``prompt_cache_key``...) are accepted. ``reasoning.effort`` "none" turns a thinking model's
 thinking off, any other effort on, with that effort's budget (``api/thinking.py``); a
@@ -16,12 +16,15 @@ drops.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from api.body import Count, JsonSchema, RequestBody, ToolParameters
 from api.errors import ApiError
+from api.images.inputs import ImageInput, image_url
+from api.images.placed import NO_IMAGES, Images
 from api.openai.requests import MAX_TOOLS, FunctionName
 from api.thinking import Effort, effort_budget, effort_thinks
 from bus.events import TaskCreated, new_id
@@ -31,8 +34,8 @@ from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolC
 RESPONSE_PREFIX = "resp_"
 MAX_METADATA = 16
 
-# Content kinds a text model cannot take, and kinds of input items Shoal never makes.
-_UNREADABLE = {"input_image": "an image", "input_file": "a file", "input_audio": "audio"}
+# Content kinds the models cannot take, and kinds of input items Shoal never makes.
+_UNREADABLE = {"input_file": "a file", "input_audio": "audio"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 _ITEM_REFUSALS = {
     "item_reference": "item references are not supported: send the items themselves, or"
@@ -45,28 +48,54 @@ class ContentPart(RequestBody):
     type: str
     text: str | None = None
     refusal: str | None = None
+    # An input_image's: a data URL or an http(s) one (a file id is refused), and its detail
+    # (the model reads the image as it is, whatever the detail).
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+    # Its image, as its item's validation read it.
+    _image: ImageInput | None = PrivateAttr(default=None)
+
+    def piece(self) -> str | ImageInput:
+        """What the part adds to its message: its text, or its image."""
+        if self._image is not None:
+            return self._image
+        return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
-def _parts(content: str | list[ContentPart], where: str) -> str:
-    """The text of a message's content (or of a function call's output), refusing what a text
-    model cannot read."""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for i, part in enumerate(content):
+def _check_parts(content: str | list[ContentPart], where: str, images: bool) -> None:
+    """Refuse what the models cannot read in a message's content (or a function call's
+    output); ``images``: whether it may hold images (a user's message)."""
+    for i, part in enumerate(content if isinstance(content, list) else []):
         what = _UNREADABLE.get(part.type)
         if what is not None:
             raise ValueError(
-                f"{where}[{i}] is {what} ({part.type!r}), and the models Shoal"
-                " serves read text only: send input_text parts"
+                f"{where}[{i}] is {what} ({part.type!r}), which Shoal does not take: send"
+                " input_text parts, and images as input_image parts"
             )
-        if part.type == "refusal":
-            texts.append(part.refusal or "")
-        elif part.type in _TEXT_PARTS and part.text is not None:
-            texts.append(part.text)
-        else:
+        if part.type == "input_image":
+            if not images:
+                raise ValueError(f"{where}[{i}]: only a user message may hold an image")
+            if part.image_url is None:
+                raise ValueError(
+                    f"{where}[{i}]: an input_image needs its image_url (file ids are not"
+                    " supported: Shoal keeps no files)"
+                )
+            try:
+                part._image = image_url(part.image_url)
+            except ValueError as exc:
+                raise ValueError(f"{where}[{i}]: {exc}") from None
+        elif not (part.type == "refusal" or (part.type in _TEXT_PARTS and part.text is not None)):
             raise ValueError(f"{where}[{i}]: a part of type {part.type!r} is not supported")
-    return "".join(texts)
+
+
+def _pieces(content: str | list[ContentPart]) -> list[str | ImageInput]:
+    """A checked content's text and images, in order."""
+    return [content] if isinstance(content, str) else [p.piece() for p in content]
+
+
+def _text(content: str | list[ContentPart]) -> str:
+    return "".join(p for p in _pieces(content) if isinstance(p, str))
 
 
 class InputItem(RequestBody):
@@ -91,14 +120,14 @@ class InputItem(RequestBody):
         if self.type == "message":
             if self.role is None or self.content is None:
                 raise ValueError("a message item needs its role and content")
-            _parts(self.content, "content")
+            _check_parts(self.content, "content", images=self.role == "user")
         elif self.type == "function_call":
             if not self.call_id or not self.name:
                 raise ValueError("a function_call item needs its call_id and name")
         elif self.type == "function_call_output":
             if not self.call_id or self.output is None:
                 raise ValueError("a function_call_output item needs its call_id and output")
-            _parts(self.output, "output")
+            _check_parts(self.output, "output", images=False)
         elif self.type == "reasoning":
             for i, part in enumerate(self.content if isinstance(self.content, list) else []):
                 if part.type != "reasoning_text":
@@ -115,7 +144,16 @@ class InputItem(RequestBody):
             parts = self.content if isinstance(self.content, list) else []
             return "".join(p.text or "" for p in parts)
         body = self.content if self.type == "message" else self.output
-        return _parts(body, "content") if body is not None else ""
+        return _text(body) if body is not None else ""
+
+    def images(self, index: int) -> list[ImageInput]:
+        """The images the item sends (item ``index`` of the input)."""
+        parts = self.content if self.type == "message" and isinstance(self.content, list) else []
+        return [
+            replace(p._image, where=f"input.{index}.content.{j}")
+            for j, p in enumerate(parts)
+            if p._image is not None
+        ]
 
 
 class FunctionTool(RequestBody):
@@ -290,8 +328,13 @@ class ResponsesBody(RequestBody):
             raise ValueError("tool_choice 'required' needs tools")
         return self
 
-    def input_messages(self) -> list[ChatMessage]:
-        return chat_messages(self.input)
+    def image_inputs(self) -> list[ImageInput]:
+        """The images the input sends, in order."""
+        return [image for i, item in enumerate(self.input) for image in item.images(i)]
+
+    def input_messages(self, images: Images = NO_IMAGES) -> list[ChatMessage]:
+        """The input as messages, with ``images`` (``image_inputs``, read) in their places."""
+        return chat_messages(self.input, images)
 
     def task_fields(self) -> dict[str, Any]:
         """What the task carries besides its messages and sampling."""
@@ -423,10 +466,11 @@ _ROLES: dict[str, Literal["system", "user", "assistant"]] = {
 }
 
 
-def chat_messages(items: Iterable[InputItem]) -> list[ChatMessage]:
+def chat_messages(items: Iterable[InputItem], images: Images = NO_IMAGES) -> list[ChatMessage]:
     """Input items as the messages of a chat: a function call joins the assistant message it
     follows (calls the model made together are one message), its output is a tool message; a
-    reasoning item is the thinking of the assistant turn that follows it."""
+    reasoning item is the thinking of the assistant turn that follows it. A user message's
+    images are ``images``' records of them."""
     out: list[ChatMessage] = []
     thought = ""  # a reasoning item's, for the next assistant turn
     for item in items:
@@ -447,7 +491,8 @@ def chat_messages(items: Iterable[InputItem]) -> list[ChatMessage]:
         else:
             role = _ROLES[item.role or "user"]
             reasoning = (thought or None) if role == "assistant" else None
-            out.append(ChatMessage(role=role, content=item.text(), reasoning=reasoning))
+            content, placed = images.placed(_pieces(item.content or ""))
+            out.append(ChatMessage(role=role, content=content, images=placed, reasoning=reasoning))
             thought = ""  # a thinking no assistant turn followed is dropped
     return out
 
@@ -464,10 +509,13 @@ def require_answered_calls(conversation: list[ChatMessage]) -> None:
             )
 
 
-def continued(previous: list[ChatMessage], body: ResponsesBody) -> list[ChatMessage]:
+def continued(
+    previous: list[ChatMessage], body: ResponsesBody, images: Images = NO_IMAGES
+) -> list[ChatMessage]:
     """The conversation of a request: the one it continues (its previous response's, output
-    included), then its input; each function call output answers a call of it."""
-    conversation = previous + body.input_messages()
+    included), then its input (with ``images``, its images read); each function call output
+    answers a call of it."""
+    conversation = previous + body.input_messages(images)
     require_answered_calls(conversation)
     return conversation
 
@@ -552,7 +600,23 @@ def input_items(items: list[InputItem], task_id: str) -> list[dict[str, Any]]:
                     "id": item_id,
                     "role": role,
                     "status": "completed",
-                    "content": [part],
+                    "content": _listed_parts(item) if item.images(i) else [part],
                 }
             )
     return out
+
+
+def _listed_parts(item: InputItem) -> list[dict[str, Any]]:
+    """A user message's text and images, as input items list them: an image by its URL, or
+    (sent as data, which a stored item does not repeat) by none."""
+    listed: list[dict[str, Any]] = []
+    for part in item.content if isinstance(item.content, list) else []:
+        if part._image is not None:
+            url = part._image.url
+            detail = part.detail if part.detail in ("low", "high", "auto") else "auto"
+            listed.append(
+                {"type": "input_image", "image_url": url, "file_id": None, "detail": detail}
+            )
+        else:
+            listed.append({"type": "input_text", "text": _text([part])})
+    return listed

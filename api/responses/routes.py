@@ -23,6 +23,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from api import admission, keys
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
+from api.images.loading import request_images, stored_images
+from api.images.placed import Images
 from api.responses import store as response_store
 from api.responses.counting import count_question, input_tokens
 from api.responses.requests import (
@@ -63,7 +65,9 @@ async def count_input_tokens(body: ResponsesBody, ctx: Ctx) -> Json:
     continues), counted by a runner of the model without generating
     (``api/tokenizer/asking.py``): the API has no tokenizer."""
     model_id = await ctx.resolve_model(body.model)
-    conversation = continued(await _previous(ctx, body.previous_response_id), body)
+    previous = await _previous(ctx, body.previous_response_id)
+    images = await stored_images(ctx, model_id, body.image_inputs())
+    conversation = continued(previous, body, images)
     question = count_question(body, conversation, model_id, ctx.origin)
     counted = await ask(ctx, model_id, question, "input")
     return input_tokens(counted)
@@ -158,7 +162,9 @@ async def serve_responses(
     ctx: ApiContext, body: ResponsesRequest
 ) -> JSONResponse | StreamingResponse:
     model_id = await ctx.resolve_model(body.model)
-    conversation = continued(await _previous(ctx, body.previous_response_id), body)
+    previous = await _previous(ctx, body.previous_response_id)
+    images = await request_images(ctx, model_id, body.image_inputs())
+    conversation = continued(previous, body, images)
     task = chat_task(body, conversation, model_id, ctx.origin, body.sampling(), body.user)
     head = Head(
         RESPONSE_PREFIX + task.task_id,
@@ -170,8 +176,8 @@ async def serve_responses(
     keep = _keeper(ctx, head, task, input_items(body.input, task.task_id), conversation)
     out = ResponsesOut(head, body.stream, keep if body.keep else None, shown(task.thinking))
     if body.background:
-        return await _in_background(ctx, task, out, keep)
-    return await serve(ctx, [task], body.stream, out)
+        return await _in_background(ctx, task, out, keep, images)
+    return await serve(ctx, [task], body.stream, out, images)
 
 
 async def _previous(ctx: ApiContext, response_id: str | None) -> list[ChatMessage]:
@@ -225,7 +231,7 @@ def _keeper(
 
 
 async def _in_background(
-    ctx: ApiContext, task: TaskCreated, out: ResponsesOut, keep: Keep
+    ctx: ApiContext, task: TaskCreated, out: ResponsesOut, keep: Keep, images: Images
 ) -> JSONResponse:
     """Answer at once with the queued response, and serve it here meanwhile."""
     staged(ctx, task, out.too_large_param)  # a 413 now, not in the background
@@ -241,16 +247,18 @@ async def _in_background(
             "the response could not be stored on the event log, and a background response must be",
             code="log_unavailable",
         )
-    running = asyncio.get_running_loop().create_task(_background(ctx, task, out, keep))
+    running = asyncio.get_running_loop().create_task(_background(ctx, task, out, keep, images))
     _RUNNING.add(running)
     running.add_done_callback(_RUNNING.discard)
     return JSONResponse(queued)
 
 
-async def _background(ctx: ApiContext, task: TaskCreated, out: ResponsesOut, keep: Keep) -> None:
+async def _background(
+    ctx: ApiContext, task: TaskCreated, out: ResponsesOut, keep: Keep, images: Images
+) -> None:
     admission.in_background()
     try:
-        await serve(ctx, [task], False, out)  # stores the response when done (out.done)
+        await serve(ctx, [task], False, out, images)  # stores the response when done (out.done)
     except ApiError as err:
         await keep(failed_response(out.head, err), None)
     except Exception:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
+from api.images.loading import stored_images
 from api.tokenizer.asking import ask
 from api.tokenizer.shapes import (
     DetokenizeBody,
@@ -41,7 +42,8 @@ async def tokenize(body: Annotated[dict[str, Any], Body()], ctx: Ctx) -> dict[st
         raise ApiError(400, str(exc), param="content") from None
     model_id = await ctx.resolve_model(parsed.model)
     if isinstance(parsed, VllmTokenizeChat):
-        question = parsed.ask(model_id, ctx.origin)
+        images = await stored_images(ctx, model_id, parsed.image_inputs())
+        question = parsed.ask(model_id, ctx.origin, images)
         answer = await ask(ctx, model_id, question, "messages")
     else:
         param = "content" if isinstance(parsed, LlamaTokenize) else "prompt"

@@ -22,6 +22,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from api.body import RequestBody
+from api.images.placed import NO_IMAGES, Images
 from api.openai.requests import ChatCompletionRequest
 from bus.events import TaskCreated, new_id
 from bus.tokenizer import Detokenize, TokenizeChat, TokenizerAnswer, TokenizeText
@@ -91,13 +92,14 @@ class VllmTokenizeChat(ChatCompletionRequest):
             )
         return self
 
-    def ask(self, model_id: str, origin: str) -> TokenizeChat:
+    def ask(self, model_id: str, origin: str, images: Images = NO_IMAGES) -> TokenizeChat:
+        """``images``: ``image_inputs``, read (and stored: the runner reads them)."""
         task = TaskCreated(
             task_id=new_id(),
             model_id=model_id,
             origin=origin,
             kind="chat",
-            messages=self.chat_messages(),
+            messages=self.chat_messages(images),
             params=self.sampling(),
             **self.task_fields(),
         )

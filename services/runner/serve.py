@@ -66,6 +66,7 @@ from services.runner.generation import (
     check_request,
     steps,
 )
+from services.runner.images import images_for
 from services.runner.job import prepare, prompt_scored
 from services.runner.state_reporter import RunnerIdentity, StateReporter
 from services.runner.step_feed import StepFeed
@@ -378,6 +379,7 @@ class TaskServer(TaskPuller):
         attempt of the task exists."""
         engine, me = self._engine, self._me
         task = await resolved(self._parts, task)  # its messages and tools, stored as parts
+        await images_for(self._parts, engine, task)  # refused: no engine reads them yet
         job = prepare(engine, task)
         prompt = job.prompt
         limit = check_request(len(prompt), task.params, engine.n_ctx, echo=task.echo)

@@ -24,9 +24,11 @@ class ApiStack:
     db_url: str
     procs: Processes
 
-    def start_api(self, name: str, *extra: str) -> str:
+    def start_api(self, name: str, *extra: str, load_on_demand: bool = False) -> str:
         """Another `shoal api` process on the same NATS and database; returns its URL. Without
-        loading models on demand: these stacks' nodes are events, with no worker to load one."""
+        loading models on demand unless asked: these stacks' nodes are events, with no worker
+        to load one (what a load asks for, or why it cannot be placed, is what such a test
+        sees)."""
         port = free_port("127.0.0.1")
         self.procs.start(
             name,
@@ -37,7 +39,7 @@ class ApiStack:
             self.db_url,
             "--port",
             str(port),
-            "--no-load-on-demand",
+            "--load-on-demand" if load_on_demand else "--no-load-on-demand",
             *extra,
         )
         return f"http://127.0.0.1:{port}"

@@ -22,6 +22,7 @@ from bus.events import (
 from bus.publisher import Publisher
 from bus.records import NodeProfile
 from bus.units import MiB
+from services.models.catalogue import builtin_cards
 from tests.api.conftest import ApiStack, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -58,6 +59,12 @@ async def _until(client: httpx.AsyncClient, path: str, check: Any, timeout: floa
             await asyncio.sleep(0.1)
 
 
+def _added(listed: dict[str, Any]) -> list[str]:
+    """The names of ``GET /v1/models`` whose model the cluster has (the rest: catalogue cards
+    not added yet)."""
+    return [m["id"] for m in listed.get("data", []) if m["added"]]
+
+
 def _error(r: httpx.Response, status: int) -> dict[str, Any]:
     assert r.status_code == status, r.text
     err: dict[str, Any] = r.json()["error"]
@@ -73,7 +80,20 @@ async def test_cluster_endpoints_and_why_a_model_cannot_answer(
     )
     await _cluster(js)
     async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
-        await _until(client, "/v1/models", lambda b: [m["id"] for m in b["data"]] == ["m"])
+        listed = await _until(client, "/v1/models", lambda b: _added(b) == ["m"])
+        # The catalogue's cards are listed too, not added: a request for one would load it.
+        cards = {m["id"]: m for m in listed["data"] if not m["added"]}
+        assert set(cards) == set(builtin_cards())
+        assert cards["smollm2-135m"] == {
+            "id": "smollm2-135m",
+            "object": "model",
+            "owned_by": "shoal",
+            "created": 0,
+            "loaded": False,
+            "added": False,
+        }
+        card = (await client.get("/v1/models/gemma3-270m")).json()  # models.retrieve
+        assert (card["id"], card["added"], card["loaded"]) == ("gemma3-270m", False, False)
         assert (await client.get("/healthz")).json()["status"] == "ok"
 
         err = _error(await client.post("/v1/chat/completions", json=CHAT), 503)
@@ -207,8 +227,8 @@ async def test_model_names_aliases_default_cors_and_health(
         # Anthropic's SDK sends its key as x-api-key.
         assert (await client.get("/v1/models", headers={"x-api-key": "wrong"})).status_code == 401
         client.headers.update({"x-api-key": "k1"})
-        body = await _until(client, "/v1/models", lambda b: len(b.get("data", [])) == 3)
-        assert {m["id"]: m.get("alias_of") for m in body["data"]} == {
+        body = await _until(client, "/v1/models", lambda b: len(_added(b)) == 3)
+        assert {m["id"]: m.get("alias_of") for m in body["data"] if m["added"]} == {
             "m": None,
             "gpt-x": "m",
             "from-instance": "m",
@@ -228,7 +248,7 @@ async def test_model_names_aliases_default_cors_and_health(
         await Publisher(js).publish(
             InstanceRequested(instance_id="m2-1", model_id="m2", origin="test")
         )
-        await _until(client, "/v1/models", lambda b: len(b.get("data", [])) == 4)
+        await _until(client, "/v1/models", lambda b: len(_added(b)) == 4)
         await asyncio.sleep(1.1)  # the names read a moment ago are forgotten
         err = _error(
             await client.post("/v1/chat/completions", json={"messages": CHAT["messages"]}), 400

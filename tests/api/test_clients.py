@@ -413,7 +413,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(client: openai.OpenAI) -> No
     ]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=image)
-    assert "image" in str(err.value) and err.value.param == "messages.0"
+    assert "image" in str(err.value) and err.value.param == "messages.0.content.1"
     schema: dict[str, object] = {
         "type": "object",
         "properties": {"age": {"type": "integer", "minimum": 0}},

@@ -579,8 +579,11 @@ _BAD = [
     pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "n": 9}, "n",
                  "less than or equal to 8", id="n-9"),
     pytest.param(CHAT, {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}, "messages.0",
-        "an image", id="image-part"),
+        {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+        "messages.0.content.0", "does not fetch image URLs", id="image-url-not-fetched"),
+    pytest.param(CHAT, {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+        "messages.0.content.0", "the image cannot be read", id="image-unreadable"),
     pytest.param(CHAT, {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
         "messages.0", "audio", id="audio-part"),

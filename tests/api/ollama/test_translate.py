@@ -161,7 +161,8 @@ def test_options_that_would_change_the_answer_unheard_are_refused() -> None:
 
 
 def test_what_shoal_cannot_do_is_a_named_refusal() -> None:
-    assert "images" in refused(chat, messages=[{"role": "user", "content": "?", "images": ["x"]}])
+    said = refused(chat, messages=[{"role": "assistant", "content": "?", "images": ["aGk="]}])
+    assert "only a user message may hold images" in said
     assert "think" in refused(chat, think="extreme")
     assert chat(think=True).task_fields()["thinking"] is True
     assert chat(think=False).task_fields()["thinking"] is False
@@ -281,7 +282,7 @@ def test_generate_refuses_what_it_would_have_to_ignore() -> None:
     assert "suffix" in refused(generate, suffix="}")
     assert "template" in refused(generate, template="{{ .Prompt }}")
     assert "context" in refused(generate, context=[1, 2, 3])
-    assert "images" in refused(generate, images=["aGk="])
+    assert "images with raw" in refused(generate, images=["aGk="], raw=True)
     assert "system with raw" in refused(generate, raw=True, system="x")
     assert "format with raw" in refused(generate, raw=True, format="json")
 

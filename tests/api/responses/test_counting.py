@@ -108,8 +108,8 @@ def test_what_the_count_cannot_honour_is_refused() -> None:
     assert "needs tools" in refusal(tool_choice="required")
     assert "reasoning summary" in refusal(reasoning={"summary": "detailed"})
     assert "input is empty" in refusal(input=[])
-    picture = {"type": "input_image", "image_url": "https://example.com/a.png"}
-    assert "an image" in refusal(input=[{"role": "user", "content": [picture]}])
+    picture = {"type": "input_image", "file_id": "file_1"}
+    assert "file ids are not supported" in refusal(input=[{"role": "user", "content": [picture]}])
     # An output answering no call of the conversation: OpenAI's 400, about the input.
     body = ResponsesBody.model_validate(
         {"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}

@@ -394,7 +394,7 @@ def test_errors_are_the_sdks_own(client: openai.OpenAI, up_cluster: UpCluster) -
     assert search.value.body["param"].startswith("tools")  # type: ignore[index]
     picture = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}
     image: Any = [{"role": "user", "content": [picture]}]
-    with pytest.raises(openai.BadRequestError, match="an image"):
+    with pytest.raises(openai.BadRequestError, match="does not fetch image URLs"):
         client.responses.create(model=up_cluster.model, input=image)
     with pytest.raises(openai.BadRequestError, match="reasoning summary"):
         client.responses.create(

@@ -1,0 +1,224 @@
+"""Per-model defaults for models loaded on demand (``shoal api`` and ``shoal up``'s
+``--model-defaults FILE``), as llama-server's router mode takes a file of per-model settings
+(``--models-preset``) and Ollama a model's parameters: a JSON object keyed by the name a client
+asks for the model by (an id, ``name:latest``, an alias), each entry with any of
+
+- ``keep_alive``: how long an instance of it loaded on demand stays loaded once idle, as
+  Ollama's ``keep_alive`` (seconds, ``"10m"``, ``"1h"``; ``0``: unloaded after each request;
+  negative: kept, though still unloaded to make room). A request's own ``keep_alive`` wins.
+- ``pinned``: ``true``: an instance of it loaded on demand is never unloaded, neither when idle
+  nor to make room (as one asked for explicitly); not with ``keep_alive``.
+- ``placement``: a placement spec (services/planner/placement_spec.py), as an object or as its
+  JSON text: the instance of a role it has an entry for is placed so; another role's, as usual.
+- ``context_length``: the context of its instances, in tokens.
+
+Pure: text in, ``ModelDefaults`` out, or ``ModelDefaultsError`` naming the model and the key
+at fault. Nothing here checks that a model exists (it may be added later) or that the
+placement's nodes do (the planner does, when the model is loaded).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from bus.kinds import InstanceRole
+from bus.records import INT32_MAX
+from services.planner.on_demand import parse_keep_alive
+from services.planner.placement_spec import (
+    PlacementSpec,
+    PlacementSpecError,
+    parse_placement_spec,
+)
+
+KEYS = ("keep_alive", "pinned", "placement", "context_length")
+EXAMPLE = (
+    '{"qwen3-8b": {"keep_alive": "30m", "context_length": 8192}, "smollm2-135m": {"pinned": true}}'
+)
+
+
+class ModelDefaultsError(ValueError):
+    """A defaults file that cannot be used; the message names the model and the key."""
+
+
+@dataclass(frozen=True)
+class ModelDefault:
+    """One model's defaults (None, False: not given)."""
+
+    keep_alive_s: float | None = None
+    pinned: bool = False
+    placement: PlacementSpec | None = None
+    context_length: int | None = None
+
+    def placement_for(self, role: InstanceRole) -> str | None:
+        """The placement of an instance in ``role``, as ``InstanceRequested.placement`` takes
+        it: the spec's entry for that role alone; None when it has none (placed as usual)."""
+        if self.placement is None or role not in self.placement.roles:
+            return None
+        return PlacementSpec({role: self.placement.roles[role]}).to_json()
+
+    def keep_alive_for(self, asked_s: float | None) -> float | None:
+        """The keep-alive of an instance loaded on demand: the request's own, else this one's
+        (None: the planners' default)."""
+        return asked_s if asked_s is not None else self.keep_alive_s
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """Every model's defaults, by the name the file gives it."""
+
+    by_name: Mapping[str, ModelDefault] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_name", MappingProxyType(dict(self.by_name)))
+
+    def for_model(self, model_id: str, resolve: Callable[[str], str]) -> ModelDefault | None:
+        """The defaults of ``model_id``: its own entry, else the first (by name) whose name
+        ``resolve`` (the API's: aliases, ``:latest``) takes to it; None: it has none."""
+        own = self.by_name.get(model_id)
+        if own is not None:
+            return own
+        for name in sorted(self.by_name):
+            if resolve(name) == model_id:
+                return self.by_name[name]
+        return None
+
+
+def parse_model_defaults(text: str, aliases: Mapping[str, str] | None = None) -> ModelDefaults:
+    """The defaults a file's ``text`` gives. ``aliases`` (the API's own, alias -> model id)
+    tell two names of one model apart from two models: one model given defaults twice is
+    refused."""
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicates)
+    except ModelDefaultsError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise ModelDefaultsError(f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelDefaultsError(
+            f"the file is a JSON object keyed by model name, e.g. {EXAMPLE}, not {_kind(data)}"
+        )
+    named: dict[str, str] = {}  # model id -> the name that gave it defaults
+    out: dict[str, ModelDefault] = {}
+    for name, entry in data.items():
+        if not name.strip() or name != name.strip():
+            raise ModelDefaultsError(f"model {name!r}: a model's name, without spaces around it")
+        model_id = _model_id(name, aliases or {})
+        if model_id in named:
+            raise ModelDefaultsError(
+                f"models {named[model_id]!r} and {name!r} are the same model ({model_id}):"
+                " give its defaults once"
+            )
+        named[model_id] = name
+        try:
+            out[name] = _entry(entry)
+        except ModelDefaultsError as exc:
+            raise ModelDefaultsError(f"model {name!r}: {exc}") from None
+    return ModelDefaults(out)
+
+
+def _entry(entry: object) -> ModelDefault:
+    if not isinstance(entry, dict):
+        raise ModelDefaultsError(
+            f"its defaults are a JSON object with any of {', '.join(KEYS)}, e.g."
+            f' {{"keep_alive": "10m"}}, not {_kind(entry)}'
+        )
+    for key in entry:
+        if key not in KEYS:
+            raise ModelDefaultsError(f"unknown key {key!r} (allowed keys: {', '.join(KEYS)})")
+    # null for a key means "not given", as when it is left out.
+    keep = _keep_alive(entry.get("keep_alive"))
+    pinned = _pinned(entry.get("pinned"))
+    if pinned and keep is not None:
+        raise ModelDefaultsError(
+            "keep_alive: a pinned model is never unloaded: give keep_alive or pinned, not both"
+        )
+    return ModelDefault(
+        keep_alive_s=keep,
+        pinned=pinned,
+        placement=_placement(entry.get("placement")),
+        context_length=_context_length(entry.get("context_length")),
+    )
+
+
+def _keep_alive(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ModelDefaultsError(
+            f'keep_alive: a duration (seconds, or such as "10m", "1h"), not {_kind(value)}'
+        )
+    try:
+        return parse_keep_alive(value)
+    except ValueError as exc:
+        raise ModelDefaultsError(f"keep_alive: {exc}") from None
+
+
+def _pinned(value: object) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ModelDefaultsError(f"pinned: true or false, not {_kind(value)}")
+    return value
+
+
+def _placement(value: object) -> PlacementSpec | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict | str):
+        raise ModelDefaultsError(
+            f'placement: a placement spec, e.g. {{"chat": {{"devices": ["node-a:cpu"]}}}},'
+            f" not {_kind(value)}"
+        )
+    try:
+        return parse_placement_spec(value if isinstance(value, str) else json.dumps(value))
+    except PlacementSpecError as exc:
+        raise ModelDefaultsError(f"placement: {exc}") from None
+
+
+def _context_length(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
+        raise ModelDefaultsError(
+            f"context_length: a whole number of tokens, 1 or more, not {_kind(value)}"
+        )
+    return value
+
+
+def _model_id(name: str, aliases: Mapping[str, str]) -> str:
+    """The model ``name`` means, as far as the API's own aliases tell before the cluster's
+    models are read (an id's ``:latest`` dropped, as the API drops it)."""
+    for candidate in (name, name.removesuffix(":latest")):
+        if candidate in aliases:
+            return aliases[candidate]
+    return name.removesuffix(":latest")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads would keep the last of two equal keys: a model (or a key) given twice is
+    # almost certainly a mistake.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ModelDefaultsError(f"{key!r} is given twice in one object")
+        out[key] = value
+    return out
+
+
+def _kind(value: object) -> str:
+    """A decoded JSON value, as messages name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
