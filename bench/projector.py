@@ -136,7 +136,11 @@ async def measure_live(
         await database.upgrade(engine)  # not timed
         gc.collect()  # every measurement starts from the same heap, without the last one's garbage
         # Catching up, every batch is full but the last: its linger would only add 0.25 s.
-        projector = Projector(js, engine, batch_size=batch_size, task_linger_s=0.0)
+        # No snapshots: each run folds the whole log (a later run would start from an earlier
+        # run's snapshot; bench.longevity measures starts from one).
+        projector = Projector(
+            js, engine, batch_size=batch_size, task_linger_s=0.0, snapshot_every=0
+        )
         stop = asyncio.Event()
         startup = 0.0
         if profiler is not None:
@@ -171,7 +175,7 @@ async def measure_replay(js: JetStreamContext, url: str, backend: str) -> Measur
         await database.upgrade(engine)  # not timed
         gc.collect()  # every measurement starts from the same heap, without the last one's garbage
         t0 = time.perf_counter()
-        result = await replay(js, engine)
+        result = await replay(js, engine, from_snapshot=False)  # the whole log, every time
         seconds = time.perf_counter() - t0
         if result.skipped:
             raise RuntimeError(f"replay {backend} skipped {result.skipped} events")

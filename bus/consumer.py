@@ -57,10 +57,26 @@ class Delivered:
     event: Event
     msg: Msg
     stream_seq: int
-    stored_at: datetime
+
+    @property
+    def stored_at(self) -> datetime:
+        """When the stream stored it (read from the reply subject only when asked)."""
+        return self.msg.metadata.timestamp
 
     async def ack(self) -> None:
         await self.msg.ack()
+
+
+def stream_seq(msg: Msg) -> int:
+    """The message's sequence in its stream, from its reply subject: what every fetched
+    message needs, without the rest of ``msg.metadata`` (a dataclass and a datetime each)."""
+    tokens = Msg.Metadata._get_metadata_fields(msg.reply)
+    return int(tokens[5] if len(tokens) == _V1_ACK_TOKENS else tokens[Msg.Ack.StreamSeq])
+
+
+# $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>; newer
+# servers may add a domain and an account hash (nats-py's Msg.Ack indexes those).
+_V1_ACK_TOKENS = 9
 
 
 @dataclass
@@ -99,7 +115,11 @@ class EventConsumer:
     ``memory``: the server keeps the consumer's position in memory, for a consumer whose owner
     keeps its own (the projector, in its database). After a restart of the server ``fetch``
     raises ``ConsumerGone`` (as for a deleted consumer), and the owner makes it again from
-    where it got to."""
+    where it got to.
+
+    ``ack_all``: an ack acknowledges every message delivered before it too (JetStream's
+    ``AckPolicy.ALL``), for an owner that takes messages in order and acks what it fetched at
+    once (``ack_fetched``); its dead letters are acknowledged by that ack too."""
 
     def __init__(
         self,
@@ -113,6 +133,7 @@ class EventConsumer:
         ack_wait: float = 30.0,
         max_ack_pending: int = 10_000,
         memory: bool = False,
+        ack_all: bool = False,
     ) -> None:
         self._js = js
         self.stream = stream
@@ -122,7 +143,7 @@ class EventConsumer:
             durable_name=durable,
             deliver_policy=deliver_policy,
             opt_start_seq=opt_start_seq,
-            ack_policy=AckPolicy.EXPLICIT,
+            ack_policy=AckPolicy.ALL if ack_all else AckPolicy.EXPLICIT,
             ack_wait=ack_wait,
             max_ack_pending=max_ack_pending,
             filter_subject=filter_subject,
@@ -132,6 +153,7 @@ class EventConsumer:
             # server.
             mem_storage=memory or None,
         )
+        self._ack_all = ack_all
         self._puller: Puller | None = None
         self.stats = ConsumerStats()
         # Highest stream sequence fetched, dead letters included: how far this consumer got.
@@ -140,6 +162,8 @@ class EventConsumer:
         self.fetched_seqs: list[int] = []
         # Their subjects (which name the event type, even of a malformed event).
         self.fetched_subjects: dict[int, str] = {}
+        # The last message fetched, dead letters included: what ``ack_fetched`` acks.
+        self._last_fetched: Msg | None = None
 
     async def start(self, *, recreate: bool = False) -> None:
         """Bind to the durable consumer, creating it if needed. ``recreate`` drops an existing
@@ -202,19 +226,29 @@ class EventConsumer:
         if not more:
             self.fetched_seqs = []
             self.fetched_subjects = {}
+            self._last_fetched = None
+        if msgs:
+            self._last_fetched = msgs[-1]
         for msg in msgs:
-            md = msg.metadata
-            self.fetched_seqs.append(md.sequence.stream)
-            self.fetched_subjects[md.sequence.stream] = msg.subject
-            self.last_stream_seq = max(self.last_stream_seq, md.sequence.stream)
+            seq = stream_seq(msg)
+            self.fetched_seqs.append(seq)
+            self.fetched_subjects[seq] = msg.subject
+            self.last_stream_seq = max(self.last_stream_seq, seq)
             try:
                 event = parse_event(msg.data)
             except ValidationError as exc:
                 await self.dead_letter(msg, describe_invalid(exc))
                 continue
-            out.append(Delivered(event, msg, md.sequence.stream, md.timestamp))
+            out.append(Delivered(event, msg, seq))
         self.stats.delivered += len(out)
         return out
+
+    async def ack_fetched(self) -> None:
+        """Acknowledge everything the last fetch got (an ``ack_all`` consumer's)."""
+        assert self._ack_all, "only an ack_all consumer acks a fetch at once"
+        if self._last_fetched is not None:
+            await self._last_fetched.ack()
+            self._last_fetched = None
 
     async def _exists(self) -> bool:
         """False only when the server says there is no such consumer; a server that cannot say
@@ -250,7 +284,8 @@ class EventConsumer:
             headers[SIZE_HEADER] = str(len(data))
             data = data[: max(room, 0)]
         await self._js.publish(deadletter_subject(self.stream), data, headers=headers)
-        await msg.term()
+        if not self._ack_all:  # an ack_all consumer's next ack covers it
+            await msg.term()
         self.stats.dead_letters += 1
         key = reason.split(":", 1)[0]
         self.stats.dead_letter_reasons[key] = self.stats.dead_letter_reasons.get(key, 0) + 1

@@ -210,6 +210,8 @@ class Projector:
             max_ack_pending=self.batch_size * 2,
             # Where it got to is in the database: made again from there when it is lost.
             memory=True,
+            # A batch is committed whole: one ack for it, dead letters included.
+            ack_all=True,
         )
         await self.consumer.start(recreate=True)
         log.info("projector %s resuming after seq %d", self.name, self.applied_seq)
@@ -286,8 +288,7 @@ class Projector:
         (``ProjectionGap``)."""
         last_seq = consumer.last_stream_seq
         if last_seq <= self.applied_seq:
-            for d in batch:
-                await d.ack()
+            await consumer.ack_fetched()
             return
         await self._check_contiguous(consumer.fetched_seqs)
         await read_history(self._engine, self.state, [d.event for d in batch])
@@ -315,10 +316,7 @@ class Projector:
         self.applied_seq = last_seq
         self.counts.update(counts)
         self.state.forget_history()
-        failed_msgs = {id(d.msg) for d, _ in failed}
-        for d in batch:
-            if id(d.msg) not in failed_msgs:
-                await d.ack()
+        await consumer.ack_fetched()
 
     async def _check_contiguous(self, fetched: list[int]) -> None:
         """The projector's filter takes every subject of the stream, so what follows the

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.consumer import describe_invalid
+from bus.consumer import describe_invalid, stream_seq
 from bus.events import Event, parse_event, subject_event_type
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM
@@ -132,10 +132,9 @@ async def replay(
     async for msg in read_stream(
         js, EVENTS_STREAM, ALL_EVENTS, from_seq=committed + 1, to_seq=until_seq
     ):
-        md = msg.metadata
-        if until_time is not None and md.timestamp > until_time:
+        if until_time is not None and msg.metadata.timestamp > until_time:
             break
-        last_seq = md.sequence.stream
+        last_seq = stream_seq(msg)
         kind = subject_event_type(msg.subject)
         try:
             read.append((last_seq, kind, parse_event(msg.data)))

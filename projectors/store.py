@@ -58,6 +58,8 @@ Check = Callable[[Any], str | None]  # why a value cannot be stored in a column,
 def _time_problem(value: Any) -> str | None:
     if not isinstance(value, datetime) or value.tzinfo is None:
         return "a time without a time zone"
+    if 1 < value.year < 9999:
+        return None  # in range in UTC whatever its offset (converting it costs more)
     try:
         value.astimezone(UTC)
     except OverflowError:

@@ -136,7 +136,7 @@ async def test_redelivered_events_change_nothing(js: JetStreamContext, engine: A
         await wait_for_seq(projector, last)
         before = await db_rows(engine)
         # Deliver the whole log again, as a broker redelivery would, through the same path.
-        again = EventConsumer(js, EVENTS_STREAM, "redeliver", f"{EVENTS_PREFIX}.>")
+        again = EventConsumer(js, EVENTS_STREAM, "redeliver", f"{EVENTS_PREFIX}.>", ack_all=True)
         await again.start()
         batch = await again.fetch(10_000, timeout=2.0)
         assert len(batch) == last
@@ -165,6 +165,7 @@ async def test_events_after_a_hole_are_not_applied(
             f"{EVENTS_PREFIX}.>",
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=start,
+            ack_all=True,  # as the projector's own
         )
         await consumer.start()
         return consumer, await consumer.fetch(10_000, timeout=2.0)
