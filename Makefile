@@ -7,9 +7,10 @@ UP_ARGS ?=
 
 # llama-cpp-python compiles llama.cpp at install (minutes: README.md); the RPC backend
 # lets one model span several machines. GGML_NATIVE=off builds for any x86-64 with AVX2
-# rather than for the building CPU's every extension: pip caches the wheel it builds, and a
-# native wheel cached on one machine dies with SIGILL on another. --no-cache-dir for the same
-# reason: pip's cache key ignores CMAKE_ARGS.
+# rather than for the building CPU's every extension, so that a wheel built once serves any
+# machine. pip's own cache is not used (--no-cache-dir): its key ignores CMAKE_ARGS. The wheel
+# is kept in LLAMA_WHEELS under a key of the CMAKE_ARGS instead, so that a new virtualenv (a
+# fresh clone, CI) installs it in seconds; a newer llama-cpp-python release is built anew.
 # It is built for the machine's accelerator: Metal on macOS, CUDA where nvcc and a usable
 # NVIDIA GPU are, Vulkan where its SDK and a GPU are, else the CPU (llamacpp_build.py says
 # why). SHOAL_LLAMA_CMAKE_ARGS, when set (even empty: the CPU), replaces what is found.
@@ -34,10 +35,17 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q -U pip
 
 # The marker keeps the CMAKE_ARGS it was built with (`make up` compares them with the machine's).
+LLAMA_WHEELS ?= $(HOME)/.cache/shoal/llama-wheels
+LLAMA_WHEEL_KEY := $(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:16])' '$(CMAKE_ARGS)')
+LLAMA_WHEEL_DIR := $(LLAMA_WHEELS)/$(LLAMA_WHEEL_KEY)
+
 $(VENV)/.installed-llama: | $(BIN)/python
 	@echo "llama.cpp: building for $(LLAMA_ACCEL), CMAKE_ARGS=$(CMAKE_ARGS)"
 	@$(LLAMA_WHY)
-	CMAKE_ARGS='$(CMAKE_ARGS)' $(BIN)/pip install -q --no-cache-dir '$(LLAMA_CPP)'
+	mkdir -p '$(LLAMA_WHEEL_DIR)'
+	CMAKE_ARGS='$(CMAKE_ARGS)' $(BIN)/pip wheel -q --no-cache-dir --no-deps \
+	  --find-links '$(LLAMA_WHEEL_DIR)' -w '$(LLAMA_WHEEL_DIR)' '$(LLAMA_CPP)'
+	$(BIN)/pip install -q --no-cache-dir --find-links '$(LLAMA_WHEEL_DIR)' '$(LLAMA_CPP)'
 	echo '$(CMAKE_ARGS)' > $@
 
 $(VENV)/.installed-run: pyproject.toml | $(VENV)/.installed-llama
