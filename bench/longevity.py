@@ -64,11 +64,11 @@ from bus.records import (
     Usage,
 )
 from bus.streams import EVENTS_STREAM, ensure_streams
+from bus.units import MiB
 from projectors import database
 from projectors.projector import Projector
 from tests.projectors.helpers import wait_for_seq
 
-MiB = 1024**2
 IN_FLIGHT = 4096  # publishes awaiting their ack
 
 

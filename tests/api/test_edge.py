@@ -22,13 +22,13 @@ import pytest
 
 from api.errors import Dialect
 from bus.embedded import free_port
+from bus.units import MiB
 from tests.api.conftest import ApiStack, wait_healthy
 from tests.services.processes import SHOAL
 
 KEY = "edge-key-1"
 CHAT = "/v1/chat/completions"
-HUGE = 300 * 1024**2  # bytes
-MiB = 1024**2
+HUGE = 300 * MiB  # bytes
 DEFAULT_LIMIT = 32 * MiB
 TIMEOUT_S = 2.0  # the --body-timeout of the APIs that test it
 
