@@ -23,8 +23,8 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
+from bus.json_input import kind, loads_strict
 from bus.kinds import InstanceRole
 from bus.records import INT32_MAX
 from services.planner.on_demand import parse_keep_alive
@@ -92,14 +92,16 @@ def parse_model_defaults(text: str, aliases: Mapping[str, str] | None = None) ->
     tell two names of one model apart from two models: one model given defaults twice is
     refused."""
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates)
+        data = loads_strict(
+            text, lambda key: ModelDefaultsError(f"{key!r} is given twice in one object")
+        )
     except ModelDefaultsError:
         raise
     except (ValueError, RecursionError) as exc:
         raise ModelDefaultsError(f"not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ModelDefaultsError(
-            f"the file is a JSON object keyed by model name, e.g. {EXAMPLE}, not {_kind(data)}"
+            f"the file is a JSON object keyed by model name, e.g. {EXAMPLE}, not {kind(data)}"
         )
     named: dict[str, str] = {}  # model id -> the name that gave it defaults
     out: dict[str, ModelDefault] = {}
@@ -124,7 +126,7 @@ def _entry(entry: object) -> ModelDefault:
     if not isinstance(entry, dict):
         raise ModelDefaultsError(
             f"its defaults are a JSON object with any of {', '.join(KEYS)}, e.g."
-            f' {{"keep_alive": "10m"}}, not {_kind(entry)}'
+            f' {{"keep_alive": "10m"}}, not {kind(entry)}'
         )
     for key in entry:
         if key not in KEYS:
@@ -149,7 +151,7 @@ def _keep_alive(value: object) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ModelDefaultsError(
-            f'keep_alive: a duration (seconds, or such as "10m", "1h"), not {_kind(value)}'
+            f'keep_alive: a duration (seconds, or such as "10m", "1h"), not {kind(value)}'
         )
     try:
         return parse_keep_alive(value)
@@ -161,7 +163,7 @@ def _pinned(value: object) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ModelDefaultsError(f"pinned: true or false, not {_kind(value)}")
+        raise ModelDefaultsError(f"pinned: true or false, not {kind(value)}")
     return value
 
 
@@ -171,7 +173,7 @@ def _placement(value: object) -> PlacementSpec | None:
     if not isinstance(value, dict | str):
         raise ModelDefaultsError(
             f'placement: a placement spec, e.g. {{"chat": {{"devices": ["node-a:cpu"]}}}},'
-            f" not {_kind(value)}"
+            f" not {kind(value)}"
         )
     try:
         return parse_placement_spec(value if isinstance(value, str) else json.dumps(value))
@@ -184,7 +186,7 @@ def _context_length(value: object) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
         raise ModelDefaultsError(
-            f"context_length: a whole number of tokens, 1 or more, not {_kind(value)}"
+            f"context_length: a whole number of tokens, 1 or more, not {kind(value)}"
         )
     return value
 
@@ -196,29 +198,3 @@ def _model_id(name: str, aliases: Mapping[str, str]) -> str:
         if candidate in aliases:
             return aliases[candidate]
     return name.removesuffix(":latest")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads would keep the last of two equal keys: a model (or a key) given twice is
-    # almost certainly a mistake.
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ModelDefaultsError(f"{key!r} is given twice in one object")
-        out[key] = value
-    return out
-
-
-def _kind(value: object) -> str:
-    """A decoded JSON value, as messages name it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, list):
-        return "a list"
-    return "an object"

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from bus.json_input import kind, loads_strict
 from bus.kinds import DEFAULT_ROLE, InstanceRole, is_role
 from bus.records import ACCELERATOR_BACKENDS
 from services.models.footprint import MAX_SLOTS
@@ -250,7 +251,12 @@ class PlacementSpec:
 def parse_placement_spec(raw: str) -> PlacementSpec:
     """Parse and check a placement; PlacementSpecError says what is wrong, and where."""
     try:
-        data = json.loads(raw, object_pairs_hook=_reject_duplicate_keys)
+        data = loads_strict(
+            raw,
+            lambda key: PlacementSpecError(
+                f"the placement has the key {key!r} twice in one object"
+            ),
+        )
     except PlacementSpecError:
         raise
     # ValueError also covers numbers too long to convert; RecursionError, absurd nesting.
@@ -258,7 +264,7 @@ def parse_placement_spec(raw: str) -> PlacementSpec:
         raise PlacementSpecError(f"the placement is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise PlacementSpecError(
-            f"a placement is a JSON object keyed by role, e.g. {_EXAMPLE}, not {_kind(data)}"
+            f"a placement is a JSON object keyed by role, e.g. {_EXAMPLE}, not {kind(data)}"
         )
     roles: dict[InstanceRole, RolePlacement] = {}
     for role, entry in data.items():
@@ -286,7 +292,7 @@ def _parse_entry(entry: object) -> RolePlacement:
     if not isinstance(entry, dict):
         raise PlacementSpecError(
             "the entry must be a JSON object with 'devices' and optionally 'tensor_split', "
-            f"'replicas' and 'slots', e.g. {{\"devices\": [\"node-a:cpu\"]}}, not {_kind(entry)}"
+            f"'replicas' and 'slots', e.g. {{\"devices\": [\"node-a:cpu\"]}}, not {kind(entry)}"
         )
     for key in entry:
         if key not in _KEYS:
@@ -310,13 +316,13 @@ def _parse_entry(entry: object) -> RolePlacement:
 def _parse_devices(value: object) -> tuple[DeviceRef, ...]:
     if not isinstance(value, list):
         raise PlacementSpecError(
-            f"'devices' must be a list like [\"node-a:cpu\"], not {_kind(value)}"
+            f"'devices' must be a list like [\"node-a:cpu\"], not {kind(value)}"
         )
     devices = []
     for i, item in enumerate(value):
         if not isinstance(item, str):
             raise PlacementSpecError(
-                f'devices[{i}] must be a string like "node-a:cpu", not {_kind(item)}'
+                f'devices[{i}] must be a string like "node-a:cpu", not {kind(item)}'
             )
         try:
             devices.append(parse_device(item))
@@ -328,13 +334,13 @@ def _parse_devices(value: object) -> tuple[DeviceRef, ...]:
 def _parse_tensor_split(value: object) -> tuple[float, ...]:
     if not isinstance(value, list):
         raise PlacementSpecError(
-            f"'tensor_split' must be a list of numbers, one weight per device, not {_kind(value)}"
+            f"'tensor_split' must be a list of numbers, one weight per device, not {kind(value)}"
         )
     weights = []
     for i, item in enumerate(value):
         # bool is an int subclass, but true/false is no weight.
         if isinstance(item, bool) or not isinstance(item, int | float):
-            raise PlacementSpecError(f"tensor_split[{i}] must be a number, not {_kind(item)}")
+            raise PlacementSpecError(f"tensor_split[{i}] must be a number, not {kind(item)}")
         try:
             weights.append(float(item))
         except OverflowError:
@@ -347,7 +353,7 @@ def _parse_whole(value: object, key: str) -> int:
     if isinstance(value, float) and value.is_integer():
         return int(value)  # 2.0 is 2: some JSON writers emit whole numbers as floats
     if isinstance(value, bool) or not isinstance(value, int):
-        shown = repr(value) if isinstance(value, float) else _kind(value)
+        shown = repr(value) if isinstance(value, float) else kind(value)
         raise PlacementSpecError(f"'{key}' must be a whole number, not {shown}")
     return value
 
@@ -360,32 +366,6 @@ def _check_role(role: str) -> InstanceRole:
 
 def _known_roles() -> str:
     return ", ".join(sorted(ROLES))
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads would silently keep the last of two equal keys; a second "chat" or "devices"
-    # is almost certainly a mistake worth reporting.
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise PlacementSpecError(f"the placement has the key {key!r} twice in one object")
-        out[key] = value
-    return out
-
-
-def _kind(value: object) -> str:
-    """The JSON type of a decoded value, for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, list):
-        return "a list"
-    return "an object"
 
 
 def _weight_json(weight: float) -> float | int:
