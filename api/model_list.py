@@ -1,7 +1,8 @@
 """Every model a client can ask for, as the model lists show them (OpenAI's ``GET /v1/models``,
 Anthropic's, Ollama's ``GET /api/tags``): the models the cluster knows and their aliases, then
 the catalogue's cards not added yet (a request for one adds and loads it on demand:
-api/on_demand.py), each saying whether it is added and whether an instance serves it now.
+api/on_demand.py), each saying whether it is added, whether an instance serves it now, and
+what it can do (``vision``: it reads images).
 Pure: the projection and the names in, the entries out."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from api.images.vision import accepts_images
 from api.model_names import ModelNames
 from api.projection import loaded_models
 from projectors.rows import ModelRow
@@ -31,6 +33,16 @@ class Askable:
         """Whether the cluster knows the model (added, its weights fetched): else a catalogue
         card, added when first asked for."""
         return self.model is not None
+
+    @property
+    def vision(self) -> bool:
+        """Whether it takes images (it has a projector file)."""
+        return accepts_images(self.model, self.card)
+
+    @property
+    def capabilities(self) -> list[str]:
+        """What the lists say it can do, in Ollama's words: generate, and read images."""
+        return ["completion", "vision"] if self.vision else ["completion"]
 
     @property
     def alias_of(self) -> str | None:

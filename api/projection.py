@@ -68,6 +68,14 @@ def _serving(conn: Connection, model_id: str) -> ClusterState:
     return state
 
 
+async def model_row(engine: AsyncEngine, model_id: str) -> ModelRow | None:
+    """One model's row (None: the cluster does not know it)."""
+    async with engine.connect() as conn:
+        query = select(models).where(models.c.model_id == model_id)
+        row = (await conn.execute(query)).mappings().first()
+    return ModelRow(**row) if row is not None else None
+
+
 def _prefixed(row: Any, prefix: str) -> dict[str, Any]:
     return {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
 
 from bus.chunk_events import ChunkGenerated as ChunkGenerated
 from bus.chunk_events import EmbeddingsComputed as EmbeddingsComputed
@@ -105,6 +105,19 @@ class WeightFile(Record):
     sha256: str = Field(
         pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the file, hex (the object's digest)."
     )
+    projector: bool = Field(
+        default=False,
+        description="The model's multimodal projector (an `mmproj` GGUF), which llama.cpp loads"
+        " beside the weights to read images: a model with one takes images.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left out when false: a model's files, replayed, stay as a log from before wrote them.
+        written: dict[str, Any] = handler(self)
+        if not self.projector:
+            written.pop("projector", None)
+        return written
 
 
 class ModelAdded(EventBase):

@@ -11,6 +11,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from nats.js import JetStreamContext
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import make_url
@@ -115,6 +116,7 @@ def list_models(
             "chat_format": card.chat_format,
             "tool_calls": card.tool_calls,
             "source": card.source.label(),
+            "vision": card.projector is not None,
             "path": str(path) if path else None,
             "n_layers": estimate.n_layers if estimate else None,
             "context_length": estimate.context_length if estimate else None,
@@ -146,7 +148,8 @@ def list_models(
             typer.echo(json.dumps(row))
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("id", "layers", "context", "size", "engine", "chat", "tools", "fits now"):
+    columns = ("id", "layers", "context", "size", "engine", "chat", "tools", "vision", "fits now")
+    for column in columns:
         table.add_column(column)
     for row in rows:
         fits = "?" if row["fits"] is None else (row["placement"] if row["fits"] else "no")
@@ -158,14 +161,15 @@ def list_models(
             ",".join(row["engines"]),
             row["chat_format"] or ("(template)" if row["engines"] == ["mlx"] else "(gguf)"),
             row["tool_calls"] or "-",
+            "images" if row["vision"] else "-",
             fits,
         )
     # Piped output gets room for every column rather than rich's default 80.
     Console(highlight=False, width=None if sys.stdout.isatty() else 160).print(table)
     typer.echo(
         "(~: the card's estimate (--hub reads the GGUF's header instead), the weights are not"
-        " on this machine; *: known to the"
-        " cluster; `shoal models add ID` adds one, and so does a request for an instance)"
+        " on this machine; *: known to the cluster; vision: it reads images, with its projector"
+        " file; `shoal models add ID` adds one, and so does a request for an instance)"
     )
     if state is None:
         typer.echo(f"(fits now ?: no projection at {db}; give --db)")
@@ -237,6 +241,16 @@ def add(
         ),
     ] = None,
     revision: Annotated[str | None, typer.Option(help="Revision in --hf REPO.")] = None,
+    mmproj: Annotated[
+        str | None,
+        typer.Option(
+            "--mmproj",
+            metavar="FILE",
+            help="The model's multimodal projector (an mmproj GGUF), with which it reads images:"
+            " a file on this machine, or with --hf, a file of REPO [default: a card's own].",
+            show_default=False,
+        ),
+    ] = None,
     engine: Annotated[
         str | None,
         typer.Option(
@@ -295,17 +309,25 @@ def add(
         _fail("--hf REPO for llamacpp needs --file FILENAME (a GGUF file of the repository)")
     if engine is not None and engine not in ENGINES:
         _fail(f"unknown engine {engine!r}: choose from {', '.join(ENGINES)}")
+    if mmproj is not None and engine == "mlx":
+        _fail("--mmproj is a llama.cpp projector: an MLX model reads text only here")
     if node is not None and not local:
         _fail("--node goes with --local (a shared model is served by any node)")
     if bucket and local:
         _fail("--bucket and --local contradict each other: a --local model stays on its node")
     local_node = _local_node(node) if local else None
     cache = _cache_dir(cache_dir)
-    served_from = None if bucket or local else worker_cache(cache)
+    # A --local model's weights stay where they are; its projector goes in the worker's cache.
+    served_from = None if bucket else worker_cache(cache)
     try:
         card = _card(model_id, path, hf, file, revision, engine, chat_format, family)
+        if mmproj is not None:
+            card = card.model_copy(update={"projector": _projector(mmproj, hf, revision)})
+            ModelCard.model_validate(card.model_dump())  # an MLX model refuses one
     except UnknownModel as exc:
         _fail(str(exc))
+    except ValidationError as exc:
+        _fail(exc.errors()[0]["msg"].removeprefix("Value error, "))
 
     async def main() -> tuple[ModelAdded, Path, int]:
         # NATS first: an unreachable server is found out before a long download, not after.
@@ -327,7 +349,10 @@ def add(
         f"added {event.model_id}: {event.n_layers} layers, context {event.context_length},"
         f" {_size(event.size_bytes)}, engines {','.join(event.engines)} (seq {seq})"
     )
-    names = ", ".join(f.name for f in event.files)
+    names = ", ".join(f.name for f in event.files if not f.projector)
+    projector = next((f for f in event.files if f.projector), None)
+    if projector is not None:
+        typer.echo(f"  projector: {projector.name} ({_size(projector.size)}): it reads images")
     if event.node_id is not None:
         typer.echo(f"  weights: {weights}, served by node {event.node_id} only")
     elif served_from is not None:
@@ -483,6 +508,13 @@ def _card(
         else (builtin.chat_format if builtin else None),
         source=source,
     )
+
+
+def _projector(given: str, hf: str | None, revision: str | None) -> HfSource | PathSource:
+    """Where ``--mmproj`` says the projector is: a file of the --hf repository, or here."""
+    if hf is not None and not Path(given).expanduser().is_file():
+        return HfSource(repo=hf, filename=given, revision=revision)
+    return PathSource(path=str(Path(given).expanduser().absolute()))
 
 
 def _progress_printer(what: str) -> Callable[[float], None]:

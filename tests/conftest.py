@@ -83,6 +83,14 @@ async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
     await eng.dispose()
 
 
+@pytest.fixture(scope="session")
+def tiny_projector(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight projector (mmproj) for SmolLM2, written once (``tests/vision.py``)."""
+    from tests.vision import write_tiny_projector  # gguf and numpy: only where it is used
+
+    return write_tiny_projector(tmp_path_factory.mktemp("projector") / "mmproj-tiny.gguf")
+
+
 # Session fixtures that cost seconds to make: the modules that name one run in one xdist
 # worker, which makes it once.
 SHARED_FIXTURES = ("up_cluster", "smollm2_mlx")

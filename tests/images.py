@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import struct
 import zlib
+from collections.abc import Callable
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -20,6 +21,28 @@ def png(width: int = 2, height: int = 2, pad: int = 0, colour: int = 0) -> bytes
     if pad:
         out += _chunk(b"shLo", b"\x00" * pad)
     return out + _chunk(b"IDAT", zlib.compress(row * height)) + _chunk(b"IEND", b"")
+
+
+def drawn_png(width: int, height: int, pixel: Callable[[int, int], tuple[int, int, int]]) -> bytes:
+    """A valid RGB PNG whose pixel at (x, y) is ``pixel(x, y)``."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    rows = b"".join(
+        b"\x00" + b"".join(bytes(pixel(x, y)) for x in range(width)) for y in range(height)
+    )
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", zlib.compress(rows))
+        + _chunk(b"IEND", b"")
+    )
+
+
+def gradient_png(width: int = 48, height: int = 40) -> bytes:
+    return drawn_png(width, height, lambda x, y: (x * 5 % 256, y * 6 % 256, 128))
+
+
+def checkers_png(width: int = 48, height: int = 40) -> bytes:
+    return drawn_png(width, height, lambda x, y: (255,) * 3 if (x // 8 + y // 8) % 2 else (0,) * 3)
 
 
 def jpeg(width: int = 3, height: int = 2) -> bytes:

@@ -7,7 +7,8 @@ In order, each refusal in the client's own error shape, naming the field the ima
    10 MiB by default), a 400 for base64 that is not, or for bytes
    that are not a PNG, JPEG, WebP or GIF (``api/images/formats.py``), a 413 for more than
    ``MAX_PIXELS``; an image URL is a 400 unless the API fetches them (``--allow-image-urls``);
-2. the model must take images (``api/images/vision.py``): a 400 otherwise;
+2. the model must take images (``api/images/vision.py``: it has a projector file): a 400
+   otherwise;
 3. each image URL is fetched (``api/images/fetching.py``: public addresses only) and checked
    as above;
 4. each image becomes its record (its digest, format, size and ``PartRef``) and the parts that
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import nats.errors
 
+from api import projection
 from api.config import DEFAULT_MAX_IMAGE_BYTES
 from api.context import ApiContext
 from api.errors import ApiError
@@ -39,6 +41,7 @@ from api.serving import log_unavailable
 from bus.images import IMAGE_PIECE_BYTES, piece_bytes, stored_image
 from bus.parts import Part
 from bus.records import ImagePart
+from services.models.catalogue import builtin_cards
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,12 @@ def _decoded(given: ImageInput, max_bytes: int) -> tuple[bytes, ImageInfo]:
     return data, checked(given, data)
 
 
-def policy_of(ctx: ApiContext, model_id: str) -> ImagePolicy:
-    """What this API takes, for a request to ``model_id``."""
+async def policy_of(ctx: ApiContext, model_id: str) -> ImagePolicy:
+    """What this API takes, for a request to ``model_id`` (whether the model does: read
+    from the projection, only for a request with an image)."""
+    model = await projection.model_row(ctx.engine, model_id)
     return ImagePolicy(
-        accepts=accepts_images(model_id),
+        accepts=accepts_images(model, builtin_cards().get(model_id)),
         max_bytes=ctx.config.max_image_bytes,
         allow_urls=ctx.config.allow_image_urls,
         piece=piece_bytes(ctx.nc.max_payload),
@@ -129,7 +134,7 @@ async def request_images(ctx: ApiContext, model_id: str, inputs: Sequence[ImageI
     """The images of a request to ``model_id`` (none: at no cost)."""
     if not inputs:
         return NO_IMAGES
-    return await read_images(inputs, model_id, policy_of(ctx, model_id))
+    return await read_images(inputs, model_id, await policy_of(ctx, model_id))
 
 
 async def stored_images(ctx: ApiContext, model_id: str, inputs: Sequence[ImageInput]) -> Images:

@@ -1,22 +1,31 @@
-"""Which models take images: the one place that decides it.
+"""Which models take images: the one place that decides it, from what the cluster knows.
 
-None does yet: no runner reads images (issue 36's engine step, llama.cpp's ``mtmd`` with a
-model's projector file, makes this the model's own say, from its card or projection row). Until
-then a request with an image is a 400 that says so, in the client's own dialect, rather than an
-answer about an image the model never saw.
+A model takes images when it has a projector file (its ``mmproj``, which llama.cpp's runner
+loads beside the weights: ``services/models/projector.py``): the projection's row says so
+once it is added, its catalogue card before (a request for a card adds it on demand). Any
+other model's request with an image is a 400 that says so, in the client's own dialect, rather
+than an answer about an image the model never saw. The model lists say ``vision`` of the
+first.
 """
 
 from __future__ import annotations
 
+from projectors.rows import ModelRow
+from services.models.cards import ModelCard
+from services.models.projector import model_projector
 
-def accepts_images(model_id: str) -> bool:
-    """Whether ``model_id``'s runners read images."""
-    return False
+
+def accepts_images(model: ModelRow | None, card: ModelCard | None) -> bool:
+    """Whether a model's runners read images: the cluster's model (``model``) when it has
+    one, else its catalogue ``card``."""
+    if model is not None:
+        return model_projector(model) is not None
+    return card is not None and card.projector is not None
 
 
 def no_images(model_id: str) -> str:
     """Why a request with an image is refused for ``model_id``."""
     return (
         f"model {model_id} does not accept images: it reads text only (send text, or ask a"
-        " vision model)"
+        " vision model: one with a projector file, such as `shoal models add ID --mmproj FILE`)"
     )

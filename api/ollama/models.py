@@ -8,6 +8,7 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
+from api.images.vision import accepts_images
 from api.model_list import Askable
 from api.ollama.replies import created_at
 from bus.kinds import main_engine
@@ -138,14 +139,19 @@ def card_tag(name: str, card: ModelCard) -> dict[str, Any]:
 
 def listed(entry: Askable) -> dict[str, Any]:
     """One entry of ``/api/tags``, with Shoal's fields: ``loaded`` (an instance serves it
-    now; the others load when asked for) and ``added`` (the cluster has it; else a catalogue
-    card, fetched when first asked for)."""
+    now; the others load when asked for), ``added`` (the cluster has it; else a catalogue
+    card, fetched when first asked for) and ``capabilities`` (as ``/api/show`` says them:
+    ``vision`` for a model that reads images)."""
     if entry.model is not None:
         shown = tag(entry.name, entry.model)
     else:
         assert entry.card is not None  # an entry is a model or a card (api/model_list.py)
         shown = card_tag(entry.name, entry.card)
-    return shown | {"loaded": entry.loaded, "added": entry.added}
+    return shown | {
+        "loaded": entry.loaded,
+        "added": entry.added,
+        "capabilities": entry.capabilities,
+    }
 
 
 def vram_bytes(model: ModelRow, runners: list[RunnerRow]) -> int:
@@ -184,11 +190,14 @@ def running(
     }
 
 
-def capabilities(roles: set[str]) -> list[str]:
+def capabilities(roles: set[str], vision: bool = False) -> list[str]:
     """What ``/api/show`` says a model can do, by the roles of its instances (a model served
-    by none is a generation model until an embedding instance says otherwise). Every chat
-    model can call tools: the grammar makes the calls."""
-    out = ["completion", "tools"] if "chat" in roles or not roles else []
+    by none is a generation model until an embedding instance says otherwise), and whether it
+    reads images (``vision``: it has a projector file). Every chat model can call tools: the
+    grammar makes the calls."""
+    chat = "chat" in roles or not roles
+    out = ["completion", "tools"] if chat else []
+    out += ["vision"] if chat and vision else []
     return out + (["embedding"] if "embed" in roles else [])
 
 
@@ -209,6 +218,6 @@ def show(model: ModelRow, context_length: int, roles: set[str]) -> dict[str, Any
         "template": "",
         "details": details(model),
         "model_info": info,
-        "capabilities": capabilities(roles),
+        "capabilities": capabilities(roles, accepts_images(model, None)),
         "modified_at": _modified(model),
     }

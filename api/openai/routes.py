@@ -70,11 +70,13 @@ async def _listed(ctx: ApiContext) -> list[Askable]:
 
 def _model(entry: Askable) -> dict[str, Any]:
     """OpenAI's model object, with Shoal's fields: ``alias_of`` (an alias's model), ``loaded``
-    (an instance serves it now; any other loads when asked for) and ``added`` (the cluster has
-    it; else a catalogue card, fetched when first asked for)."""
+    (an instance serves it now; any other loads when asked for), ``added`` (the cluster has
+    it; else a catalogue card, fetched when first asked for) and ``capabilities`` (Ollama's
+    words, as llama.cpp's server lists them: ``vision`` for a model that reads images)."""
     alias = {} if entry.alias_of is None else {"alias_of": entry.alias_of}
     made = {"id": entry.name, "object": "model", "owned_by": "shoal", "created": entry.created}
-    return made | alias | {"loaded": entry.loaded, "added": entry.added}
+    shoal = {"loaded": entry.loaded, "added": entry.added, "capabilities": entry.capabilities}
+    return made | alias | shoal
 
 
 @router.post("/chat/completions", response_model=None)

@@ -5,6 +5,10 @@ runs, stored in the models bucket), and ``ModelAdded`` published naming them.
 
 Kept local (``--local``), the files stay where they are and the event names the path and the
 one node that has it instead: no other node may run the model.
+
+A model that reads images has a projector file (``ModelCard.projector``), fetched, linked or
+stored as the weights are (a local model's too: it is named by its content, as a shared
+model's files), and named among the event's files (``WeightFile.projector``).
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from bus.events import ModelAdded
 from bus.publisher import Publisher
 from services.models.cards import ModelCard
 from services.models.metadata import ModelFacts, model_facts
-from services.models.resolve import resolve_model
-from services.models.shared import model_files, store_files
+from services.models.resolve import resolve_model, resolve_projector
+from services.models.shared import WeightsUnavailable, model_files, store_files
 from services.models.weights_cache import WeightsCache
 
 Fraction = Callable[[float], None]
@@ -47,26 +51,31 @@ async def add_model(
     fractions, the first from another thread; ``stop``, once set, ends a download under way
     (``FetchStopped``). Returns the event, the weights' path here and the event's sequence."""
 
-    def fetch() -> tuple[Path, ModelFacts]:
+    def fetch() -> tuple[Path, ModelFacts, Path | None]:
         weights = resolve_model(card, cache_dir, on_fetch, stop=stop)
-        return weights, model_facts(weights, card.engines[0])
+        projector = resolve_projector(card, cache_dir, on_fetch, stop=stop)
+        return weights, model_facts(weights, card.engines[0]), projector
 
     # In a thread, so that the connection keeps answering pings during a download.
-    weights, facts = await asyncio.to_thread(fetch)
+    weights, facts, projector = await asyncio.to_thread(fetch)
+
+    def stored(done: int, total: int) -> None:
+        if on_store is not None and total:
+            on_store(done / total)
+
+    cache = served_from or WeightsCache(cache_dir)
     files = []
     if local_node is None:
-
-        def stored(done: int, total: int) -> None:
-            if on_store is not None and total:
-                on_store(done / total)
-
         files = await store_files(
-            js,
-            model_files(weights),
-            cache=served_from or WeightsCache(cache_dir),
-            on_progress=stored,
-            put=served_from is None,
+            js, model_files(weights), cache=cache, on_progress=stored, put=served_from is None
         )
+    if projector is not None:
+        if projector.name in {f.name for f in files} or projector == weights:
+            raise WeightsUnavailable(f"the projector {projector} is the weights' own file")
+        kept = await store_files(
+            js, [(projector.name, projector)], cache=cache, put=served_from is None
+        )
+        files += [f.model_copy(update={"projector": True}) for f in kept]
     event = ModelAdded(
         origin=origin or f"shoal-cli@{socket.gethostname()}",
         model_id=card.id,

@@ -1,8 +1,9 @@
 """Model cards: what Shoal knows about a model before it has the weights.
 
 A card names the model, the engines that can run it, its chat and tool-call formats and where
-its weights come from, with an estimate of its layers, context and size so that placement can
-tell whether it fits before anything is downloaded. Once the weights are at hand their own
+its weights come from (and, for a model that reads images, its projector file), with an
+estimate of its layers, context and size so that placement can tell whether it fits before
+anything is downloaded. Once the weights are at hand their own
 metadata (``services.models.metadata``) is what ``ModelAdded`` carries: the estimate never
 overrides the file it describes.
 
@@ -86,6 +87,7 @@ class CardEstimate(_Frozen):
     size_bytes: int = Field(gt=0)
     kv_bytes_per_token: int = Field(ge=0)
     overhead_bytes: int = Field(ge=0)
+    projector_bytes: int = Field(default=0, ge=0, description="Its projector file's size.")
 
 
 class ModelCard(_Frozen):
@@ -101,3 +103,16 @@ class ModelCard(_Frozen):
     variant: str = Field(default="", description="'Q4_K_M', 'mlx-4bit', 'package'...")
     estimate: CardEstimate | None = None
     source: Source
+    projector: HfSource | PathSource | None = Field(
+        default=None,
+        description="The multimodal projector file (an mmproj GGUF) with which llama.cpp reads"
+        " images; None: the model reads text only.",
+    )
+
+    @model_validator(mode="after")
+    def _projector_on_llamacpp(self) -> ModelCard:
+        if self.projector is not None and "llamacpp" not in self.engines:
+            raise ValueError("a projector file is llama.cpp's: the model's engine is not")
+        if isinstance(self.projector, HfSource) and self.projector.filename is None:
+            raise ValueError("a projector is one file of its repository: give its filename")
+        return self

@@ -11,6 +11,8 @@ which need no network). Each becomes one card per variant:
 The file also carries the architecture's numbers (layers, context, KV heads and head size,
 vocabulary) and each variant's size, so that placement can estimate a model's memory before
 anything is downloaded. Once the weights are here their own metadata replaces the estimate.
+A model that reads images names its projector file (``[gguf.projector]``), which every GGUF
+variant takes (an MLX one reads text only).
 """
 
 from __future__ import annotations
@@ -49,10 +51,19 @@ class GgufQuant(_Strict):
     repo: str | None = Field(default=None, description="Another repository than gguf.repo.")
 
 
+class GgufProjector(_Strict):
+    file: str = Field(description="The projector (mmproj) GGUF in the repository.")
+    size: int = Field(gt=0, description="Bytes (the Hub's figure).")
+    repo: str | None = Field(default=None, description="Another repository than gguf.repo.")
+
+
 class GgufRepos(_Strict):
     repo: str
     default: Quant
     quants: dict[Quant, GgufQuant] = Field(min_length=1)
+    projector: GgufProjector | None = Field(
+        default=None, description="The model reads images with this projector file."
+    )
 
     @model_validator(mode="after")
     def _default_is_a_quant(self) -> GgufRepos:
@@ -109,8 +120,14 @@ class CatalogueEntry(_Strict):
 
     def cards(self) -> list[ModelCard]:
         def card(
-            card_id: str, engine: Engine, source: PackageSource | HfSource, size: int, variant: str
+            card_id: str,
+            engine: Engine,
+            source: PackageSource | HfSource,
+            size: int,
+            variant: str,
+            projector: GgufProjector | None = None,
         ) -> ModelCard:
+            gguf_repo = self.gguf.repo if self.gguf is not None else ""
             return ModelCard(
                 id=card_id,
                 family=self.family,
@@ -126,7 +143,11 @@ class CatalogueEntry(_Strict):
                     size_bytes=size,
                     kv_bytes_per_token=self.kv_bytes_per_token(),
                     overhead_bytes=engine_overhead_bytes(self.vocab_size),
+                    projector_bytes=projector.size if projector is not None else 0,
                 ),
+                projector=None
+                if projector is None
+                else HfSource(repo=projector.repo or gguf_repo, filename=projector.file),
             )
 
         out: list[ModelCard] = []
@@ -140,7 +161,7 @@ class CatalogueEntry(_Strict):
             for quant, q in self.gguf.quants.items():
                 hf = HfSource(repo=q.repo or self.gguf.repo, filename=q.file)
                 card_id = self.id if quant == self.gguf.default else f"{self.id}:{quant.lower()}"
-                out.append(card(card_id, "llamacpp", hf, q.size, quant))
+                out.append(card(card_id, "llamacpp", hf, q.size, quant, self.gguf.projector))
         for quant, m in self.mlx.items():
             out.append(
                 card(

@@ -1,6 +1,7 @@
 """How much memory a model takes to serve, from the facts ``ModelAdded`` carries.
 
-Placement runs on these numbers only, so it needs no model file: the weights (the file size),
+Placement runs on these numbers only, so it needs no model file: the weights (the file size,
+and its projector's for a model that reads images),
 the KV cache (bytes per token of context, times the context, times the slots: each task served
 at once has a context of its own), and the engine's working memory (compute buffers, logits,
 tokenizer tables), which every runner pays once.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from bus.kinds import InstanceRole
 from bus.units import MiB
 from projectors.rows import ModelRow
+from services.models.projector import projector_bytes
 
 # Memory llama.cpp takes beyond the weights and the KV cache: compute buffers, the logits row,
 # the tokenizer's tables. Measured with llama-cpp-python 0.3 on CPU (RSS after loading and
@@ -60,7 +62,7 @@ class Footprint:
     def of(cls, model: ModelRow) -> Footprint:
         return cls(
             n_layers=model.n_layers,
-            weights_bytes=model.size_bytes,
+            weights_bytes=model.size_bytes + projector_bytes(model),
             kv_bytes_per_token=model.kv_bytes_per_token,
             overhead_bytes=model.overhead_bytes,
         )

@@ -133,4 +133,6 @@ def hub_estimate(
         size_bytes=facts.size_bytes,
         kv_bytes_per_token=facts.kv_bytes_per_token,
         overhead_bytes=facts.overhead_bytes,
+        # The weights' header says nothing of the projector beside them: the card's figure.
+        projector_bytes=card.estimate.projector_bytes if card.estimate is not None else 0,
     )

@@ -120,6 +120,22 @@ def resolve_model(
     return path
 
 
+def resolve_projector(
+    card: ModelCard,
+    cache_dir: Path,
+    on_progress: ProgressCallback | None = None,
+    *,
+    endpoint: str | None = None,
+    stop: threading.Event | None = None,
+) -> Path | None:
+    """The local path of ``card``'s projector file (None: it has none), fetched as its
+    weights are (``resolve_model``)."""
+    if card.projector is None:
+        return None
+    as_weights = card.model_copy(update={"source": card.projector})
+    return resolve_model(as_weights, cache_dir, on_progress, endpoint=endpoint, stop=stop)
+
+
 def local_path(card: ModelCard, cache_dir: Path) -> Path | None:
     """The weights if they are on this machine already, without building or downloading."""
     source = card.source

@@ -1,7 +1,7 @@
 """Which of a model's weight files a shard needs, and which one an engine is given. Pure.
 
-- llama.cpp: the pipeline's head loads the model (all its GGUF parts) and sends each later
-  stage its layers over RPC, so a later stage needs no file at all.
+- llama.cpp: the pipeline's head loads the model (all its GGUF parts, and its projector) and
+  sends each later stage its layers over RPC, so a later stage needs no file at all.
 - MLX: every rank loads its own layers, so it needs the small files (config, tokenizer, the
   safetensors index) and only the safetensors files that hold a tensor of its layers, plus the
   embeddings for the first rank and the final norm and output layer for the last.
@@ -21,8 +21,10 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def gguf_entry(files: list[WeightFile]) -> WeightFile:
-    """The file llama.cpp is given: the only GGUF, or the first part of a split one."""
-    ggufs = sorted((f for f in files if f.name.endswith(".gguf")), key=lambda f: f.name)
+    """The file llama.cpp is given: the only GGUF, or the first part of a split one (a
+    projector, the other GGUF a model may have, is not its weights)."""
+    weights = (f for f in files if f.name.endswith(".gguf") and not f.projector)
+    ggufs = sorted(weights, key=lambda f: f.name)
     if not ggufs:
         raise ValueError("the model has no .gguf file")
     firsts = [f for f in ggufs if (m := SPLIT_GGUF.search(f.name)) and int(m.group(1)) == 1]

@@ -17,7 +17,7 @@ def card_info(card: ModelCard) -> ModelInfo | None:
         return None
     footprint = Footprint(
         n_layers=e.n_layers,
-        weights_bytes=e.size_bytes,
+        weights_bytes=e.size_bytes + e.projector_bytes,
         kv_bytes_per_token=e.kv_bytes_per_token,
         overhead_bytes=e.overhead_bytes,
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from bus.records import SamplingParams
+from services.runner.image_spans import ImageSpan
 
 # OpenAI's bounds: chat's top_logprobs goes to 20 (completions' logprobs to 5).
 MAX_TOP_LOGPROBS = 20
@@ -132,6 +133,8 @@ class Decoding:
     # What the engine generates next instead of sampling (shared by every copy of this
     # ``Decoding``: the ``Stepper`` puts, the engine takes).
     forced: ForcedTokens = field(default_factory=ForcedTokens, compare=False, repr=False)
+    # The prompt's images (``image_spans.py``): the engine evaluates each apart from the text.
+    images: tuple[ImageSpan, ...] = ()
 
     def stop_asked(self) -> bool:
         return self.cancelled is not None and self.cancelled()

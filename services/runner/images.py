@@ -1,9 +1,9 @@
 """A task's images, read for the engine when the runner takes the task (their bytes are stored
 as parts, the task names them: ``bus/images.py``).
 
-No engine reads images yet (issue 36's engine step: llama.cpp's ``mtmd`` with the model's
-projector file), so a task with images is refused here, as the API refuses it for a model that
-does not take images (``api/images/vision.py``): never served as if its images were not there.
+An engine that reads no images (a model without a projector file, a split instance, MLX)
+refuses the task, as the API refuses it for a model that takes none (``api/images/vision.py``):
+never served as if its images were not there.
 """
 
 from __future__ import annotations
@@ -11,13 +11,24 @@ from __future__ import annotations
 from bus.events import TaskCreated
 from bus.images import images_of, task_images
 from bus.parts import PartStore
-from services.runner.engines.base import Engine
+from services.runner.engines.base import Engine, ReadsImages
 from services.runner.generation import InvalidRequest
 
 
+def image_refusal(engine: Engine, model_id: str) -> str | None:
+    """Why ``engine`` (serving ``model_id``) reads no images; None: it reads them."""
+    if not isinstance(engine, ReadsImages):
+        return (
+            f"model {model_id} does not accept images on this engine: images are read by"
+            " llama.cpp with the model's projector file (not on MLX yet)"
+        )
+    why = engine.images_refused()
+    return None if why is None else f"model {model_id} does not accept images: {why}"
+
+
 def reads_images(engine: Engine) -> bool:
-    """Whether ``engine`` reads images: none does yet."""
-    return False
+    """Whether ``engine`` reads images."""
+    return isinstance(engine, ReadsImages) and engine.images_refused() is None
 
 
 async def images_for(store: PartStore, engine: Engine, task: TaskCreated) -> dict[str, bytes]:
@@ -25,6 +36,7 @@ async def images_for(store: PartStore, engine: Engine, task: TaskCreated) -> dic
     engine that reads them; ``InvalidRequest`` for one that does not."""
     if not images_of(task.messages or []):
         return {}
-    if not reads_images(engine):
-        raise InvalidRequest(f"model {task.model_id} does not accept images")
+    why = image_refusal(engine, task.model_id)
+    if why is not None:
+        raise InvalidRequest(why)
     return await task_images(store, task.messages or [])

@@ -4,15 +4,17 @@ read the reply (content and tool calls, in the model's format)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from bus.attempts import attempt_of
 from bus.events import PromptScored, TaskCreated
 from services.runner.decoding import Decoding, ThinkingBudget
-from services.runner.engines.base import Engine, Tokenizer
+from services.runner.engines.base import Engine, ReadsImages, Tokenizer
 from services.runner.generation import InvalidRequest, PlainReply, ReplyParser, ScoredPrompt
+from services.runner.image_markers import with_placeholders
+from services.runner.image_spans import ImagePrompt
 from services.runner.structured import ReplyPlan, plan_reply
 from services.runner.structured.reasoning import (
     THINK_CLOSE,
@@ -39,11 +41,13 @@ class Job:
     reply: ReplyParser
 
 
-def prepare(engine: Engine, task: TaskCreated) -> Job:
-    """Raises ``InvalidRequest`` for a task the engine cannot serve as asked."""
+def prepare(engine: Engine, task: TaskCreated, images: Mapping[str, bytes] | None = None) -> Job:
+    """Raises ``InvalidRequest`` for a task the engine cannot serve as asked. ``images``: the
+    bytes of the task's images, by digest (``services/runner/images.py``)."""
     grammar = None
     reply: ReplyParser = PlainReply()
     budget = None
+    shown: ImagePrompt | None = None
     if task.prompt_token_ids is not None:
         prompt = list(task.prompt_token_ids)
         _in_vocabulary(engine, prompt, "the prompt")
@@ -53,8 +57,8 @@ def prepare(engine: Engine, task: TaskCreated) -> Job:
         prompt = engine.text_tokens(task.prompt)
     else:
         template = engine.chat_template
-        plan = plan_reply(task, template)
-        prompt = _rendered(engine, task, plan)
+        plan, shown = _planned(engine, task, images or {})
+        prompt = _rendered(engine, task, plan) if shown is None else shown.tokens
         end = b"".join(engine.spelled(t) for t in prompt[-_PROMPT_END:])
         start = thinking_start(template, end.decode(errors="replace"))
         grammar, reply = think_first(plan.grammar, start), thinking_reply(plan.parser(), start)
@@ -62,7 +66,14 @@ def prepare(engine: Engine, task: TaskCreated) -> Job:
             budget = thinking_budget(engine, task.thinking_budget)
     if not prompt:
         raise InvalidRequest("the prompt is empty")
-    decoding = Decoding(task.params, grammar, task.logprobs, task.echo, thinking_budget=budget)
+    decoding = Decoding(
+        task.params,
+        grammar,
+        task.logprobs,
+        task.echo,
+        thinking_budget=budget,
+        images=shown.images if shown is not None else (),
+    )
     if task.resume is not None:
         decoding = resumed(decoding, task.resume.tokens)
         _in_vocabulary(engine, decoding.generated, "the generated text")
@@ -79,11 +90,42 @@ def thinking_budget(engine: Tokenizer, tokens: int | None) -> ThinkingBudget | N
     return ThinkingBudget(tokens, tuple(close))
 
 
-def chat_prompt(engine: Engine, task: TaskCreated, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt(
+    engine: Engine,
+    task: TaskCreated,
+    add_generation_prompt: bool = True,
+    images: Mapping[str, bytes] | None = None,
+) -> list[int]:
     """A chat task's prompt tokens, made as ``prepare`` makes them (its tools, tool choice,
-    response format and thinking included), without preparing the rest: what counting a
-    chat's tokens answers. Raises ``InvalidRequest`` as ``prepare`` does."""
-    return _rendered(engine, task, plan_reply(task, engine.chat_template), add_generation_prompt)
+    response format and thinking included; an image's tokens are its ``image_token``),
+    without preparing the rest: what counting a chat's tokens answers. Raises
+    ``InvalidRequest`` as ``prepare`` does."""
+    plan, shown = _planned(engine, task, images or {}, add_generation_prompt)
+    return _rendered(engine, task, plan, add_generation_prompt) if shown is None else shown.tokens
+
+
+def _planned(
+    engine: Engine,
+    task: TaskCreated,
+    images: Mapping[str, bytes],
+    add_generation_prompt: bool = True,
+) -> tuple[ReplyPlan, ImagePrompt | None]:
+    """The chat's reply plan; for a chat with images, also its prompt as the engine reads it
+    (each image where it goes in its message, through the chat template)."""
+    if not any(m.images for m in task.messages or []):
+        return plan_reply(task, engine.chat_template), None
+    if not isinstance(engine, ReadsImages):
+        raise InvalidRequest("this engine reads no images")
+    messages, shown = with_placeholders(task.messages or [])
+    missing = sorted({i.sha256 for i in shown} - set(images))
+    if missing:  # never served as if the image were not there
+        raise InvalidRequest(f"image {missing[0]} of the chat was not read")
+    plan = plan_reply(task.model_copy(update={"messages": messages}), engine.chat_template)
+    kwargs = template_kwargs(engine.chat_template, task.thinking, task.chat_template_kwargs)
+    prompt = engine.image_chat_prompt(
+        plan.messages, plan.tools, kwargs, add_generation_prompt, [images[i.sha256] for i in shown]
+    )
+    return plan, prompt
 
 
 def _rendered(

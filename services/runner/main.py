@@ -36,6 +36,13 @@ from services.runner.tokenizer_service import TokenizerService
 log = logging.getLogger(__name__)
 
 
+# Why a llama.cpp runner refuses images.
+NO_PROJECTOR = "its model has no projector (mmproj) file"
+SPLIT_NO_IMAGES = (
+    "its instance is split over several nodes, and a split instance reads no images yet"
+)
+
+
 class UnsupportedEngine(RuntimeError):
     """A model for an engine this runner does not have."""
 
@@ -63,6 +70,12 @@ async def model_path(spec: RunnerSpec, state: StateReporter, nc: Client) -> Path
     from services.runner.weights import shard_weights
 
     return await shard_weights(spec, nc, state)
+
+
+async def projector_path(spec: RunnerSpec, nc: Client) -> Path | None:
+    from services.runner.weights import shard_projector
+
+    return await shard_projector(spec, nc)
 
 
 async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
@@ -131,12 +144,17 @@ async def run_llamacpp(
         await asyncio.to_thread(reranker.load)
         await _serve(RerankServer(nc, reranker, me, _task_file(spec)), state, peers, stop)
         return
+    # A split instance's head reads no images yet: its projector would have to choose among
+    # the devices the pipeline's stages lend it (docs/runners.md).
+    split = bool(spec.peers) and any(f.projector for f in spec.files)
     engine = LlamaCppEngine(
         path,
         n_ctx=spec.n_ctx,
         slots=spec.slots,
         chat_format=spec.chat_format,
         n_threads=spec.n_threads,
+        projector=None if spec.peers else await projector_path(spec, nc),
+        no_images=SPLIT_NO_IMAGES if split else NO_PROJECTOR,
         **offload,
     )
     await asyncio.to_thread(engine.load)

@@ -379,8 +379,13 @@ class TaskServer(TaskPuller):
         attempt of the task exists."""
         engine, me = self._engine, self._me
         task = await resolved(self._parts, task)  # its messages and tools, stored as parts
-        await images_for(self._parts, engine, task)  # refused: no engine reads them yet
-        job = prepare(engine, task)
+        images = await images_for(self._parts, engine, task)
+        # An image is decoded and preprocessed as the prompt is made: milliseconds to tens.
+        job = (
+            await asyncio.to_thread(prepare, engine, task, images)
+            if images
+            else prepare(engine, task)
+        )
         prompt = job.prompt
         limit = check_request(len(prompt), task.params, engine.n_ctx, echo=task.echo)
         loop = asyncio.get_running_loop()

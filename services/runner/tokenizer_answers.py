@@ -1,8 +1,11 @@
 """What a runner answers about its model's tokenizer (``bus/tokenizer.py``): a text's tokens, a
 chat's prompt tokens exactly as a chat task of it would be given to the model (``job.py``'s
-``chat_prompt``), tokens back to text, the tokenizer's settings. Pure given the engine."""
+``chat_prompt``; an image's tokens are its ``image_token``s, no vocabulary's), tokens back to
+text, the tokenizer's settings. Pure given the engine (and the chat's images, read before)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from bus.tokenizer import (
     DescribeTokenizer,
@@ -18,16 +21,19 @@ from services.runner.generation import InvalidRequest
 from services.runner.job import chat_prompt
 
 
-def answer(engine: Engine, ask: TokenizerAsk) -> TokenizerAnswer:
-    """The answer to ``ask``; a question the engine cannot answer (a token outside the
-    vocabulary, a chat its template rejects) is answered with why."""
+def answer(
+    engine: Engine, ask: TokenizerAsk, images: Mapping[str, bytes] | None = None
+) -> TokenizerAnswer:
+    """The answer to ``ask`` (``images``: the bytes of a chat's images, by digest); a question
+    the engine cannot answer (a token outside the vocabulary, a chat its template rejects) is
+    answered with why."""
     try:
-        return _answer(engine, ask)
+        return _answer(engine, ask, images or {})
     except InvalidRequest as exc:
         return TokenizerAnswer(n_ctx=engine.n_ctx, refused="invalid_request", error=str(exc))
 
 
-def _answer(engine: Engine, ask: TokenizerAsk) -> TokenizerAnswer:
+def _answer(engine: Engine, ask: TokenizerAsk, images: Mapping[str, bytes]) -> TokenizerAnswer:
     if isinstance(ask, Detokenize):
         return TokenizerAnswer(text=engine.detokenize(ask.tokens), n_ctx=engine.n_ctx)
     if isinstance(ask, DescribeTokenizer):
@@ -37,7 +43,7 @@ def _answer(engine: Engine, ask: TokenizerAsk) -> TokenizerAnswer:
             ask.text, add_special=ask.add_special, parse_special=ask.parse_special
         )
     else:
-        tokens = _chat_tokens(engine, ask)
+        tokens = _chat_tokens(engine, ask, images)
         if ask.count_only:
             return TokenizerAnswer(count=len(tokens), n_ctx=engine.n_ctx)
     if not ask.with_pieces:
@@ -51,9 +57,9 @@ def _answer(engine: Engine, ask: TokenizerAsk) -> TokenizerAnswer:
     )
 
 
-def _chat_tokens(engine: Engine, ask: TokenizeChat) -> list[int]:
+def _chat_tokens(engine: Engine, ask: TokenizeChat, images: Mapping[str, bytes]) -> list[int]:
     # As a served task's messages and tools come to its runner: through their parts.
-    tokens = chat_prompt(engine, ask.task, ask.add_generation_prompt)
+    tokens = chat_prompt(engine, ask.task, ask.add_generation_prompt, images)
     if ask.add_special:
         # The BOS a text gets, in front unless the template wrote it already.
         bos = engine.tokenize("", add_special=True, parse_special=False)[:1]

@@ -5,7 +5,9 @@ model the API finds serving has someone to answer), and leaves it when it stops 
 Core NATS request-reply, not a task: a question changes nothing, so nothing is stored, and it
 is answered whether or not the runner's slots are busy (tokenizing only reads the vocabulary,
 beside the decoding thread: on the event loop when it is short, else on a thread of its own).
-One runner of the queue group answers each question; the others never see it.
+One runner of the queue group answers each question; the others never see it. A chat's images
+are read from their parts first, as a task's are (``images.py``): counted as the model reads
+them.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
+from bus.parts import PartMissing, PartStore
 from bus.subjects import TOKENIZER_QUEUE, tokenizer_subject
-from bus.tokenizer import TokenizerAnswer, TokenizerQuestion
+from bus.tokenizer import TokenizeChat, TokenizerAnswer, TokenizerAsk, TokenizerQuestion
 from services.runner.engines.base import Engine
+from services.runner.generation import InvalidRequest
+from services.runner.images import images_for
 from services.runner.tokenizer_answers import answer
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,7 @@ class TokenizerService:
         self._nc = nc
         self._engine = engine
         self._subject = tokenizer_subject(model_id)
+        self._parts = PartStore(nc.jetstream())
         self._sub: Subscription | None = None
         # Large questions off the event loop, which publishes the chunks of the tasks being
         # generated: a long text or chat takes tens of milliseconds.
@@ -62,18 +68,29 @@ class TokenizerService:
             reply = TokenizerAnswer(refused="invalid_request", error=f"malformed question: {exc}")
         else:
             try:
-                if len(msg.data) <= INLINE_BYTES:
+                images = await self._images(question.ask)
+                if len(msg.data) <= INLINE_BYTES and not images:
                     reply = answer(self._engine, question.ask)
                 else:
                     loop = asyncio.get_running_loop()
                     reply = await loop.run_in_executor(
-                        self._thread, answer, self._engine, question.ask
+                        self._thread, answer, self._engine, question.ask, images
                     )
+            except (InvalidRequest, PartMissing) as exc:
+                reply = TokenizerAnswer(
+                    n_ctx=self._engine.n_ctx, refused="invalid_request", error=str(exc)
+                )
             except Exception as exc:  # the asker gets why at once, not a timeout
                 log.exception("a tokenizer question failed")
                 reply = TokenizerAnswer(refused="failed", error=f"{type(exc).__name__}: {exc}")
         await msg.respond(self._fitting(reply))
         self.answered += 1
+
+    async def _images(self, ask: TokenizerAsk) -> dict[str, bytes]:
+        """The bytes of a chat's images (none for any other question)."""
+        if not isinstance(ask, TokenizeChat):
+            return {}
+        return await images_for(self._parts, self._engine, ask.task)
 
     def _fitting(self, reply: TokenizerAnswer) -> bytes:
         """The answer as sent: one that is larger than a NATS message may be (the server

@@ -91,7 +91,9 @@ async def test_cluster_endpoints_and_why_a_model_cannot_answer(
             "created": 0,
             "loaded": False,
             "added": False,
+            "capabilities": ["completion"],
         }
+        assert cards["smolvlm-256m"]["capabilities"] == ["completion", "vision"]
         card = (await client.get("/v1/models/gemma3-270m")).json()  # models.retrieve
         assert (card["id"], card["added"], card["loaded"]) == ("gemma3-270m", False, False)
         assert (await client.get("/healthz")).json()["status"] == "ok"

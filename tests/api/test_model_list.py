@@ -83,6 +83,7 @@ def test_openai_s_sdk_reads_the_entries() -> None:
         "created": 0,
         "loaded": True,
         "added": True,
+        "capabilities": ["completion"],
     }
     assert by_id["gpt-x"]["alias_of"] == SMOL
     assert by_id[GEMMA] == {
@@ -92,8 +93,12 @@ def test_openai_s_sdk_reads_the_entries() -> None:
         "created": 0,
         "loaded": False,
         "added": False,
+        "capabilities": ["completion"],
     }
-    assert models[-1].model_extra == {"loaded": False, "added": False}
+    assert models[-1].model_extra is not None
+    assert set(models[-1].model_extra) == {"loaded", "added", "capabilities"}
+    # A card with a projector file reads images.
+    assert by_id["smolvlm-256m"]["capabilities"] == ["completion", "vision"]
 
 
 def test_ollama_s_client_reads_the_entries() -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from services.runner.decoding import Decoding, Sink
 from services.runner.generation import TokenSource
+from services.runner.image_spans import ImagePrompt
 
 
 class EngineBroken(RuntimeError):
@@ -86,3 +87,26 @@ class Pushes(Protocol):
     thread (``submit``; the checks of ``generate`` are made at once)."""
 
     def submit(self, prompt: list[int], decoding: Decoding, sink: Sink) -> None: ...
+
+
+@runtime_checkable
+class ReadsImages(Protocol):
+    """An engine that may read a chat's images (llama.cpp with the model's projector)."""
+
+    def images_refused(self) -> str | None:
+        """Why it reads no images (a model without a projector, a split instance); None: it
+        reads them."""
+        ...
+
+    def image_chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        add_generation_prompt: bool,
+        images: Sequence[bytes],
+    ) -> ImagePrompt:
+        """As ``Engine.chat_tokens``, for messages whose contents hold image placeholders
+        (``image_markers.py``): ``images[k]`` is the bytes of placeholder ``k``. Its tokens,
+        and where its images are (``Decoding.images``)."""
+        ...

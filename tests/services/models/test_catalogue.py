@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hf_constants
 
-from services.models.cards import HfSource, PackageSource
+from services.models.cards import HfSource, ModelCard, PackageSource
 from services.models.catalogue import (
     CATALOGUE_DIR,
     CatalogueError,
@@ -26,6 +26,8 @@ from tests.services.models.hub_cache import hub_cache
 
 FAMILIES = {
     "qwen3",
+    "qwen2.5-vl",
+    "smolvlm",
     "llama3",
     "gemma3",
     "mistral",
@@ -72,6 +74,38 @@ def test_variants_have_ids_of_their_own() -> None:
     assert card_for("mistral-7b").tool_calls == "mistral"
 
 
+def test_a_vision_card_names_its_projector_for_its_gguf_variants() -> None:
+    """Images are read with the card's projector file: every GGUF variant takes it, MLX reads
+    text only; its size counts in the card's estimate (placement's memory)."""
+    seeing = [c for c in catalogue_cards().values() if c.projector is not None]
+    assert {c.id for c in seeing} >= {
+        "smolvlm-256m",
+        "smolvlm-500m",
+        "gemma3-4b",
+        "qwen2.5-vl-3b",
+        "qwen2.5-vl-7b",
+    }
+    smol = card_for("smolvlm-256m")
+    assert smol.source == HfSource(
+        repo="ggml-org/SmolVLM-256M-Instruct-GGUF", filename="SmolVLM-256M-Instruct-Q8_0.gguf"
+    )
+    assert smol.projector == HfSource(
+        repo="ggml-org/SmolVLM-256M-Instruct-GGUF",
+        filename="mmproj-SmolVLM-256M-Instruct-Q8_0.gguf",
+    )
+    for card in seeing:
+        assert card.engines == ["llamacpp"] and card.estimate is not None
+        assert card.estimate.projector_bytes > 10**7
+        assert isinstance(card.projector, HfSource) and card.projector.filename
+        assert card.projector.filename.startswith("mmproj-")
+    assert card_for("gemma3-4b:q8_0").projector == card_for("gemma3-4b").projector
+    assert card_for("gemma3-4b:mlx-4bit").projector is None
+    with pytest.raises(ValueError, match="a projector file is llama\\.cpp's"):
+        ModelCard.model_validate(
+            card_for("gemma3-4b:mlx-4bit").model_dump() | {"projector": smol.projector}
+        )
+
+
 def test_the_built_in_cards_estimates_are_what_their_weights_say(
     smollm2_path: Path, gemma_path: Path
 ) -> None:
@@ -86,6 +120,7 @@ def test_the_built_in_cards_estimates_are_what_their_weights_say(
             "size_bytes": facts.size_bytes,
             "kv_bytes_per_token": facts.kv_bytes_per_token,
             "overhead_bytes": facts.overhead_bytes,
+            "projector_bytes": 0,  # they read text only
         }
 
 

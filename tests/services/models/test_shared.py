@@ -204,6 +204,11 @@ def test_which_files_a_shard_needs_and_which_gguf_llama_cpp_loads() -> None:
     assert gguf_entry([_weight("one.gguf")]).name == "one.gguf"
     with pytest.raises(ValueError, match="several GGUF files"):
         gguf_entry([_weight("a.gguf"), _weight("b.gguf")])
+    # A projector is a GGUF beside the weights, not them; the head fetches it with them.
+    projector = _weight("mmproj-a.gguf").model_copy(update={"projector": True})
+    assert gguf_entry([projector, *parts]).name == "q-00001-of-00002.gguf"
+    assert needed_files([*parts, projector], "llamacpp", 0, 0, 10, 20) == [*parts, projector]
+    assert needed_files([*parts, projector], "llamacpp", 1, 10, 20, 20) == []
     assert split_parts("x-00002-of-00003.gguf") == [
         "x-00001-of-00003.gguf",
         "x-00002-of-00003.gguf",

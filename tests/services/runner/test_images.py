@@ -1,8 +1,10 @@
-"""A task's images as the runner reads them (services/runner/images.py): refused while no
-engine reads images, never served as if they were not there."""
+"""A task's images as the runner reads them (services/runner/images.py): their bytes for an
+engine that reads images (llama.cpp with the model's projector), a clear refusal from any
+other, never served as if its images were not there."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -13,11 +15,14 @@ from bus.images import stored_image
 from bus.parts import PartStore
 from bus.records import ChatMessage, SamplingParams
 from services.runner.engines.base import Engine
+from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.generation import InvalidRequest
 from services.runner.images import images_for, reads_images
+from services.runner.main import SPLIT_NO_IMAGES
 from tests.images import png
+from tests.templated import SMOLLM2
 
-ENGINE = cast(Engine, object())
+OTHER = cast(Engine, object())  # an engine with no say on images (MLX's)
 
 
 def _task(*messages: ChatMessage) -> TaskCreated:
@@ -31,14 +36,28 @@ def _task(*messages: ChatMessage) -> TaskCreated:
     )
 
 
-async def test_a_task_with_an_image_is_refused_by_an_engine_that_reads_none(
-    js: JetStreamContext,
+async def test_the_images_bytes_for_an_engine_that_reads_them_else_a_refusal(
+    js: JetStreamContext, tiny_projector: Path
 ) -> None:
     store = PartStore(js)
-    assert not reads_images(ENGINE)
-    assert await images_for(store, ENGINE, _task(ChatMessage(role="user", content="hi"))) == {}
-    image, parts = stored_image(png(), "image/png", 2, 2)
+    data = png()
+    image, parts = stored_image(data, "image/png", 2, 2)
     await store.store(parts)
     seeing = _task(ChatMessage(role="user", content="What is this?", images=[image]))
-    with pytest.raises(InvalidRequest, match="model smollm2-135m does not accept images"):
-        await images_for(store, ENGINE, seeing)
+    # Not loaded: whether it reads images is its projector's say.
+    reader = LlamaCppEngine(SMOLLM2, projector=tiny_projector)
+    assert reads_images(reader)
+    assert await images_for(store, reader, seeing) == {image.sha256: data}
+
+    text_only = LlamaCppEngine(SMOLLM2)
+    split = LlamaCppEngine(SMOLLM2, no_images=SPLIT_NO_IMAGES)
+    assert not reads_images(OTHER) and not reads_images(text_only)
+    assert await images_for(store, OTHER, _task(ChatMessage(role="user", content="hi"))) == {}
+    refusals = (
+        (OTHER, "does not accept images on this engine.*not on MLX yet"),
+        (text_only, "does not accept images: its model has no projector"),
+        (split, "does not accept images: its instance is split over several nodes"),
+    )
+    for engine, why in refusals:
+        with pytest.raises(InvalidRequest, match=f"model smollm2-135m {why}"):
+            await images_for(store, engine, seeing)

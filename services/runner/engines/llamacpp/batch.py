@@ -9,6 +9,11 @@ in chunks beside the others' next tokens, so that a long prompt holds everyone's
 back by one batch of ``n_batch`` tokens at most. Each sequence has its own sampler
 (``SequenceSampler``); a sequence's error (a grammar it cannot follow) ends it alone.
 
+A prompt's images (``Decoding.images``) are evaluated apart, on the decoding thread before a
+step, each on its own sequence at its position (``evaluate_image``: the engine's projector), as
+llama.cpp's server does: one ``llama_decode`` cannot mix token and embedding rows. A sequence's
+text then goes in the shared batch up to its next image at most.
+
 The decoding runs on one thread of its own, the only one that touches the context. Each
 generation's items go to its ``Sink`` on that thread (the runner makes its steps there, between
 two decodes: ``submit``), or to a Python generator on the caller's thread (``generate``); a sink
@@ -33,8 +38,12 @@ import numpy as np
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Sink, Token
 from services.runner.engines.batch_thread import END, max_new, taken_from
 from services.runner.engines.llamacpp.sampling import Logits, SequenceSampler, scored
+from services.runner.image_spans import ImageSpan, image_at, kept, position, text_run
 
 log = logging.getLogger(__name__)
+
+# Evaluates an image chunk into a sequence (the slot) from a position (the engine's projector).
+EvaluateImage = Callable[[ImageSpan, int, int], None]
 
 # A prompt that is scored (echo) needs the logits of every position; llama.cpp keeps an output
 # buffer as large as the largest batch's logits for the context's life (n_batch of 512 with
@@ -216,6 +225,14 @@ class _Sequence:
     def prefill_left(self) -> int:
         return len(self.prompt) - self.prefilled
 
+    @property
+    def images(self) -> tuple[ImageSpan, ...]:
+        return self.decoding.images
+
+    def text_left(self) -> int:
+        """Prompt tokens the shared batch may take next: up to the next image."""
+        return text_run(self.images, self.prefilled, len(self.prompt))
+
     def runnable(self) -> bool:
         if self.finished or self.released:
             return False
@@ -258,8 +275,10 @@ class BatchDecoder:
         n_batch: int,
         n_vocab: int,
         is_end: Callable[[int], bool],
+        evaluate_image: EvaluateImage | None = None,
     ) -> None:
         self._ctx = ctx
+        self._evaluate_image = evaluate_image
         self._owner = owner  # what holds the model: it must outlive the context
         # Freed by ``close``, or with the decoder; not at exit, where the decoding thread
         # (a daemon) may still be in it.
@@ -408,14 +427,15 @@ class BatchDecoder:
     def _admit(self, seq: _Sequence) -> None:
         free = [s for s in range(self.slots) if s not in self._active]
         choice = pick_slot(free, self._cached, self._last_used, seq.prompt)
-        slot, keep = choice.slot, choice.keep
+        slot, keep = choice.slot, kept(seq.images, choice.keep)
         if seq.decoding.echo:
             keep = 0  # a scored prompt needs every position's logits: it runs whole
         elif choice.copy_from is not None:
             # Another slot's cells, whole (llama.cpp copies across sequences only so), at the
             # next decode; what is past the common prefix is dropped below.
             llama_cpp.llama_memory_seq_cp(self._memory, choice.copy_from, slot, -1, -1)
-        if not llama_cpp.llama_memory_seq_rm(self._memory, slot, keep, -1):
+        at = position(seq.images, keep)
+        if not llama_cpp.llama_memory_seq_rm(self._memory, slot, at, -1):
             # A cache that cannot drop a part (a recurrent model's) is dropped whole.
             llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
             keep = 0
@@ -434,7 +454,12 @@ class BatchDecoder:
         self._cached.pop(slot, None)
 
     def _step(self, ready: list[_Sequence]) -> None:
-        needs = [Need(s.slot, s.prefill_left, s.decoding.echo) for s in ready]
+        for seq in ready:
+            self._evaluate_images(seq)
+        ready = [s for s in ready if not s.finished]
+        if not ready:
+            return
+        needs = [Need(s.slot, s.text_left(), s.decoding.echo) for s in ready]
         plan = plan_step(needs, self._batch.capacity)
         batch = self._batch
         batch.clear()
@@ -447,12 +472,15 @@ class BatchDecoder:
             cached = self._cached[seq.slot]
             if seq.prefill_left == 0:
                 assert seq.next_token is not None
-                batch.add(seq.next_token, len(cached), seq.slot, logits=True)
+                at = position(seq.images, len(cached))
+                batch.add(seq.next_token, at, seq.slot, logits=True)
             else:
                 start = seq.prefilled
-                for pos in range(start, start + n):
-                    last = pos == len(seq.prompt) - 1
-                    batch.add(seq.prompt[pos], pos, seq.slot, logits=seq.decoding.echo or last)
+                shift = start - position(seq.images, start)  # the images' positions before
+                for i in range(start, start + n):
+                    last = i == len(seq.prompt) - 1
+                    logits = seq.decoding.echo or last
+                    batch.add(seq.prompt[i], i - shift, seq.slot, logits=logits)
             parts.append((seq, first, n))
         batch.decode(self._ctx)
         for seq, first, n in parts:
@@ -472,6 +500,26 @@ class BatchDecoder:
                 if seq.decoding.echo and not seq.emit(PromptScores(tuple(seq.scores))):
                     continue
                 self._sample(seq, first + n - 1)
+
+    def _evaluate_images(self, seq: _Sequence) -> None:
+        """The images where the sequence's prompt is now, each whole, on its own sequence;
+        an image that fails ends its sequence alone."""
+        while seq.prefill_left > 0 and (image := image_at(seq.images, seq.prefilled)):
+            if seq.decoding.stop_asked():
+                seq.end()
+                return
+            try:
+                if self._evaluate_image is None:
+                    raise RuntimeError("this engine reads no images")
+                at = position(seq.images, image.start)
+                self._evaluate_image(image, seq.slot, at)
+            except Exception as exc:
+                log.exception("an image of the prompt in slot %d failed", seq.slot)
+                self._forget(seq.slot)
+                seq.end(exc)
+                return
+            self._cached[seq.slot].extend([image.token] * image.n_tokens)
+            seq.prefilled += image.n_tokens
 
     def _score(self, seq: _Sequence, first: int, start: int, n: int) -> None:
         """A scored prompt's tokens in this step: each given the ones before it (the first has

@@ -4,13 +4,14 @@
 tokenizer and chat template; the decoding is llama.cpp's low-level API, in a context of
 ``slots`` sequences that ``BatchDecoder`` (``llamacpp_batch``) decodes together, each with a
 ``SequenceSampler`` (``llamacpp_sampling``) that picks its tokens with llama.cpp's samplers and
-grammars.
+grammars. A model with a projector file reads images (``vision.py``): the projector is loaded
+after the model, on the GPU where the model's layers are, with the runner's threads.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,10 @@ from services.runner.engines.llamacpp.sampling import (
     seed_of,
     token_piece,
 )
+from services.runner.engines.llamacpp.vision import Projector, projector_on_gpu
 from services.runner.generation import InvalidRequest, check_against_vocabulary
+from services.runner.image_markers import placed
+from services.runner.image_spans import ImagePrompt, ImageSpan
 
 # Named chat formats a model card may ask for (as llama-cpp-python names them). A model without
 # one uses the chat template in its GGUF.
@@ -55,6 +59,7 @@ class _Loaded:
     bare_formatter: Callable[..., Any] | None
     template: str | None  # the GGUF's Jinja template, when that is what chats go through
     ends: frozenset[int]
+    projector: Projector | None  # what reads the chats' images, for a model with one
 
 
 class LlamaCppEngine:
@@ -66,8 +71,12 @@ class LlamaCppEngine:
         slots: int = 1,
         chat_format: str | None = None,
         n_threads: int | None = None,
+        projector: Path | None = None,
+        no_images: str = "its model has no projector (mmproj) file",
         **llama_kwargs: Any,
     ) -> None:
+        """``projector``: the model's multimodal projector file (its images are read);
+        ``no_images``: why images are refused without one."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         if chat_format is not None and chat_format not in _FORMATTERS:
@@ -80,6 +89,8 @@ class LlamaCppEngine:
         self._chat_format = chat_format
         self._n_threads = n_threads or os.cpu_count() or 1
         self._kwargs = llama_kwargs
+        self._projector = projector
+        self._no_images = no_images
         self._loaded: _Loaded | None = None
         self._pieces: dict[int, bytes] = {}
         # Apply a grammar to every candidate, every token (llama.cpp's grammar_first), rather
@@ -128,14 +139,29 @@ class LlamaCppEngine:
                 if len(ids) == 1:
                     ends.add(ids[0])
         ends_set = frozenset(ends)
+        projector = None
+        if self._projector is not None:
+            projector = Projector(
+                self._projector,
+                llm.model,
+                use_gpu=projector_on_gpu(self._kwargs),
+                n_threads=self._n_threads,
+            )
+        n_batch = int(llama_cpp.llama_n_batch(ctx))
+
+        def evaluate_image(image: ImageSpan, seq: int, n_past: int) -> None:
+            assert projector is not None
+            projector.evaluate(ctx, image, seq, n_past, n_batch)
+
         decoder = BatchDecoder(
             ctx,
             owner=llm,
             slots=self.slots,
             n_ctx=n_ctx,
-            n_batch=int(llama_cpp.llama_n_batch(ctx)),
+            n_batch=n_batch,
             n_vocab=n_vocab,
             is_end=ends_set.__contains__,
+            evaluate_image=evaluate_image if projector is not None else None,
         )
         self._loaded = _Loaded(
             llm=llm,
@@ -148,6 +174,7 @@ class LlamaCppEngine:
             bare_formatter=bare_formatter,
             template=template or None,
             ends=ends_set,
+            projector=projector,
         )
 
     @property
@@ -216,6 +243,31 @@ class LlamaCppEngine:
     def text_tokens(self, prompt: str) -> list[int]:
         return self._tokens(prompt)
 
+    # --- images (vision.py) -------------------------------------------------------------------
+
+    def images_refused(self) -> str | None:
+        """Why this engine reads no images; None: it reads them."""
+        return None if self._projector is not None else self._no_images
+
+    def image_chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        add_generation_prompt: bool,
+        images: Sequence[bytes],
+    ) -> ImagePrompt:
+        """A chat whose contents hold image placeholders (``image_markers.py``), the image
+        of each given, as the model reads it: its tokens and its images."""
+        if self._projector is None:
+            raise InvalidRequest(f"this model does not read images: {self._no_images}")
+        projector = self.loaded.projector
+        assert projector is not None
+        text = self.chat_text(messages, tools, template_kwargs, add_generation_prompt)
+        text, order = placed(text, projector.marker)
+        shown = [images[i] for i in order]
+        return projector.prompt(text, shown, self.llm.token_bos())
+
     def _tokens(self, text: str) -> list[int]:
         # Chat templates write the BOS token themselves; plain prompts get one added.
         llm = self.llm
@@ -282,6 +334,13 @@ class LlamaCppEngine:
                 f"{self.n_ctx} tokens leaves room for"
             )
         m = self.loaded
+        if decoding.images:
+            if m.projector is None:
+                raise InvalidRequest(f"this model does not read images: {self._no_images}")
+            if decoding.echo:
+                raise InvalidRequest("a prompt with images cannot be scored (echo)")
+            if decoding.images[-1].end >= len(prompt):
+                raise InvalidRequest("the prompt ends with an image: nothing follows it")
         check_against_vocabulary(decoding.params, m.n_vocab, decoding.top_logprobs)
         grammar = m.grammars.get(decoding.grammar) if decoding.grammar else None
         seed = seed_of(decoding.params)
@@ -312,6 +371,8 @@ class LlamaCppEngine:
         """Stop the decoding thread (generations in flight are left unfinished)."""
         if self._loaded is not None:
             self._loaded.decoder.close()
+            if self._loaded.projector is not None:
+                self._loaded.projector.close()
 
 
 # The context ``Llama`` makes for itself, unused (see ``load``).
