@@ -1,9 +1,10 @@
 """A task's images, read for the engine when the runner takes the task (their bytes are stored
 as parts, the task names them: ``bus/images.py``).
 
-An engine that reads no images (a model without a projector file, a split instance, MLX)
-refuses the task, as the API refuses it for a model that takes none (``api/images/vision.py``):
-never served as if its images were not there.
+An engine that reads no images (a model without a projector file, MLX) refuses the task, as
+the API refuses it for a model that takes none (``api/images/vision.py``): never served as if
+its images were not there. A llama.cpp instance split over several nodes reads them at its
+head, which holds the projector (on its CPU) and the first layers.
 """
 
 from __future__ import annotations

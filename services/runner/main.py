@@ -36,13 +36,6 @@ from services.runner.tokenizer_service import TokenizerService
 log = logging.getLogger(__name__)
 
 
-# Why a llama.cpp runner refuses images.
-NO_PROJECTOR = "its model has no projector (mmproj) file"
-SPLIT_NO_IMAGES = (
-    "its instance is split over several nodes, and a split instance reads no images yet"
-)
-
-
 class UnsupportedEngine(RuntimeError):
     """A model for an engine this runner does not have."""
 
@@ -144,17 +137,16 @@ async def run_llamacpp(
         await asyncio.to_thread(reranker.load)
         await _serve(RerankServer(nc, reranker, me, _task_file(spec)), state, peers, stop)
         return
-    # A split instance's head reads no images yet: its projector would have to choose among
-    # the devices the pipeline's stages lend it (docs/runners.md).
-    split = bool(spec.peers) and any(f.projector for f in spec.files)
     engine = LlamaCppEngine(
         path,
         n_ctx=spec.n_ctx,
         slots=spec.slots,
         chat_format=spec.chat_format,
         n_threads=spec.n_threads,
-        projector=None if spec.peers else await projector_path(spec, nc),
-        no_images=SPLIT_NO_IMAGES if split else NO_PROJECTOR,
+        projector=await projector_path(spec, nc),
+        # A pipeline's head keeps its own layers on its CPU; libmtmd's GPU would be the first
+        # GPU device it finds, a later stage's RPC server on a head without a GPU of its own.
+        projector_on_cpu=bool(spec.peers),
         **offload,
     )
     await asyncio.to_thread(engine.load)

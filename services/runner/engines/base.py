@@ -94,8 +94,7 @@ class ReadsImages(Protocol):
     """An engine that may read a chat's images (llama.cpp with the model's projector)."""
 
     def images_refused(self) -> str | None:
-        """Why it reads no images (a model without a projector, a split instance); None: it
-        reads them."""
+        """Why it reads no images (a model without a projector); None: it reads them."""
         ...
 
     def image_chat_prompt(

@@ -3,6 +3,7 @@ path (``prepare``, ``steps``), and what it did publish, in one comparable shape.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from bus.events import ChunkGenerated, TaskCreated
@@ -15,8 +16,11 @@ from services.runner.job import prepare
 Served = tuple[int | None, str, tuple[ToolCallDelta, ...], str | None]
 
 
-def expected(engine: Engine, task: TaskCreated) -> tuple[list[Served], list[float | None]]:
-    job = prepare(engine, task)
+def expected(
+    engine: Engine, task: TaskCreated, images: Mapping[str, bytes] | None = None
+) -> tuple[list[Served], list[float | None]]:
+    """``images``: the bytes of the task's images, by digest."""
+    job = prepare(engine, task, images)
     limit = check_request(len(job.prompt), task.params, engine.n_ctx, echo=task.echo)
     out = [
         s

@@ -18,7 +18,6 @@ from services.runner.engines.base import Engine
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.generation import InvalidRequest
 from services.runner.images import images_for, reads_images
-from services.runner.main import SPLIT_NO_IMAGES
 from tests.images import png
 from tests.templated import SMOLLM2
 
@@ -50,13 +49,11 @@ async def test_the_images_bytes_for_an_engine_that_reads_them_else_a_refusal(
     assert await images_for(store, reader, seeing) == {image.sha256: data}
 
     text_only = LlamaCppEngine(SMOLLM2)
-    split = LlamaCppEngine(SMOLLM2, no_images=SPLIT_NO_IMAGES)
     assert not reads_images(OTHER) and not reads_images(text_only)
     assert await images_for(store, OTHER, _task(ChatMessage(role="user", content="hi"))) == {}
     refusals = (
         (OTHER, "does not accept images on this engine.*not on MLX yet"),
         (text_only, "does not accept images: its model has no projector"),
-        (split, "does not accept images: its instance is split over several nodes"),
     )
     for engine, why in refusals:
         with pytest.raises(InvalidRequest, match=f"model smollm2-135m {why}"):

@@ -5,7 +5,8 @@ tokenizer and chat template; the decoding is llama.cpp's low-level API, in a con
 ``slots`` sequences that ``BatchDecoder`` (``llamacpp_batch``) decodes together, each with a
 ``SequenceSampler`` (``llamacpp_sampling``) that picks its tokens with llama.cpp's samplers and
 grammars. A model with a projector file reads images (``vision.py``): the projector is loaded
-after the model, on the GPU where the model's layers are, with the runner's threads.
+after the model, on the GPU where the model's layers are (on the CPU at a pipeline's head), with
+the runner's threads.
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ class LlamaCppEngine:
         chat_format: str | None = None,
         n_threads: int | None = None,
         projector: Path | None = None,
-        no_images: str = "its model has no projector (mmproj) file",
+        projector_on_cpu: bool = False,
         **llama_kwargs: Any,
     ) -> None:
-        """``projector``: the model's multimodal projector file (its images are read);
-        ``no_images``: why images are refused without one."""
+        """``projector``: the model's multimodal projector file (its images are read), on
+        the GPU where the model's layers are, or on the CPU with ``projector_on_cpu`` (a
+        pipeline's head, whose GPU devices may be its stages' RPC servers)."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         if chat_format is not None and chat_format not in _FORMATTERS:
@@ -90,7 +92,7 @@ class LlamaCppEngine:
         self._n_threads = n_threads or os.cpu_count() or 1
         self._kwargs = llama_kwargs
         self._projector = projector
-        self._no_images = no_images
+        self._projector_on_cpu = projector_on_cpu
         self._loaded: _Loaded | None = None
         self._pieces: dict[int, bytes] = {}
         # Apply a grammar to every candidate, every token (llama.cpp's grammar_first), rather
@@ -144,7 +146,7 @@ class LlamaCppEngine:
             projector = Projector(
                 self._projector,
                 llm.model,
-                use_gpu=projector_on_gpu(self._kwargs),
+                use_gpu=not self._projector_on_cpu and projector_on_gpu(self._kwargs),
                 n_threads=self._n_threads,
             )
         n_batch = int(llama_cpp.llama_n_batch(ctx))
@@ -247,7 +249,7 @@ class LlamaCppEngine:
 
     def images_refused(self) -> str | None:
         """Why this engine reads no images; None: it reads them."""
-        return None if self._projector is not None else self._no_images
+        return None if self._projector is not None else _NO_PROJECTOR
 
     def image_chat_prompt(
         self,
@@ -260,7 +262,7 @@ class LlamaCppEngine:
         """A chat whose contents hold image placeholders (``image_markers.py``), the image
         of each given, as the model reads it: its tokens and its images."""
         if self._projector is None:
-            raise InvalidRequest(f"this model does not read images: {self._no_images}")
+            raise InvalidRequest(f"this model does not read images: {_NO_PROJECTOR}")
         projector = self.loaded.projector
         assert projector is not None
         text = self.chat_text(messages, tools, template_kwargs, add_generation_prompt)
@@ -336,7 +338,7 @@ class LlamaCppEngine:
         m = self.loaded
         if decoding.images:
             if m.projector is None:
-                raise InvalidRequest(f"this model does not read images: {self._no_images}")
+                raise InvalidRequest(f"this model does not read images: {_NO_PROJECTOR}")
             if decoding.echo:
                 raise InvalidRequest("a prompt with images cannot be scored (echo)")
             if decoding.images[-1].end >= len(prompt):
@@ -374,6 +376,9 @@ class LlamaCppEngine:
             if self._loaded.projector is not None:
                 self._loaded.projector.close()
 
+
+# Why a model without a projector file refuses images.
+_NO_PROJECTOR = "its model has no projector (mmproj) file"
 
 # The context ``Llama`` makes for itself, unused (see ``load``).
 _LLAMA_OWN_CTX = 64

