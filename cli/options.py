@@ -55,6 +55,16 @@ RunnerSlots = Annotated[
         " the memory.",
     ),
 ]
+WarmRunner = Annotated[
+    bool,
+    typer.Option(
+        "--warm-runner/--no-warm-runner",
+        envvar="SHOAL_WARM_RUNNER",
+        help="Keep one runner process started ahead, its imports done, for the next model this"
+        " node loads (about 0.7 s of a cold start on 2 cores; bench/cold_start.py). It costs an"
+        " idle process (~100 MB of RAM).",
+    ),
+]
 Retain = Annotated[
     str | None,
     typer.Option(

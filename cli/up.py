@@ -62,6 +62,7 @@ from cli.options import (
     MaxLoaded,
     Retain,
     RunnerSlots,
+    WarmRunner,
     absolute,
     cache_size,
     keep_alive_s,
@@ -114,6 +115,7 @@ def up(
     data_host: DataHost = None,
     slots: RunnerSlots = None,
     cache_size_text: CacheSizeText = DEFAULT_CACHE_SIZE_TEXT,
+    warm_runner: WarmRunner = True,
     api_key: ApiKeys = None,
     alias: Aliases = None,
     cors_origin: CorsOrigins = None,
@@ -223,6 +225,7 @@ def up(
                     data_host=data_host,
                     slots=slots,
                     cache_size=budget,
+                    warm_runner=warm_runner,
                 ),
             )
             config = ApiConfig(

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
+import psutil
 import typer
 
 from bus.connection import connect
@@ -19,6 +22,7 @@ from cli.options import (
     DataHost,
     NatsUrl,
     RunnerSlots,
+    WarmRunner,
     absolute,
     cache_size,
     run_until_signal,
@@ -30,6 +34,8 @@ from services.runner.spec import RunnerSpec
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit
 from services.worker.worker import Worker, WorkerConfig
+
+log = logging.getLogger(__name__)
 
 
 def worker(
@@ -54,6 +60,7 @@ def worker(
     data_host: DataHost = None,
     slots: RunnerSlots = None,
     cache_size_text: CacheSizeText = DEFAULT_CACHE_SIZE_TEXT,
+    warm_runner: WarmRunner = True,
 ) -> None:
     """Join the cluster as a worker: heartbeat, and run the runners placed on this node."""
     setup_logging()
@@ -70,6 +77,7 @@ def worker(
         slots=slots,
         cache_size=budget,
         stream_settings=StreamSettings.from_env(),
+        warm_runner=warm_runner,
     )
     typer.echo(f"worker {config.node_id} joining {nats}")
 
@@ -96,6 +104,10 @@ def runner(
     """Serve one shard (started by a worker; not usually run by hand)."""
     setup_logging()
     parsed = RunnerSpec.model_validate_json(sys.stdin.read() if spec == "-" else spec)
+    if parsed.log_path is not None:
+        _write_output_to(Path(parsed.log_path))
+        waited = time.time() - psutil.Process().create_time()
+        log.info("runner %s: the warm spare, started %.1f s ago", parsed.runner_id, waited)
     # Before any engine is loaded: the process sees only its shard's accelerators.
     os.environ.update(visible_devices(parsed.shard, os.environ))
     code = 0
@@ -111,3 +123,14 @@ def runner(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _write_output_to(path: Path) -> None:
+    """This process's standard output and error from now on go to ``path`` (appended): a warm
+    spare learns which runner it is, and so its log, only with its spec."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)

@@ -149,3 +149,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return shared_fixture(module) or module
 
     return ModuleScheduling(config, log)
+
+
+# A worker keeps a runner started ahead by default (--warm-runner): an idle process and a
+# second of CPU per worker, which the suite's hundred-odd workers would spend for nothing.
+# tests/cli/test_up_on_demand.py starts its `shoal up` with the spare.
+os.environ.setdefault("SHOAL_WARM_RUNNER", "0")

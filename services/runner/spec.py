@@ -48,6 +48,9 @@ class RunnerSpec(BaseModel):
     task_file: str | None = None
     # How long a stage waits for the others to listen before it gives up (and is restarted).
     peer_timeout_s: float = 300.0
+    # Where the runner's output goes (appended), for a runner started before its spec was
+    # known (the worker's warm spare, services/worker/supervisor.py); None: where it was started.
+    log_path: str | None = None
 
     @property
     def runner_id(self) -> str:

@@ -34,7 +34,17 @@ async def start_runner(
     spec: RunnerSpec, stdout: int | IO[Any], env: dict[str, str] | None = None, **kwargs: Any
 ) -> asyncio.subprocess.Process:
     """A runner process for ``spec``, given its spec on a pipe (``RUNNER_COMMAND``)."""
-    proc = await asyncio.create_subprocess_exec(
+    proc = await spawn_runner(stdout, env, **kwargs)
+    await give_spec(proc, spec)
+    return proc
+
+
+async def spawn_runner(
+    stdout: int | IO[Any], env: dict[str, str] | None = None, **kwargs: Any
+) -> asyncio.subprocess.Process:
+    """A runner process that imports what it runs on, then waits for its spec
+    (``give_spec``)."""
+    return await asyncio.create_subprocess_exec(
         *RUNNER_COMMAND,
         stdin=asyncio.subprocess.PIPE,
         stdout=stdout,
@@ -42,11 +52,13 @@ async def start_runner(
         env=env,
         **kwargs,
     )
+
+
+async def give_spec(proc: asyncio.subprocess.Process, spec: RunnerSpec) -> None:
     assert proc.stdin is not None
     proc.stdin.write(spec.model_dump_json().encode())
     await proc.stdin.drain()
     proc.stdin.close()
-    return proc
 
 
 def _pipeline_env(spec: RunnerSpec) -> dict[str, str]:
@@ -57,6 +69,20 @@ def _pipeline_env(spec: RunnerSpec) -> dict[str, str]:
     slower) and sleeps soon after (bench/pipeline.py measures it; docs/runners.md has the
     figures)."""
     return {"GOMP_SPINCOUNT": "10000"} if spec.shard.world_size > 1 else {}
+
+
+def _runner_kwargs(env: dict[str, str]) -> dict[str, Any]:
+    """How a runner process is started, with ``env`` added to this process's environment."""
+    return {
+        # A runner must not outlive its worker (a worker killed with SIGKILL would leave a
+        # runner nobody supervises), and only its worker stops it: in a session of its own, a
+        # Ctrl-C at the terminal does not reach it behind the worker's back.
+        "preexec_fn": die_with_parent,
+        "start_new_session": True,
+        # ggml attaches gdb to print a backtrace when it aborts (a lost RPC stage): seconds of
+        # ptrace and pages of log for a failure the runner's events explain.
+        "env": {"GGML_NO_BACKTRACE": "1", **env, **os.environ},
+    }
 
 
 @dataclass
@@ -71,12 +97,55 @@ class Supervised:
 
 class Supervisor:
     """One runner process per shard; a runner that dies is reported through ``on_exit`` and
-    restarted with bounded backoff until it is asked to stop."""
+    restarted with bounded backoff until it is asked to stop.
 
-    def __init__(self, on_exit: OnExit, log_dir: Path) -> None:
+    ``warm_spare``: one runner process is kept started ahead, its imports done (most of a
+    runner's start), waiting for a spec: the next runner of a whole model takes it, and another
+    is started for the one after. A runner of a pipeline's stage is started afresh: its
+    environment differs (``_pipeline_env``)."""
+
+    def __init__(self, on_exit: OnExit, log_dir: Path, *, warm_spare: bool = False) -> None:
         self._on_exit = on_exit
         self._log_dir = log_dir
         self.runners: dict[str, Supervised] = {}
+        self._warm_spare = warm_spare
+        self._spare: asyncio.subprocess.Process | None = None
+        self._refilling: asyncio.Task[None] | None = None
+
+    def warm(self) -> None:
+        """Start the spare, if there is to be one and none is there or being started."""
+        if not self._warm_spare or self._refilling is not None:
+            return
+        if self._spare is not None and self._spare.returncode is None:
+            return
+        self._refilling = asyncio.create_task(self._start_spare())
+
+    async def _start_spare(self) -> None:
+        try:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            # Its own output until it is given a spec (an import that fails, say).
+            with (self._log_dir / "runner-spare.log").open("ab") as out:
+                self._spare = await spawn_runner(out, **_runner_kwargs({}))
+        except OSError:
+            log.exception("could not start a spare runner")
+        finally:
+            self._refilling = None
+
+    async def _take_spare(self, spec: RunnerSpec) -> asyncio.subprocess.Process | None:
+        """The spare, given ``spec`` (its output then goes to the runner's log); None when there
+        is none ready, or ``spec``'s runner needs an environment of its own."""
+        if self._refilling is not None:
+            await self._refilling  # a moment: it is spawned, not imported, when this returns
+        spare, self._spare = self._spare, None
+        if spare is None or spare.returncode is not None or _pipeline_env(spec):
+            self._spare = spare if spare is not None and spare.returncode is None else None
+            return None
+        log_path = self._log_dir / f"runner-{spec.runner_id}.log"
+        try:
+            await give_spec(spare, spec.model_copy(update={"log_path": str(log_path)}))
+        except (BrokenPipeError, ConnectionResetError):
+            return None  # it died meanwhile: start one afresh
+        return spare
 
     def pid(self, runner_id: str) -> int | None:
         s = self.runners.get(runner_id)
@@ -92,22 +161,21 @@ class Supervisor:
 
     async def _spawn(self, entry: Supervised) -> None:
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self._log_dir / f"runner-{entry.spec.runner_id}.log"
-        with log_path.open("ab") as out:
-            entry.proc = await start_runner(
-                entry.spec,
-                out,
-                # A runner must not outlive its worker (a worker killed with SIGKILL would leave
-                # a runner nobody supervises), and only its worker stops it: in a session of
-                # its own, a Ctrl-C at the terminal does not reach it behind the worker's back.
-                preexec_fn=die_with_parent,
-                start_new_session=True,
-                # ggml attaches gdb to print a backtrace when it aborts (a lost RPC stage):
-                # seconds of ptrace and pages of log for a failure the runner's events explain.
-                env={"GGML_NO_BACKTRACE": "1", **_pipeline_env(entry.spec), **os.environ},
-            )
+        entry.proc = await self._take_spare(entry.spec)
+        warm = entry.proc is not None
+        if entry.proc is None:
+            log_path = self._log_dir / f"runner-{entry.spec.runner_id}.log"
+            with log_path.open("ab") as out:
+                kwargs = _runner_kwargs(_pipeline_env(entry.spec))
+                entry.proc = await start_runner(entry.spec, out, **kwargs)
         entry.started_at = time.monotonic()
-        log.info("started runner %s (pid %d)", entry.spec.runner_id, entry.proc.pid)
+        log.info(
+            "started runner %s (pid %d%s)",
+            entry.spec.runner_id,
+            entry.proc.pid,
+            ", the warm spare" if warm else "",
+        )
+        self.warm()  # for the next one
 
     async def _watch(self, entry: Supervised) -> None:
         while True:
@@ -149,4 +217,11 @@ class Supervisor:
             entry.watcher.cancel()
 
     async def stop_all(self) -> None:
+        self._warm_spare = False
+        if self._refilling is not None:
+            await self._refilling
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.returncode is None:
+            spare.kill()  # it holds nothing yet
+            await spare.wait()
         await asyncio.gather(*(self.stop(r) for r in list(self.runners)))

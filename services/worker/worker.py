@@ -79,6 +79,8 @@ class WorkerConfig:
     slots: int | None = None
     # The weights cache's size budget (--cache-size): beyond it, unused models are evicted.
     cache_size: CacheSize = DEFAULT_CACHE_SIZE
+    # Keep a runner process started ahead for the next runner (--warm-runner).
+    warm_runner: bool = False
 
     @property
     def models_dir(self) -> Path:
@@ -92,7 +94,9 @@ class Worker:
         self._pub = Publisher(self._js)
         self.config = config
         self.state = ClusterState()  # instances, runners and models, folded from the log
-        self.supervisor = Supervisor(self._runner_exited, config.data_dir / "logs")
+        self.supervisor = Supervisor(
+            self._runner_exited, config.data_dir / "logs", warm_spare=config.warm_runner
+        )
         self._caught_up = asyncio.Event()
         self._devices = Probe()  # what the engines can run on: asked once, in run()
         self.upkeep = CacheUpkeep(
@@ -145,6 +149,7 @@ class Worker:
             ),
         ]
         beat = asyncio.create_task(self._heartbeats(stop))
+        self.supervisor.warm()
         try:
             await stop.wait()
         finally:

@@ -62,6 +62,8 @@ async def test_each_request_loads_its_model_and_makes_room(tmp_path: Path) -> No
             "1",
             "--runner-threads",
             "1",
+            # The default, named: the suite's other tests start workers without a spare.
+            "--warm-runner",
         ]
     )
     lines = await read_until_ready(up)
@@ -103,3 +105,12 @@ async def test_each_request_loads_its_model_and_makes_room(tmp_path: Path) -> No
         ]
     finally:
         await asyncio.to_thread(drained.stop)
+    # Each load took the runner started ahead (its imports done), whose output went to the
+    # runner's own log once it knew which runner it was.
+    logs = [
+        p
+        for p in (tmp_path / "data" / "worker" / "logs").glob("runner-*.log")
+        if p.name != "runner-spare.log"
+    ]
+    assert len(logs) == 3, logs
+    assert all("the warm spare, started" in p.read_text() for p in logs), logs
