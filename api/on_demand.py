@@ -30,7 +30,9 @@ from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards
 from services.planner.card_fit import fits_now
 
-POLL_S = 0.2
+# How often a request waiting for its model looks at the projection: the first token waits
+# for the look after Ready (a small query; only while a model loads).
+POLL_S = 0.05
 # How long the projection may take to show an instance once its InstanceRequested is stored.
 PROJECTED_WITHIN_S = 30.0
 # The refusals a model loaded on demand may answer: not known here (a catalogue card), served

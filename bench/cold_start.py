@@ -30,7 +30,14 @@ from bench.concurrency import gguf, wait_http
 from bench.llama_server import llama_server
 from bus.connection import connect
 from bus.embedded import free_port
-from bus.events import InstancePlaced, InstanceRequested, RunnerStateChanged, parse_event
+from bus.events import (
+    InstancePlaced,
+    InstanceRequested,
+    RunnerStateChanged,
+    TaskCreated,
+    TaskStarted,
+    parse_event,
+)
 from bus.streams import EVENTS_STREAM
 from bus.subjects import aggregate_filter
 
@@ -154,7 +161,7 @@ async def breakdown(nats_url: str, since: float) -> dict[str, float]:
         info = await js.stream_info(EVENTS_STREAM)
         steps: dict[str, float] = {}
         requested: float | None = None
-        for aggregate in ("instance", "runner"):
+        for aggregate in ("instance", "runner", "task"):
             sub = await js.subscribe(aggregate_filter(aggregate), ordered_consumer=True)
             seq = 0
             while seq < info.state.last_seq:
@@ -173,6 +180,10 @@ async def breakdown(nats_url: str, since: float) -> dict[str, float]:
                     steps.setdefault("placed", at)
                 elif isinstance(event, RunnerStateChanged) and event.state in ("Loading", "Ready"):
                     steps.setdefault(event.state.lower(), at)
+                elif isinstance(event, TaskCreated):
+                    steps.setdefault("task created", at)
+                elif isinstance(event, TaskStarted):
+                    steps.setdefault("task started", at)
             await sub.unsubscribe()
         base = requested or since
         return {k: v - base for k, v in steps.items()}

@@ -100,9 +100,20 @@ def runner(
             " read)."
         ),
     ],
+    preload: Annotated[
+        bool,
+        typer.Option(
+            help="Load llama.cpp's engine before reading the spec (a worker's warm spare, on a"
+            " node without accelerators: a spec may limit which accelerators it sees).",
+            hidden=True,
+        ),
+    ] = False,
 ) -> None:
     """Serve one shard (started by a worker; not usually run by hand)."""
     setup_logging()
+    if preload:
+        import services.runner.engines.llamacpp.engine
+        import services.runner.weights  # noqa: F401
     parsed = RunnerSpec.model_validate_json(sys.stdin.read() if spec == "-" else spec)
     if parsed.log_path is not None:
         _write_output_to(Path(parsed.log_path))

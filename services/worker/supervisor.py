@@ -40,12 +40,13 @@ async def start_runner(
 
 
 async def spawn_runner(
-    stdout: int | IO[Any], env: dict[str, str] | None = None, **kwargs: Any
+    stdout: int | IO[Any], env: dict[str, str] | None = None, preload: bool = False, **kwargs: Any
 ) -> asyncio.subprocess.Process:
     """A runner process that imports what it runs on, then waits for its spec
-    (``give_spec``)."""
+    (``give_spec``); with ``preload``, llama.cpp's engine too (``shoal runner --preload``)."""
     return await asyncio.create_subprocess_exec(
         *RUNNER_COMMAND,
+        *(["--preload"] if preload else []),
         stdin=asyncio.subprocess.PIPE,
         stdout=stdout,
         stderr=asyncio.subprocess.STDOUT,
@@ -109,6 +110,9 @@ class Supervisor:
         self._log_dir = log_dir
         self.runners: dict[str, Supervised] = {}
         self._warm_spare = warm_spare
+        # Whether the spare loads llama.cpp before its spec: only where no accelerator is, as
+        # a runner sees only its shard's accelerators, which its spec names (the worker sets it).
+        self.preload = False
         self._spare: asyncio.subprocess.Process | None = None
         self._refilling: asyncio.Task[None] | None = None
 
@@ -125,7 +129,7 @@ class Supervisor:
             self._log_dir.mkdir(parents=True, exist_ok=True)
             # Its own output until it is given a spec (an import that fails, say).
             with (self._log_dir / "runner-spare.log").open("ab") as out:
-                self._spare = await spawn_runner(out, **_runner_kwargs({}))
+                self._spare = await spawn_runner(out, preload=self.preload, **_runner_kwargs({}))
         except OSError:
             log.exception("could not start a spare runner")
         finally:

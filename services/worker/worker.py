@@ -149,6 +149,7 @@ class Worker:
             ),
         ]
         beat = asyncio.create_task(self._heartbeats(stop))
+        self.supervisor.preload = not self._devices.llamacpp and self._devices.mlx is None
         self.supervisor.warm()
         try:
             await stop.wait()
