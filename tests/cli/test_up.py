@@ -129,8 +129,9 @@ async def test_the_openai_sdk_works_against_shoal_up(up: Up) -> None:
     # the catalogue's other cards, not added (a request for one loads it on demand).
     shoal = {m.id: (m.model_extra or {}) for m in models.data}
     assert [name for name, extra in shoal.items() if extra["added"]] == [MODEL]
-    assert shoal[MODEL] == {"loaded": True, "added": True}
-    assert shoal["gemma3-270m"] == {"loaded": False, "added": False}
+    assert shoal[MODEL] == {"loaded": True, "added": True, "capabilities": ["completion"]}
+    assert shoal["gemma3-270m"] == {"loaded": False, "added": False, "capabilities": ["completion"]}
+    assert "vision" in shoal["smolvlm-256m"]["capabilities"]  # a card with a projector
 
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="no-such-model", messages=question)
