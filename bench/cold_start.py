@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import tempfile
@@ -44,6 +45,7 @@ from bus.subjects import aggregate_filter
 MODELS = ("smollm2-135m", "gemma3-270m")
 PROMPT = "The capital of France is"
 ANCHOR, SHOAL = "llama-server (router)", "shoal up"
+CONTEXT = 2048  # llama-server's -c
 
 
 @dataclass
@@ -98,7 +100,7 @@ async def anchor(
         "-t",
         str(threads),
         "-c",
-        "2048",
+        str(CONTEXT),
         "--no-webui",
     ]
     proc = Proc(ANCHOR, argv, tmp / "router.log")
@@ -110,7 +112,9 @@ async def anchor(
         await proc.stop()
 
 
-async def shoal(threads: int, rounds: int, tmp: Path) -> tuple[Timings, dict[str, float]]:
+async def shoal(
+    threads: int, rounds: int, tmp: Path, context: int | None
+) -> tuple[Timings, dict[str, float]]:
     port = free_port("127.0.0.1")
     data = tmp / "up"
     argv = [
@@ -128,6 +132,12 @@ async def shoal(threads: int, rounds: int, tmp: Path) -> tuple[Timings, dict[str
         "--max-loaded",
         "1",
     ]
+    if context:
+        # The context llama-server's router gives its models (-c), through Shoal's per-model
+        # defaults: a model's KV cache is allocated at its load.
+        defaults = tmp / "model-defaults.json"
+        defaults.write_text(json.dumps({m: {"context_length": context} for m in MODELS}))
+        argv += ["--model-defaults", str(defaults)]
     proc = Proc(SHOAL, argv, tmp / "up.log")
     await proc.start(shoal_env())
     try:
@@ -232,7 +242,7 @@ async def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         a = await anchor(binary, files, args.threads, args.rounds, tmp)
-        s, steps = await shoal(args.threads, args.rounds, tmp)
+        s, steps = await shoal(args.threads, args.rounds, tmp, args.same_context)
     return 0 if report(a, s, steps) else 1
 
 
@@ -242,6 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
     parser.add_argument("--rounds", type=int, default=3, help="warm and alternating requests")
+    parser.add_argument(
+        "--same-context",
+        type=int,
+        nargs="?",
+        const=CONTEXT,
+        default=None,
+        help="give Shoal's on-demand instances llama-server's context (--model-defaults)"
+        f" [{CONTEXT}]; without it, each model's context is what placement gives it",
+    )
     return asyncio.run(run(parser.parse_args(argv)))
 
 
