@@ -133,11 +133,12 @@ async def shoal(
         "1",
     ]
     if context:
-        # The context llama-server's router gives its models (-c), through Shoal's per-model
-        # defaults: a model's KV cache is allocated at its load.
+        # The KV cache llama-server's router gives its models (-c: all its slots together),
+        # through Shoal's per-model defaults and one slot: llama.cpp allocates and clears a
+        # context's whole KV cache when it makes it, most of a small model's load.
         defaults = tmp / "model-defaults.json"
         defaults.write_text(json.dumps({m: {"context_length": context} for m in MODELS}))
-        argv += ["--model-defaults", str(defaults)]
+        argv += ["--model-defaults", str(defaults), "--slots", "1"]
     proc = Proc(SHOAL, argv, tmp / "up.log")
     await proc.start(shoal_env())
     try:
@@ -258,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         nargs="?",
         const=CONTEXT,
         default=None,
-        help="give Shoal's on-demand instances llama-server's context (--model-defaults)"
-        f" [{CONTEXT}]; without it, each model's context is what placement gives it",
+        help="give Shoal's on-demand instances llama-server's KV cache: its context"
+        f" (--model-defaults) in one slot [{CONTEXT}]; without it, each model's context and"
+        " slots are what placement gives it",
     )
     return asyncio.run(run(parser.parse_args(argv)))
 
