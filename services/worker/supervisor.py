@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 
 # A runner that stayed up this long before dying starts its backoff afresh.
 HEALTHY_AFTER_S = 60.0
+# When the next warm spare starts: this long after a runner of the node is Ready (its first
+# task's prompt is decoded meanwhile), or at the latest this long after a runner started.
+SPARE_AFTER_S = 0.2
+SPARE_AT_LATEST_S = 30.0
 
 OnExit = Callable[[RunnerSpec, int, bool], Awaitable[None]]
 
@@ -115,6 +119,7 @@ class Supervisor:
         self.preload = False
         self._spare: asyncio.subprocess.Process | None = None
         self._refilling: asyncio.Task[None] | None = None
+        self._next_spare: asyncio.TimerHandle | None = None
 
     def warm(self) -> None:
         """Start the spare, if there is to be one and none is there or being started."""
@@ -179,7 +184,16 @@ class Supervisor:
             entry.proc.pid,
             ", the warm spare" if warm else "",
         )
-        self.warm()  # for the next one
+        # The next spare once this runner serves (``runner_settled``, from its worker): its
+        # imports take a core for most of a second, which slowed this runner's load and first
+        # token when they ran at once (bench/cold_start.py). At the latest a while later.
+        self._next_spare = asyncio.get_running_loop().call_later(SPARE_AT_LATEST_S, self.warm)
+
+    def runner_settled(self) -> None:
+        """One of this node's runners is Ready (or failed): the next spare may start."""
+        if self._next_spare is not None:
+            self._next_spare.cancel()
+            self._next_spare = asyncio.get_running_loop().call_later(SPARE_AFTER_S, self.warm)
 
     async def _watch(self, entry: Supervised) -> None:
         while True:
@@ -222,6 +236,8 @@ class Supervisor:
 
     async def stop_all(self) -> None:
         self._warm_spare = False
+        if self._next_spare is not None:
+            self._next_spare.cancel()
         if self._refilling is not None:
             await self._refilling
         spare, self._spare = self._spare, None

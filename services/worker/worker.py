@@ -38,6 +38,7 @@ from bus.events import (
 )
 from bus.kinds import main_engine
 from bus.publisher import Publisher
+from bus.states import STARTING
 from bus.streams import StreamSettings, ensure_streams
 from bus.subjects import aggregate_filter
 from projectors.rows import RunnerRow
@@ -148,6 +149,11 @@ class Worker:
                 ),
             ),
         ]
+        # Live only (a core subscription): when a runner of this node settles, the next warm
+        # spare may start without slowing it.
+        subs.append(
+            await self._nc.subscribe(RunnerStateChanged.filter_for(), cb=self._on_runner_state)
+        )
         beat = asyncio.create_task(self._heartbeats(stop))
         self.supervisor.preload = not self._devices.llamacpp and self._devices.mlx is None
         self.supervisor.warm()
@@ -185,6 +191,18 @@ class Worker:
                 log.exception("heartbeat failed")
 
     # --- which shards run here ----------------------------------------------------------
+
+    async def _on_runner_state(self, msg: Msg) -> None:
+        try:
+            event = parse_event(msg.data)
+        except ValidationError:
+            return
+        if (
+            isinstance(event, RunnerStateChanged)
+            and event.node_id == self.node_id
+            and event.state not in STARTING
+        ):
+            self.supervisor.runner_settled()
 
     async def _on_placement_event(self, msg: Msg) -> None:
         try:
