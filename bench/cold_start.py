@@ -26,7 +26,14 @@ from pathlib import Path
 
 import httpx
 
-from bench.common.processes import SHOAL_BIN, Proc, shoal_env, wait_shoal_ready
+from bench.common.processes import (
+    Proc,
+    add_model,
+    nats_url_of,
+    shoal_env,
+    shoal_up_argv,
+    wait_shoal_ready,
+)
 from bench.concurrency import gguf, wait_http
 from bench.llama_server import llama_server
 from bus.connection import connect
@@ -117,21 +124,7 @@ async def shoal(
 ) -> tuple[Timings, dict[str, float]]:
     port = free_port("127.0.0.1")
     data = tmp / "up"
-    argv = [
-        str(SHOAL_BIN),
-        "up",
-        "--data-dir",
-        str(data),
-        "--port",
-        str(port),
-        "--nats-port",
-        str(free_port("127.0.0.1")),
-        "--runner-threads",
-        str(threads),
-        "--no-model",
-        "--max-loaded",
-        "1",
-    ]
+    argv = [*shoal_up_argv(data, None, port, threads), "--max-loaded", "1"]
     if context:
         # The KV cache llama-server's router gives its models (-c: all its slots together),
         # through Shoal's per-model defaults and one slot: llama.cpp allocates and clears a
@@ -143,20 +136,9 @@ async def shoal(
     await proc.start(shoal_env())
     try:
         await wait_shoal_ready(proc)
-        nats_url = next(x.split()[1] for x in proc.log().splitlines() if x.startswith("NATS "))
+        nats_url = nats_url_of(proc)
         for model in MODELS:  # added beforehand, as llama-server's directory holds them
-            added = await asyncio.create_subprocess_exec(
-                str(SHOAL_BIN),
-                "models",
-                "add",
-                model,
-                "--nats",
-                nats_url,
-                "--cache-dir",  # beside the worker: linked into its cache, as `shoal up` does
-                str(data / "models"),
-            )
-            if await added.wait() != 0:
-                raise RuntimeError(f"shoal models add {model} failed")
+            await add_model(proc, data, model)
         started = time.time()
         timings = await measure(f"http://127.0.0.1:{port}/v1", MODELS, rounds)
         return timings, await breakdown(nats_url, started)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common.processes import SHOAL_BIN, Proc, shoal_env, wait_shoal_ready
+from bench.common.processes import Proc, add_model, shoal_env, shoal_up_argv, wait_shoal_ready
 from bench.concurrency import gguf, wait_http
 from bench.llama_server import llama_server
 from bus.embedded import free_port
@@ -144,40 +144,12 @@ async def anchor(
 async def shoal(model: Path, projector: Path, threads: int, rounds: int, tmp: Path) -> Timings:
     port = free_port("127.0.0.1")
     data = tmp / "up"
-    argv = [
-        str(SHOAL_BIN),
-        "up",
-        "--data-dir",
-        str(data),
-        "--port",
-        str(port),
-        "--nats-port",
-        str(free_port("127.0.0.1")),
-        "--runner-threads",
-        str(threads),
-        "--no-model",
-    ]
+    argv = shoal_up_argv(data, None, port, threads)
     proc = Proc(SHOAL, argv, tmp / "up.log")
     await proc.start(shoal_env())
     try:
         await wait_shoal_ready(proc)
-        nats_url = next(x.split()[1] for x in proc.log().splitlines() if x.startswith("NATS "))
-        added = await asyncio.create_subprocess_exec(
-            str(SHOAL_BIN),
-            "models",
-            "add",
-            MODEL,
-            "--path",
-            str(model),
-            "--mmproj",
-            str(projector),
-            "--nats",
-            nats_url,
-            "--cache-dir",
-            str(data / "models"),
-        )
-        if await added.wait() != 0:
-            raise RuntimeError(f"shoal models add {MODEL} --mmproj failed")
+        await add_model(proc, data, MODEL, "--path", str(model), "--mmproj", str(projector))
         return await measure(f"http://127.0.0.1:{port}/v1", MODEL, rounds)
     except Exception:
         print(proc.log()[-3000:], file=sys.stderr)

@@ -96,8 +96,9 @@ class Proc:
 
 
 def shoal_up_argv(
-    data_dir: Path, model_id: str, port: int, threads: int, slots: int | None = None
+    data_dir: Path, model_id: str | None, port: int, threads: int, slots: int | None = None
 ) -> list[str]:
+    """`shoal up` serving ``model_id`` (None: no model, ``--no-model``)."""
     argv = [
         str(SHOAL_BIN),
         "up",
@@ -109,10 +110,32 @@ def shoal_up_argv(
         str(free_port("127.0.0.1")),
         "--runner-threads",
         str(threads),
-        "--model",
-        model_id,
+        *(["--model", model_id] if model_id is not None else ["--no-model"]),
     ]
     return argv + (["--slots", str(slots)] if slots is not None else [])
+
+
+def nats_url_of(proc: Proc) -> str:
+    """The NATS URL a started `shoal up` printed."""
+    return next(x.split()[1] for x in proc.log().splitlines() if x.startswith("NATS "))
+
+
+async def add_model(up: Proc, data_dir: Path, model_id: str, *options: str) -> None:
+    """`shoal models add MODEL_ID [options]` into the started `shoal up` whose data directory
+    is ``data_dir``, its files linked into the worker's cache as `shoal up` does."""
+    added = await asyncio.create_subprocess_exec(
+        str(SHOAL_BIN),
+        "models",
+        "add",
+        model_id,
+        *options,
+        "--nats",
+        nats_url_of(up),
+        "--cache-dir",
+        str(data_dir / "models"),
+    )
+    if await added.wait() != 0:
+        raise RuntimeError(f"shoal models add {model_id} {' '.join(options)} failed")
 
 
 def shoal_env() -> dict[str, str]:
