@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
+from pydantic import Field, TypeAdapter
 
 from bus.chunk_events import ChunkGenerated as ChunkGenerated
 from bus.chunk_events import EmbeddingsComputed as EmbeddingsComputed
@@ -41,6 +41,7 @@ from bus.records import (
     ToolChoice,
     Usage,
 )
+from bus.records import WeightFile as WeightFile
 from bus.states import ResponseStatus, RunnerState
 from bus.subjects import Aggregate
 
@@ -84,40 +85,6 @@ class ResourceProfiled(_NodeEvent):
 
 
 # --- models -------------------------------------------------------------------------------
-
-
-class WeightFile(Record):
-    """One file of a model's weights, named by its content: held in the cache of the node it was
-    added on (and of every node that fetched it), or in the models bucket
-    (``bus.streams.MODELS_BUCKET``)."""
-
-    name: str = Field(
-        min_length=1,
-        description="Its path in the model's directory: 'model.gguf', 'config.json',"
-        " 'model-00001-of-00002.safetensors'.",
-    )
-    object: str = Field(
-        min_length=1,
-        description="Its object's name in the models bucket (`sha256/<hex>`), whether or not"
-        " the bucket holds a copy.",
-    )
-    size: int = Field(ge=0, description="Bytes.")
-    sha256: str = Field(
-        pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the file, hex (the object's digest)."
-    )
-    projector: bool = Field(
-        default=False,
-        description="The model's multimodal projector (an `mmproj` GGUF), which llama.cpp loads"
-        " beside the weights to read images: a model with one takes images.",
-    )
-
-    @model_serializer(mode="wrap")
-    def _written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Left out when false: a model's files, replayed, stay as a log from before wrote them.
-        written: dict[str, Any] = handler(self)
-        if not self.projector:
-            written.pop("projector", None)
-        return written
 
 
 class ModelAdded(EventBase):
