@@ -51,6 +51,9 @@ class TokenizerService:
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self._subject, queue=TOKENIZER_QUEUE, cb=self._on_ask)
+        # Started means the server has it: an API asking on another connection right after
+        # is answered, not told that no runner answers.
+        await self._nc.flush()
 
     async def stop(self) -> None:
         if self._sub is not None:
