@@ -39,6 +39,8 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError
 from nats.nuid import NUID
 
+from bus.leaderless import ask_again
+
 log = logging.getLogger(__name__)
 
 # Bytes per chunk. nats-py and Go write half as much; larger chunks mean fewer messages for
@@ -130,8 +132,11 @@ async def object_info(js: JetStreamContext, bucket: str, name: str) -> ObjectInf
 async def _meta(js: JetStreamContext, bucket: str, name: str) -> tuple[ObjectInfo | None, int]:
     """The object's meta (None: no such object, or deleted) and the stream sequence of its meta
     subject's last message (0: none), which a later write of the meta expects."""
+    stream, subject = object_stream(bucket), meta_subject(bucket, name)
     try:
-        msg = await js.get_last_msg(object_stream(bucket), meta_subject(bucket, name))
+        msg = await ask_again(
+            lambda: js.get_last_msg(stream, subject), pause_s=0.1, max_pause_s=1.0
+        )
     except NotFoundError:
         return None, 0
     if not msg.data:

@@ -17,6 +17,7 @@ it stops: its generation is cancelled, and it publishes nothing more, not even a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 # A group of chunks is published without reading the log when the last read is this recent.
 RECHECK_S = 1.0
+# How long a continuation heard of is looked for in the log, and the pause between reads.
+CONFIRM_WITHIN_S = 2.0
+CONFIRM_PAUSE_S = 0.05
 
 
 class Superseded(Exception):
@@ -104,10 +108,17 @@ class Fence:
             event = parse_event(msg.data)
         except ValidationError:
             return
-        if isinstance(event, TaskCreated) and superseded(self.attempt, attempt_of(event)):
-            # Heard on a plain subscription: confirmed in the log before the runner stops.
+        if not (isinstance(event, TaskCreated) and superseded(self.attempt, attempt_of(event))):
+            return
+        # Heard on a plain subscription: confirmed in the log before the runner stops. A
+        # subscriber can hear a message before the stream has stored it, so the log is read
+        # again for a while; a continuation never stored (its publish failed) stops nothing.
+        give_up_at = time.monotonic() + CONFIRM_WITHIN_S
+        while True:
             self._heard = True
-            await self.holds()
+            if not await self.holds() or time.monotonic() >= give_up_at:
+                return
+            await asyncio.sleep(CONFIRM_PAUSE_S)
 
     async def _latest(self) -> Attempt | None:
         """The newest attempt of the task in the log (None: its TaskCreated is not there any

@@ -81,7 +81,7 @@ async def test_a_continuation_heard_stops_the_runner_at_once(
         assert not told.is_set() and fence.reads == 1
         await pub.publish(continued(TASK, 1, []))
         await asyncio.wait_for(told.wait(), 5)  # heard, confirmed in the log: stopped
-        assert fence.superseded and fence.reads == 2
+        assert fence.superseded and fence.reads >= 2
     finally:
         await fence.stop()
 
