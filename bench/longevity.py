@@ -66,7 +66,7 @@ from bus.records import (
 from bus.streams import EVENTS_STREAM, ensure_streams
 from bus.units import MiB
 from projectors import database
-from projectors.projector import Projector
+from projectors.projector import Projector, tune_gc
 from tests.projectors.helpers import wait_for_seq
 
 IN_FLIGHT = 4096  # publishes awaiting their ack
@@ -326,6 +326,7 @@ async def conversation(tmp: Path, turns: int) -> bool:
 
 
 async def run(args: argparse.Namespace) -> int:
+    tune_gc()  # as every process that runs a projector does (shoal projector, shoal up)
     with tempfile.TemporaryDirectory(prefix="shoal-longevity-") as tmp:
         ok = True
         if args.tasks:

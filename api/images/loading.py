@@ -36,9 +36,10 @@ from api.images.fetching import AddressCheck, fetch_image, public_address
 from api.images.formats import MAX_PIXELS, ImageInfo, UnreadableImage, read_header
 from api.images.inputs import ImageInput, decoded, refused
 from api.images.placed import NO_IMAGES, Images
-from api.images.vision import accepts_images, no_images
+from api.images.vision import accepts_images, engine_of, no_images
 from api.serving import log_unavailable
 from bus.images import IMAGE_PIECE_BYTES, piece_bytes, stored_image
+from bus.kinds import Engine
 from bus.parts import Part
 from bus.records import ImagePart
 from services.models.catalogue import builtin_cards
@@ -49,6 +50,7 @@ class ImagePolicy:
     """What a request's images may be, and whether its model takes them."""
 
     accepts: bool = False
+    engine: Engine = "llamacpp"  # the model's (its refusal names MLX's limit)
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     allow_urls: bool = False
     # An image's bytes per stored part (bus/images.py: what the server's messages hold).
@@ -79,7 +81,10 @@ async def read_images(inputs: Sequence[ImageInput], model_id: str, policy: Image
     if not policy.accepts:
         first = next(iter(distinct.values()))
         raise ApiError(
-            400, no_images(model_id), param=first.where or None, code="images_not_supported"
+            400,
+            no_images(model_id, policy.engine),
+            param=first.where or None,
+            code="images_not_supported",
         )
     for key, given in distinct.items():
         if key not in read:
@@ -122,8 +127,10 @@ async def policy_of(ctx: ApiContext, model_id: str) -> ImagePolicy:
     """What this API takes, for a request to ``model_id`` (whether the model does: read
     from the projection, only for a request with an image)."""
     model = await projection.model_row(ctx.engine, model_id)
+    card = builtin_cards().get(model_id)
     return ImagePolicy(
-        accepts=accepts_images(model, builtin_cards().get(model_id)),
+        accepts=accepts_images(model, card),
+        engine=engine_of(model, card),
         max_bytes=ctx.config.max_image_bytes,
         allow_urls=ctx.config.allow_image_urls,
         piece=piece_bytes(ctx.nc.max_payload),

@@ -5,11 +5,13 @@ loads beside the weights: ``services/models/projector.py``): the projection's ro
 once it is added, its catalogue card before (a request for a card adds it on demand). Any
 other model's request with an image is a 400 that says so, in the client's own dialect, rather
 than an answer about an image the model never saw. The model lists say ``vision`` of the
-first.
+first. A model on MLX reads text only for now (mlx-vlm is not wired in): its refusal says so
+and names the GGUF variant of its card, which llama.cpp runs with the projector.
 """
 
 from __future__ import annotations
 
+from bus.kinds import Engine, main_engine
 from projectors.rows import ModelRow
 from services.models.cards import ModelCard
 from services.models.projector import model_projector
@@ -23,8 +25,23 @@ def accepts_images(model: ModelRow | None, card: ModelCard | None) -> bool:
     return card is not None and card.projector is not None
 
 
-def no_images(model_id: str) -> str:
-    """Why a request with an image is refused for ``model_id``."""
+def engine_of(model: ModelRow | None, card: ModelCard | None) -> Engine:
+    """The engine a model's runners use: the cluster's model's, else its card's."""
+    if model is not None:
+        return main_engine(model.engines)
+    return main_engine(card.engines if card is not None else None)
+
+
+def no_images(model_id: str, engine: Engine = "llamacpp") -> str:
+    """Why a request with an image is refused for ``model_id`` (on ``engine``)."""
+    if engine == "mlx":
+        gguf = model_id.split(":mlx-", 1)[0]
+        variant = f" ({gguf})" if gguf != model_id else ""
+        return (
+            f"model {model_id} does not accept images: it runs on MLX, where Shoal reads text"
+            f" only for now (mlx-vlm is not wired in); its GGUF variant{variant} reads images"
+            " when its card has a projector file"
+        )
     return (
         f"model {model_id} does not accept images: it reads text only (send text, or ask a"
         " vision model: one with a projector file, such as `shoal models add ID --mmproj FILE`)"

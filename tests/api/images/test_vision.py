@@ -4,7 +4,7 @@ Pure: rows and cards in."""
 
 from __future__ import annotations
 
-from api.images.vision import accepts_images
+from api.images.vision import accepts_images, engine_of, no_images
 from api.model_list import askable
 from api.model_names import names_from
 from api.ollama.models import capabilities, listed, show
@@ -56,6 +56,17 @@ def test_a_model_takes_images_when_it_has_a_projector() -> None:
     assert info.footprint.weights_bytes == 1300
     qwen = card_info(card_for("qwen2.5-vl-3b"))
     assert qwen is not None and qwen.footprint.weights_bytes == 1_929_901_056 + 844_757_728
+
+
+def test_a_refusal_on_mlx_says_that_mlx_reads_text_only_and_names_the_gguf_variant() -> None:
+    mlx = card_for("gemma3-4b:mlx-4bit")
+    assert engine_of(None, mlx) == "mlx"
+    said = no_images("gemma3-4b:mlx-4bit", engine_of(None, mlx))
+    assert "runs on MLX, where Shoal reads text only" in said
+    assert "its GGUF variant (gemma3-4b) reads images" in said
+    rows = {m.model_id: m for m in _state().models()}
+    assert engine_of(rows["blind"], None) == "llamacpp"
+    assert "such as `shoal models add ID --mmproj FILE`" in no_images("blind")
 
 
 def test_the_model_lists_say_vision() -> None:

@@ -72,10 +72,12 @@ def test_a_spent_budget_ends_the_thinking_and_the_answer_follows(
 ) -> None:
     r1 = engines["r1"]
     ask = [user("Explain how a bicycle works.")]
-    free, free_thinking, _ = serve(r1, task(ask))
+    # Room for the budget, the tag and a few tokens of answer: fewer steps on CPU MLX.
+    short = SamplingParams(temperature=0, max_tokens=24)
+    free, free_thinking, _ = serve(r1, task(ask, params=short))
     # Unbounded, the model thinks past the budget (to the end of its tokens, on llama.cpp).
     assert free[-1].reasoning_tokens > BUDGET + len(closing(r1)), free_thinking
-    out, thinking, said = serve(r1, task(ask, thinking_budget=BUDGET))
+    out, thinking, said = serve(r1, task(ask, params=short, thinking_budget=BUDGET))
     tokens = [s.token_id for s in out if s.token_id is not None]
     close = closing(r1)
     at = next(i for i in range(len(tokens)) if tokens[i : i + len(close)] == close)
@@ -90,7 +92,7 @@ def test_a_spent_budget_ends_the_thinking_and_the_answer_follows(
     assert said or out[-1].finish_reason == "stop", (thinking, said, out[-1])
     # Before the budget, the same tokens as unbounded; a budget not reached changes nothing.
     assert tokens[:BUDGET] == [s.token_id for s in free[:BUDGET]]
-    roomy, _, _ = serve(r1, task(ask, thinking_budget=1000))
+    roomy, _, _ = serve(r1, task(ask, params=short, thinking_budget=1000))
     assert [s.token_id for s in roomy] == [s.token_id for s in free]
     print(f"{type(r1).__name__}: reasoning {out[-1].reasoning_tokens} tokens, answer {said!r}")
 
@@ -112,6 +114,11 @@ def test_a_required_call_still_follows_a_spent_budget(engines: dict[str, Engine]
     assert isinstance(json.loads("".join(d.arguments for d in calls))["city"], str)
     assert out[-1].reasoning_tokens <= 4 + 3 + len(closing(engines["qwen3"]))
     # A lazy grammar (auto) fires after the forced tag as after the model's own.
-    auto = required.model_copy(update={"tool_choice": ToolChoice(mode="auto")})
+    auto = required.model_copy(
+        update={
+            "tool_choice": ToolChoice(mode="auto"),
+            "params": SamplingParams(temperature=0, max_tokens=24),
+        }
+    )
     out, thinking, said = serve(engines["qwen3"], auto)
     assert "<tool_call>" not in said and "</think>" not in said, said
