@@ -143,6 +143,9 @@ async def start_cluster(tmp: Path, runner_threads: int, max_queued: int | None) 
                 str(tmp / "worker"),
                 "--runner-threads",
                 str(runner_threads),
+                # One runner, the instance's: an idle spare would be counted as a runner that
+                # appeared during the run (on-demand loads are bench.cold_start's).
+                "--no-warm-runner",
             ],
         ),
         (
