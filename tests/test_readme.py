@@ -101,8 +101,7 @@ async def test_a_fresh_clone_make_up_then_the_readme_curl(tmp_path: Path) -> Non
             cwd=clone,
             capture_output=True,
             text=True,
-            # The README's request sets no max_tokens and samples (temperature 1): an answer
-            # may run long, and in the suite every core is busy. (Alone it takes seconds.)
+            # In the suite every core is busy. (Alone it takes a second.)
             timeout=300,
         )
         assert curl.returncode == 0, curl.stderr
