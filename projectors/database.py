@@ -97,11 +97,21 @@ async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
         await conn.run_sync(lambda c: command.upgrade(_alembic_config(c), revision))
 
 
-def revision_of(conn: Connection) -> str | None:
-    """The schema revision of the database ``conn`` is on."""
-    from alembic.runtime.migration import MigrationContext
+# Alembic's version table, made once: a MigrationContext makes a new Table at each use, and
+# each then compiled its query anew into the engine's statement cache (a projector asks at
+# every snapshot, and its memory grew by an entry each time).
+_VERSIONS = sqlalchemy.Table(
+    "alembic_version",
+    sqlalchemy.MetaData(),
+    sqlalchemy.Column("version_num", sqlalchemy.String(32), primary_key=True),
+)
 
-    return MigrationContext.configure(conn).get_current_revision()
+
+def revision_of(conn: Connection) -> str | None:
+    """The schema revision of the database ``conn`` is on (None: not made by Alembic yet)."""
+    if not sqlalchemy.inspect(conn).has_table(_VERSIONS.name):
+        return None
+    return conn.execute(sqlalchemy.select(_VERSIONS.c.version_num)).scalar_one_or_none()
 
 
 async def current_revision(engine: AsyncEngine) -> str | None:

@@ -86,6 +86,25 @@ async def test_old_snapshots_go_beyond_the_kept_number(
     assert snapshot.chosen(await snapshot.listed(js, "main"), seqs[0]) is None
 
 
+async def test_snapshots_add_nothing_to_the_engines_statement_cache(
+    js: JetStreamContext, engine: AsyncEngine
+) -> None:
+    """A projector writes a snapshot again and again: each used to compile Alembic's version
+    query anew into the engine's cache (an entry a snapshot: a long soak's projector grew)."""
+    last = await publish_all(js, EVENTS)
+    await _project_to(js, engine, last)
+    await snapshot.write(engine, js, "main")
+    cache = engine.sync_engine._compiled_cache  # SQLAlchemy's LRU of compiled statements
+    assert cache is not None
+    cached = len(cache)
+    for _ in range(3):
+        await snapshot.write(engine, js, "main")
+    assert len(cache) == cached
+    newest = (await database.current_revision(engine)) or ""
+    # One snapshot (the same sequence each time), written with the schema's revision.
+    assert [s.revision for s in await snapshot.listed(js, "main")] == [newest]
+
+
 async def test_a_projector_behind_an_aged_log_starts_from_a_snapshot_or_stops(
     js: JetStreamContext, engine: AsyncEngine, make_db: MakeDb
 ) -> None:
