@@ -67,19 +67,24 @@ lint: $(VENV)/.installed-test
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
 
-# The dashboard's browser test drives Debian's chromium (no download by playwright).
+# Debian's packages the tests use: chromium for the dashboard's browser test (no download by
+# playwright), OpenBLAS for MLX's float32 products (services/runner/engines/mlx/blas.py).
 CHROMIUM ?= /usr/bin/chromium
+OPENBLAS ?= /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
+APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends
 
 $(CHROMIUM):
-	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium \
-	  || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
+	$(APT_INSTALL) chromium || (apt-get update && $(APT_INSTALL) chromium)
+
+$(OPENBLAS):
+	$(APT_INSTALL) libopenblas0-pthread || (apt-get update && $(APT_INSTALL) libopenblas0-pthread)
 
 # Three workers on two cores: much of the suite waits (on processes starting, a leader elected,
 # an ack's deadline), and the tests that use a core run llama.cpp with one thread. A module's
 # tests stay in one worker (tests/conftest.py), so its fixtures are made once.
 PYTEST_WORKERS ?= 3
 
-pytest: $(VENV)/.installed-test | $(CHROMIUM)
+pytest: $(VENV)/.installed-test | $(CHROMIUM) $(OPENBLAS)
 	SHOAL_CHROMIUM=$(CHROMIUM) $(BIN)/pytest -ra --durations=15 -n $(PYTEST_WORKERS)
 
 # Lint first (a second); then mypy and pytest at once: mypy keeps one core busy for a minute,
@@ -88,7 +93,7 @@ test: lint
 	$(MAKE) --no-print-directory --output-sync=line -j2 typecheck pytest
 
 # The inner loop: lint, types and the tests not marked slow (no cluster, no end-to-end run).
-test-fast: lint typecheck $(VENV)/.installed-test
+test-fast: lint typecheck $(VENV)/.installed-test | $(OPENBLAS)
 	$(BIN)/pytest -q -m "not slow" --durations=5
 
 # Benchmarks run as modules from here, where `bench` and `tests` (bench.projector's histories)

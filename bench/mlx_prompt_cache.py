@@ -5,8 +5,8 @@ its first, and against the same second turn run whole (the cache emptied), side 
 
 SmolLM2-135M-Instruct (its GGUF, dequantized to an MLX model dir), greedy. TTFT: from the
 ``generate`` call to the first token. Each round runs the three in turn; medians are printed.
-mlx[cpu] on Linux prefills at about the speed it decodes (reference BLAS, one thread), so a
-round takes minutes there.
+mlx[cpu] on Linux prefills slowly with the wheel's reference BLAS (minutes a round), less so
+with OpenBLAS (``bench/mlx_blas.py``).
 Target (issue 19): the second turn's first token >= 5x sooner than the first turn's; a miss
 is a FAIL line and exit 1.
 """

@@ -18,9 +18,14 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.streams import ensure_streams
 from projectors import database
+from services.runner.engines.mlx.blas import set_threads
 from tests.databases import ScratchDatabases
 
 POSTGRES_ENV = "SHOAL_TEST_POSTGRES_URL"
+
+# MLX's OpenBLAS is loaded above, before a test module imports mlx (blas.py says why it must
+# come first); one thread, as the suite's llama.cpp runs, since its workers share the cores.
+set_threads(1)
 
 
 @pytest.fixture

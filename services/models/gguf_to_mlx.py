@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import mlx.core as mx
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -51,6 +50,10 @@ def _unpermute(weight: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any
 
 def gguf_to_mlx(gguf_path: Path, out: Path) -> Path:
     """Write the MLX model directory ``out`` (created) and return it."""
+    # Imported here, not with the module: a process that converts and then runs the model has
+    # imported an MLX engine first, which loads OpenBLAS before mlx (runner/engines/mlx/blas.py).
+    import mlx.core as mx
+
     out.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(gguf_path)
     if _field(reader, "general.architecture") != "llama":

@@ -178,10 +178,14 @@ async def run_mlx(
     """A whole MLX model, or one rank of an MLX ring: the head serves, the others follow."""
     if spec.role != "chat":
         raise UnsupportedEngine(f"role {spec.role} is not supported on the mlx engine")
+    from services.runner.engines.mlx.blas import blas_in_use, set_threads
     from services.runner.engines.mlx.engine import MlxEngine
     from services.runner.engines.mlx.stages import follow, load_head, ring_shard
 
     use_mlx_device(spec.shard)
+    if spec.n_threads is not None:
+        set_threads(spec.n_threads)
+    log.info("mlx multiplies with %s", blas_in_use())
 
     path = await model_path(spec, state, nc)
     if not spec.peers:

@@ -27,6 +27,7 @@ from mlx_lm.utils import load_tokenizer
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token, request_seed
 from services.runner.engines.mlx import vocabulary
 from services.runner.engines.mlx.batch import MlxBatchDecoder, SequencePicker, batchable
+from services.runner.engines.mlx.blas import set_threads
 from services.runner.engines.mlx.prompt_cache import PromptCaches
 from services.runner.engines.mlx.sampling import (
     Grammars,
@@ -330,14 +331,15 @@ class MlxEngine(MlxTextEngine):
     Either way a prompt starts from the longest prefix of it that the engine's prompt cache
     holds (``mlx_prompt_cache``; not for a prompt that is scored, whose every position is run).
 
-    ``n_threads`` is accepted for the runner's uniform call and ignored: mlx's CPU backend runs
-    a stream's operations on one thread, and the mlx[cpu] wheel's bundled BLAS is the
-    single-threaded reference one, so there are no threads to size."""
+    ``n_threads`` sizes OpenBLAS's threads where it is in use (``blas.py``); mlx's CPU backend
+    itself runs a stream's operations on one thread."""
 
     def __init__(
         self, model_dir: Path, *, n_ctx: int = 2048, slots: int = 1, n_threads: int | None = None
     ) -> None:
         super().__init__(model_dir, n_ctx=n_ctx, slots=slots)
+        if n_threads is not None:
+            set_threads(n_threads)
         self._model: Module | None = None
         self._decoder: MlxBatchDecoder | None = None
         self._kept: PromptCaches | None = None  # one slot's; a decoder keeps its own

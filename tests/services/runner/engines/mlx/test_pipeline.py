@@ -73,7 +73,10 @@ def test_stages_compute_what_the_whole_model_does(
             x = stage.hidden(x, cache)
         got = stages[-1].logits(x)
         assert got.dtype == expected.dtype
-        assert mx.array_equal(got, expected).item()
+        # Equal but for rounding: the stage's head multiplies the last position alone, the whole
+        # model every position, and OpenBLAS chooses its kernel by the matrix's shape.
+        assert mx.allclose(got, expected, rtol=1e-5, atol=1e-5).item()
+        assert mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(expected, axis=-1)).item()
         step = [int(mx.argmax(got, axis=-1)[0])]
 
 
@@ -365,6 +368,18 @@ def completion(n: int, text: str, **fields: object) -> dict[str, Any]:
     return task.model_dump(mode="json") | extra
 
 
+def but_rounding(value: Any) -> Any:
+    """``value`` with each float made a ``pytest.approx`` of it, to compare results that may
+    differ in their floats' last digits."""
+    if isinstance(value, float):
+        return pytest.approx(value, rel=1e-5, abs=1e-5)
+    if isinstance(value, dict):
+        return {k: but_rounding(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [but_rounding(v) for v in value]
+    return value
+
+
 def serve_script(engine: MlxEngine, script: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The script through one process, as pipeline_head serves it."""
     return [serve_entry(engine, entry) for entry in script]
@@ -421,7 +436,9 @@ def test_a_split_model_decodes_tasks_together_as_each_alone(tiny_mlx: Path) -> N
     together, alone = got
     for g, w in zip([*together["together"], alone], [*want, *want_after], strict=True):
         g.pop("seconds", None), w.pop("seconds", None)
-        assert g == w
+        # The same tokens; logprobs equal but for rounding: tasks decoded together are rows of
+        # one product, which OpenBLAS computes with other kernels than one row alone.
+        assert g == but_rounding(w)
     assert want[0]["finish"] == "cancelled" and "does not fit" in want[5]["invalid"]
     # A sequence is stepped with the others even when its consumer is not asking yet (up to
     # its own limit): how wide a step is depends on the threads' timing, not how many steps
