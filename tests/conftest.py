@@ -114,17 +114,29 @@ def shared_fixture(module: str) -> str | None:
     return next((name for name in SHARED_FIXTURES if name in text), None)
 
 
-# The modules that take longest (make test's --durations), started first among the slow ones
-# so that no worker is left running one of them alone at the end.
+# The modules that take longest (make test's --durations), longest first: each group below
+# starts with them, so that no worker is left running one of them alone at the end.
 LONGEST = (
     "tests/services/test_nats_cluster_serving.py",
+    "tests/bus/test_nats_cluster.py",
     "tests/api/test_fuzz.py",
-    "tests/faults/test_worker_killed.py",
-    "tests/services/planner/test_planner_nats_cluster.py",
-    "tests/services/runner/engines/mlx/test_pipeline.py",
-    "tests/faults/test_runner_killed.py",
-    "tests/faults/test_nats_restart.py",
+    "tests/api/test_edge.py",
+    "tests/services/test_worker_runner.py",
+    "tests/services/runner/engines/llamacpp/test_engine.py",
     "tests/services/runner/engines/llamacpp/test_pipeline.py",
+    "tests/services/planner/test_planner_nats_cluster.py",
+    "tests/faults/test_nats_restart.py",
+    "tests/faults/test_worker_killed.py",
+    "tests/faults/test_runner_killed.py",
+    "tests/faults/test_runner_stalled.py",
+    "tests/projectors/test_projector.py",
+    "tests/services/test_cli.py",
+    "tests/projectors/test_projector_fuzz.py",
+    "tests/projectors/test_snapshot.py",
+    "tests/services/planner/test_planner.py",
+    "tests/test_readme.py",
+    "tests/api/test_api.py",
+    "tests/services/runner/test_job.py",
 )
 
 
@@ -144,9 +156,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under xdist (``-n``): a module's tests in one worker, and the modules that share a
-    session fixture in one worker."""
+    """Under xdist (``-n``): a module's tests in one worker, the modules that share a session
+    fixture in one worker, handed out in the order ``pytest_collection_modifyitems`` gave."""
     from xdist.scheduler import LoadScopeScheduling
+
+    # xdist would hand out the modules with the most tests first; this order is better (above).
+    config.option.loadscopereorder = False
 
     class ModuleScheduling(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:

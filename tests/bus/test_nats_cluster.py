@@ -45,6 +45,8 @@ PER_CLIENT = 150  # events each of the three clients publishes
 CHUNKS = 300
 VICTIM = 1  # the server that is lost: it leads both streams, and one client is on it
 
+pytestmark = pytest.mark.slow  # three nats-servers, each lost in turn
+
 
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
