@@ -10,10 +10,9 @@ import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlalchemy
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
@@ -22,6 +21,9 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 import migrations
 from projectors.db_url import absolute_db_url
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 
@@ -85,6 +87,10 @@ def sqlite_reader(url: str) -> Engine | None:
 
 
 def _alembic_config(connection: Connection) -> Config:
+    # Alembic is imported where it is used: only a projector, a replay and `shoal db` migrate,
+    # and the API and planner processes, which only read the database, need not import it.
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.attributes["connection"] = connection
@@ -93,6 +99,8 @@ def _alembic_config(connection: Connection) -> Config:
 
 async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
     """Apply the Alembic migrations up to ``revision``. Idempotent."""
+    from alembic import command
+
     async with engine.begin() as conn:
         await conn.run_sync(lambda c: command.upgrade(_alembic_config(c), revision))
 
