@@ -422,9 +422,10 @@ def _worker_dir(*candidates: Path) -> tuple[Path, str] | None:
 
 def worker_cache(cache_dir: Path) -> WeightsCache | None:
     """The cache of this machine's worker, which serves what is added from here to other nodes:
-    the worker whose data dir holds ``cache_dir`` (a worker keeps <data dir>/models), else the
-    default data dir's; None where no worker has run on this machine."""
-    found = _worker_dir(cache_dir.parent)
+    the worker whose data dir holds ``cache_dir`` (a worker keeps <data dir>/models), or the
+    worker of the `shoal up` whose data dir does (<data dir>/worker), else the default data
+    dir's; None where no worker has run on this machine."""
+    found = _worker_dir(cache_dir.parent, cache_dir.parent / "worker")
     return WeightsCache(found[0] / "models") if found is not None else None
 
 
