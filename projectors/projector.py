@@ -17,18 +17,21 @@ A batch of task events only (most of the log) waits ``task_linger_s`` for more b
 written: fewer transactions under load, and none while a runner processes the prompt of the
 task it was just given (on a machine whose cores it uses, that work came out of its time to
 first token). The tasks in the projection are that much later; events that steer the cluster
-(nodes, models, instances, runners) are written as soon as they come.
+(nodes, models, instances, runners) are written as soon as they come, and one heard (live)
+while task events linger ends the wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import nats.errors
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
@@ -38,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import subject_event_type
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
-from bus.subjects import ALL_EVENTS, aggregate_prefix
+from bus.subjects import ALL_EVENTS, aggregate_filter, aggregate_prefix
 from projectors import database, snapshot
 from projectors.residency import read_history
 from projectors.rules import changes_for
@@ -81,6 +84,9 @@ SNAPSHOT_EVERY_S = 6 * 3600.0
 # How long a batch of task events only waits for more (see above).
 TASK_LINGER_S = 0.25
 _TASK_SUBJECTS = aggregate_prefix("task")
+# Events that steer the cluster: one heard live ends a linger at once, as a planner's round
+# (a model loaded on demand, evicting another whose task just ended) waits for the projection.
+_STEERING = tuple(aggregate_filter(a) for a in ("node", "model", "instance", "runner"))
 
 # A projection that ran this long before an error starts its retries from the shortest wait
 # again (a restart of the nats-server loses its consumer each time, see run()).
@@ -216,13 +222,31 @@ class Projector:
         await self.consumer.start(recreate=True)
         log.info("projector %s resuming after seq %d", self.name, self.applied_seq)
         self.ready.set()
+        steered = asyncio.Event()
+
+        async def heard(_msg: Msg) -> None:
+            steered.set()
+
+        nc = self._js._nc  # the context has no public accessor for its client
+        subs = [await nc.subscribe(subject, cb=heard) for subject in _STEERING]
+        try:
+            await self._fold(stop, self.consumer, steered)
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+
+    async def _fold(
+        self, stop: asyncio.Event, consumer: EventConsumer, steered: asyncio.Event
+    ) -> None:
         while not stop.is_set():
-            batch = await self.consumer.fetch(self.batch_size, timeout=PULL_WAIT_S, stop=stop)
+            steered.clear()
+            batch = await consumer.fetch(self.batch_size, timeout=PULL_WAIT_S, stop=stop)
             if self._lingers(batch):
-                await asyncio.sleep(self.task_linger_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(steered.wait(), self.task_linger_s)
                 left = self.batch_size - len(batch)
-                batch += await self.consumer.fetch(left, timeout=0.5, more=True)
-            await self.apply_batch(batch, self.consumer)
+                batch += await consumer.fetch(left, timeout=0.5, more=True)
+            await self.apply_batch(batch, consumer)
             if len(batch) < self.batch_size:
                 # Live, a few events a batch: the young garbage goes now. With tune_gc's
                 # threshold a light load would reach a collection only after minutes, holding
