@@ -18,21 +18,28 @@ from __future__ import annotations
 
 import asyncio
 
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
 from api import projection
 from api.context import ApiContext
 from api.errors import ApiError
 from api.model_defaults import ModelDefault
-from bus.events import InstanceRequested
+from bus.events import InstanceRequested, RunnerStateChanged, parse_event
 from bus.kinds import InstanceRole
-from bus.states import INSTANCE_CURRENT
+from bus.states import INSTANCE_CURRENT, STARTING
+from bus.subjects import aggregate_filter
 from projectors.rows import InstanceRow
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards
 from services.planner.card_fit import fits_now
 
-# How often a request waiting for its model looks at the projection: the first token waits
-# for the look after Ready (a small query; only while a model loads).
-POLL_S = 0.05
+# How often a request waiting for its model looks at the projection while nothing happens. An
+# instance's event or a runner settling (Ready, Failed), heard live, brings the next look
+# forward, and the looks after it come quickly until the projection has folded it.
+POLL_S = 0.25
+CATCH_UP_S = 0.005
+CATCH_UP_FOR_S = 0.5
 # How long the projection may take to show an instance once its InstanceRequested is stored.
 PROJECTED_WITHIN_S = 30.0
 # The refusals a model loaded on demand may answer: not known here (a catalogue card), served
@@ -160,16 +167,43 @@ async def _until_serving(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.load_timeout_s
     projected_by = loop.time() + PROJECTED_WITHIN_S
-    while True:
-        state = await projection.serving(ctx.engine, model_id, ctx.reader)
+    catch_up_until = 0.0
+    settled = asyncio.Event()
+
+    async def on_event(msg: Msg) -> None:  # an instance placed or refused, a runner settled
         try:
-            projection.require_serving(state, model_id, role)
+            event = parse_event(msg.data)
+        except ValidationError:
             return
-        except ApiError as err:
-            unseen = asked is not None and state.instance(asked) is None
-            coming = loading(state, model_id, role) or (unseen and loop.time() < projected_by)
-            if not coming or loop.time() > deadline:
-                if loop.time() > deadline:
-                    err.message += f" (waited {ctx.config.load_timeout_s:g} s for it to load)"
-                raise
-        await asyncio.sleep(POLL_S)
+        if not isinstance(event, RunnerStateChanged) or event.state not in STARTING:
+            settled.set()
+
+    subs = [
+        await ctx.nc.subscribe(subject, cb=on_event)
+        for subject in (aggregate_filter("instance"), RunnerStateChanged.filter_for())
+    ]
+    try:
+        while True:
+            settled.clear()
+            state = await projection.serving(ctx.engine, model_id, ctx.reader)
+            try:
+                projection.require_serving(state, model_id, role)
+                return
+            except ApiError as err:
+                unseen = asked is not None and state.instance(asked) is None
+                coming = loading(state, model_id, role) or (unseen and loop.time() < projected_by)
+                if not coming or loop.time() > deadline:
+                    if loop.time() > deadline:
+                        err.message += f" (waited {ctx.config.load_timeout_s:g} s for it to load)"
+                    raise
+            if loop.time() < catch_up_until:
+                await asyncio.sleep(CATCH_UP_S)
+                continue
+            try:
+                await asyncio.wait_for(settled.wait(), POLL_S)
+                catch_up_until = loop.time() + CATCH_UP_FOR_S
+            except TimeoutError:
+                pass
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
