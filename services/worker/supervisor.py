@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bus.embedded import die_with_parent
+from bus.states import RUNNER_ENDED, RunnerState
 from services.runner.spec import RunnerSpec
 from services.worker.reconcile import restart_delay
 
@@ -21,8 +22,8 @@ log = logging.getLogger(__name__)
 
 # A runner that stayed up this long before dying starts its backoff afresh.
 HEALTHY_AFTER_S = 60.0
-# When the next warm spare starts: this long after a runner of the node is Ready (its first
-# task's prompt is decoded meanwhile), or at the latest this long after a runner started.
+# When the next warm spare starts: this long after the node's runners are all Ready (its first
+# task's prompt is decoded meanwhile), or at the latest this long after the last change.
 SPARE_AFTER_S = 0.2
 SPARE_AT_LATEST_S = 30.0
 
@@ -120,6 +121,7 @@ class Supervisor:
         self._spare: asyncio.subprocess.Process | None = None
         self._refilling: asyncio.Task[None] | None = None
         self._next_spare: asyncio.TimerHandle | None = None
+        self._states: dict[str, RunnerState] = {}  # what this node's runners last said
 
     def warm(self) -> None:
         """Start the spare, if there is to be one and none is there or being started."""
@@ -184,16 +186,25 @@ class Supervisor:
             entry.proc.pid,
             ", the warm spare" if warm else "",
         )
-        # The next spare once this runner serves (``runner_settled``, from its worker): its
-        # imports take a core for most of a second, which slowed this runner's load and first
-        # token when they ran at once (bench/cold_start.py). At the latest a while later.
+        # The next spare once the node's runners are quiet (``runner_state``): at the latest a
+        # while later.
         self._next_spare = asyncio.get_running_loop().call_later(SPARE_AT_LATEST_S, self.warm)
 
-    def runner_settled(self) -> None:
-        """One of this node's runners is Ready (or failed): the next spare may start."""
-        if self._next_spare is not None:
-            self._next_spare.cancel()
-            self._next_spare = asyncio.get_running_loop().call_later(SPARE_AFTER_S, self.warm)
+    def runner_state(self, runner_id: str, state: RunnerState) -> None:
+        """A runner of this node changed state (its worker heard it). The next spare waits until
+        none of them is starting or serving a task: its imports take a core for most of a
+        second, which slowed a runner's load, or the first task of a runner just loaded, several
+        times over on two cores (bench/cold_start.py)."""
+        if state in RUNNER_ENDED:
+            self._states.pop(runner_id, None)
+        else:
+            self._states[runner_id] = state
+        if self._next_spare is None:  # no spare is due
+            return
+        self._next_spare.cancel()
+        quiet = all(s == "Ready" for s in self._states.values())
+        delay = SPARE_AFTER_S if quiet else SPARE_AT_LATEST_S
+        self._next_spare = asyncio.get_running_loop().call_later(delay, self.warm)
 
     async def _watch(self, entry: Supervised) -> None:
         while True:

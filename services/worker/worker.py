@@ -38,7 +38,6 @@ from bus.events import (
 )
 from bus.kinds import main_engine
 from bus.publisher import Publisher
-from bus.states import STARTING
 from bus.streams import StreamSettings, ensure_streams
 from bus.subjects import aggregate_filter
 from projectors.rows import RunnerRow
@@ -149,8 +148,8 @@ class Worker:
                 ),
             ),
         ]
-        # Live only (a core subscription): when a runner of this node settles, the next warm
-        # spare may start without slowing it.
+        # Live only (a core subscription): when this node's runners are quiet, the next warm
+        # spare may start without slowing them.
         subs.append(
             await self._nc.subscribe(RunnerStateChanged.filter_for(), cb=self._on_runner_state)
         )
@@ -197,12 +196,8 @@ class Worker:
             event = parse_event(msg.data)
         except ValidationError:
             return
-        if (
-            isinstance(event, RunnerStateChanged)
-            and event.node_id == self.node_id
-            and event.state not in STARTING
-        ):
-            self.supervisor.runner_settled()
+        if isinstance(event, RunnerStateChanged) and event.node_id == self.node_id:
+            self.supervisor.runner_state(event.runner_id, event.state)
 
     async def _on_placement_event(self, msg: Msg) -> None:
         try:

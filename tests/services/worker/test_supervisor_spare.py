@@ -1,0 +1,48 @@
+"""When a worker starts its next warm spare: only once its runners are quiet (none loading,
+none serving a task), as the spare's imports would take a core from them."""
+
+import asyncio
+from pathlib import Path
+
+from services.runner.spec import RunnerSpec
+from services.worker.supervisor import SPARE_AFTER_S, SPARE_AT_LATEST_S, Supervisor
+
+
+async def _never(_spec: RunnerSpec, _code: int, _restarting: bool) -> None:
+    raise AssertionError("no runner runs here")
+
+
+def _due_in(sup: Supervisor) -> float:
+    handle = sup._next_spare
+    assert handle is not None
+    return handle.when() - asyncio.get_running_loop().time()
+
+
+async def test_the_spare_waits_for_every_runner_of_the_node_to_be_ready(tmp_path: Path) -> None:
+    sup = Supervisor(_never, tmp_path, warm_spare=True)
+    # As after a runner took the spare: the next one is due at the latest.
+    sup._next_spare = asyncio.get_running_loop().call_later(SPARE_AT_LATEST_S, lambda: None)
+    try:
+        sup.runner_state("old", "Stopped")  # evicted for the new one, which is starting
+        sup.runner_state("new", "Assigned")
+        assert _due_in(sup) > SPARE_AT_LATEST_S - 1
+        sup.runner_state("new", "Loading")
+        assert _due_in(sup) > SPARE_AT_LATEST_S - 1
+        sup.runner_state("new", "Ready")  # quiet: the spare comes shortly
+        assert _due_in(sup) <= SPARE_AFTER_S
+        sup.runner_state("new", "Running")  # its first task: not while it decodes
+        assert _due_in(sup) > SPARE_AT_LATEST_S - 1
+        sup.runner_state("other", "Loading")
+        sup.runner_state("new", "Ready")  # another is still loading
+        assert _due_in(sup) > SPARE_AT_LATEST_S - 1
+        sup.runner_state("other", "Failed")
+        assert _due_in(sup) <= SPARE_AFTER_S
+    finally:
+        assert sup._next_spare is not None
+        sup._next_spare.cancel()
+
+
+async def test_no_spare_is_due_when_none_was_taken(tmp_path: Path) -> None:
+    sup = Supervisor(_never, tmp_path, warm_spare=True)
+    sup.runner_state("r", "Ready")
+    assert sup._next_spare is None
