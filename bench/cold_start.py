@@ -58,6 +58,7 @@ CONTEXT = 2048  # llama-server's -c
 @dataclass
 class Timings:
     cold: float = 0.0
+    cold_sent_at: float = 0.0  # the wall clock when the cold request was sent
     warm: list[float] = field(default_factory=list)
     alternating: list[float] = field(default_factory=list)
 
@@ -78,6 +79,7 @@ async def measure(url: str, names: tuple[str, str], rounds: int) -> Timings:
     a, b = names
     t = Timings()
     async with httpx.AsyncClient(timeout=600) as client:
+        t.cold_sent_at = time.time()
         t.cold = await first_token(client, url, a)
         for _ in range(rounds):
             t.warm.append(await first_token(client, url, a))
@@ -139,21 +141,20 @@ async def shoal(
         nats_url = nats_url_of(proc)
         for model in MODELS:  # added beforehand, as llama-server's directory holds them
             await add_model(proc, data, model)
-        started = time.time()
         timings = await measure(f"http://127.0.0.1:{port}/v1", MODELS, rounds)
-        return timings, await breakdown(nats_url, started)
+        return timings, await breakdown(nats_url, timings.cold_sent_at)
     finally:
         await proc.stop()
 
 
 async def breakdown(nats_url: str, since: float) -> dict[str, float]:
-    """The first on-demand instance's steps, in seconds from its request (from the log)."""
+    """The first on-demand instance's steps, in seconds from the request sent at ``since``
+    (from the log)."""
     nc = await connect(nats_url, name="bench-cold-start")
     try:
         js = nc.jetstream()
         info = await js.stream_info(EVENTS_STREAM)
         steps: dict[str, float] = {}
-        requested: float | None = None
         for aggregate in ("instance", "runner", "task"):
             sub = await js.subscribe(aggregate_filter(aggregate), ordered_consumer=True)
             seq = 0
@@ -167,8 +168,8 @@ async def breakdown(nats_url: str, since: float) -> dict[str, float]:
                 at = event.ts.timestamp()
                 if at < since:
                     continue
-                if isinstance(event, InstanceRequested) and requested is None:
-                    requested = at
+                if isinstance(event, InstanceRequested):
+                    steps.setdefault("requested", at)
                 elif isinstance(event, InstancePlaced):
                     steps.setdefault("placed", at)
                 elif isinstance(event, RunnerStateChanged) and event.state in ("Loading", "Ready"):
@@ -178,8 +179,7 @@ async def breakdown(nats_url: str, since: float) -> dict[str, float]:
                 elif isinstance(event, TaskStarted):
                     steps.setdefault("task started", at)
             await sub.unsubscribe()
-        base = requested or since
-        return {k: v - base for k, v in steps.items()}
+        return {k: v - since for k, v in steps.items()}
     finally:
         await nc.close()
 
@@ -211,7 +211,7 @@ def report(a: Timings, s: Timings, steps: dict[str, float]) -> bool:
             f"{'' if met else ' MISSED'} |"
         )
     shown = ", ".join(f"{k} at {v:.2f} s" for k, v in sorted(steps.items(), key=lambda kv: kv[1]))
-    print(f"\nShoal's first cold start, from its request: {shown}; first token at {s.cold:.2f} s")
+    print(f"\nShoal's first cold start, from the request's sending: {shown}; first token at {s.cold:.2f} s")
     return ok
 
 
