@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from nats.aio.msg import Msg
 
 from api import errors, metrics
 from api.admission import Admission
@@ -27,6 +28,7 @@ from api.responses.routes import router as responses_router
 from api.serving_verdicts import ServingVerdicts
 from api.tokenizer.routes import router as tokenizer_router
 from bus.connection import connect
+from bus.events import InstanceDeleted, InstanceDeleteRequested
 from projectors import database
 
 
@@ -48,9 +50,19 @@ def create_app(config: ApiConfig) -> FastAPI:
             reader=reader,
             admission=Admission(config.max_queued),
         )
+
+        async def forget(_msg: Msg) -> None:  # an instance unloaded: its yes no longer holds
+            verdicts.forget()
+
+        subs = [
+            await nc.subscribe(kind.filter_for(), cb=forget)
+            for kind in (InstanceDeleteRequested, InstanceDeleted)
+        ]
         try:
             yield
         finally:
+            for sub in subs:
+                await sub.unsubscribe()
             await engine.dispose()
             if reader is not None:
                 reader.dispose()

@@ -15,9 +15,10 @@ class ServingVerdicts:
     its time to first token.
 
     Only a yes is remembered: a model that becomes able to serve is seen by the next request.
-    One that stops being able is refused within ``ttl_s`` at the latest; a request accepted
-    meanwhile gets its 503 from the task stream, which looks again (uncached) until the first
-    token comes."""
+    Every yes is forgotten when an instance is deleted (``forget``: a model unloaded on demand
+    is loaded again by its next request, not refused). One that stops being able otherwise (its
+    runner lost) is refused within ``ttl_s`` at the latest; a request accepted meanwhile gets
+    its 503 from the task stream, which looks again (uncached) until the first token comes."""
 
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl_s = ttl_s
@@ -40,3 +41,7 @@ class ServingVerdicts:
         if self._ttl_s > 0:
             self._found_at[(model_id, role)] = self._clock()
             self._slots[(model_id, role)] = slots
+
+    def forget(self) -> None:
+        """Ask the database again for every model (an instance is being deleted)."""
+        self._found_at.clear()

@@ -71,6 +71,8 @@ async def first_token(client: httpx.AsyncClient, url: str, model: str) -> float:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
+                if "choices" not in json.loads(line.removeprefix("data: ")):
+                    raise RuntimeError(f"{model}: {line}")  # an error, not a token
                 return time.monotonic() - started
     raise RuntimeError(f"{model}: no token")
 

@@ -28,3 +28,12 @@ def test_a_ttl_of_zero_remembers_nothing() -> None:
     verdicts = ServingVerdicts(0.0, Clock())
     verdicts.found("m")
     assert not verdicts.fresh("m")
+
+
+def test_an_instance_deleted_makes_every_model_asked_for_again() -> None:
+    verdicts = ServingVerdicts(1.0, Clock())
+    verdicts.found("m", slots=4)
+    verdicts.found("n", "embed")
+    verdicts.forget()
+    assert not verdicts.fresh("m") and not verdicts.fresh("n", "embed")
+    assert verdicts.slots("m") is None
