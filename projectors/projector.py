@@ -17,8 +17,8 @@ A batch of task events only (most of the log) waits ``task_linger_s`` for more b
 written: fewer transactions under load, and none while a runner processes the prompt of the
 task it was just given (on a machine whose cores it uses, that work came out of its time to
 first token). The tasks in the projection are that much later; events that steer the cluster
-(nodes, models, instances, runners) are written as soon as they come, and one heard (live)
-while task events linger ends the wait.
+(nodes, models, instances, runners) are written as soon as they come, and one of a node, model
+or instance heard (live) while task events linger ends the wait.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ TASK_LINGER_S = 0.25
 _TASK_SUBJECTS = aggregate_prefix("task")
 # Events that steer the cluster: one heard live ends a linger at once, as a planner's round
 # (a model loaded on demand, evicting another whose task just ended) waits for the projection.
-_STEERING = tuple(aggregate_filter(a) for a in ("node", "model", "instance", "runner"))
+# Not a runner's: each task makes two (Running, Ready), and a transaction at each took CPU from
+# the next task's prompt (a runner's Ready after its load comes with no task events to linger).
+_STEERING = tuple(aggregate_filter(a) for a in ("node", "model", "instance"))
 
 # A projection that ran this long before an error starts its retries from the shortest wait
 # again (a restart of the nats-server loses its consumer each time, see run()).
