@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -30,6 +32,7 @@ from cli.options import (
 )
 from services.runner.main import run_runner
 from services.runner.offload import visible_devices
+from services.runner.process_memory import give_back
 from services.runner.spec import RunnerSpec
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit
@@ -111,29 +114,66 @@ def runner(
 ) -> None:
     """Serve one shard (started by a worker; not usually run by hand)."""
     setup_logging()
+    # SIGUSR1 stops a runner and keeps its process for the next spec (``_serve``); between
+    # specs it changes nothing (its default would end the process).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if preload:
         import services.runner.engines.llamacpp.engine
         import services.runner.weights  # noqa: F401
-    parsed = RunnerSpec.model_validate_json(sys.stdin.read() if spec == "-" else spec)
-    if parsed.log_path is not None:
-        _write_output_to(Path(parsed.log_path))
-        waited = time.time() - psutil.Process().create_time()
-        log.info("runner %s: the warm spare, started %.1f s ago", parsed.runner_id, waited)
-    # Before any engine is loaded: the process sees only its shard's accelerators.
-    os.environ.update(visible_devices(parsed.shard, os.environ))
     code = 0
-
-    async def main(stop: asyncio.Event) -> None:
-        nonlocal code
-        code = await run_runner(parsed, stop)
-
-    run_until_signal(main)
+    for served, parsed in enumerate(_specs(spec)):
+        if parsed.log_path is not None:
+            _write_output_to(Path(parsed.log_path))
+            waited = time.time() - psutil.Process().create_time()
+            before = f", which served {served} runner(s) before" if served else ""
+            log.info(
+                "runner %s: the warm spare, started %.1f s ago%s", parsed.runner_id, waited, before
+            )
+        # Before any engine is loaded: the process sees only its shard's accelerators.
+        os.environ.update(visible_devices(parsed.shard, os.environ))
+        code, recycled = _serve(parsed)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if code != 0 or not recycled:
+            break
+        give_back()
+        log.info("runner %s stopped; this process waits for the next spec", parsed.runner_id)
     # Without the interpreter's teardown: freeing a model whose later stages are gone makes
     # ggml abort (it cannot reach their RPC servers), which would turn a clean stop or a
     # reported failure into SIGABRT. What a runner holds, the OS frees.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _specs(given: str) -> Iterator[RunnerSpec]:
+    """The spec given on the command line; with '-', each line of the standard input (a
+    worker gives its next spec to a process whose runner it stopped with SIGUSR1)."""
+    if given != "-":
+        yield RunnerSpec.model_validate_json(given)
+        return
+    for line in sys.stdin:
+        if line.strip():
+            yield RunnerSpec.model_validate_json(line)
+
+
+def _serve(spec: RunnerSpec) -> tuple[int, bool]:
+    """Run ``spec``'s runner until it is asked to stop; its exit code, and whether SIGUSR1
+    asked (the process then waits for another spec: its imports are done)."""
+    code, recycled = 0, False
+
+    async def main(stop: asyncio.Event) -> None:
+        nonlocal code
+
+        def recycle() -> None:
+            nonlocal recycled
+            recycled = True
+            stop.set()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, recycle)
+        code = await run_runner(spec, stop)
+
+    run_until_signal(main)
+    return code, recycled
 
 
 def _write_output_to(path: Path) -> None:

@@ -151,6 +151,8 @@ async def run_llamacpp(
     )
     await asyncio.to_thread(engine.load)
     await serve_tasks(spec, nc, me, engine, state, peers, stop)
+    if not spec.peers:  # (a pipeline's head must not free a model whose stages may be gone)
+        await asyncio.to_thread(engine.unload)
 
 
 def whole_model_offload(shard: ShardAssignment) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +23,10 @@ log = logging.getLogger(__name__)
 
 # A runner that stayed up this long before dying starts its backoff afresh.
 HEALTHY_AFTER_S = 60.0
-# When the next warm spare starts: this long after the node's runners are all Ready (its first
-# task's prompt is decoded meanwhile), or at the latest this long after the last change.
-SPARE_AFTER_S = 0.2
+# When the next warm spare starts: this long after the node's runners are all Ready (a runner
+# just loaded decodes its first task's prompt meanwhile, and a runner stopped in between leaves
+# its process as the spare), or at the latest this long after the last change.
+SPARE_AFTER_S = 1.0
 SPARE_AT_LATEST_S = 30.0
 
 OnExit = Callable[[RunnerSpec, int, bool], Awaitable[None]]
@@ -61,10 +63,10 @@ async def spawn_runner(
 
 
 async def give_spec(proc: asyncio.subprocess.Process, spec: RunnerSpec) -> None:
+    """One line: the pipe stays open for the spec after it, should the process be recycled."""
     assert proc.stdin is not None
-    proc.stdin.write(spec.model_dump_json().encode())
+    proc.stdin.write(spec.model_dump_json().encode() + b"\n")
     await proc.stdin.drain()
-    proc.stdin.close()
 
 
 def _pipeline_env(spec: RunnerSpec) -> dict[str, str]:
@@ -122,6 +124,7 @@ class Supervisor:
         self._refilling: asyncio.Task[None] | None = None
         self._next_spare: asyncio.TimerHandle | None = None
         self._states: dict[str, RunnerState] = {}  # what this node's runners last said
+        self._stopped: dict[str, asyncio.Event] = {}  # runners being recycled, until Stopped
 
     def warm(self) -> None:
         """Start the spare, if there is to be one and none is there or being started."""
@@ -195,6 +198,8 @@ class Supervisor:
         none of them is starting or serving a task: its imports take a core for most of a
         second, which slowed a runner's load, or the first task of a runner just loaded, several
         times over on two cores (bench/cold_start.py)."""
+        if state == "Stopped" and (stopped := self._stopped.get(runner_id)) is not None:
+            stopped.set()
         if state in RUNNER_ENDED:
             self._states.pop(runner_id, None)
         else:
@@ -236,6 +241,10 @@ class Supervisor:
         entry.stopping = True
         proc = entry.proc
         if proc is not None and proc.returncode is None:
+            if self._recyclable(entry.spec) and await self._recycle(runner_id, proc, timeout):
+                if entry.watcher is not None:
+                    entry.watcher.cancel()
+                return
             proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), timeout)
@@ -244,6 +253,46 @@ class Supervisor:
                 await proc.wait()
         if entry.watcher is not None:
             entry.watcher.cancel()
+
+    def _recyclable(self, spec: RunnerSpec) -> bool:
+        """Whether a stopped runner's process becomes the next spare (its imports done, no
+        second of CPU to start another): as a spare could have served it (a whole chat model
+        on llama.cpp, on a node without accelerators, whose spare loads the engine ahead)."""
+        return (
+            self._warm_spare
+            and self.preload
+            and spec.engine == "llamacpp"
+            and spec.role == "chat"
+            and spec.shard.world_size == 1
+        )
+
+    async def _recycle(
+        self, runner_id: str, proc: asyncio.subprocess.Process, timeout: float
+    ) -> bool:
+        """Stop the runner with SIGUSR1 (its process frees the model and waits for another
+        spec); True once it said Stopped, with the process kept as the spare."""
+        stopped = self._stopped[runner_id] = asyncio.Event()
+        try:
+            proc.send_signal(signal.SIGUSR1)
+            ended = asyncio.ensure_future(proc.wait())
+            said = asyncio.ensure_future(stopped.wait())
+            try:
+                await asyncio.wait({ended, said}, timeout=timeout, return_when=FIRST_COMPLETED)
+            finally:
+                ended.cancel()
+                said.cancel()
+        finally:
+            self._stopped.pop(runner_id, None)
+        if not stopped.is_set() or proc.returncode is not None:
+            return False
+        if self._refilling is not None:
+            await self._refilling
+        spare, self._spare = self._spare, proc
+        if spare is not None and spare.returncode is None:
+            spare.kill()  # one spare is enough: this one is as ready, and holds nothing either
+            await spare.wait()
+        log.info("runner %s stopped: its process (pid %d) is the next spare", runner_id, proc.pid)
+        return True
 
     async def stop_all(self) -> None:
         self._warm_spare = False

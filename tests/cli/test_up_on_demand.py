@@ -114,3 +114,6 @@ async def test_each_request_loads_its_model_and_makes_room(tmp_path: Path) -> No
     ]
     assert len(logs) == 3, logs
     assert all("the warm spare, started" in p.read_text() for p in logs), logs
+    # A runner unloaded to make room left its process, imports done, to the next: no spare was
+    # started meanwhile, its imports competing with the load and the first token.
+    assert any("which served 1 runner(s) before" in p.read_text() for p in logs), logs

@@ -376,6 +376,14 @@ class LlamaCppEngine:
             if self._loaded.projector is not None:
                 self._loaded.projector.close()
 
+    def unload(self) -> None:
+        """Close, then free the model now rather than when the process ends: a recycled
+        runner process serves another model next (``shoal runner``)."""
+        self.close()
+        if self._loaded is not None:
+            self._loaded.llm.close()
+            self._loaded = None
+
 
 # Why a model without a projector file refuses images.
 _NO_PROJECTOR = "its model has no projector (mmproj) file"
