@@ -213,7 +213,10 @@ def report(a: Timings, s: Timings, steps: dict[str, float]) -> bool:
             f"{'' if met else ' MISSED'} |"
         )
     shown = ", ".join(f"{k} at {v:.2f} s" for k, v in sorted(steps.items(), key=lambda kv: kv[1]))
-    print(f"\nShoal's first cold start, from the request's sending: {shown}; first token at {s.cold:.2f} s")
+    print(
+        f"\nShoal's first cold start, from the request's sending: {shown};"
+        f" first token at {s.cold:.2f} s"
+    )
     return ok
 
 
