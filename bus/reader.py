@@ -24,7 +24,8 @@ async def read_stream(
 ) -> AsyncGenerator[Msg, None]:
     """Yield the messages of ``stream`` matching ``subject`` with ``from_seq <= seq <= to_seq``
     (``to_seq`` defaults to the stream's last sequence when reading starts)."""
-    info = await js.stream_info(stream)
+    # Asked again while the stream or its consumers have no leader (a server of a cluster lost).
+    info = await ask_again(lambda: js.stream_info(stream), what=f"{stream}'s info")
     end = info.state.last_seq if to_seq is None else min(to_seq, info.state.last_seq)
     if end < max(from_seq, info.state.first_seq):
         return
@@ -37,7 +38,7 @@ async def read_stream(
         ack_policy=AckPolicy.NONE,
         inactive_threshold=60.0,
     )
-    await js.add_consumer(stream, config)
+    await ask_again(lambda: js.add_consumer(stream, config), what=f"a reader of {stream}")
     puller = Puller(js, stream, name)
     await puller.start()
     try:
