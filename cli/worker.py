@@ -164,12 +164,15 @@ def _serve(spec: RunnerSpec) -> tuple[int, bool]:
     async def main(stop: asyncio.Event) -> None:
         nonlocal code
 
-        def recycle() -> None:
+        def stopped_by(signum: int) -> None:
             nonlocal recycled
-            recycled = True
+            # SIGTERM after SIGUSR1 (a worker that waited too long for Stopped): the end.
+            recycled = signum == signal.SIGUSR1
             stop.set()
 
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, recycle)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            loop.add_signal_handler(signum, stopped_by, signum)
         code = await run_runner(spec, stop)
 
     run_until_signal(main)
