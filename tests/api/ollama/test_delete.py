@@ -28,6 +28,11 @@ async def _tags(client: httpx.AsyncClient) -> list[str]:
     return [m["name"] for m in body["models"]]
 
 
+async def _instances(client: httpx.AsyncClient) -> list[str]:
+    body: dict[str, Any] = (await client.get("/v1/instances")).json()
+    return [i["id"] for i in body["data"]]
+
+
 def _weights(path: Path) -> Path:
     path.write_bytes(os.urandom(200_000))
     return path
@@ -43,7 +48,7 @@ async def test_delete_removes_the_model_after_its_instances(
     await pub.publish(InstanceRequested(instance_id="i1", model_id="m", origin="t"))
     async with httpx.AsyncClient(base_url=api_stack.url, timeout=30) as client:
         async with asyncio.timeout(20):
-            while "m:latest" not in await _tags(client):
+            while "m:latest" not in await _tags(client) or not await _instances(client):
                 await asyncio.sleep(0.1)
         gone = await client.request("DELETE", "/api/delete", json={"model": "m:latest"})
         assert gone.status_code == 200, gone.text
