@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from api.model_defaults import ModelDefaults
+from bus.publisher import RETRY_FOR_S
 from bus.units import KiB, MiB
 from projectors.projector import DEFAULT_NAME
 from services.models.weights_cache import WeightsCache
@@ -38,6 +39,9 @@ class ApiConfig:
     projector: str = DEFAULT_NAME
     # How long a request may wait for its task to finish (queueing included).
     task_timeout_s: float = 600.0
+    # How long a request waits for the log to store its task (NATS JetStream without a leader,
+    # or without quorum) before it is answered 503 log_unavailable.
+    log_wait_s: float = RETRY_FOR_S
     # How long a request for a model nothing serves waits while an instance of it is loaded on
     # demand (api/on_demand.py): placement, the weights' fetch, the load.
     load_timeout_s: float = 600.0

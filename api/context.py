@@ -72,7 +72,8 @@ class ApiContext:
     async def publish(self, event: EventBase, msg_id: str | None = None) -> None:
         """Store ``event`` on the log (counted in the metrics); ``msg_id``: its message id,
         when every API process must store one event for one thing (else the event's id)."""
-        await Publisher(self.nc.jetstream()).publish(event, msg_id=msg_id)
+        js = self.nc.jetstream()
+        await Publisher(js, retry_for=self.config.log_wait_s).publish(event, msg_id=msg_id)
         self.metrics.event_published(event)
 
 

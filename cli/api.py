@@ -17,6 +17,7 @@ from api.config import DEFAULT_BODY_TIMEOUT_S, ApiConfig, keys_from_env, parse_a
 from api.http_protocol import bounded_httptools, connection_limit
 from api.model_defaults import ModelDefaults, ModelDefaultsError, parse_model_defaults
 from bus.embedded import port_in_use
+from bus.publisher import RETRY_FOR_S
 from bus.streams import parse_size
 from cli.exposure import refuse_exposure
 from cli.options import (
@@ -111,6 +112,15 @@ AllowedHosts = Annotated[
         help="A name or address clients reach the API by (its Host header), besides"
         " localhost, loopback addresses, --host and, beyond loopback, this machine's names"
         " and addresses (repeatable; '*' for any). Other names are refused (DNS rebinding).",
+    ),
+]
+LogWait = Annotated[
+    float,
+    typer.Option(
+        "--log-wait",
+        min=0.0,
+        help="Seconds a request waits for the log (NATS JetStream) to store its task while"
+        " the log has no leader or quorum; past them, a 503 log_unavailable.",
     ),
 ]
 LoadOnDemand = Annotated[
@@ -289,6 +299,7 @@ def api(
     max_body: MaxBody = DEFAULT_MAX_BODY_TEXT,
     body_timeout: BodyTimeout = DEFAULT_BODY_TIMEOUT_S,
     load_on_demand: LoadOnDemand = True,
+    log_wait: LogWait = RETRY_FOR_S,
     reasoning_budget_tokens: ReasoningBudget = -1,
     allow_image_urls: AllowImageUrls = False,
     model_defaults_file: ModelDefaultsFile = None,
@@ -317,6 +328,7 @@ def api(
         max_body_bytes=max_body_bytes(max_body),
         body_timeout_s=body_timeout,
         load_on_demand=load_on_demand,
+        log_wait_s=log_wait,
         reasoning_budget=reasoning_budget(reasoning_budget_tokens),
         allow_image_urls=allow_image_urls,
         model_defaults=defaults,
