@@ -354,6 +354,7 @@ def task_stream(ctx: ApiContext, task: TaskCreated, on_closed: Closed | None = N
         why_not,
         on_published=ctx.metrics.event_published,
         on_closed=closed,
+        log_wait_s=ctx.config.log_wait_s,
     )
     return ts
 

@@ -44,7 +44,7 @@ from bus.events import (
     TaskFailed,
     parse_event,
 )
-from bus.publisher import Publisher
+from bus.publisher import RETRY_FOR_S, Publisher
 from bus.reader import read_stream
 from bus.records import TokenLogprob
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
@@ -135,8 +135,10 @@ class TaskStream:
         recheck: Recheck | None = None,
         on_published: Published | None = None,
         on_closed: Closed | None = None,
+        log_wait_s: float = RETRY_FOR_S,
     ) -> None:
         self._nc = nc
+        self._log_wait_s = log_wait_s
         self._recheck = recheck
         self._on_published = on_published
         self._on_closed = on_closed
@@ -201,7 +203,7 @@ class TaskStream:
         self._subs = []
 
     async def _publish(self, event: EventBase) -> None:
-        await Publisher(self._nc.jetstream()).publish(event)
+        await Publisher(self._nc.jetstream(), retry_for=self._log_wait_s).publish(event)
         if self._on_published is not None:
             self._on_published(event)
 
