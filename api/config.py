@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from api.model_defaults import ModelDefaults
-from bus.publisher import RETRY_FOR_S
+from bus.leaderless import RETRY_FOR_S
 from bus.units import KiB, MiB
 from projectors.projector import DEFAULT_NAME
 from services.models.weights_cache import WeightsCache

@@ -52,7 +52,7 @@ class ApiContext:
 
     def __post_init__(self) -> None:
         js = self.nc.jetstream()
-        self.parts = PartStore(js, renewal=lambda: renewal(js))
+        self.parts = PartStore(js, renewal=lambda: renewal(js), retry_for=self.config.log_wait_s)
 
     async def model_names(self) -> ModelNames:
         """The names clients call models by, read again at most once a second."""

@@ -44,7 +44,8 @@ from bus.events import (
     TaskFailed,
     parse_event,
 )
-from bus.publisher import RETRY_FOR_S, Publisher
+from bus.leaderless import RETRY_FOR_S
+from bus.publisher import Publisher
 from bus.reader import read_stream
 from bus.records import TokenLogprob
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM

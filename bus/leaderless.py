@@ -17,6 +17,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# How long a message is published again while JetStream does not store it.
+RETRY_FOR_S = 30.0
 # How long a read or a consumer's creation is asked again before the error is the caller's.
 NO_LEADER_WAIT_S = 15.0
 # The pause before asking again, so that a caller does not ask at once.

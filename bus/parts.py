@@ -31,7 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from bus.leaderless import ask_again
+from bus.leaderless import RETRY_FOR_S, ask_again
 from bus.payload import PayloadTooLargeError, max_payload, message_size
 from bus.records import PartRef
 from bus.subjects import PARTS_PREFIX
@@ -153,11 +153,14 @@ class PartStore:
         *,
         renewal: Callable[[], Awaitable[float]] | None = None,
         cache_bytes: int = CACHE_BYTES,
+        retry_for: float = RETRY_FOR_S,
     ) -> None:
         """``renewal``: after how long a part stored is stored again when named (``renewal`` in
         bus/streams.py: half the events' age limit; 0: never, they are kept forever), asked
-        again every RENEWAL_READ_S. None: never (a process that only reads)."""
+        again every RENEWAL_READ_S. None: never (a process that only reads). ``retry_for``:
+        how long a part is published again while JetStream does not store it."""
         self._js = js
+        self._retry_for = retry_for
         self._renewal = renewal
         self._renew_after_s = 0.0
         self._renewal_read_at: float | None = None
@@ -214,7 +217,7 @@ class PartStore:
         async with self._in_flight:
             await ask_again(
                 lambda: self._js.publish(part_subject(part.digest), part.body, timeout=5.0),
-                within_s=30.0,
+                within_s=self._retry_for,
                 pause_s=0.05,
                 max_pause_s=1.0,
                 what=f"storing part {part.digest}",

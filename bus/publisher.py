@@ -23,15 +23,13 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from bus.events import EventBase
-from bus.leaderless import ask_again, retryable
+from bus.leaderless import RETRY_FOR_S, ask_again, retryable
 from bus.payload import check_size
 
 log = logging.getLogger(__name__)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
-# How long a message is published again while JetStream does not store it.
-RETRY_FOR_S = 30.0
 # How long one attempt waits for its ack.
 ACK_TIMEOUT_S = 5.0
 

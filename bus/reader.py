@@ -37,6 +37,10 @@ async def read_stream(
         opt_start_seq=max(from_seq, 1),
         ack_policy=AckPolicy.NONE,
         inactive_threshold=60.0,
+        # One replica in memory, as nats-py's ordered consumers: a stream of replicas 3 would
+        # otherwise give each read a group of its own to elect, which waits on a lost server.
+        mem_storage=True,
+        num_replicas=1,
     )
     await ask_again(lambda: js.add_consumer(stream, config), what=f"a reader of {stream}")
     puller = Puller(js, stream, name)

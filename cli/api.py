@@ -17,7 +17,7 @@ from api.config import DEFAULT_BODY_TIMEOUT_S, ApiConfig, keys_from_env, parse_a
 from api.http_protocol import bounded_httptools, connection_limit
 from api.model_defaults import ModelDefaults, ModelDefaultsError, parse_model_defaults
 from bus.embedded import port_in_use
-from bus.publisher import RETRY_FOR_S
+from bus.leaderless import RETRY_FOR_S
 from bus.streams import parse_size
 from cli.exposure import refuse_exposure
 from cli.options import (

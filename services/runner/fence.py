@@ -30,8 +30,7 @@ from pydantic import ValidationError
 
 from bus.attempts import Attempt, attempt_of, superseded
 from bus.events import TaskCreated, parse_event
-from bus.leaderless import ask_again
-from bus.publisher import RETRY_FOR_S
+from bus.leaderless import RETRY_FOR_S, ask_again
 from bus.streams import EVENTS_STREAM
 
 log = logging.getLogger(__name__)
