@@ -12,9 +12,13 @@ import sys
 from importlib import import_module
 from typing import Any
 
-import typer
+from bus.nats_import import import_nats_without_websockets
 
-from cli.nats_options import nats_security_options
+import_nats_without_websockets()
+
+import typer  # noqa: E402
+
+from cli.nats_options import nats_security_options  # noqa: E402
 
 # A command: the module and the function that define it, and how it is registered.
 _COMMANDS: dict[str, tuple[str, str, dict[str, Any]]] = {
