@@ -39,8 +39,8 @@ class ApiConfig:
     projector: str = DEFAULT_NAME
     # How long a request may wait for its task to finish (queueing included).
     task_timeout_s: float = 600.0
-    # How long a request waits for the log to store its task (NATS JetStream without a leader,
-    # or without quorum) before it is answered 503 log_unavailable.
+    # How long a request waits for the log to store its task and messages (NATS JetStream
+    # without a leader, or without quorum) before it is answered 503 log_unavailable.
     log_wait_s: float = RETRY_FOR_S
     # How long a request for a model nothing serves waits while an instance of it is loaded on
     # demand (api/on_demand.py): placement, the weights' fetch, the load.

@@ -1,9 +1,9 @@
 """Importing nats-py without its WebSocket transport.
 
 nats-py imports aiohttp as it is imported, for ``ws://`` URLs, which Shoal never uses (it
-connects with ``nats://`` and ``tls://``): CPU time at the start of every
-process, a runner's included, which is on a cold model's time to first token. The `shoal`
-command imports nats-py this way first; aiohttp stays importable for anything else that wants it.
+connects with ``nats://`` and ``tls://``): CPU time at the start of every process, a runner's
+included, which is on a cold model's time to first token. The `shoal` command imports nats-py
+this way first; aiohttp stays importable for anything else that wants it.
 """
 
 from __future__ import annotations
