@@ -2,11 +2,17 @@
 sequence in flight, as llama.cpp's own server does with its parallel slots.
 
 A context holds ``slots`` sequences (``n_seq_max``; each its own part of the KV cache, the
-context promised to one task). Generations are admitted between steps: a new one takes a free
-slot (the one whose cache shares the longest prefix with its prompt, so that a conversation's
-next turn or a shared system prompt is not computed again: ``pick_slot``), and its prompt goes
-in chunks beside the others' next tokens, so that a long prompt holds everyone's next token
-back by one batch of ``n_batch`` tokens at most. Each sequence has its own sampler
+context promised to one task). It is made for one sequence at first, and for all the slots
+when a second generation comes while the first runs (``_grow``: the first is computed again
+into the new context): llama.cpp allocates and clears the whole KV cache when it makes a
+context, most of a small model's load, so a model loaded for one request (on demand, or
+alternating with another) answers it sooner.
+
+Generations are admitted between steps: a new one takes a free slot (the one whose cache
+shares the longest prefix with its prompt, so that a conversation's next turn or a shared
+system prompt is not computed again: ``pick_slot``), and its prompt goes in chunks beside the
+others' next tokens, so that a long prompt holds everyone's next token back by one batch of
+``n_batch`` tokens at most. Each sequence has its own sampler
 (``SequenceSampler``); a sequence's error (a grammar it cannot follow) ends it alone.
 
 A prompt's images (``Decoding.images``) are evaluated apart, on the decoding thread before a
@@ -42,8 +48,11 @@ from services.runner.image_spans import ImageSpan, image_at, kept, position, tex
 
 log = logging.getLogger(__name__)
 
-# Evaluates an image chunk into a sequence (the slot) from a position (the engine's projector).
-EvaluateImage = Callable[[ImageSpan, int, int], None]
+# Evaluates an image chunk into a sequence (the slot) of a context from a position (the
+# engine's projector).
+EvaluateImage = Callable[[Any, ImageSpan, int, int], None]
+# Makes a llama.cpp context for a number of sequences, each with the whole context (the engine).
+MakeContext = Callable[[int], Any]
 
 # A prompt that is scored (echo) needs the logits of every position; llama.cpp keeps an output
 # buffer as large as the largest batch's logits for the context's life (n_batch of 512 with
@@ -261,35 +270,30 @@ class _Sequence:
 
 
 class BatchDecoder:
-    """Decodes the generations of one llama.cpp context together (see the module's doc), and
-    owns the context (freed with the decoder, ``owner`` kept until then). ``ctx`` must have
-    ``n_seq_max`` of at least ``slots``; ``n_ctx`` is each slot's context."""
+    """Decodes the generations of a llama.cpp context together (see the module's doc), and
+    owns the context (made by ``make_context``, for one sequence and then for ``slots``; freed
+    with the decoder, ``owner`` kept until then)."""
 
     def __init__(
         self,
-        ctx: Any,
+        make_context: MakeContext,
         *,
         owner: object,
         slots: int,
-        n_ctx: int,
-        n_batch: int,
         n_vocab: int,
         is_end: Callable[[int], bool],
         evaluate_image: EvaluateImage | None = None,
     ) -> None:
-        self._ctx = ctx
+        self._make_context = make_context
         self._evaluate_image = evaluate_image
         self._owner = owner  # what holds the model: it must outlive the context
-        # Freed by ``close``, or with the decoder; not at exit, where the decoding thread
-        # (a daemon) may still be in it.
-        self._free = weakref.finalize(self, llama_cpp.llama_free, ctx)
-        self._free.atexit = False
         self.slots = slots
-        self.n_ctx = n_ctx
         self._n_vocab = n_vocab
         self._is_end = is_end
-        self._batch = Batch(n_batch)
-        self._memory = llama_cpp.llama_get_memory(ctx)
+        self._use(make_context(1))
+        self._capacity = 1  # the sequences the context holds: 1, then ``slots``
+        self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self._ctx))  # each slot's
+        self._batch = Batch(int(llama_cpp.llama_n_batch(self._ctx)))
         self._cond = threading.Condition()
         self._waiting: list[_Sequence] = []  # admitted in this order as slots free up
         self._active: dict[int, _Sequence] = {}  # by slot, in admission order
@@ -311,6 +315,59 @@ class BatchDecoder:
             self._cond.notify_all()
         self._thread.join()
         self._free()
+
+    def _use(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        # Freed by ``close``, or with the decoder; not at exit, where the decoding thread
+        # (a daemon) may still be in it.
+        self._free = weakref.finalize(self, llama_cpp.llama_free, ctx)
+        self._free.atexit = False
+
+    def _grow(self) -> bool:
+        """The context for all the slots in place of the one for a single sequence: the
+        sequence in flight there is computed again into the new one (its cells cannot be
+        moved: a sequence's saved state names its context's number of streams), the cache an
+        idle one kept is dropped. False, and one sequence at a time from then on, if llama.cpp
+        cannot make it."""
+        try:
+            ctx = self._make_context(self.slots)
+        except Exception:
+            log.exception("no context for %d slots: serving one task at a time", self.slots)
+            self.slots = self._capacity
+            return False
+        old, self._capacity = self._free, self.slots
+        self._use(ctx)
+        old()
+        for slot in list(self._cached):
+            seq = self._active.get(slot)
+            if seq is None:
+                del self._cached[slot]
+                continue
+            try:
+                self._refill(slot, self._cached[slot], seq.images)
+            except Exception as exc:  # this sequence's alone
+                log.exception("the sequence in slot %d could not be computed again", slot)
+                self._forget(slot)
+                seq.end(exc)
+        return True
+
+    def _refill(self, slot: int, tokens: list[int], images: tuple[ImageSpan, ...]) -> None:
+        """Computes a slot's cached ``tokens`` (with their images) again into the context."""
+        done = 0
+        while done < len(tokens):
+            at = position(images, done)
+            if image := image_at(images, done):
+                assert self._evaluate_image is not None
+                self._evaluate_image(self._ctx, image, slot, at)
+                done += image.n_tokens
+                continue
+            n = min(text_run(images, done, len(tokens)), self._batch.capacity)
+            self._batch.clear()
+            for i in range(done, done + n):
+                self._batch.add(tokens[i], at + i - done, slot, logits=False)
+            self._batch.decode(self._ctx)
+            done += n
 
     def drop_cache(self) -> None:
         """Forget what the slots' caches hold: the next prompts run whole."""
@@ -422,10 +479,12 @@ class BatchDecoder:
                     self._cached.pop(slot, None)
         self._waiting = [s for s in self._waiting if not s.released]
         while self._waiting and len(self._active) < self.slots:
+            if len(self._active) >= self._capacity and not self._grow():
+                break
             self._admit(self._waiting.pop(0))
 
     def _admit(self, seq: _Sequence) -> None:
-        free = [s for s in range(self.slots) if s not in self._active]
+        free = [s for s in range(self._capacity) if s not in self._active]
         choice = pick_slot(free, self._cached, self._last_used, seq.prompt)
         slot, keep = choice.slot, kept(seq.images, choice.keep)
         if seq.decoding.echo:
@@ -512,7 +571,7 @@ class BatchDecoder:
                 if self._evaluate_image is None:
                     raise RuntimeError("this engine reads no images")
                 at = position(seq.images, image.start)
-                self._evaluate_image(image, seq.slot, at)
+                self._evaluate_image(self._ctx, image, seq.slot, at)
             except Exception as exc:
                 log.exception("an image of the prompt in slot %d failed", seq.slot)
                 self._forget(seq.slot)

