@@ -14,7 +14,7 @@ import pytest
 
 from bus.records import SamplingParams
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
-from services.runner.engines.llamacpp.batch import (
+from services.runner.engines.llamacpp.batch_plan import (
     Need,
     SlotChoice,
     common_prefix,

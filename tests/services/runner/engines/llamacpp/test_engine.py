@@ -24,7 +24,7 @@ from llama_cpp.llama_grammar import json_schema_to_gbnf
 from bus.records import SamplingParams, ShardAssignment
 from services.runner.decoding import Decoding, Grammar, PromptCached, PromptScores, Token
 from services.runner.engines.llamacpp import sampling as llamacpp_sampling
-from services.runner.engines.llamacpp.batch import ECHO_CHUNK
+from services.runner.engines.llamacpp.batch_plan import ECHO_CHUNK
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.generation import InvalidRequest, ScoredPrompt, Step, check_request, steps
 from services.runner.offload import llama_offload
