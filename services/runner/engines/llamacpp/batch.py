@@ -209,7 +209,8 @@ class BatchDecoder:
 
     @property
     def ctx(self) -> Any:
-        """The llama.cpp context (to read, not to decode with: that is the decoder's)."""
+        """The llama.cpp context now (to read, not to decode with: that is the decoder's; a new
+        one replaces it when it grows)."""
         return self._ctx
 
     def close(self) -> None:
