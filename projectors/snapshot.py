@@ -47,8 +47,11 @@ from projectors.tables import STATE_TABLES, UtcDateTime, event_counts, projector
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-# Rows read from the database, and inserted into it, at a time.
-PAGE = 2000
+# Rows read from the database at a time while a snapshot is written. Small: the rows in hand
+# (and their JSON) are the writer's peak memory, which a live projector's heap keeps after it.
+PAGE = 200
+# Rows inserted at a time while one is restored (at a start, before any live work).
+INSERT_PAGE = 2000
 # Snapshots a projector keeps: the newest and the ones before it.
 KEEP = 3
 
@@ -230,7 +233,7 @@ async def restore(engine: AsyncEngine, js: JetStreamContext, snapshot: Snapshot)
                 row = _row_of(table.name, {k: v for k, v in line["r"].items() if k in columns})
                 rows = pending.setdefault(table.name, [])
                 rows.append(row)
-                if len(rows) >= PAGE:
+                if len(rows) >= INSERT_PAGE:
                     await conn.execute(insert(table), rows)
                     rows.clear()
                     await asyncio.sleep(0)
