@@ -415,6 +415,13 @@ class TaskCancelled(_TaskEvent):
     reason: str = ""
 
 
+class TaskForgotten(_TaskEvent):
+    """An ended task the projection no longer keeps: it ended longer ago than the log keeps
+    events (published by a planner, services/planner/janitor.py)."""
+
+    reason: str = Field(default="expired", description="'expired': past the log's age limit.")
+
+
 # --- responses ----------------------------------------------------------------------------
 
 # Where a response of the Responses API stands (OpenAI's words).
@@ -517,6 +524,7 @@ Event = Annotated[
     | TaskCompleted
     | TaskFailed
     | TaskCancelled
+    | TaskForgotten
     | ResponseStored
     | ResponseDeleted
     | KeyAdded

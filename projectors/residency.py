@@ -25,6 +25,7 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
     TaskFailed,
+    TaskForgotten,
     TaskStarted,
 )
 from projectors.rows import ResponseRow, TaskRow
@@ -44,6 +45,7 @@ def named(events: Iterable[Event]) -> dict[str, set[tuple[Any, ...]]]:
                 | TaskCompleted()
                 | TaskFailed()
                 | TaskCancelled()
+                | TaskForgotten()
             ):
                 keys[TaskRow.TABLE].add((event.task_id,))
             case ResponseStored() | ResponseDeleted():

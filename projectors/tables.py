@@ -189,6 +189,7 @@ tasks = Table(
     Column("resumes", Integer, nullable=False, server_default="0"),
     Column("owner", String(200)),
     Index("ix_tasks_created_at", "created_at"),
+    Index("ix_tasks_finished_at", "finished_at"),
     Index("ix_tasks_owner", "owner"),
     Index("ix_tasks_status", "status"),
 )

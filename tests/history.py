@@ -29,6 +29,7 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
     TaskFailed,
+    TaskForgotten,
     TaskStarted,
 )
 from bus.records import (
@@ -176,6 +177,14 @@ def history(n_tasks: int = 300, seed: int = 1, chunks_per_task: int = 4) -> Iter
             )
             yield from place("inst-2", MODELS[1], ["node-a", "node-b"], 1)
             runner_of[MODELS[1]] = ("inst-2", "inst-2-r1-0")
+        if t >= 30 and t % 10 == 0:  # a planner forgets a task that ended long ago
+            old = t - 30
+            yield TaskForgotten(
+                task_id=f"task-{old:05d}",
+                model_id=MODELS[old % 2],
+                origin="planner",
+                ts=clock.tick(),
+            )
         model = MODELS[t % 2]
         instance, runner = runner_of[model]
         task = f"task-{t:05d}"

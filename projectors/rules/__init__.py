@@ -41,6 +41,7 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
     TaskFailed,
+    TaskForgotten,
     TaskStarted,
 )
 from projectors.rules import instances, keys, models, nodes, responses, tasks
@@ -64,6 +65,8 @@ def changes_for(state: ClusterState, event: Event) -> list[Change]:
             return tasks.task_cancelled(state, event)
         case EmbeddingsRequested():
             return tasks.embeddings_requested(state, event)
+        case TaskForgotten():
+            return tasks.task_forgotten(state, event)
         case ResourceProfiled():
             return nodes.resource_profiled(state, event)
         case RunnerStateChanged():

@@ -12,6 +12,7 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
     TaskFailed,
+    TaskForgotten,
     TaskStarted,
 )
 from bus.kinds import InstanceRole, role_of_task
@@ -21,7 +22,7 @@ from projectors.rows import (
     TaskRow,
     UsageRow,
 )
-from projectors.state import Change, ClusterState, Put
+from projectors.state import Change, ClusterState, Delete, Put
 
 
 def task_created(state: ClusterState, e: TaskCreated) -> list[Change]:
@@ -159,3 +160,11 @@ def task_cancelled(state: ClusterState, e: TaskCancelled) -> list[Change]:
         return []
     row = replace(old, status="cancelled", finished_at=e.ts, error=e.reason or None)
     return [Put(row), *_used(state, old, e.ts)]
+
+
+def task_forgotten(state: ClusterState, e: TaskForgotten) -> list[Change]:
+    # Only an ended task leaves; its key's usage stays counted (key_usage).
+    old = state.task(e.task_id)
+    if old is None or old.status not in TASK_ENDED:
+        return []
+    return [Delete(TaskRow.TABLE, old.key())]

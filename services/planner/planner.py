@@ -128,7 +128,9 @@ class Planner:
         self._seen(info.state.last_seq)
         log.info("planner %s watching from seq %d", self.origin, info.state.last_seq)
         loop = asyncio.get_running_loop()
-        tidying = asyncio.create_task(keep_tidy(self._pub, self._engine, self.origin, stop))
+        tidying = asyncio.create_task(
+            keep_tidy(self._js, self._pub, self._engine, self.origin, stop)
+        )
         try:
             while not stop.is_set():
                 started = loop.time()

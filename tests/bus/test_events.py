@@ -42,6 +42,7 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
     TaskFailed,
+    TaskForgotten,
     TaskStarted,
     chunk_stream_type,
     parse_event,
@@ -300,6 +301,7 @@ SAMPLES: dict[type[EventBase], EventBase] = {
     TaskCancelled: TaskCancelled(
         task_id="task-3", model_id=MODEL, origin="api", ts=TS, reason="client disconnected"
     ),
+    TaskForgotten: TaskForgotten(task_id="task-3", model_id=MODEL, origin="planner", ts=TS),
     ResponseStored: ResponseStored(
         response_id="resp_task-1",
         origin="api",

@@ -16,6 +16,7 @@ from bus.events import (
     TaskCancelled,
     TaskCompleted,
     TaskCreated,
+    TaskForgotten,
 )
 from bus.records import ChatMessage, Timings, Usage
 from projectors.residency import missing, named
@@ -76,7 +77,8 @@ async def test_a_restarted_projector_reads_no_ended_task_until_one_is_named(
 ) -> None:
     """200 tasks ended, one still pending: a projector started afterwards holds the pending one
     only. A late event about an ended task (a cancel after it completed: kept completed; a
-    stored response deleted) reads its row, changes what the full fold changes, and lets it go."""
+    stored response deleted; a task forgotten) reads its row, changes what the full fold
+    changes, and lets it go."""
     ended = [e for i in range(200) for e in (created(f"t{i}"), completed(f"t{i}"))]
     stored = ResponseStored(response_id="r1", origin="api", task_id="t0", model_id="m")
     history: list[Event] = [*ended, created("open"), stored]
@@ -90,9 +92,11 @@ async def test_a_restarted_projector_reads_no_ended_task_until_one_is_named(
         late: list[Event] = [
             TaskCancelled(task_id="t7", model_id="m", origin="api", ts=AT),
             ResponseDeleted(response_id="r1", origin="api", ts=AT),
+            TaskForgotten(task_id="t8", model_id="m", origin="planner", ts=AT),
         ]
         last = await publish_all(js, late)
         await wait_for_seq(projector, last)
         everything = memory_rows(fold([*history, *late]))
         assert await db_rows(engine) == everything
+        assert "t8" not in {row["task_id"] for row in everything["tasks"]}
         assert memory_rows(projector.state) == live_part(everything)

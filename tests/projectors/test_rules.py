@@ -11,6 +11,7 @@ from bus.events import (
     ChunkGenerated,
     EmbeddingsComputed,
     EmbeddingsRequested,
+    Event,
     InstanceDeleted,
     InstanceDeleteRequested,
     InstancePlaced,
@@ -28,6 +29,7 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
     TaskFailed,
+    TaskForgotten,
     TaskStarted,
     parse_event,
 )
@@ -428,6 +430,30 @@ def test_cancel_is_final() -> None:
     t = state.task("t")
     assert t is not None and t.status == "cancelled" and t.error == "gone"
     assert t.runner_id == "r"  # but who had it is still recorded
+
+
+def test_only_an_ended_task_is_forgotten() -> None:
+    def forgotten(task_id: str) -> TaskForgotten:
+        return TaskForgotten(task_id=task_id, model_id="m", origin="planner", ts=at(9))
+
+    ended: list[Event] = [
+        TaskCreated(task_id="done", model_id="m", origin="api", ts=at(0), owner="k"),
+        TaskCompleted(
+            task_id="done",
+            model_id="m",
+            origin="a",
+            ts=at(1),
+            runner_id="r",
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=7, completion_tokens=3),
+            timings=Timings(ttft_ms=12.0, tokens_per_s=30.0, total_ms=100.0),
+        ),
+    ]
+    waiting = TaskCreated(task_id="open", model_id="m", origin="api", ts=at(2))
+    before = fold([*ended, waiting])
+    after = fold([forgotten("done"), forgotten("open"), forgotten("never")], before.copy())
+    assert list(after.task_rows) == [("open",)]
+    assert after.usage_rows == before.usage_rows and after.usage_rows  # usage stays counted
 
 
 def test_a_resumed_task_waits_again_and_counts_its_resumes() -> None:

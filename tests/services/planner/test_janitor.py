@@ -1,16 +1,25 @@
-"""Stored responses past their expiry are deleted on the log, once, by any planner
-(services/planner/janitor.py), against a real nats-server and database."""
+"""Stored responses past their expiry are deleted on the log, and old ended tasks forgotten,
+once, by any planner (services/planner/janitor.py), against a real nats-server and database."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from unittest.mock import patch
 
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import ResponseDeleted, ResponseStored
+from bus.events import (
+    EventBase,
+    ResponseDeleted,
+    ResponseStored,
+    TaskCreated,
+    TaskFailed,
+    TaskForgotten,
+)
 from bus.publisher import Publisher
-from services.planner.janitor import delete_expired
+from services.planner import janitor
+from services.planner.janitor import delete_expired, forget_ended
 from tests.projectors.helpers import db_rows, running_projector, wait_for_seq
 from tests.services.event_log import EventLog
 
@@ -38,5 +47,41 @@ async def test_expired_responses_are_deleted_once(
         rows = {r["response_id"]: r for r in (await db_rows(engine))["responses"]}
         assert rows["old"]["status"] == "deleted" and rows["new"]["status"] == "completed"
         assert rows["kept"]["expires_at"] is None
+    finally:
+        await log.stop()
+
+
+async def test_tasks_ended_before_the_logs_age_limit_are_forgotten_once(
+    js: JetStreamContext, engine: AsyncEngine
+) -> None:
+    """Tasks that ended more than ``keep_s`` ago leave the projection, oldest first and page by
+    page; a task still running, or ended since, stays; with no age limit nothing leaves."""
+    now = datetime.now(UTC)
+    pub = Publisher(js)
+
+    def ended(task_id: str, days_ago: float) -> list[EventBase]:
+        at = now - timedelta(days=days_ago)
+        created = TaskCreated(task_id=task_id, model_id="m", origin="api", ts=at)
+        return [created, TaskFailed(task_id=task_id, model_id="m", origin="n", ts=at, error="x")]
+
+    history = [e for i in range(5) for e in ended(f"old{i}", 40 - i)]
+    history += [*ended("recent", 1), TaskCreated(task_id="open", model_id="m", origin="api")]
+    for e in history:
+        await pub.publish(e)
+    log = await EventLog().start(js)
+    try:
+        async with running_projector(js, engine) as projector:
+            await wait_for_seq(projector, len(history))
+            assert await forget_ended(pub, engine, now, "planner-a", 0) == 0
+            month = 30 * 86400.0
+            with patch.object(janitor, "BATCH", 2):  # three pages
+                assert await forget_ended(pub, engine, now, "planner-a", month) == 5
+                assert await forget_ended(pub, engine, now, "planner-b", month) == 5
+            await wait_for_seq(projector, len(history) + 5)
+            assert await forget_ended(pub, engine, now, "planner-a", month) == 0
+        forgotten = [e.task_id for e in log.of(TaskForgotten)]
+        assert forgotten == [f"old{i}" for i in range(5)]  # once each, oldest first
+        rows = {r["task_id"] for r in (await db_rows(engine))["tasks"]}
+        assert rows == {"recent", "open"}
     finally:
         await log.stop()
