@@ -38,8 +38,11 @@ after a burst of 16 concurrent requests: a few MiB) and the runner's KV cache an
 weights paging in; they catch a leak of 25 KiB or more per request over 1,000 requests (or a
 tenth of that over 10,000). The projector holds only what is live in memory (no ended task),
 so a long run is held to less: ``--duration 1200 --growth-mib 5``, with an events age limit
-(``SHOAL_EVENTS_MAX_AGE=5m``) so that the log's bound and the projector's snapshots show
-within the run. Planner, worker and nats-server are shown, not checked.
+(``SHOAL_EVENTS_MAX_AGE=5m``) so that the log's bound, the projector's snapshots and the
+planner forgetting ended tasks show within the run. Planner, worker and nats-server are shown,
+not checked. Disk: the log's streams, the snapshots and the projection database (bytes and task
+rows) after the warm-up and at the end; with the age limit, each stays within what 5 minutes
+of requests make.
 
 The figures depend on the machine and on what else runs: the report gives the load average
 and the cores other processes used during the load. On a shared 2-core machine TTFT is
@@ -68,7 +71,7 @@ import psutil
 
 from bench.common import procfs
 from bench.common.processes import MODEL_ID
-from bench.soak_cluster import Cluster, log_bytes, start_cluster
+from bench.soak_cluster import Cluster, log_bytes, projection_size, start_cluster
 from bus.units import MiB
 
 REQUEST_TIMEOUT = 600.0  # seconds for one request (queued behind others included)
@@ -431,6 +434,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             )
             before = await asyncio.to_thread(memory, cluster.pids())
             print(f"log after the warm-up: {await log_bytes(cluster.nats.url)}")
+            print(f"projection after the warm-up: {projection_size(cluster.db)}")
             peaks: dict[str, int] = {}
             stop = asyncio.Event()
             series: list[tuple[float, dict[str, int]]] = []
@@ -455,6 +459,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         after = await asyncio.to_thread(memory, after_pids)
         ok = report(args, results, unfinished, wall, before, after, peaks, series, other)
         print(f"log at the end: {await log_bytes(cluster.nats.url)}")
+        print(f"projection at the end: {projection_size(cluster.db)}")
         if after_pids["runner"] != runner_before:
             print(
                 f"FAIL  the runner changed during the run: pids {runner_before} ->"

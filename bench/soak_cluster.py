@@ -1,5 +1,6 @@
 """The cluster ``bench.soak`` runs: nats-server, projector, planner, worker (and its runner) and
-API as separate processes on loopback, each's output in a log file, and the log's stream sizes.
+API as separate processes on loopback, each's output in a log file; the log's stream sizes and
+the projection's.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -17,12 +19,14 @@ from pathlib import Path
 
 import httpx
 import psutil
+from nats.js.errors import NotFoundError
 
 from bench.common.processes import MODEL_ID, SHOAL_BIN
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
+from bus.object_store import object_stream
 from bus.parts import PARTS_STREAM
-from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
+from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM, SNAPSHOTS_BUCKET
 from bus.units import MiB
 
 READY_TIMEOUT = 300.0  # seconds for the cluster to serve the model
@@ -72,6 +76,7 @@ class Cluster:
     nats: EmbeddedNats
     parts: dict[str, Part] = field(default_factory=dict)
     api_url: str = ""
+    db: Path = Path()  # the projection's SQLite file
 
     def pids(self) -> dict[str, list[int]]:
         """The processes of each part; the runner is the worker's child."""
@@ -92,16 +97,28 @@ class Cluster:
 
 
 async def log_bytes(nats_url: str) -> str:
-    """What the log's streams hold now: with an age limit (SHOAL_EVENTS_MAX_AGE), flat once
-    the oldest events go."""
+    """What the log's streams, and the projection's snapshots, hold now: with an age limit
+    (SHOAL_EVENTS_MAX_AGE), flat once the oldest events go."""
     nc = await connect(nats_url, name="soak-sizes")
     try:
         js = nc.jetstream()
         streams = (EVENTS_STREAM, CHUNKS_STREAM, DEADLETTER_STREAM, PARTS_STREAM)
         sizes = [(s, (await js.stream_info(s)).state.bytes) for s in streams]
+        with contextlib.suppress(NotFoundError):  # none written yet
+            snapshots = await js.stream_info(object_stream(SNAPSHOTS_BUCKET))
+            sizes.append((SNAPSHOTS_BUCKET, snapshots.state.bytes))
     finally:
         await nc.close()
     return ", ".join(f"{name} {n / MiB:8.1f}" for name, n in sizes)
+
+
+def projection_size(db: Path) -> str:
+    """The projection database's bytes on disk (its WAL included) and its task rows: with an
+    age limit, flat once the planner forgets the oldest ended tasks."""
+    size = sum(p.stat().st_size for p in db.parent.glob(db.name + "*") if p.is_file())
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        (rows,) = conn.execute("SELECT count(*) FROM tasks").fetchone()
+    return f"{size / MiB:.1f} MiB, {rows} task rows"
 
 
 def runner_pids(worker_pid: int) -> list[int]:
@@ -125,7 +142,8 @@ async def start_cluster(tmp: Path, runner_threads: int, max_queued: int | None) 
     env["SHOAL_DATA_DIR"] = str(tmp / "cli")
     logs = tmp / "logs"
     logs.mkdir()
-    db = f"sqlite:///{tmp / 'shoal.db'}"
+    cluster.db = tmp / "shoal.db"
+    db = f"sqlite:///{cluster.db}"
     port = free_port("127.0.0.1")
     cluster.api_url = f"http://127.0.0.1:{port}"
     common = ["--nats", nats.url]
