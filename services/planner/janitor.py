@@ -58,10 +58,16 @@ async def delete_expired(pub: Publisher, engine: AsyncEngine, now: datetime, ori
 
 
 async def forget_ended(
-    pub: Publisher, engine: AsyncEngine, now: datetime, origin: str, keep_s: float
+    pub: Publisher,
+    engine: AsyncEngine,
+    now: datetime,
+    origin: str,
+    keep_s: float,
+    page_size: int = BATCH,
 ) -> int:
     """Forget on the log the tasks that ended more than ``keep_s`` seconds before ``now``
-    (0: none), oldest first, at most ``FORGET_PAGES`` pages; returns how many."""
+    (0: none), oldest first, at most ``FORGET_PAGES`` pages of ``page_size``; returns how
+    many."""
     if keep_s <= 0:
         return 0
     ended_before = tasks.c.finished_at <= now - timedelta(seconds=keep_s)
@@ -75,12 +81,12 @@ async def forget_ended(
         if after is not None:  # past the page before: its events may not be projected yet
             query = query.where(tuple_(*order) > after)
         async with engine.connect() as conn:
-            page = (await conn.execute(query.order_by(*order).limit(BATCH))).all()
+            page = (await conn.execute(query.order_by(*order).limit(page_size))).all()
         for task_id, model_id, _ in page:
             event = TaskForgotten(task_id=task_id, model_id=model_id, origin=origin)
             await pub.publish(event, msg_id=f"forgotten:{task_id}")
         forgotten += len(page)
-        if len(page) < BATCH:
+        if len(page) < page_size:
             break
         after = (page[-1].finished_at, page[-1].task_id)
     if forgotten:

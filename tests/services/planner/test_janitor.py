@@ -4,7 +4,6 @@ once, by any planner (services/planner/janitor.py), against a real nats-server a
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from unittest.mock import patch
 
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -18,7 +17,6 @@ from bus.events import (
     TaskForgotten,
 )
 from bus.publisher import Publisher
-from services.planner import janitor
 from services.planner.janitor import delete_expired, forget_ended
 from tests.projectors.helpers import db_rows, running_projector, wait_for_seq
 from tests.services.event_log import EventLog
@@ -74,9 +72,9 @@ async def test_tasks_ended_before_the_logs_age_limit_are_forgotten_once(
             await wait_for_seq(projector, len(history))
             assert await forget_ended(pub, engine, now, "planner-a", 0) == 0
             month = 30 * 86400.0
-            with patch.object(janitor, "BATCH", 2):  # three pages
-                assert await forget_ended(pub, engine, now, "planner-a", month) == 5
-                assert await forget_ended(pub, engine, now, "planner-b", month) == 5
+            # Pages of 2: three of them.
+            assert await forget_ended(pub, engine, now, "planner-a", month, page_size=2) == 5
+            assert await forget_ended(pub, engine, now, "planner-b", month, page_size=2) == 5
             await wait_for_seq(projector, len(history) + 5)
             assert await forget_ended(pub, engine, now, "planner-a", month) == 0
         forgotten = [e.task_id for e in log.of(TaskForgotten)]
