@@ -45,8 +45,9 @@ CACHE_BYTES = 16 * 1024 * 1024
 RENEWAL_READ_S = 600.0
 # What one kept part costs besides its bytes (its digest, the bytes' header, the dict's entry).
 ENTRY_BYTES = 256
-# Digests a process stored, and when (so that it stores them again only when they age).
-KNOWN_MAX = 200_000
+# Digests a process stored, and when (so that it stores them again only when they age): about
+# 230 bytes each. Forgetting one costs at most a part stored again, which replaces itself.
+KNOWN_MAX = 10_000
 
 
 class PartTooLarge(PayloadTooLargeError):
@@ -153,18 +154,21 @@ class PartStore:
         *,
         renewal: Callable[[], Awaitable[float]] | None = None,
         cache_bytes: int = CACHE_BYTES,
+        known_max: int = KNOWN_MAX,
         retry_for: float = RETRY_FOR_S,
     ) -> None:
         """``renewal``: after how long a part stored is stored again when named (``renewal`` in
         bus/streams.py: half the events' age limit; 0: never, they are kept forever), asked
         again every RENEWAL_READ_S. None: never (a process that only reads). ``retry_for``:
-        how long a part is published again while JetStream does not store it."""
+        how long a part is published again while JetStream does not store it. ``known_max``:
+        how many digests stored are remembered at most (the most recently stored)."""
         self._js = js
         self._retry_for = retry_for
         self._renewal = renewal
         self._renew_after_s = 0.0
         self._renewal_read_at: float | None = None
         self._stored: OrderedDict[str, float] = OrderedDict()
+        self._known_max = known_max
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._cached = 0
@@ -196,6 +200,7 @@ class PartStore:
         await asyncio.gather(*(self._publish(p) for p in new))
         for p in new:
             self._remember(p.digest, now)
+        self._forget_aged(now, renew)
 
     async def get(self, ref: PartRef, *, keep: bool = True) -> list[Any]:
         """The values of the chain ``ref`` names, in order. ``keep``: the parts read are kept
@@ -250,8 +255,21 @@ class PartStore:
     def _remember(self, digest: str, at: float) -> None:
         self._stored[digest] = at
         self._stored.move_to_end(digest)
-        while len(self._stored) > KNOWN_MAX:
+        while len(self._stored) > self._known_max:
             self._stored.popitem(last=False)
+
+    def _forget_aged(self, now: float, renew: float) -> None:
+        """Digests stored longer ago than ``renew`` would be stored again anyway: remembering
+        them spares nothing (oldest first: the dict is in the order they were stored)."""
+        if not renew:
+            return
+        while self._stored and now - next(iter(self._stored.values())) > renew:
+            self._stored.popitem(last=False)
+
+    @property
+    def known(self) -> int:
+        """How many digests this process remembers storing."""
+        return len(self._stored)
 
     async def _renew_after(self, now: float) -> float:
         if self._renewal is not None and (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 
@@ -141,3 +142,36 @@ async def test_a_one_turn_request_leaves_the_cache_alone(js: JetStreamContext) -
         assert await reader.get(ref) == turns[: i + 1]
     # The earlier turns were kept, the oldest gone past the bound.
     assert 0 < reader.cached_bytes <= 2 * (ENTRY_BYTES + 100)
+
+
+async def _last_seq(js: JetStreamContext) -> int:
+    return (await js.stream_info(PARTS_STREAM)).state.last_seq
+
+
+async def test_what_a_process_remembers_storing_is_bounded_and_ages_with_the_log(
+    js: JetStreamContext,
+) -> None:
+    """A part stored is not stored again while it is young; once older than the renewal age it
+    is stored again (renewed) and no longer remembered until then; and only the most recently
+    stored ``known_max`` digests are remembered, however many requests came."""
+
+    async def renewal() -> float:
+        return 0.3
+
+    store = PartStore(js, renewal=renewal, known_max=5)
+    await store.put(TURN)
+    before = await _last_seq(js)
+    await store.put(TURN)  # young: nothing goes out
+    assert await _last_seq(js) == before and store.known == 2
+    await asyncio.sleep(0.35)
+    await store.put([{"role": "user", "content": "new"}])
+    assert store.known == 1  # the two aged digests were forgotten as the new one was stored
+    await store.put(TURN)  # aged: stored again
+    assert await _last_seq(js) == before + 3
+    for i in range(20):
+        await store.put([{"role": "user", "content": f"request {i}"}])
+    assert store.known == 5
+    before = await _last_seq(js)
+    await store.put([{"role": "user", "content": "request 19"}])  # remembered: not stored
+    await store.put([{"role": "user", "content": "request 0"}])  # forgotten: stored again
+    assert await _last_seq(js) == before + 1
