@@ -16,6 +16,7 @@ import psutil
 import typer
 
 from bus.connection import connect
+from bus.process_memory import give_back
 from bus.streams import StreamSettings
 from cli.options import (
     DEFAULT_CACHE_SIZE_TEXT,
@@ -32,7 +33,6 @@ from cli.options import (
 )
 from services.runner.main import run_runner
 from services.runner.offload import visible_devices
-from services.runner.process_memory import give_back
 from services.runner.spec import RunnerSpec
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit

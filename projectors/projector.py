@@ -40,6 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import subject_event_type
+from bus.process_memory import give_back
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from bus.subjects import ALL_EVENTS, aggregate_filter, aggregate_prefix
 from projectors import database, snapshot
@@ -300,6 +301,8 @@ class Projector:
         except (SQLAlchemyError, nats.errors.Error, OSError) as exc:
             log.warning("projector %s could not write a snapshot: %r", self.name, exc)
             return
+        finally:
+            give_back()  # the snapshot's pages, read and written, are not kept to the next one
         self.snapshot_seq = made.seq
 
     def _lingers(self, batch: list[Delivered]) -> bool:

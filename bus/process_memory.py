@@ -1,4 +1,5 @@
-"""What a runner process gives back between two runners (a recycled process, ``shoal runner``)."""
+"""What a long-running process hands back to the system after a burst of allocations: a runner
+process between two runners (``shoal runner``), a projector after a snapshot."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from functools import cache
 
 
 def give_back() -> None:
-    """Collect the unloaded runner's garbage, then hand glibc's free heap back to the system:
-    glibc keeps what llama.cpp freed for its next allocations, and a process that loaded one
-    model after another grew with each (tests/services/runner/test_process_memory.py)."""
+    """Collect the garbage, then hand glibc's free heap back to the system: glibc keeps what
+    was freed for its next allocations, so a process's size stays at its peak. A process that
+    loaded one model after another grew with each (tests/services/runner/test_process_memory.py);
+    a projector kept a snapshot's peak (bench/soak.py)."""
     gc.collect()
     trim = _malloc_trim()
     if trim is not None:

@@ -3,8 +3,8 @@ back, so that the process does not grow with every load."""
 
 import psutil
 
+from bus.process_memory import give_back
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.process_memory import give_back
 from tests.templated import SMOLLM2
 
 
