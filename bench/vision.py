@@ -1,6 +1,7 @@
 """One image in, side by side in one run: llama.cpp's ``llama-server -m MODEL --mmproj PROJ``
 and ``shoal up`` with the same model added with the same projector (``shoal models add ...
---mmproj``), the same GGUF files, the same threads, one slot each.
+--mmproj``), the same GGUF files, the same threads, one slot each, both started and asked in
+turns, round by round.
 
 The model is the tests' SmolLM2-135M-Instruct with the tests' random-weight projector
 (``tests/vision.py``: 64 image tokens, an encoder of 2 tiny blocks): no real vision model runs
@@ -20,10 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +42,7 @@ from tests.vision import write_tiny_projector
 MODEL = "smollm2-135m"
 ANCHOR, SHOAL = "llama-server --mmproj", "shoal up"
 TOKENS = 48
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 @dataclass
@@ -61,8 +65,11 @@ async def one(
     """TTFT and the tokens/s after the first token of a one-image chat request (or of the
     same request without its image)."""
     shown = [{"type": "image_url", "image_url": {"url": image(round_)}}] if with_image else []
-    # Each round's text differs too, so that no prompt cache answers for the text alone.
-    text = f"Describe this picture in detail. ({round_})"
+    # Each round's text differs from its first word on, so that the prompt a request shares
+    # with any earlier one ends with the template's header: llama-server keeps earlier prompts
+    # in RAM (its --cache-ram) and would reuse the words a text-only request shares with the
+    # one before, where Shoal's slot holds only the last prompt.
+    text = f"{LETTERS[round_ % len(LETTERS)]}. Describe this picture in detail."
     body = {
         "model": model,
         "messages": [{"role": "user", "content": [*shown, {"type": "text", "text": text}]}],
@@ -90,24 +97,32 @@ async def one(
     return first - started, (tokens - 1) / (last - first)
 
 
-async def measure(url: str, model: str, rounds: int) -> Timings:
-    t = Timings()
+async def measure(urls: dict[str, str], model: str, rounds: int) -> dict[str, Timings]:
+    """Both servers, round by round: each round, each serves one image request and the same
+    request without its image, the one that goes first alternating, so that what the machine
+    does meanwhile falls on both alike."""
+    timings = {name: Timings() for name in urls}
     # A connection each request, both sides: llama-server closes an idle kept-alive one at
     # times just as the next request goes out on it.
     fresh = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=fresh) as client:
-        await one(client, url, model, 1000)  # warm-up: the first request's one-off costs
+        for url in urls.values():
+            await one(client, url, model, rounds)  # warm-up: the first request's one-off costs
         for i in range(rounds):
-            ttft, rate = await one(client, url, model, i)
-            t.ttft.append(ttft)
-            t.tokens_per_s.append(rate)
-            t.text_ttft.append((await one(client, url, model, i, with_image=False))[0])
-    return t
+            for name in list(urls) if i % 2 == 0 else reversed(list(urls)):
+                t = timings[name]
+                ttft, rate = await one(client, urls[name], model, i)
+                t.ttft.append(ttft)
+                t.tokens_per_s.append(rate)
+                t.text_ttft.append((await one(client, urls[name], model, i, False))[0])
+    return timings
 
 
+@contextlib.asynccontextmanager
 async def anchor(
-    binary: Path, model: Path, projector: Path, threads: int, rounds: int, tmp: Path
-) -> Timings:
+    binary: Path, model: Path, projector: Path, threads: int, tmp: Path
+) -> AsyncIterator[str]:
+    """llama-server, started; its API's URL."""
     port = free_port("127.0.0.1")
     argv = [
         str(binary),
@@ -133,7 +148,7 @@ async def anchor(
     await proc.start()
     try:
         await wait_http(proc, f"http://127.0.0.1:{port}/health", "health")
-        return await measure(f"http://127.0.0.1:{port}/v1", MODEL, rounds)
+        yield f"http://127.0.0.1:{port}/v1"
     except Exception:
         print(proc.log()[-3000:], file=sys.stderr)
         raise
@@ -141,7 +156,9 @@ async def anchor(
         await proc.stop()
 
 
-async def shoal(model: Path, projector: Path, threads: int, rounds: int, tmp: Path) -> Timings:
+@contextlib.asynccontextmanager
+async def shoal(model: Path, projector: Path, threads: int, tmp: Path) -> AsyncIterator[str]:
+    """`shoal up` with the model added with its projector; its API's URL."""
     port = free_port("127.0.0.1")
     data = tmp / "up"
     argv = shoal_up_argv(data, None, port, threads)
@@ -150,7 +167,7 @@ async def shoal(model: Path, projector: Path, threads: int, rounds: int, tmp: Pa
     try:
         await wait_shoal_ready(proc)
         await add_model(proc, data, MODEL, "--path", str(model), "--mmproj", str(projector))
-        return await measure(f"http://127.0.0.1:{port}/v1", MODEL, rounds)
+        yield f"http://127.0.0.1:{port}/v1"
     except Exception:
         print(proc.log()[-3000:], file=sys.stderr)
         raise
@@ -202,10 +219,13 @@ async def run(args: argparse.Namespace) -> int:
             f" {args.threads} threads, {args.rounds} rounds",
             file=sys.stderr,
         )
-        a = await anchor(binary, model, projector, args.threads, args.rounds, tmp)
+        async with (
+            anchor(binary, model, projector, args.threads, tmp) as anchor_url,
+            shoal(model, projector, args.threads, tmp) as shoal_url,
+        ):
+            timings = await measure({ANCHOR: anchor_url, SHOAL: shoal_url}, MODEL, args.rounds)
         print(f"llama-server's image encoder: {encode_ms(tmp / 'llama-server.log')}")
-        s = await shoal(model, projector, args.threads, args.rounds, tmp)
-    return 0 if report(a, s) else 1
+    return 0 if report(timings[ANCHOR], timings[SHOAL]) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
-    parser.add_argument("--rounds", type=int, default=5, help="requests measured, each side")
+    parser.add_argument("--rounds", type=int, default=10, help="requests measured, each side")
     return asyncio.run(run(parser.parse_args(argv)))
 
 
