@@ -1,7 +1,8 @@
 """Soak: many streamed chat completions against a one-machine Shoal; no 5xx, no memory growth.
 
     .venv/bin/python -m bench.soak [--requests 1000] [--concurrency 16] [--max-tokens 16]
-                                    [--warmup 50] [--timeout 3600] [--runner-threads 2]
+                                    [--warmup 50] [--warmup-s S] [--timeout 3600]
+                                    [--runner-threads 2]
                                     [--growth-pct 20] [--growth-mib 50]
 
 The cluster is what `shoal up` runs, on loopback, each part a process of its own so that each
@@ -13,11 +14,14 @@ same services in one process: its RSS would be the sum of API, projector, planne
 and could not say which of them grew.
 
 Load: ``--warmup`` requests first (not counted: lazy imports, caches, the allocator's first
-high-water marks), then ``--requests`` streamed chat completions, ``--concurrency`` at a time,
-with httpx.AsyncClient, each one user message (varied prompts: a topic, a kind of text and
-the request's number, so no two are the same), ``--max-tokens`` tokens, temperature 0.7. The
-whole load is bounded by ``--timeout`` seconds; what has not ended by then counts as not
-answered.
+high-water marks), and for at least ``--warmup-s`` seconds; with an events age limit, by
+default, that limit and a round of the planner's janitor: until then the projection, its
+database's page cache and the parts stream grow toward the size the limit holds them at, as
+the first ended tasks are forgotten. Then ``--requests`` streamed chat completions,
+``--concurrency`` at a time, with httpx.AsyncClient, each one user message (varied prompts: a
+topic, a kind of text and the request's number, so no two are the same), ``--max-tokens``
+tokens, temperature 0.7. The whole load is bounded by ``--timeout`` seconds; what has not
+ended by then counts as not answered.
 
 Per request: HTTP status; TTFT, from just before the request is sent to the arrival of the
 first chunk with text; whether the stream ended normally (a finish reason, then ``[DONE]``);
@@ -72,7 +76,9 @@ import psutil
 from bench.common import procfs
 from bench.common.processes import MODEL_ID
 from bench.soak_cluster import Cluster, log_bytes, projection_size, start_cluster
+from bus.streams import StreamSettings
 from bus.units import MiB
+from services.planner import janitor
 
 REQUEST_TIMEOUT = 600.0  # seconds for one request (queued behind others included)
 SAMPLE_S = 0.5  # seconds between memory samples during the load
@@ -400,8 +406,18 @@ def report(
 # --- main -----------------------------------------------------------------------------------
 
 
+def default_warmup_s() -> float:
+    """With an events age limit, the load before measuring: the limit, and a round of the
+    planner's janitor, which forgets the tasks that ended before it (0 without one)."""
+    settings = StreamSettings.from_env()
+    if settings is None or not settings.events_max_age:
+        return 0.0
+    return settings.events_max_age + janitor.EVERY_S
+
+
 async def run(args: argparse.Namespace, tmp: Path) -> int:
     started = time.perf_counter()
+    warmup_s = args.warmup_s if args.warmup_s is not None else default_warmup_s()
     cluster = await start_cluster(tmp, args.runner_threads, args.max_queued)
     url = f"{cluster.api_url}/v1/chat/completions"
     runner_before: list[int] = []
@@ -414,7 +430,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             f"soak: {f'{args.duration:.0f} s of' if args.duration else args.requests} streamed"
             f" chat completions of {MODEL_ID}, max_tokens"
             f" {args.max_tokens}, concurrency {args.concurrency}, after {args.warmup} warm-up"
-            f" requests; {machine}"
+            f" requests{f' and {warmup_s:.0f} s' if warmup_s else ''}; {machine}"
         )
         print(
             f"cluster: nats-server, shoal projector (SQLite), planner, worker + runner, api as"
@@ -427,11 +443,28 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             warm, warm_left, warm_wall = await run_load(
                 client, url, 0, args.warmup, args.concurrency, args.max_tokens, args.timeout
             )
+            if warm_wall < warmup_s:
+                more, more_left, more_wall = await run_load(
+                    client,
+                    url,
+                    len(warm) + warm_left,
+                    0,
+                    args.concurrency,
+                    args.max_tokens,
+                    args.timeout,
+                    warmup_s - warm_wall,
+                )
+                warm, warm_left, warm_wall = (
+                    warm + more,
+                    warm_left + more_left,
+                    warm_wall + more_wall,
+                )
             bad_warm = sum(not r.answered for r in warm) + warm_left
             print(
-                f"warm-up: {args.warmup} requests in {warm_wall:.1f} s"
+                f"warm-up: {len(warm) + warm_left} requests in {warm_wall:.1f} s"
                 + (f" ({bad_warm} not answered)" if bad_warm else "")
             )
+            first_measured = len(warm) + warm_left
             before = await asyncio.to_thread(memory, cluster.pids())
             print(f"log after the warm-up: {await log_bytes(cluster.nats.url)}")
             print(f"projection after the warm-up: {projection_size(cluster.db)}")
@@ -444,7 +477,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
             results, unfinished, wall = await run_load(
                 client,
                 url,
-                args.warmup,
+                first_measured,
                 args.requests,
                 args.concurrency,
                 args.max_tokens,
@@ -485,6 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
     parser.add_argument("--warmup", type=int, default=50, help="requests before measuring")
     parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help="seconds of load before measuring, at least (default: the events' age limit and"
+        " a janitor round when SHOAL_EVENTS_MAX_AGE is set, else 0)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds the measured load may take, in all"
     )
     parser.add_argument(
@@ -506,8 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.requests, args.concurrency, args.max_tokens, args.runner_threads) < 1:
         parser.error("--requests, --concurrency, --max-tokens and --runner-threads must be >= 1")
-    if args.warmup < 0 or args.timeout <= 0:
-        parser.error("--warmup must be >= 0 and --timeout > 0")
+    if args.warmup < 0 or args.timeout <= 0 or (args.warmup_s or 0) < 0:
+        parser.error("--warmup and --warmup-s must be >= 0 and --timeout > 0")
     with tempfile.TemporaryDirectory(prefix="shoal-bench-soak-") as tmp:
         return asyncio.run(run(args, Path(tmp)))
 
