@@ -122,6 +122,11 @@ class ModelAdded(EventBase):
         description="The node whose disk holds `path` (added with --local): the only one that"
         " serves the model. None: any node.",
     )
+    vision: bool = Field(
+        default=False,
+        description="An MLX model that reads images (its directory holds a vision tower, read"
+        " with mlx-vlm). A GGUF model reads them when one of its `files` is a projector.",
+    )
 
 
 class ModelRemoved(EventBase):

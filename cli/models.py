@@ -116,7 +116,7 @@ def list_models(
             "chat_format": card.chat_format,
             "tool_calls": card.tool_calls,
             "source": card.source.label(),
-            "vision": card.projector is not None,
+            "vision": card.projector is not None or card.vision,
             "path": str(path) if path else None,
             "n_layers": estimate.n_layers if estimate else None,
             "context_length": estimate.context_length if estimate else None,
@@ -169,7 +169,8 @@ def list_models(
     typer.echo(
         "(~: the card's estimate (--hub reads the GGUF's header instead), the weights are not"
         " on this machine; *: known to the cluster; vision: it reads images, with its projector"
-        " file; `shoal models add ID` adds one, and so does a request for an instance)"
+        " file or, on MLX, its vision tower; `shoal models add ID` adds one, and so does a"
+        " request for an instance)"
     )
     if state is None:
         typer.echo(f"(fits now ?: no projection at {db}; give --db)")
@@ -310,7 +311,10 @@ def add(
     if engine is not None and engine not in ENGINES:
         _fail(f"unknown engine {engine!r}: choose from {', '.join(ENGINES)}")
     if mmproj is not None and engine == "mlx":
-        _fail("--mmproj is a llama.cpp projector: an MLX model reads text only here")
+        _fail(
+            "--mmproj is a llama.cpp projector: an MLX vision model holds its vision tower in"
+            " its own weights (mlx-vlm's layout), which Shoal finds there"
+        )
     if node is not None and not local:
         _fail("--node goes with --local (a shared model is served by any node)")
     if bucket and local:

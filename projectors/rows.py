@@ -82,6 +82,7 @@ class ModelRow:
     overhead_bytes: int = 0
     files: JsonList | None = None  # [WeightFile] in the models bucket; None: the weights at path
     node_id: str | None = None  # the only node that serves it (--local); None: any
+    vision: bool = False  # an MLX model with a vision tower (a GGUF one has a projector file)
 
     def key(self) -> tuple[str]:
         return (self.model_id,)

@@ -109,6 +109,7 @@ models = Table(
     Column("overhead_bytes", BigInteger, nullable=False),
     Column("files", JSON),
     Column("node_id", String(200)),
+    Column("vision", Boolean, nullable=False, server_default=false()),
 )
 
 instances = Table(

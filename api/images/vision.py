@@ -1,12 +1,12 @@
 """Which models take images: the one place that decides it, from what the cluster knows.
 
-A model takes images when it has a projector file (its ``mmproj``, which llama.cpp's runner
-loads beside the weights: ``services/models/projector.py``): the projection's row says so
-once it is added, its catalogue card before (a request for a card adds it on demand). Any
-other model's request with an image is a 400 that says so, in the client's own dialect, rather
-than an answer about an image the model never saw. The model lists say ``vision`` of the
-first. A model on MLX reads text only for now (mlx-vlm is not wired in): its refusal says so
-and names the GGUF variant of its card, which llama.cpp runs with the projector.
+A GGUF model takes images when it has a projector file (its ``mmproj``, which llama.cpp's
+runner loads beside the weights: ``services/models/projector.py``); an MLX model when its
+directory holds a vision tower (``vision``: its config has a ``vision_config``; mlx-vlm reads
+it). The projection's row says so once it is added, its catalogue card before (a request for a
+card adds it on demand). Any other model's request with an image is a 400 that says so, in the
+client's own dialect, rather than an answer about an image the model never saw. The model
+lists say ``vision`` of the first.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def accepts_images(model: ModelRow | None, card: ModelCard | None) -> bool:
     """Whether a model's runners read images: the cluster's model (``model``) when it has
     one, else its catalogue ``card``."""
     if model is not None:
-        return model_projector(model) is not None
-    return card is not None and card.projector is not None
+        return model.vision or model_projector(model) is not None
+    return card is not None and (card.vision or card.projector is not None)
 
 
 def engine_of(model: ModelRow | None, card: ModelCard | None) -> Engine:
@@ -35,12 +35,10 @@ def engine_of(model: ModelRow | None, card: ModelCard | None) -> Engine:
 def no_images(model_id: str, engine: Engine = "llamacpp") -> str:
     """Why a request with an image is refused for ``model_id`` (on ``engine``)."""
     if engine == "mlx":
-        gguf = model_id.split(":mlx-", 1)[0]
-        variant = f" ({gguf})" if gguf != model_id else ""
         return (
-            f"model {model_id} does not accept images: it runs on MLX, where Shoal reads text"
-            f" only for now (mlx-vlm is not wired in); its GGUF variant{variant} reads images"
-            " when its card has a projector file"
+            f"model {model_id} does not accept images: its MLX weights hold no vision tower"
+            " (send text, or ask an MLX vision model: one converted with mlx-vlm, such as"
+            " gemma3-4b:mlx-4bit)"
         )
     return (
         f"model {model_id} does not accept images: it reads text only (send text, or ask a"

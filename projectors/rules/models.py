@@ -29,6 +29,7 @@ def model_added(state: ClusterState, e: ModelAdded) -> list[Change]:
         # None rather than [] when there are none: the row of an event from before the bucket.
         files=[f.model_dump() for f in e.files] or None,
         node_id=e.node_id,
+        vision=e.vision,
     )
     return [Put(row)]
 

@@ -91,6 +91,7 @@ async def add_model(
         path=str(weights) if local_node is not None else None,
         files=files,
         node_id=local_node,
+        vision=facts.vision,
     )
     ack = await Publisher(js).publish(event)
     return event, weights, ack.seq

@@ -106,7 +106,11 @@ class ModelCard(_Frozen):
     projector: HfSource | PathSource | None = Field(
         default=None,
         description="The multimodal projector file (an mmproj GGUF) with which llama.cpp reads"
-        " images; None: the model reads text only.",
+        " images; None: the model reads text only (unless it is an MLX `vision` model).",
+    )
+    vision: bool = Field(
+        default=False,
+        description="An MLX model whose weights hold a vision tower (read with mlx-vlm).",
     )
 
     @model_validator(mode="after")
@@ -115,4 +119,6 @@ class ModelCard(_Frozen):
             raise ValueError("a projector file is llama.cpp's: the model's engine is not")
         if isinstance(self.projector, HfSource) and self.projector.filename is None:
             raise ValueError("a projector is one file of its repository: give its filename")
+        if self.vision and "mlx" not in self.engines:
+            raise ValueError("a vision tower in the weights is MLX's: the model's engine is not")
         return self

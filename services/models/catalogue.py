@@ -12,7 +12,8 @@ The file also carries the architecture's numbers (layers, context, KV heads and 
 vocabulary) and each variant's size, so that placement can estimate a model's memory before
 anything is downloaded. Once the weights are here their own metadata replaces the estimate.
 A model that reads images names its projector file (``[gguf.projector]``), which every GGUF
-variant takes (an MLX one reads text only).
+variant takes; an MLX variant that reads them says ``vision = true`` (its repository holds the
+vision tower, which mlx-vlm reads).
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class GgufRepos(_Strict):
 class MlxVariant(_Strict):
     repo: str = Field(description="An MLX conversion's repository (mlx-community/...).")
     size: int = Field(gt=0, description="Bytes of its safetensors files.")
+    vision: bool = Field(
+        default=False, description="It holds a vision tower (read with mlx-vlm): it reads images."
+    )
 
 
 class PackageWeights(_Strict):
@@ -126,6 +130,7 @@ class CatalogueEntry(_Strict):
             size: int,
             variant: str,
             projector: GgufProjector | None = None,
+            vision: bool = False,
         ) -> ModelCard:
             gguf_repo = self.gguf.repo if self.gguf is not None else ""
             return ModelCard(
@@ -148,6 +153,7 @@ class CatalogueEntry(_Strict):
                 projector=None
                 if projector is None
                 else HfSource(repo=projector.repo or gguf_repo, filename=projector.file),
+                vision=vision,
             )
 
         out: list[ModelCard] = []
@@ -170,6 +176,7 @@ class CatalogueEntry(_Strict):
                     HfSource(repo=m.repo),
                     m.size,
                     f"mlx-{quant}",
+                    vision=m.vision,
                 )
             )
         return out

@@ -174,6 +174,7 @@ class ModelFacts(BaseModel):
     kv_bytes_per_token: int = 0
     overhead_bytes: int = 0
     chat_template: str | None = None
+    vision: bool = False  # an MLX directory with a vision tower (its config has vision_config)
 
 
 def model_facts(path: Path | str, engine: str = "llamacpp") -> ModelFacts:
@@ -230,6 +231,7 @@ def read_mlx_config(directory: Path) -> ModelFacts:
             int(config.get("vocab_size", text.get("vocab_size", 0)))
         ),
         chat_template=template,
+        vision=isinstance(config.get("vision_config"), dict),
     )
 
 

@@ -47,9 +47,10 @@ class ImagePrompt:
 def image_token(chunk_id: str, ordinal: int) -> int:
     """The id an image chunk's tokens hold in a prompt: negative (no vocabulary has it), from
     the image's digest (libmtmd's chunk id is the SHA-256 of the image's bytes) and which of
-    that image's chunks it is (a tiling projector cuts one image into several)."""
+    that image's chunks it is (a tiling projector cuts one image into several). Within 32 bits:
+    mlx-lm keeps a sequence's tokens as int32."""
     digest = hashlib.sha256(f"{chunk_id}:{ordinal}".encode()).digest()
-    return -1 - int.from_bytes(digest[:7])
+    return -1 - (int.from_bytes(digest[:4]) >> 1)
 
 
 def position(spans: Sequence[ImageSpan], index: int) -> int:
@@ -90,3 +91,14 @@ def without_first(prompt: ImagePrompt) -> ImagePrompt:
         ImageSpan(s.start - 1, s.n_tokens, s.n_pos, s.token, s.chunk) for s in prompt.images
     )
     return ImagePrompt(prompt.tokens[1:], spans)
+
+
+def unreadable(spans: Sequence[ImageSpan], prompt_length: int, echo: bool) -> str | None:
+    """Why a prompt with images cannot be generated from, whatever the engine; None: it can."""
+    if not spans:
+        return None
+    if echo:
+        return "a prompt with images cannot be scored (echo)"
+    if spans[-1].end >= prompt_length:
+        return "the prompt ends with an image: nothing follows it"
+    return None

@@ -1,7 +1,8 @@
 """A task's images, read for the engine when the runner takes the task (their bytes are stored
 as parts, the task names them: ``bus/images.py``).
 
-An engine that reads no images (a model without a projector file, MLX) refuses the task, as
+An engine that reads no images (a model without a projector file, an MLX model without a vision
+tower, an MLX ring) refuses the task, as
 the API refuses it for a model that takes none (``api/images/vision.py``): never served as if
 its images were not there. A llama.cpp instance split over several nodes reads them at its
 head, which holds the projector (on its CPU) and the first layers.
@@ -21,7 +22,8 @@ def image_refusal(engine: Engine, model_id: str) -> str | None:
     if not isinstance(engine, ReadsImages):
         return (
             f"model {model_id} does not accept images on this engine: images are read by"
-            " llama.cpp with the model's projector file (not on MLX yet)"
+            " llama.cpp with the model's projector file, or by a whole MLX vision model (an"
+            " instance split over MLX ranks reads text only)"
         )
     why = engine.images_refused()
     return None if why is None else f"model {model_id} does not accept images: {why}"

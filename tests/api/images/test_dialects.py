@@ -242,7 +242,7 @@ def _bodies(image: bytes) -> dict[str, tuple[Sequence[ImageInput], str]]:
         (PNG[:60], TAKES, 400, "the PNG is cut short"),
         (png(10_000, 10_000), TAKES, 413, "10000x10000 pixels"),
         (PNG, ImagePolicy(accepts=False), 400, "model m does not accept images"),
-        (PNG, ImagePolicy(accepts=False, engine="mlx"), 400, "runs on MLX, where Shoal reads"),
+        (PNG, ImagePolicy(accepts=False, engine="mlx"), 400, "MLX weights hold no vision tower"),
     ],
     ids=["20MB", "not-an-image", "truncated", "too-many-pixels", "text-model", "mlx-model"],
 )

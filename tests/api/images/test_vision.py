@@ -1,6 +1,6 @@
-"""Which models take images (api/images/vision.py): a model with a projector file, the
-projection's row once added, its catalogue card before; and what the model lists say of it.
-Pure: rows and cards in."""
+"""Which models take images (api/images/vision.py): a GGUF model with a projector file, an MLX
+model with a vision tower, the projection's row once added, its catalogue card before; and what
+the model lists say of it. Pure: rows and cards in."""
 
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ def _state() -> ClusterState:
             # A card that reads images, added from a file without its projector: text only.
             ModelAdded(model_id="smolvlm-256m", origin="t", n_layers=30, size_bytes=10),
             ModelAdded(model_id="old", origin="t", n_layers=4, size_bytes=1000, path="/m.gguf"),
+            ModelAdded(
+                model_id="mlx-seeing",
+                origin="t",
+                n_layers=4,
+                size_bytes=10,
+                engines=["mlx"],
+                vision=True,
+            ),
+            ModelAdded(
+                model_id="mlx-blind", origin="t", n_layers=4, size_bytes=10, engines=["mlx"]
+            ),
         ]
     )
 
@@ -49,8 +60,12 @@ def test_a_model_takes_images_when_it_has_a_projector() -> None:
     # A card not added yet: its projector says (a request for it adds it with its projector).
     assert accepts_images(None, card_for("qwen2.5-vl-3b"))
     assert not accepts_images(None, card_for("smollm2-135m"))
-    assert not accepts_images(None, card_for("gemma3-4b:mlx-4bit"))
     assert not accepts_images(None, None)
+    # MLX: a directory with a vision tower (mlx-vlm's conversions), its card before.
+    assert accepts_images(rows["mlx-seeing"], None)
+    assert not accepts_images(rows["mlx-blind"], None)
+    assert accepts_images(None, card_for("gemma3-4b:mlx-4bit"))
+    assert not accepts_images(None, card_for("qwen3-8b:mlx-4bit"))
     # The projector counts in placement's memory, a card's before it is added.
     info = ModelInfo.of(rows["seeing"])
     assert info.footprint.weights_bytes == 1300
@@ -58,12 +73,12 @@ def test_a_model_takes_images_when_it_has_a_projector() -> None:
     assert qwen is not None and qwen.footprint.weights_bytes == 1_929_901_056 + 844_757_728
 
 
-def test_a_refusal_on_mlx_says_that_mlx_reads_text_only_and_names_the_gguf_variant() -> None:
-    mlx = card_for("gemma3-4b:mlx-4bit")
+def test_a_refusal_on_mlx_says_the_weights_hold_no_vision_tower() -> None:
+    mlx = card_for("qwen3-8b:mlx-4bit")
     assert engine_of(None, mlx) == "mlx"
-    said = no_images("gemma3-4b:mlx-4bit", engine_of(None, mlx))
-    assert "runs on MLX, where Shoal reads text only" in said
-    assert "its GGUF variant (gemma3-4b) reads images" in said
+    said = no_images("qwen3-8b:mlx-4bit", engine_of(None, mlx))
+    assert "its MLX weights hold no vision tower" in said
+    assert "such as gemma3-4b:mlx-4bit" in said
     rows = {m.model_id: m for m in _state().models()}
     assert engine_of(rows["blind"], None) == "llamacpp"
     assert "such as `shoal models add ID --mmproj FILE`" in no_images("blind")

@@ -1,14 +1,16 @@
 """Images end to end: `shoal up --no-model` (NATS, projector, planner, worker, API), a model
 with a projector file added with `shoal models add --mmproj`, then chats with images through
 the real clients (OpenAI's SDK, Ollama's, Anthropic's), answered by a llama.cpp runner that
-evaluates each image with libmtmd.
+evaluates each image with libmtmd; and an MLX vision model (mlx-vlm's layout) added with
+`shoal models add --engine mlx`, answered by an MLX runner through the same path.
 
 No real vision model is run here: none can be had offline. The model is SmolLM2-135M-Instruct
 with a projector of random weights made for it (``tests/vision.py``): an image becomes 64
 embeddings that depend on its pixels and mean nothing. What is shown is the whole path (the
 image stored by digest, read by the runner, its 64 tokens counted in the usage, the answer
 depending on the image: two images, two first-token distributions), not that anything is
-seen.
+seen. The MLX model is Gemma 3's architecture with random weights
+(``services/models/tiny_mlx_vision.py``), likewise.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from openai.types.chat import (
 )
 
 from bus.embedded import free_port
+from services.models.tiny_mlx_vision import IMAGE_TOKENS as MLX_IMAGE_TOKENS
+from services.models.tiny_mlx_vision import make_tiny_mlx_vision_model
 from tests.cli.shoal_up import KEY, Drained, read_until_ready, start
 from tests.images import checkers_png, data_url, gradient_png
 from tests.services.processes import SHOAL
@@ -41,6 +45,7 @@ from tests.vision import IMAGE_TOKENS, write_tiny_projector
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-vision"
+MLX_MODEL = "tiny-gemma3-vision-mlx"
 QUESTION = "What is in this image?"
 
 
@@ -49,8 +54,8 @@ class Seeing:
     base: str
 
 
-def _add(nats_url: str, projector: Path, cache: Path) -> None:
-    argv = [SHOAL, "models", "add", MODEL, "--path", str(SMOLLM2), "--mmproj", str(projector)]
+def _add(nats_url: str, cache: Path, *argv: str) -> None:
+    argv = (SHOAL, "models", "add", *argv)
     done = subprocess.run(
         [*argv, "--nats", nats_url, "--cache-dir", str(cache)],
         capture_output=True,
@@ -61,13 +66,13 @@ def _add(nats_url: str, projector: Path, cache: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-async def _serving(base: str) -> None:
+async def _serving(base: str, model: str) -> None:
     """Ask for an instance of the model and wait until it answers a chat."""
     headers = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=60) as client:
-        asked = await client.post("/v1/instances", json={"model": MODEL, "slots": 2})
+        asked = await client.post("/v1/instances", json={"model": model, "slots": 2})
         assert asked.status_code == 202, asked.text
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         async with asyncio.timeout(180):
             while (r := await client.post("/v1/chat/completions", json=chat)).status_code != 200:
                 assert r.status_code == 503, r.text  # placed, loading
@@ -85,9 +90,13 @@ def seeing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeing]:
         lines = asyncio.run(read_until_ready(up))
         drained = Drained(up)
         nats_url = next(x for x in lines if x.startswith("NATS")).split()[1]
-        _add(nats_url, write_tiny_projector(root / "mmproj-tiny.gguf"), root / "cache")
+        projector = write_tiny_projector(root / "mmproj-tiny.gguf")
+        _add(nats_url, root / "cache", MODEL, "--path", str(SMOLLM2), "--mmproj", str(projector))
+        mlx = make_tiny_mlx_vision_model(root / "tiny-mlx-vision")
+        _add(nats_url, root / "cache", MLX_MODEL, "--path", str(mlx), "--engine", "mlx")
         base = f"http://127.0.0.1:{port}"
-        asyncio.run(_serving(base))
+        asyncio.run(_serving(base, MODEL))
+        asyncio.run(_serving(base, MLX_MODEL))
         yield Seeing(base)
     finally:
         if drained is not None:
@@ -101,7 +110,10 @@ def _openai(seeing: Seeing) -> openai.OpenAI:
 
 
 def _ask(
-    client: openai.OpenAI, image: bytes | None, top_logprobs: int | None = None
+    client: openai.OpenAI,
+    image: bytes | None,
+    top_logprobs: int | None = None,
+    model: str = MODEL,
 ) -> ChatCompletion:
     """A chat of one question, after an image; at temperature 0, with the first token's
     log-probabilities when ``top_logprobs`` is given."""
@@ -111,10 +123,10 @@ def _ask(
     message: ChatCompletionUserMessageParam = {"role": "user", "content": content}
     if top_logprobs is None:
         return client.chat.completions.create(
-            model=MODEL, messages=[message], temperature=0, max_tokens=4
+            model=model, messages=[message], temperature=0, max_tokens=4
         )
     return client.chat.completions.create(
-        model=MODEL,
+        model=model,
         messages=[message],
         temperature=0,
         max_tokens=1,
@@ -152,6 +164,40 @@ def test_two_images_give_two_first_token_distributions(seeing: Seeing) -> None:
     gradient, checkers, again = first(gradient_png()), first(checkers_png()), first(gradient_png())
     assert gradient != pytest.approx(checkers, abs=1e-3)
     assert again == pytest.approx(gradient, abs=1e-3)
+
+
+def test_an_mlx_vision_model_reads_images_through_the_same_path(seeing: Seeing) -> None:
+    """The MLX runner (mlx-vlm's vision tower, mlx-lm's language model): the image's tokens
+    counted (Gemma 3's: its 4 and the marks around them), two images two first-token
+    distributions; Anthropic's image block reaches it as OpenAI's does; the lists say vision."""
+    client = _openai(seeing)
+
+    def first(image: bytes) -> dict[str, float]:
+        reply = _ask(client, image, top_logprobs=5, model=MLX_MODEL)
+        logprobs = reply.choices[0].logprobs
+        assert logprobs is not None and logprobs.content
+        return {t.token: t.logprob for t in logprobs.content[0].top_logprobs}
+
+    assert first(gradient_png()) != pytest.approx(first(checkers_png()), abs=1e-3)
+    with_image = _ask(client, gradient_png(), model=MLX_MODEL)
+    text_only = _ask(client, None, model=MLX_MODEL)
+    assert with_image.usage is not None and text_only.usage is not None
+    assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens + MLX_IMAGE_TOKENS
+    claude = anthropic.Anthropic(base_url=seeing.base, api_key=KEY, max_retries=0, timeout=120)
+    picture = base64.b64encode(gradient_png()).decode()
+    image: anthropic.types.ImageBlockParam = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": picture},
+    }
+    answered = claude.messages.create(
+        model=MLX_MODEL,
+        max_tokens=4,
+        messages=[{"role": "user", "content": [image, {"type": "text", "text": QUESTION}]}],
+    )
+    used = answered.usage
+    assert used.input_tokens + (used.cache_read_input_tokens or 0) == with_image.usage.prompt_tokens
+    listed = {m.id: m for m in client.models.list()}
+    assert (listed[MLX_MODEL].model_extra or {})["capabilities"] == ["completion", "vision"]
 
 
 def test_ollama_s_and_anthropic_s_images_take_the_same_path(seeing: Seeing) -> None:

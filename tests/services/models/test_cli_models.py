@@ -101,9 +101,9 @@ async def test_list_reads_layers_from_the_weights(
     qwen = rows["qwen3-8b"]
     assert (qwen["n_layers"], qwen["estimated"], qwen["path"]) == (36, True, None)
     assert rows["qwen3-8b:mlx-4bit"]["engines"] == ["mlx"]
-    # The cards with a projector file read images; an MLX variant does not.
+    # The cards with a projector file read images, and an MLX variant with a vision tower.
     assert rows["smolvlm-256m"]["vision"] and rows["gemma3-4b"]["vision"]
-    assert not rows["gemma3-4b:mlx-4bit"]["vision"]
+    assert rows["gemma3-4b:mlx-4bit"]["vision"] and not rows["qwen3-8b:mlx-4bit"]["vision"]
 
     for word in (
         "smollm2-135m",

@@ -156,6 +156,7 @@ def test_mlx_directory(tmp_path: Path) -> None:
     assert (facts.n_layers, facts.context_length, facts.size_bytes) == (24, 32768, 1000)
     assert facts.kv_bytes_per_token == 0  # no head counts in this config: unknown
     assert facts.chat_template == "{{ x }}"
+    assert not facts.vision
 
     # A multimodal config keeps the language model's numbers in text_config.
     text = {
@@ -171,6 +172,10 @@ def test_mlx_directory(tmp_path: Path) -> None:
     # K and V, 26 layers, 2 KV heads of 512 / 8 = 64, f16
     assert facts.kv_bytes_per_token == 2 * 26 * 2 * 64 * 2
     assert facts.overhead_bytes == OVERHEAD_FIXED_BYTES + OVERHEAD_PER_VOCAB_BYTES * 1000
+    assert not facts.vision
+    # With a vision tower (mlx-vlm's layout): it reads images.
+    (model / "config.json").write_text(json.dumps({"text_config": text, "vision_config": {}}))
+    assert model_facts(model, "mlx").vision
 
     with pytest.raises(GgufError, match=r"config\.json"):
         model_facts(tmp_path, "mlx")

@@ -27,6 +27,7 @@ SPANS = (FIRST, MROPE)
 def test_an_image_s_tokens_are_negative_and_its_own() -> None:
     token = image_token(DIGEST, 0)
     assert token < 0 and token == image_token(DIGEST, 0)
+    assert token >= -(2**31)  # an int32, as mlx-lm keeps a sequence's tokens
     assert token != image_token(DIGEST, 1)  # another chunk of one image
     assert token != image_token("cd" * 32, 0)  # another image
 

@@ -52,7 +52,7 @@ async def test_the_images_bytes_for_an_engine_that_reads_them_else_a_refusal(
     assert not reads_images(OTHER) and not reads_images(text_only)
     assert await images_for(store, OTHER, _task(ChatMessage(role="user", content="hi"))) == {}
     refusals = (
-        (OTHER, "does not accept images on this engine.*not on MLX yet"),
+        (OTHER, "does not accept images on this engine.*split over MLX ranks reads text only"),
         (text_only, "does not accept images: its model has no projector"),
     )
     for engine, why in refusals:

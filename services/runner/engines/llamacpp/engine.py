@@ -33,7 +33,7 @@ from services.runner.engines.llamacpp.sampling import (
 from services.runner.engines.llamacpp.vision import Projector, projector_on_gpu
 from services.runner.generation import InvalidRequest, check_against_vocabulary
 from services.runner.image_markers import placed
-from services.runner.image_spans import ImagePrompt, ImageSpan
+from services.runner.image_spans import ImagePrompt, ImageSpan, unreadable
 
 # Named chat formats a model card may ask for (as llama-cpp-python names them). A model without
 # one uses the chat template in its GGUF.
@@ -337,10 +337,9 @@ class LlamaCppEngine:
         if decoding.images:
             if m.projector is None:
                 raise InvalidRequest(f"this model does not read images: {_NO_PROJECTOR}")
-            if decoding.echo:
-                raise InvalidRequest("a prompt with images cannot be scored (echo)")
-            if decoding.images[-1].end >= len(prompt):
-                raise InvalidRequest("the prompt ends with an image: nothing follows it")
+            why = unreadable(decoding.images, len(prompt), decoding.echo)
+            if why is not None:
+                raise InvalidRequest(why)
         check_against_vocabulary(decoding.params, m.n_vocab, decoding.top_logprobs)
         grammar = m.grammars.get(decoding.grammar) if decoding.grammar else None
         seed = seed_of(decoding.params)

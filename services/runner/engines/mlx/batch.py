@@ -5,10 +5,11 @@ Generations are admitted between steps, up to ``slots`` at once; each is inserte
 sampler and logits processor (``SequencePicker``: the task's penalties, logit bias, grammar,
 temperature, filters and random key, as ``mlx_sampling.Picker`` picks for one), its
 ``max_tokens`` (what the request and the context leave room for) and the model's end tokens as
-its stops. mlx-lm's prefill keeps no logits of the prompt, so a prompt that is scored (echo) is
-run here, a chunk a step beside the others, and inserted with the cache it made. Any other
-prompt starts from the longest prefix the engine's prompt cache holds (``mlx_prompt_cache``),
-and a sequence's cache is kept there when it ends or is let go.
+its stops. mlx-lm's prefill keeps no logits of the prompt and reads only tokens, so a prompt
+that is scored (echo) or has images (their embeddings: ``vision.py``) is run here, a chunk a
+step beside the others, and inserted with the cache it made. A prompt starts from the longest
+prefix the engine's prompt cache holds (``mlx_prompt_cache``; not a scored one), and a
+sequence's cache is kept there when it ends or is let go.
 
 The decoding runs on one thread of its own (``batch_thread``: admission, the consumers' queues,
 a freed slot). A sequence's error (a grammar it cannot follow) ends it alone; a failed
@@ -22,7 +23,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -42,6 +43,7 @@ from services.runner.engines.mlx.sampling import (
     prompt_scores,
     scored,
 )
+from services.runner.engines.mlx.vision import MlxVision, text_ids
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +146,13 @@ class SequencePicker:
 
 
 @dataclass
-class _Scoring:
-    """A scored prompt (echo) being run: its cache, how far, the scores so far."""
+class _Prefill:
+    """A prompt run here rather than by the generator (one that is scored, one with images):
+    its cache, how far, and, for a scored one, the scores so far."""
 
     cache: list[Any]
     done: int = 0
-    scores: list[Token] = field(default_factory=list)
+    scores: list[Token] | None = None
 
 
 @dataclass(eq=False)
@@ -157,7 +160,7 @@ class _Sequence(Generation):
     make_picker: Callable[[], SequencePicker] | None = None
     picker: SequencePicker | None = None
     uid: int | None = None  # in the BatchGenerator
-    scoring: _Scoring | None = None
+    prefill: _Prefill | None = None
 
 
 class MlxBatchDecoder(DecodingThread[_Sequence]):
@@ -172,8 +175,10 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
         n_ctx: int,
         ends: Sequence[int],
         prefill_step: int,
+        vision: MlxVision | None = None,
     ) -> None:
         self._model = model
+        self._vision = vision
         self.n_ctx = n_ctx
         self._ends = [[int(t)] for t in ends]
         self._prefill_step = prefill_step
@@ -224,11 +229,14 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
         seq.picker = seq.make_picker()
         if seq.decoding.echo:
             cache = make_prompt_cache(self._model)
-            seq.scoring = _Scoring(cache, scores=[Token(seq.prompt[0])])
+            seq.prefill = _Prefill(cache, scores=[Token(seq.prompt[0])])
+            return
+        cache, cached = self._kept.take(seq.prompt)
+        if cached:
+            seq.put(PromptCached(cached))
+        if seq.decoding.images:  # the images' embeddings go in here, not through the generator
+            seq.prefill = _Prefill(cache, done=cached)
         else:
-            cache, cached = self._kept.take(seq.prompt)
-            if cached:
-                seq.put(PromptCached(cached))
             self._insert(seq, seq.prompt[cached:], cache, seq.prompt[:cached])
 
     def _insert(
@@ -254,13 +262,13 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
         self._by_uid[uid] = seq
 
     def _step(self) -> None:
-        scoring = next((s for s in self._active if s.scoring is not None and not s.released), None)
-        if scoring is not None:
+        running = next((s for s in self._active if s.prefill is not None and not s.released), None)
+        if running is not None:
             try:
-                self._score(scoring)
+                self._prefill(running)
             except Exception as exc:  # this prompt's alone
-                log.exception("scoring a prompt failed")
-                scoring.end(exc)
+                log.exception("running a prompt failed")
+                running.end(exc)
         if not self._by_uid:
             return
         assert self._generator is not None
@@ -293,26 +301,38 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
                 to.end()
                 self._kept.keep(response.all_tokens, response.prompt_cache)
 
-    def _score(self, seq: _Sequence) -> None:
-        """A chunk of a scored prompt: each token given the ones before it, from the logits of
-        the position before it (the first has none). Once all is run, its scores go out and
-        its generation is inserted with the cache."""
-        scoring = seq.scoring
-        assert scoring is not None
+    def _prefill(self, seq: _Sequence) -> None:
+        """A chunk of a prompt run here: a scored one's tokens each given the ones before it,
+        from the logits of the position before it (the first has none); one with images with
+        their embeddings in place of the image tokens'. Once all is run, a scored prompt's
+        scores go out, and its generation is inserted with the cache."""
+        run = seq.prefill
+        assert run is not None
         prompt, body = seq.prompt, seq.prompt[:-1]
-        chunk = body[scoring.done : scoring.done + self._prefill_step]
+        chunk = body[run.done : run.done + self._prefill_step]
         if chunk:
-            logits = self._model(mx.array([chunk]), cache=scoring.cache)
-            targets = prompt[scoring.done + 1 : scoring.done + len(chunk) + 1]
-            k = seq.decoding.top_logprobs or 0
-            scoring.scores += as_tokens(*prompt_scores(logits[0], targets, k))
-            mx.eval([c.state for c in scoring.cache])
-            scoring.done += len(chunk)
-        if scoring.done < len(body):
+            images = seq.decoding.images
+            if images:
+                assert self._vision is not None
+                rows = self._vision.embeddings(prompt, images, run.done, run.done + len(chunk))
+                logits = self._model(
+                    mx.array([text_ids(chunk)]), cache=run.cache, input_embeddings=rows
+                )
+            else:
+                logits = self._model(mx.array([chunk]), cache=run.cache)
+            if run.scores is not None:
+                targets = prompt[run.done + 1 : run.done + len(chunk) + 1]
+                k = seq.decoding.top_logprobs or 0
+                run.scores += as_tokens(*prompt_scores(logits[0], targets, k))
+            # Only the cache is evaluated: the logits of a prompt not scored are never made.
+            mx.eval([c.state for c in run.cache])
+            run.done += len(chunk)
+        if run.done < len(body):
             return
-        seq.scoring = None
-        seq.put(PromptScores(tuple(scoring.scores)))
+        seq.prefill = None
+        if run.scores is not None:
+            seq.put(PromptScores(tuple(run.scores)))
         if seq.max_new > 0:
-            self._insert(seq, prompt[-1:], scoring.cache, body)
+            self._insert(seq, prompt[-1:], run.cache, body)
         else:
             seq.end()

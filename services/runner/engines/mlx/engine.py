@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,10 @@ from services.runner.engines.mlx.sampling import (
     check_decoding,
     prompt_scores,
 )
+from services.runner.engines.mlx.vision import MlxVision, load_vision, text_ids
 from services.runner.generation import InvalidRequest
+from services.runner.image_markers import placed
+from services.runner.image_spans import ImagePrompt, unreadable
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,10 @@ log = logging.getLogger(__name__)
 # the last token alone, as mlx-lm's generate_step does (prefill_step_size): a long prompt's
 # attention scores stay small, and greedy output is bit for bit mlx-lm's.
 PREFILL_STEP = 512
+
+
+# Why a model reads no images when its weights hold no vision tower.
+_NO_VISION = "its MLX weights hold no vision tower (mlx-vlm's conversions of a vision model do)"
 
 
 def prefill_chunks(prompt: list[int]) -> list[list[int]]:
@@ -59,6 +66,12 @@ def load_model(model_dir: Path, strict: bool = True) -> tuple[Module, dict[str, 
     files of other ranks' layers) are not missed."""
     model, config = mlx_lm_load_model(model_dir, lazy=True, strict=strict)
     return model, config
+
+
+def vocab_size(config: dict[str, Any]) -> int:
+    """The width of the model's logits; a multimodal model (Gemma 3) may give it in its
+    ``text_config`` only."""
+    return int(config.get("vocab_size") or (config.get("text_config") or {})["vocab_size"])
 
 
 def context_length(requested: int, config: dict[str, Any]) -> int:
@@ -85,7 +98,7 @@ class MlxText:
     def load(cls, model_dir: Path, config: dict[str, Any]) -> MlxText:
         eos = config.get("eos_token_id")
         tokenizer: TokenizerWrapper = load_tokenizer(model_dir, eos_token_ids=eos)  # type: ignore[no-untyped-call]
-        return cls(tokenizer, model_dir, int(config["vocab_size"]))
+        return cls(tokenizer, model_dir, vocab_size(config))
 
     @property
     def n_vocab(self) -> int:
@@ -106,6 +119,18 @@ class MlxText:
         template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
+        text = self.chat_text(messages, tools, template_kwargs, add_generation_prompt)
+        # The template writes the BOS token itself.
+        return _non_empty(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def chat_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """A chat through the model's chat template, as text."""
         tok = self._tokenizer
         if not tok.has_chat_template:
             raise InvalidRequest("this model has no chat template: send a plain prompt")
@@ -119,8 +144,7 @@ class MlxText:
             )
         except TemplateError as exc:  # e.g. a role the template rejects
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
-        # The template writes the BOS token itself.
-        return _non_empty(tok.encode(str(text), add_special_tokens=False))
+        return str(text)
 
     def text_tokens(self, prompt: str) -> list[int]:
         # A plain prompt gets the tokenizer's BOS, if it has one.
@@ -343,6 +367,8 @@ class MlxEngine(MlxTextEngine):
         self._model: Module | None = None
         self._decoder: MlxBatchDecoder | None = None
         self._kept: PromptCaches | None = None  # one slot's; a decoder keeps its own
+        self._vision: MlxVision | None = None  # a vision model's image side (vision.py)
+        self._no_vision = _NO_VISION  # why it reads no images, when it reads none
         # Grammars are compiled and copied on the consumers' threads (a bad one is refused by
         # ``generate``), one at a time.
         self._grammar_lock = threading.Lock()
@@ -355,6 +381,8 @@ class MlxEngine(MlxTextEngine):
         text = self._load_text(config)
         _ = text.grammars  # built now, not in the first task with a grammar
         self._model = model
+        vision, why = load_vision(self._dir, model)
+        self._vision, self._no_vision = vision, why or _NO_VISION
         if self.slots > 1 and not batchable(model):
             log.warning(
                 "%s: mlx-lm cannot batch this model's cache, it serves one task at a time, not %d",
@@ -369,6 +397,7 @@ class MlxEngine(MlxTextEngine):
                 n_ctx=self._n_ctx,
                 ends=text.ends,
                 prefill_step=PREFILL_STEP,
+                vision=self._vision,
             )
         else:
             self._kept = PromptCaches(model, 1)
@@ -384,10 +413,40 @@ class MlxEngine(MlxTextEngine):
             raise RuntimeError("engine not loaded")
         return self._model
 
+    # --- images (vision.py) -------------------------------------------------------------------
+
+    def images_refused(self) -> str | None:
+        """Why this engine reads no images; None: it reads them."""
+        return None if self._vision is not None else self._no_vision
+
+    def image_chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        add_generation_prompt: bool,
+        images: Sequence[bytes],
+    ) -> ImagePrompt:
+        """A chat whose contents hold image placeholders (``image_markers.py``), the image
+        of each given, as the model reads it: its tokens and its images."""
+        if self._vision is None:
+            raise InvalidRequest(f"this model does not read images: {self._no_vision}")
+        text = self.text.chat_text(messages, tools, template_kwargs, add_generation_prompt)
+        text, order = placed(text, self._vision.marker)
+        return self._vision.prompt(text, [images[i] for i in order])
+
+    # --- generating -----------------------------------------------------------------------------
+
     def generate(
         self, prompt: list[int], decoding: Decoding
     ) -> Iterator[Token | PromptScores | PromptCached]:
         self.check_prompt(prompt)
+        if decoding.images:
+            if self._vision is None:
+                raise InvalidRequest(f"this model does not read images: {self._no_vision}")
+            why = unreadable(decoding.images, len(prompt), decoding.echo)
+            if why is not None:
+                raise InvalidRequest(why)
         if self._decoder is None:
             picker = self.text.picker(decoding, request_seed(decoding.params))
             return self._generate(prompt, decoding, picker)
@@ -453,7 +512,13 @@ class MlxEngine(MlxTextEngine):
         for chunk in body:
             if decoding.stop_asked():  # told to stop: within one chunk, not at the prompt's end
                 return
-            logits = model(mx.array([chunk]), cache=cache)
+            if decoding.images:
+                assert self._vision is not None
+                at = cached + done
+                rows = self._vision.embeddings(prompt, decoding.images, at, at + len(chunk))
+                logits = model(mx.array([text_ids(chunk)]), cache=cache, input_embeddings=rows)
+            else:
+                logits = model(mx.array([chunk]), cache=cache)
             if decoding.echo:
                 # Each position's logits score the prompt's next token (the lm head runs on
                 # every position only here: otherwise only the cache is evaluated).

@@ -15,9 +15,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from services.models.shard_files import SAFETENSORS_INDEX, mlx_files_for_layers
-from services.runner.engines.mlx.engine import (
-    load_model,
-)
+from services.runner.engines.mlx.engine import load_model, vocab_size
 from services.runner.engines.mlx.ring import PipelineBroken, PipelineShard
 
 # Architectures whose forward pass is exactly: embedding, the decoder layers (each with its KV
@@ -46,7 +44,7 @@ class Stage:
         self.norm = norm
         self.head = head
         self.hidden_size = hidden_size
-        self.vocab_size = int(config["vocab_size"])
+        self.vocab_size = vocab_size(config)
         self.config = config
         self._tied = tied
         self._window = sliding_window

