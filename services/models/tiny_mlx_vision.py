@@ -45,8 +45,20 @@ SPECIAL = [
 ]
 
 
-def make_tiny_mlx_vision_model(path: Path, *, seed: int = 0) -> Path:
-    """Write the model to ``path`` (created) and return it."""
+def make_tiny_mlx_vision_model(
+    path: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    n_layers: int = 2,
+    vision_hidden_size: int = 32,
+    vision_layers: int = 1,
+    image_size: int = IMAGE_SIZE,
+    image_tokens: int = IMAGE_TOKENS,
+) -> Path:
+    """Write the model to ``path`` (created) and return it. The sizes are the tests' unless
+    given (a bench gives larger ones: an image of ``image_size`` pixels a side, in patches of
+    14, pooled into ``image_tokens``, a square number)."""
     from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
     from mlx_vlm.models.gemma3.gemma3 import Model
 
@@ -79,7 +91,7 @@ def make_tiny_mlx_vision_model(path: Path, *, seed: int = 0) -> Path:
             "image_processor_type": "Gemma3ImageProcessorPil",
             "processor_class": "Gemma3Processor",
             "do_resize": True,
-            "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            "size": {"height": image_size, "width": image_size},
             "do_rescale": True,
             "rescale_factor": 1 / 255,
             "do_normalize": True,
@@ -91,34 +103,34 @@ def make_tiny_mlx_vision_model(path: Path, *, seed: int = 0) -> Path:
     )
     _write(
         path / "processor_config.json",
-        {"processor_class": "Gemma3Processor", "image_seq_length": IMAGE_TOKENS},
+        {"processor_class": "Gemma3Processor", "image_seq_length": image_tokens},
     )
     text = {
         "model_type": "gemma3_text",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": n_layers,
+        "intermediate_size": 2 * hidden_size,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 16,
+        "head_dim": hidden_size // 4,
         "vocab_size": vocab,
         "sliding_window": 512,
         "sliding_window_pattern": 2,
-        "query_pre_attn_scalar": 16,
+        "query_pre_attn_scalar": hidden_size // 4,
         "rope_theta": 1_000_000.0,
         "rope_global_base_freq": 1_000_000.0,
         "rope_local_base_freq": 10_000.0,
-        "mm_tokens_per_image": IMAGE_TOKENS,
+        "mm_tokens_per_image": image_tokens,
         "max_position_embeddings": 2048,
     }
     vision = {
         "model_type": "siglip_vision_model",
-        "hidden_size": 32,
-        "num_hidden_layers": 1,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
+        "hidden_size": vision_hidden_size,
+        "num_hidden_layers": vision_layers,
+        "intermediate_size": 2 * vision_hidden_size,
+        "num_attention_heads": max(2, vision_hidden_size // 64),
         "patch_size": 14,
-        "image_size": IMAGE_SIZE,
+        "image_size": image_size,
     }
     config = {
         "model_type": "gemma3",
@@ -127,7 +139,7 @@ def make_tiny_mlx_vision_model(path: Path, *, seed: int = 0) -> Path:
         "image_token_index": ids["<image_soft_token>"],
         "boi_token_index": ids["<start_of_image>"],
         "eoi_token_index": ids["<end_of_image>"],
-        "mm_tokens_per_image": IMAGE_TOKENS,
+        "mm_tokens_per_image": image_tokens,
         "eos_token_id": [ids["<end_of_turn>"]],
         "pad_token_id": 0,
         "text_config": text,

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from bus.events import TaskCreated
@@ -23,6 +24,7 @@ from bus.records import ChatMessage, SamplingParams
 from services.models.tiny_mlx_vision import IMAGE_TOKENS
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.mlx.engine import MlxEngine
+from services.runner.engines.mlx.vision import load_vision
 from services.runner.generation import InvalidRequest
 from services.runner.job import Job, prepare
 from tests.images import checkers_png, gradient_png
@@ -156,3 +158,27 @@ def test_refusals(seeing: MlxEngine, tiny_mlx: Path) -> None:
     bare = Decoding(SamplingParams(), images=job.decoding.images)
     with pytest.raises(InvalidRequest, match="ends with an image"):
         seeing.generate(job.prompt[: job.decoding.images[0].end], bare)
+
+
+def test_a_prompt_s_rows_are_the_same_however_it_is_cut(tiny_mlx_vision: Path) -> None:
+    """A chunk boundary or a cached prefix may fall inside an image: its rows are sliced from
+    the image's, so the prompt's rows cut anywhere are its rows whole."""
+    engine = MlxEngine(tiny_mlx_vision, n_ctx=512)
+    engine.load()
+    vision = load_vision(tiny_mlx_vision, engine.model)[0]
+    assert vision is not None and vision.marker == "<start_of_image>"
+    job = prepare(engine, *chat(gradient_png(), text="Compare", at=3))
+    prompt, spans = job.prompt, job.decoding.images
+    whole = vision.embeddings(prompt, spans, 0, len(prompt))
+    assert whole.shape[:2] == (1, len(prompt))
+    (image,) = spans
+    for cut in (image.start, image.start + 1, image.end - 1, image.end):
+        parts = [
+            vision.embeddings(prompt, spans, 0, cut),
+            vision.embeddings(prompt, spans, cut, len(prompt)),
+        ]
+        assert mx.array_equal(mx.concatenate(parts, axis=1), whole)
+    # The text rows are the token embedding's, the image's are not.
+    text = vision.embeddings([max(t, 0) for t in prompt], (), 0, len(prompt))
+    assert mx.array_equal(text[:, : image.start], whole[:, : image.start])
+    assert not mx.allclose(text[:, image.start : image.end], whole[:, image.start : image.end])
