@@ -112,6 +112,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench.concurrency
 	$(BIN)/python -m bench.unwanted_calls
 	$(BIN)/python -m bench.vision
+	$(BIN)/python -m bench.mlx_vision
 	$(BIN)/python -m bench.mlx_prompt_cache
 	$(BIN)/python -m bench.weights
 	$(BIN)/python -m bench.longevity
