@@ -14,8 +14,8 @@ only); the vision tower on the thread that decodes, where the model's arrays liv
 Which models: those whose language model mlx-lm runs with the positions mlx-vlm gives an image
 (``READS``). Gemma 3 does; a model with M-RoPE (Qwen2-VL and later) counts an image's
 positions in two dimensions, which mlx-lm's language models do not, so it reads text here and
-its GGUF variant reads images. mlx-vlm is an optional install (``shoal[mlx-vision]``); without
-it a vision model reads text and says why it refuses images.
+its GGUF variant reads images. mlx-vlm is an optional install (Shoal's ``mlx-vision`` extra);
+without it a vision model reads text and says why it refuses images.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 # indices, as mlx-lm counts them).
 READS = frozenset({"gemma3"})
 
-INSTALL = "pip install 'shoal[mlx-vision]'"
+INSTALL = "pip install mlx-vlm, or Shoal's mlx-vision extra"
 
 
 def vision_config(model_dir: Path) -> dict[str, Any] | None:
