@@ -35,18 +35,18 @@ curve, which tells a cache filling to its bound from a leak), and 2 s after the 
 ("after"). Growth = after - before.
 
 Checks, each a PASS or FAIL line (exit status 1 on a FAIL): zero 5xx; every request answered
-(HTTP 200 and a normal end); API, projector and runner RSS growth within the bound: at most
-``--growth-pct`` % of its size after the warm-up and at most ``--growth-mib`` MiB (both). The
-defaults (20 %, 50 MiB) let through allocator noise (free lists and arenas that stay mapped
-after a burst of 16 concurrent requests: a few MiB) and the runner's KV cache and mmap'd
-weights paging in; they catch a leak of 25 KiB or more per request over 1,000 requests (or a
-tenth of that over 10,000). The projector holds only what is live in memory (no ended task),
-so a long run is held to less: ``--duration 1200 --growth-mib 5``, with an events age limit
-(``SHOAL_EVENTS_MAX_AGE=5m``) so that the log's bound, the projector's snapshots and the
-planner forgetting ended tasks show within the run. Planner, worker and nats-server are shown,
-not checked. Disk: the log's streams, the snapshots and the projection database (bytes and task
-rows) after the warm-up and at the end; with the age limit, each stays within what 5 minutes
-of requests make.
+(HTTP 200 and a normal end); every Shoal process's RSS growth (API, projector, runner, planner,
+worker) within the bound: at most ``--growth-pct`` % of its size after the warm-up and at most
+``--growth-mib`` MiB (both). The defaults (20 %, 50 MiB) let through allocator noise (free
+lists and arenas that stay mapped after a burst of 16 concurrent requests: a few MiB) and the
+runner's KV cache and mmap'd weights paging in; they catch a leak of 25 KiB or more per request
+over 1,000 requests (or a tenth of that over 10,000). The projector holds only what is live in
+memory (no ended task), so a long run is held to less: ``--duration 1200 --growth-mib 5``, with
+an events age limit (``SHOAL_EVENTS_MAX_AGE=5m``) so that the log's bound, the projector's
+snapshots and the planner forgetting ended tasks show within the run. nats-server is shown, not
+checked (it holds what its streams keep, bounded by their limits). Disk: the log's streams, the
+snapshots and the projection database (bytes and task rows) after the warm-up and at the end;
+with the age limit, each stays within what 5 minutes of requests make.
 
 The figures depend on the machine and on what else runs: the report gives the load average
 and the cores other processes used during the load. On a shared 2-core machine TTFT is
@@ -85,7 +85,8 @@ SAMPLE_S = 0.5  # seconds between memory samples during the load
 SERIES_S = 60.0  # seconds between the samples kept for the curve (a cache filling to its bound
 # rises, then stays flat; a leak keeps rising)
 SETTLE_S = 2.0  # seconds between the last request and the "after" sample
-CHECKED = ("api", "projector", "runner")  # parts whose memory growth is checked
+# parts whose memory growth is checked (nats-server's follows what its streams keep)
+CHECKED = ("api", "projector", "runner", "planner", "worker")
 PARTS = ("api", "projector", "runner", "planner", "worker", "nats-server")
 
 TOPICS = (
