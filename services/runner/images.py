@@ -2,10 +2,10 @@
 as parts, the task names them: ``bus/images.py``).
 
 An engine that reads no images (a model without a projector file, an MLX model without a vision
-tower, an MLX ring) refuses the task, as
-the API refuses it for a model that takes none (``api/images/vision.py``): never served as if
-its images were not there. A llama.cpp instance split over several nodes reads them at its
-head, which holds the projector (on its CPU) and the first layers.
+tower, an MLX ring) refuses the task, as the API refuses it for a model that takes none
+(``api/images/vision.py``): never served as if its images were not there. A llama.cpp instance
+split over several nodes reads them at its head, which holds the projector (on its CPU) and
+the first layers.
 """
 
 from __future__ import annotations
