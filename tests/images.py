@@ -7,6 +7,10 @@ import struct
 import zlib
 from collections.abc import Callable
 
+from bus.events import TaskCreated
+from bus.images import stored_image
+from bus.records import ChatMessage, SamplingParams
+
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
@@ -82,3 +86,20 @@ def b64(data: bytes) -> str:
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{b64(data)}"
+
+
+def image_chat(
+    data: bytes | None, text: str, at: int = 0, max_tokens: int = 8
+) -> tuple[TaskCreated, dict[str, bytes]]:
+    """A one-message chat task, its image (if any) at ``at`` in its text, and the image's bytes
+    by digest: what a runner's engine tests prepare."""
+    images, read = [], {}
+    if data is not None:
+        image, _ = stored_image(data, "image/png", 48, 40)
+        images, read = [image.model_copy(update={"at": at})], {image.sha256: data}
+    message = ChatMessage(role="user", content=text, images=images)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    task = TaskCreated(
+        task_id="t", model_id="m", origin="test", kind="chat", messages=[message], params=params
+    )
+    return task, read

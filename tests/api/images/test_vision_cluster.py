@@ -135,6 +135,20 @@ def _ask(
     )
 
 
+def _first_token(client: openai.OpenAI, image: bytes, model: str) -> dict[str, float]:
+    """The first token's top log-probabilities at temperature 0, after ``image``."""
+    reply = _ask(client, image, top_logprobs=5, model=model)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content
+    return {t.token: t.logprob for t in logprobs.content[0].top_logprobs}
+
+
+def _anthropic_image(png: bytes) -> anthropic.types.ImageBlockParam:
+    """Anthropic's image block of a PNG, as base64."""
+    data = base64.b64encode(png).decode()
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+
+
 def test_a_chat_with_an_image_is_answered_its_image_tokens_counted(seeing: Seeing) -> None:
     """OpenAI's SDK: the image's 64 tokens are in ``usage.prompt_tokens``; the model lists
     say the model reads images."""
@@ -154,14 +168,9 @@ def test_two_images_give_two_first_token_distributions(seeing: Seeing) -> None:
     """At temperature 0, the first token's log-probabilities: the same image twice gives the
     same ones (the second time from the prompt cache), another image others."""
     client = _openai(seeing)
-
-    def first(image: bytes) -> dict[str, float]:
-        reply = _ask(client, image, top_logprobs=5)
-        logprobs = reply.choices[0].logprobs
-        assert logprobs is not None and logprobs.content
-        return {t.token: t.logprob for t in logprobs.content[0].top_logprobs}
-
-    gradient, checkers, again = first(gradient_png()), first(checkers_png()), first(gradient_png())
+    gradient, checkers, again = (
+        _first_token(client, png, MODEL) for png in (gradient_png(), checkers_png(), gradient_png())
+    )
     assert gradient != pytest.approx(checkers, abs=1e-3)
     assert again == pytest.approx(gradient, abs=1e-3)
 
@@ -172,23 +181,14 @@ def test_an_mlx_vision_model_reads_images_through_the_same_path(seeing: Seeing) 
     distributions; Anthropic's image block reaches it as OpenAI's does; the lists say vision."""
     client = _openai(seeing)
 
-    def first(image: bytes) -> dict[str, float]:
-        reply = _ask(client, image, top_logprobs=5, model=MLX_MODEL)
-        logprobs = reply.choices[0].logprobs
-        assert logprobs is not None and logprobs.content
-        return {t.token: t.logprob for t in logprobs.content[0].top_logprobs}
-
-    assert first(gradient_png()) != pytest.approx(first(checkers_png()), abs=1e-3)
+    gradient = _first_token(client, gradient_png(), MLX_MODEL)
+    assert gradient != pytest.approx(_first_token(client, checkers_png(), MLX_MODEL), abs=1e-3)
     with_image = _ask(client, gradient_png(), model=MLX_MODEL)
     text_only = _ask(client, None, model=MLX_MODEL)
     assert with_image.usage is not None and text_only.usage is not None
     assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens + MLX_IMAGE_TOKENS
     claude = anthropic.Anthropic(base_url=seeing.base, api_key=KEY, max_retries=0, timeout=120)
-    picture = base64.b64encode(gradient_png()).decode()
-    image: anthropic.types.ImageBlockParam = {
-        "type": "image",
-        "source": {"type": "base64", "media_type": "image/png", "data": picture},
-    }
+    image = _anthropic_image(gradient_png())
     answered = claude.messages.create(
         model=MLX_MODEL,
         max_tokens=4,
@@ -217,11 +217,7 @@ def test_ollama_s_and_anthropic_s_images_take_the_same_path(seeing: Seeing) -> N
     assert seen.prompt_eval_count == blind.prompt_eval_count + IMAGE_TOKENS
 
     claude = anthropic.Anthropic(base_url=seeing.base, api_key=KEY, max_retries=0, timeout=120)
-    picture = base64.b64encode(gradient_png()).decode()
-    image: anthropic.types.ImageBlockParam = {
-        "type": "image",
-        "source": {"type": "base64", "media_type": "image/png", "data": picture},
-    }
+    image = _anthropic_image(gradient_png())
     answered = claude.messages.create(
         model=MODEL,
         max_tokens=4,

@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 
 from bus.events import TaskCreated
-from bus.images import stored_image
-from bus.records import ChatMessage, SamplingParams
+from bus.records import SamplingParams
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.engines.llamacpp.vision import projector_on_gpu
 from services.runner.generation import InvalidRequest
 from services.runner.job import Job, prepare
-from tests.images import checkers_png, gradient_png
+from tests.images import checkers_png, gradient_png, image_chat
 from tests.templated import SMOLLM2
 from tests.vision import IMAGE_TOKENS
 
@@ -42,17 +41,7 @@ def seeing(tiny_projector: Path) -> Iterator[LlamaCppEngine]:
 def chat(
     data: bytes | None, text: str = QUESTION, at: int = 0
 ) -> tuple[TaskCreated, dict[str, bytes]]:
-    """A one-message chat, its image (if any) at ``at`` in its text, and the image's bytes."""
-    images, read = [], {}
-    if data is not None:
-        image, _ = stored_image(data, "image/png", 48, 40)
-        images, read = [image.model_copy(update={"at": at})], {image.sha256: data}
-    message = ChatMessage(role="user", content=text, images=images)
-    params = SamplingParams(temperature=0.0, max_tokens=8)
-    task = TaskCreated(
-        task_id="t", model_id="m", origin="test", kind="chat", messages=[message], params=params
-    )
-    return task, read
+    return image_chat(data, text, at, max_tokens=8)
 
 
 def prepared(engine: LlamaCppEngine, data: bytes | None, **kwargs: object) -> Job:

@@ -19,15 +19,14 @@ import mlx.core as mx
 import pytest
 
 from bus.events import TaskCreated
-from bus.images import stored_image
-from bus.records import ChatMessage, SamplingParams
+from bus.records import SamplingParams
 from services.models.tiny_mlx_vision import IMAGE_TOKENS
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.mlx.engine import MlxEngine
 from services.runner.engines.mlx.vision import load_vision
 from services.runner.generation import InvalidRequest
 from services.runner.job import Job, prepare
-from tests.images import checkers_png, gradient_png
+from tests.images import checkers_png, gradient_png, image_chat
 
 QUESTION = "What is in this image?"
 
@@ -43,17 +42,7 @@ def seeing(request: pytest.FixtureRequest, tiny_mlx_vision: Path) -> Iterator[Ml
 def chat(
     data: bytes | None, text: str = QUESTION, at: int = 0
 ) -> tuple[TaskCreated, dict[str, bytes]]:
-    """A one-message chat, its image (if any) at ``at`` in its text, and the image's bytes."""
-    images, read = [], {}
-    if data is not None:
-        image, _ = stored_image(data, "image/png", 48, 40)
-        images, read = [image.model_copy(update={"at": at})], {image.sha256: data}
-    message = ChatMessage(role="user", content=text, images=images)
-    params = SamplingParams(temperature=0.0, max_tokens=6)
-    task = TaskCreated(
-        task_id="t", model_id="m", origin="test", kind="chat", messages=[message], params=params
-    )
-    return task, read
+    return image_chat(data, text, at, max_tokens=6)
 
 
 def prepared(engine: MlxEngine, data: bytes | None, **kwargs: object) -> Job:
