@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter
 
 from bus.chunk_events import ChunkGenerated as ChunkGenerated
 from bus.chunk_events import EmbeddingsComputed as EmbeddingsComputed
@@ -562,7 +562,10 @@ def subject_event_type(subject: str) -> str | None:
     return tokens[-1]
 
 
-_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+# Keys only: pydantic's default also keeps short string values (ids, timestamps) in a
+# process-wide cache, which every event's new ids churn for no hit, and which a long-running
+# process carried as growth (bench/soak.py).
+_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event, config=ConfigDict(cache_strings="keys"))
 
 
 def parse_event(data: bytes | str) -> Event:

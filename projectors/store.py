@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     JSON,
@@ -39,6 +39,8 @@ from projectors.tables import (
     projector_offsets,
     tasks,
 )
+
+K = TypeVar("K")
 
 ROW_TYPE_BY_TABLE: dict[str, type[Row]] = {t.TABLE: t for t in ROW_TYPES}
 _FIELDS: dict[str, tuple[str, ...]] = {t.TABLE: tuple(f.name for f in fields(t)) for t in ROW_TYPES}
@@ -190,12 +192,27 @@ async def read_rows(
     table = STATE_TABLES[table_name]
     row_type = ROW_TYPE_BY_TABLE[table_name]
     pk = tuple(table.primary_key.columns)
-    wanted = list(keys)
     rows: list[Row] = []
-    for i in range(0, len(wanted), 500):
-        query = select(table).where(tuple_(*pk).in_(wanted[i : i + 500]))
+    for chunk in key_chunks(list(keys)):
+        query = select(table).where(tuple_(*pk).in_(chunk))
         rows += [row_type(**r) for r in (await conn.execute(query)).mappings()]
     return rows
+
+
+# Keys a statement names at most.
+KEY_CHUNK = 512
+
+
+def key_chunks(keys: Sequence[K]) -> Iterator[list[K]]:
+    """``keys`` in lists of at most ``KEY_CHUNK``, each padded to a power of two by repeating
+    its last key (``IN`` ignores the repeats). A statement thus takes at most ten shapes
+    whatever the number of keys: SQLite and asyncpg keep every statement they prepared in a
+    per-connection cache, and the projector's, one statement per list length, held megabytes
+    (bench/soak.py)."""
+    for i in range(0, len(keys), KEY_CHUNK):
+        chunk = list(keys[i : i + KEY_CHUNK])
+        padded = 1 << (len(chunk) - 1).bit_length()
+        yield chunk + [chunk[-1]] * (padded - len(chunk))
 
 
 async def unfinished_tasks(conn: AsyncConnection, runner_ids: Iterable[str]) -> list[TaskRow]:
@@ -236,8 +253,8 @@ async def write_changes(conn: AsyncConnection, changes: Iterable[Change]) -> int
     for name, keys in deletes.items():
         table = STATE_TABLES[name]
         pk = tuple(table.primary_key.columns)
-        for i in range(0, len(keys), 500):
-            await conn.execute(delete(table).where(tuple_(*pk).in_(keys[i : i + 500])))
+        for chunk in key_chunks(keys):
+            await conn.execute(delete(table).where(tuple_(*pk).in_(chunk)))
     for name, values in puts.items():
         await conn.execute(_upsert(conn, STATE_TABLES[name]), values)
     return sum(len(v) for v in puts.values()) + sum(len(k) for k in deletes.values())

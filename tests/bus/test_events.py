@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import tracemalloc
 import typing
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pydantic
@@ -520,6 +523,28 @@ def test_parse_rejects_non_object() -> None:
     for data in ("[1, 2]", '"NodeLeft"', "42", "null"):
         with pytest.raises(pydantic.ValidationError):
             parse_event(data)
+
+
+def test_parsing_keeps_nothing_of_the_events_it_parsed() -> None:
+    """Every event brings new ids: a parser that cached string values (pydantic's default)
+    would hold a megabyte or more of them in a long-running process."""
+    sample = SAMPLES[TaskStarted]
+
+    def parse_new(n: int) -> None:
+        for _ in range(n):
+            parse_event(sample.model_copy(update={"task_id": uuid.uuid4().hex}).to_json())
+
+    parse_new(1_000)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        parse_new(20_000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 100_000, f"parsing 20,000 events kept {grown:,} bytes"
 
 
 @pytest.mark.parametrize("field", ["origin", "node_id"])
