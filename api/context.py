@@ -26,6 +26,7 @@ from bus.kinds import InstanceRole
 from bus.parts import PartStore
 from bus.publisher import Publisher
 from bus.streams import renewal
+from projectors.state import ClusterState
 
 
 @dataclass
@@ -58,9 +59,14 @@ class ApiContext:
         """The names clients call models by, read again at most once a second."""
         names = self.names.fresh()
         if names is None:
-            state = await projection.cluster(self.engine)
-            names = names_from(state, self.config.aliases, self.config.default_model)
-            self.names.keep(names)
+            names = self.names_in(await projection.cluster(self.engine))
+        return names
+
+    def names_in(self, state: ClusterState) -> ModelNames:
+        """The names of ``state``, kept as the freshest (``state`` was read after the cache
+        was)."""
+        names = names_from(state, self.config.aliases, self.config.default_model)
+        self.names.keep(names)
         return names
 
     async def resolve_model(self, name: str | None, role: InstanceRole = "chat") -> str:

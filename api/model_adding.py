@@ -75,6 +75,9 @@ async def add_model(
         if loop.time() > deadline:
             raise ApiError(503, f"{card.id} was added, but the projection has not shown it yet")
         await asyncio.sleep(POLL_S)
+    # The names read before lack it: a request right after this one (`/api/ps` after an
+    # on-demand chat, a chat after a pull), within their second, did not find it.
+    ctx.names_in(state)
     return state
 
 

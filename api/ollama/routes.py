@@ -16,7 +16,6 @@ from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.images.loading import request_images
 from api.model_list import askable
-from api.model_names import names_from
 from api.ollama.models import digest, listed, running, serving_instance, show
 from api.ollama.pull import live_instance, placement_refusal, pull_lines
 from api.ollama.replies import OllamaOut, embedded, loaded
@@ -152,7 +151,7 @@ async def tags(ctx: Ctx) -> dict[str, Any]:
     """Every model a client can ask for, as ``name:tag`` (api/model_list.py): those the cluster
     knows and their aliases, then the catalogue's cards not added yet."""
     state = await projection.cluster(ctx.engine)
-    names = names_from(state, ctx.config.aliases, ctx.config.default_model)
+    names = ctx.names_in(state)
     return {"models": [listed(entry) for entry in askable(state, names, builtin_cards())]}
 
 

@@ -13,7 +13,6 @@ from api.context import ApiContext, context, require_key
 from api.errors import ApiError, error_body
 from api.images.loading import request_images
 from api.model_list import Askable, askable
-from api.model_names import names_from
 from api.openai.requests import ChatCompletionRequest, CompletionRequest, choice_params
 from api.openai.shapes import (
     FINISH,
@@ -64,7 +63,7 @@ async def get_model(
 
 async def _listed(ctx: ApiContext) -> list[Askable]:
     state = await projection.cluster(ctx.engine)
-    names = names_from(state, ctx.config.aliases, ctx.config.default_model)
+    names = ctx.names_in(state)
     return askable(state, names, builtin_cards())
 
 
