@@ -62,3 +62,8 @@ class Collector:
         self._last = now
         give_back()
         return True
+
+
+# The process's own: in `shoal up` the projector and the planner share one process, and one
+# full collection a minute serves both.
+EVERY_MINUTE = Collector()

@@ -40,7 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import subject_event_type
-from bus.process_memory import Collector, give_back
+from bus.process_memory import EVERY_MINUTE, give_back
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from bus.subjects import ALL_EVENTS, aggregate_filter, aggregate_prefix
 from projectors import database, snapshot
@@ -170,7 +170,6 @@ class Projector:
         self.snapshot_every_s = snapshot_every_s
         self.snapshot_seq = 0  # the newest snapshot's sequence
         self._snapshot_at = 0.0  # loop time of the last snapshot (or of the start)
-        self._collector = Collector()
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Project until ``stop`` is set (or forever). Database errors are retried with backoff
@@ -256,7 +255,7 @@ class Projector:
                 # threshold a light load would reach a collection only after minutes, holding
                 # every cycle the database layer made meanwhile (bench/soak.py's projector curve).
                 gc.collect(1)
-            self._collector.maybe()
+            EVERY_MINUTE.maybe()
             if self._snapshot_due():
                 await self._snapshot()
 

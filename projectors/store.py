@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -203,14 +203,14 @@ async def read_rows(
 KEY_CHUNK = 512
 
 
-def key_chunks(keys: Sequence[K]) -> Iterator[list[K]]:
+def key_chunks(keys: list[K]) -> Iterator[list[K]]:
     """``keys`` in lists of at most ``KEY_CHUNK``, each padded to a power of two by repeating
     its last key (``IN`` ignores the repeats). A statement thus takes at most ten shapes
     whatever the number of keys: SQLite and asyncpg keep every statement they prepared in a
     per-connection cache, and the projector's, one statement per list length, held megabytes
     (bench/soak.py)."""
     for i in range(0, len(keys), KEY_CHUNK):
-        chunk = list(keys[i : i + KEY_CHUNK])
+        chunk = keys[i : i + KEY_CHUNK]
         padded = 1 << (len(chunk) - 1).bit_length()
         yield chunk + [chunk[-1]] * (padded - len(chunk))
 

@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.events import InstancePlaced, NodeTimedOut, PlacementRejected
-from bus.process_memory import Collector
+from bus.process_memory import EVERY_MINUTE
 from bus.publisher import Publisher
 from bus.states import SERVING, STARTING
 from bus.streams import EVENTS_STREAM, ensure_streams
@@ -129,7 +129,6 @@ class Planner:
         self._seen(info.state.last_seq)
         log.info("planner %s watching from seq %d", self.origin, info.state.last_seq)
         loop = asyncio.get_running_loop()
-        collector = Collector()
         tidying = asyncio.create_task(
             keep_tidy(self._js, self._pub, self._engine, self.origin, stop)
         )
@@ -146,7 +145,7 @@ class Planner:
                     log.exception("planner round failed")
                     self._log_failed = True
                     await asyncio.sleep(self.tick_s)
-                collector.maybe()
+                EVERY_MINUTE.maybe()
         finally:
             tidying.cancel()
             await sub.unsubscribe()
