@@ -19,7 +19,6 @@ These are pure functions of the request's headers and of a ``HostPolicy`` made o
 from __future__ import annotations
 
 import functools
-import ipaddress
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -28,7 +27,9 @@ from urllib.parse import urlsplit
 
 import psutil
 
-LOCALHOST = "localhost"
+from services.addresses import ip_address as _address
+from services.addresses import is_loopback, is_wildcard, normal_host
+
 # Given to --allowed-host: any Host (behind a proxy that checks names itself).
 ANY_HOST = "*"
 # The machine's addresses are read again at most this often, when a Host names an address not
@@ -36,36 +37,6 @@ ANY_HOST = "*"
 ADDRESSES_TTL_S = 10.0
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """``text`` as an IP address (brackets and an IPv6 zone left out), or None."""
-    try:
-        return ipaddress.ip_address(text.strip("[]").partition("%")[0])
-    except ValueError:
-        return None
-
-
-def normal_host(name: str) -> str:
-    """A host as compared: lowercased, without a final dot; an address in its short form."""
-    address = _address(name)
-    if address is not None:
-        return str(address)
-    return name.strip().lower().rstrip(".")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether an address the API listens on (or a request names) is this machine's alone."""
-    if normal_host(host) == LOCALHOST:
-        return True
-    address = _address(host)
-    return address is not None and address.is_loopback
-
-
-def is_wildcard(host: str) -> bool:
-    """Whether the API listening on ``host`` listens on every address (0.0.0.0, ::)."""
-    address = _address(host)
-    return host.strip() == "" or (address is not None and address.is_unspecified)
 
 
 def parse_host(header: str) -> tuple[str, int | None] | None:

@@ -27,6 +27,13 @@ class NatsUnavailable(ConnectionError):
     pass
 
 
+def server_listen_host(nc: Client) -> str | None:
+    """The address the connected server says it listens on (its INFO's ``host``: ``0.0.0.0``
+    when on every interface); None when it says nothing. nats-py keeps the INFO unexposed."""
+    host = getattr(nc, "_server_info", {}).get("host")
+    return str(host) if host else None
+
+
 async def connect(
     url: str = DEFAULT_NATS_URL,
     name: str = "shoal",

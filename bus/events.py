@@ -63,6 +63,11 @@ class NodeJoined(_NodeEvent):
     heartbeat_s: float | None = Field(
         default=None, description="Seconds between its ResourceProfiled heartbeats."
     )
+    advertised: str = Field(
+        default="",
+        description="The address other nodes reach this one's pipeline stages and weights at.",
+    )
+    advertised_why: str = Field(default="", description="Why that address was chosen.")
 
 
 class NodeLeft(_NodeEvent):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from api.hosts import is_loopback
 from bus.nats_security import NatsSecurity
+from services.addresses import is_loopback
 
 
 def refuse_exposure(

@@ -36,6 +36,7 @@ _COLUMNS: dict[str, tuple[str, ...]] = {
         "node_id",
         "status",
         "hostname",
+        "advertised",
         "ram_available",
         "memory_offered",
         "cpu_count",

@@ -223,6 +223,7 @@ def up(
                     memory_limit=limit,
                     runner_threads=runner_threads,
                     data_host=data_host,
+                    nats_listen_host=nats_host,
                     slots=slots,
                     cache_size=budget,
                     warm_runner=warm_runner,

@@ -40,6 +40,8 @@ class NodeRow:
     memory_offered: int = 0
     interfaces: JsonList | None = None
     heartbeat_s: float | None = None
+    advertised: str = ""
+    advertised_why: str = ""
 
     def key(self) -> tuple[str]:
         return (self.node_id,)

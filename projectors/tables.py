@@ -73,6 +73,8 @@ nodes = Table(
     Column("memory_offered", BigInteger, nullable=False),
     Column("interfaces", JSON),
     Column("heartbeat_s", Float),
+    Column("advertised", String(255), nullable=False),
+    Column("advertised_why", Text, nullable=False),
 )
 
 devices = Table(

@@ -28,6 +28,8 @@ def node_joined(state: ClusterState, e: NodeJoined) -> list[Change]:
         addresses=list(e.addresses),
         version=e.version,
         heartbeat_s=e.heartbeat_s,
+        advertised=e.advertised,
+        advertised_why=e.advertised_why,
         joined_at=e.ts,
         left_at=None,
         last_seen=e.ts,

@@ -15,7 +15,6 @@ import socket
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import nats.errors
 import psutil
@@ -24,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
+from bus.connection import server_listen_host
 from bus.events import (
     ModelRemoved,
     NodeJoined,
@@ -43,6 +43,7 @@ from bus.subjects import aggregate_filter
 from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState
+from services.addresses import LOOPBACK, Advertised, advertised, is_loopback
 from services.models.cache_budget import DEFAULT_CACHE_SIZE, CacheSize
 from services.models.footprint import context_for
 from services.models.weights_cache import WeightsCache
@@ -72,8 +73,11 @@ class WorkerConfig:
     runner_threads: int | None = None
     stream_settings: StreamSettings | None = None
     # Where this node's runners listen for the other stages of a pipeline (llama.cpp RPC, MLX
-    # ring). None: the local address this machine reaches NATS from.
+    # ring) and its weights server for other nodes. None: chosen (``address.py``).
     data_host: str | None = None
+    # The address the NATS server on this machine listens on, when this process runs it
+    # (`shoal up`); None: asked of the server this worker is connected to.
+    nats_listen_host: str | None = None
     # Tasks each of this node's runners serves at once, whatever its instance was placed with
     # (the operator answers for the memory). None: the placement's.
     slots: int | None = None
@@ -104,6 +108,7 @@ class Worker:
         )
         # Models removed since the last catch-up: their files, and when they were removed.
         self._removed: dict[str, tuple[list[WeightFile], datetime]] = {}
+        self.advertised = Advertised(config.data_host or LOOPBACK, "not chosen yet")
 
     @property
     def node_id(self) -> str:
@@ -112,10 +117,23 @@ class Worker:
     @property
     def data_host(self) -> str:
         """Where this node's runners and weights server listen for other nodes."""
-        return self.config.data_host or data_host_towards(self.config.nats_url)
+        return self.advertised.address
 
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_streams(self._js, self.config.stream_settings)
+        listen = self.config.nats_listen_host or server_listen_host(self._nc)
+        self.advertised = await asyncio.to_thread(
+            advertised,
+            self.config.data_host,
+            self.config.nats_url,
+            listen is not None and not is_loopback(listen),
+        )
+        log.info(
+            "node %s: other nodes reach it at %s: %s",
+            self.node_id,
+            self.advertised.address,
+            self.advertised.why,
+        )
         self._devices = await probe(len(await asyncio.to_thread(nvidia_gpus)))
         await self._pub.publish(
             NodeJoined(
@@ -125,6 +143,8 @@ class Worker:
                 addresses=_addresses(),
                 version=VERSION,
                 heartbeat_s=self.config.heartbeat_s,
+                advertised=self.advertised.address,
+                advertised_why=self.advertised.why,
             )
         )
         await self._heartbeat()
@@ -340,18 +360,6 @@ class Worker:
                 )
             log.info("task %s: %s", task_id, describe(outcome))
             await self._pub.publish(outcome, msg_id=message_id(outcome))
-
-
-def data_host_towards(nats_url: str) -> str:
-    """The local address this machine reaches the NATS server from: the interface other nodes
-    most likely reach this one on. (A UDP "connection" sends nothing; it only picks a route.)"""
-    host = urlsplit(nats_url.split(",")[0]).hostname or "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 def _addresses() -> list[str]:

@@ -11,14 +11,12 @@ from api.hosts import (
     RecentAddresses,
     host_allowed,
     host_policy,
-    is_loopback,
-    is_wildcard,
     machine_names,
-    normal_host,
     origin_allowed,
     parse_host,
     same_origin,
 )
+from services.addresses import is_loopback, is_wildcard, normal_host
 
 NAMES = frozenset({"mybox", "mybox.local", "mybox.lan"})
 

@@ -20,6 +20,7 @@ from typing import Any
 from llama_cpp import LLAMA_SPLIT_MODE_LAYER
 
 from bus.records import ShardAssignment
+from services.addresses import is_loopback
 from services.runner.engines.llamacpp import rpc as ggml_rpc
 from services.runner.offload import accelerators
 from services.runner.peers import Peers
@@ -72,6 +73,26 @@ def rpc_offload(head: ShardAssignment, peers: list[ShardAssignment]) -> dict[str
     }
 
 
+class Unreachable(ConnectionError):
+    """A stage's advertised endpoint cannot be reached from this node."""
+
+
+def unreachable(spec: RunnerSpec, peer: ShardAssignment, endpoint: str) -> str:
+    """Why a pipeline cannot form: which node cannot reach which, at what address."""
+    host, _ = ggml_rpc.split_endpoint(endpoint)
+    said = (
+        f"node {spec.node_id} ({spec.data_host}) cannot reach stage {peer.rank + 1} of"
+        f" {peer.world_size} on node {peer.node_id} at {endpoint}"
+    )
+    if is_loopback(host) and peer.node_id != spec.node_id:
+        return said + (
+            f": a loopback address, which only {peer.node_id}'s own machine reaches; give that"
+            " node an address the others reach (`--data-host`, docs/operations.md#addresses)"
+        )
+    return said + ": nothing answered there within 5 s (a firewall, another network, or the node"
+    " is gone)"
+
+
 async def serve_stage(spec: RunnerSpec, state: StateReporter, stop: asyncio.Event) -> None:
     """A later stage: serve the device it was placed on (this node's CPU or a GPU) over RPC
     until asked to stop."""
@@ -114,8 +135,11 @@ async def connect_stages(spec: RunnerSpec, peers: Peers, state: StateReporter) -
     endpoints = await peers.wait_ready(spec.peer_timeout_s)
     # ggml aborts the whole process on a server it cannot reach: check first (a stage whose
     # node died without a word still looks Ready in the log).
-    for endpoint in endpoints:
-        await asyncio.to_thread(ggml_rpc.wait_listening, endpoint, 5.0)
+    for peer, endpoint in zip(spec.peers, endpoints, strict=True):
+        try:
+            await asyncio.to_thread(ggml_rpc.wait_listening, endpoint, 5.0)
+        except TimeoutError:
+            raise Unreachable(unreachable(spec, peer, endpoint)) from None
     ggml_rpc.add_servers(endpoints)
     log.info("stages at %s; offload %s", ", ".join(endpoints), offload)
     return offload
