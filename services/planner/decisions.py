@@ -169,6 +169,7 @@ def decide(
 class _Why:
     reason: str  # '' for a first placement
     avoid: frozenset[str]
+    failures: tuple[tuple[str, str], ...] = ()  # the failing runners' errors, by device
 
 
 def _why_place(
@@ -185,14 +186,16 @@ def _why_place(
     if not gone and not failing:
         return None
     reasons = [f"node {n} is {_node_status(state, n).replace('_', ' ')}" for n in gone]
+    failures = []
     for r in failing:
         ref = f"{r.node_id}:{r.device}"
         avoid |= {ref}
+        failures.append((ref, r.error or "no error given"))
         reasons.append(
             f"runner {r.runner_id} failed {_recent_failures(r, policy)} times within"
             f" {policy.failure_window_s:g} s on {ref} ({r.error or 'no error given'})"
         )
-    return _Why("; ".join(reasons), avoid)
+    return _Why("; ".join(reasons), avoid, tuple(failures))
 
 
 def _request(
@@ -208,6 +211,7 @@ def _request(
         role=inst.role,
         generation=inst.generation + 1,
         avoid=why.avoid,
+        failures=why.failures,
         current=tuple(r.shard() for r in runners) if inst.status == "placed" else (),
         slots=inst.requested_slots,
         current_slots=inst.slots,

@@ -87,6 +87,8 @@ class PlacementRequest:
     spec: str | None = None  # a manual placement spec (JSON); None: automatic
     generation: int = 1  # names the new runners, so each placement's are distinct
     avoid: frozenset[str] = frozenset()  # 'node:device's not to use (runners failed there)
+    # The latest error of the runners that failed there, by 'node:device', to say why.
+    failures: tuple[tuple[str, str], ...] = ()
     current: tuple[ShardAssignment, ...] = ()  # the shards placed now, when placing again
     role: InstanceRole = DEFAULT_ROLE
     slots: int | None = None  # tasks each replica serves at once; None: as many as fit
@@ -223,7 +225,7 @@ def _place(
             used = _used(placed.values())
             result = _auto(view, fp, tokens, request.avoid, used, model.engine)
         if isinstance(result, Rejection):
-            return _for_replica(result, replica, replicas, model, ctx, slots, view, request.avoid)
+            return _for_replica(result, replica, replicas, model, ctx, slots, view, request)
         placed[replica] = result
         view = view.reserve(_charges([result.stages], fp, tokens))
     return placed, tuple(sorted(kept))
@@ -551,9 +553,10 @@ def _for_replica(
     ctx: int,
     slots: int,
     view: ClusterView,
-    avoid: frozenset[str],
+    request: PlacementRequest,
 ) -> Rejection:
     """Words a rejection for the user: which replica, what was needed, what each device has."""
+    avoid = request.avoid
     prefix = f"replica {replica + 1} of {replicas}: " if replicas > 1 else ""
     if rejection.reason != "does not fit":
         return Rejection(
@@ -563,7 +566,10 @@ def _for_replica(
     need = fp.need_bytes(ctx, slots=slots)
     usable = {ref: max(d.usable, 0) for ref, d in view.devices.items() if ref not in avoid}
     avoided = sorted(avoid & set(view.devices))
-    failing = ", where its runners kept failing"
+    errors = dict(request.failures)
+    failing = ", where its runners kept failing" + "".join(
+        f" ({ref}: {errors[ref]})" for ref in avoided if errors.get(ref)
+    )
     not_used = f"; not used: {', '.join(avoided)}{failing}" if avoided else ""
     if not usable:
         where = "no node is online to place it on"

@@ -478,6 +478,10 @@ def test_a_runner_failing_on_the_only_device_rejects_the_instance() -> None:
         "runner i-g1-r0-s0 failed 3 times within 120 s on a:cpu (boom);"
         " and it cannot be placed again: m needs 8.00 GiB"
     )
+    # The device's own failure is named where it is said not to be used.
+    assert rejected.reason.endswith(
+        "the only devices online are a:cpu, where its runners kept failing (a:cpu: boom)"
+    )
     assert rejected.generation == 2
     inst = state.instance("i")
     assert inst is not None and inst.status == "rejected"

@@ -42,7 +42,7 @@ from bus.records import (
 )
 from services.models.weights_cache import WeightsCache
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.engines.llamacpp.pipeline import check_stages, rpc_offload
+from services.runner.engines.llamacpp.pipeline import check_stages, rpc_offload, unreachable
 from services.runner.job import prepare
 from services.runner.spec import RunnerSpec
 from tests.images import checkers_png, gradient_png
@@ -98,6 +98,28 @@ def test_stages_must_cover_the_model_in_order() -> None:
         check_stages(head, [mid, short])
     with pytest.raises(ValueError, match="only the first stage"):
         rpc_offload(mid, [head, last])
+
+
+def test_an_unreachable_stage_names_both_nodes_and_the_address() -> None:
+    head, last = stages(0, 15, 30)
+    head_spec = RunnerSpec(
+        nats_url="nats://10.77.0.1:4222",
+        node_id=head.node_id,
+        instance_id="i",
+        model_id="m",
+        shard=head,
+        cache_dir="/tmp",
+        peers=[last],
+        data_host="10.77.0.2",
+    )
+    loopback = unreachable(head_spec, last, "127.0.0.1:36393")
+    assert loopback.startswith(
+        f"node {head.node_id} (10.77.0.2) cannot reach stage 2 of 2 on node {last.node_id}"
+        " at 127.0.0.1:36393: a loopback address"
+    )
+    assert "--data-host" in loopback
+    elsewhere = unreachable(head_spec, last, "10.77.0.3:5000")
+    assert "at 10.77.0.3:5000: nothing answered there" in elsewhere
 
 
 # --- real processes -------------------------------------------------------------------------
