@@ -106,7 +106,9 @@ class EmbeddedNats:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        """Where clients on this machine connect (loopback when it listens on every address)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"nats://{host}:{self.port}"
 
     @property
     def cluster_url(self) -> str | None:

@@ -8,6 +8,7 @@ method, never the secret, and ``redact_url`` strips credentials from a URL befor
 | variable | meaning |
 |---|---|
 | ``SHOAL_NATS_TOKEN`` | token authentication |
+| ``SHOAL_CLUSTER_SECRET`` | the cluster's secret: the token, unless another method is set |
 | ``SHOAL_NATS_USER`` / ``SHOAL_NATS_PASSWORD`` | user and password |
 | ``SHOAL_NATS_NKEY`` | path of a file holding an nkey seed (``SU...``) |
 | ``SHOAL_NATS_CREDS`` | path of a credentials file (JWT and seed, decentralised auth) |
@@ -27,6 +28,9 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import SecretStr
+
+from bus.cluster_secret import ENV as SECRET_ENV
+from bus.cluster_secret import ClusterSecret, WeakSecret
 
 ENV = {
     "token": "SHOAL_NATS_TOKEN",
@@ -87,6 +91,12 @@ class NatsSecurity:
             return Path(value).expanduser().absolute() if value else None
 
         token, password = get("token"), get("password")
+        secret = source.get(SECRET_ENV)
+        if secret and not (token or get("user") or get("nkey_seed_file") or get("creds_file")):
+            try:
+                token = ClusterSecret(secret).nats_token
+            except WeakSecret as exc:
+                raise NatsSecurityError(f"{SECRET_ENV}: {exc}") from None
         return cls(
             token=SecretStr(token) if token else None,
             user=get("user"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -20,6 +21,8 @@ from nats.aio.client import Client
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.config import DEFAULT_BODY_TIMEOUT_S, ApiConfig, keys_from_env
+from bus.cluster_secret import ENV as SECRET_ENV
+from bus.cluster_secret import ClusterSecret
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.events import InstanceRequested
@@ -51,6 +54,7 @@ from cli.api import (
     reasoning_budget,
     serve_until,
 )
+from cli.cluster import UP_LOOKS_S, Secret, discover, lan_urls, use_secret
 from cli.exposure import refuse_exposure
 from cli.models import publish_model
 from cli.options import (
@@ -71,10 +75,13 @@ from cli.options import (
     stream_settings,
 )
 from cli.up_progress import UpProgress, model_steps, weights_step
+from cli.worker import joining, serve_worker
 from projectors import database
 from projectors.db_url import absolute_db_url
 from projectors.projector import Projector, tune_gc
 from projectors.store import load_state
+from services.discovery.announcement import announcement
+from services.discovery.lan import Announcer
 from services.models.catalogue import builtin_cards
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
@@ -82,7 +89,7 @@ from services.planner.decisions import PlannerPolicy
 from services.planner.planner import PLANNING_TABLES, Planner
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit
-from services.worker.worker import Worker, WorkerConfig
+from services.worker.worker import VERSION, Worker, WorkerConfig
 
 DEFAULT_NATS_PORT = 4222
 DEFAULT_MODEL = "smollm2-135m"
@@ -100,9 +107,14 @@ def up(
         int | None,
         typer.Option(help="Port of the embedded nats-server [default: 4222, or a free one]."),
     ] = None,
-    nats_host: Annotated[str, typer.Option(help="Address the nats-server listens on.")] = (
-        "127.0.0.1"
-    ),
+    nats_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address the nats-server listens on [default: every address with --secret,"
+            " else 127.0.0.1]."
+        ),
+    ] = None,
+    secret: Secret = None,
     db: Annotated[str | None, typer.Option(help="Projection database URL.")] = None,
     model: Annotated[str, typer.Option(help="Model to serve once up.")] = DEFAULT_MODEL,
     no_model: Annotated[bool, typer.Option("--no-model", help="Serve no model.")] = False,
@@ -158,9 +170,26 @@ def up(
         logging.getLogger(noisy).setLevel(logging.WARNING)
     tune_gc()
     data = data_dir or default_data_dir()
+    cluster = use_secret(secret)
+    worker_config = WorkerConfig(
+        nats_url="",
+        node_id=load_node_id(data / "worker", None),
+        data_dir=data / "worker",
+        memory_limit=parse_memory_limit(memory_limit) if memory_limit else None,
+        runner_threads=runner_threads,
+        data_host=data_host,
+        slots=slots,
+        cache_size=cache_size(cache_size_text),
+        warm_runner=warm_runner,
+    )
+    if cluster is not None and (found := discover(cluster, UP_LOOKS_S, quiet=True)):
+        # A second cluster of the same secret would split the machines: join the first.
+        urls = joining(found)
+        typer.echo("this machine joins it as a worker (as `shoal join` does)")
+        serve_worker(replace(worker_config, nats_url=urls))
+        return
+    nats_host = nats_host or ("0.0.0.0" if cluster is not None else "127.0.0.1")
     db_url = absolute_db_url(db) if db else f"sqlite:///{data / 'shoal.db'}"
-    limit = parse_memory_limit(memory_limit) if memory_limit else None
-    budget = cache_size(cache_size_text)
     policy = PlannerPolicy(default_keep_alive_s=keep_alive_s(keep_alive), max_loaded=max_loaded)
     if not no_model and model not in builtin_cards():
         known = ", ".join(sorted(builtin_cards()))
@@ -211,23 +240,13 @@ def up(
         engine = database.create_engine(db_url)
         projector = Projector(nc.jetstream(), engine, stream_settings=settings)
         tasks = [asyncio.create_task(projector.run(stop))]
+        announcer: Announcer | None = None
         try:
             await _first(projector.ready.wait(), tasks[0])
             worker_dir = data / "worker"
             worker = Worker(
                 worker_nc,
-                WorkerConfig(
-                    nats_url=server.url,
-                    node_id=load_node_id(worker_dir, None),
-                    data_dir=worker_dir,
-                    memory_limit=limit,
-                    runner_threads=runner_threads,
-                    data_host=data_host,
-                    nats_listen_host=nats_host,
-                    slots=slots,
-                    cache_size=budget,
-                    warm_runner=warm_runner,
-                ),
+                replace(worker_config, nats_url=server.url, nats_listen_host=nats_host),
             )
             config = ApiConfig(
                 nats_url=server.url,
@@ -262,6 +281,22 @@ def up(
             typer.echo(
                 f"clients   OpenAI {url}, Anthropic and Ollama {root} (/v1/messages, /api/chat)"
             )
+            joins = lan_urls("nats", nats_host, server.port)
+            if joins:
+                typer.echo(f"join      on another machine: {join_line(cluster, joins[0])}")
+            if cluster is not None and joins:
+                announcer = Announcer(
+                    announcement(
+                        cluster,
+                        worker.node_id,
+                        joins,
+                        next(iter(lan_urls("https" if tls else "http", host, port)), ""),
+                        VERSION,
+                    ),
+                    [u.rsplit(":", 1)[0].removeprefix("nats://") for u in joins],
+                    server.port,
+                )
+                await announcer.start()
             if no_model:
                 # Ready once this node can be placed on: a request then loads its model.
                 await _first(_node_online(engine, worker.node_id), *tasks, stop.wait())
@@ -276,6 +311,8 @@ def up(
             await asyncio.gather(*tasks)
         finally:
             stop.set()
+            if announcer is not None:
+                await announcer.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             await engine.dispose()
             await worker_nc.drain()
@@ -286,6 +323,13 @@ def up(
     finally:
         server.stop()
     typer.echo("stopped")
+
+
+def join_line(cluster: ClusterSecret | None, nats_url: str) -> str:
+    """What another machine runs to join this one."""
+    if cluster is not None:
+        return f"shoal join (with the same {SECRET_ENV}; or: shoal join --nats {nats_url})"
+    return f"shoal join --nats {nats_url} (with the same NATS credentials)"
 
 
 async def _first(*aws: Awaitable[object]) -> None:

@@ -18,12 +18,12 @@ import typer
 from bus.connection import connect
 from bus.process_memory import give_back
 from bus.streams import StreamSettings
+from cli.cluster import Secret, discover, use_secret
 from cli.options import (
     DEFAULT_CACHE_SIZE_TEXT,
     DEFAULT_NATS,
     CacheSizeText,
     DataHost,
-    NatsUrl,
     RunnerSlots,
     WarmRunner,
     absolute,
@@ -31,6 +31,7 @@ from cli.options import (
     run_until_signal,
     setup_logging,
 )
+from services.discovery.announcement import Announcement
 from services.runner.main import run_runner
 from services.runner.offload import visible_devices
 from services.runner.spec import RunnerSpec
@@ -42,7 +43,19 @@ log = logging.getLogger(__name__)
 
 
 def worker(
-    nats: NatsUrl = DEFAULT_NATS,
+    nats: Annotated[
+        str | None,
+        typer.Option(
+            "--nats",
+            envvar="SHOAL_NATS_URL",
+            help="NATS server URL(s), comma-separated [default: the cluster of --secret, found"
+            f" on the LAN; without a secret {DEFAULT_NATS}].",
+        ),
+    ] = None,
+    secret: Secret = None,
+    discover_timeout: Annotated[
+        float, typer.Option(help="Seconds to look for the cluster of --secret on the LAN.")
+    ] = 60.0,
     node_id: Annotated[
         str | None, typer.Option(help="This node's id (kept in the data dir).")
     ] = None,
@@ -67,6 +80,12 @@ def worker(
 ) -> None:
     """Join the cluster as a worker: heartbeat, and run the runners placed on this node."""
     setup_logging()
+    cluster = use_secret(secret)
+    if nats is None:
+        found = discover(cluster, discover_timeout) if cluster is not None else None
+        if cluster is not None and found is None:
+            raise typer.Exit(1)
+        nats = DEFAULT_NATS if found is None else joining(found)
     budget = cache_size(cache_size_text)
     limit = parse_memory_limit(memory_limit) if memory_limit else None
     config = WorkerConfig(
@@ -82,10 +101,23 @@ def worker(
         stream_settings=StreamSettings.from_env(),
         warm_runner=warm_runner,
     )
-    typer.echo(f"worker {config.node_id} joining {nats}")
+    serve_worker(config)
+
+
+def joining(found: Announcement) -> str:
+    """The NATS URLs of a cluster found on the LAN, said."""
+    urls = ",".join(found.nats_urls)
+    api = f"; its API: {found.api_url}" if found.api_url else ""
+    typer.echo(f"found the cluster of this secret at {urls}{api}")
+    return urls
+
+
+def serve_worker(config: WorkerConfig) -> None:
+    """Run this machine's worker until Ctrl-C."""
+    typer.echo(f"worker {config.node_id} joining {config.nats_url}")
 
     async def main(stop: asyncio.Event) -> None:
-        nc = await connect(nats, name=f"shoal-worker-{config.node_id}")
+        nc = await connect(config.nats_url, name=f"shoal-worker-{config.node_id}")
         try:
             await Worker(nc, config).run(stop)
         finally:

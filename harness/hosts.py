@@ -98,6 +98,7 @@ class Host:
         log: Path | None = None,
         env: Mapping[str, str] | None = None,
         stdout: int | IO[bytes] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` on this host, its output in ``log`` (appended) or ``stdout``."""
         out: int | IO[bytes] | None = stdout
@@ -112,6 +113,7 @@ class Host:
                 stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None,
                 env=None if env is None else dict(env),
+                cwd=cwd,
                 start_new_session=True,
             )
         finally:
@@ -120,10 +122,22 @@ class Host:
         self.procs.append(proc)
         return proc
 
-    def run(self, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        argv: Sequence[str],
+        timeout: float = 60,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on this host to its end; its output."""
         return subprocess.run(
-            self.argv(argv), capture_output=True, text=True, timeout=timeout, check=False
+            self.argv(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=None if env is None else dict(env),
+            cwd=cwd,
         )
 
     def pids(self) -> list[int]:

@@ -75,6 +75,11 @@ def is_wildcard(host: str) -> bool:
     return host.strip() == "" or (address is not None and address.is_unspecified)
 
 
+def _here(host: str) -> bool:
+    """A host that names this machine whatever its addresses: loopback, or a wildcard."""
+    return is_loopback(host) or is_wildcard(host)
+
+
 def nats_hosts(nats_url: str) -> list[str]:
     """The hosts of a (comma-separated) NATS URL list."""
     hosts = []
@@ -101,7 +106,7 @@ def choose(
     this node uses on this machine listens beyond loopback."""
     if given:
         return Advertised(given, "given (--data-host)")
-    remote = next((h for h in nats_hosts(nats_url) if not is_loopback(h)), None)
+    remote = next((h for h in nats_hosts(nats_url) if not _here(h)), None)
     if remote is not None and route_source and not is_loopback(route_source):
         return Advertised(route_source, f"this machine's address on the route to NATS at {remote}")
     if remote is None and not open_beyond_loopback:
@@ -176,6 +181,6 @@ def _default_route_interface() -> str | None:
 
 def advertised(given: str | None, nats_url: str, open_beyond_loopback: bool) -> Advertised:
     """``choose`` for this machine."""
-    remote = next((h for h in nats_hosts(nats_url) if not is_loopback(h)), None)
+    remote = next((h for h in nats_hosts(nats_url) if not _here(h)), None)
     source = None if remote is None else route_source(remote)
     return choose(given, nats_url, source, open_beyond_loopback, local_interfaces())
