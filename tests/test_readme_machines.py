@@ -176,7 +176,7 @@ async def test_the_readme_s_machines_on_hosts_of_their_own(tmp_path: Path) -> No
             cut = time.monotonic()
             second.partition()
             again = await log.wait_for(
-                InstancePlaced, lambda e: e.generation > placed.generation, 90
+                InstancePlaced, lambda e: (e.generation or 0) > (placed.generation or 0), 90
             )
             assert b not in {s.node_id for s in again.shards}
             await log.wait_for(

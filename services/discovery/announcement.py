@@ -11,6 +11,7 @@ points at the real cluster, which is harmless.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from bus.cluster_secret import ClusterSecret
@@ -62,7 +63,7 @@ class Announcement:
         }
 
     @classmethod
-    def from_properties(cls, props: dict[bytes, bytes | None]) -> Announcement | None:
+    def from_properties(cls, props: Mapping[bytes, bytes | None]) -> Announcement | None:
         """From TXT properties; None when they are not a Shoal announcement."""
 
         def get(key: str) -> str:
