@@ -274,7 +274,8 @@ class Network:
         _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         for i in range(self.size):
-            name, veth = f"sh{self.net}h{i}", f"sh{self.net}v{i}"
+            name = f"sh{self.net}h{i}"
+            veth = _veth(name)
             host = Host(self, i, name, f"10.77.{self.net}.{i + 1}", veth, self.base_dir / name)
             self.hosts.append(host)  # before it exists: close() removes what was made
             host.dir.mkdir(parents=True, exist_ok=True)
@@ -303,10 +304,18 @@ class Network:
         return next(h for h in self.hosts if h.address == address)
 
 
+def _veth(namespace: str) -> str:
+    """The bridge's end of a host's link: ``sh<net>v<i>`` for the host ``sh<net>h<i>``."""
+    net, _, index = namespace.rpartition("h")
+    return f"{net}v{index}"
+
+
 def _remove(net: int, namespaces: Sequence[str]) -> None:
-    """Remove what network ``net`` made: namespaces (their veths go with them), the bridge,
-    the cgroups (once empty)."""
+    """Remove what network ``net`` made: links, namespaces, the bridge, the cgroups (once
+    empty). The links first: a namespace outlives its name while sockets of it wait in
+    TIME_WAIT, and its end of a link with it."""
     for name in namespaces:
+        _run("ip", "link", "del", _veth(name), check=False)
         _run("ip", "netns", "del", name, check=False)
     _run("ip", "link", "del", f"shb{net}", check=False)
     for name in namespaces:
@@ -336,8 +345,9 @@ class _Registry:
                 _remove(int(entry["net"]), names)
                 path.unlink()
         used = _run("ip", "-o", "-4", "addr").stdout
+        links = _run("ip", "-o", "link").stdout
         for net in range(256):
-            if net not in taken and f"10.77.{net}." not in used:
+            if net not in taken and f"10.77.{net}." not in used and f" sh{net}v" not in links:
                 (self.dir / f"net-{net}.json").write_text(json.dumps({"net": net, "owner": owner}))
                 return net
         raise HostsUnavailable("no free 10.77.x.0/24 network for test hosts")

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.streams import ensure_streams
+from harness.hosts import Network
 from projectors import database
 from services.runner.engines.mlx.blas import set_threads
 from tests.databases import ScratchDatabases
@@ -175,3 +176,31 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 # second of CPU per worker, which the suite's hundred-odd workers would spend for nothing.
 # tests/cli/test_up_on_demand.py starts its `shoal up` with the spare.
 os.environ.setdefault("SHOAL_WARM_RUNNER", "0")
+
+
+@pytest.fixture
+def hosts(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Network]:
+    """Test hosts with their own addresses (``harness/hosts.py``): 3, or as many as
+    ``@pytest.mark.parametrize("hosts", [N], indirect=True)`` says. Where they cannot be made
+    (not root) the test fails, saying why: CI runs as root."""
+    count: int = getattr(request, "param", 3)
+    with Network(tmp_path / "hosts", count) as net:
+        yield net
+
+
+@pytest.fixture
+def hosts_nats(hosts: Network, tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A nats-server for the hosts, on this machine's side of their bridge: the hosts reach it
+    across their links, as another machine; the test and what it starts here reach it at the
+    same address."""
+    with EmbeddedNats(tmp_path / "nats", host=hosts.gateway) as server:
+        yield server
+
+
+@pytest.fixture
+async def hosts_js(hosts_nats: EmbeddedNats) -> AsyncIterator[JetStreamContext]:
+    client = await connect(hosts_nats.url, name="test")
+    context = client.jetstream()
+    await ensure_streams(context)
+    yield context
+    await client.close()

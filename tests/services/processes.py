@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
+from harness.hosts import Host
+
 SHOAL = str(Path(sys.executable).parent / "shoal")
 
 
@@ -22,14 +24,22 @@ class Processes:
         self.env = env
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        return self.start_argv(name, [SHOAL, *args])
+    def start(self, name: str, *args: str, host: Host | None = None) -> subprocess.Popen[bytes]:
+        """`shoal ARGS`, on ``host`` when given (a test host), else on this machine."""
+        return self.start_argv(name, [SHOAL, *args], host)
 
-    def start_argv(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start_argv(
+        self, name: str, argv: list[str], host: Host | None = None
+    ) -> subprocess.Popen[bytes]:
         """Any program, logged and stopped as the `shoal` subcommands are."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with (self.log_dir / f"{name}.log").open("wb") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        log = self.log_dir / f"{name}.log"
+        if host is not None:
+            log.unlink(missing_ok=True)
+            proc = host.popen(argv, log, self.env)
+        else:
+            with log.open("wb") as out:
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         self.procs[name] = proc
         return proc
 

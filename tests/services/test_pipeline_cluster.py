@@ -1,7 +1,9 @@
-"""One model across several nodes, end to end: worker processes act as nodes whose memory
-limits are each too small for SmolLM2, so placement splits it over two; the API answers through
-the pipeline; killing a later stage's node fails it visibly, and the instance is placed again
-on the nodes left, then rejected when they cannot hold it."""
+"""One model across several nodes, end to end: three test hosts (their own addresses,
+``harness/hosts.py``), each a node whose memory limit is too small for SmolLM2, so placement
+splits it over two; the API answers through the pipeline; killing a later stage's host fails it
+visibly, and the instance is placed again on the hosts left, then rejected when they cannot
+hold it. NATS, the projector, the planner and the API run on this machine, which the hosts
+reach across the bridge."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 from nats.js import JetStreamContext
 
@@ -26,6 +27,7 @@ from bus.events import (
     RunnerStateChanged,
     TaskCreated,
 )
+from harness.hosts import Network
 from tests.api.conftest import wait_healthy
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes
@@ -35,8 +37,6 @@ pytestmark = pytest.mark.slow
 # SmolLM2 at 2048 tokens needs about 199 MiB; 90% of 160M is 144 MiB: no node holds it, two do.
 NODES = ("w-a", "w-b", "w-c")
 LIMIT = "160M"
-# Each node's own loopback address (Linux routes all of 127/8 to lo): stages listen only there.
-DATA_HOSTS = {node: f"127.0.0.{i + 2}" for i, node in enumerate(NODES)}
 QUESTION = "What is the capital city of France? Answer in one word."
 
 
@@ -52,14 +52,6 @@ async def _chat(client: httpx.AsyncClient, url: str) -> httpx.Response:
         "messages": [{"role": "user", "content": QUESTION}],
     }
     return await client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-
-
-def _crash(procs: Processes, node: str) -> None:
-    """The node's machine dies: its worker and runners at once, SIGKILLed, saying nothing."""
-    worker = psutil.Process(procs.procs[node].pid)
-    for proc in [*worker.children(recursive=True), worker]:
-        proc.kill()
-    procs.procs[node].wait(10)
 
 
 async def _answer(client: httpx.AsyncClient, url: str) -> str:
@@ -87,9 +79,10 @@ async def _serving(log: EventLog, placed: InstancePlaced) -> None:
 
 
 async def test_a_split_model_serves_then_moves_then_is_rejected(
-    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+    hosts: Network, hosts_nats: EmbeddedNats, hosts_js: JetStreamContext, tmp_path: Path
 ) -> None:
-    nats, db = nats_server.url, f"sqlite:///{tmp_path / 'shoal.db'}"
+    js, nats, db = hosts_js, hosts_nats.url, f"sqlite:///{tmp_path / 'shoal.db'}"
+    on = dict(zip(NODES, hosts.hosts, strict=True))
     env = {**os.environ, "SHOAL_DATA_DIR": str(tmp_path / "cli")}
     log = await EventLog().start(js)
     port = free_port("127.0.0.1")
@@ -114,8 +107,7 @@ async def test_a_split_model_serves_then_moves_then_is_rejected(
                 "1",
                 "--runner-threads",
                 "1",
-                "--data-host",
-                DATA_HOSTS[node],
+                host=on[node],
             )
         await log.wait_count(NodeJoined, lambda e: True, 3, timeout=60)
         await wait_healthy(url)
@@ -148,7 +140,8 @@ async def test_a_split_model_serves_then_moves_then_is_rejected(
         await _serving(log, first)
         stage = await log.wait_for(RunnerStateChanged, _ready(first.shards[1].runner_id))
         assert stage.endpoint is not None
-        assert stage.endpoint.startswith(DATA_HOSTS[first.shards[1].node_id] + ":")
+        # Its own host's address, found without being told (the route to NATS).
+        assert stage.endpoint.startswith(on[first.shards[1].node_id].address + ":")
 
         async with httpx.AsyncClient() as client:
             assert "Paris" in await _answer(client, url)
@@ -157,7 +150,7 @@ async def test_a_split_model_serves_then_moves_then_is_rejected(
             # ggml aborts the head, and its worker continues the task from the log; the request
             # waits for the instance to serve again (placed on the nodes left) and is answered.
             head_node, lost_node = first.shards[0].node_id, first.shards[1].node_id
-            _crash(procs, lost_node)
+            on[lost_node].kill()
             outlived = await _chat(client, url)
             assert outlived.status_code == 200, outlived.text
             assert "Paris" in outlived.json()["choices"][0]["message"]["content"]
@@ -178,7 +171,7 @@ async def test_a_split_model_serves_then_moves_then_is_rejected(
 
             # One node left, with too little memory: rejected, and the API says why.
             survivor = next(s.node_id for s in again.shards if s.rank == 0)
-            _crash(procs, next(s.node_id for s in again.shards if s.node_id != survivor))
+            on[next(s.node_id for s in again.shards if s.node_id != survivor)].kill()
             rejected = await log.wait_for(PlacementRejected, timeout=30)
             assert "needs" in rejected.reason and f"{survivor}:cpu" in rejected.reason
             # Whether the API saw the rejection before accepting the request or only after (then
