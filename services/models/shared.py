@@ -170,7 +170,13 @@ async def fetch_files(
         for f in offered:
             async with cache.lock(f.sha256):
                 if not cache.holds(f):  # another runner of this node may have fetched it
-                    log.info("fetching %s (%d bytes) from node %s", f.name, f.size, offer.node_id)
+                    log.info(
+                        "fetching %s (%d bytes) from node %s at %s",
+                        f.name,
+                        f.size,
+                        offer.node_id,
+                        offer.url,
+                    )
                     target, progress = cache.blob(f.sha256), progress_from(done)
                     try:
                         await asyncio.to_thread(fetch_from_peer, offer, f, target, progress)

@@ -1,5 +1,6 @@
-"""Weights shared between nodes, end to end: two workers with separate data dirs on one machine;
-a model added from a file on one worker's machine is served split over both, its head on the
+"""Weights shared between nodes, end to end: two workers on test hosts of their own (their own
+addresses: the weights cross the bridge from one host's weights server to the other); a model
+added from a file on one worker's machine is served split over both, its head on the
 worker that never had the file, which took it from the other worker's disk (asked over NATS,
 sent over HTTP): no copy in the models bucket. In the same cluster, instances of catalogue
 models the cluster does not know yet."""
@@ -21,6 +22,7 @@ from bus.embedded import EmbeddedNats, free_port
 from bus.events import InstancePlaced, ModelAdded, NodeJoined, RunnerStateChanged
 from bus.object_store import object_info
 from bus.streams import MODELS_BUCKET
+from harness.hosts import Network
 from services.models.catalogue import card_for
 from services.models.resolve import resolve_model
 from services.models.weights_cache import sha256_of
@@ -30,7 +32,7 @@ from tests.services.processes import SHOAL, Processes
 
 pytestmark = pytest.mark.slow
 
-NODES = {"w-a": "127.0.0.2", "w-b": "127.0.0.3"}
+NODES = ("w-a", "w-b")
 QUESTION = "What is the capital city of France? Answer in one word."
 
 
@@ -76,10 +78,11 @@ def _copy_of_smollm2(tmp: Path) -> Path:
     return Path(shutil.copy(src, tmp / "src" / "smol.gguf"))
 
 
+@pytest.mark.parametrize("hosts", [2], indirect=True)
 async def test_a_model_added_on_one_node_is_fetched_from_its_disk_by_the_other(
-    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+    hosts: Network, hosts_nats: EmbeddedNats, hosts_js: JetStreamContext, tmp_path: Path
 ) -> None:
-    nats, db = nats_server.url, f"sqlite:///{tmp_path / 'shoal.db'}"
+    js, nats, db = hosts_js, hosts_nats.url, f"sqlite:///{tmp_path / 'shoal.db'}"
     env = {**os.environ, "SHOAL_DATA_DIR": str(tmp_path / "cli")}
     log = await EventLog().start(js)
     port = free_port("127.0.0.1")
@@ -90,7 +93,7 @@ async def test_a_model_added_on_one_node_is_fetched_from_its_disk_by_the_other(
         procs.start("projector", "projector", "--nats", nats, "--db", db)
         procs.start("planner", "planner", "--nats", nats, "--db", db)
         procs.start("api", "api", "--nats", nats, "--db", db, "--port", str(port))
-        for node, host in NODES.items():
+        for node, host in zip(NODES, hosts.hosts, strict=True):
             procs.start(
                 node,
                 "join",
@@ -104,8 +107,7 @@ async def test_a_model_added_on_one_node_is_fetched_from_its_disk_by_the_other(
                 "1",
                 "--runner-threads",
                 "1",
-                "--data-host",
-                host,
+                host=host,
             )
         await log.wait_count(NodeJoined, lambda e: True, 2, timeout=60)
 
@@ -190,6 +192,7 @@ async def test_a_model_added_on_one_node_is_fetched_from_its_disk_by_the_other(
     assert downloading and downloading[-1].progress == 1.0
     runner_log = (tmp_path / "w-b" / "logs" / f"runner-{head.runner_id}.log").read_text()
     assert "from node w-a" in runner_log
+    assert f"http://{hosts.hosts[0].address}:" in runner_log  # across the bridge
     assert await object_info(js, MODELS_BUCKET, event.files[0].object) is None
     # w-a, a later stage (llama.cpp's RPC server: the head sends it its layers), fetched none.
     assert not (tmp_path / "w-a" / "models" / "blobs" / f"{sha}.partial").exists()
