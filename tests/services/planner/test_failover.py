@@ -1,5 +1,6 @@
-"""Re-placement with real workers and runners: three worker processes act as three nodes
-(each with its own node id and memory limit) serving SmolLM2 through llama.cpp."""
+"""Re-placement with real workers and runners: three nodes on test hosts of their own (each
+with its own address, node id and memory limit) serving SmolLM2 through llama.cpp; NATS, the
+projector and the planner on this machine, across the hosts' bridge."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from bus.events import (
 )
 from bus.publisher import Publisher
 from bus.records import ChatMessage, SamplingParams
+from harness.hosts import Network
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes
 
@@ -41,10 +43,10 @@ def _ready(runner_id: str) -> Callable[[RunnerStateChanged], bool]:
     return lambda e: e.runner_id == runner_id and e.state == "Ready"
 
 
-def _start_cluster(procs: Processes, nats: str, db: str, tmp: Path) -> None:
+def _start_cluster(procs: Processes, nats: str, db: str, tmp: Path, hosts: Network) -> None:
     procs.start("projector", "projector", "--nats", nats, "--db", db)
     procs.start("planner", "planner", "--nats", nats, "--db", db)
-    for node, limit in LIMITS.items():
+    for (node, limit), host in zip(LIMITS.items(), hosts.hosts, strict=True):
         procs.start(
             node,
             "worker",
@@ -60,17 +62,19 @@ def _start_cluster(procs: Processes, nats: str, db: str, tmp: Path) -> None:
             "1",
             "--runner-threads",
             "1",
+            host=host,
         )
 
 
-async def test_a_killed_worker_s_instance_is_placed_again_and_serves(
-    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+async def test_a_dead_node_s_instance_is_placed_again_and_serves(
+    hosts: Network, hosts_nats: EmbeddedNats, hosts_js: JetStreamContext, tmp_path: Path
 ) -> None:
+    js, nats_server = hosts_js, hosts_nats
     db = f"sqlite:///{tmp_path / 'shoal.db'}"
     env = {**os.environ, "SHOAL_DATA_DIR": str(tmp_path / "cli")}
     log = await EventLog().start(js)
     with Processes(tmp_path / "logs", env) as procs:
-        _start_cluster(procs, nats_server.url, db, tmp_path)
+        _start_cluster(procs, nats_server.url, db, tmp_path, hosts)
         await log.wait_count(NodeJoined, lambda e: True, 3, timeout=60)
         await procs.wait_log("projector", "resuming after seq")
         created = await asyncio.to_thread(
@@ -100,7 +104,7 @@ async def test_a_killed_worker_s_instance_is_placed_again_and_serves(
 
         assert not log.of(NodeTimedOut)  # heartbeats kept coming while the model loaded
         killed_at = time.monotonic()
-        procs.kill("w-a")
+        hosts.hosts[0].kill()  # w-a's machine dies: its worker and runner at once
         timed_out = await log.wait_for(NodeTimedOut, timeout=30)
         again = await log.wait_for(InstancePlaced, lambda e: e.generation == 2, timeout=30)
         moved = again.shards[0].runner_id
@@ -130,13 +134,15 @@ async def test_a_killed_worker_s_instance_is_placed_again_and_serves(
         assert "Paris" in "".join(c.text for c in await log.wait_chunks("t1"))
 
 
+@pytest.mark.parametrize("hosts", [2], indirect=True)
 async def test_a_runner_that_keeps_failing_moves_then_is_rejected(
-    nats_server: EmbeddedNats, js: JetStreamContext, tmp_path: Path
+    hosts: Network, hosts_nats: EmbeddedNats, hosts_js: JetStreamContext, tmp_path: Path
 ) -> None:
     """Weights that no engine can load fail on every node: the instance moves from node to
     node, then is rejected, and stays rejected (no loop)."""
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 4096)
+    js, nats_server = hosts_js, hosts_nats
     db = f"sqlite:///{tmp_path / 'shoal.db'}"
     log = await EventLog().start(js)
     pub = Publisher(js)
@@ -145,7 +151,8 @@ async def test_a_runner_that_keeps_failing_moves_then_is_rejected(
         procs.start(
             "planner", "planner", "--nats", nats_server.url, "--db", db, "--failure-window", "60"
         )
-        for node, command in (("w-a", "worker"), ("w-b", "join")):  # join: the same command
+        commands = (("w-a", "worker"), ("w-b", "join"))  # join: the same command
+        for (node, command), host in zip(commands, hosts.hosts, strict=True):
             procs.start(
                 node,
                 command,
@@ -157,6 +164,7 @@ async def test_a_runner_that_keeps_failing_moves_then_is_rejected(
                 str(tmp_path / node),
                 "--heartbeat",
                 "0.5",
+                host=host,
             )
         await log.wait_count(NodeJoined, lambda e: True, 2, timeout=60)
         await pub.publish(
