@@ -22,7 +22,7 @@ import httpx
 import pytest
 from playwright.async_api import ConsoleMessage, Page, async_playwright
 
-from bus.embedded import free_port
+from harness.hosts import Network
 from tests.api.conftest import ApiStack, wait_healthy
 from tests.cli.shoal_up import KEY, MODEL, REPO, read_until_ready, start, stop
 from tests.services.processes import SHOAL
@@ -68,29 +68,24 @@ async def test_the_page_and_its_files_need_no_key(api_stack: ApiStack) -> None:
 
 
 @pytest.mark.slow
-async def test_the_dashboard_shows_a_split_model_and_chats_with_it(tmp_path: Path) -> None:
-    """`shoal up` and `shoal join` on one machine, each offering 160 MiB: SmolLM2 fits on
-    neither, so it is split over both. The page, with the API key typed in, shows the nodes,
-    the instance across them, the event feed, a streamed chat answer, a placement preview,
-    and deletes the instance."""
+@pytest.mark.parametrize("hosts", [2], indirect=True)
+async def test_the_dashboard_shows_a_split_model_and_chats_with_it(
+    hosts: Network, tmp_path: Path
+) -> None:
+    """`shoal up` on one test host and `shoal join` on another (found by the secret), each
+    offering 160 MiB: SmolLM2 fits on neither, so it is split over both. The page, opened from
+    this machine across the hosts' bridge with the API key typed in, shows the nodes, the
+    instance across them, the event feed, a streamed chat answer, a placement preview, and
+    deletes the instance."""
     if not HAVE_CHROMIUM:
         pytest.fail(f"no chromium at {CHROMIUM}: `make pytest` installs it, or set SHOAL_CHROMIUM")
-    port = free_port("127.0.0.1")
+    first, second = hosts.hosts
+    port = 8000
+    env = {"SHOAL_CLUSTER_SECRET": "dashboard-test-secret-0123456789"}
+    split = ["--memory-limit", "160M", "--runner-threads", "1"]
+    listen = ["--host", "0.0.0.0", "--port", str(port), "--api-key", KEY]
     up = start(
-        [
-            SHOAL,
-            "up",
-            "--data-dir",
-            str(tmp_path / "a"),
-            "--port",
-            str(port),
-            "--memory-limit",
-            "160M",
-            "--runner-threads",
-            "1",
-            "--api-key",
-            KEY,
-        ]
+        first.argv([SHOAL, "up", "--data-dir", str(tmp_path / "a"), *listen, *split]), env=env
     )
     joined: subprocess.Popen[str] | None = None
     ready: asyncio.Task[list[str]] | None = None
@@ -103,27 +98,15 @@ async def test_the_dashboard_shows_a_split_model_and_chats_with_it(tmp_path: Pat
                 if not line:
                     raise RuntimeError("shoal up exited:\n" + "".join(lines))
                 lines.append(line)
-        nats = re.search(r"^NATS\s+(\S+)", "".join(lines), re.MULTILINE)
-        assert nats is not None
         joined = start(
-            [
-                SHOAL,
-                "join",
-                "--nats",
-                nats.group(1),
-                "--memory-limit",
-                "160M",
-                "--node-id",
-                "b",
-                "--data-dir",
-                str(tmp_path / "b"),
-                "--runner-threads",
-                "1",
-            ]
+            second.argv(
+                [SHOAL, "join", "--node-id", "b", "--data-dir", str(tmp_path / "b"), *split]
+            ),
+            env=env,
         )
         # The model loads while the browser starts.
         ready = asyncio.create_task(read_until_ready(up))
-        await _in_the_browser(f"http://127.0.0.1:{port}", ready)
+        await _in_the_browser(f"http://{first.address}:{port}", ready)
         lines += await ready
     finally:
         if joined is not None:
