@@ -2,6 +2,10 @@
 `shoal projector`, `shoal planner`, `shoal worker` and `shoal api` processes started, stopped
 and killed one by one, each logging to ``<tmp>/logs/<name>.log``.
 
+With ``hosts``, each worker runs on a test host of its own (``harness/hosts.py``): its own
+address, its machine killed whole by ``lose``; NATS and the other services stay on this machine,
+which the hosts reach across their bridge (NATS listens on the bridge's address).
+
 The test keeps its own NATS connection (to publish, and to watch the log through
 ``EventLog``) and reads the projection database directly.
 """
@@ -27,6 +31,7 @@ from bus.events import InstancePlaced, InstanceRequested, NodeJoined, RunnerStat
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
 from cli.models import publish_model
+from harness.hosts import Host, Network
 from projectors import database
 from projectors.rows import RunnerRow, TaskRow
 from projectors.store import load_state, read_offset
@@ -53,6 +58,8 @@ class Cluster:
     apis: dict[str, str] = field(default_factory=dict)  # process name -> base URL
     projector: str | None = None  # the name of the live projector process
     kinds: dict[str, str] = field(default_factory=dict)  # process name -> shoal command
+    net: Network | None = None  # the test hosts the workers run on, if any
+    hosts: dict[str, Host] = field(default_factory=dict)  # worker name -> its host
 
     # --- processes ----------------------------------------------------------------------
 
@@ -73,6 +80,9 @@ class Cluster:
     ) -> None:
         limit = ["--memory-limit", memory_limit] if memory_limit else []
         self.kinds[node] = "worker"
+        host = None
+        if self.net is not None:
+            host = self.hosts[node] = self.net.hosts[len(self.hosts)]
         self.procs.start(
             node,
             "worker",
@@ -87,6 +97,7 @@ class Cluster:
             "--runner-threads",
             "1",
             *limit,
+            host=host,
         )
         await self.log.wait_for(NodeJoined, lambda e: e.node_id == node, timeout=60)
 
@@ -115,6 +126,10 @@ class Cluster:
         self.procs.kill(name)
         if name == self.projector:
             self.projector = None
+
+    def lose(self, node: str) -> None:
+        """A worker's machine dies: every process on its host (worker, runners) at once."""
+        self.hosts[node].kill()
 
     async def stop_all_but_projector(self) -> None:
         """Stop every service that publishes, so that the log stops growing: the APIs, then
@@ -218,11 +233,20 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_cluster(tmp: Path) -> AsyncIterator[Cluster]:
-    """A nats-server and the test's connection to it; the test starts the services. On the
-    way out every process is stopped (SIGTERM, then SIGKILL) and the tails of their logs and
-    of the runners' logs are printed (pytest shows them when the test failed)."""
-    nats = EmbeddedNats(tmp / "nats")
+async def running_cluster(tmp: Path, hosts: int = 0) -> AsyncIterator[Cluster]:
+    """A nats-server and the test's connection to it; the test starts the services (workers on
+    ``hosts`` test hosts, when given). On the way out every process is stopped (SIGTERM, then
+    SIGKILL) and the tails of their logs and of the runners' logs are printed (pytest shows
+    them when the test failed)."""
+    async with contextlib.AsyncExitStack() as stack:
+        net = stack.enter_context(Network(tmp / "hosts", hosts)) if hosts else None
+        async with _cluster(tmp, net) as c:
+            yield c
+
+
+@contextlib.asynccontextmanager
+async def _cluster(tmp: Path, net: Network | None) -> AsyncIterator[Cluster]:
+    nats = EmbeddedNats(tmp / "nats", host=net.gateway if net is not None else "127.0.0.1")
     nats.start()
     db_url = f"sqlite:///{tmp / 'shoal.db'}"
     engine = database.create_engine(db_url)
@@ -240,6 +264,7 @@ async def running_cluster(tmp: Path) -> AsyncIterator[Cluster]:
             await EventLog().start(js),
             engine,
             db_url,
+            net=net,
         )
         try:
             with c.procs:

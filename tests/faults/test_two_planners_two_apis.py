@@ -53,7 +53,7 @@ def _already_decided(c: Cluster) -> int:
 
 
 async def test_two_planners_and_two_apis_under_load(tmp_path: Path) -> None:
-    async with running_cluster(tmp_path) as c:
+    async with running_cluster(tmp_path, hosts=2) as c:
         await c.start_projector()
         c.start_planner("p1")
         c.start_planner("p2")
