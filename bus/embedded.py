@@ -16,7 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -77,6 +77,7 @@ class EmbeddedNats:
         cluster_port: int | None = None,
         routes: Sequence[str] = (),
         config: str = "",
+        launcher: Callable[[list[str]], list[str]] | None = None,
     ) -> None:
         """``security``: the credentials clients must present (none: anyone may connect);
         ``tls_cert``/``tls_key``: the server's certificate, which makes clients use TLS;
@@ -87,7 +88,8 @@ class EmbeddedNats:
         (``nats://host:cluster_port`` each; listing this server's own is harmless). Each server
         needs its own ``server_name`` and data directory; JetStream answers once the cluster has
         elected a meta leader (a majority of the servers are up), which ``start`` does not wait
-        for."""
+        for. ``launcher``: turns the server's command line into the one to run (a test runs it
+        on a test host)."""
         # Absolute, as are the TLS files: the server is handed them as arguments and a config.
         self.data_dir = Path(data_dir).absolute()
         self.host = host
@@ -102,6 +104,7 @@ class EmbeddedNats:
             None if cluster_name is None else cluster_port if cluster_port else free_port(host)
         )
         self.routes = list(routes)
+        self.launcher = launcher
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -155,6 +158,8 @@ class EmbeddedNats:
         # Its own session: a Ctrl-C at the terminal stops `shoal up`, which stops its services
         # and then this server; the server must not vanish first, under services still using
         # it. And it dies with its parent, so a killed `shoal up` leaves no server behind.
+        if self.launcher is not None:
+            cmd = self.launcher(cmd)
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent
         )

@@ -1,12 +1,12 @@
-"""A NATS cluster on loopback for tests: three (or more) embedded nats-servers with JetStream,
-routed to each other, each with its own name, ports and store directory."""
+"""A NATS cluster for tests: three (or more) embedded nats-servers with JetStream, routed to
+each other, each with its own name and store directory, each on a test host of its own
+(``harness/hosts.py``: its own address, as on separate machines)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
@@ -18,27 +18,34 @@ from nats.js.errors import Error as JetStreamError
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from harness.hosts import Network
+
+CLIENT_PORT = 4222
+CLUSTER_PORT = 6222
 
 
 class NatsCluster:
-    """``async with NatsCluster(dir) as cluster`` runs ``size`` servers until exit, and enters
-    once JetStream answers (the servers have elected a meta leader). Server ``i`` is named
-    ``n<i>``; ``urls_from(i)`` lists every server's client URL with server ``i`` first."""
+    """``async with NatsCluster(dir, net) as cluster`` runs a server on each host until exit,
+    and enters once JetStream answers (the servers have elected a meta leader). Server ``i`` (on
+    host ``i``) is named ``n<i>``; ``urls_from(i)`` lists every server's client URL with server
+    ``i`` first."""
 
-    def __init__(self, base_dir: Path, size: int = 3, name: str = "shoal") -> None:
-        ports = _free_ports(2 * size)
-        cluster_ports = ports[size:]
-        routes = [f"nats://127.0.0.1:{p}" for p in cluster_ports]
+    def __init__(self, base_dir: Path, net: Network, name: str = "shoal") -> None:
+        """A server on each of ``net``'s hosts, on the usual ports (each host has its own)."""
+        self.net = net
+        routes = [f"nats://{h.address}:{CLUSTER_PORT}" for h in net.hosts]
         self.servers = [
             EmbeddedNats(
                 base_dir / f"n{i}",
-                port=ports[i],
+                port=CLIENT_PORT,
+                host=h.address,
                 server_name=f"n{i}",
                 cluster_name=name,
-                cluster_port=cluster_ports[i],
+                cluster_port=CLUSTER_PORT,
                 routes=routes,
+                launcher=h.argv,
             )
-            for i in range(size)
+            for i, h in enumerate(net.hosts)
         ]
 
     @property
@@ -56,7 +63,7 @@ class NatsCluster:
         return self.urls_from(0)
 
     def index_of(self, url_or_name: str) -> int:
-        """Which server a client URL (``nats://127.0.0.1:P``) or a server name is."""
+        """Which server a client URL (``nats://10.77.N.I:4222``) or a server name is."""
         for i, s in enumerate(self.servers):
             if url_or_name in (s.url, s.server_name):
                 return i
@@ -99,17 +106,6 @@ class NatsCluster:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await asyncio.to_thread(self.stop)
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (held all at once while they are picked)."""
-    with contextlib.ExitStack() as stack:
-        socks = [
-            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)
-        ]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
 
 
 async def stream_info(nc: Client, stream: str, timeout: float = 30.0) -> StreamInfo:

@@ -30,6 +30,7 @@ from bus.publisher import ChunkPublisher, Publisher
 from bus.reader import read_stream
 from bus.records import ChatMessage, Timings, Usage
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, StreamSettings, ensure_streams
+from harness.hosts import Network
 from projectors import database
 from projectors.rules import fold
 from tests.bus.nats_cluster import (
@@ -49,8 +50,8 @@ pytestmark = pytest.mark.slow  # three nats-servers, each lost in turn
 
 
 @pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
-    async with NatsCluster(tmp_path / "nats") as c:
+async def cluster(tmp_path: Path, hosts: Network) -> AsyncIterator[NatsCluster]:
+    async with NatsCluster(tmp_path / "nats", hosts) as c:
         yield c
 
 

@@ -12,16 +12,19 @@ from bus.connection import connect
 from bus.object_fetch import fetch_file
 from bus.object_store import object_info, object_stream, put_file
 from bus.streams import MODELS_BUCKET, StreamSettings, ensure_streams
+from harness.hosts import Network
 from tests.bus.nats_cluster import NatsCluster, make_leader, stream_info
 
 pytestmark = pytest.mark.slow
 
 
-async def test_a_file_outlives_the_server_that_led_its_bucket(tmp_path: Path) -> None:
+async def test_a_file_outlives_the_server_that_led_its_bucket(
+    tmp_path: Path, hosts: Network
+) -> None:
     src = tmp_path / "w.bin"
     src.write_bytes(os.urandom(3 * 1024 * 1024))
     bucket = object_stream(MODELS_BUCKET)
-    async with NatsCluster(tmp_path / "nats") as cluster:
+    async with NatsCluster(tmp_path / "nats", hosts) as cluster:
         writer = await connect(cluster.urls_from(0), name="writer")
         reader = await connect(cluster.urls_from(2), name="reader")
         try:

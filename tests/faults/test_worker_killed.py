@@ -1,7 +1,7 @@
 """The test host that serves an instance dies (its worker and runner SIGKILLed at once), under
-load through the API: its node times out, the instance is placed on the other worker and serves again, and the tasks that
-were running on the lost node go on there, one that its runner had pulled but not yet started
-included; every request is answered.
+load through the API: its node times out, the instance is placed on the other worker's host and
+serves again, and the tasks that were running on the lost node go on there, one that its runner
+had pulled but not yet started included; every request is answered.
 
 tests/services/planner/test_failover.py shows the re-placement itself with three workers and
 tasks published directly; this is the same fault seen by API clients, with the invariants."""

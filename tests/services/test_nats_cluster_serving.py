@@ -1,7 +1,9 @@
 """Serving through a 3-server NATS cluster (JetStream replicas 3) while one server is lost.
 
-Projector, planner and a worker (SmolLM2 on llama.cpp) are on server n0; three `shoal api`
-processes are each on a different server first, all given every server's URL. 60 streamed
+Each server is on a test host of its own. A worker (SmolLM2 on llama.cpp) is on n0's host;
+projector, planner and three `shoal api` processes are on this machine, across the bridge: the
+projector and planner use n0 first, each API a different server first, all given every
+server's URL. 60 streamed
 chat requests are spread over the APIs, and partway the server n1 is killed, after being made
 the leader of both streams and of the task and projector consumers (the hardest place to lose).
 
@@ -29,6 +31,7 @@ from bus.connection import connect
 from bus.embedded import free_port
 from bus.events import NodeJoined, NodeTimedOut, RunnerStateChanged, TaskCreated, TaskStarted
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, StreamSettings, ensure_streams
+from harness.hosts import Network
 from projectors import database
 from projectors.store import read_offset
 from services.runner.consumers import tasks_consumer_name
@@ -78,10 +81,10 @@ async def _offset(db_url: str) -> int:
         await engine.dispose()
 
 
-async def test_losing_a_nats_server_while_serving(tmp_path: Path) -> None:
+async def test_losing_a_nats_server_while_serving(tmp_path: Path, hosts: Network) -> None:
     db = f"sqlite:///{tmp_path / 'shoal.db'}"
     env = {**os.environ, "SHOAL_DATA_DIR": str(tmp_path / "cli"), "SHOAL_STREAM_REPLICAS": "3"}
-    async with NatsCluster(tmp_path / "nats") as cluster:
+    async with NatsCluster(tmp_path / "nats", hosts) as cluster:
         back = cluster.urls_from(0)  # projector, planner, worker and its runner: on n0
         nc = await connect(back, name="test")
         js = nc.jetstream()
@@ -101,6 +104,7 @@ async def test_losing_a_nats_server_while_serving(tmp_path: Path) -> None:
                 str(tmp_path / "w-a"),
                 "--runner-threads",
                 "1",
+                host=hosts.hosts[0],
             )
             apis = []
             for i in range(3):

@@ -15,6 +15,7 @@ from bus.events import NodeJoined, NodeTimedOut, ResourceProfiled
 from bus.publisher import Publisher
 from bus.records import NodeProfile
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
+from harness.hosts import Network
 from tests.bus.nats_cluster import NatsCluster, make_leader, stream_info
 from tests.services.event_log import EventLog
 from tests.services.processes import Processes
@@ -27,6 +28,7 @@ MISSED = 6  # heartbeats missed before a node times out: room for a slow leader 
 
 async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed_out(
     tmp_path: Path,
+    hosts: Network,
 ) -> None:
     """While a stream elects a leader (its leader's server lost) nothing can be stored, and a
     node's heartbeats land only once it has one: the planner counts silence from the change
@@ -35,7 +37,7 @@ async def test_a_node_silent_while_the_events_stream_changed_leader_is_not_timed
     env = {**os.environ, "SHOAL_STREAM_REPLICAS": "3"}
     loop = asyncio.get_running_loop()
     timeout_s = MISSED * HEARTBEAT_S
-    async with NatsCluster(tmp_path / "nats") as cluster:
+    async with NatsCluster(tmp_path / "nats", hosts) as cluster:
         nc = await connect(cluster.urls_from(0), name="test")
         js = nc.jetstream()
         await ensure_streams(js, StreamSettings(replicas=3))
