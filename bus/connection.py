@@ -21,6 +21,12 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 # CPU there; with 1 MiB reads it fetches about 1.4 times as fast (docs/models.md). nats-py
 # takes the size from this module global, when a connection is made and at each read.
 nats.aio.client.DEFAULT_BUFFER_SIZE = 1024 * 1024
+# A server that stops answering without closing the connection (its machine cut off the
+# network, or frozen) is noticed after this many unanswered pings this far apart: about 9-12 s,
+# where nats-py's defaults (2 minutes, twice) would leave a client on a partitioned server for
+# up to 4 minutes before it tries another (tests/faults/test_partitions.py).
+PING_INTERVAL_S = 3
+MAX_OUTSTANDING_PINGS = 3
 
 
 class NatsUnavailable(ConnectionError):
@@ -78,6 +84,8 @@ async def connect(
             max_reconnect_attempts=-1,
             reconnect_time_wait=1,
             dont_randomize=True,
+            ping_interval=PING_INTERVAL_S,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
