@@ -6,6 +6,8 @@ a copy on the same disk for reference.
 
 It writes a file of random bytes (``--size-mb``) in ``--dir`` (the system's temporary
 directory by default), starts its own nats-server with its store there too (the same disk),
+makes two test hosts (``harness/hosts.py``: their own addresses; root needed) — the first
+holds the file, the second fetches it, across their link (``--mbit`` limits its bandwidth) —
 and measures, in alternating rounds (this machine is noisy: medians are printed):
 
 - shoal: a first worker's cache holds the file (a link, as ``shoal up`` or ``shoal models add``
@@ -44,10 +46,11 @@ import psutil
 from bench.common.procfs import HZ, descendants, named, process_ticks
 from bench.common.report import med, print_head, verdict
 from bus.connection import connect
-from bus.embedded import EmbeddedNats, free_port, port_in_use
+from bus.embedded import EmbeddedNats, port_in_use
 from bus.events import WeightFile
 from bus.streams import ensure_streams
 from bus.units import GiB, MiB
+from harness.hosts import Host, Network
 from services.models.shared import fetch_files, store_files
 from services.models.weights_cache import WeightsCache
 from services.worker.weights_server import WeightsServer
@@ -55,6 +58,7 @@ from services.worker.weights_server import WeightsServer
 TARGET_RATIO = 0.8
 FLAT_MIB = 64.0
 SAMPLE_S = 0.02
+HTTP_PORT = 8080  # the plain file server's, on the first host
 
 
 @dataclass
@@ -85,14 +89,15 @@ def _copy(src: Path, dst: Path) -> float:
 # --- the processes ------------------------------------------------------------------------
 
 
-async def _serve_here(url: str, src: Path, cache: Path) -> None:
-    """The first worker's part: its cache holds ``src``; its weights server answers."""
+async def _serve_here(url: str, src: Path, cache: Path, address: str) -> None:
+    """The first worker's part: its cache holds ``src``; its weights server answers, at
+    ``address``."""
     nc = await connect(url, name="bench-holder")
     try:
         (f,) = await store_files(
             nc.jetstream(), [(src.name, src)], cache=WeightsCache(cache), put=False
         )
-        server = WeightsServer(WeightsCache(cache), "127.0.0.1", "holder")
+        server = WeightsServer(WeightsCache(cache), address, "holder")
         server.start()
         await server.answer(nc)
         print(f.model_dump_json(), flush=True)
@@ -121,7 +126,7 @@ async def _fetch_here(url: str, files: list[WeightFile], cache: Path) -> None:
 class Fetcher:
     """The second worker's process, fetching when asked; its RSS sampled meanwhile."""
 
-    def __init__(self, url: str, files: list[WeightFile], cache: Path) -> None:
+    def __init__(self, url: str, files: list[WeightFile], cache: Path, host: Host) -> None:
         argv = [
             sys.executable,
             "-m",
@@ -133,7 +138,9 @@ class Fetcher:
             "--files",
             json.dumps([f.model_dump() for f in files]),
         ]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            host.argv(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         assert self.proc.stdout.readline().strip() == "ready"
         self.watched = psutil.Process(self.proc.pid)
@@ -169,12 +176,12 @@ class Fetcher:
         self.proc.wait(30)
 
 
-def _curl(url: str, out: Path, server_pid: int) -> Transfer:
+def _curl(url: str, out: Path, server_pid: int, host: Host) -> Transfer:
     out.unlink(missing_ok=True)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     server_ticks = process_ticks(server_pid)
     start = time.perf_counter()
-    subprocess.run(["curl", "-sS", "--fail", "-o", str(out), url], check=True)
+    subprocess.run(host.argv(["curl", "-sS", "--fail", "-o", str(out), url]), check=True)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
@@ -186,7 +193,7 @@ def _curl(url: str, out: Path, server_pid: int) -> Transfer:
 # --- the run --------------------------------------------------------------------------------
 
 
-def _bucket(url: str, src: Path, work: Path, nats_pid: int) -> tuple[float, Transfer]:
+def _bucket(url: str, src: Path, work: Path, nats_pid: int, host: Host) -> tuple[float, Transfer]:
     """A model added where no worker runs: stored in the bucket, fetched from it."""
 
     async def store() -> tuple[list[WeightFile], float]:
@@ -201,7 +208,7 @@ def _bucket(url: str, src: Path, work: Path, nats_pid: int) -> tuple[float, Tran
             await nc.close()
 
     files, store_s = asyncio.run(store())
-    fetcher = Fetcher(url, files, work / "bucket-fetcher")
+    fetcher = Fetcher(url, files, work / "bucket-fetcher", host)
     try:
         return store_s, fetcher.fetch(nats_pid)
     finally:
@@ -213,6 +220,8 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--mbit", type=float, default=None, help="the link's bandwidth")
+    parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--fetch", help=argparse.SUPPRESS)  # the second worker's process
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the first worker's process
     parser.add_argument("--src", type=Path, help=argparse.SUPPRESS)
@@ -224,7 +233,7 @@ def main() -> None:
         asyncio.run(_fetch_here(args.fetch, files, args.cache))
         return
     if args.serve:
-        asyncio.run(_serve_here(args.serve, args.src, args.cache))
+        asyncio.run(_serve_here(args.serve, args.src, args.cache, args.address))
         return
 
     size = args.size_mb * MiB
@@ -235,47 +244,60 @@ def main() -> None:
         src = work / "weights.bin"
         _random_file(src, size)
         copy = _copy(src, work / "copy.bin")
-        with EmbeddedNats(work / "nats") as server:
+        with (
+            Network(work / "hosts", 2) as net,
+            EmbeddedNats(work / "nats", host=net.gateway) as server,
+        ):
+            first, second = net.hosts
+            for host in net.hosts:
+                host.shape(args.mbit)
             nats_pid = next(p for p in descendants(os.getpid()) if named(p) == "nats-server")
-            store_s, bucket = _bucket(server.url, src, work, nats_pid)
+            store_s, bucket = _bucket(server.url, src, work, nats_pid, second)
             holder = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.weights",
-                    "--serve",
-                    server.url,
-                    "--src",
-                    str(src),
-                    "--cache",
-                    str(work / "holder"),
-                ],
+                first.argv(
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.weights",
+                        "--serve",
+                        server.url,
+                        "--src",
+                        str(src),
+                        "--cache",
+                        str(work / "holder"),
+                        "--address",
+                        first.address,
+                    ]
+                ),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
             )
             assert holder.stdout is not None and holder.stdin is not None
             held = WeightFile.model_validate_json(holder.stdout.readline())
-            port = free_port("127.0.0.1")
+            port = HTTP_PORT
             http = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "http.server",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--directory",
-                    str(work),
-                ],
+                first.argv(
+                    [
+                        sys.executable,
+                        "-m",
+                        "http.server",
+                        str(port),
+                        "--bind",
+                        first.address,
+                        "--directory",
+                        str(work),
+                    ]
+                ),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            fetcher = Fetcher(server.url, [held], work / "fetcher")
+            fetcher = Fetcher(server.url, [held], work / "fetcher", second)
             try:
-                _wait_listening(port)
+                _wait_listening(first.address, port)
                 for _ in range(args.rounds):
-                    curl.append(_curl(f"http://127.0.0.1:{port}/{src.name}", work / "c", http.pid))
+                    url = f"http://{first.address}:{port}/{src.name}"
+                    curl.append(_curl(url, work / "c", http.pid, second))
                     shoal.append(fetcher.fetch(holder.pid))
             finally:
                 fetcher.close()
@@ -288,7 +310,8 @@ def main() -> None:
     mb = size / 1e6
     print(
         f"\nweights between machines: a {args.size_mb} MiB file, {os.cpu_count()} cores,"
-        f" loopback, medians of {args.rounds} alternating rounds\n"
+        f" two test hosts, {f'a {args.mbit:g} Mbit/s link' if args.mbit else 'the link unshaped'},"
+        f" medians of {args.rounds} alternating rounds\n"
     )
     head = f"{'':<44}{'seconds':>9}{'MB/s':>8}{'client CPU s/GiB':>18}{'server':>8}"
     print_head(head)
@@ -317,9 +340,9 @@ def main() -> None:
     )
 
 
-def _wait_listening(port: int) -> None:
+def _wait_listening(host: str, port: int) -> None:
     deadline = time.monotonic() + 10
-    while not port_in_use("127.0.0.1", port):
+    while not port_in_use(host, port):
         if time.monotonic() > deadline:
             raise SystemExit("python -m http.server did not start")
         time.sleep(0.05)
