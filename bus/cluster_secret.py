@@ -46,6 +46,11 @@ class ClusterSecret:
         return _derive(self.value, "shoal nats token v1").hex()
 
     @property
+    def route_password(self) -> str:
+        """What the NATS servers of an HA cluster authenticate their routes with."""
+        return _derive(self.value, "shoal nats routes v1").hex()
+
+    @property
     def cluster_id(self) -> str:
         """Public: which announcements are this cluster's."""
         return _derive(self.value, "shoal cluster id v1").hex()[:16]

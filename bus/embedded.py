@@ -78,6 +78,7 @@ class EmbeddedNats:
         routes: Sequence[str] = (),
         config: str = "",
         launcher: Callable[[list[str]], list[str]] | None = None,
+        route_password: str | None = None,
     ) -> None:
         """``security``: the credentials clients must present (none: anyone may connect);
         ``tls_cert``/``tls_key``: the server's certificate, which makes clients use TLS;
@@ -88,8 +89,9 @@ class EmbeddedNats:
         (``nats://host:cluster_port`` each; listing this server's own is harmless). Each server
         needs its own ``server_name`` and data directory; JetStream answers once the cluster has
         elected a meta leader (a majority of the servers are up), which ``start`` does not wait
-        for. ``launcher``: turns the server's command line into the one to run (a test runs it
-        on a test host)."""
+        for. ``route_password``: the servers authenticate their routes with it (the cluster's
+        settings then go in the configuration file, not on the command line). ``launcher``:
+        turns the server's command line into the one to run (a test runs it on a test host)."""
         # Absolute, as are the TLS files: the server is handed them as arguments and a config.
         self.data_dir = Path(data_dir).absolute()
         self.host = host
@@ -104,6 +106,7 @@ class EmbeddedNats:
             None if cluster_name is None else cluster_port if cluster_port else free_port(host)
         )
         self.routes = list(routes)
+        self.route_password = route_password
         self.launcher = launcher
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -143,7 +146,7 @@ class EmbeddedNats:
             "--log",
             str(self.log_path),
         ]
-        if self.cluster_name is not None:
+        if self.cluster_name is not None and self.route_password is None:
             cmd += ["--cluster_name", self.cluster_name, "--cluster", str(self.cluster_url)]
             if self.routes:
                 cmd += ["--routes", ",".join(self.routes)]
@@ -177,7 +180,7 @@ class EmbeddedNats:
         raise NatsServerError(f"nats-server did not become ready in {timeout}s")
 
     def _config(self) -> str:
-        config = self.extra_config + self.security.server_authorization()
+        config = self.extra_config + self.security.server_authorization() + self._cluster()
         if self.tls_cert is not None and self.tls_key is not None:
             config += f"tls {{ cert_file: {json.dumps(str(self.tls_cert))},"
             config += f" key_file: {json.dumps(str(self.tls_key))}"
@@ -186,6 +189,19 @@ class EmbeddedNats:
                 config += f", ca_file: {json.dumps(str(self.security.tls_ca))}, verify: true"
             config += " }\n"
         return config
+
+    def _cluster(self) -> str:
+        """The cluster block, when its routes authenticate (their URLs carry the password)."""
+        if self.cluster_name is None or self.route_password is None:
+            return ""
+        password = self.route_password
+        routes = [json.dumps(r.replace("://", f"://shoal:{password}@", 1)) for r in self.routes]
+        return (
+            f"cluster {{ name: {json.dumps(self.cluster_name)},"
+            f" listen: {json.dumps(f'{self.host}:{self.cluster_port}')},"
+            f" authorization {{ user: shoal, password: {json.dumps(password)} }},"
+            f" routes: [{', '.join(routes)}] }}\n"
+        )
 
     def _last_error(self) -> str:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import dataclass
 from typing import Annotated
 
 import typer
@@ -12,8 +13,9 @@ import typer
 from bus.cluster_secret import ENV as SECRET_ENV
 from bus.cluster_secret import ClusterSecret, WeakSecret
 from services.addresses import is_loopback, is_wildcard, local_interfaces
-from services.discovery.announcement import Announcement
-from services.discovery.lan import find
+from services.discovery.announcement import Announcement, announcement
+from services.discovery.lan import Announcer, find
+from services.worker.worker import VERSION
 
 Secret = Annotated[
     str | None,
@@ -74,3 +76,61 @@ def lan_urls(scheme: str, host: str, port: int) -> list[str]:
     else:
         hosts = [] if is_loopback(host) else [host]
     return [f"{scheme}://{h}:{port}" for h in hosts]
+
+
+# --- high availability (`shoal up --ha`) ----------------------------------------------------
+
+HA_REPLICAS = 3
+ROUTE_PORT = 6222
+
+
+def announce(
+    secret: ClusterSecret, node_id: str, nats_urls: list[str], api_url: str, routes: list[str]
+) -> Announcer:
+    """This node's announcement on the LAN (``Announcer.start`` sends it)."""
+    hosts = [u.rsplit(":", 1)[0].split("://", 1)[1] for u in nats_urls]
+    port = int(nats_urls[0].rsplit(":", 1)[1])
+    found = announcement(secret, node_id, nats_urls, api_url, VERSION, routes)
+    return Announcer(found, hosts, port)
+
+
+def ha_peers(secret: ClusterSecret, own: str) -> list[Announcement]:
+    """The other servers of this secret's HA cluster on the LAN (``own`` is this node), looked
+    for a few seconds. A cluster of this secret whose server takes no routes was started
+    without --ha: it cannot become one (docs/operations.md#high-availability), an error."""
+    found = asyncio.run(find(secret, UP_LOOKS_S, every=True))
+    found.nodes.pop(own, None)
+    single = [a for a in found.nodes.values() if not a.routes]
+    if single:
+        urls = ",".join(single[0].nats_urls)
+        typer.echo(
+            f"error: the cluster of this secret at {urls} runs one NATS server (its `shoal up`"
+            " had no --ha), which cannot become a cluster of several (docs/operations.md"
+            "#high-availability): join it with `shoal join`, or start every machine with --ha",
+            err=True,
+        )
+        raise typer.Exit(1)
+    peers = list(found.nodes.values())
+    if peers:
+        typer.echo(
+            f"found {len(peers)} server(s) of this cluster: {', '.join(a.node_id for a in peers)}"
+        )
+    return peers
+
+
+@dataclass(frozen=True)
+class HaServer:
+    """What this node's NATS server needs to be one of the HA cluster's."""
+
+    name: str  # the NATS cluster's
+    routes: list[str]  # its own first (where the others reach it), then every peer's
+    password: str  # the routes'
+
+
+def ha_server(secret: ClusterSecret, own: list[str], peers: list[Announcement]) -> HaServer:
+    if not own:
+        raise typer.BadParameter(
+            "--ha needs NATS on an address other machines reach", param_hint="--nats-host"
+        )
+    routes = own + [r for peer in peers for r in peer.routes if r not in own]
+    return HaServer(f"shoal-{secret.cluster_id}", routes, secret.route_password)

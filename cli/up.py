@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
@@ -26,9 +27,12 @@ from bus.cluster_secret import ClusterSecret
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.events import InstanceRequested
+from bus.log_replicas import wait_for_servers
+from bus.log_replicas import watch as watch_log_replicas
 from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
 from bus.states import INSTANCE_LIVE, SERVING
+from bus.streams import StreamSettings
 from cli.api import (
     DEFAULT_MAX_BODY_TEXT,
     Aliases,
@@ -54,7 +58,18 @@ from cli.api import (
     reasoning_budget,
     serve_until,
 )
-from cli.cluster import UP_LOOKS_S, Secret, discover, lan_urls, use_secret
+from cli.cluster import (
+    HA_REPLICAS,
+    ROUTE_PORT,
+    UP_LOOKS_S,
+    Secret,
+    announce,
+    discover,
+    ha_peers,
+    ha_server,
+    lan_urls,
+    use_secret,
+)
 from cli.exposure import refuse_exposure
 from cli.models import publish_model
 from cli.options import (
@@ -78,10 +93,8 @@ from cli.up_progress import UpProgress, model_steps, weights_step
 from cli.worker import joining, serve_worker
 from projectors import database
 from projectors.db_url import absolute_db_url
-from projectors.projector import Projector, tune_gc
+from projectors.projector import DEFAULT_NAME, Projector, tune_gc
 from projectors.store import load_state
-from services.discovery.announcement import announcement
-from services.discovery.lan import Announcer
 from services.models.catalogue import builtin_cards
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
@@ -89,7 +102,7 @@ from services.planner.decisions import PlannerPolicy
 from services.planner.planner import PLANNING_TABLES, Planner
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit
-from services.worker.worker import VERSION, Worker, WorkerConfig
+from services.worker.worker import Worker, WorkerConfig
 
 DEFAULT_NATS_PORT = 4222
 DEFAULT_MODEL = "smollm2-135m"
@@ -115,6 +128,15 @@ def up(
         ),
     ] = None,
     secret: Secret = None,
+    ha: Annotated[
+        bool,
+        typer.Option(
+            "--ha",
+            help="This machine's NATS server is one of a cluster of three or more, found on the"
+            " LAN by --secret, the log on three of them: it survives the loss of any one"
+            " machine. Start three machines so (docs/operations.md#high-availability).",
+        ),
+    ] = False,
     db: Annotated[str | None, typer.Option(help="Projection database URL.")] = None,
     model: Annotated[str, typer.Option(help="Model to serve once up.")] = DEFAULT_MODEL,
     no_model: Annotated[bool, typer.Option("--no-model", help="Serve no model.")] = False,
@@ -182,7 +204,12 @@ def up(
         cache_size=cache_size(cache_size_text),
         warm_runner=warm_runner,
     )
-    if cluster is not None and (found := discover(cluster, UP_LOOKS_S, quiet=True)):
+    if ha and cluster is None:
+        typer.echo(
+            "error: --ha needs the cluster's secret (--secret or SHOAL_CLUSTER_SECRET)", err=True
+        )
+        raise typer.Exit(1)
+    if cluster is not None and not ha and (found := discover(cluster, UP_LOOKS_S, quiet=True)):
         # A second cluster of the same secret would split the machines: join the first.
         urls = joining(found)
         typer.echo("this machine joins it as a worker (as `shoal join` does)")
@@ -201,6 +228,10 @@ def up(
         raise typer.Exit(1)
     tls = api_tls(tls_cert, tls_key)
     settings = stream_settings(retain)
+    if ha:
+        # Every process this one starts, and every stream it makes: three replicas.
+        settings = replace(settings or StreamSettings(), replicas=HA_REPLICAS)
+        os.environ["SHOAL_STREAM_REPLICAS"] = str(HA_REPLICAS)
     if (nats_tls_cert is None) != (nats_tls_key is None):
         typer.echo("error: --nats-tls-cert and --nats-tls-key go together", err=True)
         raise typer.Exit(1)
@@ -223,13 +254,30 @@ def up(
         if port_in_use(nats_host, nats_port_):
             nats_port_ = free_port(nats_host)
             typer.echo(f"port {DEFAULT_NATS_PORT} is in use; the embedded NATS uses {nats_port_}")
+    joins = lan_urls("nats", nats_host, nats_port_)
+    api_lan = next(iter(lan_urls("https" if tls else "http", host, port)), "")
+    own_route = lan_urls("nats-route", nats_host, ROUTE_PORT)[:1] if ha else []
+    announcer = None
+    if cluster is not None and joins:
+        announcer = announce(cluster, worker_config.node_id, joins, api_lan, own_route)
+        # Before looking for peers: two machines started at once see each other.
+        announcer.start()
+    ha_srv = None
+    if cluster is not None and ha:
+        ha_srv = ha_server(cluster, own_route, ha_peers(cluster, worker_config.node_id))
+    routes = ha_srv.routes if ha_srv is not None else []
     server = EmbeddedNats(
         data / "nats",
         port=nats_port_,
         host=nats_host,
+        server_name=worker_config.node_id if ha_srv is not None else "shoal",
         security=security,
         tls_cert=nats_tls_cert,
         tls_key=nats_tls_key,
+        cluster_name=ha_srv.name if ha_srv is not None else None,
+        cluster_port=ROUTE_PORT if ha_srv is not None else None,
+        routes=routes,
+        route_password=ha_srv.password if ha_srv is not None else None,
     )
     server.start()
     url = api_url(host, port, tls)
@@ -238,9 +286,14 @@ def up(
         nc = await connect(server.url, name="shoal-up")
         worker_nc = await connect(server.url, name="shoal-up-worker")
         engine = database.create_engine(db_url)
-        projector = Projector(nc.jetstream(), engine, stream_settings=settings)
+        if ha and settings is not None:
+            await wait_for_servers(nc.jetstream(), settings, typer.echo)
+        # With --ha every machine has a projection of its own: its projector a consumer of its own.
+        name = f"up-{worker_config.node_id}" if ha else DEFAULT_NAME
+        projector = Projector(nc.jetstream(), engine, name=name, stream_settings=settings)
         tasks = [asyncio.create_task(projector.run(stop))]
-        announcer: Announcer | None = None
+        if ha:
+            tasks.append(asyncio.create_task(watch_log_replicas(nc.jetstream(), stop)))
         try:
             await _first(projector.ready.wait(), tasks[0])
             worker_dir = data / "worker"
@@ -267,10 +320,13 @@ def up(
                 models_dir=data / "models",
                 worker_models_dir=worker_dir / "models",
                 max_queued=max_queued,
+                projector=name,
             )
             api = api_server(config, host, port, tls)
             tasks += [
-                asyncio.create_task(Planner(nc, engine, policy, origin="planner@up").run(stop)),
+                asyncio.create_task(
+                    Planner(nc, engine, policy, origin="planner@up", projector=name).run(stop)
+                ),
                 asyncio.create_task(worker.run(stop)),
                 asyncio.create_task(serve_until(api, stop)),
             ]
@@ -281,22 +337,8 @@ def up(
             typer.echo(
                 f"clients   OpenAI {url}, Anthropic and Ollama {root} (/v1/messages, /api/chat)"
             )
-            joins = lan_urls("nats", nats_host, server.port)
             if joins:
                 typer.echo(f"join      on another machine: {join_line(cluster, joins[0])}")
-            if cluster is not None and joins:
-                announcer = Announcer(
-                    announcement(
-                        cluster,
-                        worker.node_id,
-                        joins,
-                        next(iter(lan_urls("https" if tls else "http", host, port)), ""),
-                        VERSION,
-                    ),
-                    [u.rsplit(":", 1)[0].removeprefix("nats://") for u in joins],
-                    server.port,
-                )
-                await announcer.start()
             if no_model:
                 # Ready once this node can be placed on: a request then loads its model.
                 await _first(_node_online(engine, worker.node_id), *tasks, stop.wait())
@@ -311,8 +353,6 @@ def up(
             await asyncio.gather(*tasks)
         finally:
             stop.set()
-            if announcer is not None:
-                await announcer.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             await engine.dispose()
             await worker_nc.drain()
@@ -321,6 +361,8 @@ def up(
     try:
         run_until_signal(main)
     finally:
+        if announcer is not None:
+            announcer.stop()
         server.stop()
     typer.echo("stopped")
 

@@ -22,11 +22,21 @@ MAX_URLS = 4
 
 
 def announcement(
-    secret: ClusterSecret, node_id: str, nats_urls: list[str], api_url: str, version: str
+    secret: ClusterSecret,
+    node_id: str,
+    nats_urls: list[str],
+    api_url: str,
+    version: str,
+    routes: list[str] | None = None,
 ) -> Announcement:
     """This node's announcement, signed."""
     unsigned = Announcement(
-        secret.cluster_id, node_id, tuple(nats_urls[:MAX_URLS]), api_url, version
+        secret.cluster_id,
+        node_id,
+        tuple(nats_urls[:MAX_URLS]),
+        api_url,
+        version,
+        tuple((routes or [])[:MAX_URLS]),
     )
     return unsigned.signed(secret)
 
@@ -38,6 +48,9 @@ class Announcement:
     nats_urls: tuple[str, ...]
     api_url: str = ""
     version: str = ""
+    # Where this node's NATS server takes routes from the other servers of an HA cluster
+    # (``nats-route://host:port``, no credentials); none for a single server.
+    routes: tuple[str, ...] = ()
     proof: str = ""
 
     def _message(self) -> bytes:
@@ -59,6 +72,7 @@ class Announcement:
             "u": ",".join(self.nats_urls),
             "a": self.api_url,
             "v": self.version,
+            "r": ",".join(self.routes),
             "p": self.proof,
         }
 
@@ -78,5 +92,6 @@ class Announcement:
             nats_urls=tuple(u for u in get("u").split(",") if u),
             api_url=get("a"),
             version=get("v"),
+            routes=tuple(r for r in get("r").split(",") if r),
             proof=get("p"),
         )

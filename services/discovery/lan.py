@@ -17,7 +17,7 @@ import logging
 import socket
 from dataclasses import dataclass, field
 
-from zeroconf import IPVersion, ServiceStateChange, Zeroconf
+from zeroconf import IPVersion, ServiceInfo, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from bus.cluster_secret import ClusterSecret
@@ -33,41 +33,47 @@ def _service_name(announcement: Announcement) -> str:
 
 
 class Announcer:
-    """Announces ``announcement`` on every interface until ``stop``."""
+    """Announces ``announcement`` on every interface from ``start`` until ``stop``, from
+    zeroconf's own thread (so not from within an event loop: its calls block)."""
 
     def __init__(self, announcement: Announcement, addresses: list[str], port: int) -> None:
         self.announcement = announcement
-        self._info = AsyncServiceInfo(
+        self._info = ServiceInfo(
             SERVICE_TYPE,
             _service_name(announcement),
             addresses=[socket.inet_aton(a) for a in addresses],
             port=port,
             properties=announcement.properties(),
         )
-        self._zc: AsyncZeroconf | None = None
+        self._zc: Zeroconf | None = None
 
-    async def start(self) -> None:
-        self._zc = AsyncZeroconf(ip_version=IPVersion.V4Only)
-        await self._zc.async_register_service(self._info)
+    def start(self) -> None:
+        self._zc = Zeroconf(ip_version=IPVersion.V4Only)
+        self._zc.register_service(self._info)
 
-    async def stop(self) -> None:
+    def stop(self) -> None:
         zc, self._zc = self._zc, None
         if zc is not None:
-            await zc.async_unregister_service(self._info)
-            await zc.async_close()
+            zc.unregister_service(self._info)
+            zc.close()
 
 
 @dataclass
 class Found:
-    """What a search saw: the announcement of this secret's cluster (None: not seen), and the
-    other clusters' ids seen (whose secret this machine lacks)."""
+    """What a search saw: the announcements of this secret's cluster, by node (none: not
+    seen), and the other clusters' ids seen (whose secret this machine lacks)."""
 
-    announcement: Announcement | None = None
+    nodes: dict[str, Announcement] = field(default_factory=dict)
     others: set[str] = field(default_factory=set)
 
+    @property
+    def announcement(self) -> Announcement | None:
+        return next(iter(self.nodes.values()), None)
 
-async def find(secret: ClusterSecret, timeout: float) -> Found:
-    """Browse the LAN for up to ``timeout`` seconds for ``secret``'s cluster."""
+
+async def find(secret: ClusterSecret, timeout: float, every: bool = False) -> Found:
+    """Browse the LAN for ``secret``'s cluster: until the first announcement of it, or, with
+    ``every``, for all of ``timeout`` seconds (every node of it that announces)."""
     found = Found()
     done = asyncio.Event()
     pending: set[asyncio.Task[None]] = set()
@@ -81,8 +87,9 @@ async def find(secret: ClusterSecret, timeout: float) -> Found:
         if seen is None:
             return
         if seen.proven_by(secret):
-            found.announcement = seen
-            done.set()
+            found.nodes[seen.node_id] = seen
+            if not every:
+                done.set()
         else:
             found.others.add(seen.cluster_id)
             if seen.cluster_id == secret.cluster_id:

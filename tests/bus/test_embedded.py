@@ -172,3 +172,21 @@ def test_restart_same_object_same_port(tmp_path: Path) -> None:
         assert port_in_use(srv.host, port)
     finally:
         srv.stop()
+
+
+def test_an_authenticated_cluster_keeps_its_routes_password_off_the_command_line(
+    tmp_path: Path,
+) -> None:
+    server = EmbeddedNats(
+        tmp_path,
+        port=4222,
+        host="0.0.0.0",
+        cluster_name="shoal-abc",
+        cluster_port=6222,
+        routes=["nats-route://10.0.0.1:6222", "nats-route://10.0.0.2:6222"],
+        route_password="p4ss",
+    )
+    config = server._config()
+    assert 'routes: ["nats-route://shoal:p4ss@10.0.0.1:6222"' in config
+    assert 'authorization { user: shoal, password: "p4ss" }' in config
+    assert server.url == "nats://127.0.0.1:4222"  # local clients on a wildcard server
