@@ -39,9 +39,10 @@ DataHost = Annotated[
     str | None,
     typer.Option(
         envvar="SHOAL_DATA_HOST",
-        help="Address this node's pipeline stages listen on (llama.cpp RPC, MLX ring) "
-        "[default: the local address NATS is reached from]. Trusted networks only: "
-        "llama.cpp's RPC has no authentication.",
+        help="Address this node's pipeline stages (llama.cpp RPC, MLX ring) and weights server"
+        " listen on [default: one the other machines reach: the address on the route to NATS,"
+        " or the LAN address where NATS is here and open to them]. Trusted networks only:"
+        " llama.cpp's RPC has no authentication.",
     ),
 ]
 RunnerSlots = Annotated[
