@@ -118,7 +118,9 @@ def shared_fixture(module: str) -> str | None:
 # The modules that take longest (make test's --durations), longest first: each group below
 # starts with them, so that no worker is left running one of them alone at the end.
 LONGEST = (
+    "tests/faults/test_partitions.py",
     "tests/services/test_nats_cluster_serving.py",
+    "tests/cli/test_up_ha.py",
     "tests/bus/test_nats_cluster.py",
     "tests/api/test_fuzz.py",
     "tests/api/test_edge.py",
@@ -136,6 +138,7 @@ LONGEST = (
     "tests/projectors/test_snapshot.py",
     "tests/services/planner/test_planner.py",
     "tests/test_readme.py",
+    "tests/test_readme_machines.py",
     "tests/api/test_api.py",
     "tests/services/runner/test_job.py",
 )
