@@ -193,17 +193,22 @@ def up(
     tune_gc()
     data = data_dir or default_data_dir()
     cluster = use_secret(secret)
-    worker_config = WorkerConfig(
-        nats_url="",
-        node_id=load_node_id(data / "worker", None),
-        data_dir=data / "worker",
-        memory_limit=parse_memory_limit(memory_limit) if memory_limit else None,
-        runner_threads=runner_threads,
-        data_host=data_host,
-        slots=slots,
-        cache_size=cache_size(cache_size_text),
-        warm_runner=warm_runner,
-    )
+
+    def worker_config() -> WorkerConfig:
+        """This machine's worker: made once the command is known to start (its node id is
+        written on first use)."""
+        return WorkerConfig(
+            nats_url="",
+            node_id=load_node_id(data / "worker", None),
+            data_dir=data / "worker",
+            memory_limit=parse_memory_limit(memory_limit) if memory_limit else None,
+            runner_threads=runner_threads,
+            data_host=data_host,
+            slots=slots,
+            cache_size=cache_size(cache_size_text),
+            warm_runner=warm_runner,
+        )
+
     if ha and cluster is None:
         typer.echo(
             "error: --ha needs the cluster's secret (--secret or SHOAL_CLUSTER_SECRET)", err=True
@@ -213,7 +218,7 @@ def up(
         # A second cluster of the same secret would split the machines: join the first.
         urls = joining(found)
         typer.echo("this machine joins it as a worker (as `shoal join` does)")
-        serve_worker(replace(worker_config, nats_url=urls))
+        serve_worker(replace(worker_config(), nats_url=urls))
         return
     nats_host = nats_host or ("0.0.0.0" if cluster is not None else "127.0.0.1")
     db_url = absolute_db_url(db) if db else f"sqlite:///{data / 'shoal.db'}"
@@ -254,23 +259,24 @@ def up(
         if port_in_use(nats_host, nats_port_):
             nats_port_ = free_port(nats_host)
             typer.echo(f"port {DEFAULT_NATS_PORT} is in use; the embedded NATS uses {nats_port_}")
+    worker = worker_config()
     joins = lan_urls("nats", nats_host, nats_port_)
     api_lan = next(iter(lan_urls("https" if tls else "http", host, port)), "")
     own_route = lan_urls("nats-route", nats_host, ROUTE_PORT)[:1] if ha else []
     announcer = None
     if cluster is not None and joins:
-        announcer = announce(cluster, worker_config.node_id, joins, api_lan, own_route)
+        announcer = announce(cluster, worker.node_id, joins, api_lan, own_route)
         # Before looking for peers: two machines started at once see each other.
         announcer.start()
     ha_srv = None
     if cluster is not None and ha:
-        ha_srv = ha_server(cluster, own_route, ha_peers(cluster, worker_config.node_id))
+        ha_srv = ha_server(cluster, own_route, ha_peers(cluster, worker.node_id))
     routes = ha_srv.routes if ha_srv is not None else []
     server = EmbeddedNats(
         data / "nats",
         port=nats_port_,
         host=nats_host,
-        server_name=worker_config.node_id if ha_srv is not None else "shoal",
+        server_name=worker.node_id if ha_srv is not None else "shoal",
         security=security,
         tls_cert=nats_tls_cert,
         tls_key=nats_tls_key,
@@ -289,7 +295,7 @@ def up(
         if ha and settings is not None:
             await wait_for_servers(nc.jetstream(), settings, typer.echo)
         # With --ha every machine has a projection of its own: its projector a consumer of its own.
-        name = f"up-{worker_config.node_id}" if ha else DEFAULT_NAME
+        name = f"up-{worker.node_id}" if ha else DEFAULT_NAME
         projector = Projector(nc.jetstream(), engine, name=name, stream_settings=settings)
         tasks = [asyncio.create_task(projector.run(stop))]
         if ha:
@@ -297,9 +303,8 @@ def up(
         try:
             await _first(projector.ready.wait(), tasks[0])
             worker_dir = data / "worker"
-            worker = Worker(
-                worker_nc,
-                replace(worker_config, nats_url=server.url, nats_listen_host=nats_host),
+            node = Worker(
+                worker_nc, replace(worker, nats_url=server.url, nats_listen_host=nats_host)
             )
             config = ApiConfig(
                 nats_url=server.url,
@@ -327,7 +332,7 @@ def up(
                 asyncio.create_task(
                     Planner(nc, engine, policy, origin="planner@up", projector=name).run(stop)
                 ),
-                asyncio.create_task(worker.run(stop)),
+                asyncio.create_task(node.run(stop)),
                 asyncio.create_task(serve_until(api, stop)),
             ]
             typer.echo(f"API       {url}" + (" (API keys required)" if keys else ""))
@@ -341,7 +346,7 @@ def up(
                 typer.echo(f"join      on another machine: {join_line(cluster, joins[0])}")
             if no_model:
                 # Ready once this node can be placed on: a request then loads its model.
-                await _first(_node_online(engine, worker.node_id), *tasks, stop.wait())
+                await _first(_node_online(engine, node.node_id), *tasks, stop.wait())
                 typer.echo(f"ready: {url} (no model requested; Ctrl-C stops)")
             else:
                 own = [name for name, target in aliases.items() if target == model]

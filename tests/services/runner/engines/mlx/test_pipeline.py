@@ -1,6 +1,7 @@
 """An MLX model split by layers across processes over mlx's ring, against the same model in one
-process. The stages' arithmetic is checked in-process; the ring with real processes (one per
-rank, on loopback), which are always killed at the end of their test."""
+process. The stages' arithmetic is checked in-process; the ring with real processes, one per rank,
+each on a test host of its own (the ring crosses their links, as between machines; the tests of
+one process's failures stay on loopback), always killed at the end of their test."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from mlx.utils import tree_flatten
 
 from bus.events import TaskCreated
 from bus.records import ChatMessage, SamplingParams
+from harness.hosts import Host, Network
 from services.runner.decoding import Token
 from services.runner.engines.mlx.engine import PREFILL_STEP, MlxEngine, load_model
 from services.runner.engines.mlx.ring import PipelineShard
@@ -123,6 +125,8 @@ def test_shards_must_make_sense() -> None:
 
 # --- real processes ---------------------------------------------------------------------------
 
+RING_PORT = 5000  # each test host has its ports to itself
+
 
 def free_ports(n: int) -> list[int]:
     sockets = [socket.socket() for _ in range(n)]
@@ -150,9 +154,13 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
             sys.stdout.write(f"--- {proc.args!r} (exit {proc.returncode})\n{out}{err[-3000:]}\n")
 
 
-def start(procs: list[subprocess.Popen[str]], module: str, *args: str) -> subprocess.Popen[str]:
+def start(
+    procs: list[subprocess.Popen[str]], module: str, *args: str, host: Host | None = None
+) -> subprocess.Popen[str]:
+    """``python -m module args``, on ``host`` when given (a test host), else on this machine."""
+    argv = [sys.executable, "-m", module, *args]
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        host.argv(argv) if host is not None else argv,
         cwd=ROOT,
         text=True,
         stdin=subprocess.PIPE,
@@ -167,13 +175,17 @@ def run_pipeline(
     path: Path,
     bounds: tuple[int, ...],
     script: list[dict[str, Any]],
+    net: Network,
     timeout: float = 90,
     n_ctx: int = 512,
     slots: int = 1,
 ) -> list[dict[str, Any]]:
-    """Every rank as its own process; the head serves ``script`` (see pipeline_head). Returns
-    the head's results; every rank must have exited 0 after the shutdown."""
-    hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(len(bounds) - 1))
+    """Every rank as its own process on a test host of its own (rank ``r`` on host ``r``:
+    the ring crosses their links, as between machines); the head serves ``script`` (see
+    pipeline_head). Returns the head's results; every rank must have exited 0 after the
+    shutdown."""
+    on = net.hosts[: len(bounds) - 1]
+    hosts = ",".join(f"{h.address}:{RING_PORT}" for h in on)
     common = [
         "--model",
         str(path),
@@ -198,11 +210,15 @@ def run_pipeline(
             "--slots",
             str(slots),
             *common,
+            host=on[0],
         )
         followers = []
         for r in range(1, len(bounds) - 1):
             layers = f"{bounds[r]}:{bounds[r + 1]}"
-            followers.append(start(procs, FOLLOWER, "--rank", str(r), "--layers", layers, *common))
+            follower = start(
+                procs, FOLLOWER, "--rank", str(r), "--layers", layers, *common, host=on[r]
+            )
+            followers.append(follower)
         out, _ = head.communicate(timeout=timeout)
         assert head.returncode == 0
         for follower in followers:
@@ -269,11 +285,12 @@ def script_entry(task: TaskCreated, cancel_after: int | str | None) -> dict[str,
     ("model", "bounds"), [("tiny_mlx_tied", (0, 2, 4)), ("tiny_mlx", (0, 1, 3, 4))]
 )
 def test_a_split_model_answers_token_for_token_as_one_process(
-    model: str, bounds: tuple[int, ...], request: pytest.FixtureRequest
+    model: str, bounds: tuple[int, ...], request: pytest.FixtureRequest, hosts: Network
 ) -> None:
     path: Path = request.getfixturevalue(model)
     want = expected(path)
-    got = run_pipeline(path, bounds, [script_entry(*entry) for entry in SCRIPT], slots=2)
+    script = [script_entry(*entry) for entry in SCRIPT]
+    got = run_pipeline(path, bounds, script, hosts, slots=2)
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
     assert [g.get("finish") for g in got] == [w.get("finish") for w in want]
     assert [g.get("text") for g in got] == [w.get("text") for w in want]
@@ -391,14 +408,14 @@ def serve_script(engine: MlxEngine, script: list[dict[str, Any]]) -> list[dict[s
     ("model", "bounds"), [("tiny_mlx", (0, 2, 4)), ("tiny_mlx_tied", (0, 1, 3, 4))]
 )
 def test_a_split_model_constrains_and_scores_as_one_process(
-    model: str, bounds: tuple[int, ...], request: pytest.FixtureRequest
+    model: str, bounds: tuple[int, ...], request: pytest.FixtureRequest, hosts: Network
 ) -> None:
     path: Path = request.getfixturevalue(model)
     engine = MlxEngine(path, n_ctx=1024)
     engine.load()
     script = decoding_script(engine)
     want = serve_script(engine, script)
-    got = run_pipeline(path, bounds, script, n_ctx=1024)
+    got = run_pipeline(path, bounds, script, hosts, n_ctx=1024)
     for g, w in zip(got, want, strict=True):
         g.pop("seconds", None), w.pop("seconds", None)
     # (A split model sums its floats in another order: mlx 0.32.4 differed by 4e-6.)
@@ -418,7 +435,7 @@ def test_a_split_model_constrains_and_scores_as_one_process(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_split_model_decodes_tasks_together_as_each_alone(tiny_mlx: Path) -> None:
+def test_a_split_model_decodes_tasks_together_as_each_alone(tiny_mlx: Path, hosts: Network) -> None:
     """Every task of the decoding script in flight at once, on three ranks: each gets what it
     gets alone in one process, decoding steps serve several at once, and the ring serves the
     next task after them."""
@@ -432,7 +449,12 @@ def test_a_split_model_decodes_tasks_together_as_each_alone(tiny_mlx: Path) -> N
     }
     want_after = serve_script(engine, [after])
     got = run_pipeline(
-        tiny_mlx, (0, 1, 3, 4), [{"together": script}, after], n_ctx=1024, slots=len(script)
+        tiny_mlx,
+        (0, 1, 3, 4),
+        [{"together": script}, after],
+        hosts,
+        n_ctx=1024,
+        slots=len(script),
     )
     together, alone = got
     for g, w in zip([*together["together"], alone], [*want, *want_after], strict=True):
@@ -450,7 +472,9 @@ def test_a_split_model_decodes_tasks_together_as_each_alone(tiny_mlx: Path) -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_real_model_split_in_two_answers_as_one_process(smollm2_mlx: Path) -> None:
+def test_a_real_model_split_in_two_answers_as_one_process(
+    smollm2_mlx: Path, hosts: Network
+) -> None:
     """SmolLM2-135M converted from its GGUF: mlx's CPU backend is slow on Linux (reference
     BLAS), so short answers."""
     tasks = [
@@ -473,9 +497,8 @@ def test_a_real_model_split_in_two_answers_as_one_process(smollm2_mlx: Path) -> 
     engine.load()
     want = [run_task(engine, task) for task in tasks]
     assert "Paris" in want[0]["text"]
-    got = run_pipeline(
-        smollm2_mlx, (0, 15, 30), [script_entry(task, None) for task in tasks], timeout=180
-    )
+    script = [script_entry(task, None) for task in tasks]
+    got = run_pipeline(smollm2_mlx, (0, 15, 30), script, hosts, timeout=180)
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
     assert [g["text"] for g in got] == [w["text"] for w in want]
 
