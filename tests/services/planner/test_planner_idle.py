@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from nats.aio.client import Client
@@ -28,11 +29,19 @@ async def test_an_idle_planner_goes_round_only_every_max_idle_s(
     planner = Planner(nc, engine, min_round_s=0.02, max_idle_s=0.4)
     stop = asyncio.Event()
     running = asyncio.create_task(planner.run(stop))
-    await asyncio.sleep(2.0)
+
+    async def rounds_reach(n: int) -> float:
+        while planner.stats.rounds < n:
+            await asyncio.sleep(0.01)
+        return time.monotonic()
+
+    # Timed from the end of the first round (its start may be slow on a loaded machine): three
+    # more rounds take at least three max_idle_s; going round every 20 ms took 60 ms.
+    first = await asyncio.wait_for(rounds_reach(1), 30)
+    fourth = await asyncio.wait_for(rounds_reach(4), 30)
     stop.set()
     await asyncio.wait_for(running, 10)
-    # 1 at the start, then one every 0.4 s; going round every 20 ms would have made ~100.
-    assert 3 <= planner.stats.rounds <= 7
+    assert fourth - first >= 3 * 0.4 * 0.9
 
 
 @pytest.mark.parametrize("idle_s", [60.0, 0.5])
