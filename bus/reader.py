@@ -12,6 +12,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from bus.leaderless import ask_again
 from bus.puller import NoResponders, Puller
 
+FETCH_TIMEOUT_S = 2.0
+STALLED_S = 60.0  # a consumer with messages pending that delivers none for this long has failed
+
 
 async def read_stream(
     js: JetStreamContext,
@@ -45,11 +48,21 @@ async def read_stream(
     await ask_again(lambda: js.add_consumer(stream, config), what=f"a reader of {stream}")
     puller = Puller(js, stream, name)
     await puller.start()
+    empty = 0
     try:
         while True:
             msgs = await _fetch(puller, batch_size)
             if not msgs:
-                return  # nothing left that matches (the rest may have aged out)
+                # Nothing left that matches (the rest may have aged out) — unless the consumer
+                # says otherwise: one just made on a replica that is catching up (a healed
+                # server) can answer a first fetch with nothing.
+                if await _pending(js, stream, name) == 0:
+                    return
+                empty += 1
+                if empty * FETCH_TIMEOUT_S >= STALLED_S:
+                    raise TimeoutError(f"{stream}: messages pending, none came in {STALLED_S} s")
+                continue
+            empty = 0
             for msg in msgs:
                 md = msg.metadata
                 if md.sequence.stream > end:
@@ -64,10 +77,15 @@ async def read_stream(
         await js.delete_consumer(stream, name)
 
 
+async def _pending(js: JetStreamContext, stream: str, name: str) -> int:
+    info = await ask_again(lambda: js.consumer_info(stream, name), what=f"a reader of {stream}")
+    return info.num_pending or 0
+
+
 async def _fetch(puller: Puller, batch_size: int) -> list[Msg]:
     """A batch, asking again while nobody answers for the consumer (no leader yet)."""
     return await ask_again(
-        lambda: puller.fetch(batch_size, timeout=2.0),
+        lambda: puller.fetch(batch_size, timeout=FETCH_TIMEOUT_S),
         retry_on=lambda exc: isinstance(exc, NoResponders),
         pause_s=0.2,
     )
