@@ -7,14 +7,18 @@ down. ``RequestGuard``, a pure ASGI middleware, answers first, in this order, ea
 the dialect's error shape (``api/errors.py``) and before any of the body is read:
 
 1. the ``Host`` (400) and ``Origin`` (403) a browser's page would send (``api/hosts.py``);
-2. the API key, when the API has keys (401): who the request is (``api/keys.py``), kept for
+2. on the public paths (health, the dashboard's files, the OpenAPI document), which need no
+   key, any method but GET and HEAD (405) and any body at all (413): nothing is read there;
+3. the API key, when the API has keys (401): who the request is (``api/keys.py``), kept for
    the route, which checks its role (``api/roles.py``, ``context.require_key``);
-3. a ``Content-Length`` over the limit (413), a body that is not JSON (415);
+4. a ``Content-Length`` over the limit (413), a body that is not JSON (415);
 
-then it reads the body itself, answering 413 as soon as a streamed (chunked) body passes the
-limit and 408 when the whole body has not come within the timeout, and refuses JSON text
-holding a lone UTF-16 surrogate (400), which no event could store. The app then gets the body
-in one message. Headers are bounded by the HTTP protocol (``api/http_protocol.py``).
+then, the key known, it reads the body itself, answering 413 as soon as a streamed (chunked)
+body passes the limit and 408 when the whole body has not come within the timeout, and refuses
+JSON text holding a lone UTF-16 surrogate (400), which no event could store; a large body is
+checked in a worker thread, so that the event loop (under `shoal up`, the projector's, the
+planner's and the worker's too) never walks it. The app then gets the body in one message.
+Headers are bounded by the HTTP protocol (``api/http_protocol.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ KEYLESS_PREFIXES = ("/static/",)
 NOT_JSON_PREFIXES = ("/api/blobs/",)
 # Methods whose bodies are checked for JSON (a GET's body, if any, is never read by a route).
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# The methods of the public paths: they read nothing, and take no body.
+PUBLIC_METHODS = frozenset({"GET", "HEAD"})
+# A body at least this large is checked for lone surrogates in a worker thread (json.loads of
+# 32 MiB takes a second of the loop's time; of 64 KiB, well under a millisecond).
+OFF_LOOP_BYTES = 64 * 1024
 
 # A lone surrogate can reach a decoded string only as a \u escape (d800-dfff), as the UTF-8-like
 # bytes of one (ED A0..BF ..), which json.loads decodes with 'surrogatepass', or in a UTF-16 or
@@ -83,6 +92,25 @@ def limits_of(config: ApiConfig) -> Limits:
 def needs_key(path: str) -> bool:
     """Whether a request for ``path`` needs the API key (when keys are configured)."""
     return path not in KEYLESS_PATHS and not path.startswith(KEYLESS_PREFIXES)
+
+
+def public_refusal(method: str, body: bool) -> ApiError | None:
+    """The 405 of a public path asked with a method that is not GET or HEAD, or the 413 of a
+    body sent to one: these paths need no key, so they read nothing anyone sends."""
+    if method not in PUBLIC_METHODS:
+        return ApiError(
+            405,
+            f"Method {method[:20]} is not allowed here: this path answers GET and HEAD only",
+            code="method_not_allowed",
+            headers={"Allow": "GET, HEAD"},
+        )
+    if body:
+        return ApiError(
+            413,
+            "This path takes no request body (it needs no key, and reads nothing sent to it)",
+            code="request_too_large",
+        )
+    return None
 
 
 def has_body(headers: Headers) -> bool:
@@ -304,7 +332,10 @@ class RequestGuard:
         path: str = scope["path"]
         body = has_body(headers)
         refused = self._address_refusal(headers)
-        if refused is None and needs_key(path):
+        public = not needs_key(path)
+        if refused is None and public:
+            refused = public_refusal(scope["method"], body)
+        if refused is None and not public:
             who = await self._principal(scope, headers)
             if isinstance(who, ApiError):
                 refused = who
@@ -332,7 +363,10 @@ class RequestGuard:
             await self._refuse(too_slow(self.limits.body_timeout_s), scope, receive, send, True)
             return
         if scope["method"] in BODY_METHODS and not path.startswith(NOT_JSON_PREFIXES):
-            bad = surrogate_refusal(data)
+            if len(data) < OFF_LOOP_BYTES:
+                bad = surrogate_refusal(data)
+            else:  # the loop serves every other request meanwhile
+                bad = await asyncio.to_thread(surrogate_refusal, data)
             if bad is not None:
                 await self._refuse(bad, scope, receive, send, close=False)
                 return
@@ -363,10 +397,11 @@ class RequestGuard:
         # The app's context, made by its lifespan (none: no keys made on the log to look up).
         ctx = getattr(getattr(scope.get("app"), "state", None), "ctx", None)
         try:
-            made = await ctx.key_book.keys(ctx.engine) if ctx is not None else {}
+            made = await ctx.key_book.keys(ctx.engine, ctx.js) if ctx is not None else {}
         except ApiError as err:  # the keys cannot be read yet (outside the app's handlers)
             return err
-        return keys.principal_or_refusal(given, self.limits.api_keys, made)
+        ever = ctx is not None and ctx.key_book.ever_made
+        return keys.principal_or_refusal(given, self.limits.api_keys, made, ever)
 
     def _log_host(self, host: str | None) -> None:
         name = (host or "")[:100]

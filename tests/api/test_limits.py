@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ import uvicorn
 from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
 
+from api import limits
 from api.config import ApiConfig
 from api.errors import Dialect
 from api.hosts import host_policy
@@ -30,6 +33,7 @@ from api.limits import (
     length_refusal,
     limits_of,
     needs_key,
+    public_refusal,
     surrogate_refusal,
 )
 from bus.embedded import free_port
@@ -440,6 +444,55 @@ async def test_a_lone_surrogate_is_a_400_in_the_dialect() -> None:
         assert status == 400 and "connection" not in headers  # the body was read: kept alive
         assert _error(body, dialect).startswith("messages.0.content: ")
     assert not asgi.bodies
+
+
+def test_the_public_paths_take_get_and_head_without_a_body() -> None:
+    assert public_refusal("GET", body=False) is None
+    assert public_refusal("HEAD", body=False) is None
+    for method in ("POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+        err = public_refusal(method, body=False)
+        assert err is not None and err.status == 405 and err.headers["Allow"] == "GET, HEAD"
+    err = public_refusal("GET", body=True)
+    assert err is not None and err.status == 413
+
+
+@pytest.mark.parametrize("path", ["/health", "/healthz", "/", "/static/dashboard.js", "/docs"])
+async def test_a_public_path_reads_no_body_and_answers_no_other_method(path: str) -> None:
+    """Once these read and parsed any body before any key: a 32 MiB POST /health took 12 s of
+    the event loop to refuse."""
+    asgi = Asgi(Limits(api_keys=frozenset({KEY})))
+    status, headers, body = await asgi.call(path, _json(32 * 1024**2), chunks=_endless)
+    assert status == 405 and asgi.pulled == 0 and not asgi.bodies
+    assert headers["allow"] == "GET, HEAD" and headers["connection"] == "close"
+    assert body["error"]["code"] == "method_not_allowed"
+    for framing in (_json(32 * 1024**2), _chunked()):
+        status, headers, body = await asgi.call(path, framing, chunks=_endless, method="GET")
+        assert status == 413 and asgi.pulled == 0 and not asgi.bodies
+        assert headers["connection"] == "close"
+    status, _, _ = await asgi.call(path, method="HEAD")
+    assert status == 200
+
+
+async def test_a_large_body_is_checked_for_surrogates_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Parsing 32 MiB of JSON takes the loop a second: a large body is checked in a thread
+    (a small one, in microseconds, where it is)."""
+    threads: list[int] = []
+    check = limits.surrogate_refusal
+
+    def noted(body: bytes) -> Any:
+        threads.append(threading.get_ident())
+        return check(body)
+
+    monkeypatch.setattr(limits, "surrogate_refusal", noted)
+    asgi = Asgi(Limits())
+    small = b'{"a": "\\ud800"}'
+    large = b'{"a": "' + b"x" * limits.OFF_LOOP_BYTES + b'", "b": "\\ud800"}'
+    for raw in (small, large):
+        status, _, body = await asgi.call(CHAT, _json(len(raw)), partial(_one, raw))
+        assert status == 400 and "lone UTF-16 surrogate" in body["error"]["message"]
+    assert threads[0] == threading.get_ident() != threads[1]
 
 
 # --- the HTTP protocol, in a real uvicorn ---------------------------------------------------
