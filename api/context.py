@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.routing import APIRoute
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -50,6 +51,10 @@ class ApiContext:
     rate_limits: RateLimits = field(default_factory=RateLimits)
     # The keys made with `shoal keys add`, as last read (api/keys.py).
     key_book: KeyBook = field(default_factory=KeyBook)
+
+    @property
+    def js(self) -> JetStreamContext:
+        return self.nc.jetstream()
 
     def __post_init__(self) -> None:
         js = self.nc.jetstream()
@@ -109,9 +114,8 @@ async def require_key(request: Request) -> None:
     given = given_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
     who = request.scope.get("state", {}).get("principal")
     if not isinstance(who, Principal):  # an app without the guard (it is always installed)
-        found = principal_or_refusal(
-            given, ctx.config.api_keys, await ctx.key_book.keys(ctx.engine)
-        )
+        made = await ctx.key_book.keys(ctx.engine, ctx.js)
+        found = principal_or_refusal(given, ctx.config.api_keys, made, ctx.key_book.ever_made)
         if isinstance(found, ApiError):
             raise found
         who = found

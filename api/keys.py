@@ -5,7 +5,11 @@ admin keys, as the single key always was. Those made with ``shoal keys add`` are
 (``KeyAdded``, ``KeyRevoked``) and rows of the projection (``api_keys``): the log holds a
 key's SHA-256, never the key, and the API compares the digest of the key a request sends.
 An API with no key of either kind is open, as before keys had roles (it listens on loopback
-unless told otherwise, and `shoal up`/`shoal api` refuse more without keys).
+unless told otherwise, and `shoal up`/`shoal api` refuse more without keys) — but only while no
+key was ever made: once a ``KeyAdded`` is on the log (a row of ``api_keys``, revoked or not, or
+the event itself, asked of the log while the projection has none), the API fails closed,
+however many keys are revoked, and a projection rebuilt before it reaches that event does not
+open it again.
 
 ``user`` keys run inference and see only what they made (tasks, stored responses: another
 key's are a 404, as a missing one); ``admin`` keys may do everything (``roles.py`` says which
@@ -22,12 +26,16 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+import nats.js.errors
+from nats.js import JetStreamContext
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
+from bus.events import KeyAdded
 from bus.kinds import KeyRole
+from bus.streams import EVENTS_STREAM
 from projectors.rows import KeyRow
 from projectors.tables import api_keys
 
@@ -91,13 +99,13 @@ def given_key(authorization: str | None, x_api_key: str | None = None) -> str:
 
 
 def principal_or_refusal(
-    given: str, configured: frozenset[str], made: dict[str, KeyRow]
+    given: str, configured: frozenset[str], made: dict[str, KeyRow], ever_made: bool = False
 ) -> Principal | ApiError:
     """Who a request that sent ``given`` (a header's text, '' for none) is, or its 401. The key
     given is never echoed back or logged."""
     # As bytes: any bytes a client sends (`Bearer café`, a lone surrogate) are a key that opens
     # nothing, a 401, never a 500.
-    who = resolve(given.encode("utf-8", "surrogateescape"), configured, made)
+    who = resolve(given.encode("utf-8", "surrogateescape"), configured, made, ever_made)
     if who is not None:
         return who
     if not given:
@@ -110,11 +118,13 @@ def principal_or_refusal(
     return ApiError(401, "Incorrect API key provided", code="invalid_api_key")
 
 
-def resolve(given: bytes, configured: frozenset[str], made: dict[str, KeyRow]) -> Principal | None:
+def resolve(
+    given: bytes, configured: frozenset[str], made: dict[str, KeyRow], ever_made: bool = False
+) -> Principal | None:
     """The principal of the key a request sent (``given``, b'' for none), from the API's own
     keys and the keys made (by digest, not revoked); None when it opens nothing. With no key
-    of either kind, anyone is ``ANONYMOUS``."""
-    if not configured and not made:
+    of either kind, and none ever made (``ever_made``), anyone is ``ANONYMOUS``."""
+    if not configured and not made and not ever_made:
         return ANONYMOUS
     if not given:
         return None
@@ -127,28 +137,48 @@ def resolve(given: bytes, configured: frozenset[str], made: dict[str, KeyRow]) -
 
 class KeyBook:
     """The keys made with ``shoal keys add`` and not revoked, by digest, read from the
-    projection at most once a ``ttl_s``."""
+    projection at most once a ``ttl_s``; and whether any key was ever made (``ever_made``:
+    once true, for good)."""
 
     def __init__(self, ttl_s: float = KEYS_TTL_S) -> None:
         self._ttl_s = ttl_s
         self._read_at = -1e9
         self._by_digest: dict[str, KeyRow] | None = None
+        self.ever_made = False
 
-    async def keys(self, engine: AsyncEngine) -> dict[str, KeyRow]:
+    async def keys(
+        self, engine: AsyncEngine, js: JetStreamContext | None = None
+    ) -> dict[str, KeyRow]:
         """The keys, read again when the last read is older than the TTL. A database that
         cannot be read leaves the last keys read in use; before any read, it is a 503: an API
-        that cannot tell whether keys exist does not serve as if none did."""
+        that cannot tell whether keys exist does not serve as if none did. While the
+        projection holds no key at all, the log (``js``) is asked whether one was made."""
         now = time.monotonic()
         if now - self._read_at > self._ttl_s:
-            query = select(api_keys).where(api_keys.c.revoked_at.is_(None))
             try:
                 async with engine.connect() as conn:
-                    rows = [KeyRow(**r) for r in (await conn.execute(query)).mappings()]
+                    rows = [KeyRow(**r) for r in (await conn.execute(select(api_keys))).mappings()]
             except SQLAlchemyError as exc:
                 if self._by_digest is None:
                     raise ApiError(503, "The API keys cannot be read yet: try again") from exc
                 log.warning("the API keys could not be read again: %s", exc)
                 return self._by_digest
-            self._by_digest = {r.digest: r for r in rows}
+            if rows:
+                self.ever_made = True
+            elif not self.ever_made and js is not None:
+                self.ever_made = await key_on_log(js)
+            self._by_digest = {r.digest: r for r in rows if r.revoked_at is None}
             self._read_at = now
         return self._by_digest if self._by_digest is not None else {}
+
+
+async def key_on_log(js: JetStreamContext) -> bool:
+    """Whether the event log holds a ``KeyAdded`` (the projection may not have reached it:
+    rebuilt, or behind). A log that cannot be asked is a 503, not an open API."""
+    try:
+        info = await js.stream_info(EVENTS_STREAM, subjects_filter=KeyAdded.filter_for())
+    except nats.js.errors.NotFoundError:
+        return False  # no log yet: nothing was ever made
+    except Exception as exc:  # NATS's errors, a timeout: it cannot tell
+        raise ApiError(503, "Whether API keys exist cannot be read yet: try again") from exc
+    return bool(info.state.subjects)
