@@ -6,17 +6,25 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from api.model_defaults import ModelDefaults
+from bus.images import MAX_IMAGES, MAX_TOTAL_PIXELS
 from bus.leaderless import RETRY_FOR_S
 from bus.units import KiB, MiB
 from projectors.projector import DEFAULT_NAME
+from services.models.cache_budget import CacheSize
 from services.models.weights_cache import WeightsCache
 from services.paths import default_data_dir
 from services.planner.on_demand import DEFAULT_KEEP_ALIVE_S
 
 # The largest image a request may hold by default, decoded: a photo from a phone is 2-5 MiB.
 DEFAULT_MAX_IMAGE_BYTES = 10 * MiB
+OnDemandRoles = Literal["users", "admins"]
+# Image URLs one request may name, and the bytes fetched for all of them (with
+# --allow-image-urls): each is fetched and held before the task is queued.
+DEFAULT_MAX_IMAGE_URLS = 8
+DEFAULT_MAX_IMAGE_FETCH_BYTES = 32 * MiB
 # The largest request body accepted by default (api/limits.py). A task is stored as events and
 # prompt parts of up to NATS's max_payload each (1 MiB by default, bus/parts.py), so a request
 # may well be larger than one message: 32 of them, more than any model's context holds as text
@@ -47,6 +55,11 @@ class ApiConfig:
     load_timeout_s: float = 600.0
     # Whether such a request loads its model (False: a 503 saying no instance serves it).
     load_on_demand: bool = True
+    # Who may change what is loaded: unload (Ollama's keep_alive 0), pin (keep_alive -1) and
+    # load a model not yet on disk (a catalogue card, downloaded). "admins" (the default): a
+    # user key's such request is a 403 saying an admin must do it; "users": any key
+    # (--on-demand users; an API without keys is all admin anyway).
+    on_demand: OnDemandRoles = "admins"
     # The planners' keep-alive of such a model (what Ollama's /api/ps says of its expiry).
     default_keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
     # Per-model defaults of such an instance (--model-defaults: keep-alive, pinned, placement,
@@ -92,9 +105,20 @@ class ApiConfig:
     # API fetches images given by http(s) URL (--allow-image-urls; public addresses only).
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     allow_image_urls: bool = False
+    # What one request's images may be in all: images (each time one is sent counts), their
+    # pixels (read from their headers: the engine decodes each), image URLs and the bytes
+    # fetched for them (api/images/loading.py, bus/images.py).
+    max_images: int = MAX_IMAGES
+    max_image_pixels: int = MAX_TOTAL_PIXELS
+    max_image_urls: int = DEFAULT_MAX_IMAGE_URLS
+    max_image_fetch_bytes: int = DEFAULT_MAX_IMAGE_FETCH_BYTES
     # Where a model pulled through the API (Ollama's /api/pull) is fetched to before it is
     # added, as `shoal models add` does (`shoal up` gives its own data directory's).
     models_dir: Path = field(default_factory=lambda: default_data_dir() / "models")
+    # That worker's weights cache budget (`shoal up`'s --cache-size): a download that could
+    # never fit it is refused before it starts (api/model_adding.py); None: the disk's free
+    # space only.
+    cache_size: CacheSize | None = None
     # The cache of a worker on this machine (`shoal up`'s), which gives what the API adds to
     # other nodes; None: what the API adds is stored in the models bucket.
     worker_models_dir: Path | None = None

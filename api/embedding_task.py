@@ -22,7 +22,15 @@ from pydantic import ValidationError
 
 from api.context import ApiContext
 from api.errors import ApiError
-from api.serving import log_unavailable, recheck, task_error, unavailable
+from api.serving import (
+    gate,
+    log_unavailable,
+    owned,
+    recheck,
+    task_error,
+    unavailable,
+    used,
+)
 from api.task_stream import (
     RECHECK_S,
     Recheck,
@@ -45,6 +53,21 @@ Outcome = TaskCompleted | TaskFailed
 
 class Unavailable(Exception):
     """No runner is left to serve the task; the message says why."""
+
+
+async def gated(ctx: ApiContext, task: EmbeddingsRequested) -> tuple[Vectors, TaskCompleted]:
+    """``computed``, once through the gate every inference request passes (``serving.gate``:
+    the key's limits, the model serving, a slot): owned by the request's key, its tokens
+    counted for it."""
+    task = owned(task)
+    permit = await gate(ctx, task.model_id, role=task.role, keep_alive_s=task.keep_alive_s)
+    try:
+        vectors, done = await computed(ctx, task)
+        permit.task_done()
+    finally:
+        permit.close()
+    used(ctx, done.usage.total_tokens)
+    return vectors, done
 
 
 async def computed(ctx: ApiContext, task: EmbeddingsRequested) -> tuple[Vectors, TaskCompleted]:

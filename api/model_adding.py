@@ -13,14 +13,18 @@ that left a pull), a download under way stops (the Hub's cache keeps what it fet
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from api import projection
+from api.config import ApiConfig
 from api.context import ApiContext
 from api.errors import ApiError
 from projectors.state import ClusterState
+from services.models.cache_budget import download_refusal
 from services.models.cards import ModelCard
 
 POLL_S = 0.2
@@ -54,6 +58,7 @@ async def add_model(
     another thread), for the request that started the add."""
     running = _adding.get(card.id)
     if running is None or running.stop.is_set():  # none, or one stopping: a new one
+        require_room(ctx.config, card)
         stop = threading.Event()
         adding = _Adding(asyncio.ensure_future(_add(ctx, card, on_fetch, on_store, stop)), stop)
         _adding[card.id] = running = adding
@@ -79,6 +84,26 @@ async def add_model(
     # on-demand chat, a chat after a pull), within their second, did not find it.
     ctx.names_in(state)
     return state
+
+
+def require_room(config: ApiConfig, card: ModelCard) -> None:
+    """The 507 of a model whose download would not fit this node's disk or weights cache,
+    before anything is fetched."""
+    if card.estimate is None:
+        return  # its size is known once its header is read: the fetch checks the disk then
+    needed = card.estimate.size_bytes + card.estimate.projector_bytes
+    where = _existing(config.models_dir)
+    usage = shutil.disk_usage(where)
+    budget = config.cache_size.budget(usage.total) if config.cache_size is not None else None
+    why = download_refusal(card.id, needed, usage.free, budget)
+    if why is not None:
+        raise ApiError(507, f"{why}: it was not downloaded", code="insufficient_storage")
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 async def _add(

@@ -21,7 +21,8 @@ import asyncio
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from api import projection
+from api import keys, projection
+from api.config import ApiConfig
 from api.context import ApiContext
 from api.errors import ApiError
 from api.model_defaults import ModelDefault
@@ -53,6 +54,29 @@ LOADABLE = frozenset(
         "model_not_ready",
     }
 )
+
+
+def may_change_the_cluster(config: ApiConfig) -> bool:
+    """Whether the request's key may unload, pin or download a model (``--on-demand``)."""
+    return config.on_demand == "users" or keys.current().role == "admin"
+
+
+def admin_only(what: str, model_id: str) -> ApiError:
+    """The 403 of a user key asking for what changes the cluster for every key."""
+    who = keys.current()
+    return ApiError(
+        403,
+        f"{what} `{model_id}` changes the cluster for every key: an admin must do it (the key"
+        f" {who.name!r} is a {who.role} key), or the operator lets users with `--on-demand"
+        " users`",
+        code="permission_denied",
+    )
+
+
+def require_may_keep(config: ApiConfig, model_id: str, keep_alive_s: float | None) -> None:
+    """A user key's keep-alive that pins a model (negative: for ever) is an admin's decision."""
+    if keep_alive_s is not None and keep_alive_s < 0 and not may_change_the_cluster(config):
+        raise admin_only("keep_alive -1 (loaded for ever) for model", model_id)
 
 
 def instance_id_for(state: ClusterState, model_id: str, role: InstanceRole) -> str:
@@ -138,6 +162,10 @@ async def load(
     state = await projection.cluster(ctx.engine)
     if wanted(state, model_id, role):
         if state.model(model_id) is None:
+            if not may_change_the_cluster(ctx.config):  # a download: up to tens of GB of disk
+                raise admin_only(
+                    f"Model `{model_id}` is not on this cluster's disks yet. Downloading", model_id
+                )
             state = await _add_card(ctx, state, model_id)
         names = await ctx.model_names()
         defaults = ctx.config.model_defaults.for_model(model_id, names.resolve)

@@ -60,6 +60,18 @@ class RateLimits:
         w.requests.append(now)
         return None
 
+    def would_refuse(
+        self, key_id: str, requests_per_minute: int | None, tokens_per_minute: int | None
+    ) -> bool:
+        """Whether ``refusal`` would refuse the key now (nothing counted)."""
+        w = self._windows.get(key_id)
+        if w is None:
+            return False
+        w.forget_before(self._clock() - WINDOW_S)
+        return (requests_per_minute is not None and len(w.requests) >= requests_per_minute) or (
+            tokens_per_minute is not None and w.token_sum >= tokens_per_minute
+        )
+
     def used(self, key_id: str, tokens: int) -> None:
         """Tokens a key's task used, once it ended."""
         w = self._windows.get(key_id)

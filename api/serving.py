@@ -13,7 +13,7 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -30,11 +30,13 @@ from api.task_stream import Closed, Recheck, TaskStream
 from api.thinking import with_default_budget
 from bus import claim_check
 from bus.claim_check import Staged
-from bus.events import ChunkGenerated, EventBase, TaskCreated
+from bus.events import ChunkGenerated, EmbeddingsRequested, EventBase, TaskCreated
 from bus.kinds import InstanceRole
 from bus.payload import PayloadTooLargeError, check_size, max_payload
 from bus.publisher import MSG_ID_HEADER
 from bus.records import Usage
+
+TaskT = TypeVar("TaskT", TaskCreated, EmbeddingsRequested)
 
 
 class Output(ABC):
@@ -82,16 +84,11 @@ async def serve(
     ``images``: those the tasks' messages name (``api/images/loading.py``), stored with them."""
     # Its messages and tools go on the log as parts (bus/parts.py), the task names them: each
     # must fit in a NATS message, as must the task. So do its images (bus/images.py).
-    who = keys.current()
-    if who.key_id is not None:  # what it asks for is its own: only it (and admins) see it
-        tasks = [t.model_copy(update={"owner": who.key_id}) for t in tasks]
+    tasks = [owned(t) for t in tasks]  # its own: only it (and admins) see it
     tasks = [with_default_budget(t, ctx.config.reasoning_budget) for t in tasks]
     stage = staged(ctx, tasks[0], out.too_large_param)
-    require_within_limits(ctx, who)
     # A model loaded for it takes the request's own keep-alive (Ollama's), as its task will.
-    capacity = await require_serving(ctx, tasks[0].model_id, keep_alive_s=tasks[0].keep_alive_s)
-    # Before anything is published or sent: a full queue is a 429 a stream gets too.
-    permit = await admit(ctx, tasks[0].model_id, len(tasks), capacity)
+    permit = await gate(ctx, tasks[0].model_id, len(tasks), keep_alive_s=tasks[0].keep_alive_s)
     try:
         try:
             await ctx.parts.store([*images.parts, *stage.all_parts()])
@@ -154,6 +151,72 @@ async def _serve(
     usages = _outcomes(ctx, streams)
     await out.done(replies, usages)
     return JSONResponse(out.whole(replies, usages, streams[0]))
+
+
+async def gate(
+    ctx: ApiContext,
+    model_id: str,
+    tasks: int = 1,
+    role: InstanceRole = "chat",
+    keep_alive_s: float | None = None,
+    why: str = "",
+) -> Permit:
+    """The one gate every inference request passes before its work is published, whatever
+    its dialect or kind (chat, completion, embeddings, rerank): the key's requests and tokens
+    a minute (429), the model serving in ``role`` (loaded on demand where the key may, 404,
+    403 or 503 otherwise), and a place among its slots (admission: a 429 when the queue is
+    full). Its tasks carry the key as their owner (``owned``): what they use is the key's, in
+    ``shoal keys list`` and ``/metrics``."""
+    capacity = await checked(ctx, model_id, role, keep_alive_s, why)
+    # Before anything is published or sent: a full queue is a 429 a stream gets too. Each
+    # role's instances have slots of their own.
+    return await admit(ctx, admission_name(model_id, role), tasks, capacity)
+
+
+async def checked(
+    ctx: ApiContext,
+    model_id: str,
+    role: InstanceRole = "chat",
+    keep_alive_s: float | None = None,
+    why: str = "",
+) -> int:
+    """The gate's checks, without a slot (a tokenizer question, answered in milliseconds by a
+    runner, takes none): the key's limits, then the model serving; its serving slots."""
+    require_within_limits(ctx, keys.current())
+    on_demand.require_may_keep(ctx.config, model_id, keep_alive_s)
+    return await require_serving(ctx, model_id, role, why, keep_alive_s)
+
+
+async def would_pass(ctx: ApiContext, model_id: str, role: InstanceRole = "chat") -> None:
+    """The refusal the gate would give a request now, without counting it or taking a slot:
+    asked before work done for the request alone (fetching its image URLs)."""
+    who = keys.current()
+    if who.key_id is not None and ctx.rate_limits.would_refuse(
+        who.key_id, who.requests_per_minute, who.tokens_per_minute
+    ):
+        require_within_limits(ctx, who)  # the 429, counted as one refused
+    capacity = await require_serving(ctx, model_id, role)
+    name = admission_name(model_id, role)
+    if (refused := ctx.admission.refusal(name, 1, capacity)) is not None:
+        raise refused
+
+
+def admission_name(model_id: str, role: InstanceRole) -> str:
+    """The name a model's requests in ``role`` queue under (its chat ones, by its id)."""
+    return model_id if role == "chat" else f"{model_id} ({role})"
+
+
+def owned(task: TaskT) -> TaskT:
+    """``task`` owned by the request's key (none for an API's own keys or none)."""
+    who = keys.current()
+    return task if who.key_id is None else task.model_copy(update={"owner": who.key_id})
+
+
+def used(ctx: ApiContext, tokens: int) -> None:
+    """Tokens the request's task used, for its key's tokens a minute."""
+    who = keys.current()
+    if who.key_id is not None:
+        ctx.rate_limits.used(who.key_id, tokens)
 
 
 async def require_serving(
@@ -337,14 +400,13 @@ async def _events(ctx: ApiContext, streams: list[TaskStream], out: Output) -> As
 
 def task_stream(ctx: ApiContext, task: TaskCreated, on_closed: Closed | None = None) -> TaskStream:
     why_not = recheck(ctx, task.model_id)
-    who = keys.current()
 
     def closed() -> None:
         if on_closed is not None:
             on_closed()
         done = ts.finished.completed if ts.finished is not None else None
-        if who.key_id is not None and done is not None:  # for the key's tokens a minute
-            ctx.rate_limits.used(who.key_id, done.usage.total_tokens)
+        if done is not None:  # for the key's tokens a minute
+            used(ctx, done.usage.total_tokens)
 
     ts = TaskStream(
         ctx.nc,

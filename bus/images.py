@@ -19,6 +19,12 @@ from collections.abc import Sequence
 from bus.parts import Part, PartMissing, PartStore, chain, ref_of
 from bus.records import ChatMessage, ImageMediaType, ImagePart
 
+# What one request's images may ask an engine to decode (each occurrence counts: an image sent
+# 40 times is decoded 40 times): at most this many images, and this many pixels in all (64 Mi
+# pixels: 192 MiB as RGB, where one 65 KB PNG of 8192 x 8192 says 192 MiB by itself). The API
+# refuses more before anything is queued (api/images/loading.py); a runner, before decoding.
+MAX_IMAGES = 16
+MAX_TOTAL_PIXELS = 64 * 1024 * 1024
 # Bytes of an image per part: in base64 about 0.7 MB, within NATS's default 1 MiB message.
 IMAGE_PIECE_BYTES = 512 * 1024
 # What a part adds to its value: {"parent":"<64 hex digits>","value":"..."} (88 bytes).
@@ -105,3 +111,19 @@ def content_pieces(message: ChatMessage) -> list[str | ImagePart]:
     if start < len(message.content):
         pieces.append(message.content[start:])
     return pieces
+
+
+def decode_refusal(
+    images: Sequence[ImagePart], max_images: int = MAX_IMAGES, max_pixels: int = MAX_TOTAL_PIXELS
+) -> str | None:
+    """Why ``images`` (each occurrence) are too many, or too many pixels, to decode for one
+    task; None when they may be decoded. From their records' headers: nothing is decoded."""
+    if len(images) > max_images:
+        return f"the request has {len(images)} images, more than the {max_images} one may have"
+    pixels = sum(i.width * i.height for i in images)
+    if pixels > max_pixels:
+        return (
+            f"the request's images have {pixels} pixels in all, more than the {max_pixels} one"
+            " request's images may have (each time an image is sent counts)"
+        )
+    return None

@@ -13,7 +13,13 @@ import typer
 import uvicorn
 
 from api.app import create_app
-from api.config import DEFAULT_BODY_TIMEOUT_S, ApiConfig, keys_from_env, parse_aliases
+from api.config import (
+    DEFAULT_BODY_TIMEOUT_S,
+    ApiConfig,
+    OnDemandRoles,
+    keys_from_env,
+    parse_aliases,
+)
 from api.http_protocol import bounded_httptools, connection_limit
 from api.model_defaults import ModelDefaults, ModelDefaultsError, parse_model_defaults
 from bus.embedded import port_in_use
@@ -131,6 +137,29 @@ LoadOnDemand = Annotated[
         " for it); without: a 503 saying no instance serves it.",
     ),
 ]
+OnDemand = Annotated[
+    str,
+    typer.Option(
+        "--on-demand",
+        metavar="users|admins",
+        help="Which keys may change what the cluster holds through a request: unload a model"
+        " (Ollama's keep_alive 0), pin one (keep_alive -1), or download one not on its disks"
+        " yet. admins (the default): a user key's such request is a 403 saying an admin must;"
+        " users: any key.",
+    ),
+]
+
+
+def on_demand_roles(text: str) -> OnDemandRoles:
+    """``--on-demand``: users or admins."""
+    if text == "users":
+        return "users"
+    if text == "admins":
+        return "admins"
+    typer.echo(f"error: --on-demand is users or admins, not {text!r}", err=True)
+    raise typer.Exit(2)
+
+
 ReasoningBudget = Annotated[
     int,
     typer.Option(
@@ -299,6 +328,7 @@ def api(
     max_body: MaxBody = DEFAULT_MAX_BODY_TEXT,
     body_timeout: BodyTimeout = DEFAULT_BODY_TIMEOUT_S,
     load_on_demand: LoadOnDemand = True,
+    on_demand: OnDemand = "admins",
     log_wait: LogWait = RETRY_FOR_S,
     reasoning_budget_tokens: ReasoningBudget = -1,
     allow_image_urls: AllowImageUrls = False,
@@ -328,6 +358,7 @@ def api(
         max_body_bytes=max_body_bytes(max_body),
         body_timeout_s=body_timeout,
         load_on_demand=load_on_demand,
+        on_demand=on_demand_roles(on_demand),
         log_wait_s=log_wait,
         reasoning_budget=reasoning_budget(reasoning_budget_tokens),
         allow_image_urls=allow_image_urls,

@@ -3,15 +3,21 @@ digest (``bus/images.py``) before its task is published.
 
 In order, each refusal in the client's own error shape, naming the field the image came in:
 
+0. more than ``max_images`` images (each time one is sent counts: the engine decodes each), or
+   more than ``max_urls`` image URLs, are a 413 before any is read;
 1. each image sent as data is decoded: a 413 over the limit (``ApiConfig.max_image_bytes``,
    10 MiB by default), a 400 for base64 that is not, or for bytes
    that are not a PNG, JPEG, WebP or GIF (``api/images/formats.py``), a 413 for more than
    ``MAX_PIXELS``; an image URL is a 400 unless the API fetches them (``--allow-image-urls``);
 2. the model must take images (``api/images/vision.py``: it has a projector file): a 400
    otherwise;
-3. each image URL is fetched (``api/images/fetching.py``: public addresses only) and checked
-   as above;
-4. each image becomes its record (its digest, format, size and ``PartRef``) and the parts that
+3. the pixels of all the request's images, read from their headers (nothing is decoded),
+   must be at most ``max_pixels`` (a 413): checked once the data images are read, and again
+   after each URL is fetched;
+4. each image URL is fetched (``api/images/fetching.py``: public addresses only) and checked
+   as above, once the request would pass its key's rate limit and its model's queue
+   (``would_pass``), and within ``max_fetched`` bytes for all of them;
+5. each image becomes its record (its digest, format, size and ``PartRef``) and the parts that
    store it. An image sent twice (the same text) is read once.
 
 The dialects' translations then place each image's record in its message
@@ -23,13 +29,17 @@ them for a request that makes no task: a count of its tokens).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import nats.errors
 
-from api import projection
-from api.config import DEFAULT_MAX_IMAGE_BYTES
+from api import projection, serving
+from api.config import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_FETCH_BYTES,
+    DEFAULT_MAX_IMAGE_URLS,
+)
 from api.context import ApiContext
 from api.errors import ApiError
 from api.images.fetching import AddressCheck, fetch_image, public_address
@@ -38,7 +48,13 @@ from api.images.inputs import ImageInput, decoded, refused
 from api.images.placed import NO_IMAGES, Images
 from api.images.vision import accepts_images, engine_of, no_images
 from api.serving import log_unavailable
-from bus.images import IMAGE_PIECE_BYTES, piece_bytes, stored_image
+from bus.images import (
+    IMAGE_PIECE_BYTES,
+    MAX_IMAGES,
+    MAX_TOTAL_PIXELS,
+    piece_bytes,
+    stored_image,
+)
 from bus.kinds import Engine
 from bus.parts import Part
 from bus.records import ImagePart
@@ -57,15 +73,34 @@ class ImagePolicy:
     piece: int = IMAGE_PIECE_BYTES
     # Which addresses an image URL may resolve to (tests allow loopback).
     allowed: AddressCheck = public_address
+    # What one request's images may be in all (bus/images.py, api/config.py).
+    max_images: int = MAX_IMAGES
+    max_pixels: int = MAX_TOTAL_PIXELS
+    max_urls: int = DEFAULT_MAX_IMAGE_URLS
+    max_fetched: int = DEFAULT_MAX_IMAGE_FETCH_BYTES
 
 
-async def read_images(inputs: Sequence[ImageInput], model_id: str, policy: ImagePolicy) -> Images:
-    """The images of a request for ``model_id``, read and checked (``ApiError`` otherwise)."""
+Precheck = Callable[[], Awaitable[None]]
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def read_images(
+    inputs: Sequence[ImageInput],
+    model_id: str,
+    policy: ImagePolicy,
+    before_fetching: Precheck = _nothing,
+) -> Images:
+    """The images of a request for ``model_id``, read and checked (``ApiError`` otherwise);
+    ``before_fetching``: what an image URL waits for (the refusals the request would get)."""
     distinct: dict[str, ImageInput] = {}
     for given in inputs:
         distinct.setdefault(given.key, given)
     if not distinct:
         return NO_IMAGES
+    _require_few(inputs, policy)
     read: dict[str, tuple[bytes, ImageInfo]] = {}
     for key, given in distinct.items():
         if given.base64 is not None:
@@ -86,10 +121,24 @@ async def read_images(inputs: Sequence[ImageInput], model_id: str, policy: Image
             param=first.where or None,
             code="images_not_supported",
         )
-    for key, given in distinct.items():
-        if key not in read:
-            data = await fetch_image(given, policy.max_bytes, allowed=policy.allowed)
-            read[key] = (data, checked(given, data))
+    _require_pixels(inputs, read, policy)
+    urls = [given for key, given in distinct.items() if key not in read]
+    if urls:
+        await before_fetching()
+    fetched = 0
+    for given in urls:
+        room = policy.max_fetched - fetched
+        if room <= 0:
+            raise refused(413, _fetch_limit(policy), given)
+        try:
+            data = await fetch_image(given, min(policy.max_bytes, room), allowed=policy.allowed)
+        except ApiError as err:
+            if err.status == 413 and room < policy.max_bytes:
+                raise refused(413, _fetch_limit(policy), given) from None
+            raise
+        fetched += len(data)
+        read[given.key] = (data, checked(given, data))
+        _require_pixels(inputs, read, policy)
     records: dict[str, ImagePart] = {}
     parts: dict[str, Part] = {}
     for key, (data, info) in read.items():
@@ -99,6 +148,51 @@ async def read_images(inputs: Sequence[ImageInput], model_id: str, policy: Image
         records[key] = image
         parts |= {p.digest: p for p in chain}
     return Images(records, tuple(parts.values()))
+
+
+def _require_few(inputs: Sequence[ImageInput], policy: ImagePolicy) -> None:
+    """The 413 of more images, or image URLs, than a request may have."""
+    if len(inputs) > policy.max_images:
+        raise refused(
+            413,
+            f"the request has {len(inputs)} images, more than the {policy.max_images} a request"
+            " may have here (each time an image is sent counts)",
+            inputs[policy.max_images],
+        )
+    urls = [i for i in inputs if i.url is not None]
+    if len(urls) > policy.max_urls:
+        raise refused(
+            413,
+            f"the request has {len(urls)} image URLs, more than the {policy.max_urls} a request"
+            " may have here: send the others as data",
+            urls[policy.max_urls],
+        )
+
+
+def _require_pixels(
+    inputs: Sequence[ImageInput], read: dict[str, tuple[bytes, ImageInfo]], policy: ImagePolicy
+) -> None:
+    """The 413 of images (those read so far, each time it is sent) with more pixels in all
+    than a request's may have: the engine would decode them all."""
+    total = 0
+    for given in inputs:
+        found = read.get(given.key)
+        total += found[1].pixels if found is not None else 0
+        if total > policy.max_pixels:
+            raise refused(
+                413,
+                f"the request's images have more than {policy.max_pixels} pixels in all (the"
+                " most a request's may have here, each time an image is sent counting): send"
+                " fewer or smaller images",
+                given,
+            )
+
+
+def _fetch_limit(policy: ImagePolicy) -> str:
+    return (
+        f"the request's image URLs give more than {policy.max_fetched} bytes in all, the most"
+        " this API fetches for one request: send the images as data"
+    )
 
 
 def checked(given: ImageInput, data: bytes) -> ImageInfo:
@@ -134,6 +228,10 @@ async def policy_of(ctx: ApiContext, model_id: str) -> ImagePolicy:
         max_bytes=ctx.config.max_image_bytes,
         allow_urls=ctx.config.allow_image_urls,
         piece=piece_bytes(ctx.nc.max_payload),
+        max_images=ctx.config.max_images,
+        max_pixels=ctx.config.max_image_pixels,
+        max_urls=ctx.config.max_image_urls,
+        max_fetched=ctx.config.max_image_fetch_bytes,
     )
 
 
@@ -141,7 +239,11 @@ async def request_images(ctx: ApiContext, model_id: str, inputs: Sequence[ImageI
     """The images of a request to ``model_id`` (none: at no cost)."""
     if not inputs:
         return NO_IMAGES
-    return await read_images(inputs, model_id, await policy_of(ctx, model_id))
+
+    async def would_pass() -> None:
+        await serving.would_pass(ctx, model_id)
+
+    return await read_images(inputs, model_id, await policy_of(ctx, model_id), would_pass)
 
 
 async def stored_images(ctx: ApiContext, model_id: str, inputs: Sequence[ImageInput]) -> Images:

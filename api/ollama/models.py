@@ -201,9 +201,12 @@ def capabilities(roles: set[str], vision: bool = False) -> list[str]:
     return out + (["embedding"] if "embed" in roles else [])
 
 
-def show(model: ModelRow, context_length: int, roles: set[str]) -> dict[str, Any]:
+def show(
+    model: ModelRow, context_length: int, roles: set[str], paths: bool = False
+) -> dict[str, Any]:
     """``/api/show``: what the projection knows of the model. Its chat template is the
-    weights' own, applied by the runner: the API has no copy of it to show."""
+    weights' own, applied by the runner: the API has no copy of it to show. ``paths``: the
+    weights' path on the node that added them (an admin's to see); else only their source."""
     arch = model.family or "unknown"
     info: dict[str, Any] = {
         "general.architecture": arch,
@@ -213,7 +216,7 @@ def show(model: ModelRow, context_length: int, roles: set[str]) -> dict[str, Any
     }
     return {
         "modelfile": f"# Served by Shoal; models are added with `shoal models add`\n"
-        f"FROM {model.path or model.source}\n",
+        f"FROM {(model.path if paths else None) or model.source}\n",
         "parameters": "",
         "template": "",
         "details": details(model),

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api import on_demand, projection
+from api import keys, on_demand, projection
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.images.loading import request_images
@@ -29,7 +29,7 @@ from api.ollama.translate import (
     keep_alive_s,
 )
 from api.openai.embeddings_routes import embed
-from api.serving import ndjson, require_serving, serve
+from api.serving import checked, ndjson, serve
 from api.thinking import shown
 from bus.events import InstanceDeleteRequested, TaskCreated, new_id
 from services.models.catalogue import builtin_cards
@@ -96,7 +96,7 @@ async def serve_embed(ctx: ApiContext, body: EmbedRequest) -> Response:
     inputs = body.inputs()
     keep = keep_alive_s(body.keep_alive)
     if not inputs:  # Ollama loads the model
-        await require_serving(ctx, model_id, "embed", keep_alive_s=keep)
+        await checked(ctx, model_id, "embed", keep)
         return JSONResponse({"model": body.model or model_id, "embeddings": []})
     done = await embed(ctx, model_id, list(inputs), body.dimensions, keep_alive_s=keep)
     wall_s = time.monotonic() - started
@@ -109,7 +109,7 @@ async def embeddings(body: EmbeddingsRequest, ctx: Ctx) -> dict[str, Any]:
     model_id = await ctx.resolve_model(body.model, "embed")
     keep = keep_alive_s(body.keep_alive)
     if not body.prompt:
-        await require_serving(ctx, model_id, "embed", keep_alive_s=keep)
+        await checked(ctx, model_id, "embed", keep)
         return {"embedding": []}
     done = await embed(ctx, model_id, [body.prompt], keep_alive_s=keep)
     return {"embedding": done.vectors[0]}
@@ -123,6 +123,8 @@ async def _loaded(
     unload it: its instances loaded on demand are deleted (pinned ones stay)."""
     keep = request.keep_alive_s()
     if keep == 0:
+        if not on_demand.may_change_the_cluster(ctx.config):  # other keys may be streaming from it
+            raise on_demand.admin_only("Unloading (keep_alive 0) model", model_id)
         state = await projection.cluster(ctx.engine)
         for inst in on_demand.unloadable(state, model_id):
             reason = f"unloaded: keep_alive 0 ({'/api/chat' if chat else '/api/generate'})"
@@ -133,7 +135,7 @@ async def _loaded(
             )
         body = loaded(name, chat, reason="unload")
     else:
-        await require_serving(ctx, model_id, keep_alive_s=keep)
+        await checked(ctx, model_id, keep_alive_s=keep)
         body = loaded(name, chat)
     return Response(ndjson(body), media_type=NDJSON) if request.stream else JSONResponse(body)
 
@@ -184,7 +186,8 @@ async def show_model(body: NamedRequest, ctx: Ctx) -> dict[str, Any]:
     context_length = next(
         (i.context_length for i in chat_first if i.context_length), model.context_length
     )
-    return show(model, context_length, {i.role for i in live})
+    # A filesystem path tells a user key about the node's disks: an admin's only.
+    return show(model, context_length, {i.role for i in live}, keys.current().role == "admin")
 
 
 @router.delete("/api/delete")  # what Ollama's clients send

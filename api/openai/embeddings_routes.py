@@ -11,10 +11,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from api.context import ApiContext, context, require_key
-from api.embedding_task import computed
+from api.embedding_task import gated
 from api.errors import ApiError
 from api.openai.embeddings import EmbeddingsRequest, embeddings_response
-from api.serving import require_serving, require_storable
+from api.serving import require_storable
 from bus.events import EmbeddingsRequested, new_id
 from bus.vectors import Vectors
 
@@ -69,8 +69,7 @@ async def embed(
         token_ids=None if texts else [list(i) for i in inputs if not isinstance(i, str)],
     )
     require_storable(ctx, task, "input", "Send fewer inputs.")
-    await require_serving(ctx, model_id, "embed", keep_alive_s=keep_alive_s)
-    vectors, done = await computed(ctx, task)
+    vectors, done = await gated(ctx, task)
     return Embedded(vectors, done.usage.prompt_tokens)
 
 

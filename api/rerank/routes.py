@@ -11,9 +11,9 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from api.context import ApiContext, context, require_key
-from api.embedding_task import computed
+from api.embedding_task import gated
 from api.rerank.translate import RerankRequest, rerank_response
-from api.serving import require_serving, require_storable
+from api.serving import require_storable
 from bus.events import EmbeddingsRequested, new_id
 
 router = APIRouter(dependencies=[Depends(require_key)])
@@ -34,8 +34,7 @@ async def rerank(body: RerankRequest, ctx: Ctx) -> JSONResponse:
         user=body.user,
     )
     require_storable(ctx, task, "documents", "Send fewer or shorter documents.")
-    await require_serving(ctx, model_id, "rerank")
-    scores, done = await computed(ctx, task)
+    scores, done = await gated(ctx, task)
     return JSONResponse(
         rerank_response(
             f"rerank-{task.task_id}",

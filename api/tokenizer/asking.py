@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import nats.errors
 
-from api import keys
 from api.context import ApiContext
 from api.errors import ApiError
-from api.serving import require_serving, require_within_limits
+from api.serving import checked
 from bus.subjects import tokenizer_subject
 from bus.tokenizer import TokenizerAnswer, TokenizerAsk, TokenizerQuestion
 
@@ -36,10 +35,7 @@ async def ask(
     route's dialect: 400 for a question the tokenizer refuses (``param``: the request's field
     it is about), 413 for a question or answer larger than a NATS message, 404/503 as for a
     chat (an unknown model, one that cannot serve now), 504 when no answer comes."""
-    require_within_limits(ctx, keys.current())
-    await require_serving(
-        ctx, model_id, why=f"loaded on demand: a tokenizer request for {model_id}"
-    )
+    await checked(ctx, model_id, why=f"loaded on demand: a tokenizer request for {model_id}")
     data = TokenizerQuestion(ask=question).model_dump_json().encode()
     limit = ctx.nc.max_payload
     if len(data) > limit:

