@@ -35,6 +35,7 @@ from bus.kinds import InstanceRole
 from bus.payload import PayloadTooLargeError, check_size, max_payload
 from bus.publisher import MSG_ID_HEADER
 from bus.records import Usage
+from services.runner.structured.schema import schemas_problem, task_schemas
 
 TaskT = TypeVar("TaskT", TaskCreated, EmbeddingsRequested)
 
@@ -86,6 +87,7 @@ async def serve(
     # must fit in a NATS message, as must the task. So do its images (bus/images.py).
     tasks = [owned(t) for t in tasks]  # its own: only it (and admins) see it
     tasks = [with_default_budget(t, ctx.config.reasoning_budget) for t in tasks]
+    require_schemas(tasks[0])
     stage = staged(ctx, tasks[0], out.too_large_param)
     # A model loaded for it takes the request's own keep-alive (Ollama's), as its task will.
     permit = await gate(ctx, tasks[0].model_id, len(tasks), keep_alive_s=tasks[0].keep_alive_s)
@@ -103,6 +105,14 @@ async def serve(
 
 
 _NAMED_AS_PARTS = ("messages", "messages_ref", "tools", "tools_ref")
+
+
+def require_schemas(task: TaskCreated) -> None:
+    """The 400 of a request whose schemas (its tools' and its response format's), each
+    within bounds, are together too much to turn into grammars (naming the one past it)."""
+    found = schemas_problem(task_schemas(task.tools, task.response_format))
+    if found is not None:
+        raise ApiError(400, found[1], param=found[0], code="schema_too_large")
 
 
 def staged(ctx: ApiContext, task: TaskCreated, param: str | None = None) -> Staged:

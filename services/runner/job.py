@@ -3,6 +3,7 @@ read the reply (content and tool calls, in the model's format)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from services.runner.structured.reasoning import (
     thinking_start,
 )
 from services.runner.structured.reasoning_grammar import think_first
+from services.runner.structured.schema import schemas_problem, task_schemas
 
 # Prompt tokens per PromptScored event: with 20 alternatives each, 64 entries stay far below a
 # NATS message's 1 MiB.
@@ -40,6 +42,37 @@ class Job:
     prompt: list[int]
     decoding: Decoding
     reply: ReplyParser
+
+
+# How long a task's schemas may take to become its grammar: past it, the task fails alone (a
+# 400 to its client); the thread that builds it runs on to its end, but the runner's loop,
+# which serves its other tasks' chunks, heartbeats and claims, never waits for it.
+GRAMMAR_BUDGET_S = 10.0
+
+
+async def prepared(
+    engine: Engine,
+    task: TaskCreated,
+    images: Mapping[str, bytes] | None = None,
+    budget_s: float = GRAMMAR_BUDGET_S,
+) -> Job:
+    """``prepare``, off the event loop where it may take long: a task with schemas (its
+    grammar is built; ``budget_s`` at most) or images (decoded and preprocessed: milliseconds
+    to tens); a plain one on the loop (no thread hop before its first token)."""
+    schemas = task_schemas(task.tools, task.response_format)
+    if not schemas:
+        if not images:
+            return prepare(engine, task)
+        return await asyncio.to_thread(prepare, engine, task, images)
+    if (found := schemas_problem(schemas)) is not None:  # as the API checks
+        raise InvalidRequest(f"{found[0]}: {found[1]}")
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(prepare, engine, task, images), budget_s)
+    except TimeoutError:
+        raise InvalidRequest(
+            f"the request's schemas took more than {budget_s:g} s to become a grammar: send"
+            " smaller ones (fewer optional properties)"
+        ) from None
 
 
 def prepare(engine: Engine, task: TaskCreated, images: Mapping[str, bytes] | None = None) -> Job:

@@ -67,7 +67,7 @@ from services.runner.generation import (
     steps,
 )
 from services.runner.images import images_for
-from services.runner.job import prepare, prompt_scored
+from services.runner.job import prepared, prompt_scored
 from services.runner.state_reporter import RunnerIdentity, StateReporter
 from services.runner.step_feed import StepFeed
 
@@ -380,12 +380,7 @@ class TaskServer(TaskPuller):
         engine, me = self._engine, self._me
         task = await resolved(self._parts, task)  # its messages and tools, stored as parts
         images = await images_for(self._parts, engine, task)
-        # An image is decoded and preprocessed as the prompt is made: milliseconds to tens.
-        job = (
-            await asyncio.to_thread(prepare, engine, task, images)
-            if images
-            else prepare(engine, task)
-        )
+        job = await prepared(engine, task, images)
         prompt = job.prompt
         limit = check_request(len(prompt), task.params, engine.n_ctx, echo=task.echo)
         loop = asyncio.get_running_loop()

@@ -27,7 +27,7 @@ Pure Python: the API imports this module, and it must not load llama.cpp.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -102,6 +102,13 @@ _ARRAY_WORDS = ("items", "prefixItems", "minItems", "maxItems")
 _STRING_WORDS = ("pattern", "format", "minLength", "maxLength")
 _FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
 _MAX_DEPTH = 64
+# What one schema, and one request's schemas together, may be (400s naming the field): the
+# grammar llama.cpp's converter makes of an object grows as the cube of its optional
+# properties (900 took 1.4 s), built before the task's first token. A schema's JSON text, its
+# properties per object, and the properties of all a request's tools and its response format.
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_PROPERTIES = 256
+MAX_TOTAL_PROPERTIES = 2048
 
 
 class SchemaError(ValueError):
@@ -110,10 +117,46 @@ class SchemaError(ValueError):
 
 def schema_problem(schema: object) -> str | None:
     """Why ``schema`` cannot be turned into a grammar (for a 400), or None when it can."""
+    size = len(json.dumps(schema, separators=(",", ":")))
+    if size > MAX_SCHEMA_BYTES:
+        return (
+            f"the JSON schema is {size} bytes, more than the {MAX_SCHEMA_BYTES} a schema may"
+            " be here"
+        )
     try:
         prepare(schema)
     except SchemaError as exc:
         return str(exc)
+    return None
+
+
+def property_count(schema: object) -> int:
+    """The properties ``schema`` defines, at every depth (iterative: any nesting)."""
+    count, stack = 0, [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            found = item.get("properties")
+            if isinstance(found, dict):
+                count += len(found)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
+
+
+def schemas_problem(schemas: Mapping[str, object]) -> tuple[str, str] | None:
+    """Why a request's schemas (by the field that holds each: ``tools.3.parameters``) are
+    together too much to turn into grammars: the field that passes the bound, and why."""
+    total = 0
+    for field_name, schema in schemas.items():
+        total += property_count(schema)
+        if total > MAX_TOTAL_PROPERTIES:
+            return field_name, (
+                f"the request's schemas define more than {MAX_TOTAL_PROPERTIES} properties in"
+                " all (its tools' parameters and its response format together): send fewer or"
+                " smaller ones"
+            )
     return None
 
 
@@ -306,6 +349,11 @@ class _Preparer:
             raise SchemaError(
                 f"required (at {where(path)}) names {missing[0]!r}, which properties does not"
                 " define: that is not supported"
+            )
+        if len(properties) > MAX_PROPERTIES:
+            raise SchemaError(
+                f"properties (at {where(path)}) defines {len(properties)} properties, more"
+                f" than the {MAX_PROPERTIES} an object may have here"
             )
         out: dict[str, Any] = {"type": "object"}
         out["properties"] = {
@@ -583,3 +631,12 @@ def _check_json(value: object, path: tuple[str | int, ...]) -> None:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
         raise SchemaError(f"{where(path)} must be JSON values") from None
+
+
+def task_schemas(tools: list[Any], response_format: Any) -> dict[str, object]:
+    """A task's schemas by the field that holds each (its tools' ``Tool`` records, its
+    ``ResponseFormat``)."""
+    found: dict[str, object] = {f"tools.{i}.parameters": t.parameters for i, t in enumerate(tools)}
+    if response_format is not None and response_format.json_schema is not None:
+        found["response_format"] = response_format.json_schema
+    return found
