@@ -38,8 +38,13 @@ log = logging.getLogger(__name__)
 
 # How long a ticket lets its holder start reading (a transfer under way goes on past it).
 TICKET_S = 600.0
-# A client that neither reads nor sends for this long is dropped.
+# A client that neither reads nor sends for this long, once its ticket was taken, is dropped.
 CLIENT_TIMEOUT_S = 60.0
+# How long a client may take to send its request's head (and its ticket): the port is open to
+# the node's network, and a connection that says nothing holds a thread.
+HEAD_TIMEOUT_S = 5.0
+# Connections served at once (a thread each); past it, a connection is closed at once.
+MAX_CONNECTIONS = 64
 
 _BLOB = re.compile(r"^/blobs/([0-9a-f]{64})$")
 _RANGE = re.compile(r"^bytes=(\d+)-$")
@@ -62,7 +67,7 @@ class WeightsServer:
         return f"http://{host!s}:{port}"
 
     def start(self) -> None:
-        self._http = ThreadingHTTPServer((self._host, 0), _handler(self))
+        self._http = _CappedServer((self._host, 0), _handler(self))
         self._http.daemon_threads = True
         self._thread = threading.Thread(
             target=self._http.serve_forever, name="weights-server", daemon=True
@@ -114,9 +119,38 @@ class WeightsServer:
         )
 
 
+class _CappedServer(ThreadingHTTPServer):
+    """At most ``MAX_CONNECTIONS`` connections at once (a thread each): one more is closed
+    unanswered, before a thread is started for it."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            log.warning("weights server: %d connections already: one refused", MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def _handler(server: WeightsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        timeout = CLIENT_TIMEOUT_S
+        # Until the ticket is checked: a few seconds. Then a transfer's pauses may be longer.
+        timeout = HEAD_TIMEOUT_S
 
         def do_GET(self) -> None:
             match = _BLOB.match(self.path)
@@ -129,6 +163,7 @@ def _handler(server: WeightsServer) -> type[BaseHTTPRequestHandler]:
             if not ticket or not server.allows(ticket, sha256):
                 self.send_error(403, "no valid ticket for this file: ask over NATS first")
                 return
+            self.connection.settimeout(CLIENT_TIMEOUT_S)
             try:
                 blob = server.cache.blob(sha256).open("rb")
             except OSError:

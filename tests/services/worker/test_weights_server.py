@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -22,6 +24,7 @@ from bus.units import MiB
 from services.models.shared import WeightsUnavailable, fetch_files, store_files
 from services.models.weight_offers import ask_for_offer
 from services.models.weights_cache import WeightsCache, sha256_of
+from services.worker import weights_server
 from services.worker.weights_server import WeightsServer
 
 
@@ -154,3 +157,30 @@ async def test_the_http_side_gives_nothing_without_a_ticket_for_that_file(
     assert await get(_get, f"{offer.url}/../etc/passwd", {}) == 404
     ranged = {"Authorization": f"Bearer {offer.ticket}", "Range": "bytes=2000-"}
     assert await get(_get, blob(f.sha256), ranged) == 416
+
+
+async def test_silent_and_surplus_connections_are_dropped_at_once(
+    holder: WeightsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once, a connection that sent nothing held a thread for 60 s before any ticket was
+    checked, and connections were not bounded: a thread each."""
+    monkeypatch.setattr(weights_server, "HEAD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(weights_server, "MAX_CONNECTIONS", 2)
+    holder.stop()  # started again with these
+    holder.start()
+    host, port = holder.url.removeprefix("http://").rsplit(":", 1)
+
+    def silent() -> float:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            started = time.monotonic()
+            assert sock.recv(100) == b""  # closed by the server, unanswered
+            return time.monotonic() - started
+
+    held = [socket.create_connection((host, int(port))) for _ in range(2)]
+    try:
+        assert await asyncio.to_thread(silent) < 0.2  # the third: closed at once
+    finally:
+        for sock in held:
+            sock.close()
+    await asyncio.sleep(0.5)  # the held ones timed out
+    assert await asyncio.to_thread(silent) < 5  # a silent one: closed after the head timeout
