@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from dataclasses import replace
+from urllib.parse import urlsplit
 
 import nats.aio.client
 import nats.errors
 from nats.aio.client import Client
+from pydantic import SecretStr
 
+from bus import local_token
 from bus.nats_security import NatsSecurity, redact_url
 
 log = logging.getLogger(__name__)
@@ -54,7 +58,16 @@ async def connect(
     ``url`` may list the servers of a cluster, comma-separated: they are tried in that order
     (not shuffled), so each machine can name its nearest server first. Which server the
     connection uses, and every disconnect and reconnect, is logged."""
-    security = security if security is not None else NatsSecurity.from_env()
+    if security is None:
+        security = NatsSecurity.from_env()
+        if not security.authenticates and (token := local_token.registered(url)) is not None:
+            # This user's own `shoal up` on this machine, whose API has keys.
+            security = replace(security, token=SecretStr(token))
+    if _password_in(url):
+        log.warning(
+            "the NATS URL holds a password, which the process list shows to every user of the"
+            " machine: use --nats-password-file or SHOAL_NATS_PASSWORD"
+        )
     nc = Client()
     connected = False
     refused: list[Exception] = []  # why connecting cannot succeed, once that is known
@@ -137,3 +150,10 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, ssl.SSLError):
         return f"TLS handshake failed: {exc.reason or exc}"
     return str(exc)
+
+
+def _password_in(url: str) -> bool:
+    try:
+        return any(urlsplit(u.strip()).password for u in url.split(","))
+    except ValueError:
+        return False

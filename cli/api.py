@@ -90,10 +90,66 @@ ApiKeys = Annotated[
     list[str] | None,
     typer.Option(
         "--api-key",
-        help="A key clients must send as a Bearer token (repeatable; or"
-        " SHOAL_API_KEYS). Without any, the API is open.",
+        help="A key clients must send as a Bearer token (repeatable). Other users of the"
+        " machine see it in the process list: prefer --api-key-file or SHOAL_API_KEYS."
+        " Without any key, the API is open.",
     ),
 ]
+ApiKeyFiles = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--api-key-file",
+        exists=True,
+        dir_okay=False,
+        help="A file of keys clients must send as Bearer tokens, one a line (repeatable; keep"
+        " it readable by you alone).",
+    ),
+]
+SECRET_IN_ARGV = (
+    "warning: {option} puts a secret in this process's command line, which every user of the"
+    " machine can read (ps): use {instead}"
+)
+
+
+def api_keys(given: list[str] | None, files: list[Path] | None) -> frozenset[str]:
+    """The API's keys: ``--api-key`` (with a warning: argv is public), ``--api-key-file``
+    and ``SHOAL_API_KEYS``."""
+    if given:
+        typer.echo(
+            SECRET_IN_ARGV.format(option="--api-key", instead="--api-key-file or SHOAL_API_KEYS"),
+            err=True,
+        )
+    from_files = frozenset[str]()
+    for path in files or ():
+        try:
+            from_files |= keys_from_env(path.read_text())
+        except (OSError, UnicodeDecodeError) as exc:
+            typer.echo(f"error: --api-key-file {path}: {exc}", err=True)
+            raise typer.Exit(1) from None
+    return frozenset(given or ()) | from_files | keys_from_env()
+
+
+def refuse_wildcards(
+    keys: frozenset[str], allowed_hosts: list[str] | None, cors_origins: list[str] | None
+) -> str | None:
+    """Why an API without keys must not answer any host or any origin, or None: every web
+    page the machine's browser opens could then call it (DNS rebinding, as Ollama's
+    CVE-2024-28224)."""
+    if keys:
+        return None
+    wild = [
+        option
+        for option, values in (("--allowed-host", allowed_hosts), ("--cors-origin", cors_origins))
+        if "*" in (values or ())
+    ]
+    if not wild:
+        return None
+    return (
+        f"refusing {' and '.join(f'{o} *' for o in wild)} without API keys: any web page could"
+        " then call this API. Name the hosts and origins, or give keys (--api-key-file or"
+        " SHOAL_API_KEYS)"
+    )
+
 
 MaxBody = Annotated[
     str,
@@ -316,6 +372,7 @@ def api(
     host: Host = "127.0.0.1",
     port: Port = 8000,
     api_key: ApiKeys = None,
+    api_key_file: ApiKeyFiles = None,
     tls_cert: TlsCert = None,
     tls_key: TlsKey = None,
     alias: Aliases = None,
@@ -339,8 +396,10 @@ def api(
     tls = api_tls(tls_cert, tls_key)
     aliases = cli_aliases(alias)
     defaults = model_defaults(model_defaults_file, aliases)
-    keys = frozenset(api_key or ()) | keys_from_env()
-    exposed = refuse_exposure(host, None, keys, None)
+    keys = api_keys(api_key, api_key_file)
+    exposed = refuse_exposure(host, None, keys, None) or refuse_wildcards(
+        keys, allowed_host, cors_origin
+    )
     if exposed:
         typer.echo(f"error: {exposed}", err=True)
         raise typer.Exit(1)

@@ -16,11 +16,11 @@ def refuse_exposure(
     missing = []
     beyond = [h for h in (api_host, nats_host) if h is not None and not is_loopback(h)]
     if beyond and not keys:
-        missing.append("API keys (--api-key or SHOAL_API_KEYS)")
+        missing.append("API keys (--api-key-file or SHOAL_API_KEYS)")
     if beyond and security is not None and not security.authenticates:
         missing.append(
-            "NATS authentication (SHOAL_NATS_TOKEN, SHOAL_NATS_USER and"
-            " SHOAL_NATS_PASSWORD, or SHOAL_NATS_NKEY)"
+            "NATS authentication (--nats-token-file or SHOAL_NATS_TOKEN, --nats-user with"
+            " --nats-password-file, or --nats-nkey)"
         )
     if not missing:
         return None

@@ -21,7 +21,8 @@ import typer
 from nats.aio.client import Client
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.config import DEFAULT_BODY_TIMEOUT_S, ApiConfig, keys_from_env
+from api.config import DEFAULT_BODY_TIMEOUT_S, ApiConfig
+from bus import local_token
 from bus.cluster_secret import ENV as SECRET_ENV
 from bus.cluster_secret import ClusterSecret
 from bus.connection import connect
@@ -29,6 +30,7 @@ from bus.embedded import EmbeddedNats, free_port, port_in_use
 from bus.events import InstanceRequested
 from bus.log_replicas import wait_for_servers
 from bus.log_replicas import watch as watch_log_replicas
+from bus.nats_security import ENV as NATS_ENV
 from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
 from bus.states import INSTANCE_LIVE, SERVING
@@ -38,6 +40,7 @@ from cli.api import (
     Aliases,
     AllowedHosts,
     AllowImageUrls,
+    ApiKeyFiles,
     ApiKeys,
     BodyTimeout,
     CorsOrigins,
@@ -49,6 +52,7 @@ from cli.api import (
     ReasoningBudget,
     TlsCert,
     TlsKey,
+    api_keys,
     api_server,
     api_tls,
     api_url,
@@ -58,6 +62,7 @@ from cli.api import (
     model_defaults,
     on_demand_roles,
     reasoning_budget,
+    refuse_wildcards,
     serve_until,
 )
 from cli.cluster import (
@@ -153,6 +158,7 @@ def up(
     cache_size_text: CacheSizeText = DEFAULT_CACHE_SIZE_TEXT,
     warm_runner: WarmRunner = True,
     api_key: ApiKeys = None,
+    api_key_file: ApiKeyFiles = None,
     alias: Aliases = None,
     cors_origin: CorsOrigins = None,
     allowed_host: AllowedHosts = None,
@@ -243,13 +249,15 @@ def up(
     if (nats_tls_cert is None) != (nats_tls_key is None):
         typer.echo("error: --nats-tls-cert and --nats-tls-key go together", err=True)
         raise typer.Exit(1)
-    keys = frozenset(api_key or ()) | keys_from_env()
+    keys = api_keys(api_key, api_key_file)
     aliases = cli_aliases(alias)
     defaults = model_defaults(model_defaults_file, aliases)
     body_limit = max_body_bytes(max_body)
     thinking_budget = reasoning_budget(reasoning_budget_tokens)
     security = NatsSecurity.from_env()
-    exposed = refuse_exposure(host, nats_host, keys, security)
+    exposed = refuse_exposure(host, nats_host, keys, security) or refuse_wildcards(
+        keys, allowed_host, cors_origin
+    )
     if exposed:
         typer.echo(f"error: {exposed}", err=True)
         raise typer.Exit(1)
@@ -262,6 +270,16 @@ def up(
         if port_in_use(nats_host, nats_port_):
             nats_port_ = free_port(nats_host)
             typer.echo(f"port {DEFAULT_NATS_PORT} is in use; the embedded NATS uses {nats_port_}")
+    made_token = bool(keys) and not security.authenticates
+    if made_token:
+        # API keys guard nothing if any local user can publish KeyAdded on the log: NATS
+        # takes a token made here, even on loopback; this process's connections and the
+        # runners it starts read it from the environment, this user's other commands from
+        # the run directory (bus/local_token.py).
+        token = local_token.data_token(data / "nats")
+        os.environ[NATS_ENV["token"]] = token
+        security = NatsSecurity.from_env()
+        local_token.register(nats_port_, token)
     worker = worker_config()
     joins = lan_urls("nats", nats_host, nats_port_)
     api_lan = next(iter(lan_urls("https" if tls else "http", host, port)), "")
@@ -342,6 +360,11 @@ def up(
             ]
             typer.echo(f"API       {url}" + (" (API keys required)" if keys else ""))
             typer.echo(f"NATS      {server.url} ({security.describe()})")
+            if made_token:
+                typer.echo(
+                    f"          its token: {data / 'nats' / local_token.TOKEN_FILE} (yours"
+                    " alone; your commands here find it, others take --nats-token-file)"
+                )
             typer.echo(f"database  {db_url}")
             root = url.removesuffix("/v1")
             typer.echo(

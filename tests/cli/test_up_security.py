@@ -34,7 +34,7 @@ def _up(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
 @pytest.mark.parametrize(
     ("args", "env", "missing"),
     [
-        (["--host", "0.0.0.0"], {}, "API keys (--api-key or SHOAL_API_KEYS) and NATS auth"),
+        (["--host", "0.0.0.0"], {}, "API keys (--api-key-file or SHOAL_API_KEYS) and NATS auth"),
         (["--host", "0.0.0.0", "--api-key", KEY], {}, "without NATS authentication"),
         (["--nats-host", "0.0.0.0"], {"SHOAL_NATS_TOKEN": TOKEN}, "without API keys"),
     ],
@@ -136,3 +136,66 @@ async def _everything_on_the_log(js: JetStreamContext) -> list[bytes]:
         for stream, prefix in ((EVENTS_STREAM, EVENTS_PREFIX), (CHUNKS_STREAM, CHUNKS_PREFIX))
         async for msg in read_stream(js, stream, f"{prefix}.>")
     ]
+
+
+def test_secrets_in_argv_are_warned_about_and_wildcards_refused_without_keys(
+    tmp_path: Path,
+) -> None:
+    """Secrets given as options are in `ps`: said so, with the file forms; `*` for hosts or
+    origins of a keyless API is refused (the class of Ollama's CVE-2024-28224)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_NATS_", "SHOAL_API"))}
+    for wild in (["--allowed-host", "*"], ["--cors-origin", "*"]):
+        done = _up(["--data-dir", str(tmp_path), "--no-model", *wild], clean)
+        assert done.returncode == 1 and f"refusing {wild[0]} *" in done.stderr, done.stderr
+    shown = subprocess.run(
+        [SHOAL, "--nats-token", TOKEN, "api", "--api-key", KEY, "--port", "1", "--host", "1.2.3.4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean,
+    )
+    assert "--nats-token puts a secret" in shown.stderr and "--nats-token-file" in shown.stderr
+    assert "--api-key puts a secret" in shown.stderr and "--api-key-file" in shown.stderr
+    assert TOKEN not in shown.stderr and KEY not in shown.stderr
+
+
+@pytest.mark.slow
+async def test_with_api_keys_the_loopback_nats_takes_a_token_of_its_own(tmp_path: Path) -> None:
+    """Once, any local user could publish `KeyAdded role=admin` on the loopback NATS of a
+    `shoal up` whose API had keys, or read every answer on `shoal.chunks.>`."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY}\n")
+    data = tmp_path / "data"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_NATS_", "SHOAL_API"))}
+    port = free_port("127.0.0.1")
+    up = ["--data-dir", str(data), "--port", str(port), "--no-model", "--api-key-file", str(keys)]
+    proc = start([SHOAL, "up", *up], env=clean)
+    try:
+        text = "".join(await read_until_ready(proc))
+        nats = re.search(r"^NATS\s+(\S+) \(token, no TLS\)", text, re.MULTILINE)
+        assert nats is not None, text
+        token = data / "nats" / "token"
+        assert token.stat().st_mode & 0o777 == 0o600 and token.read_text().strip() not in text
+        with pytest.raises(NatsUnavailable):  # someone without it
+            await connect(nats.group(1), security=NatsSecurity(), startup_timeout=5)
+        nc = await connect(nats.group(1))  # this user: found in its run directory
+        await nc.close()
+        made = subprocess.run(
+            [
+                SHOAL,
+                "keys",
+                "add",
+                "alice",
+                "--nats",
+                nats.group(1),
+                "--db",
+                f"sqlite:///{data / 'shoal.db'}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean,
+        )
+        assert made.returncode == 0 and made.stdout.startswith("sk-shoal-"), made.stderr
+    finally:
+        stop(proc)
