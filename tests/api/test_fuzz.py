@@ -909,6 +909,83 @@ def test_a_lone_surrogate_in_any_string_is_a_400_naming_it(seeded_stack: ApiStac
     assert not problems, "\n".join(problems)
 
 
+def _tool_body(path: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A chat of ``path``'s dialect offering one tool of ``parameters``."""
+    if path == "/v1/messages":
+        tool: dict[str, Any] = {"name": "f", "input_schema": parameters}
+        return {"model": KNOWN_MODEL, "max_tokens": 5, "messages": MESSAGES, "tools": [tool]}
+    if path == "/v1/responses":
+        tool = {"type": "function", "name": "f", "parameters": parameters}
+        return {"model": KNOWN_MODEL, "input": "hi", "tools": [tool]}
+    function = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    return {"model": KNOWN_MODEL, "messages": MESSAGES, "tools": [function]}
+
+
+def _bomb(wide: int, deep: int) -> dict[str, Any]:
+    """An object of ``wide`` optional properties, nested ``deep`` times."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(deep):
+        schema = {"type": "object", "properties": {f"p{i}": schema for i in range(wide)}}
+    return schema
+
+
+def test_schema_bombs_are_a_400_in_every_dialect(seeded_stack: ApiStack) -> None:
+    """Tools whose schemas are too wide, too deep or too large for a grammar: a 400 in the
+    dialect's shape naming the tool, never a 5xx or a hang (once they froze a runner)."""
+    strategy = st.tuples(
+        st.sampled_from([CHAT, "/v1/messages", "/v1/responses", "/api/chat"]),
+        st.one_of(
+            st.tuples(st.integers(257, 1000), st.just(1)),  # too many properties
+            st.tuples(st.just(1), st.integers(70, 200)),  # too deep
+            st.tuples(st.integers(60, 250), st.just(2)),  # too large a schema
+        ),
+    )
+    problems: list[str] = []
+
+    @settings(max_examples=12, deadline=None, database=None, derandomize=True)
+    @given(drawn=strategy)
+    def run(drawn: Any) -> None:
+        path, (wide, deep) = drawn
+        r = session.post(
+            f"{seeded_stack.url}{path}", json=_tool_body(path, _bomb(wide, deep)), timeout=10
+        )
+        content_type = r.headers.get("content-type", "")
+        found = _shape_problems(r.status_code, r.content, content_type, dialect_of(path))
+        if r.status_code != 400:
+            found.append(f"status {r.status_code}, not 400")
+        elif "tools" not in r.text:
+            found.append("the message does not name the tools")
+        problems.extend(f"{path} {wide}x{deep}: {p}: {r.text[:300]}" for p in found)
+
+    with requests.Session() as session:
+        run()
+    assert not problems, "\n".join(problems)
+
+
+def test_bodies_on_the_public_paths_are_refused_unread(seeded_stack: ApiStack) -> None:
+    """Any method but GET and HEAD, and any body, on the paths that need no key: a 405 or 413
+    before any of it is read (once each was read and parsed on the event loop)."""
+    strategy = st.tuples(
+        st.sampled_from(["/health", "/healthz", "/", "/static/dashboard.js", "/openapi.json"]),
+        st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE"]),
+        st.binary(min_size=1, max_size=2000),
+    )
+    problems: list[str] = []
+
+    @settings(max_examples=20, deadline=None, database=None, derandomize=True)
+    @given(drawn=strategy)
+    def run(drawn: Any) -> None:
+        path, method, body = drawn
+        r = session.request(method, f"{seeded_stack.url}{path}", data=body, timeout=10)
+        wanted = 413 if method == "GET" else 405
+        if r.status_code != wanted:
+            problems.append(f"{method} {path} with {len(body)} bytes: {r.status_code}")
+
+    with requests.Session() as session:
+        run()
+    assert not problems, "\n".join(problems)
+
+
 # --- 3. the official SDK ------------------------------------------------------------------
 
 
