@@ -222,9 +222,10 @@ def owned(task: TaskT) -> TaskT:
     return task if who.key_id is None else task.model_copy(update={"owner": who.key_id})
 
 
-def used(ctx: ApiContext, tokens: int) -> None:
-    """Tokens the request's task used, for its key's tokens a minute."""
-    who = keys.current()
+def used(ctx: ApiContext, tokens: int, who: keys.Principal | None = None) -> None:
+    """Tokens the request's task used, for its key's tokens a minute (``who``: the request's
+    key, where this runs outside the request's context)."""
+    who = who if who is not None else keys.current()
     if who.key_id is not None:
         ctx.rate_limits.used(who.key_id, tokens)
 
@@ -410,13 +411,14 @@ async def _events(ctx: ApiContext, streams: list[TaskStream], out: Output) -> As
 
 def task_stream(ctx: ApiContext, task: TaskCreated, on_closed: Closed | None = None) -> TaskStream:
     why_not = recheck(ctx, task.model_id)
+    who = keys.current()  # closed may be called from another task
 
     def closed() -> None:
         if on_closed is not None:
             on_closed()
         done = ts.finished.completed if ts.finished is not None else None
         if done is not None:  # for the key's tokens a minute
-            used(ctx, done.usage.total_tokens)
+            used(ctx, done.usage.total_tokens, who)
 
     ts = TaskStream(
         ctx.nc,
