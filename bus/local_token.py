@@ -7,7 +7,7 @@ registered for its port in the user's own run directory (``~/.shoal/run``, mode 
 the user's other commands on this machine (``shoal keys add``, ``shoal api --nats ...``) find
 it for a loopback URL without being told (``bus/connection.py``); another user can read
 neither. A server that asks no credentials ignores a token it is sent, so a stale registration
-costs nothing.
+costs nothing; the registration is removed when `shoal up` stops.
 """
 
 from __future__ import annotations
@@ -54,6 +54,11 @@ def register(port: int, token: str) -> Path:
     path = directory / f"nats-{port}.token"
     _private_write(path, token)
     return path
+
+
+def unregister(port: int) -> None:
+    """The server on ``port`` stopped: its token is no longer this user's to find there."""
+    (run_dir() / f"nats-{port}.token").unlink(missing_ok=True)
 
 
 def registered(url: str) -> str | None:

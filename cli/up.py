@@ -397,6 +397,8 @@ def up(
         if announcer is not None:
             announcer.stop()
         server.stop()
+        if made_token:
+            local_token.unregister(nats_port_)
     typer.echo("stopped")
 
 
