@@ -32,6 +32,7 @@ from bus.states import INSTANCE_CURRENT, STARTING
 from bus.subjects import aggregate_filter
 from projectors.rows import InstanceRow
 from projectors.state import ClusterState
+from services.models.cards import ModelCard
 from services.models.catalogue import builtin_cards
 from services.planner.card_fit import fits_now
 
@@ -71,6 +72,12 @@ def admin_only(what: str, model_id: str) -> ApiError:
         " users`",
         code="permission_denied",
     )
+
+
+def downloadable(config: ApiConfig) -> dict[str, ModelCard]:
+    """The catalogue's cards a request of this key may download (model lists show them as
+    askable): all of them for an admin (or with ``--on-demand users``), none for a user."""
+    return builtin_cards() if may_change_the_cluster(config) else {}
 
 
 def require_may_keep(config: ApiConfig, model_id: str, keep_alive_s: float | None) -> None:

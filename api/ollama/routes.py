@@ -151,10 +151,12 @@ async def version() -> dict[str, str]:
 @router.get("/api/tags")
 async def tags(ctx: Ctx) -> dict[str, Any]:
     """Every model a client can ask for, as ``name:tag`` (api/model_list.py): those the cluster
-    knows and their aliases, then the catalogue's cards not added yet."""
+    knows and their aliases, then the catalogue's cards not added yet (that the key may
+    download)."""
     state = await projection.cluster(ctx.engine)
     names = ctx.names_in(state)
-    return {"models": [listed(entry) for entry in askable(state, names, builtin_cards())]}
+    cards = on_demand.downloadable(ctx.config)  # a user key's: only what is added
+    return {"models": [listed(entry) for entry in askable(state, names, cards)]}
 
 
 @router.get("/api/ps")

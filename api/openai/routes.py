@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api import projection
+from api import on_demand, projection
 from api.anthropic.messages import model_entry, model_list
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError, error_body
@@ -29,7 +29,6 @@ from api.task_stream import TaskStream
 from api.thinking import shown
 from bus.events import ChunkGenerated, TaskCreated, new_id
 from bus.records import Usage
-from services.models.catalogue import builtin_cards
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]
@@ -64,7 +63,7 @@ async def get_model(
 async def _listed(ctx: ApiContext) -> list[Askable]:
     state = await projection.cluster(ctx.engine)
     names = ctx.names_in(state)
-    return askable(state, names, builtin_cards())
+    return askable(state, names, on_demand.downloadable(ctx.config))
 
 
 def _model(entry: Askable) -> dict[str, Any]:

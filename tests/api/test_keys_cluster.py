@@ -214,5 +214,10 @@ async def test_a_user_key_does_not_change_the_cluster(up_cluster: UpCluster) -> 
             assert "an admin must" in r.json()["error"], r.text
         r = await http.get("/api/ps", headers=_bearer(user.key))
         assert up_cluster.model in r.text  # still loaded
+        # What a user key may not download is not listed to it as askable; an admin's is.
+        for route in ("/api/tags", "/v1/models"):
+            assert "llama3.3-70b" not in (await http.get(route, headers=_bearer(user.key))).text
+            listed = await http.get(route, headers=_bearer(up_cluster.key))
+            assert "llama3.3-70b" in listed.text
         state = (await http.get("/v1/state", headers=_bearer(up_cluster.key))).json()
         assert "llama3.3-70b" not in json.dumps(state["models"])  # nothing was added
