@@ -123,6 +123,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON", None
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
         return "the request body is missing: send a JSON object", None
+    # A check of Shoal's own (a schema too large, a tool's parameters not an object) says
+    # what is wrong, and where: its message, not the union's.
+    own = next((e for e in errors if e.get("type") == "value_error"), None)
+    if own is not None:
+        param = ".".join(str(p) for p in own.get("loc", ()) if p not in _WHERE) or None
+        message = str(own.get("msg", "invalid")).removeprefix("Value error, ")
+        return (f"{param}: {message}" if param else message), param
     # A value that fits no branch of a union gives one error per branch ("stop.str",
     # "stop.list[str]"): the field is what all of them have in common.
     locs = [[str(p) for p in e.get("loc", ()) if p not in _WHERE] for e in errors]

@@ -164,7 +164,7 @@ async def bodies(url: str, port: int, pid: int, body_mib: int, attackers: int, n
 async def image_bomb(url: str, pid: int) -> None:
     bomb = base64.b64encode(png(8192, 8192)).decode()
     parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{bomb}"}}] * 40
-    body = {"model": "none", "messages": [{"role": "user", "content": parts}]}
+    body: dict[str, Any] = {"model": "none", "messages": [{"role": "user", "content": parts}]}
     data = json.dumps(body).encode()
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         with PeakRss(pid) as rss:
@@ -178,10 +178,21 @@ async def image_bomb(url: str, pid: int) -> None:
     print(f"2. 40 x an 8192x8192 PNG ({len(data) / MiB:.1f} MiB of request, 7.5 GiB as RGB):")
     print(f"   {r.status_code} in {took * 1000:.0f} ms: {r.json()['error']['message'][:90]}")
     print(f"   API {rss}")
+    body["messages"][0]["content"] = parts[:3]  # within the count: 576 MiB as RGB
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        with PeakRss(pid) as rss:
+            started = time.monotonic()
+            r = await client.post(
+                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
+            )
+            took = time.monotonic() - started
+    print("   3 x the same PNG (576 MiB as RGB):")
+    print(f"   {r.status_code} in {took * 1000:.0f} ms: {r.json()['error']['message'][:90]}")
+    print(f"   API {rss}")
 
 
-def _optional(n: int) -> dict[str, Any]:
-    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+def _optional(n: int, name: str = "p") -> dict[str, Any]:
+    return {"type": "object", "properties": {f"{name}{i}": {"type": "string"} for i in range(n)}}
 
 
 async def schema_bomb(url: str) -> None:
@@ -230,21 +241,24 @@ async def grammar_off_the_loop() -> None:
 
     engine = LlamaCppEngine(MODEL_PATH, n_ctx=512, n_threads=1)
     engine.load()
-    tools = [Tool(name=f"f{i}", parameters=_optional(256)) for i in range(8)]
-    task = TaskCreated(
-        task_id="t",
-        model_id="m",
-        origin="bench",
-        messages=[ChatMessage(role="user", content="hi")],
-        tools=tools,
-        params=SamplingParams(max_tokens=4),
-    )
+
+    def task(name: str) -> TaskCreated:
+        # Properties named anew for each run: a grammar made once is not made again.
+        tools = [Tool(name=f"f{i}", parameters=_optional(256, f"{name}{i}_")) for i in range(8)]
+        return TaskCreated(
+            task_id="t",
+            model_id="m",
+            origin="bench",
+            messages=[ChatMessage(role="user", content="hi")],
+            tools=tools,
+            params=SamplingParams(max_tokens=4),
+        )
 
     async def on_loop() -> object:
-        return prepare(engine, task)
+        return prepare(engine, task("on"))
 
     async def off_loop() -> object:
-        return await prepared(engine, task)
+        return await prepared(engine, task("off"))
 
     before_took, before_stall = await _loop_stall(on_loop)
     after_took, after_stall = await _loop_stall(off_loop)
