@@ -81,9 +81,13 @@ def downloadable(config: ApiConfig) -> dict[str, ModelCard]:
 
 
 def require_may_keep(config: ApiConfig, model_id: str, keep_alive_s: float | None) -> None:
-    """A user key's keep-alive that pins a model (negative: for ever) is an admin's decision."""
-    if keep_alive_s is not None and keep_alive_s < 0 and not may_change_the_cluster(config):
+    """A keep-alive that pins a model (negative: for ever) or unloads it once idle (0, under
+    other keys' requests too) is an admin's decision."""
+    if keep_alive_s is None or keep_alive_s > 0 or may_change_the_cluster(config):
+        return
+    if keep_alive_s < 0:
         raise admin_only("keep_alive -1 (loaded for ever) for model", model_id)
+    raise admin_only("keep_alive 0 (unloaded once idle) for model", model_id)
 
 
 def instance_id_for(state: ClusterState, model_id: str, role: InstanceRole) -> str:

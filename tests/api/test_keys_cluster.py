@@ -203,6 +203,7 @@ async def test_a_user_key_does_not_change_the_cluster(up_cluster: UpCluster) -> 
             ("/api/generate", {"model": up_cluster.model, "keep_alive": 0}),
             ("/api/chat", {"model": up_cluster.model, "messages": [], "keep_alive": -1}),
             ("/api/generate", {"model": up_cluster.model, "prompt": "Hi", "keep_alive": "-1m"}),
+            ("/api/generate", {"model": up_cluster.model, "prompt": "Hi", "keep_alive": 0}),
             (
                 "/api/chat",
                 {"model": "llama3.3-70b", "messages": [{"role": "user", "content": "x"}]},

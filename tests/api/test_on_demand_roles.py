@@ -43,6 +43,9 @@ def test_a_user_key_may_not_pin_unload_or_download_by_default(as_user: None) -> 
         on_demand.require_may_keep(admins, "m", -1.0)
     assert refused.value.status == 403 and "an admin must" in refused.value.message
     assert "--on-demand users" in refused.value.message
+    with pytest.raises(ApiError) as refused:
+        on_demand.require_may_keep(admins, "m", 0.0)  # unloaded after this request
+    assert refused.value.status == 403 and "keep_alive 0" in refused.value.message
     on_demand.require_may_keep(admins, "m", 300.0)  # a keep-alive that ends: anyone's
     on_demand.require_may_keep(admins, "m", None)
     users = _config(on_demand="users")
