@@ -113,6 +113,7 @@ async def read_images(
                 " (data:image/png;base64,...)",
                 given,
             )
+    _require_pixels(inputs, read, policy)
     if not policy.accepts:
         first = next(iter(distinct.values()))
         raise ApiError(
@@ -121,7 +122,6 @@ async def read_images(
             param=first.where or None,
             code="images_not_supported",
         )
-    _require_pixels(inputs, read, policy)
     urls = [given for key, given in distinct.items() if key not in read]
     if urls:
         await before_fetching()
