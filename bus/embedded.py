@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from bus.nats_security import NatsSecurity
+from bus.sync_policy import embedded_sync, sync_setting
 
 PR_SET_PDEATHSIG = 1
 
@@ -79,6 +80,7 @@ class EmbeddedNats:
         config: str = "",
         launcher: Callable[[list[str]], list[str]] | None = None,
         route_password: str | None = None,
+        sync: str | None = None,
     ) -> None:
         """``security``: the credentials clients must present (none: anyone may connect);
         ``tls_cert``/``tls_key``: the server's certificate, which makes clients use TLS;
@@ -91,7 +93,9 @@ class EmbeddedNats:
         elected a meta leader (a majority of the servers are up), which ``start`` does not wait
         for. ``route_password``: the servers authenticate their routes with it (the cluster's
         settings then go in the configuration file, not on the command line). ``launcher``:
-        turns the server's command line into the one to run (a test runs it on a test host)."""
+        turns the server's command line into the one to run (a test runs it on a test host).
+        ``sync``: JetStream's ``sync_interval``, ``always`` (each write is on disk before its
+        ack) unless ``SHOAL_NATS_SYNC`` says otherwise (``bus/sync_policy.py``)."""
         # Absolute, as are the TLS files: the server is handed them as arguments and a config.
         self.data_dir = Path(data_dir).absolute()
         self.host = host
@@ -108,6 +112,7 @@ class EmbeddedNats:
         self.routes = list(routes)
         self.route_password = route_password
         self.launcher = launcher
+        self.sync = embedded_sync() if sync is None else sync_setting(sync)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -150,8 +155,7 @@ class EmbeddedNats:
             cmd += ["--cluster_name", self.cluster_name, "--cluster", str(self.cluster_url)]
             if self.routes:
                 cmd += ["--routes", ",".join(self.routes)]
-        config = self._config()
-        if config:
+        if config := self._config():
             # Secrets go in a file only this user can read, never on the command line (ps).
             path = self.data_dir / "nats-server.conf"
             path.touch(mode=0o600)
@@ -180,7 +184,9 @@ class EmbeddedNats:
         raise NatsServerError(f"nats-server did not become ready in {timeout}s")
 
     def _config(self) -> str:
-        config = self.extra_config + self.security.server_authorization() + self._cluster()
+        # Merged with the command line's --jetstream and --store_dir.
+        config = f"jetstream {{ sync_interval: {json.dumps(self.sync)} }}\n"
+        config += self.extra_config + self.security.server_authorization() + self._cluster()
         if self.tls_cert is not None and self.tls_key is not None:
             config += f"tls {{ cert_file: {json.dumps(str(self.tls_cert))},"
             config += f" key_file: {json.dumps(str(self.tls_key))}"

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from bus.connection import connect
+from bus.sync_policy import warn_if_lazy
 from cli.options import (
     DEFAULT_DB,
     DEFAULT_KEEP_ALIVE_TEXT,
@@ -61,6 +62,7 @@ def planner(
 
     async def main(stop: asyncio.Event) -> None:
         nc = await connect(nats, name="shoal-planner")
+        await warn_if_lazy(nats)
         engine = database.create_engine(db)
         try:
             await Planner(nc, engine, policy, origin=origin, projector=projector).run(stop)

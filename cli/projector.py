@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from bus.connection import connect
+from bus.sync_policy import warn_if_lazy
 from cli.options import (
     DEFAULT_DB,
     DEFAULT_NATS,
@@ -38,6 +39,7 @@ def projector(
 
     async def main(stop: asyncio.Event) -> None:
         nc = await connect(nats, name=f"shoal-projector-{name}")
+        await warn_if_lazy(nats)
         engine = database.create_engine(db)
         try:
             await Projector(nc.jetstream(), engine, name=name, stream_settings=settings).run(stop)

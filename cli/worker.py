@@ -18,6 +18,7 @@ import typer
 from bus.connection import connect
 from bus.process_memory import give_back
 from bus.streams import StreamSettings
+from bus.sync_policy import warn_if_lazy
 from cli.cluster import Secret, discover, use_secret
 from cli.options import (
     DEFAULT_CACHE_SIZE_TEXT,
@@ -118,6 +119,7 @@ def serve_worker(config: WorkerConfig) -> None:
 
     async def main(stop: asyncio.Event) -> None:
         nc = await connect(config.nats_url, name=f"shoal-worker-{config.node_id}")
+        await warn_if_lazy(config.nats_url)
         try:
             await Worker(nc, config).run(stop)
         finally:
