@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bus.events import EventBase, event_type_filters, subject_event_type
+from bus.events import EventBase, LogTailLost, event_type_filters, subject_event_type
 from bus.states import NODE_STATUSES, RUNNER_STATES
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
 from bus.subjects import ALL_DEAD_LETTERS, dead_letter_origin
@@ -329,6 +329,13 @@ def cluster_families(
         for kind, n in sorted(_every_type(projection.events_by_type).items()):
             consumed.add_metric([f"projector:{projector}", kind], n)
         families.append(consumed)
+        lost = CounterMetricFamily(
+            "shoal_log_tail_lost",
+            "Times the event log went back behind the projection (a power cut lost its unsynced"
+            " tail) and the projection was rebuilt: the LogTailLost events in the log.",
+        )
+        lost.add_metric([], projection.events_by_type.get(LogTailLost.__name__, 0))
+        families.append(lost)
     if events is not None and projection is not None:
         lag = _gauge(
             "shoal_projector_lag_events",

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from bus.events import Event, parse_event
 from bus.leaderless import NO_LEADER_PAUSE_S
+from bus.log_position import digest
 from bus.payload import max_payload, message_size
 from bus.puller import ConsumerGone, NoResponders, Puller
 from bus.subjects import deadletter_subject
@@ -162,6 +163,9 @@ class EventConsumer:
         self.fetched_seqs: list[int] = []
         # Their subjects (which name the event type, even of a malformed event).
         self.fetched_subjects: dict[int, str] = {}
+        # The digest of the message at last_stream_seq (bus/log_position.py), what a reader
+        # keeps with its position.
+        self.last_digest = ""
         # The last message fetched, dead letters included: what ``ack_fetched`` acks.
         self._last_fetched: Msg | None = None
 
@@ -229,17 +233,21 @@ class EventConsumer:
             self._last_fetched = None
         if msgs:
             self._last_fetched = msgs[-1]
+        newest: Msg | None = None
         for msg in msgs:
             seq = stream_seq(msg)
             self.fetched_seqs.append(seq)
             self.fetched_subjects[seq] = msg.subject
-            self.last_stream_seq = max(self.last_stream_seq, seq)
+            if seq > self.last_stream_seq:
+                self.last_stream_seq, newest = seq, msg
             try:
                 event = parse_event(msg.data)
             except ValidationError as exc:
                 await self.dead_letter(msg, describe_invalid(exc))
                 continue
             out.append(Delivered(event, msg, seq))
+        if newest is not None:  # one digest a fetch: only the last position is kept
+            self.last_digest = digest(newest.data)
         self.stats.delivered += len(out)
         return out
 

@@ -511,6 +511,28 @@ class KeyRevoked(_KeyEvent):
     reason: str = ""
 
 
+# --- the log itself -----------------------------------------------------------------------
+
+
+class LogTailLost(EventBase):
+    """The log went back behind a reader: events it had read are gone (a nats-server's
+    unsynced writes lost to a power cut, a store restored from a copy), and newer ones may have
+    taken their numbers. The projector that noticed it rebuilt its projection from what the
+    log still holds (docs/operations.md, "Power cuts and crashes")."""
+
+    aggregate: ClassVar[Aggregate] = "log"
+    subject_fields: ClassVar[tuple[str, ...]] = ("stream",)
+    stream: Id = Field(default="SHOAL_EVENTS", description="The stream that went back.")
+    reader: str = Field(default="", description="Who noticed it: 'projector:<name>'.")
+    tracking_seq: int = Field(default=0, description="Where the reader stood: its last event.")
+    stream_last_seq: int = Field(default=0, description="The stream's last sequence then.")
+    dropped: str = Field(default="", description="What the log lost, for people.")
+    rebuilt_from_seq: int = Field(
+        default=0,
+        description="The snapshot the projection was rebuilt from (0: from the log's start).",
+    )
+
+
 Event = Annotated[
     NodeJoined
     | NodeLeft
@@ -538,7 +560,8 @@ Event = Annotated[
     | ResponseStored
     | ResponseDeleted
     | KeyAdded
-    | KeyRevoked,
+    | KeyRevoked
+    | LogTailLost,
     Field(discriminator="type"),
 ]
 

@@ -31,7 +31,9 @@ TOKENIZER_PREFIX = "shoal.tokenizer"
 TOKENIZER_QUEUE = "tokenizers"
 
 # What an event is about: the token after ``shoal.events`` (chunks have a stream of their own).
-Aggregate = Literal["node", "model", "instance", "runner", "task", "response", "key", "chunk"]
+Aggregate = Literal[
+    "node", "model", "instance", "runner", "task", "response", "key", "chunk", "log"
+]
 
 # Letters, digits, '-', '_' , ':' and '=' pass unchanged; everything else is %XX (UTF-8 bytes).
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-:=]")

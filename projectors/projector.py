@@ -39,8 +39,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
-from bus.events import subject_event_type
+from bus.events import LogTailLost, subject_event_type
+from bus.log_position import check_position, digest
 from bus.process_memory import EVERY_MINUTE, give_back
+from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from bus.subjects import ALL_EVENTS, aggregate_filter, aggregate_prefix
 from projectors import database, snapshot
@@ -54,6 +56,7 @@ from projectors.store import (
     load_live_state,
     read_counts,
     read_offset,
+    read_tracking,
     write_changes,
     write_counts,
     write_offset,
@@ -202,6 +205,7 @@ class Projector:
                 backoff = min(backoff * 2, 10.0)
 
     async def _project(self, stop: asyncio.Event) -> None:
+        await self._check_log_position()
         await self._start_from_snapshot()
         async with self._engine.connect() as conn:
             self.state = await load_live_state(conn)
@@ -274,7 +278,7 @@ class Projector:
         snapshots = await snapshot.listed(self._js, self.name)
         self.snapshot_seq = snapshots[-1].seq if snapshots else 0
         self._snapshot_at = asyncio.get_running_loop().time()
-        newest = snapshot.chosen(snapshots, None)
+        newest = snapshot.chosen(await self._of_this_log(snapshots, info.state.last_seq), None)
         gap = applied + 1 < first
         if gap and (newest is None or newest.seq < first - 1):
             raise ProjectionLost(
@@ -284,6 +288,68 @@ class Projector:
             )
         if newest is not None and newest.seq > applied and (applied == 0 or gap):
             await snapshot.restore(self._engine, self._js, newest)
+
+    async def _check_log_position(self) -> None:
+        """At every (re)start, before anything is applied: does the tracking row still name
+        the log's own event? A log that went back behind it (``bus/log_position.py``) had
+        the projection rebuilt from what it still holds, the loss published (``LogTailLost``)
+        and logged; never is a newer event under an old number taken for the one applied."""
+        async with self._engine.connect() as conn:
+            seq, kept = await read_tracking(conn, self.name, EVENTS_STREAM)
+        last = (await self._js.stream_info(EVENTS_STREAM)).state.last_seq
+        at = await self._digest_at(seq) if 0 < seq <= last else None
+        verdict = check_position(seq, kept, last, at)
+        if not verdict.lost:
+            return
+        snapshots = await snapshot.listed(self._js, self.name)
+        usable = await self._of_this_log(snapshots, last)
+        start = snapshot.chosen(usable, None)
+        log.critical(
+            "THE EVENT LOG LOST ITS TAIL: projector %s had applied up to #%d; %s. Rebuilding"
+            " the projection from %s and the log (docs/operations.md, 'Power cuts and crashes')",
+            self.name,
+            seq,
+            verdict.dropped,
+            f"snapshot {start.name}" if start else "nothing",
+        )
+        # Published before the rebuild: a crash between the two has it noticed (and the
+        # same message id published) again.
+        await Publisher(self._js).publish(
+            LogTailLost(
+                origin=f"projector:{self.name}",
+                reader=f"projector:{self.name}",
+                tracking_seq=seq,
+                stream_last_seq=last,
+                dropped=verdict.dropped,
+                rebuilt_from_seq=start.seq if start else 0,
+            ),
+            msg_id=f"log-tail-lost:{self.name}:{seq}:{kept}",
+        )
+        # Snapshots of the history the log lost would be restored some day, or outrank the
+        # new ones (they are kept by sequence).
+        for gone in snapshots:
+            if gone not in usable:
+                await snapshot.remove(self._js, gone)
+        await snapshot.clear(self._engine)  # _start_from_snapshot restores `start`, if any
+
+    async def _digest_at(self, seq: int) -> str | None:
+        """The digest of the events stream's message at ``seq``; None when it has none."""
+        try:
+            msg = await self._js.get_msg(EVENTS_STREAM, seq)
+        except NotFoundError:
+            return None
+        return digest(msg.data or b"")
+
+    async def _of_this_log(
+        self, snapshots: list[snapshot.Snapshot], last_seq: int
+    ) -> list[snapshot.Snapshot]:
+        """The snapshots whose position the log still holds (those of a lost tail are not)."""
+        usable = []
+        for s in snapshots:
+            at = await self._digest_at(s.seq) if 0 < s.seq <= last_seq else None
+            if not check_position(s.seq, s.digest, last_seq, at).lost:
+                usable.append(s)
+        return usable
 
     def _snapshot_due(self) -> bool:
         if self.snapshot_every <= 0 or self.applied_seq <= self.snapshot_seq:
@@ -342,7 +408,9 @@ class Projector:
         async with self._engine.begin() as conn:
             await write_changes(conn, changes)
             await write_counts(conn, self.name, EVENTS_STREAM, counts)
-            await write_offset(conn, self.name, EVENTS_STREAM, last_seq, self.applied_seq)
+            await write_offset(
+                conn, self.name, EVENTS_STREAM, last_seq, self.applied_seq, consumer.last_digest
+            )
         self.applied_seq = last_seq
         self.counts.update(counts)
         self.state.forget_history()

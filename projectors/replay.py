@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import describe_invalid, stream_seq
 from bus.events import Event, parse_event, subject_event_type
+from bus.log_position import digest
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM
 from bus.subjects import ALL_EVENTS
@@ -101,6 +102,7 @@ async def replay(
     last_seq = committed
     # Events read, not yet folded: sequence, type by subject, event (None: malformed).
     read: list[tuple[int, str | None, Event | None]] = []
+    last_data = b""  # the last message read: its digest goes in the tracking row
 
     async def fold_read() -> None:
         nonlocal applied, skipped, committed, pending
@@ -124,7 +126,9 @@ async def replay(
             pending.extend(ch)
             applied += 1
         if read and len(pending) >= commit_every:
-            committed = await _commit(engine, pending, counts, name, read[-1][0], committed)
+            committed = await _commit(
+                engine, pending, counts, name, read[-1][0], committed, digest(last_data)
+            )
             pending = []
             state.forget_history()  # once written: the database has what memory lets go
         read.clear()
@@ -134,7 +138,7 @@ async def replay(
     ):
         if until_time is not None and msg.metadata.timestamp > until_time:
             break
-        last_seq = stream_seq(msg)
+        last_seq, last_data = stream_seq(msg), msg.data
         kind = subject_event_type(msg.subject)
         try:
             read.append((last_seq, kind, parse_event(msg.data)))
@@ -144,7 +148,7 @@ async def replay(
         if len(read) >= READ_AHEAD:
             await fold_read()
     await fold_read()
-    await _commit(engine, pending, counts, name, last_seq, committed)
+    await _commit(engine, pending, counts, name, last_seq, committed, digest(last_data))
     return ReplayResult(applied=applied, skipped=skipped, last_seq=last_seq)
 
 
@@ -193,6 +197,7 @@ async def _commit(
     name: str,
     last_seq: int,
     committed: int,
+    last_digest: str,
 ) -> int:
     """Write ``changes``, the counts and the tracking row (moved from ``committed``, the last
     commit's sequence); returns the sequence committed."""
@@ -200,5 +205,5 @@ async def _commit(
         await write_changes(conn, changes)
         await write_counts(conn, name, EVENTS_STREAM, counts)
         if last_seq > committed:
-            await write_offset(conn, name, EVENTS_STREAM, last_seq, committed)
+            await write_offset(conn, name, EVENTS_STREAM, last_seq, committed, last_digest)
     return last_seq

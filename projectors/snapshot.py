@@ -42,6 +42,7 @@ from bus.object_store import (
 )
 from bus.streams import EVENTS_STREAM, SNAPSHOTS_BUCKET
 from projectors import database
+from projectors.store import read_tracking
 from projectors.tables import STATE_TABLES, UtcDateTime, event_counts, projector_offsets
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Snapshot:
     seq: int
     revision: str
     size: int
+    digest: str = ""  # of the event at seq (bus/log_position.py); "" in older snapshots
 
     @property
     def name(self) -> str:
@@ -100,13 +102,10 @@ def _row_of(table: str, values: dict[str, Any]) -> dict[str, Any]:
 # --- writing ------------------------------------------------------------------------------
 
 
-async def dump(conn: AsyncConnection, projector: str, out: IO[bytes]) -> int:
+async def dump(conn: AsyncConnection, projector: str, out: IO[bytes]) -> tuple[int, str]:
     """Write the projection as seen by ``conn`` (no writer in between: the projector writes
-    one between batches) to ``out``, gzipped; returns its sequence."""
-    seq_q = select(projector_offsets.c.last_seq).where(
-        projector_offsets.c.projector == projector, projector_offsets.c.stream == EVENTS_STREAM
-    )
-    seq = int((await conn.execute(seq_q)).scalar_one_or_none() or 0)
+    one between batches) to ``out``, gzipped; returns its sequence and that event's digest."""
+    seq, digest = await read_tracking(conn, projector, EVENTS_STREAM)
     revision = await conn.run_sync(database.revision_of)
     with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=3) as z:
         head = {"format": FORMAT, "projector": projector, "seq": seq, "revision": revision}
@@ -122,7 +121,7 @@ async def dump(conn: AsyncConnection, projector: str, out: IO[bytes]) -> int:
                     for r in part
                 )
                 z.write(("\n".join(lines) + "\n").encode())
-    return seq
+    return seq, digest
 
 
 async def write(
@@ -136,7 +135,7 @@ async def write(
     """Take a snapshot of the projection and store it; the oldest beyond ``keep`` go."""
     with tempfile.NamedTemporaryFile(prefix="shoal-snapshot-", suffix=".jsonl.gz") as f:
         async with engine.connect() as conn:
-            seq = await dump(conn, projector, f)
+            seq, digest = await dump(conn, projector, f)
             revision = await conn.run_sync(database.revision_of)
         f.flush()
         size = f.tell()
@@ -147,10 +146,14 @@ async def write(
             name,
             Path(f.name),
             description=f"the projection {projector!r} at seq {seq}",
-            headers={"Shoal-Seq": str(seq), "Shoal-Revision": revision or ""},
+            headers={
+                "Shoal-Seq": str(seq),
+                "Shoal-Revision": revision or "",
+                "Shoal-Digest": digest,
+            },
             on_progress=on_progress,
         )
-    made = Snapshot(projector, seq, revision or "", size)
+    made = Snapshot(projector, seq, revision or "", size, digest)
     for old in (await listed(js, projector))[:-keep]:
         await remove(js, old)
     log.info("snapshot %s written: %d bytes", name, size)
@@ -165,7 +168,13 @@ def _snapshot_of(info: ObjectInfo) -> Snapshot | None:
     projector, _, seq = info.name.rpartition("/")
     if not projector or not seq.isdigit():
         return None
-    return Snapshot(projector, int(seq), str(headers.get("Shoal-Revision", "")), info.size or 0)
+    return Snapshot(
+        projector,
+        int(seq),
+        str(headers.get("Shoal-Revision", "")),
+        info.size or 0,
+        str(headers.get("Shoal-Digest", "")),
+    )
 
 
 async def listed(js: JetStreamContext, projector: str) -> list[Snapshot]:
@@ -198,6 +207,18 @@ async def remove(js: JetStreamContext, snapshot: Snapshot) -> None:
         await js.purge_stream(stream, subject=object_chunks_subject(SNAPSHOTS_BUCKET, meta.nuid))
 
 
+async def _empty(conn: AsyncConnection) -> None:
+    for table in _tables():
+        await conn.execute(delete(table))
+
+
+async def clear(engine: AsyncEngine) -> None:
+    """Empty the projection, tracking rows and counts included: what a rebuild from the log
+    alone starts from."""
+    async with engine.begin() as conn:
+        await _empty(conn)
+
+
 # --- reading ------------------------------------------------------------------------------
 
 
@@ -224,8 +245,7 @@ async def restore(engine: AsyncEngine, js: JetStreamContext, snapshot: Snapshot)
             raise SnapshotError(f"snapshot {snapshot.name} is of format {head.get('format')}")
         tables = {t.name: t for t in _tables()}
         async with engine.begin() as conn:
-            for table in _tables():
-                await conn.execute(delete(table))
+            await _empty(conn)
             pending: dict[str, list[dict[str, Any]]] = {}
             for line in lines:
                 table = tables[line["t"]]

@@ -267,27 +267,44 @@ async def read_offset(conn: AsyncConnection, projector: str, stream: str) -> int
     return int(seq) if seq is not None else 0
 
 
+async def read_tracking(conn: AsyncConnection, projector: str, stream: str) -> tuple[int, str]:
+    """The tracking row: the last sequence applied and the digest of its message ("" when
+    unknown); (0, "") when there is none."""
+    t = projector_offsets
+    q = select(t.c.last_seq, t.c.last_digest).where(
+        t.c.projector == projector, t.c.stream == stream
+    )
+    row = (await conn.execute(q)).one_or_none()
+    return (int(row[0]), str(row[1])) if row is not None else (0, "")
+
+
 class OffsetConflict(RuntimeError):
     """The tracking row is not where this writer last saw it: another projector writes to the
     same database under the same name. Not retried: the writer stops."""
 
 
 async def write_offset(
-    conn: AsyncConnection, projector: str, stream: str, seq: int, expected: int
+    conn: AsyncConnection,
+    projector: str,
+    stream: str,
+    seq: int,
+    expected: int,
+    digest: str = "",
 ) -> None:
-    """Move the tracking row from ``expected`` (0: there is none yet) to ``seq``, as a
-    compare-and-set: were it moved by another writer meanwhile, ``OffsetConflict``, and the
-    transaction must not commit."""
+    """Move the tracking row from ``expected`` (0: there is none yet) to ``seq``, whose
+    message's digest is ``digest`` (``bus/log_position.py``), as a compare-and-set: were it
+    moved by another writer meanwhile, ``OffsetConflict``, and the transaction must not
+    commit."""
     t = projector_offsets
     if expected == 0:
-        values = {"projector": projector, "stream": stream, "last_seq": seq}
+        values = {"projector": projector, "stream": stream, "last_seq": seq, "last_digest": digest}
         insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
         stmt: Any = insert(t).values(values).on_conflict_do_nothing()
     else:
         stmt = (
             update(t)
             .where(t.c.projector == projector, t.c.stream == stream, t.c.last_seq == expected)
-            .values(last_seq=seq)
+            .values(last_seq=seq, last_digest=digest)
         )
     if (await conn.execute(stmt)).rowcount != 1:
         found = await read_offset(conn, projector, stream)

@@ -247,6 +247,9 @@ projector_offsets = Table(
     Column("projector", String(100), primary_key=True),
     Column("stream", String(100), primary_key=True),
     Column("last_seq", BigInteger, nullable=False),
+    # A digest of the message at last_seq (bus/log_position.py): a log that lost its tail and
+    # gave the number to a newer event is told from the one applied. "" when unknown.
+    Column("last_digest", String(32), nullable=False, server_default=""),
 )
 
 # What the log holds by event type, up to the projector's tracking row (the subject names the

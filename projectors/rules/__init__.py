@@ -25,6 +25,7 @@ from bus.events import (
     InstanceRequested,
     KeyAdded,
     KeyRevoked,
+    LogTailLost,
     ModelAdded,
     ModelEvicted,
     ModelRemoved,
@@ -103,6 +104,8 @@ def changes_for(state: ClusterState, event: Event) -> list[Change]:
             return []  # projection-free: the chunk stream's; the projection keeps task outcomes
         case ModelEvicted():
             return []  # projection-free: what one node's disk holds is that node's business
+        case LogTailLost():
+            return []  # projection-free: counted by type (/metrics), the projection rebuilt
         case _:
             assert_never(event)
 

@@ -212,9 +212,10 @@ def test_cluster_families_from_readings() -> None:
         ],
         runners=[_runner("a", "Ready"), _runner("b", "Ready"), _runner("c", "Loading")],
         resumes=3,
-        events_by_type={"NodeJoined": 1, "TaskCreated": 0},
+        events_by_type={"NodeJoined": 1, "TaskCreated": 0, "LogTailLost": 1},
     )
     s = parse(generate_latest(_Families(cluster_families(events, projection))).decode())
+    assert value(s, "shoal_log_tail_lost_total") == 1
     assert value(s, "shoal_metrics_source_up", source="nats") == 1
     assert value(s, "shoal_projector_lag_events", projector="main") == 20
     assert value(s, "shoal_projector_applied_seq", projector="main") == 100

@@ -29,6 +29,7 @@ from bus.events import (
     InstanceRequested,
     KeyAdded,
     KeyRevoked,
+    LogTailLost,
     ModelAdded,
     ModelEvicted,
     ModelRemoved,
@@ -330,6 +331,15 @@ SAMPLES: dict[type[EventBase], EventBase] = {
         requests_per_minute=60,
     ),
     KeyRevoked: KeyRevoked(key_id="key-1", origin="cli", ts=TS, reason="left"),
+    LogTailLost: LogTailLost(
+        origin="projector:main",
+        ts=TS,
+        reader="projector:main",
+        tracking_seq=102,
+        stream_last_seq=98,
+        dropped="events #99..#102 are gone: the log ends at #98",
+        rebuilt_from_seq=0,
+    ),
 }
 
 ALL_TYPES = pytest.mark.parametrize("cls", EVENT_TYPES, ids=lambda c: c.__name__)
