@@ -278,6 +278,8 @@ def _outcomes(ctx: ApiContext, streams: list[TaskStream]) -> list[Usage]:
         assert finished is not None
         if finished.unavailable is not None:
             raise unavailable(finished.unavailable)
+        if finished.lost is not None:
+            raise ApiError(503, finished.lost, code="request_lost")
         if finished.failed is not None:
             raise task_error(finished.failed.error)
         assert finished.completed is not None

@@ -60,6 +60,12 @@ _BACKGROUND: set[asyncio.Task[object]] = set()
 # And after this long without news, the log is asked for the task's outcome (see above).
 RECHECK_S = 2.0
 
+# Why a task is given up whose TaskCreated the log lost after acknowledging it.
+LOST = (
+    "the event log lost this request after accepting it (its nats-server lost writes it had"
+    " not synced to disk: a power cut or crash); send it again"
+)
+
 # Why a model cannot serve now (None: it can).
 Recheck = Callable[[], Awaitable[str | None]]
 # Told of each event the stream published (for the API's metrics).
@@ -73,11 +79,18 @@ Followed = ChunkGenerated | TaskCompleted | TaskFailed | TaskCreated
 @dataclass(frozen=True)
 class Finished:
     """How the task ended: ``completed`` (with usage), ``failed`` (with the error), or given up
-    because no runner is left to serve it (``unavailable``, saying why)."""
+    because no runner is left to serve it (``unavailable``, saying why), or because the log
+    lost its ``TaskCreated`` (``lost``: a power cut took the nats-server's unsynced writes)."""
 
     completed: TaskCompleted | None = None
     failed: TaskFailed | None = None
     unavailable: str | None = None
+    lost: str | None = None
+
+    @property
+    def given_up(self) -> str | None:
+        """Why the API stopped waiting without an outcome, if it did."""
+        return self.unavailable or self.lost
 
 
 def outcome_subject(
@@ -184,11 +197,11 @@ class TaskStream:
     ) -> None:
         self._closed()
         await self._unsubscribe()
-        if self.finished is None or self.finished.unavailable is not None:
+        if self.finished is None or self.finished.given_up is not None:
             # The client went away (or the wait timed out): stop the runner's work.
             reason = "the client went away" if kind is not None else "no longer awaited"
-            if self.finished is not None and self.finished.unavailable is not None:
-                reason = self.finished.unavailable
+            if self.finished is not None and self.finished.given_up is not None:
+                reason = self.finished.given_up
             cancel = TaskCancelled(
                 task_id=self.task.task_id,
                 model_id=self.task.model_id,
@@ -208,10 +221,12 @@ class TaskStream:
         if self._on_published is not None:
             self._on_published(event)
 
-    async def _catch_up(self, next_idx: int) -> None:
+    async def _catch_up(self, next_idx: int) -> bool:
         """Queue the task's outcome and its chunks from ``next_idx`` on, if the log has the
-        outcome (``stored_outcome``)."""
+        outcome (``stored_outcome``). False when the log no longer has the task at all."""
         outcome, stored = await stored_outcome(self._nc, self.task)
+        if outcome is None and await self._created_gone():
+            return False
         if outcome is not None and (created := await self._last_created()) is not None:
             self._queue.put_nowait(created)  # the newest attempt, before its chunks
         for chunk in stored:
@@ -221,6 +236,18 @@ class TaskStream:
                 self._prompt_slices[chunk.start] = chunk
         if outcome is not None:
             self._queue.put_nowait(outcome)
+        return True
+
+    async def _created_gone(self) -> bool:
+        """Whether the log says it has no ``TaskCreated`` of this task: it was stored (its
+        publish was acknowledged), so the log lost it. False when the log cannot be read."""
+        try:
+            await self._nc.jetstream().get_last_msg(EVENTS_STREAM, self.task.subject)
+        except NotFoundError:
+            return True
+        except (nats.errors.Error, TimeoutError):
+            pass
+        return False
 
     async def _last_created(self) -> TaskCreated | None:
         """The task's last ``TaskCreated`` in the log (its newest attempt); None if it cannot
@@ -276,7 +303,9 @@ class TaskStream:
                     if recheck is not None and (why := await recheck()) is not None:
                         self.finished = Finished(unavailable=why)
                         return
-                    await self._catch_up(next_idx)
+                    if not await self._catch_up(next_idx):
+                        self.finished = Finished(lost=LOST)
+                        return
                     continue
                 while not self._queue.empty():
                     events.append(self._queue.get_nowait())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from pydantic import ValidationError
 
 from bus.events import Event, parse_event
 from bus.leaderless import NO_LEADER_PAUSE_S
-from bus.log_position import digest
+from bus.log_position import consumer_past_end, digest
 from bus.payload import max_payload, message_size
 from bus.puller import ConsumerGone, NoResponders, Puller
 from bus.subjects import deadletter_subject
@@ -155,6 +156,8 @@ class EventConsumer:
             mem_storage=memory or None,
         )
         self._ack_all = ack_all
+        self._memory = memory
+        self._reconnects = 0  # the connection's reconnects when the position was last checked
         self._puller: Puller | None = None
         self.stats = ConsumerStats()
         # Highest stream sequence fetched, dead letters included: how far this consumer got.
@@ -184,8 +187,42 @@ class EventConsumer:
                 await self._js.add_consumer(self.stream, self._config)
         except NotFoundError:
             await self._js.add_consumer(self.stream, self._config)
+        await self._rewind_if_past_end()
         self._puller = Puller(self._js, self.stream, self.durable)
         await self._puller.start()
+
+    async def _rewind_if_past_end(self) -> None:
+        """A stored consumer whose position is past the stream's end (the stream lost its
+        unsynced tail in a power cut, the consumer's state did not) re-reads from the stream's
+        end: made again there, it gets every event stored from now on. Checked at start and
+        after every reconnect to the server (nats-server 2.14 and later do the same at their
+        own start). A consumer in memory is made again by its owner after a restart anyway."""
+        reconnects = self._js._nc.stats["reconnects"]  # the client has no public accessor
+        if self._memory:
+            self._reconnects = reconnects
+            return
+        info = await self._js.consumer_info(self.stream, self.durable)
+        last = (await self._js.stream_info(self.stream)).state.last_seq
+        delivered = info.delivered.stream_seq if info.delivered else 0
+        acked = info.ack_floor.stream_seq if info.ack_floor else 0
+        if not consumer_past_end(delivered or 0, acked or 0, last):
+            self._reconnects = reconnects
+            return
+        log.critical(
+            "consumer %s on %s stands at #%d, past the stream's end #%d (the log lost its"
+            " tail): it re-reads from the stream's end",
+            self.durable,
+            self.stream,
+            max(delivered or 0, acked or 0),
+            last,
+        )
+        config = dataclasses.replace(
+            self._config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1
+        )
+        with contextlib.suppress(NotFoundError):
+            await self._js.delete_consumer(self.stream, self.durable)
+        await self._js.add_consumer(self.stream, config)
+        self._reconnects = reconnects
 
     async def stop(self) -> None:
         if self._puller is not None:
@@ -207,6 +244,15 @@ class EventConsumer:
         parts)."""
         if self._puller is None:
             raise RuntimeError("consumer not started")
+        if self._js._nc.stats["reconnects"] != self._reconnects:
+            try:
+                await self._rewind_if_past_end()
+            except NotFoundError:
+                raise ConsumerGone(f"consumer {self.durable} on {self.stream} is gone") from None
+            except (nats.errors.Error, TimeoutError) as exc:  # not answering yet: next fetch
+                log.info("consumer %s: its position could not be checked: %r", self.durable, exc)
+                await asyncio.sleep(NO_LEADER_PAUSE_S)
+                return []
         pulling = asyncio.ensure_future(self._puller.fetch(batch, timeout, wait=not more))
         if stop is not None:
             stopping = asyncio.ensure_future(stop.wait())

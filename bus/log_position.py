@@ -49,3 +49,10 @@ def check_position(
             f" #{seq} and stored newer ones under their numbers (it now ends at #{last_seq})",
         )
     return PositionCheck(lost=False, behind=last_seq - seq)
+
+
+def consumer_past_end(delivered_seq: int, ack_floor_seq: int, stream_last_seq: int) -> bool:
+    """Whether a durable consumer (its last delivered and acknowledged stream sequences)
+    stands past the stream's end: its state outlived the tail the stream lost, and it would
+    deliver nothing until the stream grew past it, skipping what came meanwhile."""
+    return max(delivered_seq, ack_floor_seq) > stream_last_seq
