@@ -134,9 +134,13 @@ async def check_log_and_projection(cluster: Cluster, timeout: float = 60) -> Log
     replayed = await replayed_rows(cluster.js, replay_db, last)
     for table in (*STATE_TABLES, projector_offsets.name, event_counts.name):
         assert live[table] == replayed[table], f"table {table}: the projection != a replay"
-    assert live[projector_offsets.name] == [
-        {"projector": "main", "stream": EVENTS_STREAM, "last_seq": last}
-    ]
+    (tracking,) = live[projector_offsets.name]
+    assert (tracking["projector"], tracking["stream"], tracking["last_seq"]) == (
+        "main",
+        EVENTS_STREAM,
+        last,
+    )
+    assert tracking["last_digest"], "the tracking row keeps the digest of its event"
 
     # (b) Stored once each, none set aside, one decision per instance generation.
     log = await read_log(cluster.js)
