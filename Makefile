@@ -117,6 +117,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench.weights
 	$(BIN)/python -m bench.longevity
 	$(BIN)/python -m bench.cold_start
+	$(BIN)/python -m bench.durability
 
 clean:
 	rm -rf $(VENV) $(DATA) .mypy_cache .ruff_cache .pytest_cache
