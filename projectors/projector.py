@@ -40,7 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.events import LogTailLost, subject_event_type
-from bus.log_position import check_position, digest
+from bus.log_position import check_position
 from bus.process_memory import EVERY_MINUTE, give_back
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
@@ -278,7 +278,9 @@ class Projector:
         snapshots = await snapshot.listed(self._js, self.name)
         self.snapshot_seq = snapshots[-1].seq if snapshots else 0
         self._snapshot_at = asyncio.get_running_loop().time()
-        newest = snapshot.chosen(await self._of_this_log(snapshots, info.state.last_seq), None)
+        newest = snapshot.chosen(
+            await snapshot.of_this_log(self._js, snapshots, info.state.last_seq), None
+        )
         gap = applied + 1 < first
         if gap and (newest is None or newest.seq < first - 1):
             raise ProjectionLost(
@@ -297,12 +299,12 @@ class Projector:
         async with self._engine.connect() as conn:
             seq, kept = await read_tracking(conn, self.name, EVENTS_STREAM)
         last = (await self._js.stream_info(EVENTS_STREAM)).state.last_seq
-        at = await self._digest_at(seq) if 0 < seq <= last else None
+        at = await snapshot.digest_at(self._js, seq) if 0 < seq <= last else None
         verdict = check_position(seq, kept, last, at)
         if not verdict.lost:
             return
         snapshots = await snapshot.listed(self._js, self.name)
-        usable = await self._of_this_log(snapshots, last)
+        usable = await snapshot.of_this_log(self._js, snapshots, last)
         start = snapshot.chosen(usable, None)
         log.critical(
             "THE EVENT LOG LOST ITS TAIL: projector %s had applied up to #%d; %s. Rebuilding"
@@ -331,25 +333,6 @@ class Projector:
             if gone not in usable:
                 await snapshot.remove(self._js, gone)
         await snapshot.clear(self._engine)  # _start_from_snapshot restores `start`, if any
-
-    async def _digest_at(self, seq: int) -> str | None:
-        """The digest of the events stream's message at ``seq``; None when it has none."""
-        try:
-            msg = await self._js.get_msg(EVENTS_STREAM, seq)
-        except NotFoundError:
-            return None
-        return digest(msg.data or b"")
-
-    async def _of_this_log(
-        self, snapshots: list[snapshot.Snapshot], last_seq: int
-    ) -> list[snapshot.Snapshot]:
-        """The snapshots whose position the log still holds (those of a lost tail are not)."""
-        usable = []
-        for s in snapshots:
-            at = await self._digest_at(s.seq) if 0 < s.seq <= last_seq else None
-            if not check_position(s.seq, s.digest, last_seq, at).lost:
-                usable.append(s)
-        return usable
 
     def _snapshot_due(self) -> bool:
         if self.snapshot_every <= 0 or self.applied_seq <= self.snapshot_seq:

@@ -158,7 +158,8 @@ async def _starting_snapshot(
     """The snapshot a replay to ``until_seq`` starts from: the newest at or before it whose
     following events are all still in the log; None to start from the first event. A replay
     that the log and the snapshots cannot make is a ReplayError naming the oldest event kept."""
-    first = (await js.stream_info(EVENTS_STREAM)).state.first_seq
+    log_state = (await js.stream_info(EVENTS_STREAM)).state
+    first = log_state.first_seq
     if until_seq is not None and first > 1 and until_seq < first - 1:
         raise ReplayError(
             f"seq {until_seq} is older than the log's oldest kept event, #{first}"
@@ -171,7 +172,8 @@ async def _starting_snapshot(
                 " rebuilt from its first event; replay from a snapshot"
             )
         return None
-    usable = [s for s in await snapshot.listed(js, name) if s.seq >= first - 1]
+    listed = [s for s in await snapshot.listed(js, name) if s.seq >= first - 1]
+    usable = await snapshot.of_this_log(js, listed, log_state.last_seq)
     found = snapshot.chosen(usable, until_seq)
     if found is None and first > 1:
         raise ReplayError(

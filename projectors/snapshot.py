@@ -32,6 +32,7 @@ from nats.js.errors import NotFoundError
 from sqlalchemy import Table, delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from bus.log_position import check_position, digest
 from bus.object_fetch import fetch_file
 from bus.object_store import (
     meta_subject,
@@ -191,6 +192,28 @@ async def listed(js: JetStreamContext, projector: str) -> list[Snapshot]:
         if meta is not None and (s := _snapshot_of(meta)) is not None and s.projector == projector:
             found.append(s)
     return sorted(found, key=lambda s: s.seq)
+
+
+async def digest_at(js: JetStreamContext, seq: int) -> str | None:
+    """The digest of the events stream's message at ``seq``; None when it has none."""
+    try:
+        msg = await js.get_msg(EVENTS_STREAM, seq)
+    except NotFoundError:
+        return None
+    return digest(msg.data or b"")
+
+
+async def of_this_log(
+    js: JetStreamContext, snapshots: list[Snapshot], last_seq: int
+) -> list[Snapshot]:
+    """The snapshots whose event the log still holds at their sequence: not those of a tail
+    the log lost (``bus/log_position.py``)."""
+    usable = []
+    for s in snapshots:
+        at = await digest_at(js, s.seq) if 0 < s.seq <= last_seq else None
+        if not check_position(s.seq, s.digest, last_seq, at).lost:
+            usable.append(s)
+    return usable
 
 
 def chosen(snapshots: list[Snapshot], at_or_before: int | None) -> Snapshot | None:

@@ -4,6 +4,7 @@ reports it, and rebuilds the projection from what the log holds, on SQLite and P
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -120,4 +121,59 @@ async def test_a_lost_tail_is_noticed_reported_and_rebuilt(
         assert len((await read_log(js)).of(LogTailLost)) == 1
         await nc.close()
     finally:
+        server.stop()
+
+
+async def _publish(url: str, events: list[Event]) -> int:
+    """Published from a connection of their own (the projector's reconnects meanwhile)."""
+    nc = await connect(url, name="publisher")
+    try:
+        return await publish_all(nc.jetstream(), events)
+    finally:
+        await nc.close()
+
+
+async def test_a_running_projector_notices_when_its_server_comes_back_shorter(
+    tmp_path: Path, make_db: MakeDb
+) -> None:
+    """The projector runs through it: its nats-server loses power and comes back with an older
+    store, and newer events take the lost numbers before the projector pulls again. It notices
+    on reconnecting (its consumer went with the server), before it applies any of them."""
+    url = await make_db()
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    engine = database.create_engine(url)
+    nc = await connect(server.url, name="test")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        async with running_projector(js, engine, snapshot_every=0) as projector:
+            synced = await publish_all(js, _tasks("kept", 3))
+            await wait_for_seq(projector, synced)
+            server.stop()
+            shutil.copytree(server.data_dir / "jetstream", tmp_path / "store-copy")
+            server.start()
+            lost = await _publish(server.url, _tasks("lost", 4))
+            await wait_for_seq(projector, lost)
+            server.kill()
+            shutil.rmtree(server.data_dir / "jetstream")
+            shutil.copytree(tmp_path / "store-copy", server.data_dir / "jetstream")
+            server.start()
+            last = await _publish(server.url, _tasks("after", 6))  # past the lost numbers
+            async with asyncio.timeout(60):
+                while projector.applied_seq <= last:  # its LogTailLost too
+                    await asyncio.sleep(0.05)
+        async with asyncio.timeout(30):
+            while not nc.is_connected:
+                await asyncio.sleep(0.05)
+        (report,) = (await read_log(js)).of(LogTailLost)
+        assert (report.tracking_seq, report.stream_last_seq) == (lost, last)
+        assert "not the one read there" in report.dropped
+        rows = await db_rows(engine)
+        assert {r["task_id"] for r in rows["tasks"]} == {f"kept-{i}" for i in range(3)} | {
+            f"after-{i}" for i in range(6)
+        }
+    finally:
+        await nc.close()
+        await engine.dispose()
         server.stop()
