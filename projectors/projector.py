@@ -298,14 +298,16 @@ class Projector:
         and logged; never is a newer event under an old number taken for the one applied."""
         async with self._engine.connect() as conn:
             seq, kept = await read_tracking(conn, self.name, EVENTS_STREAM)
-        last = (await self._js.stream_info(EVENTS_STREAM)).state.last_seq
+        log_state = (await self._js.stream_info(EVENTS_STREAM)).state
+        last = log_state.last_seq
         at = await snapshot.digest_at(self._js, seq) if 0 < seq <= last else None
         verdict = check_position(seq, kept, last, at)
         if not verdict.lost:
             return
         snapshots = await snapshot.listed(self._js, self.name)
         usable = await snapshot.of_this_log(self._js, snapshots, last)
-        start = snapshot.chosen(usable, None)
+        # The newest one the log still holds, and everything after.
+        start = snapshot.chosen([s for s in usable if s.seq >= log_state.first_seq - 1], None)
         log.critical(
             "THE EVENT LOG LOST ITS TAIL: projector %s had applied up to #%d; %s. Rebuilding"
             " the projection from %s and the log (docs/operations.md, 'Power cuts and crashes')",
@@ -327,6 +329,13 @@ class Projector:
             ),
             msg_id=f"log-tail-lost:{self.name}:{seq}:{kept}",
         )
+        if start is None and log_state.first_seq > 1:
+            # Kept as it is for the operator, rather than emptied for a rebuild that cannot be.
+            raise ProjectionLost(
+                f"projector {self.name}: the log lost its tail and cannot be rebuilt from: its"
+                f" oldest event is #{log_state.first_seq} and no snapshot of {self.name} that"
+                " it still holds covers the events before"
+            )
         # Snapshots of the history the log lost would be restored some day, or outrank the
         # new ones (they are kept by sequence).
         for gone in snapshots:
