@@ -3,7 +3,7 @@ write before its ack (``sync_interval: always``, Shoal's default) against nats-s
 default (a sync every 2 minutes), side by side in one run; and SQLite's ``synchronous`` mode
 for the projection (NORMAL, Shoal's, against FULL).
 
-    .venv/bin/python -m bench.durability [--rounds 2] [--clients 4] [--requests 6]
+    .venv/bin/python -m bench.durability [--rounds 4] [--clients 4] [--requests 6]
                                          [--tokens 16] [--publishes 2000]
 
 1. ``shoal up`` serving SmolLM2, started with ``SHOAL_NATS_SYNC=always`` and with ``=2m`` in
@@ -158,7 +158,7 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--tokens", type=int, default=16)
