@@ -27,6 +27,7 @@ from api.serving import (
     log_unavailable,
     owned,
     recheck,
+    request_lost,
     task_error,
     unavailable,
     used,
@@ -36,6 +37,7 @@ from api.task_stream import (
     Recheck,
     outcome_subject,
     publish_in_background,
+    request_gone,
     stored_outcome,
 )
 from bus.events import (
@@ -53,6 +55,10 @@ Outcome = TaskCompleted | TaskFailed
 
 class Unavailable(Exception):
     """No runner is left to serve the task; the message says why."""
+
+
+class RequestLost(Exception):
+    """The log lost the task's request after acknowledging it (a power cut)."""
 
 
 async def gated(ctx: ApiContext, task: EmbeddingsRequested) -> tuple[Vectors, TaskCompleted]:
@@ -81,6 +87,8 @@ async def computed(ctx: ApiContext, task: EmbeddingsRequested) -> tuple[Vectors,
         raise log_unavailable(exc) from exc
     except Unavailable as exc:
         raise unavailable(str(exc)) from None
+    except RequestLost:
+        raise request_lost() from None
     except TimeoutError:
         raise ApiError(504, "the task took longer than the API waits") from None
 
@@ -164,6 +172,8 @@ class EmbeddingTask:
     async def _catch_up(self) -> None:
         """Queue the outcome, and the stored vectors, if the log has the outcome."""
         outcome, stored = await stored_outcome(self._ctx.nc, self.task)
+        if outcome is None and await request_gone(self._ctx.nc, self.task):
+            raise RequestLost()
         for chunk in stored:
             if isinstance(chunk, EmbeddingsComputed):
                 self._queue.put_nowait(chunk)

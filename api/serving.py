@@ -26,7 +26,7 @@ from api.errors import ApiError
 from api.images.placed import NO_IMAGES, Images
 from api.rate_limit import retry_after
 from api.reply import Reply
-from api.task_stream import Closed, Recheck, TaskStream
+from api.task_stream import LOST, Closed, Recheck, TaskStream
 from api.thinking import with_default_budget
 from bus import claim_check
 from bus.claim_check import Staged
@@ -279,7 +279,7 @@ def _outcomes(ctx: ApiContext, streams: list[TaskStream]) -> list[Usage]:
         if finished.unavailable is not None:
             raise unavailable(finished.unavailable)
         if finished.lost is not None:
-            raise ApiError(503, finished.lost, code="request_lost")
+            raise request_lost()
         if finished.failed is not None:
             raise task_error(finished.failed.error)
         assert finished.completed is not None
@@ -484,6 +484,10 @@ def unavailable(why: str) -> ApiError:
         f"{why} (the request was accepted, then its last runner stopped)",
         code="model_not_ready",
     )
+
+
+def request_lost() -> ApiError:
+    return ApiError(503, LOST, code="request_lost")
 
 
 def require_storable(

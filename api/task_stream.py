@@ -129,6 +129,18 @@ async def stored_outcome(
     return None, []
 
 
+async def request_gone(nc: Client, task: TaskCreated | EmbeddingsRequested) -> bool:
+    """Whether the log says it has no request event of this task: it was stored (its publish
+    was acknowledged), so the log lost it. False when the log cannot be read now."""
+    try:
+        await nc.jetstream().get_last_msg(EVENTS_STREAM, task.subject)
+    except NotFoundError:
+        return True
+    except (nats.errors.Error, TimeoutError):
+        pass
+    return False
+
+
 def publish_in_background(
     publish: Callable[[EventBase], Coroutine[Any, Any, None]], event: EventBase
 ) -> None:
@@ -225,7 +237,7 @@ class TaskStream:
         """Queue the task's outcome and its chunks from ``next_idx`` on, if the log has the
         outcome (``stored_outcome``). False when the log no longer has the task at all."""
         outcome, stored = await stored_outcome(self._nc, self.task)
-        if outcome is None and await self._created_gone():
+        if outcome is None and await request_gone(self._nc, self.task):
             return False
         if outcome is not None and (created := await self._last_created()) is not None:
             self._queue.put_nowait(created)  # the newest attempt, before its chunks
@@ -237,17 +249,6 @@ class TaskStream:
         if outcome is not None:
             self._queue.put_nowait(outcome)
         return True
-
-    async def _created_gone(self) -> bool:
-        """Whether the log says it has no ``TaskCreated`` of this task: it was stored (its
-        publish was acknowledged), so the log lost it. False when the log cannot be read."""
-        try:
-            await self._nc.jetstream().get_last_msg(EVENTS_STREAM, self.task.subject)
-        except NotFoundError:
-            return True
-        except (nats.errors.Error, TimeoutError):
-            pass
-        return False
 
     async def _last_created(self) -> TaskCreated | None:
         """The task's last ``TaskCreated`` in the log (its newest attempt); None if it cannot

@@ -12,8 +12,9 @@ from nats.js import JetStreamContext
 
 from api.errors import ApiError
 from api.serving import _outcomes
-from api.task_stream import LOST, TaskStream
-from bus.events import TaskCancelled, TaskCreated
+from api.task_stream import LOST, TaskStream, request_gone
+from bus.events import EmbeddingsRequested, TaskCancelled, TaskCreated
+from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
 
 TASK = TaskCreated(task_id="t-lost", model_id="m", origin="api", prompt="hi", kind="completion")
@@ -50,3 +51,13 @@ async def test_a_task_the_log_lost_is_given_up_once(nc: Client, js: JetStreamCon
             await asyncio.sleep(0.05)
     msg = await js.get_last_msg(EVENTS_STREAM, cancelled)
     assert b"lost this request" in (msg.data or b"")
+
+
+async def test_an_embeddings_request_the_log_lost_is_told_from_one_it_holds(
+    nc: Client, js: JetStreamContext
+) -> None:
+    task = EmbeddingsRequested(task_id="e-lost", model_id="m", origin="api", texts=["a"])
+    await Publisher(js).publish(task)
+    assert not await request_gone(nc, task)
+    await js.purge_stream(EVENTS_STREAM, subject=task.subject)
+    assert await request_gone(nc, task)
