@@ -98,8 +98,9 @@ def tiny_projector(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # Session fixtures that cost seconds to make: the modules that name one run in one xdist
-# worker, which makes it once.
-SHARED_FIXTURES = ("up_cluster", "smollm2_mlx")
+# worker, which makes it once. (The models converted for the tests need not: they are made once
+# in a cache on disk that the workers share, tests/model_cache.py.)
+SHARED_FIXTURES = ("up_cluster",)
 TESTS = Path(__file__).parent
 
 
@@ -118,6 +119,8 @@ def shared_fixture(module: str) -> str | None:
 # The modules that take longest (make test's --durations), longest first: each group below
 # starts with them, so that no worker is left running one of them alone at the end.
 LONGEST = (
+    "tests/services/runner/engines/mlx/test_pipeline.py",
+    "tests/services/runner/engines/test_thinking_budget.py",
     "tests/faults/test_partitions.py",
     "tests/services/test_nats_cluster_serving.py",
     "tests/cli/test_up_ha.py",
@@ -125,6 +128,8 @@ LONGEST = (
     "tests/api/test_fuzz.py",
     "tests/api/test_edge.py",
     "tests/services/test_worker_runner.py",
+    "tests/services/runner/engines/test_repeated_calls.py",
+    "tests/services/runner/engines/mlx/test_sampling.py",
     "tests/services/runner/engines/llamacpp/test_engine.py",
     "tests/services/runner/engines/llamacpp/test_pipeline.py",
     "tests/services/planner/test_planner_nats_cluster.py",

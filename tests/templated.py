@@ -21,13 +21,17 @@ def gguf_with_template(template: str, folder: Path) -> Path:
     path = folder / f"{hashlib.sha256(template.encode()).hexdigest()[:16]}.gguf"
     if not path.exists():
         written = path.with_suffix(".part")
-        subprocess.run(
-            [str(NEW_METADATA), str(SMOLLM2), str(written), "--chat-template", template, "--force"],
-            check=True,
-            capture_output=True,
-        )
+        write_gguf_with_template(template, written)
         written.rename(path)
     return path
+
+
+def write_gguf_with_template(template: str, out: Path) -> None:
+    subprocess.run(
+        [str(NEW_METADATA), str(SMOLLM2), str(out), "--chat-template", template, "--force"],
+        check=True,
+        capture_output=True,
+    )
 
 
 def mlx_with_template(smollm2_mlx: Path, folder: Path, template: str) -> Path:

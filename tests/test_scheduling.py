@@ -11,5 +11,5 @@ def test_the_longest_modules_exist() -> None:
 
 def test_a_module_naming_a_shared_fixture_is_grouped_by_it() -> None:
     assert shared_fixture("tests/api/test_clients.py") == "up_cluster"
-    assert shared_fixture("tests/services/runner/engines/mlx/test_sampling.py") == "smollm2_mlx"
+    assert shared_fixture("tests/api/test_thinking_clients.py") == "up_cluster"
     assert shared_fixture("tests/bus/test_events.py") is None

