@@ -3,9 +3,13 @@ tests that need one start `shoal up`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -14,7 +18,9 @@ from tests.api.up_cluster import up_cluster
 from tests.cli.shoal_up import wait_healthy
 from tests.services.processes import Processes
 
-__all__ = ["ApiStack", "up_cluster", "wait_healthy"]
+__all__ = ["ApiStack", "run_sync", "running_api_stack", "up_cluster", "wait_healthy"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,4 +60,26 @@ async def api_stack(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[
         stack = ApiStack("", nats_server.url, db, procs)
         stack.url = stack.start_api("api")
         await wait_healthy(stack.url)
+        yield stack
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion on its own loop in another thread, so that synchronous
+    fixtures and tests can use the async helpers whatever pytest-asyncio's loop is doing."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+@contextlib.contextmanager
+def running_api_stack(root: Path) -> Iterator[ApiStack]:
+    """What ``api_stack`` runs, for synchronous code and wider scopes: a module whose tests
+    change nothing the others read (each may start APIs of its own beside it, under its own
+    names) starts it once, as a module fixture named ``api_stack``."""
+    with EmbeddedNats(root / "nats") as nats_server, Processes(root / "logs") as procs:
+        db = f"sqlite:///{root / 'shoal.db'}"
+        procs.start("projector", "projector", "--nats", nats_server.url, "--db", db)
+        run_sync(procs.wait_log("projector", "resuming after seq"))
+        stack = ApiStack("", nats_server.url, db, procs)
+        stack.url = stack.start_api("api")
+        run_sync(wait_healthy(stack.url))
         yield stack

@@ -23,7 +23,7 @@ import pytest
 from api.errors import Dialect
 from bus.embedded import free_port
 from bus.units import MiB
-from tests.api.conftest import ApiStack, wait_healthy
+from tests.api.conftest import ApiStack, running_api_stack, wait_healthy
 from tests.services.processes import SHOAL
 
 KEY = "edge-key-1"
@@ -31,6 +31,14 @@ CHAT = "/v1/chat/completions"
 HUGE = 300 * MiB  # bytes
 DEFAULT_LIMIT = 32 * MiB
 TIMEOUT_S = 2.0  # the --body-timeout of the APIs that test it
+
+
+@pytest.fixture(scope="module")
+def api_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiStack]:
+    """One stack for the module: its tests change nothing the others read (the APIs they start
+    beside it have names of their own, their keys are flags of their process, not events)."""
+    with running_api_stack(tmp_path_factory.mktemp("edge")) as stack:
+        yield stack
 
 
 def _port(url: str) -> int:

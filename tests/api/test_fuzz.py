@@ -21,11 +21,10 @@ event that stopped the projector), so that it stays fixed.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,7 +43,6 @@ from api import roles
 from api.errors import Dialect, dialect_of
 from api.keys import key_digest
 from bus.connection import connect
-from bus.embedded import EmbeddedNats
 from bus.events import (
     EventBase,
     InstancePlaced,
@@ -60,8 +58,8 @@ from bus.events import (
 from bus.publisher import Publisher
 from bus.records import ChatMessage, GpuInfo, NodeProfile, ShardAssignment
 from bus.units import GiB
-from tests.api.conftest import ApiStack, wait_healthy
-from tests.services.processes import Processes
+from tests.api.conftest import ApiStack, running_api_stack
+from tests.api.conftest import run_sync as _run_sync
 
 T = TypeVar("T")
 Case = schemathesis.Case[Any]
@@ -87,13 +85,6 @@ SECRET = b"the-owners-secret-7f3a"
 
 
 # --- the stacks -----------------------------------------------------------------------------
-
-
-def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to completion on its own loop in another thread, so that synchronous
-    fixtures and tests can use the async helpers whatever pytest-asyncio's loop is doing."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def _cluster_events(serving: bool) -> list[EventBase]:
@@ -189,15 +180,8 @@ async def _projection_alive(stack: ApiStack, probe_node: str, timeout: float) ->
 
 @contextlib.contextmanager
 def _running_stack(root: Path) -> Iterator[ApiStack]:
-    """What conftest's ``api_stack`` runs (nats-server, projector, `shoal api`), for
-    synchronous code and wider scopes, seeded with ``tiny`` and ``node-a``."""
-    with EmbeddedNats(root / "nats") as nats_server, Processes(root / "logs") as procs:
-        db = f"sqlite:///{root / 'shoal.db'}"
-        procs.start("projector", "projector", "--nats", nats_server.url, "--db", db)
-        _run_sync(procs.wait_log("projector", "resuming after seq"))
-        stack = ApiStack("", nats_server.url, db, procs)
-        stack.url = stack.start_api("api")
-        _run_sync(wait_healthy(stack.url))
+    """conftest's ``running_api_stack``, seeded with ``tiny`` and ``node-a``."""
+    with running_api_stack(root) as stack:
         _run_sync(_seed(stack))
         yield stack
 
