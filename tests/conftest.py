@@ -120,11 +120,11 @@ def shared_fixture(module: str) -> str | None:
 # starts with them, so that no worker is left running one of them alone at the end.
 LONGEST = (
     "tests/services/runner/engines/mlx/test_pipeline.py",
-    "tests/services/runner/engines/test_thinking_budget.py",
     "tests/faults/test_partitions.py",
     "tests/services/test_nats_cluster_serving.py",
     "tests/cli/test_up_ha.py",
     "tests/bus/test_nats_cluster.py",
+    "tests/services/runner/engines/test_thinking_budget.py",
     "tests/api/test_fuzz.py",
     "tests/api/test_edge.py",
     "tests/services/test_worker_runner.py",
