@@ -130,7 +130,7 @@ def chat(task_id: str, question: str, max_tokens: int = 24) -> TaskCreated:
     )
 
 
-async def test_worker_serves_a_chat_task(
+async def _serves_a_chat_task(
     cluster: tuple[EventLog, subprocess.Popen[bytes]], js: JetStreamContext
 ) -> None:
     log, _ = cluster
@@ -186,7 +186,7 @@ async def test_worker_serves_a_chat_task(
     assert done.usage.completion_tokens <= 5
 
 
-async def test_bad_requests_fail_clearly(
+async def _bad_requests_fail_clearly(
     cluster: tuple[EventLog, subprocess.Popen[bytes]], js: JetStreamContext
 ) -> None:
     log, _ = cluster
@@ -205,7 +205,7 @@ async def test_bad_requests_fail_clearly(
     await log.wait_for(TaskCompleted, lambda e: e.task_id == "task-after")
 
 
-async def test_a_deleted_task_consumer_is_made_again(
+async def _a_deleted_task_consumer_is_made_again(
     cluster: tuple[EventLog, subprocess.Popen[bytes]], js: JetStreamContext
 ) -> None:
     log, _ = cluster
@@ -223,7 +223,7 @@ async def test_a_deleted_task_consumer_is_made_again(
     await log.wait_for(TaskCompleted, lambda e: e.task_id == task.task_id)
 
 
-async def test_cancel_stops_generation(
+async def _cancel_stops_generation(
     cluster: tuple[EventLog, subprocess.Popen[bytes]], js: JetStreamContext
 ) -> None:
     log, _ = cluster
@@ -242,6 +242,19 @@ async def test_cancel_stops_generation(
     # and the cancel crossed the bus.
     assert done.usage.completion_tokens <= seen_at_cancel + 16
     assert done.usage.completion_tokens < 400
+
+
+async def test_one_runner_serves_fails_bad_requests_remakes_its_consumer_and_cancels(
+    cluster: tuple[EventLog, subprocess.Popen[bytes]], js: JetStreamContext
+) -> None:
+    """What one worker and its runner do, each after the other on the same ones (a worker and
+    a runner started for each would cost seconds more each): it serves a chat and a completion,
+    fails bad requests clearly and serves on, makes a deleted task consumer again, and stops a
+    generation cancelled."""
+    await _serves_a_chat_task(cluster, js)
+    await _bad_requests_fail_clearly(cluster, js)
+    await _a_deleted_task_consumer_is_made_again(cluster, js)
+    await _cancel_stops_generation(cluster, js)
 
 
 async def test_a_sigkilled_runners_task_goes_on_when_it_comes_back(
