@@ -28,7 +28,7 @@ endif
 export CMAKE_ARGS ?= $(strip -DGGML_RPC=on -DGGML_NATIVE=off $(LLAMA_ACCEL_ARGS))
 LLAMA_CPP ?= llama-cpp-python>=0.3
 
-.PHONY: up test test-fast lint typecheck pytest bench clean
+.PHONY: up test test-fast lint typecheck pytest bench clean clients
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,13 +79,28 @@ $(CHROMIUM):
 $(OPENBLAS):
 	$(APT_INSTALL) libopenblas0-pthread || (apt-get update && $(APT_INSTALL) libopenblas0-pthread)
 
+# The coding agents tests/clients runs against `shoal up` (Claude Code, Codex), from the npm
+# registry at the versions tests/clients/package.json pins, into a cache directory named after
+# that file's content (tests/clients/cli.py computes the same), so that a new version is a new
+# directory and a fresh clone reuses the last install.
+CLIENTS_PACKAGE := tests/clients/package.json
+CLIENTS_DIR ?= $(HOME)/.cache/shoal/clients/$(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest()[:16])' $(CLIENTS_PACKAGE))
+
+$(CLIENTS_DIR)/.installed: $(CLIENTS_PACKAGE)
+	mkdir -p '$(CLIENTS_DIR)'
+	cp $(CLIENTS_PACKAGE) '$(CLIENTS_DIR)/package.json'
+	npm install --prefix '$(CLIENTS_DIR)' --no-audit --no-fund --no-save --loglevel=error
+	touch $@
+
+clients: $(CLIENTS_DIR)/.installed
+
 # Three workers on two cores: much of the suite waits (on processes starting, a leader elected,
 # an ack's deadline), and the tests that use a core run llama.cpp with one thread. A module's
 # tests stay in one worker (tests/conftest.py), so its fixtures are made once.
 PYTEST_WORKERS ?= 3
 
-pytest: $(VENV)/.installed-test | $(CHROMIUM) $(OPENBLAS)
-	SHOAL_CHROMIUM=$(CHROMIUM) $(BIN)/pytest -ra --durations=15 -n $(PYTEST_WORKERS)
+pytest: $(VENV)/.installed-test | $(CHROMIUM) $(OPENBLAS) $(CLIENTS_DIR)/.installed
+	SHOAL_CHROMIUM=$(CHROMIUM) SHOAL_CLIENTS_DIR='$(CLIENTS_DIR)' $(BIN)/pytest -ra --durations=15 -n $(PYTEST_WORKERS)
 
 # Lint first (a second); then mypy and pytest at once: mypy keeps one core busy for a minute,
 # which alone would leave the other idle.
