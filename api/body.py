@@ -26,14 +26,18 @@ def _checked(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _object(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters are best effort: what the grammar cannot express is left out of it
+    (``services/runner/structured/schema.py``); what is refused is no schema at all."""
     if schema.get("type", "object") != "object":
         raise ValueError("a tool's parameters are a JSON schema of type 'object'")
-    return _checked(schema)
+    if (problem := schema_problem(schema, lenient=True)) is not None:
+        raise ValueError(problem)
+    return schema
 
 
 # Token counts and context lengths: positive, and small enough for the projection's columns.
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 # A JSON schema the engine can constrain output to (schema_problem says why not).
 JsonSchema = Annotated[dict[str, Any], AfterValidator(_checked)]
-# A tool's parameters: such a schema, of an object.
+# A tool's parameters: a schema of an object, constrained as far as a grammar can.
 ToolParameters = Annotated[dict[str, Any], AfterValidator(_object)]

@@ -12,6 +12,7 @@ FastAPI's own 422 list for an invalid body becomes one 400 that names the field.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -112,9 +113,22 @@ def error_response(err: ApiError, dialect: Dialect = "openai") -> JSONResponse:
 
 
 _WHERE = {"body", "query", "path", "header"}
+# A union's branches are named in an error's location by their type ("str", "list[str]",
+# "function-after[...]", a model's class name); fields by their snake_case names, a list's
+# items by their index and a dict's by their key ("[key]" after a key that is refused).
+_TYPE = re.compile(r"[A-Z][A-Za-z0-9]*|[a-z-]+\[.*\]")
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
+
+
+def _branch(part: object) -> bool:
+    return isinstance(part, str) and (part in _TYPE_NAMES or bool(_TYPE.fullmatch(part)))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first error's own message and field (a request with several unrelated errors
+    gets the first, as OpenAI and Anthropic say one thing at a time). A value that fits no
+    branch of a union gives one error per branch: the deepest branch's, when one went into
+    the value, else "not a valid value" for the union's field."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -127,21 +141,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # what is wrong, and where: its message, not the union's.
     own = next((e for e in errors if e.get("type") == "value_error"), None)
     if own is not None:
-        param = ".".join(str(p) for p in own.get("loc", ()) if p not in _WHERE) or None
+        path = [str(p) for p in own.get("loc", ()) if p not in _WHERE and not _branch(p)]
+        param = ".".join(path) or None
         message = str(own.get("msg", "invalid")).removeprefix("Value error, ")
         return (f"{param}: {message}" if param else message), param
-    # A value that fits no branch of a union gives one error per branch ("stop.str",
-    # "stop.list[str]"): the field is what all of them have in common.
-    locs = [[str(p) for p in e.get("loc", ()) if p not in _WHERE] for e in errors]
-    common = locs[0]
-    for loc in locs[1:]:
-        n = 0
-        while n < min(len(common), len(loc)) and common[n] == loc[n]:
-            n += 1
-        common = common[:n]
-    param = ".".join(common) or None
-    message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
-    if len(locs) > 1 and len(common) < len(locs[0]):
+    loc = tuple(first.get("loc", ()))
+    at = next((i for i, part in enumerate(loc) if _branch(part)), None)
+    chosen, vague = first, False
+    if at is not None:
+        branches = [
+            e
+            for e in errors
+            if tuple(e.get("loc", ()))[:at] == loc[:at]
+            and len(e.get("loc", ())) > at
+            and _branch(e["loc"][at])
+        ]
+        chosen = max(branches, key=lambda e: len(e.get("loc", ())))
+        vague = len(branches) > 1 and len(chosen.get("loc", ())) == at + 1
+    path = [str(p) for p in chosen.get("loc", ()) if p not in _WHERE and not _branch(p)]
+    param = ".".join(path) or None
+    message = str(chosen.get("msg", "invalid")).removeprefix("Value error, ")
+    if vague:
         message = "not a valid value for this field (see the API reference for its type)"
     where = f"{param}: " if param else ""
     return f"{where}{message}", param

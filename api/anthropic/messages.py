@@ -3,10 +3,21 @@
 stream events; the message's own shape is ``shapes.py``). Pure: bodies in, task fields out;
 chunks in, dicts and events out.
 
-Every field that changes the answer is honoured or refused with a 400 that names it (server
-tools, MCP servers, containers, a prefilled assistant turn, documents, images for a model that
-reads text only); fields that do not (``metadata``, ``cache_control``, ``service_tier``...) are
-accepted, as are fields Anthropic does not define.
+Every field that changes the answer is honoured or refused with a 400 that names it (MCP
+servers, containers, a prefilled assistant turn, documents, images for a model that reads text
+only, Anthropic-defined client tools); fields that do not (``metadata``, ``cache_control``,
+``service_tier``, ``output_config.effort`` where the model does not think, ``context_management``'s
+``clear_thinking`` edit...) are accepted, as are fields Anthropic does not define. What Claude
+Code sends is accepted as it is (``tests/clients/fixtures``):
+
+- server tools (``web_search_...``, ``web_fetch_...``, ``code_execution_...``,
+  ``tool_search_tool_...``) are left out, as a model that cannot call them would leave them,
+  unless ``tool_choice`` names one (then a 400: Shoal runs none);
+- a deferred tool (``defer_loading``) is not offered until the conversation has called it or
+  ``tool_choice`` names it: the client's tool search loads it;
+- ``output_config.effort`` is the thinking's budget when the model thinks and the request set
+  none (``api/thinking.py``'s, ``max`` unbounded);
+- a tool's ``input_schema`` is best effort (``api/body.py``).
 
 Extended thinking: with ``thinking: {"type": "enabled"}`` a thinking model's thinking comes as
 a ``thinking`` block before the text (``thinking_delta`` events, then a ``signature_delta``,
@@ -39,6 +50,7 @@ from api.images.placed import NO_IMAGES, Images
 from api.reply import Reply
 from api.serving import Output, sse
 from api.task_stream import TaskStream
+from api.thinking import effort_budget
 from bus.events import ChunkGenerated, TaskCreated, new_id
 from bus.records import (
     INT32_MAX,
@@ -59,9 +71,15 @@ ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
 # --- requests -------------------------------------------------------------------------------
 
 
+# Anthropic's server tools, by their type's prefix: run by Anthropic, which Shoal is not.
+SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_")
+
+
 class ToolDef(RequestBody):
-    """A client tool. Anthropic's own tools (``web_search_...``, ``bash_...``,
-    ``text_editor_...``, ``computer_...``) are refused: Shoal runs none."""
+    """A client tool, or a server tool (left out: see the module's docstring). Anthropic's
+    schema-less client tools (``bash_...``, ``text_editor_...``, ``computer_...``,
+    ``memory_...``) are refused: their schema is Anthropic's, which Shoal's models do not
+    know."""
 
     type: str | None = None
     name: ToolName
@@ -73,18 +91,23 @@ class ToolDef(RequestBody):
 
     @model_validator(mode="after")
     def _client_tool(self) -> ToolDef:
+        if self.server:
+            return self
         if self.type not in (None, "custom"):
             raise ValueError(
-                f"tools of type {self.type!r} are not supported: Shoal runs no"
-                " server tools, send client tools (name, input_schema)"
+                f"tools of type {self.type!r} are not supported: its schema is Anthropic's,"
+                " send a client tool (name, input_schema) instead"
             )
         if self.input_schema is None:
             raise ValueError(f"the tool {self.name!r} needs its input_schema")
         if self.input_examples:
             raise ValueError("input_examples is not supported")
-        if self.defer_loading:
-            raise ValueError("defer_loading (tool search) is not supported")
         return self
+
+    @property
+    def server(self) -> bool:
+        """One of Anthropic's server tools."""
+        return self.type is not None and self.type.startswith(SERVER_TOOLS)
 
     def event(self) -> Tool:
         assert self.input_schema is not None
@@ -106,8 +129,10 @@ class ToolChoiceIn(RequestBody):
 class Thinking(RequestBody):
     type: str
     # The thinking's budget: the runner ends a thinking that spent it (TaskCreated's
-    # thinking_budget). Adaptive thinking has none (the model's own, or the server's default).
+    # thinking_budget). Adaptive thinking has none (the model's own, output_config.effort's, or
+    # the server's default).
     budget_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    # "omitted": thinking blocks come with their signature and no text (Claude Code asks so).
     display: str | None = None
 
     @model_validator(mode="after")
@@ -117,12 +142,18 @@ class Thinking(RequestBody):
                 f"thinking of type {self.type!r} is not supported: send 'enabled',"
                 " 'adaptive' or 'disabled'"
             )
-        if self.display not in (None, "summarized"):
+        if self.display not in (None, "summarized", "omitted"):
             raise ValueError(
                 f"thinking display {self.display!r} is not supported: the thinking is shown"
-                " as the model wrote it (send 'summarized', or no display)"
+                " as the model wrote it, or omitted (send 'summarized', 'omitted' or no"
+                " display)"
             )
         return self
+
+    @property
+    def shown(self) -> bool:
+        """Whether the thinking's text goes to the client."""
+        return self.display != "omitted"
 
     @property
     def enabled(self) -> bool:
@@ -148,19 +179,42 @@ class JsonOutputFormat(RequestBody):
         return self
 
 
+# Anthropic's efforts; each bounds the thinking as OpenAI's of the same name ("max": no bound).
+AnthropicEffort = Literal["low", "medium", "high", "xhigh", "max"]
+
+
 class OutputConfig(RequestBody):
     format: JsonOutputFormat | None = None
-    effort: str | None = None
+    # How hard the model works: Shoal's models think for the effort's budget (a model that
+    # does not think answers as it would).
+    effort: AnthropicEffort | None = None
 
-    @field_validator("effort")
+    @property
+    def budget(self) -> int | None:
+        return effort_budget(self.effort) if self.effort != "max" else None
+
+
+class ContextEdit(RequestBody):
+    """One of ``context_management``'s edits: ``clear_thinking_...`` is accepted as the no-op
+    it is here (a chat template keeps or drops earlier thinking itself; Shoal keeps no
+    context between requests to clear); another edit would change the prompt, and is
+    refused."""
+
+    type: str
+
+    @field_validator("type")
     @classmethod
-    def _no_effort(cls, effort: str | None) -> str | None:
-        if effort is not None:
+    def _no_op(cls, kind: str) -> str:
+        if not kind.startswith("clear_thinking_"):
             raise ValueError(
-                "effort is not supported: it would bound every output token, and Shoal bounds"
-                " only the thinking (send thinking {'type': 'enabled', 'budget_tokens': N})"
+                f"the context edit {kind!r} is not supported: Shoal sends the conversation"
+                " as it is (only clear_thinking, a no-op here, is taken)"
             )
-        return effort
+        return kind
+
+
+class ContextManagement(RequestBody):
+    edits: list[ContextEdit] = Field(default_factory=list)
 
 
 class Metadata(RequestBody):
@@ -180,10 +234,10 @@ class MessagesBody(RequestBody):
     output_format: JsonOutputFormat | None = None  # the structured-outputs beta's name
     metadata: Metadata | None = None
     thinking: Thinking | None = None
+    context_management: ContextManagement | None = None
     # Answer-changing fields Shoal cannot honour (see _consistent).
     container: Any = None
     mcp_servers: list[Any] | None = None
-    context_management: Any = None
 
     @model_validator(mode="after")
     def _consistent(self) -> MessagesBody:
@@ -191,8 +245,6 @@ class MessagesBody(RequestBody):
             raise ValueError("container is not supported: Shoal runs no code execution")
         if self.mcp_servers:
             raise ValueError("mcp_servers is not supported: Shoal connects to no MCP server")
-        if self.context_management is not None:
-            raise ValueError("context_management is not supported")
         for i, block in enumerate(self.system if isinstance(self.system, list) else []):
             if (problem := block_problem(block, ("text",))) is not None:
                 raise ValueError(at_field(f"system[{i}]", problem))
@@ -205,13 +257,36 @@ class MessagesBody(RequestBody):
         if len(set(names)) != len(names):
             raise ValueError("tools: two tools have the same name")
         choice = self.tool_choice
-        if choice is not None and choice.type in ("any", "tool") and not names:
+        if choice is not None and choice.type in ("any", "tool") and not self.offered():
             raise ValueError(f"tool_choice {choice.type!r} needs tools")
         if choice is not None and choice.type == "tool" and choice.name not in names:
             raise ValueError(
                 f"tool_choice names the tool {choice.name!r}, which is not among the tools"
             )
+        server = [t for t in self.tools or [] if t.server]
+        if choice is not None and choice.type == "tool" and choice.name in {t.name for t in server}:
+            raise ValueError(
+                f"tool_choice names the server tool {choice.name!r}: Shoal runs no server tools"
+            )
         return self
+
+    def offered(self) -> list[ToolDef]:
+        """The tools the model is offered: the client's, but for deferred ones the
+        conversation has not called yet (unless tool_choice names them)."""
+        called = {
+            b.name
+            for m in self.messages
+            if m.role == "assistant" and isinstance(m.content, list)
+            for b in m.content
+            if b.type == "tool_use"
+        }
+        if self.tool_choice is not None and self.tool_choice.type == "tool":
+            called.add(self.tool_choice.name or "")
+        return [
+            t
+            for t in self.tools or []
+            if not t.server and (not t.defer_loading or t.name in called)
+        ]
 
     def image_inputs(self) -> list[ImageInput]:
         """The images the messages send (tool results' included), in order."""
@@ -236,7 +311,7 @@ class MessagesBody(RequestBody):
 
     def task_fields(self, images: Images = NO_IMAGES) -> dict[str, Any]:
         """What the task carries besides its sampling (``images``: the request's, read)."""
-        tools = [t.event() for t in self.tools or []]
+        tools = [t.event() for t in self.offered()]
         choice = self.tool_choice
         if choice is None or choice.type == "auto":
             tool_choice = ToolChoice(mode="auto" if tools else "none")
@@ -254,8 +329,22 @@ class MessagesBody(RequestBody):
             "response_format": self.response_format(),
             "user": self.metadata.user_id if self.metadata else None,
             "thinking": self.thinks,
-            "thinking_budget": self.thinking.budget if self.thinking is not None else None,
+            "thinking_budget": self.thinking_budget,
         }
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """``budget_tokens``, else the effort's budget when the model is asked to think."""
+        if self.thinking is None or not self.thinking.enabled:
+            return None
+        if self.thinking.budget is not None:
+            return self.thinking.budget
+        return self.output_config.budget if self.output_config is not None else None
+
+    @property
+    def thinking_shown(self) -> bool:
+        """Whether the thinking's text goes to the client (``display: omitted``: not)."""
+        return self.thinking is None or self.thinking.shown
 
     @property
     def thinks(self) -> bool:
@@ -312,10 +401,13 @@ class MessagesOut(Output):
     size: its ``input_tokens`` are the final usage's (0 from a runner that does not say); the
     final ``message_delta`` carries both counts."""
 
-    def __init__(self, msg_id: str, model: str, thinking: bool = False) -> None:
+    def __init__(
+        self, msg_id: str, model: str, thinking: bool = False, thinking_shown: bool = True
+    ) -> None:
         self._id = msg_id
         self._model = model
         self._thinking = thinking
+        self._shown = thinking_shown  # the thinking's text, or (display: omitted) not
         self._thought = ""  # the thinking block's text, for its signature
         self._open: str | int | None = None  # "thinking", "text", a call's index, or none yet
         self._blocks = 0  # blocks started so far
@@ -374,8 +466,9 @@ class MessagesOut(Output):
                     opened = {"type": "thinking", "thinking": "", "signature": ""}
                     out.append(self._start("thinking", opened))
                 self._thought += c.reasoning
-                thought = {"type": "thinking_delta", "thinking": c.reasoning}
-                out.append(self._delta(self._blocks - 1, thought))
+                if self._shown:
+                    thought = {"type": "thinking_delta", "thinking": c.reasoning}
+                    out.append(self._delta(self._blocks - 1, thought))
             if c.text:
                 if self._open != "text":
                     out.append(self._start("text", {"type": "text", "text": ""}))
@@ -412,7 +505,8 @@ class MessagesOut(Output):
         return self._started(sse(anthropic_error_body(err.status, err.message), "error"))
 
     def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
-        return whole_message(self._id, self._model, replies[0], usages[0], self._thinking)
+        reply, thinking = replies[0], self._thinking
+        return whole_message(self._id, self._model, reply, usages[0], thinking, self._shown)
 
 
 # --- models ---------------------------------------------------------------------------------

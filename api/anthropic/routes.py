@@ -44,5 +44,5 @@ async def serve_messages(
     model_id = await ctx.resolve_model(body.model)
     images = await request_images(ctx, model_id, body.image_inputs())
     task = task_for(body, model_id, ctx.origin, body.sampling(), images)
-    out = MessagesOut(f"msg_{task.task_id}", body.model, body.thinks)
+    out = MessagesOut(f"msg_{task.task_id}", body.model, body.thinks, body.thinking_shown)
     return await serve(ctx, [task], body.stream, out, images)

@@ -57,17 +57,20 @@ def signature(thinking: str) -> str:
     return hashlib.sha256(thinking.encode()).hexdigest()
 
 
-def thinking_block(thinking: str) -> dict[str, Any]:
-    return {"type": "thinking", "thinking": thinking, "signature": signature(thinking)}
+def thinking_block(thinking: str, shown: bool = True) -> dict[str, Any]:
+    """A thinking block; not ``shown`` (``display: omitted``), its text is left out."""
+    text = thinking if shown else ""
+    return {"type": "thinking", "thinking": text, "signature": signature(thinking)}
 
 
-def content(reply: Reply, thinking: bool = False) -> list[dict[str, Any]]:
-    """The thinking block (``thinking``: when asked, and there was some), the text block (left
-    out when it is empty and there are calls), then a ``tool_use`` block per call."""
+def content(reply: Reply, thinking: bool = False, shown: bool = True) -> list[dict[str, Any]]:
+    """The thinking block (``thinking``: when asked, and there was some; its text when
+    ``shown``), the text block (left out when it is empty and there are calls), then a
+    ``tool_use`` block per call."""
     calls = reply.tool_calls()
     blocks: list[dict[str, Any]] = []
     if thinking and reply.reasoning:
-        blocks.append(thinking_block(reply.reasoning))
+        blocks.append(thinking_block(reply.reasoning, shown))
     if reply.text or not calls:
         blocks.append({"type": "text", "text": reply.text})
     blocks += [
@@ -98,7 +101,7 @@ def message(
 
 
 def whole_message(
-    msg_id: str, model: str, reply: Reply, u: Usage, thinking: bool = False
+    msg_id: str, model: str, reply: Reply, u: Usage, thinking: bool = False, shown: bool = True
 ) -> dict[str, Any]:
-    blocks = content(reply, thinking)
+    blocks = content(reply, thinking, shown)
     return message(msg_id, model, blocks, stop_reason(reply), stop_sequence(reply), u)

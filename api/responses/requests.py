@@ -3,14 +3,25 @@
 a ``TaskCreated``: input items as chat messages, function tools, ``tool_choice``,
 ``text.format``. Pure: data in, data out (api/responses/routes.py reads and stores).
 
-Every field that changes the answer is honoured or refused with a 400 that names it: built-in
-tools (web search, file search, computer use...), reasoning summaries, ``include`` of what
-Shoal cannot produce, files and audio, item references, prompt templates, conversations.
-Fields that do not change it (``metadata``, ``user``, ``service_tier``,
-``prompt_cache_key``...) are accepted. ``reasoning.effort`` "none" turns a thinking model's
-thinking off, any other effort on, with that effort's budget (``api/thinking.py``); a
-``reasoning`` input item is the next assistant turn's thinking, which the chat template keeps or
-drops.
+Every field that changes the answer is honoured or refused with a 400 that names it: tools
+the client runs whose schema is OpenAI's (computer use, custom tools, local shell...),
+reasoning summaries, ``include`` of what Shoal cannot produce, files and audio, item
+references, prompt templates, conversations. Fields that do not change it (``metadata``,
+``user``, ``service_tier``, ``prompt_cache_key``, ``client_metadata``...) are accepted. What
+Codex sends is accepted as it is (``tests/clients/fixtures``):
+
+- a ``namespace`` tool's functions are offered as functions of their own, and a call of one
+  names its namespace (``"namespace"`` on the ``function_call`` item), as Codex needs to run it;
+- hosted tools (``web_search``, ``file_search``, ``code_interpreter``, ``image_generation``,
+  ``mcp``...) are left out, as a model that cannot call them would leave them, unless
+  ``tool_choice`` names one (then a 400: Shoal runs none);
+- ``include: ["reasoning.encrypted_content"]`` (sent with ``store: false``) is accepted, and
+  answered with no encrypted content: the reasoning items hold the thinking in the clear, and
+  come back as they are; the ``include``s of hosted tools' results have nothing to include.
+
+``reasoning.effort`` "none" turns a thinking model's thinking off, any other effort on, with
+that effort's budget (``api/thinking.py``); a ``reasoning`` input item is the next assistant
+turn's thinking, which the chat template keeps or drops.
 """
 
 from __future__ import annotations
@@ -37,8 +48,31 @@ MAX_METADATA = 16
 _TOOL_CHOICES = ("auto", "none", "required")
 
 
+# Tools OpenAI runs itself (and the Responses API's tool_choice may name by type).
+HOSTED_TOOLS = (
+    "web_search",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "web_search_2025_08_26",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "tool_search",
+)
+# What include may ask for: what Shoal has none of to add (see the module's docstring).
+INCLUDABLE = (
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "file_search_call.results",
+    "code_interpreter_call.outputs",
+)
+
+
 class FunctionTool(RequestBody):
-    """A tool, in the Responses API's flat shape; only functions can be offered."""
+    """A tool, in the Responses API's flat shape: a function, a ``namespace`` of functions,
+    or a hosted tool (left out: see the module's docstring)."""
 
     type: str
     name: FunctionName | None = None
@@ -46,25 +80,53 @@ class FunctionTool(RequestBody):
     parameters: ToolParameters | None = None
     strict: bool | None = None  # every call is constrained to the schema anyway
     defer_loading: bool | None = None
+    tools: list[FunctionTool] | None = None  # a namespace's
 
     @model_validator(mode="after")
     def _function(self) -> FunctionTool:
-        if self.type != "function":
+        if self.hosted:
+            return self
+        if self.type not in ("function", "namespace"):
             raise ValueError(
                 f"tools of type {self.type!r} are not supported: Shoal's models"
-                " call only your functions (type 'function')"
+                " call only your functions (type 'function', or a 'namespace' of them)"
             )
         if self.name is None:
-            raise ValueError("a function tool needs its name")
+            raise ValueError(f"a {self.type} tool needs its name")
+        if self.type == "namespace":
+            if not self.tools:
+                raise ValueError(f"the namespace {self.name!r} needs its tools")
+            if any(t.type != "function" for t in self.tools):
+                raise ValueError(f"the namespace {self.name!r} holds functions only")
         if self.defer_loading:
             raise ValueError("defer_loading is not supported: Shoal has no tool search")
         return self
+
+    @property
+    def hosted(self) -> bool:
+        return self.type in HOSTED_TOOLS
+
+    def functions(self) -> list[tuple[str | None, FunctionTool]]:
+        """The functions this tool offers, each with its namespace (a hosted tool: none)."""
+        if self.type == "namespace":
+            return [(self.name, t) for t in self.tools or []]
+        return [] if self.hosted else [(None, self)]
 
     def event(self) -> Tool:
         parameters = self.parameters or {"type": "object", "properties": {}}
         return Tool(name=self.name or "", description=self.description or "", parameters=parameters)
 
     def echoed(self) -> dict[str, Any]:
+        if self.type == "namespace":
+            tools = [t.echoed() for t in self.tools or []]
+            return {
+                "type": "namespace",
+                "name": self.name,
+                "description": self.description,
+                "tools": tools,
+            }
+        if self.hosted:
+            return self.model_dump(exclude_none=True)
         return {
             "type": "function",
             "name": self.name,
@@ -174,6 +236,10 @@ class ResponsesBody(RequestBody):
     def _choice(cls, choice: Any) -> Any:
         if choice is None or choice in _TOOL_CHOICES:
             return choice
+        if isinstance(choice, dict) and choice.get("type") in HOSTED_TOOLS:
+            raise ValueError(
+                f"tool_choice {choice['type']!r} is not supported: Shoal runs no hosted tools"
+            )
         if isinstance(choice, dict) and choice.get("type") == "function":
             if not isinstance(choice.get("name"), str) or not choice["name"]:
                 raise ValueError("a function tool_choice needs the function's name")
@@ -197,7 +263,7 @@ class ResponsesBody(RequestBody):
             )
         if not self.input and self.previous_response_id is None:
             raise ValueError("input is empty: send a string or a list of items")
-        names = [t.name for t in self.tools or []]
+        names = [f.name for _, f in self.functions()]
         if len(set(names)) != len(names):
             raise ValueError("tools: two functions have the same name")
         choice = self.tool_choice
@@ -217,9 +283,17 @@ class ResponsesBody(RequestBody):
         """The input as messages, with ``images`` (``image_inputs``, read) in their places."""
         return chat_messages(self.input, images)
 
+    def functions(self) -> list[tuple[str | None, FunctionTool]]:
+        """The functions offered, a namespace's among them, each with its namespace."""
+        return [f for t in self.tools or [] for f in t.functions()]
+
+    def namespaces(self) -> dict[str, str]:
+        """A namespace's function's name -> the namespace (for its calls' items)."""
+        return {f.name or "": ns for ns, f in self.functions() if ns is not None}
+
     def task_fields(self) -> dict[str, Any]:
         """What the task carries besides its messages and sampling."""
-        tools = [t.event() for t in self.tools or []]
+        tools = [f.event() for _, f in self.functions()]
         choice = self.tool_choice
         if isinstance(choice, dict):
             tool_choice = ToolChoice(mode="function", name=choice["name"])
@@ -269,11 +343,12 @@ class ResponsesRequest(ResponsesBody):
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
-        if self.include:
-            raise ValueError(
-                f"include {self.include[0]!r} is not supported: Shoal produces"
-                " none of the extra data include asks for"
-            )
+        for asked in self.include or []:
+            if asked not in INCLUDABLE:
+                raise ValueError(
+                    f"include {asked!r} is not supported: Shoal can include"
+                    f" {', '.join(repr(i) for i in INCLUDABLE)} (of which it has none)"
+                )
         if self.top_logprobs:
             raise ValueError(
                 "top_logprobs is not supported by the Responses API here: use"

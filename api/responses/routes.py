@@ -172,6 +172,7 @@ async def serve_responses(
         body.model or model_id,
         int(time.time()),
         body.echoed(),
+        body.namespaces(),
     )
     keep = _keeper(ctx, head, task, input_items(body.input, task.task_id), conversation)
     out = ResponsesOut(head, body.stream, keep if body.keep else None, shown(task.thinking))

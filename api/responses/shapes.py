@@ -45,6 +45,8 @@ class Head:
     model: str
     created_at: int
     settings: Json = field(default_factory=dict)
+    # A namespace's function's name -> its namespace, which its calls' items name.
+    namespaces: dict[str, str] = field(default_factory=dict)
 
     def response(
         self,
@@ -110,8 +112,8 @@ def message_item(item_id: str, text: str, status: str) -> Json:
     }
 
 
-def call_item(item_id: str, call: Call, status: str) -> Json:
-    return {
+def call_item(item_id: str, call: Call, status: str, namespace: str | None = None) -> Json:
+    item = {
         "type": "function_call",
         "id": item_id,
         "call_id": call.id,
@@ -119,6 +121,7 @@ def call_item(item_id: str, call: Call, status: str) -> Json:
         "arguments": call.arguments,
         "status": status,
     }
+    return item | ({"namespace": namespace} if namespace is not None else {})
 
 
 def usage(u: Usage) -> Json:
@@ -147,17 +150,22 @@ def status_of(reply: Reply) -> tuple[ResponseStatus, Json | None, Json | None]:
     return "completed", None, None
 
 
-def output_items(task_id: str, reply: Reply, reasoning: bool = True) -> list[Json]:
+def output_items(
+    task_id: str, reply: Reply, reasoning: bool = True, namespaces: dict[str, str] | None = None
+) -> list[Json]:
     """A whole reply's output: its thinking (``reasoning``: when shown, and there was some),
-    its text as a message (even an empty one, when it called nothing), then its calls; the
-    last item is ``incomplete`` when max_output_tokens cut it."""
+    its text as a message (even an empty one, when it called nothing), then its calls (each
+    with its function's namespace, if it has one); the last item is ``incomplete`` when
+    max_output_tokens cut it."""
+    spaces = namespaces or {}
     items = []
     if reasoning and reply.reasoning:
         items.append(reasoning_item(reasoning_id(task_id), reply.reasoning, "completed"))
     if reply.text or not reply.calls:
         items.append(message_item(message_id(task_id), reply.text, "completed"))
     for index, call in sorted(reply.calls.items()):
-        items.append(call_item(call_item_id(task_id, index), call, "completed"))
+        item_id = call_item_id(task_id, index)
+        items.append(call_item(item_id, call, "completed", spaces.get(call.name)))
     if reply.finish_reason == "length":
         items[-1]["status"] = "incomplete"
     return items
@@ -312,6 +320,8 @@ class ResponseStream:
                 "arguments": "",
                 "status": "in_progress",
             }
+            if (namespace := self.head.namespaces.get(d.name or "")) is not None:
+                item["namespace"] = namespace
             i = self._current = self._calls[d.index] = len(self.items)
             self.items.append(item)
             out += self._event("response.output_item.added", output_index=i, item=item)
@@ -424,7 +434,7 @@ class ResponsesOut(Output):
             self._tail = self._stream.finish(reply)
             output = self._stream.items
         else:
-            output = output_items(self.head.task_id, reply, self._reasoning)
+            output = output_items(self.head.task_id, reply, self._reasoning, self.head.namespaces)
         self.final = final_response(self.head, output, reply, usages[0])
         if self._keep is not None and not await self._keep(self.final, assistant_message(output)):
             self.final["store"] = False

@@ -416,7 +416,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(client: openai.OpenAI) -> No
     assert "image" in str(err.value) and err.value.param == "messages.0.content.1"
     schema: dict[str, object] = {
         "type": "object",
-        "properties": {"age": {"type": "integer", "minimum": 0}},
+        "properties": {"age": {"type": "number", "minimum": 0}},
     }
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(

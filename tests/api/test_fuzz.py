@@ -580,7 +580,7 @@ _BAD = [
                  "response_format", "not supported", id="response-format-xml"),
     pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "a", "schema": {
-            "type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}}}},
+            "type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}}}},
         "response_format.json_schema.schema", "minimum", id="schema-keyword-unsupported"),
     pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "a", "schema": {"properties": 3}}}},
@@ -596,8 +596,13 @@ _BAD = [
         "tools.0.function.parameters", "type 'object'", id="tool-parameters-not-an-object"),
     pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}]},
-        "tools.0.function.parameters", "'not'", id="tool-schema-keyword-unsupported"),
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}]},
+        "tools.0.function.parameters", "points to nothing", id="tool-schema-ref-to-nothing"),
+    # Several unrelated errors: the first one's own message and field, not a vague one.
+    pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "temperature": "hot", "top_p": "x",
+                        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                            "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}]},
+        "temperature", "valid number", id="several-errors-the-first"),
     pytest.param(CHAT, {"model": "m", "messages": MESSAGES, "tools": [
         {"type": "function", "function": {"name": "f"}}],
         "tool_choice": {"type": "function", "function": {"name": "g"}}}, None,
@@ -1007,14 +1012,14 @@ async def test_sdk_raises_bad_request_for_what_cannot_be_honoured(
                             "name": "f",
                             "parameters": {
                                 "type": "object",
-                                "properties": {"x": {"type": "string", "format": "email"}},
+                                "properties": {"x": {"$ref": "#/$defs/X"}},
                             },
                         },
                     }
                 ],
             )
         assert caught.value.param == "tools.0.function.parameters"
-        assert "format" in caught.value.message
+        assert "$ref '#/$defs/X' (at properties.x) points to nothing" in caught.value.message
 
         with pytest.raises(openai.BadRequestError) as caught:
             await sdk.completions.create(model="m", prompt=["one", "two"])

@@ -162,8 +162,16 @@ def test_anthropic_budget_tokens_is_the_budget() -> None:
     assert anthropic().task_fields()["thinking_budget"] is None
     with pytest.raises(ValidationError, match="budget_tokens"):
         anthropic(thinking={"type": "enabled", "budget_tokens": 0})
-    with pytest.raises(ValidationError, match="effort is not supported"):
-        anthropic(output_config={"effort": "low"})
+    # output_config.effort: the budget of adaptive (or budgetless) thinking, and nothing else.
+    effort = {"output_config": {"effort": "low"}}
+    assert (
+        anthropic(thinking={"type": "adaptive"}, **effort).task_fields()["thinking_budget"] == 1024
+    )
+    high = {"type": "enabled", "budget_tokens": 2048}
+    assert anthropic(thinking=high, **effort).task_fields()["thinking_budget"] == 2048
+    assert anthropic(**effort).task_fields()["thinking_budget"] is None
+    most = {"output_config": {"effort": "max"}}
+    assert anthropic(thinking={"type": "adaptive"}, **most).task_fields()["thinking_budget"] is None
 
 
 def test_anthropic_thinking_block_first() -> None:

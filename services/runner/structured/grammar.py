@@ -2,10 +2,11 @@
 converter (``llama_cpp.llama_grammar.SchemaConverter``), from schemas ``schema.prepare`` made
 safe for it.
 
-Two defects of the converter's Python port are repaired for every grammar: its ``char`` rule
-``[^"\\\\]`` lets a JSON string hold raw control characters (a newline in a string: invalid
-JSON), replaced by the C++ converter's ``[^"\\\\\\x7F\\x00-\\x1F]``; and its literals escape no
-backslash, so that an ``enum`` value or property name with one came out wrong.
+The converter's Python port leaves out an integer's bounds, which its C++ original honours:
+their rule is added here (``ranges.py``). Two of its defects are repaired for every grammar:
+its ``char`` rule ``[^"\\\\]`` lets a JSON string hold raw control characters (a newline in a
+string: invalid JSON), replaced by the C++ converter's ``[^"\\\\\\x7F\\x00-\\x1F]``; and its
+literals escape no backslash, so that an ``enum`` value or property name with one came out wrong.
 
 Grammars are built once per distinct request (``functools.lru_cache`` on the canonical JSON of
 what shapes the grammar; key order kept, since it orders the properties), and llama.cpp is
@@ -31,6 +32,7 @@ from services.runner.structured.formats import (
     TRIGGERS,
     ToolFormatName,
 )
+from services.runner.structured.ranges import integer_range
 from services.runner.structured.schema import prepare
 
 # llama.cpp's C++ converter's rule: no control character, no DEL, unescaped.
@@ -105,10 +107,23 @@ class _Builder:
             prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
         )
         self.conv._format_literal = _json_literal
+        # The converter visits schemas through its own attribute: a bounded integer is ours.
+        self._visit = self.conv.visit
+        self.conv.visit = self._visit_bounded
 
-    def schema(self, schema: dict[str, Any], prefix: str, top_object: bool = False) -> str:
-        """The rule for JSON matching ``schema``."""
-        prepared = prepare(schema, prefix, top_object)
+    def _visit_bounded(self, schema: dict[str, Any], name: str) -> str:
+        if schema.get("type") != "integer" or not ("minimum" in schema or "maximum" in schema):
+            visited: str = self._visit(schema, name)
+            return visited
+        digits = integer_range(schema.get("minimum"), schema.get("maximum"))
+        reserved = name in self.module.RESERVED_NAMES
+        return self.rule(f"{name}-" if reserved else name or "root", f"({digits}) space")
+
+    def schema(
+        self, schema: dict[str, Any], prefix: str, top_object: bool = False, lenient: bool = False
+    ) -> str:
+        """The rule for JSON matching ``schema`` (``lenient``: a tool's, best effort)."""
+        prepared = prepare(schema, prefix, top_object, lenient)
         self.conv.resolve_refs(prepared, prefix)
         name: str = self.conv.visit(prepared, f"{prefix}-json")
         return name
@@ -144,7 +159,7 @@ def _tools_gbnf(key: str) -> str:
     args_key = lit('"parameters"' if fmt == "llama3" else '"arguments"')
     calls = []
     for i, (name, parameters) in enumerate(spec["tools"]):
-        args = b.schema(parameters, f"tool{i}", top_object=True)
+        args = b.schema(parameters, f"tool{i}", top_object=True, lenient=True)
         head = '"{" space'
         if fmt == "llama3":  # what its trigger lets through
             head = (

@@ -135,7 +135,7 @@ def _offered(task: TaskCreated, tools: list[Tool]) -> list[Tool]:
         if tool.name in seen:
             raise InvalidRequest(f"tools: two functions are named {tool.name!r}")
         seen.add(tool.name)
-        if (problem := schema_problem(tool.parameters)) is not None:
+        if (problem := schema_problem(tool.parameters, lenient=True)) is not None:
             raise InvalidRequest(f"the parameters of the function {tool.name!r}: {problem}")
     if choice.mode == "none":
         return []

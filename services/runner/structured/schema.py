@@ -11,10 +11,20 @@ Honoured: ``type`` (a name or a list of them), ``properties``, ``required``,
 ``anyOf``), ``allOf`` (of object schemas, merged into one), ``$ref`` (local: ``#`` or ``#/...``;
 recursion is fine), ``$defs``/``definitions``, ``pattern`` (see ``pattern.py``), ``format``
 (``date``, ``time``, ``date-time``, ``uuid``; ignored on non-string types), ``minLength``,
-``maxLength``. Annotations (``title``, ``description``, ``default``, ``examples``...) and
-keywords JSON schema does not define are ignored. Any other keyword that constrains
-(``minimum``, ``not``, ``uniqueItems``...) is refused, and so is a keyword the converter would
-ignore next to another (``maxLength`` next to ``pattern``, ``properties`` next to ``anyOf``).
+``maxLength``, and an ``integer``'s ``minimum``, ``maximum``, ``exclusiveMinimum`` and
+``exclusiveMaximum`` (``ranges.py``). Annotations (``title``, ``description``, ``default``,
+``examples``...) and keywords JSON schema does not define are ignored. Any other keyword that
+constrains (a ``number``'s bounds, ``not``, ``uniqueItems``, ``propertyNames``...) is refused,
+and so is a keyword the converter would ignore next to another (``maxLength`` next to
+``pattern``, ``properties`` next to ``anyOf``), a ``format`` it does not know and a length or
+count above ``MAX_REPEAT``.
+
+That is for a structured output (``response_format``), whose schema is a contract. A tool's
+parameters are best effort, as llama.cpp's converter and the hosted APIs take them
+(``lenient``): what the grammar can express is constrained, and a keyword it cannot express
+is left out of the grammar (the model still reads it in the tool's description, which keeps
+the whole schema) rather than refused; ``dropped`` says which. What remains refused there is
+a schema that is not one (a keyword of the wrong kind, a ``$ref`` to nothing, left recursion).
 
 The grammar is sometimes stricter than the schema (never looser): an object holds no
 properties the schema does not name unless ``additionalProperties`` allows them, its
@@ -27,6 +37,7 @@ Pure Python: the API imports this module, and it must not load llama.cpp.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,10 +57,6 @@ def any_value() -> dict[str, Any]:
 # Keywords that constrain and that the converter cannot honour.
 UNSUPPORTED = frozenset(
     {
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
         "multipleOf",
         "not",
         "if",
@@ -95,11 +102,13 @@ STRUCTURAL = frozenset(
         "format",
         "minLength",
         "maxLength",
+        *("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
     }
 )
 _OBJECT_WORDS = ("properties", "required", "additionalProperties")
 _ARRAY_WORDS = ("items", "prefixItems", "minItems", "maxItems")
 _STRING_WORDS = ("pattern", "format", "minLength", "maxLength")
+_NUMBER_WORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
 _MAX_DEPTH = 64
 # What one schema, and one request's schemas together, may be (400s naming the field): the
@@ -115,8 +124,9 @@ class SchemaError(ValueError):
     """A schema Shoal cannot honour; the message says which keyword, and where."""
 
 
-def schema_problem(schema: object) -> str | None:
-    """Why ``schema`` cannot be turned into a grammar (for a 400), or None when it can."""
+def schema_problem(schema: object, lenient: bool = False) -> str | None:
+    """Why ``schema`` cannot be turned into a grammar (for a 400), or None when it can
+    (``lenient``: as a tool's parameters, best effort)."""
     size = len(json.dumps(schema, separators=(",", ":")))
     if size > MAX_SCHEMA_BYTES:
         return (
@@ -124,7 +134,7 @@ def schema_problem(schema: object) -> str | None:
             " be here"
         )
     try:
-        prepare(schema)
+        prepare(schema, lenient=lenient)
     except SchemaError as exc:
         return str(exc)
     return None
@@ -160,14 +170,26 @@ def schemas_problem(schemas: Mapping[str, object]) -> tuple[str, str] | None:
     return None
 
 
-def prepare(schema: object, prefix: str = "s", top_object: bool = False) -> dict[str, Any]:
+def dropped(schema: object) -> list[str]:
+    """What a tool's grammar leaves out of ``schema``: each keyword, where (``properties.url
+    .format``); ``schema`` is one ``schema_problem(schema, lenient=True)`` accepts."""
+    preparer = _Preparer(schema, "s", lenient=True)
+    preparer.run(top_object=True)
+    return list(dict.fromkeys(preparer.dropped))
+
+
+def prepare(
+    schema: object, prefix: str = "s", top_object: bool = False, lenient: bool = False
+) -> dict[str, Any]:
     """``schema`` rewritten for llama.cpp's ``SchemaConverter``: only the keywords it honours,
     in the shapes it converts faithfully, every ``$ref`` pointing to ``#/$defs/<prefix>-defN``
     (rule names unique to this schema when it is visited under a name other than
-    ``<prefix>-defN``, so that two schemas in one grammar cannot mix their definitions).
+    ``<prefix>-defN``, so that two schemas in one grammar cannot mix their definitions), an
+    integer's bounds as inclusive ``minimum``/``maximum`` (``grammar.py`` makes their rule).
     ``top_object``: the schema describes an object even without ``"type"`` (a function's
-    parameters). Raises ``SchemaError``."""
-    return _Preparer(schema, prefix).run(top_object)
+    parameters). ``lenient``: a keyword the grammar cannot express is left out rather than
+    refused (a tool's parameters). Raises ``SchemaError``."""
+    return _Preparer(schema, prefix, lenient).run(top_object)
 
 
 def where(path: tuple[str | int, ...]) -> str:
@@ -182,6 +204,9 @@ def where(path: tuple[str | int, ...]) -> str:
 class _Preparer:
     root: object
     prefix: str
+    lenient: bool = False
+    # What a lenient preparation left out, each keyword where it was.
+    dropped: list[str] = field(default_factory=list)
     refs: dict[str, str] = field(default_factory=dict)  # pointer -> definition name
     defs: dict[str, Any] = field(default_factory=dict)
     queue: list[tuple[str, tuple[str | int, ...]]] = field(default_factory=list)
@@ -219,14 +244,22 @@ class _Preparer:
             )
         for key in schema:
             if key in UNSUPPORTED:
-                raise SchemaError(
-                    f"the JSON schema keyword {key!r} (at {where(path)}) is not supported"
+                self.drop(
+                    key,
+                    path,
+                    f"the JSON schema keyword {key!r} (at {where(path)}) is not supported",
                 )
         for key in ("$defs", "definitions"):
             if key in schema and not isinstance(schema[key], dict):
                 raise SchemaError(f"{key} (at {where(path)}) must be an object")
         s = {k: v for k, v in schema.items() if k in STRUCTURAL}
         types = self.types(s, path)
+        if self.lenient and ("oneOf" in s or "anyOf" in s) and _conditions(s):
+            # Alternatives that only say which properties are required (one of a or b):
+            # the grammar keeps the object and leaves the condition out.
+            key = "oneOf" if "oneOf" in s else "anyOf"
+            self.dropped.append(f"{where((*path, key))}")
+            s = {k: v for k, v in s.items() if k not in ("oneOf", "anyOf")}
         if "$ref" in s:
             return self.ref(s, path)
         if "oneOf" in s or "anyOf" in s:
@@ -256,7 +289,17 @@ class _Preparer:
             return self.array(s, path, depth)
         if kind == "string":
             return self.string(s, path)
-        _only(s, {"type", "format"}, path, "type")
+        if kind == "integer":
+            return self.integer(s, path)
+        for key in _NUMBER_WORDS:
+            if key in s:
+                self.drop(
+                    key,
+                    path,
+                    f"the JSON schema keyword {key!r} (at {where(path)}) is not supported for"
+                    f" a {kind} (an integer's bounds are)",
+                )
+        self.only(s, {"type", "format", *_NUMBER_WORDS}, path, "type")
         return {"type": kind}
 
     def types(self, s: dict[str, Any], path: tuple[str | int, ...]) -> list[str]:
@@ -274,7 +317,7 @@ class _Preparer:
         return list(names)
 
     def ref(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
-        _only(s, {"$ref"}, path, "$ref")
+        s = self.only(s, {"$ref"}, path, "$ref")
         pointer = s["$ref"]
         if not isinstance(pointer, str):
             raise SchemaError(f"$ref (at {where(path)}) must be a string")
@@ -312,7 +355,7 @@ class _Preparer:
                 " supported together"
             )
         key = "oneOf" if "oneOf" in s else "anyOf"
-        _only(s, {key, "type"}, path, key)
+        s = self.only(s, {key, "type"}, path, key)
         alternatives = s[key]
         if not isinstance(alternatives, list) or not alternatives:
             raise SchemaError(f"{key} (at {where(path)}) must be a non-empty list of schemas")
@@ -326,10 +369,10 @@ class _Preparer:
 
     def constant(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
         if "const" in s:
-            _only(s, {"const", "type"}, path, "const")
+            s = self.only(s, {"const", "type"}, path, "const")
             _check_json(s["const"], (*path, "const"))
             return {"const": s["const"]}
-        _only(s, {"enum", "type"}, path, "enum")
+        s = self.only(s, {"enum", "type"}, path, "enum")
         values = s["enum"]
         if not isinstance(values, list) or not values:
             raise SchemaError(f"enum (at {where(path)}) must be a non-empty list")
@@ -337,7 +380,7 @@ class _Preparer:
         return {"enum": values}
 
     def obj(self, s: dict[str, Any], path: tuple[str | int, ...], depth: int) -> dict[str, Any]:
-        _only(s, {"type", *_OBJECT_WORDS}, path, "type")
+        s = self.only(s, {"type", *_OBJECT_WORDS}, path, "type")
         properties = s.get("properties", {})
         if not isinstance(properties, dict):
             raise SchemaError(f"properties (at {where(path)}) must be an object")
@@ -345,11 +388,14 @@ class _Preparer:
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError(f"required (at {where(path)}) must be a list of property names")
         missing = [r for r in required if r not in properties]
-        if missing:
+        if missing and not self.lenient:
             raise SchemaError(
                 f"required (at {where(path)}) names {missing[0]!r}, which properties does not"
                 " define: that is not supported"
             )
+        if missing:
+            self.dropped.append(where((*path, "required")))
+            required = [r for r in required if r in properties]
         if len(properties) > MAX_PROPERTIES:
             raise SchemaError(
                 f"properties (at {where(path)}) defines {len(properties)} properties, more"
@@ -381,7 +427,7 @@ class _Preparer:
         return out
 
     def all_of(self, s: dict[str, Any], path: tuple[str | int, ...], depth: int) -> dict[str, Any]:
-        _only(s, {"type", "allOf"}, path, "allOf")
+        s = self.only(s, {"type", "allOf"}, path, "allOf")
         parts = s["allOf"]
         if not isinstance(parts, list) or not parts:
             raise SchemaError(f"allOf (at {where(path)}) must be a non-empty list of schemas")
@@ -438,7 +484,7 @@ class _Preparer:
             yield name, sub, name in required
 
     def array(self, s: dict[str, Any], path: tuple[str | int, ...], depth: int) -> dict[str, Any]:
-        _only(s, {"type", *_ARRAY_WORDS}, path, "type")
+        s = self.only(s, {"type", *_ARRAY_WORDS}, path, "type")
         items = s.get("items")
         prefix = s.get("prefixItems")
         tuple_items = prefix if prefix is not None else (items if isinstance(items, list) else None)
@@ -466,8 +512,8 @@ class _Preparer:
                     for i, item in enumerate(tuple_items)
                 ],
             }
-        low = _count(s, "minItems", path)
-        high = _count(s, "maxItems", path)
+        low = self.count(s, "minItems", path)
+        high = self.count(s, "maxItems", path)
         if items is False:
             raise SchemaError(f"items: false (at {where(path)}) is not supported")
         if items is None or items is True:
@@ -486,29 +532,36 @@ class _Preparer:
 
     def string(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
         if "pattern" in s:
-            _only(s, {"type", "pattern"}, path, "pattern")
             pattern = s["pattern"]
             if not isinstance(pattern, str):
                 raise SchemaError(f"pattern (at {where(path)}) must be a string")
             try:
-                return {"type": "string", "pattern": converter_pattern(pattern)}
+                converted = converter_pattern(pattern)
             except PatternError as exc:
-                raise SchemaError(
+                self.drop(
+                    "pattern",
+                    path,
                     f"the JSON schema pattern {pattern!r} (at {where(path)}) is not supported:"
-                    f" {exc}"
-                ) from None
+                    f" {exc}",
+                )
+                return self.string({k: v for k, v in s.items() if k != "pattern"}, path)
+            self.only(s, {"type", "pattern"}, path, "pattern")
+            return {"type": "string", "pattern": converted}
         if "format" in s:
-            _only(s, {"type", "format"}, path, "format")
             name = s["format"]
             if name not in _FORMATS:
-                raise SchemaError(
+                self.drop(
+                    "format",
+                    path,
                     f"the JSON schema format {name!r} (at {where(path)}) is not supported"
-                    f" (supported: {', '.join(_FORMATS[:4])})"
+                    f" (supported: {', '.join(_FORMATS[:4])})",
                 )
+                return self.string({k: v for k, v in s.items() if k != "format"}, path)
+            self.only(s, {"type", "format"}, path, "format")
             return {"type": "string", "format": name}
-        _only(s, {"type", "minLength", "maxLength"}, path, "type")
-        low = _count(s, "minLength", path)
-        high = _count(s, "maxLength", path)
+        s = self.only(s, {"type", "minLength", "maxLength"}, path, "type")
+        low = self.count(s, "minLength", path)
+        high = self.count(s, "maxLength", path)
         _bounds(low, high, "minLength", "maxLength", path)
         out: dict[str, Any] = {"type": "string"}
         if low:
@@ -516,6 +569,61 @@ class _Preparer:
         if high is not None:
             out["maxLength"] = high
         return out
+
+    def integer(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
+        """An integer, its bounds made inclusive integers (``exclusiveMinimum`` as a number,
+        or draft 4's boolean next to ``minimum``)."""
+        s = self.only(s, {"type", "format", *_NUMBER_WORDS}, path, "type")
+        low = _bound(s, "minimum", "exclusiveMinimum", path, upper=False)
+        high = _bound(s, "maximum", "exclusiveMaximum", path, upper=True)
+        if low is not None and high is not None and low > high:
+            raise SchemaError(f"no integer is within the bounds at {where(path)}")
+        out: dict[str, Any] = {"type": "integer"}
+        if low is not None:
+            out["minimum"] = low
+        if high is not None:
+            out["maximum"] = high
+        return out
+
+    # --- what cannot be honoured ------------------------------------------------------
+
+    def drop(self, key: str, path: tuple[str | int, ...], message: str) -> None:
+        """``key`` cannot be honoured: refused (``message``), or (lenient) left out of the
+        grammar."""
+        if not self.lenient:
+            raise SchemaError(message)
+        self.dropped.append(where((*path, key)))
+
+    def only(
+        self, s: dict[str, Any], honoured: set[str], path: tuple[str | int, ...], main: str
+    ) -> dict[str, Any]:
+        """``s`` with the keywords the converter honours next to ``main``; another one is
+        refused, or (lenient) left out."""
+        for key in s:
+            if key not in honoured:
+                self.drop(
+                    key,
+                    path,
+                    f"the JSON schema keyword {key!r} (at {where(path)}) is not supported"
+                    f" alongside {main!r}",
+                )
+        return {k: v for k, v in s.items() if k in honoured}
+
+    def count(self, s: dict[str, Any], key: str, path: tuple[str | int, ...]) -> int | None:
+        """A length or count: one above ``MAX_REPEAT`` is refused, or (lenient) no bound."""
+        if key not in s:
+            return None
+        value = s[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SchemaError(f"{key} (at {where(path)}) must be a non-negative integer")
+        if value > MAX_REPEAT:
+            if not self.lenient:
+                raise SchemaError(
+                    f"{key} {value} (at {where(path)}) is not supported: at most {MAX_REPEAT}"
+                )
+            self.dropped.append(where((*path, key)))
+            return None
+        return value
 
     # --- $ref cycles ------------------------------------------------------------------
 
@@ -559,6 +667,7 @@ def _implied_type(s: dict[str, Any], path: tuple[str | int, ...], top_object: bo
             ("object", _OBJECT_WORDS),
             ("array", _ARRAY_WORDS),
             ("string", _STRING_WORDS),
+            ("number", _NUMBER_WORDS),
         )
         if any(w in s for w in words)
     ]
@@ -573,7 +682,13 @@ def _implied_type(s: dict[str, Any], path: tuple[str | int, ...], top_object: bo
 
 
 def _for_type(s: dict[str, Any], kind: str) -> dict[str, Any]:
-    words = {"object": _OBJECT_WORDS, "array": _ARRAY_WORDS, "string": _STRING_WORDS}
+    words = {
+        "object": _OBJECT_WORDS,
+        "array": _ARRAY_WORDS,
+        "string": _STRING_WORDS,
+        "integer": _NUMBER_WORDS,
+        "number": _NUMBER_WORDS,
+    }
     own = words.get(kind, ())
     others = {w for ws in words.values() for w in ws} - set(own)
     return {k: v for k, v in s.items() if k not in others} | {"type": kind}
@@ -597,26 +712,42 @@ def _with_types(
     return {**alternative, "type": kept if len(kept) > 1 else kept[0]}
 
 
-def _only(s: dict[str, Any], honoured: set[str], path: tuple[str | int, ...], main: str) -> None:
-    for key in s:
-        if key not in honoured:
-            raise SchemaError(
-                f"the JSON schema keyword {key!r} (at {where(path)}) is not supported alongside"
-                f" {main!r}"
-            )
-
-
-def _count(s: dict[str, Any], key: str, path: tuple[str | int, ...]) -> int | None:
-    if key not in s:
-        return None
-    value = s[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SchemaError(f"{key} (at {where(path)}) must be a non-negative integer")
-    if value > MAX_REPEAT:
-        raise SchemaError(
-            f"{key} {value} (at {where(path)}) is not supported: at most {MAX_REPEAT}"
+def _conditions(s: dict[str, Any]) -> bool:
+    """Whether ``s``'s alternatives only say which properties are required, next to the
+    object's own keywords."""
+    alternatives = s.get("oneOf", s.get("anyOf"))
+    return (
+        any(k in s for k in _OBJECT_WORDS)
+        and isinstance(alternatives, list)
+        and all(
+            isinstance(a, dict) and set(a) <= {"required", "title", "description"}
+            for a in alternatives
         )
-    return value
+    )
+
+
+def _bound(
+    s: dict[str, Any], key: str, exclusive: str, path: tuple[str | int, ...], upper: bool
+) -> int | None:
+    """The inclusive integer bound of ``key`` and ``exclusive`` (the tighter one)."""
+    found: list[int] = []
+    for name in (key, exclusive):
+        value = s.get(name)
+        if value is None or (name == exclusive and isinstance(value, bool)):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SchemaError(f"{name} (at {where(path)}) must be a number")
+        if not math.isfinite(value):
+            raise SchemaError(f"{name} (at {where(path)}) must be a finite number")
+        strict = name == exclusive or s.get(exclusive) is True  # draft 4: a flag
+        if upper:
+            bound = math.ceil(value) - 1 if strict else math.floor(value)
+        else:
+            bound = math.floor(value) + 1 if strict else math.ceil(value)
+        found.append(bound)
+    if not found:
+        return None
+    return min(found) if upper else max(found)
 
 
 def _bounds(

@@ -245,8 +245,15 @@ def test_an_output_format_constrains_the_reply() -> None:
         ),
         ({"messages": [*ASK, {"role": "assistant", "content": "The weather is"}]}, "prefill"),
         ({"thinking": {"type": "between_tools"}}, "thinking of type 'between_tools'"),
-        ({"thinking": {"type": "adaptive", "display": "omitted"}}, "display 'omitted'"),
-        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
+        ({"thinking": {"type": "adaptive", "display": "hidden"}}, "display 'hidden'"),
+        (
+            {
+                "tools": [WEATHER, {"type": "web_search_20250305", "name": "web_search"}],
+                "tool_choice": {"type": "tool", "name": "web_search"},
+            },
+            "the server tool 'web_search': Shoal runs no server tools",
+        ),
+        ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "its schema is Anthropic's"),
         (
             {
                 "tools": [
@@ -254,19 +261,23 @@ def test_an_output_format_constrains_the_reply() -> None:
                     | {
                         "input_schema": {
                             "type": "object",
-                            "properties": {"n": {"type": "integer", "minimum": 0}},
+                            "properties": {"n": {"$ref": "#/$defs/N"}},
                         }
                     }
                 ]
             },
-            "minimum",
+            "the JSON schema $ref '#/$defs/N' (at properties.n) points to nothing",
+        ),
+        (
+            {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+            "the context edit 'clear_tool_uses_20250919' is not supported",
         ),
         ({"tools": [WEATHER, WEATHER]}, "same name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "other"}}, "'other'"),
         ({"tool_choice": {"type": "any"}}, "needs tools"),
         ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
         ({"container": "c-1"}, "container"),
-        ({"output_config": {"effort": "high"}}, "effort"),
+        ({"output_config": {"effort": "extreme"}}, "effort"),
         ({"temperature": 1.5}, "temperature"),
         ({"system": [{"type": "image", "source": {}}]}, "system[0] a block of type 'image'"),
         ({"max_tokens": 0}, "max_tokens"),

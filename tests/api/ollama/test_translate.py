@@ -169,7 +169,7 @@ def test_what_shoal_cannot_do_is_a_named_refusal() -> None:
     assert chat().task_fields()["thinking"] is None
     assert "top_logprobs needs logprobs" in refused(chat, top_logprobs=3)
     assert "minimum" in refused(
-        chat, format={"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}}
+        chat, format={"type": "object", "properties": {"n": {"type": "number", "minimum": 3}}}
     )
     assert "two functions" in refused(chat, tools=[WEATHER, WEATHER])
 

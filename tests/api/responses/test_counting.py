@@ -104,7 +104,7 @@ def test_what_the_count_cannot_honour_is_refused() -> None:
 
     assert "conversation is not supported" in refusal(conversation="conv_1")
     assert "personality is not supported" in refusal(personality="friendly")
-    assert "'web_search' are not supported" in refusal(tools=[{"type": "web_search"}])
+    assert "computer_use_preview" in refusal(tools=[{"type": "computer_use_preview"}])
     assert "needs tools" in refusal(tool_choice="required")
     assert "reasoning summary" in refusal(reasoning={"summary": "detailed"})
     assert "input is empty" in refusal(input=[])

@@ -389,9 +389,14 @@ def test_errors_are_the_sdks_own(client: openai.OpenAI, up_cluster: UpCluster) -
         )
     assert unknown.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as search:
-        client.responses.create(model=up_cluster.model, input=HELLO, tools=[{"type": "web_search"}])
+        client.responses.create(
+            model=up_cluster.model,
+            input=HELLO,
+            tools=[{"type": "web_search_preview"}],
+            tool_choice={"type": "web_search_preview"},
+        )
     assert "web_search" in search.value.message
-    assert search.value.body["param"].startswith("tools")  # type: ignore[index]
+    assert search.value.body["param"] == "tool_choice"  # type: ignore[index]
     picture = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}
     image: Any = [{"role": "user", "content": [picture]}]
     with pytest.raises(openai.BadRequestError, match="does not fetch image URLs"):

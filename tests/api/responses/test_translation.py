@@ -200,8 +200,15 @@ def test_function_tools_choice_and_format_become_task_fields() -> None:
 @pytest.mark.parametrize(
     ("fields", "says"),
     [
-        ({"tools": [{"type": "web_search"}]}, "'web_search' are not supported"),
-        ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "'file_search'"),
+        (
+            {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+            "tool_choice 'web_search' is not supported: Shoal runs no hosted tools",
+        ),
+        ({"tools": [{"type": "namespace", "name": "n", "tools": []}]}, "needs its tools"),
+        (
+            {"tools": [WEATHER, {"type": "namespace", "name": "n", "tools": [WEATHER]}]},
+            "same name",
+        ),
         ({"tools": [{"type": "computer_use_preview"}]}, "only your functions"),
         (
             {"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
@@ -231,7 +238,7 @@ def test_function_tools_choice_and_format_become_task_fields() -> None:
         ({"input": []}, "input is empty"),
         ({"reasoning": {"summary": "detailed"}}, "reasoning summary 'detailed'"),
         ({"reasoning": {"effort": "extreme"}}, "effort"),
-        ({"include": ["file_search_call.results"]}, "include"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"text": {"format": {"type": "grammar"}}}, "'grammar' is not supported"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "needs its schema"),
         ({"text": {"verbosity": "low"}}, "verbosity"),

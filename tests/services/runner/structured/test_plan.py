@@ -367,13 +367,13 @@ def test_response_format_with_tools() -> None:
                         name="f",
                         parameters={
                             "type": "object",
-                            "properties": {"n": {"type": "integer", "minimum": 1}},
+                            "properties": {"n": {"$ref": "#/$defs/N"}},
                         },
                     )
                 ]
             },
-            "the parameters of the function 'f': the JSON schema keyword 'minimum' (at"
-            " properties.n) is not supported",
+            "the parameters of the function 'f': the JSON schema $ref '#/$defs/N' (at"
+            " properties.n) points to nothing",
         ),
         ({"response_format": ResponseFormat(type="json_schema")}, "needs its schema"),
         (

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
-from services.runner.structured.grammar import json_grammar
-from services.runner.structured.schema import prepare, schema_problem, where
+from bus.records import Tool
+from services.runner.structured.grammar import json_grammar, tool_grammar
+from services.runner.structured.schema import dropped, prepare, schema_problem, where
 from tests.services.runner.structured import oracle
 
 ACCEPTED: list[dict[str, Any]] = [
@@ -23,6 +24,9 @@ ACCEPTED: list[dict[str, Any]] = [
     {"type": ["string", "null"]},
     {"type": ["object", "null"], "properties": {"a": {"type": "integer"}}, "required": ["a"]},
     {"type": "integer", "format": "int64"},
+    {"type": "integer", "minimum": 0, "maximum": 9007199254740991},
+    {"type": "integer", "exclusiveMinimum": 0},
+    {"type": ["integer", "null"], "minimum": -3, "exclusiveMaximum": 10.5},
     {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False},
     {"type": "object", "additionalProperties": {"type": "number"}},
     {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
@@ -63,9 +67,12 @@ ACCEPTED: list[dict[str, Any]] = [
 
 REFUSED: list[tuple[object, str]] = [
     (
-        {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}},
-        "the JSON schema keyword 'minimum' (at properties.age) is not supported",
+        {"type": "object", "properties": {"age": {"type": "number", "minimum": 0}}},
+        "the JSON schema keyword 'minimum' (at properties.age) is not supported for a number",
     ),
+    ({"type": "integer", "minimum": 3, "maximum": 2}, "no integer is within the bounds"),
+    ({"type": "integer", "minimum": "1"}, "minimum (at the top level) must be a number"),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}}, "'propertyNames'"),
     ({"type": "number", "multipleOf": 2}, "'multipleOf' (at the top level)"),
     ({"not": {"type": "string"}}, "'not'"),
     ({"if": {}, "then": {}}, "'if'"),
@@ -144,16 +151,113 @@ def test_the_problem_is_found_deep_inside() -> None:
         "properties": {
             "tags": {
                 "type": "array",
-                "items": {
-                    "anyOf": [{"type": "string"}, {"type": "integer", "exclusiveMaximum": 3}]
-                },
+                "items": {"anyOf": [{"type": "string"}, {"type": "number", "multipleOf": 3}]},
             }
         },
     }
     assert schema_problem(schema) == (
-        "the JSON schema keyword 'exclusiveMaximum' (at properties.tags.items.anyOf[1]) is not"
-        " supported"
+        "the JSON schema keyword 'multipleOf' (at properties.tags.items.anyOf[1]) is not supported"
     )
+
+
+@pytest.mark.parametrize(
+    ("low", "high"), [(0, None), (1, None), (-5, 5), (None, -3), (3, 17), (10, 100), (-120, 9)]
+)
+def test_an_integer_s_bounds_are_the_grammar_s(low: int | None, high: int | None) -> None:
+    schema: dict[str, Any] = {"type": "integer"}
+    if low is not None:
+        schema["minimum"] = low
+    if high is not None:
+        schema["exclusiveMaximum"] = high + 1  # the exclusive form: the same integers
+    grammar = json_grammar(schema)
+    for n in range(-250, 250):
+        inside = (low is None or n >= low) and (high is None or n <= high)
+        assert oracle.accepts(grammar, str(n)) == inside, (n, grammar.gbnf)
+    assert not oracle.accepts(grammar, "-0")
+    assert not oracle.accepts(grammar, "007" if low is None or low <= 7 else "0" + str(low))
+    assert oracle.accepts(grammar, "123456789012") == (high is None)
+
+
+@given(st.integers(-(10**6), 10**6), st.integers(0, 10**6), st.integers(-(10**7), 10**7))
+@settings(max_examples=60, deadline=None)
+def test_integer_bounds_hold_anywhere(low: int, width: int, n: int) -> None:
+    grammar = json_grammar({"type": "integer", "minimum": low, "maximum": low + width})
+    assert oracle.accepts(grammar, str(n)) == (low <= n <= low + width)
+
+
+# What Claude Code's and Codex's tools carry, and a lenient preparation (a tool's
+# parameters) leaves out rather than refuses.
+LEFT_OUT: list[tuple[dict[str, Any], list[str]]] = [
+    ({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}, ["propertyNames"]),
+    (
+        {"type": "object", "properties": {"url": {"type": "string", "format": "uri"}}},
+        ["properties.url.format"],
+    ),
+    (
+        {"type": "object", "properties": {"s": {"type": "string", "maxLength": 524288}}},
+        ["properties.s.maxLength"],
+    ),
+    (
+        {"type": "object", "properties": {"x": {"type": "number", "minimum": 0}}},
+        ["properties.x.minimum"],
+    ),
+    (
+        {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}},
+        ["properties.t.uniqueItems"],
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {"p": {"type": "string", "pattern": "^a", "maxLength": 3}},
+        },
+        ["properties.p.maxLength"],
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+            "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+        },
+        ["anyOf"],
+    ),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a", "zz"]}, ["required"]),
+]
+
+
+@pytest.mark.parametrize(("schema", "left_out"), LEFT_OUT, ids=lambda v: str(v)[:50])
+def test_a_tool_s_parameters_are_best_effort(schema: dict[str, Any], left_out: list[str]) -> None:
+    assert schema_problem(schema) is not None  # a response_format's schema stays strict
+    assert schema_problem(schema, lenient=True) is None
+    assert dropped(schema) == left_out
+    grammar = tool_grammar(
+        "generic", [Tool(name="f", parameters=schema)], parallel=False, lazy=False
+    )
+    assert oracle.parses(grammar.gbnf)
+
+
+def test_what_a_tool_s_grammar_still_refuses_says_where() -> None:
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}
+    assert schema_problem(schema, lenient=True) == (
+        "the JSON schema $ref '#/$defs/nope' (at properties.a) points to nothing"
+    )
+
+
+def test_a_tool_s_bounded_integer_is_held_and_its_left_out_keyword_not() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "offset": {"type": "integer", "minimum": 0, "maximum": 9007199254740991},
+            "url": {"type": "string", "format": "uri"},
+        },
+        "required": ["offset", "url"],
+    }
+    grammar = tool_grammar(
+        "generic", [Tool(name="f", parameters=schema)], parallel=False, lazy=False
+    )
+    call = '{"tool_calls": [{"name": "f", "arguments": {"offset": %s, "url": "no uri"}}]}'
+    assert oracle.accepts(grammar, call % "12")
+    assert not oracle.accepts(grammar, call % "-1")
+    assert not oracle.accepts(grammar, call % "1.5")
 
 
 def test_schema_problem_does_not_load_llama_cpp() -> None:
