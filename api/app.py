@@ -11,7 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from nats.aio.msg import Msg
 
-from api import errors, metrics
+from api import errors, metrics, refusals
 from api.admission import Admission
 from api.anthropic import routes as anthropic_routes
 from api.cluster import metrics_routes
@@ -74,7 +74,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
     )
-    errors.install(app)
+    errors.install(app, lambda request, err: refusals.note(counted, request.scope, err))
     # Inside the metrics (its refusals are counted) and CORS (an allowed page reads them).
     app.add_middleware(RequestGuard, limits=limits_of(config))
     metrics_routes.install(app, counted)

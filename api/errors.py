@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -78,6 +78,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        said: Mapping[Dialect, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -85,6 +86,11 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})  # sent with the error (a 429's Retry-After)
+        # What a dialect's own API says instead, where clients act on its words.
+        self.said = dict(said or {})
+
+    def message_in(self, dialect: Dialect) -> str:
+        return self.said.get(dialect, self.message)
 
 
 def error_body(
@@ -100,11 +106,12 @@ def anthropic_error_body(status: int, message: str, code: str | None = None) -> 
 
 
 def dialect_error_body(err: ApiError, dialect: Dialect) -> dict[str, Any]:
+    message = err.message_in(dialect)
     if dialect == "anthropic":
-        return anthropic_error_body(err.status, err.message, err.code)
+        return anthropic_error_body(err.status, message, err.code)
     if dialect == "ollama":
-        return {"error": err.message}
-    return error_body(err.status, err.message, err.param, err.code)
+        return {"error": message}
+    return error_body(err.status, message, err.param, err.code)
 
 
 def error_response(err: ApiError, dialect: Dialect = "openai") -> JSONResponse:
@@ -167,24 +174,31 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}{message}", param
 
 
-def install(app: FastAPI) -> None:
+# Told of every error answered (api/refusals.py logs and counts them).
+Noted = Callable[[Request, ApiError], None]
+
+
+def install(app: FastAPI, noted: Noted | None = None) -> None:
+    def answer(request: Request, err: ApiError) -> JSONResponse:
+        if noted is not None:
+            noted(request, err)
+        return error_response(err, dialect_of(request.url.path))
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc, dialect_of(request.url.path))
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(ApiError(400, message, param), dialect_of(request.url.path))
+        return answer(request, ApiError(400, message, param))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        err = ApiError(exc.status_code, message)
-        return error_response(err, dialect_of(request.url.path))
+        return answer(request, ApiError(exc.status_code, message))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        err = ApiError(500, "internal error; the API's log has the details")
-        return error_response(err, dialect_of(request.url.path))
+        return answer(request, ApiError(500, "internal error; the API's log has the details"))

@@ -105,6 +105,13 @@ class ApiMetrics:
             ["method", "endpoint", "status"],
             registry=r,
         )
+        self.refusals = Counter(
+            "shoal_http_requests_refused",
+            "HTTP requests answered with an error, by route, status and reason (the error's"
+            " code); each is also a log line with the key's name (api/refusals.py).",
+            ["endpoint", "status", "reason"],
+            registry=r,
+        )
         self.tokens = Counter(
             "shoal_tokens_generated",
             "Completion tokens of the tasks this API served to the end.",
@@ -143,6 +150,9 @@ class ApiMetrics:
         self.requests.labels(*labels).inc()
         if status >= 400:
             self.errors.labels(*labels).inc()
+
+    def refused(self, endpoint: str, status: int, reason: str) -> None:
+        self.refusals.labels(endpoint, str(status), reason).inc()
 
     def queue_waited(self, model: str, seconds: float) -> None:
         self.queue_wait.labels(model).observe(seconds)
@@ -231,6 +241,10 @@ def endpoint_of(scope: Scope, root_path_before: str) -> str:
     return OTHER
 
 
+# The status counted for a request whose client left before its response started.
+CLIENT_GONE = 499
+
+
 class HttpMetrics:
     """ASGI middleware counting each HTTP request by method, route and status. It passes every
     message on as it comes, so streamed responses (server-sent events) are never buffered."""
@@ -244,7 +258,14 @@ class HttpMetrics:
             await self.app(scope, receive, send)
             return
         root_path = str(scope.get("root_path", ""))
-        status = 500  # an exception before the response starts becomes a 500 outside
+        status: int | None = None
+        gone = False
+
+        async def receive_noted() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def send_counted(message: Message) -> None:
             nonlocal status
@@ -253,8 +274,12 @@ class HttpMetrics:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_counted)
+            await self.app(scope, receive_noted, send_counted)
         finally:
+            if status is None:
+                # No response started: the client went away first (nginx's 499, not the
+                # server's fault), or an exception that becomes a 500 outside.
+                status = CLIENT_GONE if gone else 500
             self.metrics.request(scope["method"], endpoint_of(scope, root_path), status)
 
 

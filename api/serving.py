@@ -19,18 +19,19 @@ import nats.errors
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from api import admission, keys, on_demand, projection
+from api import admission, keys, on_demand, projection, refusals
 from api.admission import Permit
 from api.context import ApiContext
-from api.errors import ApiError
+from api.errors import ApiError, Dialect, dialect_of, error_response
 from api.images.placed import NO_IMAGES, Images
+from api.metrics import ApiMetrics
 from api.rate_limit import retry_after
 from api.reply import Reply
 from api.task_stream import LOST, Closed, Recheck, TaskStream
 from api.thinking import with_default_budget
 from bus import claim_check
 from bus.claim_check import Staged
-from bus.events import ChunkGenerated, EmbeddingsRequested, EventBase, TaskCreated
+from bus.events import ChunkGenerated, EmbeddingsRequested, EventBase, TaskCreated, TaskFailed
 from bus.kinds import InstanceRole
 from bus.payload import PayloadTooLargeError, check_size, max_payload
 from bus.publisher import MSG_ID_HEADER
@@ -148,7 +149,7 @@ async def _serve(
             for ts in streams:
                 await ts.__aexit__(type(exc), exc, None)
             raise log_unavailable(exc) from exc
-        return TaskEvents(streams, _events(ctx, streams, out), out.media_type)
+        return TaskEvents(streams, _events(ctx, streams, out), out.media_type, ctx.metrics)
     try:
         async with contextlib.AsyncExitStack() as stack:
             streams = [
@@ -281,7 +282,7 @@ def _outcomes(ctx: ApiContext, streams: list[TaskStream]) -> list[Usage]:
         if finished.lost is not None:
             raise request_lost()
         if finished.failed is not None:
-            raise task_error(finished.failed.error)
+            raise failure_error(finished.failed)
         assert finished.completed is not None
         usages.append(finished.completed.usage)
     return usages
@@ -294,15 +295,32 @@ async def _reply(ts: TaskStream) -> Reply:
     return reply
 
 
+class Refused(Exception):
+    """A stream's tasks failed before it sent anything: its answer is still the error's own
+    status (a prompt too long for the context is a 400, as a client expects it before any
+    event)."""
+
+    def __init__(self, err: ApiError) -> None:
+        super().__init__(err.message)
+        self.err = err
+
+
 class TaskEvents(StreamingResponse):
     """The streamed answer of tasks whose streams are open (their ``TaskCreated`` stored).
     The streams are closed however the response ends; ending before the last event (the
-    client went away) cancels the tasks."""
+    client went away) cancels the tasks. Tasks that fail before their first event are answered
+    with the error's status and body instead (``Refused``)."""
 
     def __init__(
-        self, streams: list[TaskStream], events: AsyncIterator[str], media_type: str
+        self,
+        streams: list[TaskStream],
+        events: AsyncIterator[str],
+        media_type: str,
+        metrics: ApiMetrics,
     ) -> None:
         self._streams = streams
+        self._metrics = metrics
+        self._scope: Scope = {}
         self._sent_all = False
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(self._noting_the_end(events), media_type=media_type, headers=headers)
@@ -327,9 +345,20 @@ class TaskEvents(StreamingResponse):
                 await send(held.pop())
             await send(message)
 
-        await super().stream_response(send_with_first_body)
+        try:
+            await super().stream_response(send_with_first_body)
+        except Refused as refused:
+            if not held:  # pragma: no cover - refused only before the first event
+                raise
+            self._sent_all = True
+            refusals.note(self._metrics, self._scope, refused.err)
+            answer = error_response(refused.err, dialect_of(str(self._scope.get("path", ""))))
+            start = {"type": "http.response.start", "status": answer.status_code}
+            await send(start | {"headers": answer.raw_headers})
+            await send({"type": "http.response.body", "body": answer.body})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._scope = scope
         failed: BaseException | None = None
         try:
             await super().__call__(scope, receive, send)
@@ -384,6 +413,7 @@ async def _events(ctx: ApiContext, streams: list[TaskStream], out: Output) -> As
     opened: set[int] = set()
     replies = [Reply() for _ in streams]
     unsent = ""
+    sent = False  # nothing sent yet: a failure is the response's own status (Refused)
     try:
         # One event per chunk, but one write per group of chunks that came together: fewer
         # writes and wake-ups for the API and the client.
@@ -396,15 +426,20 @@ async def _events(ctx: ApiContext, streams: list[TaskStream], out: Output) -> As
             events = out.events(i, group)
             if events:
                 yield unsent + events
-                unsent = ""
+                unsent, sent = "", True
     except TimeoutError:
         for ts in streams:
             ts.finished = None
-        yield unsent + out.failure(ApiError(504, "the task took longer than the API waits"))
+        late = ApiError(504, "the task took longer than the API waits")
+        if not sent:
+            raise Refused(late) from None
+        yield unsent + out.failure(late)
         return
     try:
         usages = _outcomes(ctx, streams)
     except ApiError as err:
+        if not sent:
+            raise Refused(err) from None
         yield unsent + out.failure(err)
         return
     await out.done(replies, usages)
@@ -532,6 +567,20 @@ def task_error(error: str) -> ApiError:
     if error.startswith("invalid request"):
         return ApiError(400, error, code="invalid_request")
     return ApiError(500, f"the task failed: {error}", code="task_failed")
+
+
+def failure_error(failed: TaskFailed) -> ApiError:
+    """A task's failure as the client's error: a prompt too long for the context in the words
+    of each dialect's own API (Claude Code compacts its conversation on Anthropic's)."""
+    n, most = failed.prompt_tokens, failed.context_length
+    if n is None or most is None:
+        return task_error(failed.error)
+    openai = (
+        f"This model's maximum context length is {most} tokens. However, your messages resulted"
+        f" in {n} tokens. Please reduce the length of the messages."
+    )
+    said: dict[Dialect, str] = {"anthropic": f"prompt is too long: {n} tokens > {most} maximum"}
+    return ApiError(400, openai, "messages", "context_length_exceeded", said=said)
 
 
 def sse(payload: dict[str, Any], event: str | None = None) -> str:

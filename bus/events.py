@@ -417,6 +417,14 @@ class TaskFailed(_TaskEvent):
         description="The attempt that failed: 0 the first run, n the n-th continuation; an older"
         " attempt's failure does not end the task. None: logged before attempts were.",
     )
+    prompt_tokens: Int32 | None = Field(
+        default=None,
+        ge=0,
+        description="A prompt too long for the context: its tokens (None: another failure).",
+    )
+    context_length: Int32 | None = Field(
+        default=None, ge=1, description="A prompt too long for the context: the context's tokens."
+    )
 
 
 class TaskCancelled(_TaskEvent):

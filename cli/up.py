@@ -146,6 +146,15 @@ def up(
     ] = False,
     db: Annotated[str | None, typer.Option(help="Projection database URL.")] = None,
     model: Annotated[str, typer.Option(help="Model to serve once up.")] = DEFAULT_MODEL,
+    context: Annotated[
+        int | None,
+        typer.Option(
+            "--context",
+            min=1,
+            help="Context length in tokens of the model's instance [default: its"
+            " --model-defaults context_length, else 2048 or less]; coding agents need 16k-32k.",
+        ),
+    ] = None,
     no_model: Annotated[bool, typer.Option("--no-model", help="Serve no model.")] = False,
     memory_limit: Annotated[
         str | None, typer.Option(help="Memory this machine's worker offers, e.g. 512M, 8G.")
@@ -378,7 +387,9 @@ def up(
                 typer.echo(f"ready: {url} (no model requested; Ctrl-C stops)")
             else:
                 own = [name for name, target in aliases.items() if target == model]
-                waiting = asyncio.create_task(_serve_model(nc, engine, model, data, own))
+                given = defaults.for_model(model, lambda name: aliases.get(name, name))
+                length = context or (given.context_length if given is not None else None)
+                waiting = asyncio.create_task(_serve_model(nc, engine, model, data, own, length))
                 await _first(waiting, *tasks, stop.wait())
                 if waiting.done() and waiting.exception() is None:
                     typer.echo(f"ready: {model} answers at {url}/chat/completions (Ctrl-C stops)")
@@ -431,10 +442,16 @@ async def _node_online(engine: AsyncEngine, node_id: str) -> None:
 
 
 async def _serve_model(
-    nc: Client, engine: AsyncEngine, model_id: str, data: Path, aliases: list[str]
+    nc: Client,
+    engine: AsyncEngine,
+    model_id: str,
+    data: Path,
+    aliases: list[str],
+    context_length: int | None = None,
 ) -> None:
     """Make the model known and ask for an instance of it (called by ``aliases`` too, so that
-    every API process knows them), unless a live one exists already (a restart), then wait
+    every API process knows them; of ``context_length`` tokens, None: the planner's default),
+    unless a live one exists already (a restart), then wait
     until one of its runners is ready, showing each step's progress. The weights stay where
     they are, linked into this machine's worker's cache, which gives them to other nodes."""
     async with engine.connect() as conn:
@@ -462,6 +479,7 @@ async def _serve_model(
                     model_id=model_id,
                     origin="shoal-up",
                     aliases=aliases,
+                    context_length=context_length,
                 )
             )
         while True:

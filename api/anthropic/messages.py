@@ -502,7 +502,8 @@ class MessagesOut(Output):
         )
 
     def failure(self, err: ApiError) -> str:
-        return self._started(sse(anthropic_error_body(err.status, err.message), "error"))
+        body = anthropic_error_body(err.status, err.message_in("anthropic"), err.code)
+        return self._started(sse(body, "error"))
 
     def whole(self, replies: list[Reply], usages: list[Usage], first: TaskStream) -> Any:
         reply, thinking = replies[0], self._thinking

@@ -127,6 +127,19 @@ class InvalidRequest(ValueError):
     """The task cannot be served as asked; the message says why, for TaskFailed."""
 
 
+class PromptTooLong(InvalidRequest):
+    """The prompt leaves no room in the model's context: both counts go on TaskFailed, for the
+    API to say so in each dialect's words (Anthropic's are what Claude Code compacts on)."""
+
+    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens, more than the model's context of "
+            f"{context_length} tokens leaves room for"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+
+
 def check_against_vocabulary(
     params: SamplingParams, n_vocab: int, top_logprobs: int | None
 ) -> None:
@@ -170,10 +183,7 @@ def check_request(
         if not -2.0 <= value <= 2.0:
             raise InvalidRequest(f"{name} must be between -2 and 2, got {value}")
     if prompt_tokens >= n_ctx:
-        raise InvalidRequest(
-            f"the prompt has {prompt_tokens} tokens, more than the model's context of "
-            f"{n_ctx} tokens leaves room for"
-        )
+        raise PromptTooLong(prompt_tokens, n_ctx)
     room = n_ctx - prompt_tokens
     return min(room, params.max_tokens) if params.max_tokens is not None else room
 

@@ -60,6 +60,7 @@ from services.runner.feed_sink import FeedSink
 from services.runner.fence import Fence, Superseded
 from services.runner.generation import (
     InvalidRequest,
+    PromptTooLong,
     ScoredPrompt,
     Step,
     Stepper,
@@ -255,7 +256,7 @@ class TaskPuller(ABC):
         except NotFoundError:
             return 0
 
-    async def _fail(self, task: Pulled, error: str) -> None:
+    async def _fail(self, task: Pulled, error: str, too_long: PromptTooLong | None = None) -> None:
         attempt = attempt_of(task).number if isinstance(task, TaskCreated) else None
         await self._events.publish(
             TaskFailed(
@@ -265,6 +266,8 @@ class TaskPuller(ABC):
                 runner_id=self._me.runner_id,
                 error=error,
                 attempt=attempt,
+                prompt_tokens=too_long.prompt_tokens if too_long else None,
+                context_length=too_long.context_length if too_long else None,
             ),
             msg_id=outcome_msg_id(task.task_id, attempt),
         )
@@ -351,7 +354,8 @@ class TaskServer(TaskPuller):
             first_out.set()
             await announced
             if not fence.superseded:  # (a superseded attempt's failure is nobody's)
-                await self._fail(task, error)
+                too_long = exc if isinstance(exc, PromptTooLong) else None
+                await self._fail(task, error, too_long)
             if isinstance(exc, EngineBroken):  # ...unless the engine cannot go on
                 raise
         finally:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
 import pytest
-from starlette.types import Message
+from starlette.types import Message, Receive, Scope, Send
 
 from api.errors import ApiError
+from api.metrics import ApiMetrics, HttpMetrics
 from api.openai.requests import ChatCompletionRequest
-from api.serving import TaskEvents, require_schemas
-from bus.events import TaskCreated
+from api.serving import Refused, TaskEvents, failure_error, require_schemas
+from bus.events import TaskCreated, TaskFailed
 from bus.records import ChatMessage, Tool
 
 
@@ -28,7 +31,7 @@ async def test_the_headers_go_out_with_the_first_event() -> None:
         body = bytes(message.get("body", b"")).decode().strip()
         happened.append(f"sent {message['type'].rsplit('.', 1)[-1]} {body}".strip())
 
-    response = TaskEvents([], events(), "text/event-stream")
+    response = TaskEvents([], events(), "text/event-stream", ApiMetrics())
     await response.stream_response(send)
 
     assert happened == [
@@ -64,3 +67,85 @@ def test_schema_bombs_are_a_400_naming_the_field() -> None:
     with pytest.raises(ApiError) as refused:
         require_schemas(task.model_copy(update={"tools": tools}))
     assert refused.value.status == 400 and refused.value.param == "tools.8.parameters"
+
+
+def _too_long() -> ApiError:
+    failed = TaskFailed(
+        task_id="t",
+        model_id="m",
+        origin="r",
+        error="invalid request: too long",
+        prompt_tokens=40000,
+        context_length=32768,
+    )
+    return failure_error(failed)
+
+
+def test_a_prompt_too_long_is_said_in_each_dialect_s_words() -> None:
+    err = _too_long()
+    assert err.status == 400 and err.code == "context_length_exceeded"
+    assert err.message_in("anthropic") == "prompt is too long: 40000 tokens > 32768 maximum"
+    assert "maximum context length is 32768 tokens" in err.message_in("openai")
+
+
+async def _answer(path: str, events: AsyncIterator[str], metrics: ApiMetrics) -> list[Message]:
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        await asyncio.Event().wait()  # the client stays
+        raise AssertionError  # pragma: no cover
+
+    scope: Scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    await TaskEvents([], events, "text/event-stream", metrics)(scope, receive, send)
+    return sent
+
+
+async def test_tasks_failing_before_any_event_are_the_error_s_own_response() -> None:
+    async def refused() -> AsyncIterator[str]:
+        raise Refused(_too_long())
+        yield ""  # pragma: no cover - a generator
+
+    metrics = ApiMetrics()
+    sent = await _answer("/v1/messages", refused(), metrics)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
+    body = json.loads(sent[1]["body"])
+    assert body == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "prompt is too long: 40000 tokens > 32768 maximum",
+        },
+    }
+    counted = metrics.registry.get_sample_value(
+        "shoal_http_requests_refused_total",
+        {"endpoint": "other", "status": "400", "reason": "context_length_exceeded"},
+    )
+    assert counted == 1
+
+
+async def test_a_client_that_leaves_before_the_response_starts_is_not_a_500() -> None:
+    metrics = ApiMetrics()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()  # the client is gone: the app gives up without answering
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:  # pragma: no cover - nothing is sent
+        raise AssertionError(message)
+
+    scope: Scope = {"type": "http", "method": "POST", "path": "/v1/messages", "headers": []}
+    await HttpMetrics(app, metrics)(scope, receive, send)
+    labels = {"method": "POST", "endpoint": "other"}
+    assert (
+        metrics.registry.get_sample_value("shoal_http_requests_total", labels | {"status": "499"})
+        == 1
+    )
+    assert (
+        metrics.registry.get_sample_value("shoal_http_requests_total", labels | {"status": "500"})
+        is None
+    )
