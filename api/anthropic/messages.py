@@ -132,7 +132,8 @@ class Thinking(RequestBody):
     # thinking_budget). Adaptive thinking has none (the model's own, output_config.effort's, or
     # the server's default).
     budget_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
-    # "omitted": thinking blocks come with their signature and no text (Claude Code asks so).
+    # "omitted": thinking blocks come with their signature and no text (Claude Code asks so);
+    # any other ("summarized", Claude Code's "updates"): the thinking as the model wrote it.
     display: str | None = None
 
     @model_validator(mode="after")
@@ -141,12 +142,6 @@ class Thinking(RequestBody):
             raise ValueError(
                 f"thinking of type {self.type!r} is not supported: send 'enabled',"
                 " 'adaptive' or 'disabled'"
-            )
-        if self.display not in (None, "summarized", "omitted"):
-            raise ValueError(
-                f"thinking display {self.display!r} is not supported: the thinking is shown"
-                " as the model wrote it, or omitted (send 'summarized', 'omitted' or no"
-                " display)"
             )
         return self
 

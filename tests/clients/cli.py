@@ -50,6 +50,7 @@ def claude(
     *extra: str,
     key: str = "dummy",
     quiet: bool = True,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``claude -p PROMPT`` against ``base_url`` (Anthropic's, without ``/v1``), its every
     model (the main one, the small fast one) ``model``; JSON output; Bash allowed. ``quiet``:
@@ -69,12 +70,20 @@ def claude(
             "DISABLE_AUTOUPDATER": "1",
             "DISABLE_TELEMETRY": "1",
             "DISABLE_ERROR_REPORTING": "1",
-        },
+        }
+        | (env_extra or {}),
     )
     argv = [str(binary("claude")), "-p", prompt, "--output-format", "json"]
     argv += ["--allowedTools", "Bash", "--max-turns", "3", *extra]
     return subprocess.run(
-        argv, env=env, cwd=home, capture_output=True, text=True, timeout=timeout, check=False
+        argv,
+        env=env,
+        cwd=home,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -102,5 +111,12 @@ def codex(
     argv = [str(binary("codex")), "exec", "--json", "--skip-git-repo-check"]
     argv += ["--dangerously-bypass-approvals-and-sandbox", *extra, prompt]
     return subprocess.run(
-        argv, env=env, cwd=home, capture_output=True, text=True, timeout=timeout, check=False
+        argv,
+        env=env,
+        cwd=home,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )

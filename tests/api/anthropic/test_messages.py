@@ -245,7 +245,6 @@ def test_an_output_format_constrains_the_reply() -> None:
         ),
         ({"messages": [*ASK, {"role": "assistant", "content": "The weather is"}]}, "prefill"),
         ({"thinking": {"type": "between_tools"}}, "thinking of type 'between_tools'"),
-        ({"thinking": {"type": "adaptive", "display": "hidden"}}, "display 'hidden'"),
         (
             {
                 "tools": [WEATHER, {"type": "web_search_20250305", "name": "web_search"}],
