@@ -193,3 +193,23 @@ def test_codex_s_tool_round_trip(shoal: Shoal, tmp_path: Path) -> None:
         if TOOL_WORD in command["command"]:
             assert TOOL_WORD in command["aggregated_output"]
     assert refused_count(shoal.root) == 0
+
+
+def test_a_prompt_longer_than_the_context_is_anthropic_s_400_before_any_event(
+    shoal: Shoal,
+) -> None:
+    """What Claude Code compacts its conversation on: Anthropic's words, as a 400, not an
+    error event in a 200 stream."""
+    long = "hello " * (CONTEXT + 1000)
+    body = {"model": MODEL, "max_tokens": 16, "stream": True}
+    body["messages"] = [{"role": "user", "content": long}]
+    answer = httpx.post(f"{shoal.root}/v1/messages", json=body, timeout=120)
+    assert answer.status_code == 400, answer.text[:500]
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 32768 maximum", error["message"])
+    chat = {"model": MODEL, "stream": True, "messages": body["messages"]}
+    answer = httpx.post(f"{shoal.root}/v1/chat/completions", json=chat, timeout=120)
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+    # Each refusal is a log line with its route and reason.
+    assert any("context_length_exceeded" in line for line in refusals(shoal))
