@@ -472,6 +472,14 @@ async def _serve_model(
         live = [
             i for i in state.instances() if i.model_id == model_id and i.status in INSTANCE_LIVE
         ]
+        other = [i for i in live if context_length not in (None, i.context_length)]
+        if other and len(other) == len(live):
+            # A restart keeps the instance it made before: say so rather than ignore --context.
+            typer.echo(
+                f"{other[0].instance_id} serves a context of {other[0].context_length} tokens,"
+                f" not {context_length}: `shoal instances delete {other[0].instance_id}` and"
+                " start again to change it"
+            )
         if not live:
             await Publisher(js).publish(
                 InstanceRequested(
