@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,33 +155,53 @@ def test_claude_code_s_tool_round_trip(shoal: Shoal) -> None:
     assert refused_count(shoal.root) == 0
 
 
-def _codex(shoal: Shoal, prompt: str, tmp_path: Path) -> tuple[int, list[dict[str, Any]], str]:
+def _codex(
+    shoal: Shoal, prompt: str, tmp_path: Path, timeout: float = TIMEOUT_S
+) -> tuple[int | None, list[dict[str, Any]], str]:
+    """Codex's exit status (None: still running after ``timeout``, then stopped), its JSON
+    events so far and its stderr. Codex asks for no output limit, and no setting of its sets
+    one: a small model may write until its context is full."""
     instructions = tmp_path / "instructions.md"
     instructions.write_text("You are a coding agent. Run shell commands with exec_command.\n")
     args = ["-c", f"model_instructions_file={json.dumps(str(instructions))}"]
     args += ["--disable", "multi_agent", "--disable", "goals"]
-    result = codex(f"{shoal.root}/v1", MODEL, prompt, TIMEOUT_S, *args)
+    try:
+        result = codex(f"{shoal.root}/v1", MODEL, prompt, timeout, *args)
+    except subprocess.TimeoutExpired as stopped:
+        out, err = (
+            x.decode() if isinstance(x, bytes) else x or ""
+            for x in (stopped.output, stopped.stderr)
+        )
+        return None, list(json_lines(out)), err
     return result.returncode, list(json_lines(result.stdout)), result.stderr
 
 
-def _codex_protocol(shoal: Shoal, code: int, events: list[dict[str, Any]], err: str) -> None:
+def _codex_protocol(shoal: Shoal, code: int | None, events: list[dict[str, Any]], err: str) -> None:
+    """Every request Codex made accepted and read; a run stopped while the model still wrote
+    (``code`` None) shows its turn going on without an error."""
     kinds = [e["type"] for e in events]
+    assert "turn.failed" not in kinds and "error" not in kinds, (kinds, err[-2000:])
+    assert not refusals(shoal), refusals(shoal)
+    if code is None:
+        assert "turn.started" in kinds, (kinds, err[-2000:])
+        return
     assert code == 0, (kinds, err[-2000:])
-    assert "turn.completed" in kinds and "turn.failed" not in kinds and "error" not in kinds
+    assert "turn.completed" in kinds
     usage = next(e for e in events if e["type"] == "turn.completed")["usage"]
     assert usage["input_tokens"] > 500 and usage["output_tokens"] > 0
-    assert not refusals(shoal), refusals(shoal)
 
 
 def test_codex_answers_a_prompt(shoal: Shoal, tmp_path: Path) -> None:
     code, events, err = _codex(shoal, "Say hello in one word.", tmp_path)
+    assert code is not None, "the model did not end its answer"
     _codex_protocol(shoal, code, events, err)
     items = [e["item"] for e in events if e["type"] == "item.completed"]
     assert any(i["type"] == "agent_message" for i in items), items
 
 
 def test_codex_s_tool_round_trip(shoal: Shoal, tmp_path: Path) -> None:
-    code, events, err = _codex(shoal, CODEX_TOOL_PROMPT, tmp_path)
+    # Stopped after a while if the model has not ended: what ran by then is checked.
+    code, events, err = _codex(shoal, CODEX_TOOL_PROMPT, tmp_path, timeout=90)
     _codex_protocol(shoal, code, events, err)
     commands = [
         e["item"]
