@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -42,6 +43,31 @@ def _env(home: Path, extra: dict[str, str]) -> dict[str, str]:
     return keep | {"HOME": str(home), "NO_COLOR": "1"} | extra
 
 
+def _run(
+    argv: list[str], env: dict[str, str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` run to its end; after ``timeout``, its whole process group is killed (the npm
+    packages start their native binary as a child: killing the wrapper alone would leave it
+    connected, reading the answer) and ``TimeoutExpired`` raised with what it wrote."""
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def claude(
     base_url: str,
     model: str,
@@ -75,16 +101,7 @@ def claude(
     )
     argv = [str(binary("claude")), "-p", prompt, "--output-format", "json"]
     argv += ["--allowedTools", "Bash", "--max-turns", "3", *extra]
-    return subprocess.run(
-        argv,
-        env=env,
-        cwd=home,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return _run(argv, env, home, timeout)
 
 
 def codex(
@@ -110,13 +127,4 @@ def codex(
     env = _env(home, {"CODEX_HOME": str(codex_home), "SHOAL_API_KEY": key})
     argv = [str(binary("codex")), "exec", "--json", "--skip-git-repo-check"]
     argv += ["--dangerously-bypass-approvals-and-sandbox", *extra, prompt]
-    return subprocess.run(
-        argv,
-        env=env,
-        cwd=home,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return _run(argv, env, home, timeout)
