@@ -119,6 +119,7 @@ def shared_fixture(module: str) -> str | None:
 # The modules that take longest (make test's --durations), longest first: each group below
 # starts with them, so that no worker is left running one of them alone at the end.
 LONGEST = (
+    "tests/clients/test_agents.py",
     "tests/services/runner/engines/mlx/test_pipeline.py",
     "tests/faults/test_partitions.py",
     "tests/services/test_nats_cluster_serving.py",
