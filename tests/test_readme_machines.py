@@ -37,7 +37,6 @@ pytestmark = pytest.mark.slow
 # SmolLM2 at 2048 tokens needs about 199 MiB: no host of these holds it alone, two do.
 SPLIT = "--memory-limit 160M --runner-threads 1"
 JOIN = f"{SPLIT} --heartbeat 1"  # a lost node noticed sooner
-KEY = "KEY"  # the README's placeholder, as typed
 BIN = str(Path(sys.executable).parent)
 QUESTION = "What is the capital city of France? Answer in one word."
 
@@ -75,7 +74,7 @@ async def _line(host: Host, name: str, prefix: str, timeout: float = 240) -> str
             await asyncio.sleep(0.2)
 
 
-def _chat(host: Host, env: dict[str, str]) -> dict[str, object]:
+def _chat(host: Host, env: dict[str, str], key: str) -> dict[str, object]:
     """A chat through the API on ``host``'s own loopback, as a user there would."""
     body = json.dumps(
         {
@@ -95,7 +94,7 @@ def _chat(host: Host, env: dict[str, str]) -> dict[str, object]:
             "-H",
             "Content-Type: application/json",
             "-H",
-            f"Authorization: Bearer {KEY}",
+            f"Authorization: Bearer {key}",
             "-d",
             body,
         ],
@@ -112,15 +111,16 @@ def _node(host: Host, data: str) -> str:
 
 
 def test_the_block_is_found_whole() -> None:
-    export, up, join, explicit = readme_machines((REPO / "README.md").read_text())
+    export, keys, up, join, explicit = readme_machines((REPO / "README.md").read_text())
     assert export.startswith(f"export {SECRET_ENV}=")
+    assert keys.endswith("> KEYS") and "--api-key-file KEYS" in up
     assert up.startswith("shoal up") and join == "shoal join"
     assert explicit == "shoal join --nats nats://FIRST:4222"
 
 
 @pytest.mark.timeout(600)
 async def test_the_readme_s_machines_on_hosts_of_their_own(tmp_path: Path) -> None:
-    export, up, join, explicit = readme_machines((REPO / "README.md").read_text())
+    export, keys, up, join, explicit = readme_machines((REPO / "README.md").read_text())
     secret = subprocess.run(
         ["bash", "-c", f'{export}; printf %s "${SECRET_ENV}"'],
         capture_output=True,
@@ -130,6 +130,8 @@ async def test_the_readme_s_machines_on_hosts_of_their_own(tmp_path: Path) -> No
     env = _user_env(secret)
     with Network(tmp_path, hosts=4) as net:
         first, second, third, stranger = net.hosts
+        first.run(["bash", "-c", keys], env=env, cwd=first.dir, timeout=30)
+        key = (first.dir / "KEYS").read_text().strip()
         _typed(first, f"{up} --data-dir data {SPLIT}", env, "up")
         join_line = await _line(first, "up", "join ")
         assert f"nats://{first.address}:4222" in join_line
@@ -148,7 +150,7 @@ async def test_the_readme_s_machines_on_hosts_of_their_own(tmp_path: Path) -> No
             assert f"route to NATS at {first.address}" in joined[b].advertised_why
             placed = log.of(InstancePlaced)[-1]
             assert {s.node_id for s in placed.shards} == {a, b}
-            answer = await asyncio.to_thread(_chat, first, env)
+            answer = await asyncio.to_thread(_chat, first, env, key)
             assert "Paris" in json.dumps(answer), answer
 
             # Another secret, the same bridge: it sees a cluster, not its own, and stays out.
@@ -184,7 +186,7 @@ async def test_the_readme_s_machines_on_hosts_of_their_own(tmp_path: Path) -> No
                 lambda e: e.runner_id == again.shards[0].runner_id and e.state == "Ready",
                 120,
             )
-            answer = await asyncio.to_thread(_chat, first, env)
+            answer = await asyncio.to_thread(_chat, first, env, key)
             assert "Paris" in json.dumps(answer), answer
             print(f"a stage's host partitioned: serving again after {time.monotonic() - cut:.1f} s")
         finally:
