@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -53,6 +54,7 @@ PUT_IN_FLIGHT = 32
 # A put that knows its file's digest looks this often whether another put stored the same
 # bytes under the name meanwhile, and then stops: a race sends the bytes once and a bit.
 CHECK_EVERY_BYTES = 64 * 1024 * 1024
+PURGE_AFTER_ACKS_S = 10.0  # a put that stops waits this long for its chunks' acks, then purges
 
 _DIGEST_PREFIX = "SHA-256="
 _ROLLUP = {"Nats-Rollup": "sub"}
@@ -268,6 +270,12 @@ async def put_file(
             headers={**_ROLLUP, _EXPECTED_LAST: str(previous_seq)},
         )
     except BaseException as exc:
+        if isinstance(exc, Exception):
+            # Chunks already sent are stored whether or not their acks are awaited: waited
+            # for, so that the purge comes after them and leaves none behind.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(PURGE_AFTER_ACKS_S):
+                    await asyncio.gather(*in_flight, return_exceptions=True)
         for fut in in_flight:
             fut.cancel()
         await _purge_quietly(js, stream, subject)
