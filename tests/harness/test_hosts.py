@@ -27,6 +27,9 @@ def _connects(net: Network, to: str, timeout: float = 2.0) -> bool:
 def test_each_host_has_its_address_and_a_loopback_of_its_own(hosts: Network) -> None:
     a, b = hosts.hosts
     assert a.address != b.address and a.address.startswith("10.77.")
+    # Each is a network namespace of its own (`ip netns`), not a process on this one's loopback.
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert {a.name, b.name} <= {line.split()[0] for line in namespaces.splitlines() if line}
     b.popen([sys.executable, "-c", SERVE.format("0.0.0.0")], b.dir / "serve.log")
     time.sleep(0.5)
     assert not _connects(hosts, "127.0.0.1")  # b's loopback is b's alone
