@@ -79,6 +79,9 @@ class ApiConfig:
     default_model: str | None = None
     # The thinking budget of a request that sets none (--reasoning-budget); None: unbounded.
     reasoning_budget: int | None = None
+    # The most tokens an answer has when its request sets no limit (--max-tokens, as
+    # llama-server's --n-predict; a model's own default wins); None: until the context is full.
+    max_tokens: int | None = None
     # How long a stored response of the Responses API is kept (OpenAI's: 30 days); 0: forever.
     response_ttl_s: float = 30 * 24 * 3600.0
     # The bytes of events one client of GET /v1/events may have waiting to be sent; a client

@@ -11,6 +11,8 @@ asks for the model by (an id, ``name:latest``, an alias), each entry with any of
 - ``placement``: a placement spec (services/planner/placement_spec.py), as an object or as its
   JSON text: the instance of a role it has an entry for is placed so; another role's, as usual.
 - ``context_length``: the context of its instances, in tokens.
+- ``max_tokens``: the most tokens an answer from it has when its request sets no limit (as
+  Ollama's ``num_predict`` in a Modelfile); wins over the API's ``--max-tokens``.
 
 Pure: text in, ``ModelDefaults`` out, or ``ModelDefaultsError`` naming the model and the key
 at fault. Nothing here checks that a model exists (it may be added later) or that the
@@ -34,7 +36,7 @@ from services.planner.placement_spec import (
     parse_placement_spec,
 )
 
-KEYS = ("keep_alive", "pinned", "placement", "context_length")
+KEYS = ("keep_alive", "pinned", "placement", "context_length", "max_tokens")
 EXAMPLE = (
     '{"qwen3-8b": {"keep_alive": "30m", "context_length": 8192}, "smollm2-135m": {"pinned": true}}'
 )
@@ -52,6 +54,7 @@ class ModelDefault:
     pinned: bool = False
     placement: PlacementSpec | None = None
     context_length: int | None = None
+    max_tokens: int | None = None
 
     def placement_for(self, role: InstanceRole) -> str | None:
         """The placement of an instance in ``role``, as ``InstanceRequested.placement`` takes
@@ -142,7 +145,8 @@ def _entry(entry: object) -> ModelDefault:
         keep_alive_s=keep,
         pinned=pinned,
         placement=_placement(entry.get("placement")),
-        context_length=_context_length(entry.get("context_length")),
+        context_length=_tokens("context_length", entry.get("context_length")),
+        max_tokens=_tokens("max_tokens", entry.get("max_tokens")),
     )
 
 
@@ -181,13 +185,11 @@ def _placement(value: object) -> PlacementSpec | None:
         raise ModelDefaultsError(f"placement: {exc}") from None
 
 
-def _context_length(value: object) -> int | None:
+def _tokens(key: str, value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
-        raise ModelDefaultsError(
-            f"context_length: a whole number of tokens, 1 or more, not {kind(value)}"
-        )
+        raise ModelDefaultsError(f"{key}: a whole number of tokens, 1 or more, not {kind(value)}")
     return value
 
 

@@ -226,6 +226,16 @@ ReasoningBudget = Annotated[
         " answer follows. -1: unbounded.",
     ),
 ]
+MaxTokens = Annotated[
+    int,
+    typer.Option(
+        "--max-tokens",
+        min=-1,
+        help="The most tokens an answer has when its request sets no limit (as llama-server's"
+        " --n-predict, Ollama's num_predict); a model's --model-defaults max_tokens wins. The"
+        " answer is cut as by the request's own limit. -1: until the context is full.",
+    ),
+]
 ModelDefaultsFile = Annotated[
     Path | None,
     typer.Option(
@@ -293,6 +303,14 @@ def api_tls(cert: Path | None, key: Path | None) -> ApiTls | None:
 
 def api_url(host: str, port: int, tls: ApiTls | None) -> str:
     return f"{'https' if tls else 'http'}://{host}:{port}/v1"
+
+
+def max_tokens_limit(limit: int) -> int | None:
+    """``--max-tokens`` as ``ApiConfig`` takes it (None: until the context is full)."""
+    if limit == 0:
+        typer.echo("error: --max-tokens 0: an answer is 1 token or more (-1: no limit)", err=True)
+        raise typer.Exit(1)
+    return None if limit < 0 else limit
 
 
 def reasoning_budget(budget: int) -> int | None:
@@ -388,6 +406,7 @@ def api(
     on_demand: OnDemand = "admins",
     log_wait: LogWait = RETRY_FOR_S,
     reasoning_budget_tokens: ReasoningBudget = -1,
+    max_tokens: MaxTokens = -1,
     allow_image_urls: AllowImageUrls = False,
     model_defaults_file: ModelDefaultsFile = None,
 ) -> None:
@@ -420,6 +439,7 @@ def api(
         on_demand=on_demand_roles(on_demand),
         log_wait_s=log_wait,
         reasoning_budget=reasoning_budget(reasoning_budget_tokens),
+        max_tokens=max_tokens_limit(max_tokens),
         allow_image_urls=allow_image_urls,
         model_defaults=defaults,
     )

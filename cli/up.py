@@ -47,6 +47,7 @@ from cli.api import (
     LoadOnDemand,
     MaxBody,
     MaxQueued,
+    MaxTokens,
     ModelDefaultsFile,
     OnDemand,
     ReasoningBudget,
@@ -59,6 +60,7 @@ from cli.api import (
     check_port_free,
     cli_aliases,
     max_body_bytes,
+    max_tokens_limit,
     model_defaults,
     on_demand_roles,
     reasoning_budget,
@@ -181,6 +183,7 @@ def up(
     load_on_demand: LoadOnDemand = True,
     on_demand: OnDemand = "admins",
     reasoning_budget_tokens: ReasoningBudget = -1,
+    max_tokens: MaxTokens = -1,
     allow_image_urls: AllowImageUrls = False,
     max_loaded: MaxLoaded = None,
     model_defaults_file: ModelDefaultsFile = None,
@@ -263,6 +266,7 @@ def up(
     defaults = model_defaults(model_defaults_file, aliases)
     body_limit = max_body_bytes(max_body)
     thinking_budget = reasoning_budget(reasoning_budget_tokens)
+    output_limit = max_tokens_limit(max_tokens)
     security = NatsSecurity.from_env()
     exposed = refuse_exposure(host, nats_host, keys, security) or refuse_wildcards(
         keys, allowed_host, cors_origin
@@ -350,6 +354,7 @@ def up(
                 load_on_demand=load_on_demand,
                 on_demand=on_demand_roles(on_demand),
                 reasoning_budget=thinking_budget,
+                max_tokens=output_limit,
                 allow_image_urls=allow_image_urls,
                 default_keep_alive_s=policy.default_keep_alive_s,
                 model_defaults=defaults,

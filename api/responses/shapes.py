@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from api.errors import ApiError
@@ -430,6 +430,10 @@ class ResponsesOut(Output):
 
     async def done(self, replies: list[Reply], usages: list[Usage]) -> None:
         reply = replies[0]
+        if self.server_limit is not None and reply.finish_reason == "length":
+            # Cut by the server's limit, not one it asked for: complete, as llama-server's
+            # answer is (Codex, which sets none, takes an incomplete one for a failure).
+            reply = replace(reply, finish_reason="stop")
         if self._streaming:
             self._tail = self._stream.finish(reply)
             output = self._stream.items

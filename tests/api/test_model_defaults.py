@@ -19,7 +19,7 @@ from services.planner.placement_spec import parse_placement_spec
 from tests.services.planner.builders import at, fold_all, model, node
 
 FILE = {
-    "qwen3-8b": {"keep_alive": "30m", "context_length": 8192},
+    "qwen3-8b": {"keep_alive": "30m", "context_length": 8192, "max_tokens": 512},
     "smollm2-135m": {"pinned": True},
     "gemma3-270m:latest": {"keep_alive": -1},
     "gpt-4o": {"keep_alive": 90},
@@ -29,7 +29,13 @@ FILE = {
     },
     "placed-as-text": {"placement": '{"chat": {"devices": ["a:cpu"], "slots": 2}}'},
     "nothing": {},
-    "nulls": {"keep_alive": None, "pinned": None, "placement": None, "context_length": None},
+    "nulls": {
+        "keep_alive": None,
+        "pinned": None,
+        "placement": None,
+        "context_length": None,
+        "max_tokens": None,
+    },
 }
 
 
@@ -46,7 +52,7 @@ def _refused(data: object, aliases: dict[str, str] | None = None) -> str:
 def test_a_file_of_defaults_is_read() -> None:
     defaults = _parsed(FILE, {"gpt-4o": "qwen3-8b:q8_0"})
     got = defaults.by_name
-    assert got["qwen3-8b"] == ModelDefault(keep_alive_s=1800.0, context_length=8192)
+    assert got["qwen3-8b"] == ModelDefault(keep_alive_s=1800.0, context_length=8192, max_tokens=512)
     assert got["smollm2-135m"] == ModelDefault(pinned=True)
     assert got["gemma3-270m:latest"].keep_alive_s == -1.0
     assert got["gpt-4o"].keep_alive_s == 90.0
@@ -78,7 +84,7 @@ def test_a_model_s_defaults_are_found_by_any_name_it_has() -> None:
         catalogue=frozenset({"gemma3-270m", "qwen3-8b:q8_0"}),
     )
     assert defaults.for_model("qwen3-8b", names.resolve) == ModelDefault(
-        keep_alive_s=1800.0, context_length=8192
+        keep_alive_s=1800.0, context_length=8192, max_tokens=512
     )
     gemma = defaults.for_model("gemma3-270m", names.resolve)  # "gemma3-270m:latest"
     assert gemma is not None and gemma.keep_alive_s == -1.0
@@ -103,6 +109,8 @@ def test_a_model_s_defaults_are_found_by_any_name_it_has() -> None:
         ({"m": {"context_length": 0}}, "model 'm': context_length: a whole number"),
         ({"m": {"context_length": 2048.5}}, "model 'm': context_length: a whole number"),
         ({"m": {"context_length": "2048"}}, "model 'm': context_length: a whole number"),
+        ({"m": {"max_tokens": 0}}, "model 'm': max_tokens: a whole number of tokens, 1 or"),
+        ({"m": {"max_tokens": -1}}, "model 'm': max_tokens: a whole number of tokens, 1 or"),
         ({"m": {"placement": 3}}, "model 'm': placement: a placement spec"),
         ({"m": {"placement": {"chat": {}}}}, "model 'm': placement: role 'chat': 'devices' is"),
         (

@@ -126,6 +126,8 @@ async def test_a_task_continued_during_its_prefill_is_left_to_the_continuation(
                 await asyncio.sleep(0.005)
         stopped_s = time.monotonic() - published
         done = await log.wait_for(TaskCompleted, lambda e: e.task_id == "long", timeout=120)
+        # The runner says Ready once the task has ended: after its outcome, so waited for.
+        await log.wait_for(RunnerStateChanged, lambda e: e.state == "Ready", timeout=30)
     finally:
         stop.set()
         await asyncio.wait_for(serving, 30)
