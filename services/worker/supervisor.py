@@ -29,6 +29,8 @@ HEALTHY_AFTER_S = 60.0
 SPARE_AFTER_S = 1.0
 SPARE_AT_LATEST_S = 30.0
 
+# Told of a runner process that ended unasked (restarting: True), or that was killed after it
+# did not stop in time when asked to (False): with its spec and exit code.
 OnExit = Callable[[RunnerSpec, int, bool], Awaitable[None]]
 
 
@@ -249,8 +251,10 @@ class Supervisor:
             try:
                 await asyncio.wait_for(proc.wait(), timeout)
             except TimeoutError:
+                log.warning("runner %s did not stop in %.0f s: killed", runner_id, timeout)
                 proc.kill()
-                await proc.wait()
+                # It said nothing of its end, and may have held tasks: its worker says so.
+                await self._on_exit(entry.spec, await proc.wait(), False)
         if entry.watcher is not None:
             entry.watcher.cancel()
 

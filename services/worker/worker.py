@@ -321,16 +321,19 @@ class Worker:
     # --- runner deaths ------------------------------------------------------------------
 
     async def _runner_exited(self, spec: RunnerSpec, code: int, restarting: bool) -> None:
+        """A runner that died (``restarting``), or that was killed when it did not stop in time
+        once asked to (it is Stopped then, as asked, and says why): the event it could not
+        publish, and its tasks continued or failed."""
         cause = describe_exit(code)
         await self._pub.publish(
             RunnerStateChanged(
                 runner_id=spec.runner_id,
                 instance_id=spec.instance_id,
                 node_id=self.node_id,
-                state="Failed",
+                state="Failed" if restarting else "Stopped",
                 origin=self.node_id,
                 exit_code=code,
-                error=f"runner {cause}" + ("; restarting" if restarting else ""),
+                error=f"runner {cause}" + ("; restarting" if restarting else " (asked to stop)"),
             )
         )
         task_file = Path(spec.task_file) if spec.task_file else None
