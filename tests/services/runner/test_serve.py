@@ -136,6 +136,8 @@ async def test_a_runner_with_slots_serves_that_many_tasks_at_once(
         await log.wait_count(TaskCompleted, lambda e: e.task_id in ids, len(ids), timeout=60)
         await pub.publish(chat("again"))  # the same prompt as t0..t3: its slot's cache has it
         again = await log.wait_for(TaskCompleted, lambda e: e.task_id == "again", timeout=30)
+        # Ready is said after the outcome: waited for.
+        await log.wait_count(RunnerStateChanged, lambda e: e.state == "Ready", 2, timeout=30)
     finally:
         watching.cancel()
         stop.set()
