@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from bus.records import INT32_MAX
-from services.runner.structured import schema_problem
+from structured import schema_problem
 
 
 class RequestBody(BaseModel):
@@ -27,7 +27,7 @@ def _checked(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _object(schema: dict[str, Any]) -> dict[str, Any]:
     """A tool's parameters are best effort: what the grammar cannot express is left out of it
-    (``services/runner/structured/schema.py``); what is refused is no schema at all."""
+    (``structured/schema.py``); what is refused is no schema at all."""
     if schema.get("type", "object") != "object":
         raise ValueError("a tool's parameters are a JSON schema of type 'object'")
     if (problem := schema_problem(schema, lenient=True)) is not None:

@@ -36,7 +36,7 @@ from bus.kinds import InstanceRole
 from bus.payload import PayloadTooLargeError, check_size, max_payload
 from bus.publisher import MSG_ID_HEADER
 from bus.records import Usage
-from services.runner.structured.schema import schemas_problem, task_schemas
+from structured.schema_checks import schemas_problem, task_schemas
 
 TaskT = TypeVar("TaskT", TaskCreated, EmbeddingsRequested)
 

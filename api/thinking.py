@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator
 
 from bus.events import TaskCreated
-from services.runner.structured.reasoning import RESERVED_KWARGS
+from structured.reasoning import RESERVED_KWARGS
 
 
 def _not_reserved(kwargs: dict[str, Any]) -> dict[str, Any]:

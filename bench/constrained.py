@@ -57,8 +57,9 @@ from bus.events import TaskCreated
 from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.base import Engine
-from services.runner.generation import PlainReply, Step, check_request, steps
+from services.runner.generation import Step, check_request, steps
 from services.runner.job import Job, prepare
+from structured.reply import PlainReply
 from tests.services.runner.test_thinking import QWEN3
 from tests.templated import SMOLLM2, gguf_with_template, mlx_with_template
 

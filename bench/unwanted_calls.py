@@ -22,7 +22,7 @@ SmolLM2's chat template (ChatML) knows nothing of tools. llama-server's llama.cp
 (its template capabilities: the template never reads ``tools`` or ``tool_calls``) and serves
 such a template as content only: the tools are not shown to the model, no grammar applies and
 the reply is read as text, so it never calls. Shoal gives such templates its ``generic`` format
-(``services/runner/structured/formats.py``): the tools and the JSON to answer with are
+(``structured/formats.py``): the tools and the JSON to answer with are
 described in the system message, and the reply is that JSON.
 """
 

@@ -74,7 +74,7 @@ def _default_engines() -> list[Engine]:
     return ["llamacpp"]
 
 
-# How a model's chat template has it write tool calls (services/runner/structured/formats.py
+# How a model's chat template has it write tool calls (structured/formats.py
 # tells them apart from the template itself; the card says which to expect).
 ToolCalls = Literal["hermes", "llama3", "mistral", "generic"]
 

@@ -9,7 +9,6 @@ must match, how many log-probabilities to report) and yields ``Token``s; the sha
 from __future__ import annotations
 
 import os
-import re
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Protocol
 
 from bus.records import SamplingParams
 from services.runner.image_spans import ImageSpan
+from structured.reply import Grammar
 
 # OpenAI's bounds: chat's top_logprobs goes to 20 (completions' logprobs to 5).
 MAX_TOP_LOGPROBS = 20
@@ -32,45 +32,6 @@ def floored(logprob: float) -> float:
 def request_seed(params: SamplingParams) -> int:
     """The request's seed, or a random one (64 bits) when it gives none."""
     return params.seed if params.seed is not None else int.from_bytes(os.urandom(8))
-
-
-@dataclass(frozen=True)
-class Grammar:
-    """A GBNF grammar (llama.cpp's dialect, root rule ``root``) the output must match.
-
-    With ``triggers`` the grammar is lazy, as llama.cpp's ``grammar_lazy_patterns``: the model
-    writes freely until the text generated so far matches one of these regular expressions
-    (searched for anywhere; a pattern written ``^...$`` must match the whole text). From then
-    on the grammar holds, applied to the text from the start of the pattern's first capture
-    group that matched something (the whole match if none did), and once it is complete the
-    only token allowed is an end of generation."""
-
-    gbnf: str
-    triggers: tuple[str, ...] = ()
-
-
-class Trigger:
-    """A lazy grammar's trigger, matched as llama.cpp does
-    (``llama_grammar_trigger_pattern::find``), on the bytes of the text generated so far: a
-    pattern written ``^...$`` must match all of it (``$`` is the end of the text, not before a
-    last newline as in Python), any other is searched for; the grammar starts at the first
-    capture group that matched something, else at the match. Raises ``re.error`` for a pattern
-    that is no regular expression."""
-
-    def __init__(self, pattern: str) -> None:
-        self.pattern = pattern
-        self._whole = pattern.startswith("^") and pattern.endswith("$")
-        self._regex = re.compile(pattern.encode())
-
-    def start(self, text: bytes) -> int | None:
-        """Where in ``text`` the grammar starts, or None while the pattern does not match."""
-        match = self._regex.fullmatch(text) if self._whole else self._regex.search(text)
-        if match is None:
-            return None
-        for group in range(1, self._regex.groups + 1):
-            if match.end(group) > match.start(group):
-                return match.start(group)
-        return match.start()
 
 
 @dataclass(frozen=True)

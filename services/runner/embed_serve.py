@@ -28,10 +28,10 @@ from services.runner.claim import Claim
 from services.runner.consumers import Pulled, embeddings_consumer_name, rerank_consumer_name
 from services.runner.embedding import Embedder, computed_events, cut, embedding_inputs
 from services.runner.engines.base import EngineBroken
-from services.runner.generation import InvalidRequest
 from services.runner.reranking import Reranker, scores_of
 from services.runner.serve import TaskPuller
 from services.runner.state_reporter import RunnerIdentity
+from structured.reply import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from bus.events import EmbeddingsComputed, EmbeddingsRequested
 from bus.vectors import Vectors, encode_vectors, rows_per_message
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 
 class Embedder(Protocol):

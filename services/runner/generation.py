@@ -16,6 +16,7 @@ from typing import Protocol
 from bus.records import FinishReason, SamplingParams, TokenLogprob, ToolCallDelta, TopLogprob
 from services.runner.decoding import MAX_TOP_LOGPROBS, Decoding, PromptCached, PromptScores, Token
 from services.runner.stops import StopMatcher
+from structured.reply import InvalidRequest, PlainReply, ReplyParser
 
 
 class TokenSource(Protocol):
@@ -44,60 +45,6 @@ class TokenSource(Protocol):
 
 
 @dataclass(frozen=True)
-class Parsed:
-    """What a reply parser made of some generated text: text for the reply's content, pieces
-    of tool calls, and a thinking model's thinking."""
-
-    text: str = ""
-    calls: tuple[ToolCallDelta, ...] = ()
-    reasoning: str = ""
-    # The reply is over, though the model would go on: it repeated a call it made
-    # (``structured/repeats.py``). Nothing more is generated; it ends with ``tool_calls``.
-    ended: bool = False
-    # What was fed was (or opened, or closed) a thinking model's thinking: for the usage's
-    # count of reasoning tokens.
-    thinking: bool = False
-    # After what was fed, the reply is inside its thinking (opened, not yet closed): where a
-    # thinking budget can end it.
-    thinking_open: bool = False
-
-
-class ReplyParser(Protocol):
-    """Splits the generated text into the reply's content and its tool calls (the format is
-    the model's, see ``services/runner/structured``)."""
-
-    def feed(self, text: str) -> Parsed: ...
-
-    def finish(self) -> Parsed:
-        """What is left once generation ended."""
-        ...
-
-    @property
-    def called(self) -> bool:
-        """Whether the reply holds a tool call."""
-        ...
-
-    @property
-    def markers(self) -> frozenset[str]:
-        """Special tokens' texts the parser must be fed (a tool call's marker), though the
-        reply shows no special token."""
-        ...
-
-
-class PlainReply:
-    """A reply that is all content."""
-
-    called = False
-    markers: frozenset[str] = frozenset()
-
-    def feed(self, text: str) -> Parsed:
-        return Parsed(text)
-
-    def finish(self) -> Parsed:
-        return Parsed()
-
-
-@dataclass(frozen=True)
 class Step:
     """One chunk: a generated token (``token_id`` set) or the final marker (``finish_reason``
     set, ``token_id`` None, carrying any text that was held back)."""
@@ -121,10 +68,6 @@ class ScoredPrompt:
     step."""
 
     tokens: tuple[TokenLogprob, ...]
-
-
-class InvalidRequest(ValueError):
-    """The task cannot be served as asked; the message says why, for TaskFailed."""
 
 
 class PromptTooLong(InvalidRequest):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from bus.images import content_pieces
 from bus.records import ChatMessage, ImagePart
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 _PLACEHOLDER = re.compile(r"<__shoal_image_(\d+)__>")
 

@@ -14,7 +14,7 @@ from bus.events import TaskCreated
 from bus.images import images_of, task_images
 from bus.parts import PartStore
 from services.runner.engines.base import Engine, ReadsImages
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 
 def image_refusal(engine: Engine, model_id: str) -> str | None:

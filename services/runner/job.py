@@ -14,18 +14,19 @@ from bus.events import PromptScored, TaskCreated
 from bus.images import decode_refusal
 from services.runner.decoding import Decoding, ThinkingBudget
 from services.runner.engines.base import Engine, ReadsImages, Tokenizer
-from services.runner.generation import InvalidRequest, PlainReply, ReplyParser, ScoredPrompt
+from services.runner.generation import ScoredPrompt
 from services.runner.image_markers import with_placeholders
 from services.runner.image_spans import ImagePrompt
-from services.runner.structured import ReplyPlan, plan_reply
-from services.runner.structured.reasoning import (
+from structured import ReplyPlan, plan_reply
+from structured.reasoning import (
     THINK_CLOSE,
     template_kwargs,
     thinking_reply,
     thinking_start,
 )
-from services.runner.structured.reasoning_grammar import think_first
-from services.runner.structured.schema import schemas_problem, task_schemas
+from structured.reasoning_grammar import think_first
+from structured.reply import InvalidRequest, PlainReply, ReplyParser
+from structured.schema_checks import schemas_problem, task_schemas
 
 # Prompt tokens per PromptScored event: with 20 alternatives each, 64 entries stay far below a
 # NATS message's 1 MiB.

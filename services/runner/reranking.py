@@ -10,7 +10,7 @@ from typing import Protocol
 
 from bus.events import EmbeddingsRequested
 from bus.vectors import Vectors
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 
 class Reranker(Protocol):

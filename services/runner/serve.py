@@ -59,7 +59,6 @@ from services.runner.engines.base import Engine, EngineBroken, Pushes
 from services.runner.feed_sink import FeedSink
 from services.runner.fence import Fence, Superseded
 from services.runner.generation import (
-    InvalidRequest,
     PromptTooLong,
     ScoredPrompt,
     Step,
@@ -71,6 +70,7 @@ from services.runner.images import images_for
 from services.runner.job import prepared, prompt_scored
 from services.runner.state_reporter import RunnerIdentity, StateReporter
 from services.runner.step_feed import StepFeed
+from structured.reply import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from bus.tokenizer import (
     TokenPiece,
 )
 from services.runner.engines.base import Engine
-from services.runner.generation import InvalidRequest
 from services.runner.job import chat_prompt
+from structured.reply import InvalidRequest
 
 
 def answer(

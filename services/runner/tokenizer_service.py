@@ -25,9 +25,9 @@ from bus.parts import PartMissing, PartStore
 from bus.subjects import TOKENIZER_QUEUE, tokenizer_subject
 from bus.tokenizer import TokenizeChat, TokenizerAnswer, TokenizerAsk, TokenizerQuestion
 from services.runner.engines.base import Engine
-from services.runner.generation import InvalidRequest
 from services.runner.images import images_for
 from services.runner.tokenizer_answers import answer
+from structured.reply import InvalidRequest
 
 log = logging.getLogger(__name__)
 

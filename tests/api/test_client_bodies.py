@@ -20,9 +20,9 @@ from api.responses.requests import ResponsesRequest, chat_task
 from api.responses.shapes import Head, ResponseStream, output_items
 from bus.events import ChunkGenerated
 from bus.records import SamplingParams, ToolCallDelta
-from services.runner.structured.grammar import tool_grammar
-from services.runner.structured.schema import dropped
-from tests.services.runner.structured import oracle
+from structured.grammar import tool_grammar
+from structured.schema import dropped
+from tests.structured import oracle
 
 FIXTURES = Path(__file__).parents[1] / "clients" / "fixtures"
 

@@ -9,18 +9,11 @@ import pytest
 
 from bus.records import SamplingParams, ToolCallDelta
 from services.runner.decoding import Decoding, PromptScores, ThinkingBudget, Token
-from services.runner.generation import (
-    InvalidRequest,
-    Parsed,
-    PlainReply,
-    ScoredPrompt,
-    Step,
-    check_request,
-    steps,
-)
+from services.runner.generation import ScoredPrompt, Step, check_request, steps
 from services.runner.stops import Emitted, StopMatcher
-from services.runner.structured.parsers import ParserSpec, make_parser
-from services.runner.structured.reasoning import ThinkingStart, thinking_reply
+from structured.parsers import ParserSpec, make_parser
+from structured.reasoning import ThinkingStart, thinking_reply
+from structured.reply import InvalidRequest, Parsed, PlainReply
 
 END = 0
 

@@ -1,5 +1,5 @@
 """Schema bombs (issue 54, finding 3): a schema's size, properties and nesting are bounded, and
-so are a request's schemas together (400s naming the field, services/runner/structured/
+so are a request's schemas together (400s naming the field, structured/schema_checks.py and
 schema.py); and a task's grammar is built off the runner's event loop within a time budget
 (services/runner/job.py: ``prepared``): one that takes longer fails alone while the loop goes
 on serving. On the real model and llama-cpp-python's converter."""
@@ -15,10 +15,10 @@ import pytest
 from bus.events import TaskCreated
 from bus.records import ChatMessage, SamplingParams, Tool
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.generation import InvalidRequest
 from services.runner.job import prepared
-from services.runner.structured.schema import (
-    MAX_PROPERTIES,
+from structured.reply import InvalidRequest
+from structured.schema import MAX_PROPERTIES
+from structured.schema_checks import (
     MAX_SCHEMA_BYTES,
     MAX_TOTAL_PROPERTIES,
     schema_problem,

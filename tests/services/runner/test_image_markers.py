@@ -8,8 +8,8 @@ import pytest
 
 from bus.images import stored_image
 from bus.records import ChatMessage, ImagePart
-from services.runner.generation import InvalidRequest
 from services.runner.image_markers import placed, placeholder, with_placeholders
+from structured.reply import InvalidRequest
 from tests.images import checkers_png, gradient_png
 
 MARKER = "<__media__>"

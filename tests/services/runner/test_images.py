@@ -16,8 +16,8 @@ from bus.parts import PartStore
 from bus.records import ChatMessage, SamplingParams
 from services.runner.engines.base import Engine
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.generation import InvalidRequest
 from services.runner.images import images_for, reads_images
+from structured.reply import InvalidRequest
 from tests.images import png
 from tests.templated import SMOLLM2
 

@@ -12,9 +12,10 @@ import pytest
 from bus.events import TaskCreated
 from bus.records import ChatMessage, SamplingParams, Tool, ToolCall, ToolChoice
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.generation import InvalidRequest, Step, check_request, steps
+from services.runner.generation import Step, check_request, steps
 from services.runner.job import prepare
-from services.runner.structured import plan_reply
+from structured import plan_reply
+from structured.reply import InvalidRequest
 from tests.services.runner.conftest import SMOLLM2, WithTemplate
 from tests.services.runner.served import Served, calls_of
 

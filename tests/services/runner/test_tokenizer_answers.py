@@ -17,9 +17,9 @@ from bus.records import ChatMessage, ResponseFormat, Tool, ToolChoice
 from bus.tokenizer import DescribeTokenizer, Detokenize, TokenizeChat, TokenizeText, TokenPiece
 from services.runner.engines.base import Engine
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.generation import InvalidRequest
 from services.runner.job import prepare
 from services.runner.tokenizer_answers import answer, piece_of
+from structured.reply import InvalidRequest
 from tests.services.runner.conftest import SMOLLM2
 
 WEATHER = Tool(

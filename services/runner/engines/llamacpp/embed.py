@@ -24,7 +24,7 @@ from llama_cpp import Llama
 from bus.vectors import Vectors
 from services.models.metadata import read_gguf_fields
 from services.runner.engines.llamacpp.batch import Batch
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 POOLING_NAMES = {
     llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",

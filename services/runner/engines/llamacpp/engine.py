@@ -31,9 +31,10 @@ from services.runner.engines.llamacpp.sampling import (
     token_piece,
 )
 from services.runner.engines.llamacpp.vision import Projector, projector_on_gpu
-from services.runner.generation import InvalidRequest, check_against_vocabulary
+from services.runner.generation import check_against_vocabulary
 from services.runner.image_markers import placed
 from services.runner.image_spans import ImagePrompt, ImageSpan, unreadable
+from structured.reply import InvalidRequest
 
 # Named chat formats a model card may ask for (as llama-cpp-python names them). A model without
 # one uses the chat template in its GGUF.

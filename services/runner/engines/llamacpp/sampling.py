@@ -26,15 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from bus.records import SamplingParams
-from services.runner.decoding import (
-    ForcedTokens,
-    Grammar,
-    Token,
-    Trigger,
-    floored,
-    request_seed,
-)
-from services.runner.generation import InvalidRequest
+from services.runner.decoding import ForcedTokens, Token, floored, request_seed
+from structured.reply import Grammar, InvalidRequest, Trigger
 
 Logits = npt.NDArray[np.float32]
 Sampler = Any  # a llama_sampler pointer (llama_cpp types it only under TYPE_CHECKING)

@@ -27,8 +27,8 @@ from typing import Any
 import llama_cpp
 from llama_cpp import mtmd_cpp as mtmd
 
-from services.runner.generation import InvalidRequest
 from services.runner.image_spans import ImagePrompt, ImageSpan, image_token, without_first
+from structured.reply import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp import Llama
 
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 
 def tokenize(llm: Llama, text: str, add_special: bool, parse_special: bool) -> list[int]:

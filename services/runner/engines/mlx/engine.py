@@ -37,9 +37,9 @@ from services.runner.engines.mlx.sampling import (
     prompt_scores,
 )
 from services.runner.engines.mlx.vision import MlxVision, load_vision, text_ids
-from services.runner.generation import InvalidRequest
 from services.runner.image_markers import placed
 from services.runner.image_spans import ImagePrompt, unreadable
+from structured.reply import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from services.runner.engines.mlx.engine import MlxText
 from services.runner.engines.mlx.ring import PipelineShard, Ring, connect
 from services.runner.engines.mlx.sampling import Grammars, Picker, prompt_scores
 from services.runner.engines.mlx.stage import Stage, StageCaches
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 
 class PipelineFollower:

@@ -18,7 +18,7 @@ from services.runner.engines.mlx.engine import MlxTextEngine, prefill_chunks
 from services.runner.engines.mlx.ring import PipelineBroken, PipelineShard, Ring, connect
 from services.runner.engines.mlx.sampling import check_decoding
 from services.runner.engines.mlx.stage import Stage, StageCaches
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 
 class PipelineHead(MlxTextEngine):

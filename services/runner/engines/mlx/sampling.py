@@ -33,14 +33,9 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from bus.records import SamplingParams
-from services.runner.decoding import (
-    Decoding,
-    Grammar,
-    Token,
-    Trigger,
-    floored,
-)
-from services.runner.generation import InvalidRequest, check_against_vocabulary
+from services.runner.decoding import Decoding, Token, floored
+from services.runner.generation import check_against_vocabulary
+from structured.reply import Grammar, InvalidRequest, Trigger
 
 # Compiled grammars kept per vocabulary: a task's tools or schema make its grammar, and a
 # client tends to send the same ones again.

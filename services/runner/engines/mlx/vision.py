@@ -34,8 +34,8 @@ import numpy as np
 from mlx.nn.layers.base import Module
 from mlx.utils import tree_flatten
 
-from services.runner.generation import InvalidRequest
 from services.runner.image_spans import ImagePrompt, ImageSpan, image_token
+from structured.reply import InvalidRequest
 
 log = logging.getLogger(__name__)
 

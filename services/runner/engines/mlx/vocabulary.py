@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 # Settings that name files on the runner's disk: not the client's business.
 _PATHS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")

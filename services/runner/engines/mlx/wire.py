@@ -37,10 +37,10 @@ import numpy.typing as npt
 from pydantic import BaseModel, Field
 
 from bus.records import SamplingParams
-from services.runner.decoding import Decoding, Grammar, Token
+from services.runner.decoding import Decoding, Token
 from services.runner.engines.mlx.ring import PipelineBroken, Ring
 from services.runner.engines.mlx.sampling import as_tokens
-from services.runner.generation import InvalidRequest
+from structured.reply import Grammar, InvalidRequest
 
 
 class Command(IntEnum):

@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from bus.events import TaskCreated
-from services.runner.decoding import Decoding, Grammar, PromptScores, Token
+from services.runner.decoding import Decoding, PromptScores, Token
 from services.runner.engines.base import Engine
 from services.runner.engines.mlx.head import PipelineHead
 from services.runner.engines.mlx.ring import PipelineBroken, PipelineShard
-from services.runner.generation import InvalidRequest, ScoredPrompt, check_request, steps
+from services.runner.generation import ScoredPrompt, check_request, steps
+from structured.reply import Grammar, InvalidRequest
 
 
 def prompt_of(engine: Engine, task: TaskCreated) -> list[int]:

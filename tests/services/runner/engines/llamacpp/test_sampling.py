@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from bus.records import SamplingParams
-from services.runner.decoding import LOGPROB_FLOOR, Trigger
+from services.runner.decoding import LOGPROB_FLOOR
 from services.runner.engines.llamacpp.sampling import TOKEN_DATA, Candidates, scored, seed_of
-from services.runner.generation import InvalidRequest, check_against_vocabulary
+from services.runner.generation import check_against_vocabulary
+from structured.reply import InvalidRequest, Trigger
 
 
 def test_scores_are_the_log_softmax_with_the_most_likely_first() -> None:

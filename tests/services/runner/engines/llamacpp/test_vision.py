@@ -21,8 +21,8 @@ from bus.records import SamplingParams
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.engines.llamacpp.vision import projector_on_gpu
-from services.runner.generation import InvalidRequest
 from services.runner.job import Job, prepare
+from structured.reply import InvalidRequest
 from tests.images import checkers_png, gradient_png, image_chat
 from tests.templated import SMOLLM2
 from tests.vision import IMAGE_TOKENS

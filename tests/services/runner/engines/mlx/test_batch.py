@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from services.runner.decoding import Decoding, Grammar, PromptCached, PromptScores, Token
+from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.mlx.engine import PREFILL_STEP, MlxEngine
-from services.runner.generation import InvalidRequest
+from structured.reply import Grammar, InvalidRequest
 from tests.services.runner.engines.mlx.test_sampling import (
     SMALL_SCHEMA,
     decoding,

@@ -18,7 +18,7 @@ from bus.records import ChatMessage, SamplingParams
 from services.models.tiny_mlx import CHATML
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.mlx.engine import PREFILL_STEP, MlxEngine, prefill_chunks
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 from tests.services.runner.engines.pipeline_head import prompt_of, run_task
 
 

@@ -15,10 +15,11 @@ import pytest
 from llama_cpp import llama_grammar
 
 from bus.records import SamplingParams
-from services.runner.decoding import LOGPROB_FLOOR, Decoding, Grammar, PromptScores, Token
+from services.runner.decoding import LOGPROB_FLOOR, Decoding, PromptScores, Token
 from services.runner.engines.mlx.engine import PREFILL_STEP, MlxEngine
 from services.runner.engines.mlx.sampling import Picker, as_tokens, prompt_scores
-from services.runner.generation import InvalidRequest, ScoredPrompt, Step, steps
+from services.runner.generation import ScoredPrompt, Step, steps
+from structured.reply import Grammar, InvalidRequest
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ from services.models.tiny_mlx_vision import IMAGE_TOKENS
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.mlx.engine import MlxEngine
 from services.runner.engines.mlx.vision import load_vision
-from services.runner.generation import InvalidRequest
 from services.runner.job import Job, prepare
+from structured.reply import InvalidRequest
 from tests.images import checkers_png, gradient_png, image_chat
 
 QUESTION = "What is in this image?"

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.models.tiny_mlx import CHATML
 from services.runner.engines.mlx.engine import MlxEngine
-from services.runner.generation import InvalidRequest
+from structured.reply import InvalidRequest
 
 TEXTS = ["Hello world", "Café, naïve 🙂\n", "<|im_start|>user\nhi<|im_end|>", ""]
 USER = [{"role": "user", "content": "hello"}]

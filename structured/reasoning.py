@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from services.runner.generation import InvalidRequest, Parsed, ReplyParser
-from services.runner.structured.text_reader import WHITESPACE
+from structured.reply import InvalidRequest, Parsed, ReplyParser
+from structured.text_reader import WHITESPACE
 
 ThinkingStart = Literal["inside", "may_open", "none"]
 

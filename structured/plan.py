@@ -27,23 +27,23 @@ from typing import Any
 
 from bus.events import TaskCreated
 from bus.records import ResponseFormat, Tool
-from services.runner.decoding import Grammar
-from services.runner.generation import InvalidRequest, PlainReply, ReplyParser
-from services.runner.structured.formats import ToolFormatName, tool_format
-from services.runner.structured.grammar import (
+from structured.formats import ToolFormatName, tool_format
+from structured.grammar import (
     OBJECT_SCHEMA,
     json_grammar,
     tool_grammar,
 )
-from services.runner.structured.messages import (
+from structured.messages import (
     generic_instructions,
     generic_messages,
     openai_tools,
     refuses_system,
     template_messages,
 )
-from services.runner.structured.parsers import ParserSpec, make_parser
-from services.runner.structured.schema import SchemaError, schema_problem
+from structured.parsers import ParserSpec, make_parser
+from structured.reply import Grammar, InvalidRequest, PlainReply, ReplyParser
+from structured.schema_checks import schema_problem
+from structured.schema_keywords import SchemaError
 
 
 @dataclass(frozen=True)

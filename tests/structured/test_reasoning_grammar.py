@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from services.runner.decoding import Grammar, Trigger
-from services.runner.structured.grammar import json_grammar, tool_grammar
-from services.runner.structured.reasoning import ThinkingStart
-from services.runner.structured.reasoning_grammar import after_thinking, think_first
-from tests.services.runner.structured import oracle
-from tests.services.runner.structured.test_grammar import HERMES_ONE, LLAMA, TOOLS
+from structured.grammar import json_grammar, tool_grammar
+from structured.reasoning import ThinkingStart
+from structured.reasoning_grammar import after_thinking, think_first
+from structured.reply import Grammar, Trigger
+from tests.structured import oracle
+from tests.structured.test_grammar import HERMES_ONE, LLAMA, TOOLS
 
 ANSWER = '{"a": 1}'
 

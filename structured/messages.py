@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bus.records import ChatMessage, Tool, ToolCall
-from services.runner.structured.formats import ToolFormatName, history_id
+from structured.formats import ToolFormatName, history_id
 
 
 def openai_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:

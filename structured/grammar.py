@@ -23,8 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bus.records import Tool
-from services.runner.decoding import Grammar
-from services.runner.structured.formats import (
+from structured.formats import (
     HERMES_CLOSE,
     HERMES_OPEN,
     MISTRAL_CALLS,
@@ -32,8 +31,9 @@ from services.runner.structured.formats import (
     TRIGGERS,
     ToolFormatName,
 )
-from services.runner.structured.ranges import integer_range
-from services.runner.structured.schema import prepare
+from structured.ranges import integer_range
+from structured.reply import Grammar
+from structured.schema import prepare
 
 # llama.cpp's C++ converter's rule: no control character, no DEL, unescaped.
 SAFE_CHAR = (

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 
-from services.runner.decoding import Grammar
-from services.runner.structured.reasoning import THINK_CLOSE, THINK_OPEN, ThinkingStart
+from structured.reasoning import THINK_CLOSE, THINK_OPEN, ThinkingStart
+from structured.reply import Grammar
 
 # The trigger's text up to the end of the thinking, by where the reply starts (regular
 # expressions llama.cpp's std::regex reads as Python's re does).

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 from bus.records import Tool
-from services.runner.decoding import Grammar
-from services.runner.structured.formats import TRIGGERS
-from services.runner.structured.grammar import (
+from structured.formats import TRIGGERS
+from structured.grammar import (
     STRING_SCHEMA,
     _schema_gbnf,
     _tools_gbnf,
@@ -20,7 +19,8 @@ from services.runner.structured.grammar import (
     json_grammar,
     tool_grammar,
 )
-from tests.services.runner.structured import oracle
+from structured.reply import Grammar
+from tests.structured import oracle
 
 WEATHER = Tool(
     name="get_weather",

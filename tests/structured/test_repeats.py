@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.runner.structured.repeats import call_key, first_repeat
+from structured.repeats import call_key, first_repeat
 
 PARIS = '{"city": "Paris", "unit": "celsius"}'
 

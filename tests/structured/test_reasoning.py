@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 from llama_cpp import llama_chat_format
 
 from bus.records import ToolCallDelta
-from services.runner.generation import InvalidRequest, Parsed, PlainReply, ReplyParser
-from services.runner.structured.parsers import ParserSpec, make_parser
-from services.runner.structured.reasoning import (
+from structured.parsers import ParserSpec, make_parser
+from structured.reasoning import (
     ThinkingStart,
     template_kwargs,
     thinking_reply,
     thinking_start,
     thinks,
 )
+from structured.reply import InvalidRequest, Parsed, PlainReply, ReplyParser
 
 # DeepSeek's own markers use the fullwidth bar (U+FF5C).
 R1_ASSISTANT = "<\uff5cAssistant\uff5c>"

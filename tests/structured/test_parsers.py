@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bus.records import ToolCallDelta
-from services.runner.generation import Parsed
-from services.runner.structured.formats import ToolFormatName, call_id
-from services.runner.structured.parsers import ParserSpec, ToolReplyParser, make_parser
-from services.runner.structured.repeats import first_repeat
+from structured.formats import ToolFormatName, call_id
+from structured.parsers import ParserSpec, ToolReplyParser, make_parser
+from structured.repeats import first_repeat
+from structured.reply import Parsed
 
 TASK = "task-7"
 NAMES = frozenset({"get_weather", "get_time"})
@@ -369,7 +369,7 @@ def test_after_finish_nothing_more_is_read() -> None:
 
 
 def test_a_parser_is_a_reply_parser() -> None:
-    from services.runner.generation import ReplyParser
+    from structured.reply import ReplyParser
 
     parser: ReplyParser = ToolReplyParser(ParserSpec("hermes", TASK, NAMES))
     assert not parser.called

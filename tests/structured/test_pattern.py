@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from services.runner.structured.grammar import json_grammar
-from services.runner.structured.pattern import PatternError, converter_pattern
-from tests.services.runner.structured import oracle
+from structured.grammar import json_grammar
+from structured.pattern import PatternError, converter_pattern
+from tests.structured import oracle
 
 CASES: list[tuple[str, list[str], list[str]]] = [
     ("^\\d{3}-\\d{4}$", ["555-1234"], ["5551234", "555-12345", "a55-1234"]),

@@ -42,8 +42,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from bus.records import ToolCallDelta
-from services.runner.generation import Parsed
-from services.runner.structured.formats import (
+from structured.formats import (
     HERMES_CLOSE,
     HERMES_OPEN,
     MISTRAL_CALLS,
@@ -51,8 +50,9 @@ from services.runner.structured.formats import (
     ToolFormatName,
     call_id,
 )
-from services.runner.structured.repeats import CallKey, call_key
-from services.runner.structured.text_reader import (
+from structured.repeats import CallKey, call_key
+from structured.reply import Parsed
+from structured.text_reader import (
     WHITESPACE,
     Broken,
     Reading,

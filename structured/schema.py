@@ -3,7 +3,8 @@
 llama.cpp's Python ``SchemaConverter`` honours some keywords, ignores others silently and
 fails on a few shapes (an empty ``anyOf``, ``minLength`` without a type, ``items: {}``...).
 ``prepare`` checks a schema against what it really does and rewrites it into a shape it
-converts faithfully; ``schema_problem`` says, for a 400, why a schema cannot be honoured.
+converts faithfully; ``schema_problem`` (``schema_checks.py``) says, for a 400, why a schema
+cannot be honoured. ``schema_keywords.py`` has the tables of keywords and the checks of one.
 
 Honoured: ``type`` (a name or a list of them), ``properties``, ``required``,
 ``additionalProperties`` (true, false or a schema), ``items`` (a schema, or a list: a tuple),
@@ -36,138 +37,36 @@ Pure Python: the API imports this module, and it must not load llama.cpp.
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from services.runner.structured.pattern import MAX_REPEAT, PatternError, converter_pattern
-
-TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-
-
-def any_value() -> dict[str, Any]:
-    """A schema for any JSON value that the converter reads as such (it takes ``{}`` for any
-    object)."""
-    return {"anyOf": [{"type": t} for t in TYPES if t != "integer"]}
-
-
-# Keywords that constrain and that the converter cannot honour.
-UNSUPPORTED = frozenset(
-    {
-        "multipleOf",
-        "not",
-        "if",
-        "then",
-        "else",
-        "patternProperties",
-        "propertyNames",
-        "uniqueItems",
-        "contains",
-        "minContains",
-        "maxContains",
-        "minProperties",
-        "maxProperties",
-        "dependentRequired",
-        "dependentSchemas",
-        "dependencies",
-        "unevaluatedProperties",
-        "unevaluatedItems",
-        "additionalItems",
-        "$dynamicRef",
-        "$recursiveRef",
-        "contentSchema",
-    }
+from structured.pattern import MAX_REPEAT, PatternError, converter_pattern
+from structured.schema_keywords import (
+    ARRAY_WORDS,
+    FORMATS,
+    NUMBER_WORDS,
+    OBJECT_WORDS,
+    STRUCTURAL,
+    TYPES,
+    UNSUPPORTED,
+    SchemaError,
+    any_value,
+    check_bounds,
+    check_json,
+    for_type,
+    implied_type,
+    integer_bound,
+    only_conditions,
+    pointer_path,
+    where,
+    with_types,
 )
-# The keywords honoured; the rest are annotations or unknown, ignored either way.
-STRUCTURAL = frozenset(
-    {
-        "type",
-        "properties",
-        "required",
-        "additionalProperties",
-        "items",
-        "prefixItems",
-        "minItems",
-        "maxItems",
-        "enum",
-        "const",
-        "anyOf",
-        "oneOf",
-        "allOf",
-        "$ref",
-        "pattern",
-        "format",
-        "minLength",
-        "maxLength",
-        *("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
-    }
-)
-_OBJECT_WORDS = ("properties", "required", "additionalProperties")
-_ARRAY_WORDS = ("items", "prefixItems", "minItems", "maxItems")
-_STRING_WORDS = ("pattern", "format", "minLength", "maxLength")
-_NUMBER_WORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
+
 _MAX_DEPTH = 64
-# What one schema, and one request's schemas together, may be (400s naming the field): the
-# grammar llama.cpp's converter makes of an object grows as the cube of its optional
-# properties (900 took 1.4 s), built before the task's first token. A schema's JSON text, its
-# properties per object, and the properties of all a request's tools and its response format.
-MAX_SCHEMA_BYTES = 64 * 1024
+# An object's properties (``schema_checks.py`` has the other bounds, and why).
 MAX_PROPERTIES = 256
-MAX_TOTAL_PROPERTIES = 2048
-
-
-class SchemaError(ValueError):
-    """A schema Shoal cannot honour; the message says which keyword, and where."""
-
-
-def schema_problem(schema: object, lenient: bool = False) -> str | None:
-    """Why ``schema`` cannot be turned into a grammar (for a 400), or None when it can
-    (``lenient``: as a tool's parameters, best effort)."""
-    size = len(json.dumps(schema, separators=(",", ":")))
-    if size > MAX_SCHEMA_BYTES:
-        return (
-            f"the JSON schema is {size} bytes, more than the {MAX_SCHEMA_BYTES} a schema may"
-            " be here"
-        )
-    try:
-        prepare(schema, lenient=lenient)
-    except SchemaError as exc:
-        return str(exc)
-    return None
-
-
-def property_count(schema: object) -> int:
-    """The properties ``schema`` defines, at every depth (iterative: any nesting)."""
-    count, stack = 0, [schema]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            found = item.get("properties")
-            if isinstance(found, dict):
-                count += len(found)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return count
-
-
-def schemas_problem(schemas: Mapping[str, object]) -> tuple[str, str] | None:
-    """Why a request's schemas (by the field that holds each: ``tools.3.parameters``) are
-    together too much to turn into grammars: the field that passes the bound, and why."""
-    total = 0
-    for field_name, schema in schemas.items():
-        total += property_count(schema)
-        if total > MAX_TOTAL_PROPERTIES:
-            return field_name, (
-                f"the request's schemas define more than {MAX_TOTAL_PROPERTIES} properties in"
-                " all (its tools' parameters and its response format together): send fewer or"
-                " smaller ones"
-            )
-    return None
 
 
 def dropped(schema: object) -> list[str]:
@@ -192,14 +91,6 @@ def prepare(
     return _Preparer(schema, prefix, lenient).run(top_object)
 
 
-def where(path: tuple[str | int, ...]) -> str:
-    """A location in a schema, as messages name it: ``properties.age``, ``anyOf[1]``."""
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
-    return out or "the top level"
-
-
 @dataclass
 class _Preparer:
     root: object
@@ -219,7 +110,7 @@ class _Preparer:
             pointer, path = self.queue.pop()
             name = self.refs[pointer]
             target = self.resolve(pointer, path)
-            self.defs[name] = prepared = self.node(target, _pointer_path(pointer), 0, False)
+            self.defs[name] = prepared = self.node(target, pointer_path(pointer), 0, False)
             self.leading[name] = self._leads(prepared)
         self._check_cycles()
         if self.defs:
@@ -254,7 +145,7 @@ class _Preparer:
                 raise SchemaError(f"{key} (at {where(path)}) must be an object")
         s = {k: v for k, v in schema.items() if k in STRUCTURAL}
         types = self.types(s, path)
-        if self.lenient and ("oneOf" in s or "anyOf" in s) and _conditions(s):
+        if self.lenient and ("oneOf" in s or "anyOf" in s) and only_conditions(s):
             # Alternatives that only say which properties are required (one of a or b):
             # the grammar keeps the object and leaves the condition out.
             key = "oneOf" if "oneOf" in s else "anyOf"
@@ -269,9 +160,9 @@ class _Preparer:
         if len(types) > 1:
             # The converter would forget every other keyword: one alternative per type,
             # each with the keywords that apply to it.
-            alternatives = [self.node(_for_type(s, t), path, depth + 1) for t in types]
+            alternatives = [self.node(for_type(s, t), path, depth + 1) for t in types]
             return {"anyOf": alternatives}
-        kind = types[0] if types else _implied_type(s, path, top_object)
+        kind = types[0] if types else implied_type(s, path, top_object)
         if kind is None:
             if "allOf" in s:
                 return self.all_of(s, path, depth)
@@ -291,7 +182,7 @@ class _Preparer:
             return self.string(s, path)
         if kind == "integer":
             return self.integer(s, path)
-        for key in _NUMBER_WORDS:
+        for key in NUMBER_WORDS:
             if key in s:
                 self.drop(
                     key,
@@ -299,7 +190,7 @@ class _Preparer:
                     f"the JSON schema keyword {key!r} (at {where(path)}) is not supported for"
                     f" a {kind} (an integer's bounds are)",
                 )
-        self.only(s, {"type", "format", *_NUMBER_WORDS}, path, "type")
+        self.only(s, {"type", "format", *NUMBER_WORDS}, path, "type")
         return {"type": kind}
 
     def types(self, s: dict[str, Any], path: tuple[str | int, ...]) -> list[str]:
@@ -363,24 +254,24 @@ class _Preparer:
         for i, alternative in enumerate(alternatives):
             if types and isinstance(alternative, dict):
                 # 'type' next to anyOf applies to every alternative: give it to them.
-                alternative = _with_types(alternative, types, (*path, key, i))
+                alternative = with_types(alternative, types, (*path, key, i))
             out.append(self.node(alternative, (*path, key, i), depth + 1))
         return {"anyOf": out}
 
     def constant(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
         if "const" in s:
             s = self.only(s, {"const", "type"}, path, "const")
-            _check_json(s["const"], (*path, "const"))
+            check_json(s["const"], (*path, "const"))
             return {"const": s["const"]}
         s = self.only(s, {"enum", "type"}, path, "enum")
         values = s["enum"]
         if not isinstance(values, list) or not values:
             raise SchemaError(f"enum (at {where(path)}) must be a non-empty list")
-        _check_json(values, (*path, "enum"))
+        check_json(values, (*path, "enum"))
         return {"enum": values}
 
     def obj(self, s: dict[str, Any], path: tuple[str | int, ...], depth: int) -> dict[str, Any]:
-        s = self.only(s, {"type", *_OBJECT_WORDS}, path, "type")
+        s = self.only(s, {"type", *OBJECT_WORDS}, path, "type")
         properties = s.get("properties", {})
         if not isinstance(properties, dict):
             raise SchemaError(f"properties (at {where(path)}) must be an object")
@@ -484,7 +375,7 @@ class _Preparer:
             yield name, sub, name in required
 
     def array(self, s: dict[str, Any], path: tuple[str | int, ...], depth: int) -> dict[str, Any]:
-        s = self.only(s, {"type", *_ARRAY_WORDS}, path, "type")
+        s = self.only(s, {"type", *ARRAY_WORDS}, path, "type")
         items = s.get("items")
         prefix = s.get("prefixItems")
         tuple_items = prefix if prefix is not None else (items if isinstance(items, list) else None)
@@ -527,7 +418,7 @@ class _Preparer:
             out["minItems"] = low
         if high is not None:
             out["maxItems"] = high
-        _bounds(low, high, "minItems", "maxItems", path)
+        check_bounds(low, high, "minItems", "maxItems", path)
         return out
 
     def string(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
@@ -549,12 +440,12 @@ class _Preparer:
             return {"type": "string", "pattern": converted}
         if "format" in s:
             name = s["format"]
-            if name not in _FORMATS:
+            if name not in FORMATS:
                 self.drop(
                     "format",
                     path,
                     f"the JSON schema format {name!r} (at {where(path)}) is not supported"
-                    f" (supported: {', '.join(_FORMATS[:4])})",
+                    f" (supported: {', '.join(FORMATS[:4])})",
                 )
                 return self.string({k: v for k, v in s.items() if k != "format"}, path)
             self.only(s, {"type", "format"}, path, "format")
@@ -562,7 +453,7 @@ class _Preparer:
         s = self.only(s, {"type", "minLength", "maxLength"}, path, "type")
         low = self.count(s, "minLength", path)
         high = self.count(s, "maxLength", path)
-        _bounds(low, high, "minLength", "maxLength", path)
+        check_bounds(low, high, "minLength", "maxLength", path)
         out: dict[str, Any] = {"type": "string"}
         if low:
             out["minLength"] = low
@@ -573,9 +464,9 @@ class _Preparer:
     def integer(self, s: dict[str, Any], path: tuple[str | int, ...]) -> dict[str, Any]:
         """An integer, its bounds made inclusive integers (``exclusiveMinimum`` as a number,
         or draft 4's boolean next to ``minimum``)."""
-        s = self.only(s, {"type", "format", *_NUMBER_WORDS}, path, "type")
-        low = _bound(s, "minimum", "exclusiveMinimum", path, upper=False)
-        high = _bound(s, "maximum", "exclusiveMaximum", path, upper=True)
+        s = self.only(s, {"type", "format", *NUMBER_WORDS}, path, "type")
+        low = integer_bound(s, "minimum", "exclusiveMinimum", path, upper=False)
+        high = integer_bound(s, "maximum", "exclusiveMaximum", path, upper=True)
         if low is not None and high is not None and low > high:
             raise SchemaError(f"no integer is within the bounds at {where(path)}")
         out: dict[str, Any] = {"type": "integer"}
@@ -652,122 +543,3 @@ class _Preparer:
                 if at not in seen:
                     seen.add(at)
                     todo.extend(self.leading.get(at, ()))
-
-
-def _pointer_path(pointer: str) -> tuple[str | int, ...]:
-    if pointer == "#":
-        return ()
-    return tuple(unquote(p).replace("~1", "/").replace("~0", "~") for p in pointer[2:].split("/"))
-
-
-def _implied_type(s: dict[str, Any], path: tuple[str | int, ...], top_object: bool) -> str | None:
-    kinds = [
-        kind
-        for kind, words in (
-            ("object", _OBJECT_WORDS),
-            ("array", _ARRAY_WORDS),
-            ("string", _STRING_WORDS),
-            ("number", _NUMBER_WORDS),
-        )
-        if any(w in s for w in words)
-    ]
-    if len(kinds) > 1:
-        raise SchemaError(
-            f"the JSON schema at {where(path)} has keywords of several types ({', '.join(kinds)})"
-            " and no 'type': that is not supported"
-        )
-    if kinds:
-        return kinds[0]
-    return "object" if top_object else None
-
-
-def _for_type(s: dict[str, Any], kind: str) -> dict[str, Any]:
-    words = {
-        "object": _OBJECT_WORDS,
-        "array": _ARRAY_WORDS,
-        "string": _STRING_WORDS,
-        "integer": _NUMBER_WORDS,
-        "number": _NUMBER_WORDS,
-    }
-    own = words.get(kind, ())
-    others = {w for ws in words.values() for w in ws} - set(own)
-    return {k: v for k, v in s.items() if k not in others} | {"type": kind}
-
-
-def _with_types(
-    alternative: dict[str, Any], types: list[str], path: tuple[str | int, ...]
-) -> dict[str, Any]:
-    if "type" not in alternative:
-        if any(k in alternative for k in ("$ref", "anyOf", "oneOf", "const", "enum")):
-            return alternative  # what it refers to, or its values, say the type
-        return {**alternative, "type": types if len(types) > 1 else types[0]}
-    own = alternative["type"]
-    own_list = own if isinstance(own, list) else [own]
-    kept = [t for t in own_list if t in types]
-    if not kept:
-        raise SchemaError(
-            f"the JSON schema at {where(path)} allows none of the types {types} that 'type'"
-            " next to it requires"
-        )
-    return {**alternative, "type": kept if len(kept) > 1 else kept[0]}
-
-
-def _conditions(s: dict[str, Any]) -> bool:
-    """Whether ``s``'s alternatives only say which properties are required, next to the
-    object's own keywords."""
-    alternatives = s.get("oneOf", s.get("anyOf"))
-    return (
-        any(k in s for k in _OBJECT_WORDS)
-        and isinstance(alternatives, list)
-        and all(
-            isinstance(a, dict) and set(a) <= {"required", "title", "description"}
-            for a in alternatives
-        )
-    )
-
-
-def _bound(
-    s: dict[str, Any], key: str, exclusive: str, path: tuple[str | int, ...], upper: bool
-) -> int | None:
-    """The inclusive integer bound of ``key`` and ``exclusive`` (the tighter one)."""
-    found: list[int] = []
-    for name in (key, exclusive):
-        value = s.get(name)
-        if value is None or (name == exclusive and isinstance(value, bool)):
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SchemaError(f"{name} (at {where(path)}) must be a number")
-        if not math.isfinite(value):
-            raise SchemaError(f"{name} (at {where(path)}) must be a finite number")
-        strict = name == exclusive or s.get(exclusive) is True  # draft 4: a flag
-        if upper:
-            bound = math.ceil(value) - 1 if strict else math.floor(value)
-        else:
-            bound = math.floor(value) + 1 if strict else math.ceil(value)
-        found.append(bound)
-    if not found:
-        return None
-    return min(found) if upper else max(found)
-
-
-def _bounds(
-    low: int | None, high: int | None, low_key: str, high_key: str, path: tuple[str | int, ...]
-) -> None:
-    if low is not None and high is not None and high < low:
-        raise SchemaError(f"{high_key} (at {where(path)}) is below {low_key}")
-
-
-def _check_json(value: object, path: tuple[str | int, ...]) -> None:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        raise SchemaError(f"{where(path)} must be JSON values") from None
-
-
-def task_schemas(tools: list[Any], response_format: Any) -> dict[str, object]:
-    """A task's schemas by the field that holds each (its tools' ``Tool`` records, its
-    ``ResponseFormat``)."""
-    found: dict[str, object] = {f"tools.{i}.parameters": t.parameters for i, t in enumerate(tools)}
-    if response_format is not None and response_format.json_schema is not None:
-        found["response_format"] = response_format.json_schema
-    return found

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from bus.records import Tool
-from services.runner.structured.grammar import json_grammar, tool_grammar
-from services.runner.structured.schema import dropped, prepare, schema_problem, where
-from tests.services.runner.structured import oracle
+from structured.grammar import json_grammar, tool_grammar
+from structured.schema import dropped, prepare
+from structured.schema_checks import schema_problem
+from structured.schema_keywords import where
+from tests.structured import oracle
 
 ACCEPTED: list[dict[str, Any]] = [
     {},
@@ -266,8 +268,8 @@ def test_schema_problem_does_not_load_llama_cpp() -> None:
 
     code = (
         "import sys\n"
-        "from services.runner.structured.schema import schema_problem\n"
-        "import services.runner.structured\n"
+        "from structured.schema_checks import schema_problem\n"
+        "import structured\n"
         "assert schema_problem({'type': 'object'}) is None\n"
         "assert 'llama_cpp' not in sys.modules, 'llama_cpp was imported'\n"
     )

