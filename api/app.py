@@ -28,7 +28,7 @@ from api.responses.routes import router as responses_router
 from api.serving_verdicts import ServingVerdicts
 from api.tokenizer.routes import router as tokenizer_router
 from bus.connection import connect
-from bus.events import InstanceDeleted, InstanceDeleteRequested
+from events.catalogue import InstanceDeleted, InstanceDeleteRequested
 from projectors import database
 
 

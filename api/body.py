@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from bus.records import INT32_MAX
+from events.records import INT32_MAX
 from structured import schema_problem
 
 

@@ -11,7 +11,7 @@ from typing import Literal
 from api.model_defaults import ModelDefaults
 from bus.images import MAX_IMAGES, MAX_TOTAL_PIXELS
 from bus.leaderless import RETRY_FOR_S
-from bus.units import KiB, MiB
+from events.units import KiB, MiB
 from projectors.projector import DEFAULT_NAME
 from services.models.cache_budget import CacheSize
 from services.models.weights_cache import WeightsCache

@@ -22,11 +22,11 @@ from api.metrics import ApiMetrics
 from api.model_names import ModelNames, NamesCache, names_from
 from api.rate_limit import RateLimits
 from api.serving_verdicts import ServingVerdicts
-from bus.events import EventBase
-from bus.kinds import InstanceRole
 from bus.parts import PartStore
 from bus.publisher import Publisher
 from bus.streams import renewal
+from events.catalogue import EventBase
+from events.kinds import InstanceRole
 from projectors.state import ClusterState
 
 

@@ -40,7 +40,7 @@ from api.task_stream import (
     request_gone,
     stored_outcome,
 )
-from bus.events import (
+from events.catalogue import (
     EmbeddingsComputed,
     EmbeddingsRequested,
     TaskCancelled,
@@ -48,7 +48,7 @@ from bus.events import (
     TaskFailed,
     parse_event,
 )
-from bus.vectors import Vectors, decode_vectors
+from events.vectors import Vectors, decode_vectors
 
 Outcome = TaskCompleted | TaskFailed
 

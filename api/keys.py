@@ -33,9 +33,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
-from bus.events import KeyAdded
-from bus.kinds import KeyRole
 from bus.streams import EVENTS_STREAM
+from events.catalogue import KeyAdded
+from events.kinds import KeyRole
 from projectors.rows import KeyRow
 from projectors.tables import api_keys
 

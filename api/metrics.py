@@ -37,10 +37,10 @@ from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bus.events import EventBase, LogTailLost, event_type_filters, subject_event_type
-from bus.states import NODE_STATUSES, RUNNER_STATES
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
-from bus.subjects import ALL_DEAD_LETTERS, dead_letter_origin
+from events.catalogue import EventBase, LogTailLost, event_type_filters, subject_event_type
+from events.states import NODE_STATUSES, RUNNER_STATES
+from events.subjects import ALL_DEAD_LETTERS, dead_letter_origin
 from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, KeyRow, NodeRow, RunnerRow, UsageRow
 from projectors.store import load_state, read_progress, task_resumes

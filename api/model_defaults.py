@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from bus.json_input import kind, loads_strict
-from bus.kinds import InstanceRole
-from bus.records import INT32_MAX
+from events.kinds import InstanceRole
+from events.records import INT32_MAX
 from services.planner.on_demand import parse_keep_alive
 from services.planner.placement_spec import (
     PlacementSpec,

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from api.errors import ApiError
-from bus.kinds import INSTANCE_ROLES, InstanceRole
-from bus.states import INSTANCE_ENDING
+from events.kinds import INSTANCE_ROLES, InstanceRole
+from events.states import INSTANCE_ENDING
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards
 

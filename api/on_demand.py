@@ -26,10 +26,10 @@ from api.config import ApiConfig
 from api.context import ApiContext
 from api.errors import ApiError
 from api.model_defaults import ModelDefault
-from bus.events import InstanceRequested, RunnerStateChanged, parse_event
-from bus.kinds import InstanceRole
-from bus.states import INSTANCE_CURRENT, STARTING
-from bus.subjects import aggregate_filter
+from events.catalogue import InstanceRequested, RunnerStateChanged, parse_event
+from events.kinds import InstanceRole
+from events.states import INSTANCE_CURRENT, STARTING
+from events.subjects import aggregate_filter
 from projectors.rows import InstanceRow
 from projectors.state import ClusterState
 from services.models.cards import ModelCard

@@ -10,8 +10,8 @@ from sqlalchemy import Connection, Engine, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
-from bus.kinds import InstanceRole
-from bus.states import INSTANCE_CURRENT, SERVING, STARTING, RunnerState
+from events.kinds import InstanceRole
+from events.states import INSTANCE_CURRENT, SERVING, STARTING, RunnerState
 from projectors.rows import InstanceRow, ModelRow, Row, RunnerRow
 from projectors.state import ClusterState, Put
 from projectors.store import load_state

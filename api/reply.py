@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bus.events import ChunkGenerated
-from bus.records import FinishReason, TokenLogprob
+from events.catalogue import ChunkGenerated
+from events.records import FinishReason, TokenLogprob
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from bus.kinds import KeyRole
+from events.kinds import KeyRole
 
 RouteRole = Literal["public", "user", "admin"]
 

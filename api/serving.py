@@ -31,11 +31,11 @@ from api.task_stream import LOST, Closed, Recheck, TaskStream
 from api.thinking import with_default_budget
 from bus import claim_check
 from bus.claim_check import Staged
-from bus.events import ChunkGenerated, EmbeddingsRequested, EventBase, TaskCreated, TaskFailed
-from bus.kinds import InstanceRole
 from bus.payload import PayloadTooLargeError, check_size, max_payload
 from bus.publisher import MSG_ID_HEADER
-from bus.records import Usage
+from events.catalogue import ChunkGenerated, EmbeddingsRequested, EventBase, TaskCreated, TaskFailed
+from events.kinds import InstanceRole
+from events.records import Usage
 from structured.schema_checks import schemas_problem, task_schemas
 
 TaskT = TypeVar("TaskT", TaskCreated, EmbeddingsRequested)

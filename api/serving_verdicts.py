@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from bus.kinds import InstanceRole
+from events.kinds import InstanceRole
 
 
 class ServingVerdicts:

@@ -9,7 +9,7 @@ chunk (the one with a finish reason) together with ``TaskCompleted``, or with ``
 Leaving early (a client that went away) publishes ``TaskCancelled``, and the runner stops
 within a token.
 
-A task continued after its runner was thought lost has several attempts (``bus/attempts.py``):
+A task continued after its runner was thought lost has several attempts (``events/attempts.py``):
 the stream follows the task's ``TaskCreated`` subject too, and takes only the chunks and the
 outcome that count for the newest attempt it knows of, so that a runner that was only stalled,
 and wakes up, cannot mix its sampling into the answer.
@@ -32,8 +32,12 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
-from bus.attempts import Attempt, attempt_of, better, counts, newest, outcome_counts, seen_in
-from bus.events import (
+from bus.leaderless import RETRY_FOR_S
+from bus.publisher import Publisher
+from bus.reader import read_stream
+from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
+from events.attempts import Attempt, attempt_of, better, counts, newest, outcome_counts, seen_in
+from events.catalogue import (
     ChunkGenerated,
     EmbeddingsRequested,
     EventBase,
@@ -44,11 +48,7 @@ from bus.events import (
     TaskFailed,
     parse_event,
 )
-from bus.leaderless import RETRY_FOR_S
-from bus.publisher import Publisher
-from bus.reader import read_stream
-from bus.records import TokenLogprob
-from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
+from events.records import TokenLogprob
 
 # Tasks publishing cancels, kept referenced until done (the event loop holds them weakly).
 _BACKGROUND: set[asyncio.Task[object]] = set()

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator
 
-from bus.events import TaskCreated
+from events.catalogue import TaskCreated
 from structured.reasoning import RESERVED_KWARGS
 
 

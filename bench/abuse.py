@@ -43,9 +43,9 @@ import psutil
 
 from bench.common.processes import MODEL_PATH, SHOAL_BIN, Proc
 from bus.embedded import EmbeddedNats, free_port
-from bus.events import TaskCreated
-from bus.records import ChatMessage, SamplingParams, Tool
-from bus.units import MiB
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, SamplingParams, Tool
+from events.units import MiB
 
 KEY = "sk-bench-abuse-0123456789"
 

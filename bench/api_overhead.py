@@ -117,8 +117,8 @@ from bench.common.processes import (
 from bench.common.procfs import QUIET
 from bench.common.report import med
 from bus.embedded import free_port
-from bus.events import ChunkGenerated, EventBase, TaskCompleted, TaskCreated, TaskStarted
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
+from events.catalogue import ChunkGenerated, EventBase, TaskCompleted, TaskCreated, TaskStarted
 
 WARMUP_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 WARMUP_TOKENS = 64

@@ -38,7 +38,8 @@ from bench.concurrency import gguf, wait_http
 from bench.llama_server import llama_server
 from bus.connection import connect
 from bus.embedded import free_port
-from bus.events import (
+from bus.streams import EVENTS_STREAM
+from events.catalogue import (
     InstancePlaced,
     InstanceRequested,
     RunnerStateChanged,
@@ -46,8 +47,7 @@ from bus.events import (
     TaskStarted,
     parse_event,
 )
-from bus.streams import EVENTS_STREAM
-from bus.subjects import aggregate_filter
+from events.subjects import aggregate_filter
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 PROMPT = "The capital of France is"

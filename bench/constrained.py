@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.events import TaskCreated
-from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.base import Engine
 from services.runner.generation import Step, check_request, steps

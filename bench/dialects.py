@@ -66,7 +66,7 @@ from api.responses.shapes import Head, ResponsesOut
 from api.serving import Output
 from bench.common.chat import PROMPTS, timed_lines
 from bench.common.processes import MODEL_ID, shoal_up
-from bus.events import ChunkGenerated, TaskCreated, new_id
+from events.catalogue import ChunkGenerated, TaskCreated, new_id
 
 if TYPE_CHECKING:
     from api.task_stream import TaskStream

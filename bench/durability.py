@@ -36,9 +36,9 @@ from bench.common.processes import ShoalUp, shoal_env
 from bench.common.report import med, print_head
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.events import NodeJoined
 from bus.publisher import Publisher
 from bus.streams import ensure_streams
+from events.catalogue import NodeJoined
 
 SETTINGS = ("always", "2m")
 

@@ -62,7 +62,9 @@ from bench.common.procfs import QUIET
 from bench.common.report import med, print_head, verdict
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.events import (
+from bus.publisher import Publisher
+from bus.streams import ensure_streams
+from events.catalogue import (
     ChunkGenerated,
     RunnerStateChanged,
     TaskCompleted,
@@ -70,10 +72,8 @@ from bus.events import (
     TaskFailed,
     parse_event,
 )
-from bus.publisher import Publisher
-from bus.records import SamplingParams, ShardAssignment, Timings
-from bus.streams import ensure_streams
-from bus.subjects import aggregate_filter
+from events.records import SamplingParams, ShardAssignment, Timings
+from events.subjects import aggregate_filter
 from services.models.catalogue import card_for
 from services.models.metadata import read_gguf
 from services.models.resolve import resolve_model

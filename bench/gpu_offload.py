@@ -419,7 +419,7 @@ def _footprint() -> Any:
 def place_on_this_machine(probe_json: str) -> dict[str, Any]:
     """This machine profiled as a worker profiles it, folded as the projection folds it, and
     the model placed by the planner's ``place``."""
-    from bus.events import NodeJoined, ResourceProfiled
+    from events.catalogue import NodeJoined, ResourceProfiled
     from projectors.rules import fold
     from services.planner.cluster import cluster_view
     from services.planner.placement import ModelInfo, Placement, PlacementRequest, place
@@ -455,7 +455,7 @@ def _cpu_shard(report: dict[str, Any]) -> dict[str, Any]:
 def measure(shard_json: str, tokens: int, repeat: int) -> dict[str, Any]:
     """In a process of its own, as a runner: only the shard's accelerators visible, then
     llama.cpp loaded with the runner's arguments."""
-    from bus.records import SamplingParams, ShardAssignment
+    from events.records import SamplingParams, ShardAssignment
     from services.runner.offload import llama_offload, offload_problem, visible_devices
 
     shard = ShardAssignment.model_validate_json(shard_json)

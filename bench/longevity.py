@@ -41,7 +41,10 @@ from bench.common.report import print_head, verdict
 from bus.claim_check import staged
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
-from bus.events import (
+from bus.parts import PARTS_STREAM
+from bus.publisher import MSG_ID_HEADER
+from bus.streams import EVENTS_STREAM, ensure_streams
+from events.catalogue import (
     EventBase,
     InstancePlaced,
     ModelAdded,
@@ -53,9 +56,7 @@ from bus.events import (
     TaskCreated,
     TaskStarted,
 )
-from bus.parts import PARTS_STREAM
-from bus.publisher import MSG_ID_HEADER
-from bus.records import (
+from events.records import (
     ChatMessage,
     NodeProfile,
     SamplingParams,
@@ -63,8 +64,7 @@ from bus.records import (
     Timings,
     Usage,
 )
-from bus.streams import EVENTS_STREAM, ensure_streams
-from bus.units import MiB
+from events.units import MiB
 from projectors import database
 from projectors.projector import Projector, tune_gc
 from tests.projectors.helpers import wait_for_seq

@@ -32,7 +32,7 @@ CHOICES = {"reference": "the wheel's BLAS", "libopenblas.so.0": "OpenBLAS"}
 
 def child(model_dir: Path, threads: int) -> dict[str, Any]:
     """In a child whose SHOAL_MLX_BLAS is set: the first token's seconds and tokens/s after."""
-    from bus.records import SamplingParams
+    from events.records import SamplingParams
     from services.runner.decoding import Decoding, Token
     from services.runner.engines.mlx.blas import blas_in_use
     from services.runner.engines.mlx.engine import MlxEngine

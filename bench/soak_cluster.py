@@ -27,7 +27,7 @@ from bus.embedded import EmbeddedNats, free_port
 from bus.object_store import object_stream
 from bus.parts import PARTS_STREAM
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM, SNAPSHOTS_BUCKET
-from bus.units import MiB
+from events.units import MiB
 
 READY_TIMEOUT = 300.0  # seconds for the cluster to serve the model
 

@@ -35,8 +35,8 @@ from llama_cpp import Llama
 from nats.aio.client import Client
 
 from bench.common.processes import MODEL_ID, MODEL_PATH, shoal_up
-from bus.subjects import tokenizer_subject
-from bus.tokenizer import TokenizerAnswer, TokenizerQuestion, TokenizeText
+from events.subjects import tokenizer_subject
+from events.tokenizer import TokenizerAnswer, TokenizerQuestion, TokenizeText
 
 TARGET_ADDED_MS = 10.0
 SENTENCE = (

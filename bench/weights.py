@@ -47,9 +47,9 @@ from bench.common.procfs import HZ, descendants, named, process_ticks
 from bench.common.report import med, print_head, verdict
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, port_in_use
-from bus.events import WeightFile
 from bus.streams import ensure_streams
-from bus.units import GiB, MiB
+from events.catalogue import WeightFile
+from events.units import GiB, MiB
 from harness.hosts import Host, Network
 from services.models.shared import fetch_files, store_files
 from services.models.weights_cache import WeightsCache

@@ -11,8 +11,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from bus.events import EVENT_TYPES, WeightFile
-from bus.records import (
+from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
+from events.catalogue import EVENT_TYPES, WeightFile
+from events.records import (
     Accelerator,
     ChatMessage,
     DeviceLayers,
@@ -33,7 +34,6 @@ from bus.records import (
     TopLogprob,
     Usage,
 )
-from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 
 RECORDS: tuple[type[BaseModel], ...] = (
     NodeProfile,
@@ -104,8 +104,9 @@ def render() -> str:
     out = [
         "# Events",
         "",
-        "Generated from `bus/events.py` by `shoal events doc > docs/events.md`; a test fails when",
-        "this file is stale. Every event is JSON with a `type` field naming it, and these fields:",
+        "Generated from `events/` (`catalogue.py`) by `shoal events doc > docs/events.md`; a test",
+        "fails when this file is stale. Every event is JSON with a `type` field naming it, and",
+        "these fields:",
         "",
         "| field | meaning |",
         "|---|---|",

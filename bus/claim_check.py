@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.events import ResponseStored, TaskCreated
 from bus.parts import Part, PartStore, PartTooLarge, chain, oversized, ref_of
 from bus.payload import PayloadTooLargeError
-from bus.records import ChatMessage, Tool
+from events.catalogue import ResponseStored, TaskCreated
+from events.records import ChatMessage, Tool
 
 
 class TooLarge(PayloadTooLargeError):

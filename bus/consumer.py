@@ -25,12 +25,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
-from bus.events import Event, parse_event
 from bus.leaderless import NO_LEADER_PAUSE_S
 from bus.log_position import consumer_past_end, digest
 from bus.payload import max_payload, message_size
 from bus.puller import ConsumerGone, NoResponders, Puller
-from bus.subjects import deadletter_subject
+from events.catalogue import Event, parse_event
+from events.subjects import deadletter_subject
 
 log = logging.getLogger(__name__)
 

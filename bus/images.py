@@ -17,7 +17,7 @@ import hashlib
 from collections.abc import Sequence
 
 from bus.parts import Part, PartMissing, PartStore, chain, ref_of
-from bus.records import ChatMessage, ImageMediaType, ImagePart
+from events.records import ChatMessage, ImageMediaType, ImagePart
 
 # What one request's images may ask an engine to decode (each occurrence counts: an image sent
 # 40 times is decoded 40 times): at most this many images, and this many pixels in all (64 Mi

@@ -33,8 +33,8 @@ from nats.js.errors import NotFoundError
 
 from bus.leaderless import RETRY_FOR_S, ask_again
 from bus.payload import PayloadTooLargeError, max_payload, message_size
-from bus.records import PartRef
-from bus.subjects import PARTS_PREFIX
+from events.records import PartRef
+from events.subjects import PARTS_PREFIX
 
 PARTS_STREAM = "SHOAL_PARTS"
 # How many parts are stored at once (each waits for its ack).

@@ -22,9 +22,9 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from bus.events import EventBase
 from bus.leaderless import RETRY_FOR_S, ask_again, retryable
 from bus.payload import check_size
+from events.catalogue import EventBase
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from nats.js.errors import NotFoundError
 
 from bus.object_store import bucket_config
 from bus.parts import parts_config, parts_max_age
-from bus.subjects import CHUNKS_PREFIX, DEADLETTER_PREFIX, EVENTS_PREFIX
+from events.subjects import CHUNKS_PREFIX, DEADLETTER_PREFIX, EVENTS_PREFIX
 
 log = logging.getLogger(__name__)
 

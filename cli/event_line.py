@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from bus.events import (
+from events.catalogue import (
     Event,
     NodeTimedOut,
     PlacementRejected,

@@ -16,7 +16,6 @@ from rich.console import Console
 from bus.catalogue_doc import render
 from bus.claim_check import resolved, response_resolved
 from bus.connection import connect
-from bus.events import ResponseStored, TaskCreated, parse_event
 from bus.parts import PartStore
 from bus.reader import read_stream
 from bus.streams import (
@@ -28,9 +27,10 @@ from bus.streams import (
     ensure_streams,
     stream_of,
 )
-from bus.subjects import ALL_EVENTS
 from cli.event_line import event_line
 from cli.options import DEFAULT_NATS, NatsUrl, run_until_signal
+from events.catalogue import ResponseStored, TaskCreated, parse_event
+from events.subjects import ALL_EVENTS
 
 app = typer.Typer(help="Watch and export the event log.", no_args_is_help=True)
 

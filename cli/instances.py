@@ -24,7 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from bus.connection import connect
-from bus.events import (
+from bus.publisher import Publisher
+from bus.streams import StreamSettings, ensure_streams
+from cli.models import publish_model, worker_cache
+from cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl
+from events.catalogue import (
     Event,
     InstanceDeleted,
     InstanceDeleteRequested,
@@ -33,13 +37,9 @@ from bus.events import (
     PlacementRejected,
     parse_event,
 )
-from bus.kinds import InstanceRole
-from bus.publisher import Publisher
-from bus.states import STARTING
-from bus.streams import StreamSettings, ensure_streams
-from bus.subjects import aggregate_filter
-from cli.models import publish_model, worker_cache
-from cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl
+from events.kinds import InstanceRole
+from events.states import STARTING
+from events.subjects import aggregate_filter
 from projectors import database
 from projectors.rules import changes_for
 from projectors.state import ClusterState

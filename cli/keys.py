@@ -14,10 +14,10 @@ from sqlalchemy import select
 
 from api.keys import key_digest, new_key
 from bus.connection import connect
-from bus.events import KeyAdded, KeyRevoked, new_id
-from bus.kinds import KEY_ROLES, KeyRole
 from bus.publisher import Publisher
 from cli.options import DEFAULT_DB, DEFAULT_NATS, DbUrl, NatsUrl
+from events.catalogue import KeyAdded, KeyRevoked, new_id
+from events.kinds import KEY_ROLES, KeyRole
 from projectors import database
 from projectors.rows import KeyRow, UsageRow
 from projectors.tables import api_keys, key_usage

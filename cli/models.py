@@ -18,8 +18,6 @@ from sqlalchemy import make_url
 from sqlalchemy.exc import DBAPIError
 
 from bus.connection import connect
-from bus.events import ModelAdded
-from bus.kinds import ENGINES, Engine
 from bus.streams import MODELS_BUCKET, StreamSettings, ensure_streams
 from cli.options import (
     DEFAULT_DB,
@@ -28,6 +26,8 @@ from cli.options import (
     NatsUrl,
     absolute,
 )
+from events.catalogue import ModelAdded
+from events.kinds import ENGINES, Engine
 from projectors.state import ClusterState
 from services.models.cards import HfSource, ModelCard, PathSource
 from services.models.catalogue import UnknownModel, builtin_cards, card_for

@@ -15,7 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from api.admission import AdmissionState
-from bus.states import (
+from cli.options import DEFAULT_DB, DbUrl
+from events.states import (
     INSTANCE_STATUSES,
     NODE_STATUSES,
     RUNNER_STATES,
@@ -25,8 +26,7 @@ from bus.states import (
     RunnerState,
     TaskStatus,
 )
-from bus.units import GiB
-from cli.options import DEFAULT_DB, DbUrl
+from events.units import GiB
 from projectors import database
 from projectors.store import table_rows
 

@@ -27,13 +27,11 @@ from bus.cluster_secret import ENV as SECRET_ENV
 from bus.cluster_secret import ClusterSecret
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port, port_in_use
-from bus.events import InstanceRequested
 from bus.log_replicas import wait_for_servers
 from bus.log_replicas import watch as watch_log_replicas
 from bus.nats_security import ENV as NATS_ENV
 from bus.nats_security import NatsSecurity
 from bus.publisher import Publisher
-from bus.states import INSTANCE_LIVE, SERVING
 from bus.streams import StreamSettings
 from cli.api import (
     DEFAULT_MAX_BODY_TEXT,
@@ -100,6 +98,8 @@ from cli.options import (
 )
 from cli.up_progress import UpProgress, model_steps, weights_step
 from cli.worker import joining, serve_worker
+from events.catalogue import InstanceRequested
+from events.states import INSTANCE_LIVE, SERVING
 from projectors import database
 from projectors.db_url import absolute_db_url
 from projectors.projector import DEFAULT_NAME, Projector, tune_gc

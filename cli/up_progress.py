@@ -23,7 +23,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from bus.states import INSTANCE_CURRENT, SERVING
+from events.states import INSTANCE_CURRENT, SERVING
 from projectors.state import ClusterState
 
 # What each runner state means to someone waiting for the model.

@@ -19,11 +19,11 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import describe_invalid, stream_seq
-from bus.events import Event, parse_event, subject_event_type
 from bus.log_position import digest
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM
-from bus.subjects import ALL_EVENTS
+from events.catalogue import Event, parse_event, subject_event_type
+from events.subjects import ALL_EVENTS
 from projectors import database, snapshot
 from projectors.projector import DEFAULT_NAME
 from projectors.residency import read_history

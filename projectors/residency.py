@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import (
+from events.catalogue import (
     EmbeddingsRequested,
     Event,
     ResponseDeleted,

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from bus.kinds import InstanceRole, KeyRole
-from bus.records import ShardAssignment
-from bus.states import InstanceStatus, NodeStatus, RunnerState, StoredResponseStatus, TaskStatus
+from events.kinds import InstanceRole, KeyRole
+from events.records import ShardAssignment
+from events.states import InstanceStatus, NodeStatus, RunnerState, StoredResponseStatus, TaskStatus
 
 JsonList = list[Any]
 JsonDict = dict[str, Any]

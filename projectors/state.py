@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bus.states import TASK_ENDED
+from events.states import TASK_ENDED
 from projectors.rows import (
     DeviceRow,
     InstanceRow,

@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from bus.states import TASK_ENDED
+from events.states import TASK_ENDED
 from projectors.rows import ROW_TYPES, ResponseRow, Row, TaskRow
 from projectors.state import Change, ClusterState, Put, collapse
 from projectors.tables import (

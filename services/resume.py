@@ -16,7 +16,7 @@ whose chunks stopped coming (for ``QUIET_S``).
 Not continued, but failed as before: a task that was cancelled, one whose last chunk was stored
 (it ended; only its outcome was lost), and one resumed ``MAX_RESUMES`` times already.
 
-The tokens read are the newest attempt's (``bus/attempts.py``): a runner that was only stalled
+The tokens read are the newest attempt's (``events/attempts.py``): a runner that was only stalled
 may have published chunks of an attempt continued since, and those are not the task's.
 """
 
@@ -29,8 +29,10 @@ from datetime import datetime, timedelta
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from bus.attempts import Attempt, attempt_of, kept_chunks, outcome_msg_id
-from bus.events import (
+from bus.reader import read_stream
+from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
+from events.attempts import Attempt, attempt_of, kept_chunks, outcome_msg_id
+from events.catalogue import (
     ChunkGenerated,
     Resume,
     TaskCancelled,
@@ -38,8 +40,6 @@ from bus.events import (
     TaskFailed,
     parse_event,
 )
-from bus.reader import read_stream
-from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 
 MAX_RESUMES = 3
 # A task of a timed-out node whose chunks came this recently still has its runner.
@@ -51,7 +51,7 @@ def generated_tokens(
 ) -> tuple[list[int], bool]:
     """The tokens of the chunks stored from idx 0 on without a gap, and whether the last
     chunk (the one with a finish reason) is among them: the chunks that count, ``latest``
-    being the newest attempt (``bus.attempts.kept_chunks``)."""
+    being the newest attempt (``events.attempts.kept_chunks``)."""
     by_idx = kept_chunks(chunks, latest)
     tokens: list[int] = []
     while (chunk := by_idx.get(len(tokens))) is not None:

@@ -22,7 +22,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from bus.records import Tool
+from events.records import Tool
 from structured.formats import (
     HERMES_CLOSE,
     HERMES_OPEN,

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from bus.records import ChatMessage, Tool, ToolCall
+from events.records import ChatMessage, Tool, ToolCall
 from structured.formats import ToolFormatName, history_id
 
 

@@ -41,7 +41,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bus.records import ToolCallDelta
+from events.records import ToolCallDelta
 from structured.formats import (
     HERMES_CLOSE,
     HERMES_OPEN,

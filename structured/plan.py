@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bus.events import TaskCreated
-from bus.records import ResponseFormat, Tool
+from events.catalogue import TaskCreated
+from events.records import ResponseFormat, Tool
 from structured.formats import ToolFormatName, tool_format
 from structured.grammar import (
     OBJECT_SCHEMA,

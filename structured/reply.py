@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from bus.records import ToolCallDelta
+from events.records import ToolCallDelta
 
 
 @dataclass(frozen=True)

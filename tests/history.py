@@ -11,7 +11,7 @@ import random
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
-from bus.events import (
+from events.catalogue import (
     ChunkGenerated,
     Event,
     InstanceDeleted,
@@ -32,7 +32,7 @@ from bus.events import (
     TaskForgotten,
     TaskStarted,
 )
-from bus.records import (
+from events.records import (
     ChatMessage,
     GpuInfo,
     NetworkInterface,
@@ -42,7 +42,7 @@ from bus.records import (
     Timings,
     Usage,
 )
-from bus.units import GiB
+from events.units import GiB
 
 START = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 MODELS = ("smollm2-135m", "gemma3-270m", "Qwen2.5-0.5B")

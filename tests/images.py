@@ -7,9 +7,9 @@ import struct
 import zlib
 from collections.abc import Callable
 
-from bus.events import TaskCreated
 from bus.images import stored_image
-from bus.records import ChatMessage, SamplingParams
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, SamplingParams
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:

@@ -25,8 +25,8 @@ import pytest
 
 from bus.cluster_secret import ENV as SECRET_ENV
 from bus.connection import connect
-from bus.events import InstancePlaced, NodeJoined, RunnerStateChanged
 from bus.nats_security import NatsSecurity
+from events.catalogue import InstancePlaced, NodeJoined, RunnerStateChanged
 from harness.hosts import Host, Network
 from services.worker.identity import NODE_ID_FILE
 from tests.cli.shoal_up import REPO

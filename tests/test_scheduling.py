@@ -12,4 +12,4 @@ def test_the_longest_modules_exist() -> None:
 def test_a_module_naming_a_shared_fixture_is_grouped_by_it() -> None:
     assert shared_fixture("tests/api/test_clients.py") == "up_cluster"
     assert shared_fixture("tests/api/test_thinking_clients.py") == "up_cluster"
-    assert shared_fixture("tests/bus/test_events.py") is None
+    assert shared_fixture("tests/events/test_catalogue.py") is None

@@ -14,7 +14,7 @@ from pydantic import PrivateAttr, model_validator
 from api.body import RequestBody
 from api.images.inputs import ImageInput, image_base64, image_url
 from api.images.placed import NO_IMAGES, Images
-from bus.records import ChatMessage, ToolCall
+from events.records import ChatMessage, ToolCall
 
 # Blocks the models cannot read: the answer would be about something they never saw.
 _UNREADABLE = {"document": "a document", "search_result": "a search result"}

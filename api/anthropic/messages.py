@@ -51,8 +51,8 @@ from api.reply import Reply
 from api.serving import Output, sse
 from api.task_stream import TaskStream
 from api.thinking import effort_budget
-from bus.events import ChunkGenerated, TaskCreated, new_id
-from bus.records import (
+from events.catalogue import ChunkGenerated, TaskCreated, new_id
+from events.records import (
     INT32_MAX,
     ChatMessage,
     ResponseFormat,

@@ -13,8 +13,8 @@ from api.context import ApiContext, context, require_key
 from api.images.loading import request_images, stored_images
 from api.serving import serve
 from api.tokenizer.asking import ask
-from bus.records import SamplingParams
-from bus.tokenizer import TokenizeChat
+from events.records import SamplingParams
+from events.tokenizer import TokenizeChat
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from api.reply import Reply
-from bus.records import FinishReason, Usage
+from events.records import FinishReason, Usage
 
 _STOP_REASONS: dict[FinishReason, str] = {
     "stop": "end_turn",

@@ -9,7 +9,7 @@ from collections import deque
 from typing import Generic, TypeVar
 
 from api.errors import error_body
-from bus.units import MiB
+from events.units import MiB
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field
 
 from api.body import Count, RequestBody
-from bus.kinds import InstanceRole
+from events.kinds import InstanceRole
 from services.models.footprint import MAX_SLOTS
 
 

@@ -22,9 +22,9 @@ from api.cluster.requests import InstanceRequest
 from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.model_adding import add_model
-from bus.events import InstanceDeleteRequested, InstanceRequested, chunk_stream_type
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, stream_of
-from bus.subjects import ALL_EVENTS, CHUNKS_PREFIX, EVENTS_PREFIX
+from events.catalogue import InstanceDeleteRequested, InstanceRequested, chunk_stream_type
+from events.subjects import ALL_EVENTS, CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards
 from services.planner.cluster import cluster_view

@@ -13,7 +13,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from bus.records import ImageMediaType
+from events.records import ImageMediaType
 
 # The most pixels an image may have (8192 x 8192): a few bytes of PNG may say a billion, which
 # the engine would then allocate.

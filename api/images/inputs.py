@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from api.errors import ApiError
-from bus.units import MiB
+from events.units import MiB
 
 # data:[<media type>][;<parameter>...][;base64],<data>
 _DATA_URL = re.compile(r"^data:(?P<type>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.IGNORECASE)

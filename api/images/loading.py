@@ -55,9 +55,9 @@ from bus.images import (
     piece_bytes,
     stored_image,
 )
-from bus.kinds import Engine
 from bus.parts import Part
-from bus.records import ImagePart
+from events.kinds import Engine
+from events.records import ImagePart
 from services.models.catalogue import builtin_cards
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from api.images.inputs import ImageInput
 from bus.parts import Part
-from bus.records import ImagePart
+from events.records import ImagePart
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ lists say ``vision`` of the first.
 
 from __future__ import annotations
 
-from bus.kinds import Engine, main_engine
+from events.kinds import Engine, main_engine
 from projectors.rows import ModelRow
 from services.models.cards import ModelCard
 from services.models.projector import model_projector

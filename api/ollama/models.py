@@ -11,8 +11,8 @@ from typing import Any
 from api.images.vision import accepts_images
 from api.model_list import Askable
 from api.ollama.replies import created_at
-from bus.kinds import main_engine
-from bus.states import SERVING
+from events.kinds import main_engine
+from events.states import SERVING
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState
 from services.models.cards import HfSource, ModelCard, PackageSource

@@ -24,9 +24,9 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.model_adding import add_model
 from api.ollama.models import serving_instance
-from bus.events import InstanceRequested
-from bus.states import INSTANCE_ENDING, INSTANCE_LIVE, SERVING
 from bus.streams import MODELS_BUCKET
+from events.catalogue import InstanceRequested
+from events.states import INSTANCE_ENDING, INSTANCE_LIVE, SERVING
 from projectors.rows import ModelRow
 from projectors.state import ClusterState
 from services.models.cards import ModelCard

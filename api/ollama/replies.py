@@ -12,8 +12,8 @@ from api.errors import ApiError
 from api.reply import Reply
 from api.serving import Output, ndjson
 from api.task_stream import TaskStream
-from bus.events import ChunkGenerated
-from bus.records import FinishReason, Timings, TokenLogprob, Usage
+from events.catalogue import ChunkGenerated
+from events.records import FinishReason, Timings, TokenLogprob, Usage
 
 
 def embedded(

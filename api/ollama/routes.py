@@ -31,7 +31,7 @@ from api.ollama.translate import (
 from api.openai.embeddings_routes import embed
 from api.serving import checked, ndjson, serve
 from api.thinking import shown
-from bus.events import InstanceDeleteRequested, TaskCreated, new_id
+from events.catalogue import InstanceDeleteRequested, TaskCreated, new_id
 from services.models.catalogue import builtin_cards
 from services.models.remove import ModelInUse, ModelNotKnown, live_instances, remove_model
 from services.planner.on_demand import expires_at

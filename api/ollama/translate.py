@@ -20,7 +20,7 @@ from api.images.inputs import ImageInput, image_base64
 from api.images.placed import NO_IMAGES, Images
 from api.openai.requests import MAX_TOOLS, ToolDef
 from api.thinking import effort_budget, effort_thinks
-from bus.records import (
+from events.records import (
     INT32_MAX,
     ChatMessage,
     ResponseFormat,

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from bus.records import INT32_MAX
-from bus.vectors import Vectors, encode_vectors
+from events.records import INT32_MAX
+from events.vectors import Vectors, encode_vectors
 
 # OpenAI's limit on the inputs of one request.
 MAX_INPUTS = 2048

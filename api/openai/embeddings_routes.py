@@ -15,8 +15,8 @@ from api.embedding_task import gated
 from api.errors import ApiError
 from api.openai.embeddings import EmbeddingsRequest, embeddings_response
 from api.serving import require_storable
-from bus.events import EmbeddingsRequested, new_id
-from bus.vectors import Vectors
+from events.catalogue import EmbeddingsRequested, new_id
+from events.vectors import Vectors
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]

@@ -17,7 +17,7 @@ from api.body import Count, JsonSchema, RequestBody, ToolParameters
 from api.images.inputs import ImageInput, image_url
 from api.images.placed import NO_IMAGES, Images
 from api.thinking import Effort, TemplateKwargs, effort_budget, effort_thinks
-from bus.records import (
+from events.records import (
     INT32_MAX,
     ChatMessage,
     ResponseFormat,

@@ -27,8 +27,8 @@ from api.reply import Reply
 from api.serving import Output, serve, sse
 from api.task_stream import TaskStream
 from api.thinking import shown
-from bus.events import ChunkGenerated, TaskCreated, new_id
-from bus.records import Usage
+from events.catalogue import ChunkGenerated, TaskCreated, new_id
+from events.records import Usage
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]

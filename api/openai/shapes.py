@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.reply import Reply
-from bus.events import ChunkGenerated
-from bus.records import FinishReason, TokenLogprob, ToolCallDelta, Usage
+from events.catalogue import ChunkGenerated
+from events.records import FinishReason, TokenLogprob, ToolCallDelta, Usage
 
 # A runner's finish reason in OpenAI's vocabulary.
 FINISH: dict[FinishReason, str] = {

@@ -14,7 +14,7 @@ from api.context import ApiContext, context, require_key
 from api.embedding_task import gated
 from api.rerank.translate import RerankRequest, rerank_response
 from api.serving import require_storable
-from bus.events import EmbeddingsRequested, new_id
+from events.catalogue import EmbeddingsRequested, new_id
 
 router = APIRouter(dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]

@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from bus.records import INT32_MAX
-from bus.vectors import Vectors
+from events.records import INT32_MAX
+from events.vectors import Vectors
 
 # As many documents as one embeddings request may have inputs.
 MAX_DOCUMENTS = 2048

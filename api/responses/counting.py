@@ -1,6 +1,6 @@
 """The Responses API's ``POST /v1/responses/input_tokens`` (the SDK's
 ``responses.input_tokens.count``), pure: a request's conversation becomes the question a runner
-of the model answers (``bus/tokenizer.py``, as for Anthropic's ``count_tokens`` and vLLM's
+of the model answers (``events/tokenizer.py``, as for Anthropic's ``count_tokens`` and vLLM's
 ``/tokenize``), and its answer the SDK's ``InputTokenCountResponse``.
 
 The question holds the very task a ``POST /v1/responses`` of the same body would create
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from api.responses.requests import ResponsesBody, chat_task
-from bus.records import ChatMessage, SamplingParams
-from bus.tokenizer import TokenizeChat, TokenizerAnswer
+from events.records import ChatMessage, SamplingParams
+from events.tokenizer import TokenizeChat, TokenizerAnswer
 
 
 def count_question(

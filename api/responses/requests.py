@@ -38,8 +38,8 @@ from api.images.placed import NO_IMAGES, Images
 from api.openai.requests import MAX_TOOLS, FunctionName
 from api.responses.items import InputItem, content_pieces, content_text
 from api.thinking import Effort, effort_budget, effort_thinks
-from bus.events import TaskCreated, new_id
-from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolCall, ToolChoice
+from events.catalogue import TaskCreated, new_id
+from events.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolCall, ToolChoice
 
 # A response's id is its task's with this prefix: either names the other.
 RESPONSE_PREFIX = "resp_"

@@ -40,9 +40,9 @@ from api.responses.shapes import Head, Json, Keep, ResponsesOut, failed_response
 from api.serving import log_unavailable, require_serving, serve, staged
 from api.thinking import shown
 from api.tokenizer.asking import ask
-from bus.events import ResponseStored, TaskCancelled, TaskCreated, new_id, utc_now
-from bus.records import ChatMessage
-from bus.states import TASK_ENDED
+from events.catalogue import ResponseStored, TaskCancelled, TaskCreated, new_id, utc_now
+from events.records import ChatMessage
+from events.states import TASK_ENDED
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from api.errors import ApiError
 from api.reply import Call, Reply
 from api.serving import Output, sse
 from api.task_stream import TaskStream
-from bus.events import ChunkGenerated
-from bus.records import ChatMessage, ToolCall, ToolCallDelta, Usage
-from bus.states import ResponseStatus
+from events.catalogue import ChunkGenerated
+from events.records import ChatMessage, ToolCall, ToolCallDelta, Usage
+from events.states import ResponseStatus
 
 Json = dict[str, Any]
 # Keeps a response (its object, and the assistant's turn for a conversation that continues

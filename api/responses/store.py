@@ -25,11 +25,11 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.serving import log_unavailable
 from bus.claim_check import response_checked_in, response_resolved
-from bus.events import ResponseDeleted, ResponseStored, parse_event, utc_now
 from bus.parts import PartMissing
 from bus.payload import PayloadTooLargeError
-from bus.records import ChatMessage
 from bus.streams import EVENTS_STREAM
+from events.catalogue import ResponseDeleted, ResponseStored, parse_event, utc_now
+from events.records import ChatMessage
 from projectors.rows import ResponseRow, TaskRow
 from projectors.tables import responses, tasks
 

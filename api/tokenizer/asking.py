@@ -2,7 +2,7 @@
 (``/tokenize``, ``/detokenize``, ``/tokenizer_info``, Anthropic's ``count_tokens``).
 
 The API has no tokenizer (it loads no model), so the answer comes from a chat runner of the
-model, over core NATS request-reply to ``shoal.tokenizer.<model>`` (``bus/tokenizer.py``): the
+model, over core NATS request-reply to ``shoal.tokenizer.<model>`` (``events/tokenizer.py``): the
 runners of the model share a queue group, and one of them answers. Not a task on the log: a
 question changes nothing, so no event is stored for it, and the round trip is one message each
 way, where a task would take two stored events, a consumer's delivery and a chunk
@@ -20,8 +20,8 @@ import nats.errors
 from api.context import ApiContext
 from api.errors import ApiError
 from api.serving import checked
-from bus.subjects import tokenizer_subject
-from bus.tokenizer import TokenizerAnswer, TokenizerAsk, TokenizerQuestion
+from events.subjects import tokenizer_subject
+from events.tokenizer import TokenizerAnswer, TokenizerAsk, TokenizerQuestion
 
 # How long the API waits for the answer: a runner answers within milliseconds, a long chat's
 # template within a second.

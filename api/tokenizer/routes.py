@@ -24,7 +24,7 @@ from api.tokenizer.shapes import (
     tokenize_body,
     tokenized,
 )
-from bus.tokenizer import DescribeTokenizer
+from events.tokenizer import DescribeTokenizer
 
 router = APIRouter(dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]

@@ -1,6 +1,6 @@
 """``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` in the shapes their clients send and
 read: llama.cpp's server's and vLLM's, told apart by their fields. Pure: a body in, the question
-for the model's runner out (``bus/tokenizer.py``); its answer in, the response out.
+for the model's runner out (``events/tokenizer.py``); its answer in, the response out.
 
 - llama.cpp: ``{"content", "add_special", "parse_special", "with_pieces"}`` to ``{"tokens":
   [ids]}``, or with pieces ``{"tokens": [{"id", "piece"}]}``; ``{"tokens"}`` to ``{"content"}``.
@@ -24,8 +24,8 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from api.body import RequestBody
 from api.images.placed import NO_IMAGES, Images
 from api.openai.requests import ChatCompletionRequest
-from bus.events import TaskCreated, new_id
-from bus.tokenizer import Detokenize, TokenizeChat, TokenizerAnswer, TokenizeText
+from events.catalogue import TaskCreated, new_id
+from events.tokenizer import Detokenize, TokenizeChat, TokenizerAnswer, TokenizeText
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 

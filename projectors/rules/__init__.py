@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import assert_never
 
-from bus.events import (
+from events.catalogue import (
     ChunkGenerated,
     EmbeddingsComputed,
     EmbeddingsRequested,

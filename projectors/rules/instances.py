@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bus.events import (
+from events.catalogue import (
     InstanceDeleted,
     InstanceDeleteRequested,
     InstancePlaced,
@@ -13,7 +13,7 @@ from bus.events import (
     PlacementRejected,
     RunnerStateChanged,
 )
-from bus.states import INSTANCE_ENDING
+from events.states import INSTANCE_ENDING
 from projectors.rows import (
     InstanceRow,
     RunnerRow,

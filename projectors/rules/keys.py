@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bus.events import (
+from events.catalogue import (
     KeyAdded,
     KeyRevoked,
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.events import (
+from events.catalogue import (
     ModelAdded,
     ModelRemoved,
 )

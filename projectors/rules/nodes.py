@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bus.events import (
+from events.catalogue import (
     NodeJoined,
     NodeLeft,
     NodeTimedOut,
     ResourceProfiled,
 )
-from bus.records import NodeProfile
-from bus.states import NodeStatus
+from events.records import NodeProfile
+from events.states import NodeStatus
 from projectors.rows import (
     DeviceRow,
     NodeRow,

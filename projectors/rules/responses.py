@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.events import (
+from events.catalogue import (
     ResponseDeleted,
     ResponseStored,
 )
-from bus.records import PartRef
+from events.records import PartRef
 from projectors.rows import (
     ResponseRow,
 )

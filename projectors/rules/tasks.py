@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime
 
-from bus.events import (
+from events.catalogue import (
     EmbeddingsRequested,
     TaskCancelled,
     TaskCompleted,
@@ -15,8 +15,8 @@ from bus.events import (
     TaskForgotten,
     TaskStarted,
 )
-from bus.kinds import InstanceRole, role_of_task
-from bus.states import INSTANCE_LIVE, TASK_ENDED, TaskStatus
+from events.kinds import InstanceRole, role_of_task
+from events.states import INSTANCE_LIVE, TASK_ENDED, TaskStatus
 from projectors.rows import (
     InstanceRow,
     TaskRow,
@@ -104,7 +104,7 @@ def task_started(state: ClusterState, e: TaskStarted) -> list[Change]:
 
 def _superseded(old: TaskRow, e: TaskCompleted | TaskFailed) -> bool:
     """An outcome of an attempt continued since (its runner was stalled, not lost): the task
-    goes on with the newer attempt (``resumes`` counts them; bus/attempts.py)."""
+    goes on with the newer attempt (``resumes`` counts them; events/attempts.py)."""
     return e.attempt is not None and e.attempt < old.resumes
 
 

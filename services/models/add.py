@@ -21,8 +21,8 @@ from pathlib import Path
 
 from nats.js import JetStreamContext
 
-from bus.events import ModelAdded
 from bus.publisher import Publisher
+from events.catalogue import ModelAdded
 from services.models.cards import ModelCard
 from services.models.metadata import ModelFacts, model_facts
 from services.models.resolve import resolve_model, resolve_projector

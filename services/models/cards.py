@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bus.kinds import Engine
+from events.kinds import Engine
 
 
 class _Frozen(BaseModel):

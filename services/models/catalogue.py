@@ -25,7 +25,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from bus.kinds import Engine
+from events.kinds import Engine
 from services.models.cards import CardEstimate, HfSource, ModelCard, PackageSource, ToolCalls
 from services.models.footprint import engine_overhead_bytes
 

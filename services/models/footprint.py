@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus.kinds import InstanceRole
-from bus.units import MiB
+from events.kinds import InstanceRole
+from events.units import MiB
 from projectors.rows import ModelRow
 from services.models.projector import projector_bytes
 

@@ -18,9 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from bus.events import WeightFile
 from bus.object_fetch import hash_prefix, partial_paths
 from bus.object_store import DigestMismatch
+from events.catalogue import WeightFile
 from services.models.weight_offers import WeightsOffer
 
 BLOCK_BYTES = 4 * 1024 * 1024

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bus.events import WeightFile
+from events.catalogue import WeightFile
 from projectors.rows import ModelRow
 
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from bus.events import Event, ModelRemoved, WeightFile, parse_event
 from bus.object_store import delete_object
 from bus.publisher import Publisher
 from bus.reader import read_stream
-from bus.states import INSTANCE_ENDING
 from bus.streams import EVENTS_STREAM, MODELS_BUCKET
-from bus.subjects import aggregate_filter
+from events.catalogue import Event, ModelRemoved, WeightFile, parse_event
+from events.states import INSTANCE_ENDING
+from events.subjects import aggregate_filter
 from projectors.rows import ModelRow
 from projectors.rules import fold
 from projectors.state import ClusterState

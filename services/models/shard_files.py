@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from bus.events import WeightFile
+from events.catalogue import WeightFile
 
 # llama.cpp's split files: <prefix>-00001-of-00003.gguf, found beside the first by name.
 SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")

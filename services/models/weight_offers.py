@@ -2,7 +2,7 @@
 disk rather than from a copy in the models bucket.
 
 A runner that lacks files asks every worker at once (``WeightsWanted`` on
-``bus.subjects.WEIGHTS_WANTED``, core NATS request-reply); a worker whose cache holds some of
+``events.subjects.WEIGHTS_WANTED``, core NATS request-reply); a worker whose cache holds some of
 them answers with a ``WeightsOffer``: where its weights server listens and a ticket that lets
 the asker read those files, and only those, for a while. The first answer is taken. Nothing of
 this is in the event log: the bytes of a file are the data plane, and who holds one can change
@@ -17,8 +17,8 @@ import nats.errors
 from nats.aio.client import Client
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from bus.events import WeightFile
-from bus.subjects import WEIGHTS_WANTED
+from events.catalogue import WeightFile
+from events.subjects import WEIGHTS_WANTED
 
 # How long one ask waits for an answer: a worker that holds a file answers from its event loop,
 # in milliseconds.

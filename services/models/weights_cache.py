@@ -29,8 +29,8 @@ import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from bus.events import WeightFile
-from bus.subjects import escape_token, unescape_token
+from events.catalogue import WeightFile
+from events.subjects import escape_token, unescape_token
 from services.models.cache_budget import CachedModel
 
 _HASH_BLOCK = 8 * 1024 * 1024

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from bus.records import ShardAssignment
+from events.records import ShardAssignment
 from projectors.rows import RunnerRow
 from projectors.state import ClusterState
 from services.models.footprint import Footprint, context_for

@@ -27,13 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from bus.events import (
+from events.catalogue import (
     InstanceDeleted,
     InstancePlaced,
     NodeTimedOut,
     PlacementRejected,
 )
-from bus.states import INSTANCE_UNPLACED
+from events.states import INSTANCE_UNPLACED
 from projectors.rows import InstanceRow, NodeRow, RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus.kinds import Engine
+from events.kinds import Engine
 
 
 @dataclass(frozen=True)

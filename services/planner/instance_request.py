@@ -5,7 +5,7 @@ what `POST /v1/instances`, `POST /v1/placement/preview`, `shoal instances create
 
 from __future__ import annotations
 
-from bus.kinds import InstanceRole, main_engine
+from events.kinds import InstanceRole, main_engine
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards
 from services.planner.card_fit import card_info

@@ -24,10 +24,10 @@ from nats.js import JetStreamContext
 from sqlalchemy import select, tuple_
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import ResponseDeleted, TaskForgotten
 from bus.publisher import Publisher
-from bus.states import TASK_ENDED
 from bus.streams import EVENTS_STREAM
+from events.catalogue import ResponseDeleted, TaskForgotten
+from events.states import TASK_ENDED
 from projectors.tables import responses, tasks
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from bus.kinds import Engine
+from events.kinds import Engine
 from services.models.footprint import Footprint
 from services.planner.cluster import Device
 from services.planner.engine_devices import ENGINE_DEVICES

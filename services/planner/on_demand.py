@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 
-from bus.kinds import InstanceRole, role_of_task
+from events.kinds import InstanceRole, role_of_task
 from projectors.rows import InstanceRow
 from projectors.state import ClusterState
 from services.planner.cluster import HOLDING, ClusterView

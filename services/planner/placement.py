@@ -37,8 +37,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from bus.kinds import DEFAULT_ROLE, Engine, InstanceRole, main_engine
-from bus.records import INT32_MAX, DeviceLayers, ShardAssignment
+from events.kinds import DEFAULT_ROLE, Engine, InstanceRole, main_engine
+from events.records import INT32_MAX, DeviceLayers, ShardAssignment
 from projectors.rows import ModelRow
 from services.models.footprint import DEFAULT_MAX_SLOTS, MAX_SLOTS, Footprint, context_for
 from services.planner.cluster import ClusterView, Device, device_layers

@@ -41,8 +41,8 @@ from types import MappingProxyType
 from typing import Any
 
 from bus.json_input import kind, loads_strict
-from bus.kinds import DEFAULT_ROLE, InstanceRole, is_role
-from bus.records import ACCELERATOR_BACKENDS
+from events.kinds import DEFAULT_ROLE, InstanceRole, is_role
+from events.records import ACCELERATOR_BACKENDS
 from services.models.footprint import MAX_SLOTS
 
 # A new role is one new row here: parsing, checks and messages all read this table.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bus.kinds import Engine
-from bus.units import MiB
+from events.kinds import Engine
+from events.units import MiB
 from services.models.footprint import Footprint
 from services.planner.cluster import ClusterView, Device
 from services.planner.engine_devices import ENGINE_DEVICES

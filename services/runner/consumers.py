@@ -3,8 +3,8 @@ consumer per model and kind of request, shared by its replicas."""
 
 from __future__ import annotations
 
-from bus.events import EmbeddingsRequested, TaskCancelled, TaskCreated
-from bus.subjects import escape_token
+from events.catalogue import EmbeddingsRequested, TaskCancelled, TaskCreated
+from events.subjects import escape_token
 
 
 def tasks_consumer_name(model_id: str) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bus.attempts import attempt_of
-from bus.events import TaskCreated
+from events.attempts import attempt_of
+from events.catalogue import TaskCreated
 from services.runner.consumers import Pulled
 
 # A task noted: its id, its model, and the attempt served (None: an embeddings request, or a

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.runner.image_spans import ImageSpan
 from structured.reply import Grammar
 

@@ -20,10 +20,10 @@ from typing import ClassVar
 
 from nats.aio.client import Client
 
-from bus.events import EmbeddingsRequested, TaskCancelled, TaskCompleted, TaskStarted
-from bus.kinds import InstanceRole
-from bus.records import Timings, Usage
-from bus.vectors import Vectors
+from events.catalogue import EmbeddingsRequested, TaskCancelled, TaskCompleted, TaskStarted
+from events.kinds import InstanceRole
+from events.records import Timings, Usage
+from events.vectors import Vectors
 from services.runner.claim import Claim
 from services.runner.consumers import Pulled, embeddings_consumer_name, rerank_consumer_name
 from services.runner.embedding import Embedder, computed_events, cut, embedding_inputs

@@ -10,8 +10,8 @@ from typing import Protocol
 
 import numpy as np
 
-from bus.events import EmbeddingsComputed, EmbeddingsRequested
-from bus.vectors import Vectors, encode_vectors, rows_per_message
+from events.catalogue import EmbeddingsComputed, EmbeddingsRequested
+from events.vectors import Vectors, encode_vectors, rows_per_message
 from structured.reply import InvalidRequest
 
 

@@ -1,4 +1,4 @@
-"""Whether a runner still holds the newest attempt of the task it serves (``bus/attempts.py``).
+"""Whether a runner still holds the newest attempt of the task it serves (``events/attempts.py``).
 
 A runner stalled past the task consumer's ack wait (SIGSTOP, swap, a paused VM) has its task
 continued elsewhere, and when it wakes its generation goes on where it was. Before each group of
@@ -28,10 +28,10 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
-from bus.attempts import Attempt, attempt_of, superseded
-from bus.events import TaskCreated, parse_event
 from bus.leaderless import RETRY_FOR_S, ask_again
 from bus.streams import EVENTS_STREAM
+from events.attempts import Attempt, attempt_of, superseded
+from events.catalogue import TaskCreated, parse_event
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from bus.records import FinishReason, SamplingParams, TokenLogprob, ToolCallDelta, TopLogprob
+from events.records import FinishReason, SamplingParams, TokenLogprob, ToolCallDelta, TopLogprob
 from services.runner.decoding import MAX_TOP_LOGPROBS, Decoding, PromptCached, PromptScores, Token
 from services.runner.stops import StopMatcher
 from structured.reply import InvalidRequest, PlainReply, ReplyParser

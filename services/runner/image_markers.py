@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 
 from bus.images import content_pieces
-from bus.records import ChatMessage, ImagePart
+from events.records import ChatMessage, ImagePart
 from structured.reply import InvalidRequest
 
 _PLACEHOLDER = re.compile(r"<__shoal_image_(\d+)__>")

@@ -10,9 +10,9 @@ the first layers.
 
 from __future__ import annotations
 
-from bus.events import TaskCreated
 from bus.images import images_of, task_images
 from bus.parts import PartStore
+from events.catalogue import TaskCreated
 from services.runner.engines.base import Engine, ReadsImages
 from structured.reply import InvalidRequest
 

@@ -9,9 +9,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from bus.attempts import attempt_of
-from bus.events import PromptScored, TaskCreated
 from bus.images import decode_refusal
+from events.attempts import attempt_of
+from events.catalogue import PromptScored, TaskCreated
 from services.runner.decoding import Decoding, ThinkingBudget
 from services.runner.engines.base import Engine, ReadsImages, Tokenizer
 from services.runner.generation import ScoredPrompt

@@ -21,8 +21,8 @@ from typing import Any
 from nats.aio.client import Client
 
 from bus.connection import connect
-from bus.records import ShardAssignment
 from bus.streams import ensure_streams
+from events.records import ShardAssignment
 from services.runner.embed_serve import EmbeddingServer, RerankServer
 from services.runner.embedding import Embedder
 from services.runner.engines.base import Engine, EngineBroken

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from bus.records import AcceleratorBackend, ShardAssignment
+from events.records import AcceleratorBackend, ShardAssignment
 from services.runner.engines.llamacpp.devices import GgmlDevice, model_devices
 
 # llama.h's enum llama_split_mode (the module stays free of llama_cpp, which is slow to import).

@@ -19,9 +19,9 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
-from bus.events import RunnerStateChanged, parse_event
-from bus.records import ShardAssignment
-from bus.states import RUNNER_ENDED, SERVING, RunnerState
+from events.catalogue import RunnerStateChanged, parse_event
+from events.records import ShardAssignment
+from events.states import RUNNER_ENDED, SERVING, RunnerState
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from bus.events import EmbeddingsRequested
-from bus.vectors import Vectors
+from events.catalogue import EmbeddingsRequested
+from events.vectors import Vectors
 from structured.reply import InvalidRequest
 
 

@@ -33,10 +33,14 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from bus.attempts import attempt_of, chunk_msg_id, outcome_msg_id, scored_msg_id
 from bus.claim_check import resolved
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
-from bus.events import (
+from bus.parts import PartMissing, PartStore
+from bus.publisher import ChunkPublisher, Publisher
+from bus.puller import ConsumerGone
+from bus.streams import EVENTS_STREAM
+from events.attempts import attempt_of, chunk_msg_id, outcome_msg_id, scored_msg_id
+from events.catalogue import (
     ChunkGenerated,
     EventBase,
     TaskCancelled,
@@ -46,11 +50,7 @@ from bus.events import (
     TaskStarted,
     utc_now,
 )
-from bus.parts import PartMissing, PartStore
-from bus.publisher import ChunkPublisher, Publisher
-from bus.puller import ConsumerGone
-from bus.records import FinishReason, Timings, Usage
-from bus.streams import EVENTS_STREAM
+from events.records import FinishReason, Timings, Usage
 from services.resume import continuation, describe, message_id, read_logged
 from services.runner.claim import ACK_WAIT_S, Claim, Seen, redelivered
 from services.runner.consumers import Pulled, cancel_subject, tasks_consumer_name

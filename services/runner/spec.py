@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from bus.events import WeightFile
-from bus.kinds import InstanceRole
-from bus.records import ShardAssignment
+from events.catalogue import WeightFile
+from events.kinds import InstanceRole
+from events.records import ShardAssignment
 
 
 class RunnerSpec(BaseModel):

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client
 
-from bus.events import RunnerStateChanged
 from bus.publisher import Publisher
-from bus.states import RunnerState
+from events.catalogue import RunnerStateChanged
+from events.states import RunnerState
 
 
 @dataclass(frozen=True)

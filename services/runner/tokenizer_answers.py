@@ -1,4 +1,4 @@
-"""What a runner answers about its model's tokenizer (``bus/tokenizer.py``): a text's tokens, a
+"""What a runner answers about its model's tokenizer (``events/tokenizer.py``): a text's tokens, a
 chat's prompt tokens exactly as a chat task of it would be given to the model (``job.py``'s
 ``chat_prompt``; an image's tokens are its ``image_token``s, no vocabulary's), tokens back to
 text, the tokenizer's settings. Pure given the engine (and the chat's images, read before)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from bus.tokenizer import (
+from events.tokenizer import (
     DescribeTokenizer,
     Detokenize,
     TokenizeChat,

@@ -1,4 +1,4 @@
-"""A chat runner answering questions about its model's tokenizer (``bus/tokenizer.py``): it
+"""A chat runner answering questions about its model's tokenizer (``events/tokenizer.py``): it
 joins the model's queue group on ``shoal.tokenizer.<model>`` before it reports Ready (so a
 model the API finds serving has someone to answer), and leaves it when it stops serving.
 
@@ -22,8 +22,8 @@ from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
 from bus.parts import PartMissing, PartStore
-from bus.subjects import TOKENIZER_QUEUE, tokenizer_subject
-from bus.tokenizer import TokenizeChat, TokenizerAnswer, TokenizerAsk, TokenizerQuestion
+from events.subjects import TOKENIZER_QUEUE, tokenizer_subject
+from events.tokenizer import TokenizeChat, TokenizerAnswer, TokenizerAsk, TokenizerQuestion
 from services.runner.engines.base import Engine
 from services.runner.images import images_for
 from services.runner.tokenizer_answers import answer

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import datetime
 
-from bus.events import EventBase, ModelEvicted, WeightFile
+from events.catalogue import EventBase, ModelEvicted, WeightFile
 from services.models.cache_budget import CacheSize, Eviction, choose_evictions
 from services.models.shard_files import SAFETENSORS_INDEX, needed_files
 from services.models.weights_cache import WeightsCache

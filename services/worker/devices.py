@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from bus.records import Accelerator
+from events.records import Accelerator
 from services.runner.engines.llamacpp.devices import GgmlDevice
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import psutil
 import pynvml
 
-from bus.records import NetworkInterface, NodeProfile
 from bus.streams import parse_size
+from events.records import NetworkInterface, NodeProfile
 from services.worker.device_probe import Probe
 from services.worker.devices import NvidiaGpu, accelerators
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bus.embedded import die_with_parent
-from bus.states import RUNNER_ENDED, RunnerState
+from events.states import RUNNER_ENDED, RunnerState
 from services.runner.spec import RunnerSpec
 from services.worker.reconcile import restart_delay
 

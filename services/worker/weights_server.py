@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
-from bus.subjects import WEIGHTS_WANTED
+from events.subjects import WEIGHTS_WANTED
 from services.models.weight_offers import WeightsOffer, WeightsWanted
 from services.models.weights_cache import WeightsCache
 

@@ -24,7 +24,9 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
 from bus.connection import server_listen_host
-from bus.events import (
+from bus.publisher import Publisher
+from bus.streams import StreamSettings, ensure_streams
+from events.catalogue import (
     ModelRemoved,
     NodeJoined,
     NodeLeft,
@@ -36,10 +38,8 @@ from bus.events import (
     parse_event,
     utc_now,
 )
-from bus.kinds import main_engine
-from bus.publisher import Publisher
-from bus.streams import StreamSettings, ensure_streams
-from bus.subjects import aggregate_filter
+from events.kinds import main_engine
+from events.subjects import aggregate_filter
 from projectors.rows import RunnerRow
 from projectors.rules import changes_for
 from projectors.state import ClusterState

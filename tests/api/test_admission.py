@@ -36,9 +36,9 @@ from api.keys import given_key
 from api.projection import serving_slots
 from api.serving_verdicts import ServingVerdicts
 from bus.embedded import free_port
-from bus.kinds import InstanceRole
-from bus.states import InstanceStatus, RunnerState
 from cli.state import read_admission
+from events.kinds import InstanceRole
+from events.states import InstanceStatus, RunnerState
 from projectors.rows import InstanceRow, RunnerRow
 from projectors.state import ClusterState, Put
 from tests.api.conftest import wait_healthy

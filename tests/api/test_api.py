@@ -10,7 +10,8 @@ import httpx
 import pytest
 from nats.js import JetStreamContext
 
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     InstanceRequested,
     ModelAdded,
     NodeJoined,
@@ -19,9 +20,8 @@ from bus.events import (
     TaskCancelled,
     parse_event,
 )
-from bus.publisher import Publisher
-from bus.records import NodeProfile
-from bus.units import MiB
+from events.records import NodeProfile
+from events.units import MiB
 from services.models.catalogue import builtin_cards
 from tests.api.conftest import ApiStack, wait_healthy
 

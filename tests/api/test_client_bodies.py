@@ -18,8 +18,8 @@ from api.errors import _validation_message
 from api.reply import Call, Reply
 from api.responses.requests import ResponsesRequest, chat_task
 from api.responses.shapes import Head, ResponseStream, output_items
-from bus.events import ChunkGenerated
-from bus.records import SamplingParams, ToolCallDelta
+from events.catalogue import ChunkGenerated
+from events.records import SamplingParams, ToolCallDelta
 from structured.grammar import tool_grammar
 from structured.schema import dropped
 from tests.structured import oracle

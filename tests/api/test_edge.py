@@ -23,7 +23,7 @@ import pytest
 
 from api.errors import Dialect
 from bus.embedded import free_port
-from bus.units import MiB
+from events.units import MiB
 from tests.api.conftest import ApiStack, running_api_stack, wait_healthy
 from tests.services.processes import SHOAL
 

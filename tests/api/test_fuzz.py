@@ -43,7 +43,8 @@ from api import roles
 from api.errors import Dialect, dialect_of
 from api.keys import key_digest
 from bus.connection import connect
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     EventBase,
     InstancePlaced,
     InstanceRequested,
@@ -55,9 +56,8 @@ from bus.events import (
     RunnerStateChanged,
     TaskCreated,
 )
-from bus.publisher import Publisher
-from bus.records import ChatMessage, GpuInfo, NodeProfile, ShardAssignment
-from bus.units import GiB
+from events.records import ChatMessage, GpuInfo, NodeProfile, ShardAssignment
+from events.units import GiB
 from tests.api.conftest import ApiStack, running_api_stack
 from tests.api.conftest import run_sync as _run_sync
 

@@ -15,8 +15,8 @@ from api.config import ApiConfig
 from api.keys import ANONYMOUS, CONFIGURED, Principal, key_digest, new_key, resolve
 from api.rate_limit import RateLimits, retry_after
 from api.roles import ROUTE_ROLES, allows, needed
-from bus.events import KeyAdded, KeyRevoked, TaskCompleted, TaskCreated
-from bus.records import ChatMessage, Timings, Usage
+from events.catalogue import KeyAdded, KeyRevoked, TaskCompleted, TaskCreated
+from events.records import ChatMessage, Timings, Usage
 from projectors.rows import KeyRow
 from projectors.rules import fold
 

@@ -13,8 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
 from api.keys import ANONYMOUS, KeyBook, key_digest, principal_or_refusal, resolve
-from bus.events import KeyAdded
 from bus.publisher import Publisher
+from events.catalogue import KeyAdded
 from projectors import database
 from projectors.rows import KeyRow
 from projectors.tables import api_keys

@@ -17,8 +17,8 @@ import pytest
 
 from api.serving import with_default_max_tokens
 from bus.embedded import free_port
-from bus.events import TaskCreated
-from bus.records import SamplingParams
+from events.catalogue import TaskCreated
+from events.records import SamplingParams
 from tests.api.up_cluster import UpCluster
 from tests.cli.shoal_up import Drained, start, wait_healthy
 from tests.services.processes import SHOAL

@@ -33,7 +33,8 @@ from api.metrics import (
     endpoint_of,
     token_timing,
 )
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     EVENT_TYPES,
     InstancePlaced,
     ModelAdded,
@@ -42,10 +43,9 @@ from bus.events import (
     RunnerStateChanged,
     event_type_filters,
 )
-from bus.publisher import Publisher
-from bus.records import NodeProfile, ShardAssignment
-from bus.states import NodeStatus, RunnerState
-from bus.units import MiB
+from events.records import NodeProfile, ShardAssignment
+from events.states import NodeStatus, RunnerState
+from events.units import MiB
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
 from tests.api.conftest import ApiStack, wait_healthy
 

@@ -11,8 +11,8 @@ import pytest
 from api.model_defaults import ModelDefault, ModelDefaults, ModelDefaultsError, parse_model_defaults
 from api.model_names import ModelNames
 from api.on_demand import instance_id_for, requested
-from bus.events import InstanceDeleted, InstanceRequested, ModelAdded
-from bus.units import GiB
+from events.catalogue import InstanceDeleted, InstanceRequested, ModelAdded
+from events.units import GiB
 from projectors.rules import fold
 from services.planner.decisions import PlannerPolicy, decide
 from services.planner.placement_spec import parse_placement_spec

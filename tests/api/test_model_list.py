@@ -11,8 +11,8 @@ from api.model_list import askable
 from api.model_names import ModelNames, names_from
 from api.ollama.models import listed
 from api.openai.routes import _model
-from bus.events import InstanceRequested, ModelAdded, ModelRemoved
-from bus.units import MiB
+from events.catalogue import InstanceRequested, ModelAdded, ModelRemoved
+from events.units import MiB
 from projectors.rules import fold
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards

@@ -7,7 +7,7 @@ import pytest
 from api.config import parse_aliases
 from api.errors import ApiError
 from api.model_names import ModelNames, names_from
-from bus.events import InstanceRequested, ModelAdded
+from events.catalogue import InstanceRequested, ModelAdded
 from projectors.rules import fold
 
 NAMES = ModelNames(

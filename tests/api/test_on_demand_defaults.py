@@ -13,12 +13,18 @@ import httpx
 import pytest
 from nats.js import JetStreamContext
 
-from bus.events import InstanceRequested, ModelAdded, NodeJoined, ResourceProfiled, parse_event
 from bus.publisher import Publisher
 from bus.reader import read_stream
-from bus.records import NodeProfile
 from bus.streams import EVENTS_STREAM
-from bus.units import MiB
+from events.catalogue import (
+    InstanceRequested,
+    ModelAdded,
+    NodeJoined,
+    ResourceProfiled,
+    parse_event,
+)
+from events.records import NodeProfile
+from events.units import MiB
 from tests.api.conftest import ApiStack, wait_healthy
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
 from api.projection import coming_back, require_serving, serving
-from bus.kinds import InstanceRole
-from bus.states import InstanceStatus, RunnerState
+from events.kinds import InstanceRole
+from events.states import InstanceStatus, RunnerState
 from projectors import database
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState, Delete, Put

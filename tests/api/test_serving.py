@@ -15,8 +15,8 @@ from api.errors import ApiError
 from api.metrics import ApiMetrics, HttpMetrics
 from api.openai.requests import ChatCompletionRequest
 from api.serving import Refused, TaskEvents, failure_error, require_schemas
-from bus.events import TaskCreated, TaskFailed
-from bus.records import ChatMessage, Tool
+from events.catalogue import TaskCreated, TaskFailed
+from events.records import ChatMessage, Tool
 
 
 async def test_the_headers_go_out_with_the_first_event() -> None:

@@ -10,10 +10,10 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from api.task_stream import TaskStream
-from bus.attempts import chunk_msg_id, outcome_msg_id
-from bus.events import ChunkGenerated, Resume, TaskCompleted, TaskCreated
 from bus.publisher import ChunkPublisher, Publisher
-from bus.records import Timings, Usage
+from events.attempts import chunk_msg_id, outcome_msg_id
+from events.catalogue import ChunkGenerated, Resume, TaskCompleted, TaskCreated
+from events.records import Timings, Usage
 
 TASK = TaskCreated(task_id="t", model_id="m", origin="api", prompt="hi", kind="completion")
 

@@ -13,9 +13,9 @@ from nats.js import JetStreamContext
 from api.errors import ApiError
 from api.serving import _outcomes
 from api.task_stream import LOST, TaskStream, request_gone
-from bus.events import EmbeddingsRequested, TaskCancelled, TaskCreated
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
+from events.catalogue import EmbeddingsRequested, TaskCancelled, TaskCreated
 
 TASK = TaskCreated(task_id="t-lost", model_id="m", origin="api", prompt="hi", kind="completion")
 

@@ -23,8 +23,8 @@ from api.reply import Reply
 from api.responses.requests import ResponsesRequest, chat_messages
 from api.responses.shapes import Head, ResponsesOut, assistant_message, output_items
 from api.thinking import EFFORT_BUDGETS, with_default_budget
-from bus.events import ChunkGenerated, TaskCreated
-from bus.records import ChatMessage, ToolCallDelta, Usage
+from events.catalogue import ChunkGenerated, TaskCreated
+from events.records import ChatMessage, ToolCallDelta, Usage
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=4)
 ASK = [{"role": "user", "content": "2 + 2?"}]

@@ -19,10 +19,10 @@ from bus.consumer import (
     SUBJECT_HEADER,
     EventConsumer,
 )
-from bus.events import Event, NodeJoined, NodeLeft, TaskCreated
 from bus.publisher import Publisher
 from bus.puller import ConsumerGone
 from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM
+from events.catalogue import Event, NodeJoined, NodeLeft, TaskCreated
 
 ALL_EVENTS = "shoal.events.>"
 

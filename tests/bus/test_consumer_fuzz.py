@@ -64,7 +64,10 @@ from bus.consumer import (
     Delivered,
     EventConsumer,
 )
-from bus.events import (
+from bus.payload import PayloadTooLargeError, message_size
+from bus.publisher import ChunkPublisher, Publisher
+from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM, ensure_streams
+from events.catalogue import (
     EVENT_TYPES,
     ChunkGenerated,
     Event,
@@ -86,10 +89,8 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
-from bus.kinds import ENGINES
-from bus.payload import PayloadTooLargeError, message_size
-from bus.publisher import ChunkPublisher, Publisher
-from bus.records import (
+from events.kinds import ENGINES
+from events.records import (
     ChatMessage,
     GpuInfo,
     NetworkInterface,
@@ -99,8 +100,7 @@ from bus.records import (
     Timings,
     Usage,
 )
-from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM, ensure_streams
-from bus.subjects import DEADLETTER_PREFIX, EVENTS_PREFIX, event_subject
+from events.subjects import DEADLETTER_PREFIX, EVENTS_PREFIX, event_subject
 
 MAX_EXAMPLES = 40
 MAX_PAYLOAD = 1024 * 1024  # nats-server's default max_payload (checked against the server)

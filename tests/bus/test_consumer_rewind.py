@@ -15,10 +15,10 @@ from nats.js.api import DeliverPolicy
 from bus.connection import connect
 from bus.consumer import EventConsumer
 from bus.embedded import EmbeddedNats
-from bus.events import NodeJoined
 from bus.log_position import consumer_past_end
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
+from events.catalogue import NodeJoined
 
 FILTER = NodeJoined.filter_for()
 

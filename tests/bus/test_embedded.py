@@ -11,9 +11,9 @@ import pytest
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, NatsServerError, find_binary, free_port, port_in_use
-from bus.events import NodeJoined, parse_event
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
+from events.catalogue import NodeJoined, parse_event
 
 SYSTEM_PORT = 4222
 

@@ -11,7 +11,6 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.claim_check import checked_in, resolved
-from bus.events import TaskCreated
 from bus.images import (
     IMAGE_PIECE_BYTES,
     content_pieces,
@@ -23,7 +22,8 @@ from bus.images import (
 )
 from bus.parts import PARTS_STREAM, PartMissing, PartStore, part_subject
 from bus.payload import max_payload
-from bus.records import ChatMessage, ImagePart, SamplingParams
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, ImagePart, SamplingParams
 from tests.images import png
 
 

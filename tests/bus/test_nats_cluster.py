@@ -18,7 +18,10 @@ from nats.js.api import DeliverPolicy, PubAck
 from api.task_stream import TaskStream
 from bus.connection import connect
 from bus.consumer import EventConsumer
-from bus.events import (
+from bus.publisher import ChunkPublisher, Publisher
+from bus.reader import read_stream
+from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, StreamSettings, ensure_streams
+from events.catalogue import (
     ChunkGenerated,
     EventBase,
     NodeJoined,
@@ -26,10 +29,7 @@ from bus.events import (
     TaskCreated,
     parse_event,
 )
-from bus.publisher import ChunkPublisher, Publisher
-from bus.reader import read_stream
-from bus.records import ChatMessage, Timings, Usage
-from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, StreamSettings, ensure_streams
+from events.records import ChatMessage, Timings, Usage
 from harness.hosts import Network
 from projectors import database
 from projectors.rules import fold

@@ -16,7 +16,6 @@ from bus.claim_check import (
     response_checked_in,
     response_resolved,
 )
-from bus.events import ResponseStored, TaskCreated
 from bus.parts import (
     ENTRY_BYTES,
     PARTS_STREAM,
@@ -28,7 +27,8 @@ from bus.parts import (
     ref_of,
 )
 from bus.payload import max_payload
-from bus.records import ChatMessage, Tool
+from events.catalogue import ResponseStored, TaskCreated
+from events.records import ChatMessage, Tool
 
 TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 

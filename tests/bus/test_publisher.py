@@ -9,11 +9,11 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import NoStreamResponseError
 
-from bus.events import ChunkGenerated, InstancePlaced, NodeJoined, parse_event
 from bus.publisher import MSG_ID_HEADER, ChunkPublisher, Publisher
 from bus.reader import read_stream
-from bus.records import ShardAssignment
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, ensure_streams
+from events.catalogue import ChunkGenerated, InstancePlaced, NodeJoined, parse_event
+from events.records import ShardAssignment
 
 
 async def _count(js: JetStreamContext, stream: str) -> int:

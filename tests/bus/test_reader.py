@@ -9,10 +9,10 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.consumer import EventConsumer
-from bus.events import ChunkGenerated, NodeJoined, TaskCreated, parse_event
 from bus.publisher import ChunkPublisher, Publisher
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
+from events.catalogue import ChunkGenerated, NodeJoined, TaskCreated, parse_event
 
 ALL_EVENTS = "shoal.events.>"
 

@@ -10,7 +10,6 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType
 from nats.js.errors import NotFoundError
 
-from bus.events import ChunkGenerated, NodeJoined
 from bus.object_store import object_stream
 from bus.parts import PARTS_STREAM
 from bus.publisher import Publisher
@@ -28,6 +27,7 @@ from bus.streams import (
     parse_size,
     stream_configs,
 )
+from events.catalogue import ChunkGenerated, NodeJoined
 
 ALL_STREAMS = (EVENTS_STREAM, CHUNKS_STREAM, DEADLETTER_STREAM)
 # The models bucket's stream, made with them.

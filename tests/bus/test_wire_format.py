@@ -11,8 +11,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bus.events import ChunkGenerated, Event
 from bus.publisher import ChunkPublisher, Publisher
+from events.catalogue import ChunkGenerated, Event
 from tests.history import history
 
 

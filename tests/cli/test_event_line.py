@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from bus.events import NodeJoined, Resume, RunnerStateChanged, TaskCreated, TaskFailed
 from cli.event_line import event_line
+from events.catalogue import NodeJoined, Resume, RunnerStateChanged, TaskCreated, TaskFailed
 
 
 def test_events_are_coloured_by_aggregate_and_failures_are_red() -> None:

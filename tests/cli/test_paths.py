@@ -11,8 +11,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from bus.events import WeightFile
 from cli.options import DbUrl, absolute
+from events.catalogue import WeightFile
 from projectors.db_url import absolute_db_url
 from services.models.weights_cache import WeightsCache, sha256_of
 

@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from bus.connection import connect
 from bus.embedded import free_port
-from bus.events import TaskCancelled
+from events.catalogue import TaskCancelled
 from tests.api.test_metrics import parse, value
 from tests.cli.shoal_up import KEY, MODEL, read_until_ready, start, stop
 from tests.services.event_log import EventLog

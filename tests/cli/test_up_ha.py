@@ -15,10 +15,10 @@ import pytest
 
 from bus.cluster_secret import ENV as SECRET_ENV
 from bus.connection import connect
-from bus.events import RunnerStateChanged
 from bus.log_replicas import replicas_up
 from bus.nats_security import NatsSecurity
 from bus.streams import EVENTS_STREAM
+from events.catalogue import RunnerStateChanged
 from harness.hosts import Host, Network
 from services.worker.identity import NODE_ID_FILE
 from tests.bus.nats_cluster import make_leader

@@ -14,9 +14,9 @@ import pytest
 
 from bus.connection import connect
 from bus.embedded import free_port
-from bus.events import InstanceDeleted, InstanceRequested, parse_event
 from bus.streams import EVENTS_STREAM
-from bus.subjects import aggregate_filter
+from events.catalogue import InstanceDeleted, InstanceRequested, parse_event
+from events.subjects import aggregate_filter
 from tests.cli.shoal_up import Drained, read_until_ready, start
 from tests.services.processes import SHOAL
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from bus.states import RunnerState
 from cli.up_progress import Step, UpProgress, model_steps, weights_step
+from events.states import RunnerState
 from projectors.rows import InstanceRow, RunnerRow
 from projectors.state import ClusterState, Put
 

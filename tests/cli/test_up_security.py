@@ -18,7 +18,7 @@ from bus.embedded import free_port
 from bus.nats_security import NatsSecurity
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
-from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
+from events.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
 from tests.certificates import make_certificates
 from tests.cli.shoal_up import MODEL, read_until_ready, start, stop
 from tests.services.processes import SHOAL

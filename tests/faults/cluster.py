@@ -27,10 +27,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
-from bus.events import InstancePlaced, InstanceRequested, NodeJoined, RunnerStateChanged
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
 from cli.models import publish_model
+from events.catalogue import InstancePlaced, InstanceRequested, NodeJoined, RunnerStateChanged
 from harness.hosts import Host, Network
 from projectors import database
 from projectors.rows import RunnerRow, TaskRow

@@ -27,7 +27,9 @@ from nats.js import JetStreamContext
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import (
+from bus.reader import read_stream
+from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
+from events.catalogue import (
     ChunkGenerated,
     Event,
     InstancePlaced,
@@ -38,9 +40,7 @@ from bus.events import (
     TaskFailed,
     parse_event,
 )
-from bus.reader import read_stream
-from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM
-from bus.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
+from events.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
 from projectors import database
 from projectors.replay import replay
 from projectors.store import table_rows

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bus.events import InstancePlaced, ResourceProfiled
 from bus.streams import EVENTS_STREAM
+from events.catalogue import InstancePlaced, ResourceProfiled
 from services.runner.consumers import tasks_consumer_name
 from tests.faults.cluster import MODEL, running_cluster
 from tests.faults.invariants import (

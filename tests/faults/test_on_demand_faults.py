@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.events import InstancePlaced, InstanceRequested
+from events.catalogue import InstancePlaced, InstanceRequested
 from tests.faults.cluster import MODEL, running_cluster
 from tests.faults.invariants import check_answered, load, read_log_once_ended
 

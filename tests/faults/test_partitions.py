@@ -22,8 +22,8 @@ from nats.aio.client import Client
 
 from bus.connection import connect
 from bus.embedded import free_port
-from bus.events import NodeJoined, RunnerStateChanged
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
+from events.catalogue import NodeJoined, RunnerStateChanged
 from harness.hosts import Network
 from tests.api.conftest import wait_healthy
 from tests.bus.nats_cluster import NatsCluster, stream_info

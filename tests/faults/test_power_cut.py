@@ -25,9 +25,9 @@ import pytest
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
-from bus.events import LogTailLost, NodeJoined, TaskCompleted, TaskCreated
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
+from events.catalogue import LogTailLost, NodeJoined, TaskCompleted, TaskCreated
 from projectors import database
 from projectors.projector import Projector
 from projectors.store import load_state

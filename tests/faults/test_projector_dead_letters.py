@@ -14,8 +14,8 @@ from nats.js import JetStreamContext
 
 from bus.consumer import REASON_HEADER, SEQ_HEADER
 from bus.embedded import EmbeddedNats
-from bus.events import NodeJoined
 from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM
+from events.catalogue import NodeJoined
 from projectors import database
 from projectors.rules import fold
 from projectors.store import read_counts, read_offset

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bus.events import RunnerStateChanged, TaskCreated, TaskStarted
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM
-from bus.subjects import chunk_subject
+from events.catalogue import RunnerStateChanged, TaskCreated, TaskStarted
+from events.subjects import chunk_subject
 from tests.faults.cluster import Cluster, running_cluster
 from tests.faults.invariants import (
     Log,

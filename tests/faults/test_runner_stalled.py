@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bus.attempts import attempt_of, kept_chunks
-from bus.events import RunnerStateChanged, TaskCompleted, TaskCreated, TaskStarted
+from events.attempts import attempt_of, kept_chunks
+from events.catalogue import RunnerStateChanged, TaskCompleted, TaskCreated, TaskStarted
 from services.runner.claim import ACK_WAIT_S
 from services.runner.current_tasks import CurrentTasks
 from tests.faults.cluster import Cluster, running_cluster

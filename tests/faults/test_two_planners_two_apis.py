@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bus.events import (
+from events.catalogue import (
     InstanceDeleted,
     InstancePlaced,
     InstanceRequested,

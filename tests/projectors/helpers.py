@@ -10,10 +10,10 @@ from typing import Any
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import EventBase
 from bus.publisher import MSG_ID_HEADER
-from bus.states import TASK_ENDED
 from bus.streams import EVENTS_STREAM
+from events.catalogue import EventBase
+from events.states import TASK_ENDED
 from projectors import database
 from projectors.projector import Projector
 from projectors.rows import ResponseRow, TaskRow

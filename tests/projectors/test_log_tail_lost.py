@@ -13,9 +13,9 @@ from nats.js import JetStreamContext
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.events import Event, LogTailLost, NodeJoined, TaskCreated
-from bus.records import ChatMessage
 from bus.streams import EVENTS_STREAM, ensure_streams
+from events.catalogue import Event, LogTailLost, NodeJoined, TaskCreated
+from events.records import ChatMessage
 from projectors import database, snapshot
 from projectors.replay import replay
 from projectors.store import read_counts, read_tracking

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from bus.events import ModelAdded, ModelEvicted, ModelRemoved
+from events.catalogue import ModelAdded, ModelEvicted, ModelRemoved
 from projectors.rows import ModelRow
 from projectors.rules import changes_for, fold
 from projectors.state import ClusterState, Delete

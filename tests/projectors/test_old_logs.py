@@ -21,8 +21,8 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import ChunkGenerated, TaskCreated, parse_event
 from bus.publisher import MSG_ID_HEADER
+from events.catalogue import ChunkGenerated, TaskCreated, parse_event
 from projectors.rows import ROW_TYPES
 from tests.projectors.helpers import db_rows_of
 

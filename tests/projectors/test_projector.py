@@ -16,10 +16,10 @@ from sqlalchemy import Connection, inspect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import Delivered, EventConsumer
-from bus.events import Event, NodeJoined, TaskCreated
-from bus.records import ChatMessage
 from bus.streams import EVENTS_STREAM
-from bus.subjects import EVENTS_PREFIX
+from events.catalogue import Event, NodeJoined, TaskCreated
+from events.records import ChatMessage
+from events.subjects import EVENTS_PREFIX
 from projectors import database
 from projectors.database import MIGRATIONS_DIR, ProjectorRunning, projector_hold
 from projectors.projector import ProjectionGap, Projector, counted

@@ -38,9 +38,9 @@ from nats.js import JetStreamContext
 from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import Event, NodeJoined, subject_event_type
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
+from events.catalogue import Event, NodeJoined, subject_event_type
 from projectors import database
 from projectors.projector import DEFAULT_NAME, Projector
 from projectors.replay import replay

@@ -16,8 +16,8 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.embedded import EmbeddedNats
-from bus.events import Event, NodeJoined, TaskForgotten
 from bus.streams import EVENTS_STREAM
+from events.catalogue import Event, NodeJoined, TaskForgotten
 from projectors import database
 from projectors.replay import ReplayError, replay
 from projectors.rules import fold

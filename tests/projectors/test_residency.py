@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import (
+from events.catalogue import (
     Event,
     NodeJoined,
     ResponseDeleted,
@@ -18,7 +18,7 @@ from bus.events import (
     TaskCreated,
     TaskForgotten,
 )
-from bus.records import ChatMessage, Timings, Usage
+from events.records import ChatMessage, Timings, Usage
 from projectors.residency import missing, named
 from projectors.rows import ResponseRow, TaskRow
 from projectors.rules import fold

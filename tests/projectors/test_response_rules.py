@@ -10,8 +10,8 @@ from typing import Any
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import Event, ResponseDeleted, ResponseStored
-from bus.records import ChatMessage, ToolCall
+from events.catalogue import Event, ResponseDeleted, ResponseStored
+from events.records import ChatMessage, ToolCall
 from projectors import database
 from projectors.rows import ResponseRow
 from projectors.rules import fold

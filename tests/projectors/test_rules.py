@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from bus.events import (
+from events.catalogue import (
     EVENT_TYPES,
     ChunkGenerated,
     EmbeddingsComputed,
@@ -33,12 +33,12 @@ from bus.events import (
     TaskStarted,
     parse_event,
 )
-from bus.records import GpuInfo, NodeProfile, ShardAssignment, Timings, Usage
-from bus.units import GiB
+from events.records import GpuInfo, NodeProfile, ShardAssignment, Timings, Usage
+from events.units import GiB
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, Row, RunnerRow, TaskRow
 from projectors.rules import changes_for, fold
 from projectors.state import ClusterState, Delete, Put
-from tests.bus.test_events import SAMPLES
+from tests.events.test_catalogue import SAMPLES
 from tests.history import history
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -19,8 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.events import Event
 from bus.streams import EVENTS_STREAM, ensure_streams
+from events.catalogue import Event
 from projectors import database, snapshot
 from projectors.projector import ProjectionLost, Projector
 from projectors.replay import ReplayError, replay

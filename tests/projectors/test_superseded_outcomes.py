@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from bus.events import Resume, TaskCompleted, TaskCreated, TaskFailed, TaskStarted
-from bus.records import Timings, Usage
+from events.catalogue import Resume, TaskCompleted, TaskCreated, TaskFailed, TaskStarted
+from events.records import Timings, Usage
 from projectors.rules import fold
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -10,7 +10,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
-from bus.events import ChunkGenerated, Event, parse_event
+from events.catalogue import ChunkGenerated, Event, parse_event
 
 E = TypeVar("E")
 

@@ -17,10 +17,10 @@ from nats.js import JetStreamContext
 from bus.claim_check import checked_in
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
-from bus.events import NodeJoined, ResourceProfiled, TaskCreated
 from bus.parts import PartStore
 from bus.publisher import Publisher
-from bus.records import ChatMessage, Tool
+from events.catalogue import NodeJoined, ResourceProfiled, TaskCreated
+from events.records import ChatMessage, Tool
 from projectors import database
 from projectors.replay import replay
 from tests.history import history, profile

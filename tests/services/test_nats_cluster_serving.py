@@ -29,8 +29,8 @@ from nats.aio.client import Client
 
 from bus.connection import connect
 from bus.embedded import free_port
-from bus.events import NodeJoined, NodeTimedOut, RunnerStateChanged, TaskCreated, TaskStarted
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, StreamSettings, ensure_streams
+from events.catalogue import NodeJoined, NodeTimedOut, RunnerStateChanged, TaskCreated, TaskStarted
 from harness.hosts import Network
 from projectors import database
 from projectors.store import read_offset

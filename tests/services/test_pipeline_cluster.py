@@ -19,7 +19,7 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats, free_port
-from bus.events import (
+from events.catalogue import (
     InstancePlaced,
     NodeJoined,
     NodeTimedOut,

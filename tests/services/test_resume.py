@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from bus.events import ChunkGenerated, Resume, TaskCreated, TaskFailed
-from bus.records import SamplingParams
+from events.catalogue import ChunkGenerated, Resume, TaskCreated, TaskFailed
+from events.records import SamplingParams
 from services.resume import (
     MAX_RESUMES,
     Logged,

@@ -19,9 +19,9 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats, free_port
-from bus.events import InstancePlaced, ModelAdded, NodeJoined, RunnerStateChanged
 from bus.object_store import object_info
 from bus.streams import MODELS_BUCKET
+from events.catalogue import InstancePlaced, ModelAdded, NodeJoined, RunnerStateChanged
 from harness.hosts import Network
 from services.models.catalogue import card_for
 from services.models.resolve import resolve_model

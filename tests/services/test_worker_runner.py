@@ -18,7 +18,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.embedded import EmbeddedNats
-from bus.events import (
+from bus.publisher import Publisher
+from bus.streams import EVENTS_STREAM
+from events.catalogue import (
     InstanceDeleted,
     InstancePlaced,
     InstanceRequested,
@@ -33,10 +35,8 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
-from bus.publisher import Publisher
-from bus.records import ChatMessage, SamplingParams, ShardAssignment
-from bus.streams import EVENTS_STREAM
-from bus.subjects import event_subject
+from events.records import ChatMessage, SamplingParams, ShardAssignment
+from events.subjects import event_subject
 from services.runner.consumers import tasks_consumer_name
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.job import prepare

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bus.records import Tool
+from events.records import Tool
 from structured.formats import TRIGGERS
 from structured.grammar import (
     STRING_SCHEMA,

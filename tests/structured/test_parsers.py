@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.records import ToolCallDelta
+from events.records import ToolCallDelta
 from structured.formats import ToolFormatName, call_id
 from structured.parsers import ParserSpec, ToolReplyParser, make_parser
 from structured.repeats import first_repeat

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from bus.events import TaskCreated
-from bus.records import ChatMessage, ResponseFormat, Tool, ToolCall, ToolChoice
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, ResponseFormat, Tool, ToolCall, ToolChoice
 from structured import ReplyPlan, plan_reply, tool_format
 from structured.formats import call_id, history_id
 from structured.reply import InvalidRequest, PlainReply

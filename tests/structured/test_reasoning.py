@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llama_cpp import llama_chat_format
 
-from bus.records import ToolCallDelta
+from events.records import ToolCallDelta
 from structured.parsers import ParserSpec, make_parser
 from structured.reasoning import (
     ThinkingStart,

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
-from bus.records import Tool
+from events.records import Tool
 from structured.grammar import json_grammar, tool_grammar
 from structured.schema import dropped, prepare
 from structured.schema_checks import schema_problem

@@ -21,8 +21,8 @@ from api.anthropic.messages import (
 from api.anthropic.shapes import whole_message
 from api.errors import ApiError
 from api.reply import Reply
-from bus.events import ChunkGenerated
-from bus.records import (
+from events.catalogue import ChunkGenerated
+from events.records import (
     ChatMessage,
     FinishReason,
     ResponseFormat,

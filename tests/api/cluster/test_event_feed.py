@@ -8,7 +8,7 @@ import pytest
 
 from api.cluster.event_feed import OVERFLOW_CODE, FeedBuffer, overflow_event
 from api.config import ApiConfig
-from bus.units import MiB
+from events.units import MiB
 
 
 def test_items_come_out_in_order_and_their_bytes_are_counted() -> None:

@@ -14,8 +14,8 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.streams import CHUNKS_STREAM
-from bus.subjects import ALL_CHUNKS, chunk_subject
-from bus.units import KiB, MiB
+from events.subjects import ALL_CHUNKS, chunk_subject
+from events.units import KiB, MiB
 from tests.api.conftest import ApiStack
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ from api.openai.requests import ChatCompletionRequest
 from api.responses.requests import ResponsesRequest, input_items
 from bus.images import image_bytes, stored_image
 from bus.parts import PARTS_STREAM, PartStore
-from bus.records import ChatMessage, ImagePart, SamplingParams
+from events.records import ChatMessage, ImagePart, SamplingParams
 from tests.images import b64, data_url, jpeg, png
 
 PNG = png(16, 9, colour=7)

@@ -17,7 +17,7 @@ from api.images.fetching import IpAddress, fetch_image, public_address
 from api.images.inputs import ImageInput
 from api.images.loading import ImagePolicy, read_images
 from bus.images import MAX_IMAGES, decode_refusal
-from bus.records import ImagePart, PartRef
+from events.records import ImagePart, PartRef
 from tests.images import png
 
 

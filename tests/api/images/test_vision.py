@@ -8,7 +8,7 @@ from api.images.vision import accepts_images, engine_of, no_images
 from api.model_list import askable
 from api.model_names import names_from
 from api.ollama.models import capabilities, listed, show
-from bus.events import ModelAdded, WeightFile
+from events.catalogue import ModelAdded, WeightFile
 from projectors.rules import fold
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards, card_for

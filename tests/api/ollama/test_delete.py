@@ -12,11 +12,11 @@ import httpx
 import pytest
 from nats.js import JetStreamContext
 
-from bus.events import InstanceRequested, ModelAdded, parse_event
 from bus.object_store import object_info
 from bus.publisher import Publisher
 from bus.reader import read_stream
 from bus.streams import EVENTS_STREAM, MODELS_BUCKET
+from events.catalogue import InstanceRequested, ModelAdded, parse_event
 from services.models.shared import store_files
 from tests.api.conftest import ApiStack
 

@@ -37,8 +37,8 @@ from api.ollama.translate import (
 )
 from api.reply import Reply
 from api.task_stream import Finished, TaskStream
-from bus.events import ChunkGenerated, TaskCompleted, TaskCreated
-from bus.records import (
+from events.catalogue import ChunkGenerated, TaskCompleted, TaskCreated
+from events.records import (
     ChatMessage,
     ResponseFormat,
     Timings,
@@ -49,7 +49,7 @@ from bus.records import (
     TopLogprob,
     Usage,
 )
-from bus.states import RunnerState
+from events.states import RunnerState
 from projectors.rows import InstanceRow, ModelRow, RunnerRow
 from projectors.state import ClusterState, Put
 

@@ -1,5 +1,5 @@
 """OpenAI's embeddings request and response, as pure translation (api/openai/embeddings.py), and the
-vectors' wire format (bus/vectors.py)."""
+vectors' wire format (events/vectors.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from api.openai.embeddings import MAX_INPUTS, EmbeddingsRequest, embeddings_response, floats_of_b64
-from bus.vectors import decode_vectors, encode_vectors, rows_per_message
+from events.vectors import decode_vectors, encode_vectors, rows_per_message
 
 
 def request(**fields: object) -> EmbeddingsRequest:

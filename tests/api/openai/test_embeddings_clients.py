@@ -13,8 +13,8 @@ import openai
 import pytest
 from nats.js import JetStreamContext
 
-from bus.events import InstanceRequested, ModelAdded
 from bus.publisher import Publisher
+from events.catalogue import InstanceRequested, ModelAdded
 from tests.api.conftest import ApiStack
 from tests.api.up_cluster import UpCluster
 from tests.cli.shoal_up import KEY

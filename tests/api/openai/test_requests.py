@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from api.openai.requests import ChatCompletionRequest, CompletionRequest, choice_params
-from bus.records import SamplingParams, ToolChoice
+from events.records import SamplingParams, ToolChoice
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

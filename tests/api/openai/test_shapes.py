@@ -15,8 +15,8 @@ from api.openai.shapes import (
     usage,
 )
 from api.reply import Reply
-from bus.events import ChunkGenerated
-from bus.records import TokenLogprob, ToolCallDelta, TopLogprob, Usage
+from events.catalogue import ChunkGenerated
+from events.records import TokenLogprob, ToolCallDelta, TopLogprob, Usage
 
 
 def chunk(idx: int, text: str = "", **fields: object) -> ChunkGenerated:

@@ -21,8 +21,8 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import free_port
-from bus.events import InstanceRequested, ModelAdded
 from bus.publisher import Publisher
+from events.catalogue import InstanceRequested, ModelAdded
 from tests.api.conftest import ApiStack
 from tests.cli.shoal_up import KEY, Drained, read_until_ready, start
 from tests.services.processes import SHOAL

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from api.errors import ApiError
 from api.responses.counting import count_question, input_tokens
 from api.responses.requests import ResponsesBody, ResponsesRequest, chat_task, continued
-from bus.records import ChatMessage, ToolCall
-from bus.tokenizer import TokenizerAnswer
+from events.records import ChatMessage, ToolCall
+from events.tokenizer import TokenizerAnswer
 from tests.api.asks import (
     HELLO,
     WEATHER_DESCRIPTION,

@@ -28,8 +28,8 @@ from openai.types.responses import (
 )
 
 from bus.connection import connect
-from bus.events import ResponseStored
 from bus.publisher import Publisher
+from events.catalogue import ResponseStored
 from tests.api.asks import (
     HELLO,
     WEATHER_DESCRIPTION,

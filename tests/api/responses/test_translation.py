@@ -31,8 +31,8 @@ from api.responses.shapes import (
     final_response,
     output_items,
 )
-from bus.events import ChunkGenerated
-from bus.records import ChatMessage, ToolCall, ToolCallDelta, Usage
+from events.catalogue import ChunkGenerated
+from events.records import ChatMessage, ToolCall, ToolCallDelta, Usage
 
 WEATHER = {
     "type": "function",

@@ -13,16 +13,16 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     InstanceRequested,
     ModelAdded,
     NodeJoined,
     ResourceProfiled,
     RunnerStateChanged,
 )
-from bus.publisher import Publisher
-from bus.records import NodeProfile
-from bus.units import MiB
+from events.records import NodeProfile
+from events.units import MiB
 from services.runner.engines.base import Engine
 from services.runner.tokenizer_service import TokenizerService
 from tests.api.conftest import ApiStack

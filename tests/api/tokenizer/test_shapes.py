@@ -19,8 +19,8 @@ from api.tokenizer.shapes import (
     tokenize_body,
     tokenized,
 )
-from bus.records import ToolChoice
-from bus.tokenizer import TokenizeChat, TokenizerAnswer, TokenizeText, TokenPiece
+from events.records import ToolChoice
+from events.tokenizer import TokenizeChat, TokenizerAnswer, TokenizeText, TokenPiece
 
 ANSWER = TokenizerAnswer(
     tokens=[9906, 1917],

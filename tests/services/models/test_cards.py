@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from bus.events import ModelAdded
+from events.catalogue import ModelAdded
 from services.models.cards import ModelCard, PackageSource, PathSource
 from services.models.catalogue import UnknownModel, builtin_cards, card_for
 

@@ -12,13 +12,13 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import ModelAdded, NodeJoined, ResourceProfiled, WeightFile, parse_event
 from bus.object_store import digest_hex, object_info
 from bus.publisher import Publisher
 from bus.reader import read_stream
-from bus.records import NodeProfile
 from bus.streams import EVENTS_STREAM, MODELS_BUCKET
-from bus.units import GiB
+from events.catalogue import ModelAdded, NodeJoined, ResourceProfiled, WeightFile, parse_event
+from events.records import NodeProfile
+from events.units import GiB
 from projectors import database
 from services.models.weights_cache import sha256_of
 

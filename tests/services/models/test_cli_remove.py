@@ -13,10 +13,10 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.embedded import EmbeddedNats
-from bus.events import InstanceDeleteRequested, InstanceRequested, ModelAdded
 from bus.object_store import object_info
 from bus.publisher import Publisher
 from bus.streams import MODELS_BUCKET
+from events.catalogue import InstanceDeleteRequested, InstanceRequested, ModelAdded
 from services.models.shared import store_files
 from tests.projectors.helpers import running_projector, wait_for_seq
 from tests.services.models.test_cli_models import SHOAL, models_added, one_line_error

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
-from bus.units import MiB
+from events.units import MiB
 from services.models.footprint import Footprint, engine_overhead_bytes
 from services.models.metadata import (
     OVERHEAD_FIXED_BYTES,

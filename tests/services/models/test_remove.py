@@ -11,7 +11,11 @@ import pytest
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import (
+from bus.object_store import object_info
+from bus.publisher import Publisher
+from bus.reader import read_stream
+from bus.streams import EVENTS_STREAM, MODELS_BUCKET
+from events.catalogue import (
     InstanceDeleteRequested,
     InstanceRequested,
     ModelAdded,
@@ -19,10 +23,6 @@ from bus.events import (
     WeightFile,
     parse_event,
 )
-from bus.object_store import object_info
-from bus.publisher import Publisher
-from bus.reader import read_stream
-from bus.streams import EVENTS_STREAM, MODELS_BUCKET
 from projectors.rules import fold
 from projectors.state import ClusterState
 from projectors.store import load_state

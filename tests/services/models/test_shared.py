@@ -13,9 +13,9 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.events import WeightFile
 from bus.object_fetch import partial_paths
 from bus.streams import MODELS_BUCKET
+from events.catalogue import WeightFile
 from services.models.shard_files import (
     gguf_entry,
     mlx_files_for_layers,

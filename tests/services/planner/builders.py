@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 
-from bus.events import (
+from events.catalogue import (
     Event,
     InstancePlaced,
     InstanceRequested,
@@ -20,9 +20,9 @@ from bus.events import (
     ResourceProfiled,
     RunnerStateChanged,
 )
-from bus.kinds import Engine
-from bus.records import Accelerator, AcceleratorBackend, GpuInfo, NodeProfile, ShardAssignment
-from bus.states import RunnerState
+from events.kinds import Engine
+from events.records import Accelerator, AcceleratorBackend, GpuInfo, NodeProfile, ShardAssignment
+from events.states import RunnerState
 from projectors.rules import fold
 from projectors.state import ClusterState
 from services.models.footprint import Footprint

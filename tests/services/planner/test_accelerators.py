@@ -5,8 +5,8 @@ folds them."""
 
 from __future__ import annotations
 
-from bus.events import Event
-from bus.units import GiB
+from events.catalogue import Event
+from events.units import GiB
 from services.planner.cluster import cluster_view
 from services.planner.placement import place
 from tests.services.planner.builders import (

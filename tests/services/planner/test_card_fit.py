@@ -3,7 +3,7 @@ downloaded) or from what the cluster knows of it."""
 
 from __future__ import annotations
 
-from bus.units import GiB
+from events.units import GiB
 from services.models.catalogue import card_for
 from services.planner.card_fit import card_info, fits_now
 from tests.services.planner.builders import fold_all, model, node

@@ -3,8 +3,8 @@ placed."""
 
 from __future__ import annotations
 
-from bus.events import Event, InstanceDeleted, InstanceDeleteRequested, NodeLeft, NodeTimedOut
-from bus.units import GiB, MiB
+from events.catalogue import Event, InstanceDeleted, InstanceDeleteRequested, NodeLeft, NodeTimedOut
+from events.units import GiB, MiB
 from services.planner.cluster import ClusterView, Device, cluster_view
 from tests.services.planner.builders import (
     at,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from bus.events import (
+from events.catalogue import (
     Event,
     InstanceDeleted,
     InstanceDeleteRequested,
@@ -15,7 +15,7 @@ from bus.events import (
     NodeTimedOut,
     PlacementRejected,
 )
-from bus.units import GiB
+from events.units import GiB
 from projectors.state import ClusterState
 from services.planner.decisions import (
     Decision,

@@ -15,9 +15,9 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import InstancePlaced, InstanceRequested
 from bus.publisher import Publisher
-from bus.units import GiB, MiB
+from events.catalogue import InstancePlaced, InstanceRequested
+from events.units import GiB, MiB
 from projectors.rules import changes_for
 from services.models.footprint import DEFAULT_EMBED_CONTEXT_LENGTH, context_for
 from services.planner.decisions import decide

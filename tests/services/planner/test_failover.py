@@ -16,7 +16,8 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     InstancePlaced,
     InstanceRequested,
     ModelAdded,
@@ -27,8 +28,7 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
 )
-from bus.publisher import Publisher
-from bus.records import ChatMessage, SamplingParams
+from events.records import ChatMessage, SamplingParams
 from harness.hosts import Network
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes

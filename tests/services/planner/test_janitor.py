@@ -8,7 +8,8 @@ from datetime import UTC, datetime, timedelta
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     EventBase,
     ResponseDeleted,
     ResponseStored,
@@ -16,7 +17,6 @@ from bus.events import (
     TaskFailed,
     TaskForgotten,
 )
-from bus.publisher import Publisher
 from services.planner.janitor import delete_expired, forget_ended
 from tests.projectors.helpers import db_rows, running_projector, wait_for_seq
 from tests.services.event_log import EventLog

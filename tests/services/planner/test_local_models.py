@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from bus.events import InstancePlaced, ModelAdded, PlacementRejected
-from bus.units import GiB
+from events.catalogue import InstancePlaced, ModelAdded, PlacementRejected
+from events.units import GiB
 from services.planner.cluster import cluster_view
 from services.planner.decisions import PlannerPolicy, decide
 from services.planner.placement import ModelInfo, PlacementRequest, place

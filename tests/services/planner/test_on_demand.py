@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bus.events import (
+from events.catalogue import (
     EmbeddingsRequested,
     InstanceDeleted,
     InstancePlaced,
@@ -17,8 +17,8 @@ from bus.events import (
     TaskCompleted,
     TaskCreated,
 )
-from bus.records import ChatMessage, Timings, Usage
-from bus.units import GiB
+from events.records import ChatMessage, Timings, Usage
+from events.units import GiB
 from projectors.rules import fold
 from projectors.state import ClusterState
 from services.planner.decisions import Decision, PlannerPolicy, decide

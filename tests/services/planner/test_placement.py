@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.events import Event, NodeLeft, NodeTimedOut
-from bus.records import AcceleratorBackend
-from bus.units import GiB, MiB
+from events.catalogue import Event, NodeLeft, NodeTimedOut
+from events.records import AcceleratorBackend
+from events.units import GiB, MiB
 from services.planner.cluster import ClusterView, device_layers
 from services.planner.placement import Placement, place
 from services.planner.placement_spec import MAX_REPLICAS

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from bus.kinds import DEFAULT_ROLE, INSTANCE_ROLES, InstanceRole
+from events.kinds import DEFAULT_ROLE, INSTANCE_ROLES, InstanceRole
 from services.planner.placement_spec import (
     ROLES,
     DeviceRef,

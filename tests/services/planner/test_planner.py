@@ -14,7 +14,8 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     InstanceDeleted,
     InstanceDeleteRequested,
     InstancePlaced,
@@ -25,9 +26,8 @@ from bus.events import (
     PlacementRejected,
     ResourceProfiled,
 )
-from bus.publisher import Publisher
-from bus.records import NodeProfile
-from bus.units import MiB
+from events.records import NodeProfile
+from events.units import MiB
 from tests.services.event_log import EventLog
 from tests.services.processes import SHOAL, Processes
 

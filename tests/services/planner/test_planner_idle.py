@@ -10,10 +10,10 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.events import InstanceRequested, NodeJoined, ResourceProfiled
 from bus.publisher import Publisher
-from bus.records import NodeProfile
-from bus.units import GiB
+from events.catalogue import InstanceRequested, NodeJoined, ResourceProfiled
+from events.records import NodeProfile
+from events.units import GiB
 from projectors import database
 from projectors.projector import Projector
 from services.planner.planner import Planner

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from bus.connection import connect
-from bus.events import NodeJoined, NodeTimedOut, ResourceProfiled
 from bus.publisher import Publisher
-from bus.records import NodeProfile
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
+from events.catalogue import NodeJoined, NodeTimedOut, ResourceProfiled
+from events.records import NodeProfile
 from harness.hosts import Network
 from tests.bus.nats_cluster import NatsCluster, make_leader, stream_info
 from tests.services.event_log import EventLog

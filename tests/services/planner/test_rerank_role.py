@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.units import GiB
+from events.units import GiB
 from services.models.footprint import DEFAULT_EMBED_CONTEXT_LENGTH, context_for
 from services.planner.instance_request import RequestRefused, placement_request
 from services.planner.placement_spec import instance_role

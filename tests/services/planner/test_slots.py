@@ -12,8 +12,8 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from bus.events import Event, InstancePlaced, ModelAdded, PlacementRejected
-from bus.units import GiB
+from events.catalogue import Event, InstancePlaced, ModelAdded, PlacementRejected
+from events.units import GiB
 from services.models.footprint import DEFAULT_MAX_SLOTS
 from services.planner.placement import PlacementRequest, place
 from tests.services.planner.builders import (

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bus.events import ChunkGenerated, TaskCreated
-from bus.records import TokenLogprob, ToolCallDelta
+from events.catalogue import ChunkGenerated, TaskCreated
+from events.records import TokenLogprob, ToolCallDelta
 from services.runner.engines.base import Engine
 from services.runner.generation import Step, check_request, steps
 from services.runner.job import prepare

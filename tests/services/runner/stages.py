@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.records import ShardAssignment
+from events.records import ShardAssignment
 
 
 def stages(*bounds: int) -> list[ShardAssignment]:

@@ -9,10 +9,10 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from bus.consumer import EventConsumer
-from bus.events import TaskCreated
 from bus.publisher import Publisher
-from bus.records import ChatMessage, SamplingParams
 from bus.streams import EVENTS_STREAM
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, SamplingParams
 from services.runner.claim import Claim, Seen, redelivered
 
 

@@ -12,7 +12,8 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     EmbeddingsComputed,
     EmbeddingsRequested,
     TaskCancelled,
@@ -21,9 +22,8 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
-from bus.publisher import Publisher
-from bus.records import ChatMessage, SamplingParams
-from bus.vectors import decode_vectors
+from events.records import ChatMessage, SamplingParams
+from events.vectors import decode_vectors
 from services.runner.embed_serve import EmbeddingServer
 from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
 from services.runner.engines.llamacpp.engine import LlamaCppEngine

@@ -13,7 +13,8 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     Resume,
     RunnerStateChanged,
     TaskCompleted,
@@ -21,8 +22,7 @@ from bus.events import (
     TaskFailed,
     TaskStarted,
 )
-from bus.publisher import Publisher
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.resume import message_id
 from services.runner.current_tasks import CurrentTasks
 from services.runner.engines.llamacpp.engine import LlamaCppEngine

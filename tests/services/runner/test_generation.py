@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bus.records import SamplingParams, ToolCallDelta
+from events.records import SamplingParams, ToolCallDelta
 from services.runner.decoding import Decoding, PromptScores, ThinkingBudget, Token
 from services.runner.generation import ScoredPrompt, Step, check_request, steps
 from services.runner.stops import Emitted, StopMatcher

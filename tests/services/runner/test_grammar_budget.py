@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from bus.events import TaskCreated
-from bus.records import ChatMessage, SamplingParams, Tool
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, SamplingParams, Tool
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.job import prepared
 from structured.reply import InvalidRequest

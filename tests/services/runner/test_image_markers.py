@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bus.images import stored_image
-from bus.records import ChatMessage, ImagePart
+from events.records import ChatMessage, ImagePart
 from services.runner.image_markers import placed, placeholder, with_placeholders
 from structured.reply import InvalidRequest
 from tests.images import checkers_png, gradient_png

@@ -10,10 +10,10 @@ from typing import cast
 import pytest
 from nats.js import JetStreamContext
 
-from bus.events import TaskCreated
 from bus.images import stored_image
 from bus.parts import PartStore
-from bus.records import ChatMessage, SamplingParams
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, SamplingParams
 from services.runner.engines.base import Engine
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.images import images_for, reads_images

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from bus.events import TaskCreated
-from bus.records import ChatMessage, SamplingParams, Tool, ToolCall, ToolChoice
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, SamplingParams, Tool, ToolCall, ToolChoice
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.generation import Step, check_request, steps
 from services.runner.job import prepare

@@ -8,8 +8,8 @@ from __future__ import annotations
 import llama_cpp
 import pytest
 
-from bus.records import DeviceLayers, ShardAssignment
-from bus.units import GiB
+from events.records import DeviceLayers, ShardAssignment
+from events.units import GiB
 from services.planner.placement import place
 from services.runner.engines.llamacpp.devices import GgmlDevice, list_devices
 from services.runner.main import UnsupportedDevice, whole_model_offload

@@ -17,15 +17,15 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.events import (
+from bus.publisher import Publisher
+from events.catalogue import (
     EmbeddingsComputed,
     EmbeddingsRequested,
     TaskCompleted,
     TaskFailed,
     TaskStarted,
 )
-from bus.publisher import Publisher
-from bus.vectors import decode_vectors
+from events.vectors import decode_vectors
 from services.runner.embed_serve import EmbeddingServer, RerankServer
 from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
 from services.runner.engines.llamacpp.rerank import LlamaCppReranker

@@ -14,10 +14,10 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from bus.consumer import EventConsumer
-from bus.events import RunnerStateChanged, TaskCompleted, TaskCreated, TaskStarted, utc_now
 from bus.publisher import Publisher
-from bus.records import ChatMessage, SamplingParams
 from bus.streams import EVENTS_STREAM
+from events.catalogue import RunnerStateChanged, TaskCompleted, TaskCreated, TaskStarted, utc_now
+from events.records import ChatMessage, SamplingParams
 from services.resume import Logged, continuation, message_id
 from services.runner.consumers import tasks_consumer_name
 from services.runner.current_tasks import CurrentTasks

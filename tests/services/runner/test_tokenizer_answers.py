@@ -11,10 +11,10 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.claim_check import checked_in, resolved
-from bus.events import TaskCreated
 from bus.parts import PartStore
-from bus.records import ChatMessage, ResponseFormat, Tool, ToolChoice
-from bus.tokenizer import DescribeTokenizer, Detokenize, TokenizeChat, TokenizeText, TokenPiece
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, ResponseFormat, Tool, ToolChoice
+from events.tokenizer import DescribeTokenizer, Detokenize, TokenizeChat, TokenizeText, TokenPiece
 from services.runner.engines.base import Engine
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.job import prepare

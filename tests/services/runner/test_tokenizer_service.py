@@ -11,8 +11,8 @@ import nats.errors
 import pytest
 from nats.aio.client import Client
 
-from bus.subjects import tokenizer_subject
-from bus.tokenizer import Detokenize, TokenizerAnswer, TokenizerQuestion, TokenizeText
+from events.subjects import tokenizer_subject
+from events.tokenizer import Detokenize, TokenizerAnswer, TokenizerQuestion, TokenizeText
 from services.runner.engines.base import Engine
 from services.runner.tokenizer_service import TokenizerService
 

@@ -16,7 +16,10 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import (
+from bus.publisher import Publisher
+from bus.reader import read_stream
+from bus.streams import EVENTS_STREAM
+from events.catalogue import (
     Event,
     InstancePlaced,
     InstanceRequested,
@@ -26,10 +29,7 @@ from bus.events import (
     WeightFile,
     parse_event,
 )
-from bus.publisher import Publisher
-from bus.reader import read_stream
-from bus.records import ShardAssignment
-from bus.streams import EVENTS_STREAM
+from events.records import ShardAssignment
 from projectors.rules import fold
 from services.models.cache_budget import CacheSize
 from services.models.shared import shard_model_path, store_files

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bus.records import Accelerator
-from bus.units import GiB
+from events.records import Accelerator
+from events.units import GiB
 from services.runner.engines.llamacpp.devices import GgmlDevice, list_devices, model_devices
 from services.worker.device_probe import Probe, probe, worth_probing
 from services.worker.devices import MlxGpu, NvidiaGpu, accelerators, pci_bus_id

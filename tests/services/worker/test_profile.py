@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bus.events import ResourceProfiled, parse_event
-from bus.units import GiB
+from events.catalogue import ResourceProfiled, parse_event
+from events.units import GiB
 from services.worker.profile import (
     collect_profile,
     cpu_model,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import signal
 
-from bus.events import InstanceDeleteRequested, InstancePlaced, InstanceRequested
-from bus.records import ShardAssignment
+from events.catalogue import InstanceDeleteRequested, InstancePlaced, InstanceRequested
+from events.records import ShardAssignment
 from projectors.rules import fold
 from services.worker.reconcile import (
     describe_exit,

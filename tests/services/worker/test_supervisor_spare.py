@@ -6,7 +6,7 @@ import asyncio
 import signal
 from pathlib import Path
 
-from bus.records import ShardAssignment
+from events.records import ShardAssignment
 from services.runner.spec import RunnerSpec
 from services.worker.supervisor import SPARE_AFTER_S, SPARE_AT_LATEST_S, Supervised, Supervisor
 

@@ -17,10 +17,10 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.events import WeightFile
 from bus.object_fetch import partial_paths
 from bus.streams import MODELS_BUCKET
-from bus.units import MiB
+from events.catalogue import WeightFile
+from events.units import MiB
 from services.models.shared import WeightsUnavailable, fetch_files, store_files
 from services.models.weight_offers import ask_for_offer
 from services.models.weights_cache import WeightsCache, sha256_of

@@ -18,7 +18,7 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict
 
-from bus.records import AcceleratorBackend
+from events.records import AcceleratorBackend
 
 # enum ggml_backend_dev_type (ggml-backend.h), in order.
 GgmlDeviceType = Literal["cpu", "gpu", "igpu", "accel", "meta"]

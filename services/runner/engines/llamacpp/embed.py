@@ -21,7 +21,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 
-from bus.vectors import Vectors
+from events.vectors import Vectors
 from services.models.metadata import read_gguf_fields
 from services.runner.engines.llamacpp.batch import Batch
 from structured.reply import InvalidRequest

@@ -19,7 +19,7 @@ from typing import Any
 
 from llama_cpp import LLAMA_SPLIT_MODE_LAYER
 
-from bus.records import ShardAssignment
+from events.records import ShardAssignment
 from services.addresses import is_loopback
 from services.runner.engines.llamacpp import rpc as ggml_rpc
 from services.runner.offload import accelerators

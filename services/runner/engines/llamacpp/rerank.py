@@ -17,7 +17,7 @@ from typing import Any
 
 import llama_cpp
 
-from bus.vectors import Vectors
+from events.vectors import Vectors
 from services.runner.engines.llamacpp.embed import POOLING_NAMES, LlamaCppEmbedder
 
 

@@ -25,7 +25,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.runner.decoding import ForcedTokens, Token, floored, request_seed
 from structured.reply import Grammar, InvalidRequest, Trigger
 

@@ -32,7 +32,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.runner.decoding import Decoding, Token, floored
 from services.runner.generation import check_against_vocabulary
 from structured.reply import Grammar, InvalidRequest, Trigger

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, Field
 
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.runner.decoding import Decoding, Token
 from services.runner.engines.mlx.ring import PipelineBroken, Ring
 from services.runner.engines.mlx.sampling import as_tokens

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bus.events import TaskCreated
+from events.catalogue import TaskCreated
 from services.runner.decoding import Decoding, PromptScores, Token
 from services.runner.engines.base import Engine
 from services.runner.engines.mlx.head import PipelineHead

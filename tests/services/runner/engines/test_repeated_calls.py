@@ -19,8 +19,8 @@ import json
 import pytest
 
 import tests.api.asks as asks
-from bus.events import TaskCreated
-from bus.records import ChatMessage, SamplingParams, Tool, ToolChoice
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, SamplingParams, Tool, ToolChoice
 from services.runner.engines.base import Engine
 from services.runner.generation import Step, check_request, steps
 from services.runner.job import prepare

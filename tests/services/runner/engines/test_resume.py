@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-from bus.events import Resume, TaskCreated
-from bus.records import SamplingParams
+from events.catalogue import Resume, TaskCreated
+from events.records import SamplingParams
 from services.runner.decoding import Decoding
 from services.runner.engines.base import Engine
 from services.runner.engines.llamacpp.engine import LlamaCppEngine

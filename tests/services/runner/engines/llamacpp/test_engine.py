@@ -21,7 +21,7 @@ import pytest
 from llama_cpp import Llama, llama_chat_format
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-from bus.records import SamplingParams, ShardAssignment
+from events.records import SamplingParams, ShardAssignment
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
 from services.runner.engines.llamacpp import sampling as llamacpp_sampling
 from services.runner.engines.llamacpp.batch_plan import ECHO_CHUNK

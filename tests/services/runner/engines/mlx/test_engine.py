@@ -13,8 +13,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from bus.events import TaskCreated
-from bus.records import ChatMessage, SamplingParams
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, SamplingParams
 from services.models.tiny_mlx import CHATML
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.mlx.engine import PREFILL_STEP, MlxEngine, prefill_chunks

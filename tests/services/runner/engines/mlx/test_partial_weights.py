@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from bus.events import WeightFile
+from events.catalogue import WeightFile
 from services.models.shard_files import SAFETENSORS_INDEX, needed_files
 from services.runner.engines.mlx.ring import PipelineShard
 from services.runner.engines.mlx.stage import Stage

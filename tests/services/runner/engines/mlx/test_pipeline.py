@@ -23,8 +23,8 @@ import pytest
 from llama_cpp import llama_grammar
 from mlx.utils import tree_flatten
 
-from bus.events import TaskCreated
-from bus.records import ChatMessage, SamplingParams
+from events.catalogue import TaskCreated
+from events.records import ChatMessage, SamplingParams
 from harness.hosts import Host, Network
 from services.runner.decoding import Token
 from services.runner.engines.mlx.engine import PREFILL_STEP, MlxEngine, load_model

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.runner.decoding import Decoding, Token
 from services.runner.engines.mlx.engine import PREFILL_STEP, MlxEngine
 

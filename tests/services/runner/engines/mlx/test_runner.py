@@ -10,9 +10,9 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.events import RunnerStateChanged, TaskCompleted, TaskCreated
 from bus.publisher import Publisher
-from bus.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
+from events.catalogue import RunnerStateChanged, TaskCompleted, TaskCreated
+from events.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
 from services.runner.engines.mlx.engine import MlxEngine
 from services.runner.spec import RunnerSpec
 from tests.services.event_log import EventLog

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from llama_cpp import llama_grammar
 
-from bus.records import SamplingParams
+from events.records import SamplingParams
 from services.runner.decoding import LOGPROB_FLOOR, Decoding, PromptScores, Token
 from services.runner.engines.mlx.engine import PREFILL_STEP, MlxEngine
 from services.runner.engines.mlx.sampling import Picker, as_tokens, prompt_scores

@@ -18,8 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from bus.events import TaskCreated
-from bus.records import SamplingParams
+from events.catalogue import TaskCreated
+from events.records import SamplingParams
 from services.models.tiny_mlx_vision import IMAGE_TOKENS
 from services.runner.decoding import Decoding, PromptCached, Token
 from services.runner.engines.mlx.engine import MlxEngine

@@ -1,6 +1,6 @@
 """The records events are made of: the values nested inside them (a node's profile, a shard's
 layers, a chat message, sampling parameters, usage...), and the types of their fields. Frozen
-pydantic models, JSON on the wire as the events are (``bus/events.py``)."""
+pydantic models, JSON on the wire as the events are (``events/catalogue.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from bus.kinds import Engine
+from events.kinds import Engine
 
 # Ids name subjects and rows, so they are never empty.
 Id = Annotated[str, Field(min_length=1)]

@@ -1,6 +1,6 @@
 """The events a task's runner streams to whoever waits for its answer (tokens, prompt scores,
 embeddings): on the chunk stream, ``shoal.chunks.<task_id>``, not on the event stream. Part of
-the catalogue (``bus/events.py``'s ``Event``)."""
+the catalogue (``events/catalogue.py``'s ``Event``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from bus.event_base import EventBase
-from bus.records import FinishReason, Id, TokenLogprob, ToolCallDelta
-from bus.subjects import Aggregate
+from events.event_base import EventBase
+from events.records import FinishReason, Id, TokenLogprob, ToolCallDelta
+from events.subjects import Aggregate
 
 
 class _ChunkStreamEvent(EventBase):
@@ -42,7 +42,7 @@ class ChunkGenerated(_ChunkStreamEvent):
         default=None,
         ge=0,
         description="The attempt that made it: 0 the first run, n the n-th continuation"
-        " (`resume.attempt`); only the newest attempt's chunks count (bus/attempts.py)."
+        " (`resume.attempt`); only the newest attempt's chunks count (events/attempts.py)."
         " None: logged before attempts were.",
     )
     # Known before the outcome's usage, for Anthropic's message_start.
@@ -71,7 +71,7 @@ class PromptScored(_ChunkStreamEvent):
 
 class EmbeddingsComputed(_ChunkStreamEvent):
     """The vectors of a slice of an embeddings task's inputs, L2-normalised, as base64 of
-    float32 little-endian (``bus.vectors``), one row of ``dimensions`` after the other: 64
+    float32 little-endian (``events.vectors``), one row of ``dimensions`` after the other: 64
     vectors of 576 dimensions are 197 KB, far below a NATS message's 1 MiB, and larger answers
     come in several slices. Published before the task's ``TaskCompleted``. A rerank task's
     (one with a ``query``) are its scores: one float per input, not normalised."""

@@ -26,7 +26,7 @@ ALL_DEAD_LETTERS = f"{DEADLETTER_PREFIX}.>"
 WEIGHTS_WANTED = "shoal.weights.wanted"
 # Asking a chat runner of a model about its tokenizer (tokenize, detokenize, count a chat's
 # prompt): core NATS request-reply to ``shoal.tokenizer.<model_id>``, answered by one runner of
-# the queue group, in no stream (bus/tokenizer.py).
+# the queue group, in no stream (events/tokenizer.py).
 TOKENIZER_PREFIX = "shoal.tokenizer"
 TOKENIZER_QUEUE = "tokenizers"
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bus.events import ChunkGenerated, TaskCreated
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM, all_subjects, stream_of
-from bus.subjects import (
+from events.catalogue import ChunkGenerated, TaskCreated
+from events.subjects import (
     ALL_DEAD_LETTERS,
     ALL_EVENTS,
     CHUNKS_PREFIX,
@@ -220,11 +220,11 @@ _HAND_MADE = re.compile(
 
 
 def test_subjects_come_only_from_the_catalogue() -> None:
-    """Outside bus/ (and the tests, which make malformed ones on purpose), subjects are built
+    """Outside events/ (and the tests, which make malformed ones on purpose), subjects are built
     by the catalogue's functions: a rename there reaches every publisher and filter."""
     found = [
         f"{path.relative_to(REPO)}:{n}"
-        for folder in ("api", "services", "projectors", "bench", "migrations")
+        for folder in ("bus", "structured", "api", "services", "projectors", "bench", "migrations")
         for path in sorted((REPO / folder).rglob("*.py"))
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if _HAND_MADE.search(line)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.attempts import (
+from events.attempts import (
     Attempt,
     attempt_of,
     better,
@@ -15,8 +15,8 @@ from bus.attempts import (
     seen_in,
     superseded,
 )
-from bus.events import ChunkGenerated, Resume, TaskCompleted, TaskCreated, TaskFailed
-from bus.records import Timings, Usage
+from events.catalogue import ChunkGenerated, Resume, TaskCompleted, TaskCreated, TaskFailed
+from events.records import Timings, Usage
 
 TASK = TaskCreated(task_id="t", model_id="m", origin="api", prompt="hi", kind="completion")
 

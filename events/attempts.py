@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from bus.events import ChunkGenerated, TaskCompleted, TaskCreated, TaskFailed
+from events.catalogue import ChunkGenerated, TaskCompleted, TaskCreated, TaskFailed
 
 FIRST_ATTEMPT = 0
 

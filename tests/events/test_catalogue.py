@@ -15,7 +15,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from bus.events import (
+from events.catalogue import (
     EVENT_TYPES,
     SCHEMA_VERSION,
     ChunkGenerated,
@@ -52,7 +52,7 @@ from bus.events import (
     parse_event,
     subject_event_type,
 )
-from bus.records import (
+from events.records import (
     ChatMessage,
     GpuInfo,
     NetworkInterface,
@@ -67,8 +67,8 @@ from bus.records import (
     TopLogprob,
     Usage,
 )
-from bus.subjects import unescape_token
-from bus.units import GiB
+from events.subjects import unescape_token
+from events.units import GiB
 
 TS = datetime(2026, 11, 1, 12, 0, 0, 123456, tzinfo=UTC)
 MODEL = "Qwen2.5-0.5B"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from bus.events import TaskCreated
-from bus.records import ChatMessage
-from bus.tokenizer import (
+from events.catalogue import TaskCreated
+from events.records import ChatMessage
+from events.tokenizer import (
     DescribeTokenizer,
     Detokenize,
     TokenizeChat,

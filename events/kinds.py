@@ -1,6 +1,6 @@
 """Kinds of things the log names that are not states: the engines a model runs on, the roles
 an instance serves and the roles of API keys. Written once, here, as ``Literal`` types, so that
-a misspelt kind is a type error wherever it is used (``bus/states.py`` is the same for states
+a misspelt kind is a type error wherever it is used (``events/states.py`` is the same for states
 and statuses)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What every event is (``EventBase``): its type, id, time, origin and schema version, and the
-subjects it is published on and filtered by. The catalogue of events is ``bus/events.py``."""
+subjects it is published on and filtered by. The catalogue of events is ``events/catalogue.py``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, ClassVar, Literal, cast
 
 from pydantic import Field
 
-from bus.records import Record
-from bus.subjects import (
+from events.records import Record
+from events.subjects import (
     CHUNKS_PREFIX,
     EVENTS_PREFIX,
     Aggregate,

@@ -1,5 +1,5 @@
 """Questions to a model's tokenizer and their answers: what the API asks a chat runner of the
-model (``bus.subjects.tokenizer_subject``, core NATS request-reply, one runner of the queue
+model (``events.subjects.tokenizer_subject``, core NATS request-reply, one runner of the queue
 group answering), for ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` and Anthropic's
 ``count_tokens``.
 
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bus.events import TaskCreated
+from events.catalogue import TaskCreated
 
 
 class _Ask(BaseModel):
