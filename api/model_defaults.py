@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from bus.json_input import kind, loads_strict
 from events.kinds import InstanceRole
 from events.records import INT32_MAX
+from services.json_input import kind, loads_strict
 from services.planner.on_demand import parse_keep_alive
 from services.planner.placement_spec import (
     PlacementSpec,

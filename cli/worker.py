@@ -16,7 +16,6 @@ import psutil
 import typer
 
 from bus.connection import connect
-from bus.process_memory import give_back
 from bus.streams import StreamSettings
 from bus.sync_policy import warn_if_lazy
 from cli.cluster import Secret, discover, use_secret
@@ -32,6 +31,7 @@ from cli.options import (
     run_until_signal,
     setup_logging,
 )
+from process.memory import give_back
 from services.discovery.announcement import Announcement
 from services.runner.main import run_runner
 from services.runner.offload import visible_devices

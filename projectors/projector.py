@@ -40,11 +40,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
 from bus.log_position import check_position
-from bus.process_memory import EVERY_MINUTE, give_back
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from events.catalogue import LogTailLost, subject_event_type
 from events.subjects import ALL_EVENTS, aggregate_filter, aggregate_prefix
+from process.memory import EVERY_MINUTE, give_back
 from projectors import database, snapshot
 from projectors.residency import read_history
 from projectors.rules import changes_for

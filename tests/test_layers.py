@@ -10,12 +10,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # Each room, and the rooms of Shoal's it may import.
 MAY_IMPORT: dict[str, frozenset[str]] = {
+    "process": frozenset(),
     "events": frozenset(),
     "bus": frozenset({"events"}),
     "structured": frozenset({"events"}),
 }
 ROOMS = frozenset(
-    {"events", "bus", "structured", "projectors", "services", "api", "cli", "migrations"}
+    {"process", "events", "bus", "structured", "projectors", "services", "api", "cli", "migrations"}
 )
 
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from bus.json_input import kind, loads_strict
 from events.kinds import DEFAULT_ROLE, InstanceRole, is_role
 from events.records import ACCELERATOR_BACKENDS
+from services.json_input import kind, loads_strict
 from services.models.footprint import MAX_SLOTS
 
 # A new role is one new row here: parsing, checks and messages all read this table.

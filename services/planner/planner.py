@@ -26,12 +26,12 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.process_memory import EVERY_MINUTE
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
 from events.catalogue import InstancePlaced, NodeTimedOut, PlacementRejected
 from events.states import SERVING, STARTING
 from events.subjects import Aggregate, aggregate_filter
+from process.memory import EVERY_MINUTE
 from projectors.projector import DEFAULT_NAME
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, RunnerRow
 from projectors.state import ClusterState

@@ -6,7 +6,7 @@ import gc
 
 import psutil
 
-from bus.process_memory import Collector, give_back
+from process.memory import Collector, give_back
 from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from tests.templated import SMOLLM2
 

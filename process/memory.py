@@ -18,7 +18,7 @@ COLLECT_EVERY_S = 60.0
 def give_back() -> None:
     """Collect the garbage, then hand glibc's free heap back to the system: glibc keeps what
     was freed for its next allocations, so a process's size stays at its peak. A process that
-    loaded one model after another grew with each (tests/bus/test_process_memory.py);
+    loaded one model after another grew with each (tests/process/test_memory.py);
     a projector kept a snapshot's peak (bench/soak.py)."""
     gc.collect()
     trim = _malloc_trim()
