@@ -144,6 +144,14 @@ def _ones(total: int, chunk: int = MiB) -> Iterator[bytes]:
         yield block
 
 
+def _chunked(total: int, chunk: int = MiB) -> Iterator[bytes]:
+    """``_ones`` framed as HTTP/1.1 chunks: a body sent unframed under ``Transfer-Encoding:
+    chunked`` is a 400 from the parser whenever its bytes arrive before the app's refusal."""
+    for block in _ones(total, chunk):
+        yield b"%x\r\n" % len(block) + block + b"\r\n"
+    yield b"0\r\n\r\n"
+
+
 def _huge_stream() -> Iterator[bytes]:
     block = b" " * MiB
     for _ in range(HUGE // MiB):
@@ -309,7 +317,14 @@ async def test_bodies_on_the_public_paths_are_refused_unread(api_stack: ApiStack
     ]
     with PeakRss(pid) as rss:
         refusing = [
-            asyncio.to_thread(raw_request, port, head, _ones(body), timeout=10) for head in heads
+            asyncio.to_thread(
+                raw_request,
+                port,
+                head,
+                _chunked(body) if "chunked" in head else _ones(body),
+                timeout=10,
+            )
+            for head in heads
         ]
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             started = time.monotonic()

@@ -148,12 +148,13 @@ async def test_a_partitioned_nats_leader_s_host_then_healed(tmp_path: Path, host
                 hosts.hosts[VICTIM].heal()
                 rejoined = await _replicas_current(nc, EVENTS_STREAM, healed)
                 print(f"n{VICTIM}'s host healed: its events replica current after {rejoined:.1f} s")
-                after = [
-                    await chat(client, api, url, label=f"{api}-after", stream=True, content="Hi.")
-                    for api, url in urls.items()
-                ]
-                assert all(o.kind == "completed" for o in after), [str(o) for o in after]
-                outcomes += after
+                # Both serve once healed. Under load the worker's heartbeats may have failed
+                # long enough meanwhile for its node to be timed out and come back: a clear 503
+                # for a moment, then served.
+                again = {
+                    api: await _serves_again(client, api, url, healed) for api, url in urls.items()
+                }
+                print(f"healed: serving through both APIs after {max(again.values()):.1f} s")
 
             stored = await read_log_once_ended(js)
             check_stored_once(stored)
