@@ -25,6 +25,7 @@ from api.context import ApiContext
 from api.errors import ApiError, Dialect, dialect_of, error_response
 from api.images.placed import NO_IMAGES, Images
 from api.metrics import ApiMetrics
+from api.output_limit import default_max_tokens, with_default_max_tokens
 from api.rate_limit import retry_after
 from api.reply import Reply
 from api.task_stream import LOST, Closed, Recheck, TaskStream
@@ -50,8 +51,7 @@ class Output(ABC):
     # The request's field named by the 413 of a task too large for the log (None: the task's
     # own largest part, as OpenAI's chat and completions call it).
     too_large_param: str | None = None
-    # The output limit ``serve`` gave the tasks, their request having set none (--max-tokens,
-    # a model's default); None: the request's own, or none.
+    # The limit ``serve`` gave tasks whose request set none (api/output_limit.py), or None.
     server_limit: int | None = None
 
     def opening(self, ts: TaskStream, index: int) -> str:
@@ -91,10 +91,8 @@ async def serve(
     # must fit in a NATS message, as must the task. So do its images (bus/images.py).
     tasks = [owned(t) for t in tasks]  # its own: only it (and admins) see it
     tasks = [with_default_budget(t, ctx.config.reasoning_budget) for t in tasks]
-    limit = await default_max_tokens(ctx, tasks[0].model_id)
-    if limit is not None and tasks[0].params.max_tokens is None:
-        out.server_limit = limit
-        tasks = [with_default_max_tokens(t, limit) for t in tasks]
+    if (limit := await default_max_tokens(ctx, tasks[0])) is not None:
+        out.server_limit, tasks = limit, [with_default_max_tokens(t, limit) for t in tasks]
     require_schemas(tasks[0])
     stage = staged(ctx, tasks[0], out.too_large_param)
     # A model loaded for it takes the request's own keep-alive (Ollama's), as its task will.
@@ -113,26 +111,6 @@ async def serve(
 
 
 _NAMED_AS_PARTS = ("messages", "messages_ref", "tools", "tools_ref")
-
-
-async def default_max_tokens(ctx: ApiContext, model_id: str) -> int | None:
-    """The output limit of a request for ``model_id`` that sets none: the model's default
-    (``--model-defaults``), else the API's (``--max-tokens``); None: until the context is full.
-    """
-    names = await ctx.model_names()
-    own = ctx.config.model_defaults.for_model(model_id, names.resolve)
-    if own is not None and own.max_tokens is not None:
-        return own.max_tokens
-    return ctx.config.max_tokens
-
-
-def with_default_max_tokens(task: TaskCreated, limit: int | None) -> TaskCreated:
-    """``task`` limited to ``limit`` tokens where its request set no limit. Its answer, cut
-    there, ends as any cut one does (``length``, ``max_tokens``, ``incomplete``)."""
-    if limit is None or task.params.max_tokens is not None:
-        return task
-    params = task.params.model_copy(update={"max_tokens": limit})
-    return task.model_copy(update={"params": params})
 
 
 def require_schemas(task: TaskCreated) -> None:

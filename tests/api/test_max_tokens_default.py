@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.serving import with_default_max_tokens
+from api.output_limit import with_default_max_tokens
 from bus.embedded import free_port
 from events.catalogue import TaskCreated
 from events.records import SamplingParams
