@@ -21,18 +21,14 @@ from nats.js import JetStreamContext
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.metrics import (
-    ApiMetrics,
+from api.cluster_metrics import (
     ConsumerBacklog,
-    HttpMetrics,
     LogReading,
     ProjectionReading,
-    _Families,
     cluster_families,
     dead_letters_by_stream,
-    endpoint_of,
-    token_timing,
 )
+from api.metrics import ApiMetrics, HttpMetrics, _Families, endpoint_of, token_timing
 from bus.publisher import Publisher
 from events.catalogue import (
     EVENT_TYPES,

@@ -53,7 +53,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo, RawStreamMsg
 
-from api.metrics import dead_letters_by_stream
+from api.cluster_metrics import dead_letters_by_stream
 from bus.consumer import (
     CONSUMER_HEADER,
     REASON_HEADER,
