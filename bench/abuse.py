@@ -39,42 +39,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from bench.common.processes import MODEL_PATH, SHOAL_BIN, Proc
 from bus.embedded import EmbeddedNats, free_port
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, SamplingParams, Tool
 from events.units import MiB
+from harness.memory import PeakRss
 
 KEY = "sk-bench-abuse-0123456789"
-
-
-class PeakRss:
-    """The largest resident memory of a process while the block runs."""
-
-    def __init__(self, pid: int) -> None:
-        self.process = psutil.Process(pid)
-        self.before = self.process.memory_info().rss
-        self.peak = self.before
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(0.005)
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def __str__(self) -> str:
-        return f"RSS {self.before / MiB:.0f} -> peak {self.peak / MiB:.0f} MiB"
 
 
 def png(width: int, height: int) -> bytes:

@@ -24,6 +24,7 @@ import pytest
 from api.errors import Dialect
 from bus.embedded import free_port
 from events.units import MiB
+from harness.memory import PeakRss
 from tests.api.conftest import ApiStack, running_api_stack, wait_healthy
 from tests.services.processes import SHOAL
 
@@ -161,29 +162,6 @@ def _huge_stream() -> Iterator[bytes]:
 def _post_stream(url: str, chunks: Iterator[bytes]) -> httpx.Response:
     with httpx.Client(base_url=url, timeout=60) as client:
         return client.post(CHAT, content=chunks, headers={"content-type": "application/json"})
-
-
-class PeakRss:
-    """The largest resident memory of a process while the block runs, sampled every 5 ms."""
-
-    def __init__(self, pid: int) -> None:
-        self.process = psutil.Process(pid)
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(0.005)
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 async def _warm(url: str) -> None:
