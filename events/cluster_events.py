@@ -10,7 +10,15 @@ from typing import Annotated, ClassVar
 from pydantic import Field
 
 from events.event_base import EventBase
-from events.kinds import DEFAULT_ENGINE, Engine, InstanceRole, KeyRole
+from events.kinds import (
+    DEFAULT_ENGINE,
+    DEFAULT_KV_CACHE,
+    Engine,
+    InstanceRole,
+    KeyRole,
+    KvCacheRequest,
+    KvCacheType,
+)
 from events.records import Id, Int32, NodeProfile, ShardAssignment, WeightFile
 from events.states import RunnerState
 from events.subjects import Aggregate
@@ -153,6 +161,11 @@ class InstanceRequested(_InstanceEvent):
         " None: as many as fit, up to 8, chosen at placement.",
     )
     role: InstanceRole = "chat"
+    kv_cache: KvCacheRequest = Field(
+        default=DEFAULT_KV_CACHE,
+        description="The KV cache's type (f16, q8_0, q4_0), or auto: placement picks f16, else"
+        " the smallest that lets the context fit.",
+    )
     aliases: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
         default_factory=list,
         description="Other names clients may call the model by (an SDK's own model names).",
@@ -188,6 +201,10 @@ class InstancePlaced(_InstanceEvent):
         default=None,
         description="Tasks each replica serves at once, as placed (memory counted for the KV"
         " cache of each); None (older logs): 1.",
+    )
+    kv_cache: KvCacheType = Field(
+        default=DEFAULT_KV_CACHE,
+        description="The KV cache's type its runners use, as placed (older logs: f16).",
     )
 
 

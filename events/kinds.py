@@ -19,6 +19,21 @@ INSTANCE_ROLES: tuple[InstanceRole, ...] = get_args(InstanceRole)
 DEFAULT_ROLE: InstanceRole = "chat"
 
 
+# The type of an instance's KV cache, as llama.cpp names it (llama-server's ``-ctk/-ctv``,
+# Ollama's ``OLLAMA_KV_CACHE_TYPE``): f16 is 2 bytes an element, q8_0 34 bytes and q4_0 18
+# bytes a block of 32 (about a half and a quarter of f16's). A request may also say ``auto``:
+# placement picks f16, else the smallest quantized type that lets the context fit.
+KvCacheType = Literal["f16", "q8_0", "q4_0"]
+KV_CACHE_TYPES: tuple[KvCacheType, ...] = get_args(KvCacheType)
+DEFAULT_KV_CACHE: KvCacheType = "f16"
+KvCacheRequest = Literal["f16", "q8_0", "q4_0", "auto"]
+KV_CACHE_REQUESTS: tuple[KvCacheRequest, ...] = get_args(KvCacheRequest)
+
+
+def is_kv_cache_request(value: object) -> TypeGuard[KvCacheRequest]:
+    return value in KV_CACHE_REQUESTS
+
+
 # What an API key may do: ``user`` keys run inference and see only what they made; ``admin``
 # keys manage the cluster (instances, models, keys) and read its events.
 KeyRole = Literal["admin", "user"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from events.kinds import InstanceRole, KeyRole
+from events.kinds import InstanceRole, KeyRole, KvCacheRequest, KvCacheType
 from events.records import ShardAssignment
 from events.states import InstanceStatus, NodeStatus, RunnerState, StoredResponseStatus, TaskStatus
 
@@ -111,6 +111,8 @@ class InstanceRow:
     aliases: JsonList | None = None  # other names the model is called by through this instance
     requested_slots: int | None = None  # as asked for; None: chosen at placement
     slots: int | None = None  # tasks each replica serves at once, as placed; None: 1
+    requested_kv_cache: KvCacheRequest = "f16"  # as asked for (auto: chosen at placement)
+    kv_cache: KvCacheType = "f16"  # the KV cache's type, as placed
     on_demand: bool = False  # asked for by a request: unloaded when idle (planner/on_demand.py)
     keep_alive_s: float | None = None  # an on-demand instance's; None: the planner's default
     last_used_at: datetime | None = None  # when its model's last task in its role ended

@@ -135,6 +135,8 @@ instances = Table(
     Column("aliases", JSON),
     Column("requested_slots", Integer),
     Column("slots", Integer),
+    Column("requested_kv_cache", String(10), nullable=False, server_default="f16"),
+    Column("kv_cache", String(10), nullable=False, server_default="f16"),
     Column("on_demand", Boolean, nullable=False, server_default=false()),
     Column("keep_alive_s", Float),
     Column("last_used_at", UtcDateTime),

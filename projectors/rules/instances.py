@@ -41,6 +41,7 @@ def instance_requested(state: ClusterState, e: InstanceRequested) -> list[Change
         role=e.role,
         aliases=list(e.aliases) or None,
         requested_slots=e.slots,
+        requested_kv_cache=e.kv_cache,
         on_demand=e.on_demand,
         keep_alive_s=e.keep_alive_s,
         reason=e.reason or None,
@@ -71,6 +72,7 @@ def instance_placed(state: ClusterState, e: InstancePlaced) -> list[Change]:
         generation=e.generation if e.generation is not None else old.generation + 1,
         avoid=list(e.avoid) or old.avoid,
         slots=e.slots,
+        kv_cache=e.kv_cache,
     )
     # A new placement replaces the old shards; a shard it keeps unchanged (same runner, same
     # place, same layers) keeps its runner's state, because that runner keeps running.

@@ -3,15 +3,16 @@
 Placement runs on these numbers only, so it needs no model file: the weights (the file size,
 and its projector's for a model that reads images),
 the KV cache (bytes per token of context, times the context, times the slots: each task served
-at once has a context of its own), and the engine's working memory (compute buffers, logits,
-tokenizer tables), which every runner pays once.
+at once has a context of its own; scaled by its type, ``kv_bytes_per_token``), and the
+engine's working memory (compute buffers, logits, tokenizer tables), which every runner pays
+once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from events.kinds import InstanceRole
+from events.kinds import DEFAULT_KV_CACHE, InstanceRole, KvCacheType
 from events.units import MiB
 from projectors.rows import ModelRow
 from services.models.projector import projector_bytes
@@ -51,12 +52,25 @@ def context_for(model_context: int, requested: int | None, role: InstanceRole = 
     return min(default, model_context) if model_context else default
 
 
+# Bytes of a block of 32 KV-cache elements in each type, as ggml stores them: f16 2 bytes an
+# element; q8_0 32 one-byte values and an f16 scale; q4_0 32 four-bit values and an f16 scale.
+KV_BLOCK_BYTES: dict[KvCacheType, int] = {"f16": 64, "q8_0": 34, "q4_0": 18}
+KV_BLOCK = 32
+
+
+def kv_bytes_per_token(f16_bytes: int, kv_cache: KvCacheType) -> int:
+    """The KV cache per token of a cache of ``kv_cache`` type, from its f16 size (what
+    ``ModelAdded`` carries), rounded up: a half (17/32) for q8_0, a quarter (9/32) for q4_0."""
+    return -(-f16_bytes * KV_BLOCK_BYTES[kv_cache] // (2 * KV_BLOCK))
+
+
 @dataclass(frozen=True, slots=True)
 class Footprint:
     n_layers: int
     weights_bytes: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # of a cache of type kv_cache
     overhead_bytes: int
+    kv_cache: KvCacheType = DEFAULT_KV_CACHE
 
     @classmethod
     def of(cls, model: ModelRow) -> Footprint:
@@ -66,6 +80,13 @@ class Footprint:
             kv_bytes_per_token=model.kv_bytes_per_token,
             overhead_bytes=model.overhead_bytes,
         )
+
+    def with_kv_cache(self, kv_cache: KvCacheType) -> Footprint:
+        """The footprint of the model served with a KV cache of ``kv_cache`` type."""
+        if self.kv_cache != DEFAULT_KV_CACHE:
+            raise ValueError(f"a footprint with a {self.kv_cache} KV cache is converted already")
+        per_token = kv_bytes_per_token(self.kv_bytes_per_token, kv_cache)
+        return replace(self, kv_bytes_per_token=per_token, kv_cache=kv_cache)
 
     def need_bytes(self, n_ctx: int, layers: int | None = None, slots: int = 1) -> int:
         """Memory for ``layers`` of the model (all by default) at ``n_ctx`` tokens for each of

@@ -134,7 +134,7 @@ def shard_needs(state: ClusterState, runner: RunnerRow) -> dict[str, int]:
         return {}
     ctx = context_for(model.context_length, inst.context_length, inst.role)
     slots = runner.slots or inst.slots or 1
-    fp = Footprint.of(model)
+    fp = Footprint.of(model).with_kv_cache(inst.kv_cache)
     if not runner.devices:
         layers = runner.end_layer - runner.start_layer
         return {f"{runner.node_id}:{runner.device}": fp.need_bytes(ctx, layers, slots)}

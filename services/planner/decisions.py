@@ -215,6 +215,8 @@ def _request(
         current=tuple(r.shard() for r in runners) if inst.status == "placed" else (),
         slots=inst.requested_slots,
         current_slots=inst.slots,
+        kv_cache=inst.requested_kv_cache,
+        current_kv_cache=inst.kv_cache if inst.status == "placed" else None,
     )
 
 
@@ -270,6 +272,7 @@ def _place(
             reason=reason,
             avoid=sorted(why.avoid),
             slots=result.slots,
+            kv_cache=result.kv_cache,
             ts=now,
         )
         emit(event, msg_id)

@@ -5,11 +5,22 @@ what `POST /v1/instances`, `POST /v1/placement/preview`, `shoal instances create
 
 from __future__ import annotations
 
-from events.kinds import InstanceRole, main_engine
+from events.kinds import (
+    DEFAULT_KV_CACHE,
+    KV_CACHE_REQUESTS,
+    InstanceRole,
+    is_kv_cache_request,
+    main_engine,
+)
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards
 from services.planner.card_fit import card_info
-from services.planner.placement import ModelInfo, PlacementRequest, slots_problem
+from services.planner.placement import (
+    ModelInfo,
+    PlacementRequest,
+    kv_cache_problem,
+    slots_problem,
+)
 from services.planner.placement_spec import (
     PlacementSpecError,
     instance_role,
@@ -19,8 +30,8 @@ from services.planner.placement_spec import (
 
 class RequestRefused(ValueError):
     """Why the request cannot be made, and the field it is about (``placement``, ``role``,
-    ``slots``, ``model``): each caller words it in its own dialect (a 400 or 404, an error
-    line)."""
+    ``slots``, ``kv_cache``, ``model``): each caller words it in its own dialect (a 400 or
+    404, an error line)."""
 
     def __init__(self, field: str, message: str, unknown_model: bool = False) -> None:
         super().__init__(message)
@@ -49,10 +60,11 @@ def placement_request(
     replicas: int = 1,
     context_length: int | None = None,
     slots: int | None = None,
+    kv_cache: str = DEFAULT_KV_CACHE,
 ) -> PlacementRequest:
     """The request as placement takes it; ``RequestRefused`` for a malformed placement, an
-    unknown role or model, embeddings on an engine without them, or slots the instance could
-    not have."""
+    unknown role or model, embeddings on an engine without them, slots the instance could
+    not have, or a KV-cache type that is unknown or that its engine cannot keep."""
     try:
         parsed = parse_placement_spec(spec) if spec is not None else None
         chosen: InstanceRole = instance_role(spec, role)
@@ -80,6 +92,12 @@ def placement_request(
             )
         if (problem := slots_problem(info, chosen, slots)) is not None:
             raise RequestRefused("slots", f"slots: {problem}")
+    if not is_kv_cache_request(kv_cache):
+        raise RequestRefused(
+            "kv_cache", f"kv_cache: {kv_cache!r} is not one of {', '.join(KV_CACHE_REQUESTS)}"
+        )
+    if (problem := kv_cache_problem(info.engine, chosen, kv_cache)) is not None:
+        raise RequestRefused("kv_cache", problem)
     return PlacementRequest(
         instance_id=instance_id,
         model=info,
@@ -88,4 +106,5 @@ def placement_request(
         spec=spec,
         role=chosen,
         slots=slots,
+        kv_cache=kv_cache,
     )

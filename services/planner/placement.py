@@ -24,6 +24,12 @@ on them beside the weights, up to ``DEFAULT_MAX_SLOTS`` (one for an embed instan
 serves one request at a time); an instance placed again keeps at most the slots it has, so
 that the runners it keeps need not restart.
 
+Each replica's KV cache is of the type the request names (``kv_cache``: f16, q8_0, q4_0), its
+memory scaled by the type (``Footprint.with_kv_cache``). ``auto`` tries f16, then q8_0, then
+q4_0, and takes the first that places (an instance placed again tries the type its runners
+use first, so that the kept ones need not restart); when none does, the rejection says what
+was tried. The MLX engine keeps an f16 cache: a quantized type for it is refused.
+
 Manual placement follows a placement spec (``placement_spec.py``): the listed devices, split
 by ``tensor_split`` (or by room when it is absent), checked against the live cluster.
 
@@ -35,9 +41,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from events.kinds import DEFAULT_ROLE, Engine, InstanceRole, main_engine
+from events.kinds import (
+    DEFAULT_KV_CACHE,
+    DEFAULT_ROLE,
+    KV_CACHE_TYPES,
+    Engine,
+    InstanceRole,
+    KvCacheRequest,
+    KvCacheType,
+    main_engine,
+)
 from events.records import INT32_MAX, DeviceLayers, ShardAssignment
 from projectors.rows import ModelRow
 from services.models.footprint import DEFAULT_MAX_SLOTS, MAX_SLOTS, Footprint, context_for
@@ -93,6 +108,8 @@ class PlacementRequest:
     role: InstanceRole = DEFAULT_ROLE
     slots: int | None = None  # tasks each replica serves at once; None: as many as fit
     current_slots: int | None = None  # what the shards placed now serve (None: 1)
+    kv_cache: KvCacheRequest = DEFAULT_KV_CACHE  # the KV cache's type, or auto
+    current_kv_cache: KvCacheType | None = None  # what the shards placed now use
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,7 @@ class Placement:
     kept_replicas: tuple[int, ...] = ()
     slots: int = 1  # tasks each replica serves at once
     why: tuple[str, ...] = ()  # why each replica went where it did, by replica
+    kv_cache: KvCacheType = DEFAULT_KV_CACHE  # the KV cache's type
 
 
 @dataclass(frozen=True)
@@ -136,10 +154,77 @@ def slots_problem(model: ModelInfo, role: InstanceRole, slots: int) -> str | Non
     return None
 
 
+def _f16_only(engine: Engine, role: InstanceRole) -> str | None:
+    """What keeps its KV cache in f16 only, or None: the MLX engine, and embed and rerank
+    runners (whose contexts are made apart, for one batch of inputs)."""
+    if engine == "mlx":
+        return "the mlx engine keeps its KV cache in f16 only"
+    if role != "chat":
+        article = "an" if role[0] in "aeiou" else "a"
+        return f"{article} {role} instance keeps its KV cache in f16 only"
+    return None
+
+
+def kv_cache_problem(engine: Engine, role: InstanceRole, kv_cache: KvCacheRequest) -> str | None:
+    """Why an instance on ``engine`` cannot have a KV cache of ``kv_cache`` type, or None."""
+    only = _f16_only(engine, role)
+    if only is not None and kv_cache not in (DEFAULT_KV_CACHE, "auto"):
+        return f"kv_cache {kv_cache}: {only}; ask for f16 or auto"
+    return None
+
+
+def kv_cache_candidates(
+    engine: Engine,
+    role: InstanceRole,
+    kv_cache: KvCacheRequest,
+    current: KvCacheType | None = None,
+) -> tuple[KvCacheType, ...]:
+    """The KV-cache types to try, in order: the one asked for; for ``auto`` f16, then the
+    smaller ones (the type the runners use now first, when placing again); f16 only where
+    nothing else is kept (``_f16_only``)."""
+    if kv_cache != "auto":
+        return (kv_cache,)
+    if _f16_only(engine, role) is not None:
+        return (DEFAULT_KV_CACHE,)
+    order = KV_CACHE_TYPES
+    if current is not None:
+        order = (current, *(t for t in order if t != current))
+    return order
+
+
 def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Rejection:
     model = request.model
     if model is None:
         return Rejection("the model is not known to the cluster: add it with `shoal models add`")
+    if (problem := kv_cache_problem(model.engine, request.role, request.kv_cache)) is not None:
+        return Rejection(problem)
+    candidates = kv_cache_candidates(
+        model.engine, request.role, request.kv_cache, request.current_kv_cache
+    )
+    result: Placement | Rejection = Rejection("no KV-cache type to try")
+    for kv in candidates:
+        with_kv = replace(model, footprint=model.footprint.with_kv_cache(kv))
+        # Runners keep the type they were started with: one of another type keeps none.
+        same = request.current_kv_cache in (None, kv)
+        result = _place_with_kv(cluster, request if same else replace(request, current=()), with_kv)
+        if isinstance(result, Placement):
+            return replace(result, kv_cache=kv)
+        if result.needed_bytes is None:
+            return result  # not a want of memory: another type would not help
+    if len(candidates) > 1 and isinstance(result, Rejection):
+        tried = ", ".join(candidates)
+        return Rejection(
+            f"kv_cache auto tried {tried}; with the smallest, {candidates[-1]}: {result.reason}",
+            result.needed_bytes,
+            result.available_bytes,
+        )
+    return result
+
+
+def _place_with_kv(
+    cluster: ClusterView, request: PlacementRequest, model: ModelInfo
+) -> Placement | Rejection:
+    """``place`` for a model whose footprint counts the KV cache of one type."""
     replicas = request.replicas
     if not 1 <= replicas <= MAX_REPLICAS:
         return Rejection(f"replicas must be between 1 and {MAX_REPLICAS}, not {replicas}")
@@ -580,10 +665,11 @@ def _for_replica(
     shown = ", ".join(f"{ref} {gib(b)}" for ref, b in largest[:8])
     more = f" and {len(largest) - 8} more" if len(largest) > 8 else ""
     each = f" for each of {slots} slots" if slots > 1 else ""
+    kv = f" {fp.kv_cache}" if fp.kv_cache != DEFAULT_KV_CACHE else ""
     reason = (
         f"{model.model_id} needs {gib(need)} for a context of {ctx} tokens{each} (weights"
-        f" {gib(fp.weights_bytes)}, KV cache {gib(fp.kv_bytes_per_token * ctx * slots)}, engine"
-        f" {gib(fp.overhead_bytes)} per runner), more than any device or set of nodes can"
+        f" {gib(fp.weights_bytes)}, KV cache {gib(fp.kv_bytes_per_token * ctx * slots)}{kv},"
+        f" engine {gib(fp.overhead_bytes)} per runner), more than any device or set of nodes can"
         f" hold. Usable now (90% of what is offered, less what is placed): {shown}{more}"
         f"{not_used}"
     )
