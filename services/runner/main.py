@@ -22,6 +22,7 @@ from nats.aio.client import Client
 
 from bus.connection import connect
 from bus.streams import ensure_streams
+from events.kinds import DEFAULT_KV_CACHE
 from events.records import ShardAssignment
 from services.runner.embed_serve import EmbeddingServer, RerankServer
 from services.runner.embedding import Embedder
@@ -123,6 +124,8 @@ async def run_llamacpp(
         offload = await asyncio.to_thread(whole_model_offload, spec.shard)
     path = await model_path(spec, state, nc)
     await state.report("Loading", progress=0.0)
+    if spec.role != "chat" and spec.kv_cache != DEFAULT_KV_CACHE:
+        raise UnsupportedEngine(f"kv_cache {spec.kv_cache}: a {spec.role} runner keeps f16 only")
     if spec.role == "embed":
         from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
 
@@ -147,6 +150,7 @@ async def run_llamacpp(
         # A pipeline's head keeps its own layers on its CPU; libmtmd's GPU would be the first
         # GPU device it finds, a later stage's RPC server on a head without a GPU of its own.
         projector_on_cpu=bool(spec.peers),
+        kv_cache=spec.kv_cache,
         **offload,
     )
     await asyncio.to_thread(engine.load)
@@ -180,6 +184,8 @@ async def run_mlx(
     """A whole MLX model, or one rank of an MLX ring: the head serves, the others follow."""
     if spec.role != "chat":
         raise UnsupportedEngine(f"role {spec.role} is not supported on the mlx engine")
+    if spec.kv_cache != DEFAULT_KV_CACHE:  # (placement refuses it; a spec by hand might not)
+        raise UnsupportedEngine(f"kv_cache {spec.kv_cache}: the mlx engine keeps f16 only")
     from services.runner.engines.mlx.blas import blas_in_use, set_threads
     from services.runner.engines.mlx.engine import MlxEngine
     from services.runner.engines.mlx.stages import follow, load_head, ring_shard

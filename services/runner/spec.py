@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from events.catalogue import WeightFile
-from events.kinds import InstanceRole
+from events.kinds import DEFAULT_KV_CACHE, InstanceRole, KvCacheType
 from events.records import ShardAssignment
 
 
@@ -34,6 +34,8 @@ class RunnerSpec(BaseModel):
     n_ctx: int = 2048
     # Tasks served at once, each with a KV cache of n_ctx (an MLX ring serves one).
     slots: int = 1
+    # The type of the slots' KV cache (placement counted its memory at that type's size).
+    kv_cache: KvCacheType = DEFAULT_KV_CACHE
     # llama.cpp threads; None = every core. Several runners on one machine must share the cores:
     # llama.cpp's threads spin-wait, and oversubscribed they fall to seconds per token.
     n_threads: int | None = None

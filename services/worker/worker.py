@@ -312,6 +312,7 @@ class Worker:
             ),
             n_threads=self.config.runner_threads,
             slots=runner_slots(inst.slots, self.config.slots),
+            kv_cache=inst.kv_cache,
             cache_dir=str(self.config.models_dir),
             peers=sorted(peers, key=lambda s: s.rank),
             data_host=self.data_host,

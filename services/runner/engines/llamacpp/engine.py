@@ -21,6 +21,7 @@ import jinja2
 import llama_cpp
 from llama_cpp import Llama, llama_chat_format
 
+from events.kinds import DEFAULT_KV_CACHE, KvCacheType
 from services.runner.decoding import Decoding, PromptCached, PromptScores, Sink, Token
 from services.runner.engines.llamacpp import vocabulary
 from services.runner.engines.llamacpp.batch import BatchDecoder
@@ -75,11 +76,13 @@ class LlamaCppEngine:
         n_threads: int | None = None,
         projector: Path | None = None,
         projector_on_cpu: bool = False,
+        kv_cache: KvCacheType = DEFAULT_KV_CACHE,
         **llama_kwargs: Any,
     ) -> None:
         """``projector``: the model's multimodal projector file (its images are read), on
         the GPU where the model's layers are, or on the CPU with ``projector_on_cpu`` (a
-        pipeline's head, whose GPU devices may be its stages' RPC servers)."""
+        pipeline's head, whose GPU devices may be its stages' RPC servers). ``kv_cache``: the
+        type of the slots' KV cache (K and V alike, as llama-server's ``-ctk/-ctv``)."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         if chat_format is not None and chat_format not in _FORMATTERS:
@@ -94,6 +97,7 @@ class LlamaCppEngine:
         self._kwargs = llama_kwargs
         self._projector = projector
         self._projector_on_cpu = projector_on_cpu
+        self.kv_cache = kv_cache
         self._loaded: _Loaded | None = None
         self._pieces: dict[int, bytes] = {}
         # Apply a grammar to every candidate, every token (llama.cpp's grammar_first), rather
@@ -154,7 +158,13 @@ class LlamaCppEngine:
 
         def make_context(sequences: int) -> Any:
             flash_attn_asked = "flash_attn" in self._kwargs
-            return _context(llm, self._requested_ctx, sequences, flash_attn_asked=flash_attn_asked)
+            return _context(
+                llm,
+                self._requested_ctx,
+                sequences,
+                flash_attn_asked=flash_attn_asked,
+                kv_cache=self.kv_cache,
+            )
 
         decoder = BatchDecoder(
             make_context,
@@ -390,17 +400,38 @@ _NO_PROJECTOR = "its model has no projector (mmproj) file"
 _LLAMA_OWN_CTX = 64
 
 
-def _context(llm: Llama, n_ctx: int, sequences: int, *, flash_attn_asked: bool) -> Any:
+# The ggml type of each KV-cache type.
+_GGML_KV_TYPES: dict[KvCacheType, int] = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+
+
+def _context(
+    llm: Llama,
+    n_ctx: int,
+    sequences: int,
+    *,
+    flash_attn_asked: bool,
+    kv_cache: KvCacheType = DEFAULT_KV_CACHE,
+) -> Any:
     """A context for ``sequences`` of ``n_ctx`` tokens each, with ``Llama``'s settings
-    (threads, cache types; flash attention if ``flash_attn_asked``, else llama.cpp's choice).
-    Each sequence has its own part of the KV cache (not unified, as llama-server's is when
-    given ``--parallel``): attention then reads only a sequence's own cells, where a unified
-    cache of 8 sequences read all of theirs (about 10% fewer tokens/s at 8 streams here)."""
+    (threads; flash attention if ``flash_attn_asked``, else llama.cpp's choice) and a KV cache
+    of ``kv_cache`` type. Each sequence has its own part of the KV cache (not unified, as
+    llama-server's is when given ``--parallel``): attention then reads only a sequence's own
+    cells, where a unified cache of 8 sequences read all of theirs (about 10% fewer tokens/s
+    at 8 streams here)."""
     params = llm.context_params
-    if not flash_attn_asked:
+    if kv_cache != DEFAULT_KV_CACHE:
+        # llama.cpp reads a quantized V cache only in its flash-attention kernels: on, rather
+        # than left to a choice that could turn it off and fail the context.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    elif not flash_attn_asked:
         # As llama.cpp's own server: flash attention where the backend has it (llama-cpp-python
         # turns it off unless asked); batched decoding gains most from it.
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+    params.type_k = params.type_v = _GGML_KV_TYPES[kv_cache]
     params.n_ctx = n_ctx * sequences
     params.n_seq_max = sequences
     params.n_batch = params.n_ubatch = _N_BATCH
