@@ -11,6 +11,8 @@ asks for the model by (an id, ``name:latest``, an alias), each entry with any of
 - ``placement``: a placement spec (services/planner/placement_spec.py), as an object or as its
   JSON text: the instance of a role it has an entry for is placed so; another role's, as usual.
 - ``context_length``: the context of its instances, in tokens.
+- ``kv_cache``: the KV cache's type of its chat instances (``f16``, ``q8_0``, ``q4_0`` or
+  ``auto``: see docs/runners.md); its embed and rerank instances keep f16.
 - ``max_tokens``: the most tokens an answer from it has when its request sets no limit (as
   Ollama's ``num_predict`` in a Modelfile); wins over the API's ``--max-tokens``.
 
@@ -26,7 +28,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from events.kinds import InstanceRole
+from events.kinds import (
+    DEFAULT_KV_CACHE,
+    KV_CACHE_REQUESTS,
+    InstanceRole,
+    KvCacheRequest,
+    is_kv_cache_request,
+)
 from events.records import INT32_MAX
 from services.json_input import kind, loads_strict
 from services.planner.on_demand import parse_keep_alive
@@ -36,7 +44,7 @@ from services.planner.placement_spec import (
     parse_placement_spec,
 )
 
-KEYS = ("keep_alive", "pinned", "placement", "context_length", "max_tokens")
+KEYS = ("keep_alive", "pinned", "placement", "context_length", "kv_cache", "max_tokens")
 EXAMPLE = (
     '{"qwen3-8b": {"keep_alive": "30m", "context_length": 8192}, "smollm2-135m": {"pinned": true}}'
 )
@@ -55,6 +63,11 @@ class ModelDefault:
     placement: PlacementSpec | None = None
     context_length: int | None = None
     max_tokens: int | None = None
+    kv_cache: KvCacheRequest | None = None
+
+    def kv_cache_for(self, role: InstanceRole) -> KvCacheRequest:
+        """The KV cache's type of an instance in ``role``: this one's for chat, else f16."""
+        return self.kv_cache if self.kv_cache is not None and role == "chat" else DEFAULT_KV_CACHE
 
     def placement_for(self, role: InstanceRole) -> str | None:
         """The placement of an instance in ``role``, as ``InstanceRequested.placement`` takes
@@ -147,6 +160,7 @@ def _entry(entry: object) -> ModelDefault:
         placement=_placement(entry.get("placement")),
         context_length=_tokens("context_length", entry.get("context_length")),
         max_tokens=_tokens("max_tokens", entry.get("max_tokens")),
+        kv_cache=_kv_cache(entry.get("kv_cache")),
     )
 
 
@@ -190,6 +204,15 @@ def _tokens(key: str, value: object) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
         raise ModelDefaultsError(f"{key}: a whole number of tokens, 1 or more, not {kind(value)}")
+    return value
+
+
+def _kv_cache(value: object) -> KvCacheRequest | None:
+    if value is None:
+        return None
+    if not is_kv_cache_request(value):
+        shown = repr(value) if isinstance(value, str) else kind(value)
+        raise ModelDefaultsError(f"kv_cache: one of {', '.join(KV_CACHE_REQUESTS)}, not {shown}")
     return value
 
 

@@ -125,6 +125,7 @@ def requested(
         role=role,
         placement=given.placement_for(role),
         context_length=given.context_length,
+        kv_cache=given.kv_cache_for(role),
         on_demand=not given.pinned,
         keep_alive_s=None if given.pinned else given.keep_alive_for(keep_alive_s),
         reason=f"{why}; pinned (--model-defaults)" if given.pinned else why,

@@ -37,7 +37,7 @@ from events.catalogue import (
     PlacementRejected,
     parse_event,
 )
-from events.kinds import InstanceRole
+from events.kinds import DEFAULT_KV_CACHE, InstanceRole
 from events.states import STARTING
 from events.subjects import aggregate_filter
 from projectors import database
@@ -93,6 +93,14 @@ Slots = Annotated[
         " [default: as many as fit, up to 8].",
     ),
 ]
+KvCache = Annotated[
+    str,
+    typer.Option(
+        "--kv-cache",
+        help="The KV cache's type: f16, q8_0 (about half the memory), q4_0 (about a quarter),"
+        " or auto (f16, else the smallest that lets the context fit).",
+    ),
+]
 Role = Annotated[
     InstanceRole | None,
     typer.Option(
@@ -145,6 +153,7 @@ def _request(
     spec: str | None,
     role: str | None,
     slots: int | None,
+    kv_cache: str = DEFAULT_KV_CACHE,
 ) -> PlacementRequest:
     try:
         return placement_request(
@@ -156,6 +165,7 @@ def _request(
             replicas=replicas,
             context_length=context,
             slots=slots,
+            kv_cache=kv_cache,
         )
     except RequestRefused as exc:
         _fail(exc.message)
@@ -169,6 +179,7 @@ def describe(result: Placement | Rejection, model_id: str) -> str:
     lines = [
         f"{model_id}: {replicas} replica{'s' if replicas > 1 else ''}, context"
         f" {result.context_length} tokens, {result.slots} slot{'s' if result.slots > 1 else ''},"
+        f" KV cache {result.kv_cache},"
         f" {gib(result.need_bytes)} per replica"
     ]
     for i, s in enumerate(result.shards):
@@ -195,6 +206,7 @@ def preview(
     replicas: Replicas = 1,
     context: Context = None,
     slots: Slots = None,
+    kv_cache: KvCache = DEFAULT_KV_CACHE,
     role: Role = None,
     db: DbUrl = DEFAULT_DB,
 ) -> None:
@@ -206,7 +218,7 @@ def preview(
             f"model {model!r} is neither known to the cluster nor in the catalogue (`shoal"
             " models list`): add it with `shoal models add`"
         )
-    request = _request(state, "preview", model, replicas, context, spec, role, slots)
+    request = _request(state, "preview", model, replicas, context, spec, role, slots, kv_cache)
     result = place(cluster_view(state), request)
     typer.echo(describe(result, model))
     if isinstance(result, Rejection):
@@ -220,6 +232,7 @@ def create(
     replicas: Replicas = 1,
     context: Context = None,
     slots: Slots = None,
+    kv_cache: KvCache = DEFAULT_KV_CACHE,
     role: Role = None,
     instance_id: Annotated[
         str | None, typer.Option("--id", help="Instance id [default: MODEL-<random>].")
@@ -256,7 +269,7 @@ def create(
                 )
                 typer.echo(f"added model {model}")
                 state.commit(changes_for(state, added))
-            ask = _request(state, iid, model, replicas, context, spec, role, slots)
+            ask = _request(state, iid, model, replicas, context, spec, role, slots, kv_cache)
             result = place(cluster_view(state), ask)
             if isinstance(result, Rejection) and not queue:
                 _fail(f"{model} {describe(result, model)} (--queue requests it anyway)")
@@ -269,6 +282,7 @@ def create(
                 context_length=context,
                 role=ask.role,
                 slots=slots,
+                kv_cache=ask.kv_cache,
             )
             outcomes = (InstancePlaced, PlacementRejected)
             return await _publish_and_wait(nc, requested, wait, outcomes)
@@ -282,7 +296,10 @@ def create(
             f"{s.node_id}:{s.device}[{s.start_layer}:{s.end_layer}]" for s in outcome.shards
         )
         n = outcome.slots or 1
-        typer.echo(f"placed {iid} on {shards}, {n} slot{'s' if n > 1 else ''} each")
+        typer.echo(
+            f"placed {iid} on {shards}, {n} slot{'s' if n > 1 else ''} each,"
+            f" KV cache {outcome.kv_cache}"
+        )
     elif isinstance(outcome, PlacementRejected):
         _fail(f"{iid} rejected: {outcome.reason}")
     elif wait > 0:
@@ -381,6 +398,7 @@ def list_instances(
                 "status": inst.status,
                 "replicas": inst.replicas,
                 "slots": inst.slots,
+                "kv_cache": inst.kv_cache,
                 "generation": inst.generation,
                 "reason": inst.reason,
                 "shards": [

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field
 
 from api.body import Count, RequestBody
-from events.kinds import InstanceRole
+from events.kinds import DEFAULT_KV_CACHE, InstanceRole, KvCacheRequest
 from services.models.footprint import MAX_SLOTS
 
 
@@ -22,6 +22,12 @@ class InstanceRequest(RequestBody):
         default=None,
         description="Tasks each replica serves at once, each with a KV cache of the whole"
         " context; default: as many as fit, up to 8.",
+    )
+    kv_cache: KvCacheRequest = Field(
+        default=DEFAULT_KV_CACHE,
+        description="The KV cache's type: f16, q8_0 (about half of f16's memory), q4_0 (about"
+        " a quarter), or auto (f16, else the smallest that lets the context fit). The llama.cpp"
+        " engine's chat instances; others keep f16.",
     )
     queue: bool = Field(default=False, description="Request it even if it cannot be placed now.")
     aliases: Annotated[

@@ -131,6 +131,7 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
             aliases=body.aliases,
             role=request.role,
             slots=body.slots,
+            kv_cache=body.kv_cache,
         )
     )
     return {
@@ -299,6 +300,7 @@ def _checked(s: ClusterState, body: InstanceRequest, spec: str | None) -> Placem
             replicas=body.replicas,
             context_length=body.context_length,
             slots=body.slots,
+            kv_cache=body.kv_cache,
         )
     except RequestRefused as exc:
         if exc.unknown_model:
@@ -323,6 +325,7 @@ def _plan(result: Placement | Rejection) -> dict[str, Any]:
         "placeable": True,
         "context_length": result.context_length,
         "slots": result.slots,
+        "kv_cache": result.kv_cache,
         "need_bytes_per_replica": result.need_bytes,
         "shards": [
             s.model_dump(exclude={"runner_id"}) | {"bytes": result.shard_bytes[s.runner_id]}

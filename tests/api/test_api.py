@@ -108,16 +108,22 @@ async def test_cluster_endpoints_and_why_a_model_cannot_answer(
         assert preview["slots"] == 8  # as many as fit, up to 8 (2 MiB of KV cache each)
         asked = {"model": "m", "slots": 3}
         assert (await client.post("/v1/placement/preview", json=asked)).json()["slots"] == 3
+        assert preview["kv_cache"] == "f16"
+        asked = {"model": "m", "kv_cache": "q8_0"}
+        assert (await client.post("/v1/placement/preview", json=asked)).json()["kv_cache"] == "q8_0"
+        err = _error(await client.post("/v1/instances", json={"model": "m", "kv_cache": "q5"}), 400)
+        assert err["param"] == "kv_cache" and "q4_0" in err["message"]
         bad = {"model": "m", "placement": {"chat": {"devices": ["zz:cpu"]}}}
         err = _error(await client.post("/v1/instances", json=bad), 400)
         assert "unknown node 'zz'" in err["message"]
 
-        created = await client.post("/v1/instances", json={"model": "m"})
+        created = await client.post("/v1/instances", json={"model": "m", "kv_cache": "auto"})
         assert created.status_code == 202
         iid = created.json()["id"]
         inst = await _until(client, f"/v1/instances/{iid}", lambda b: b.get("status") == "placed")
         assert [(s["node_id"], s["state"]) for s in inst["shards"]] == [("n1", "Assigned")]
         assert (inst["requested_slots"], inst["slots"]) == (None, 8)
+        assert (inst["requested_kv_cache"], inst["kv_cache"]) == ("auto", "f16")  # f16 fits
         err = _error(await client.post("/v1/chat/completions", json=CHAT), 503)
         assert f"instance {iid} is starting (runners: Assigned)" in err["message"]
 

@@ -20,6 +20,7 @@ from tests.services.planner.builders import at, fold_all, model, node
 
 FILE = {
     "qwen3-8b": {"keep_alive": "30m", "context_length": 8192, "max_tokens": 512},
+    "long": {"context_length": 32768, "kv_cache": "auto"},
     "smollm2-135m": {"pinned": True},
     "gemma3-270m:latest": {"keep_alive": -1},
     "gpt-4o": {"keep_alive": 90},
@@ -35,6 +36,7 @@ FILE = {
         "placement": None,
         "context_length": None,
         "max_tokens": None,
+        "kv_cache": None,
     },
 }
 
@@ -203,3 +205,17 @@ def test_a_pinned_model_stays_loaded_when_idle_and_when_another_wants_room() -> 
 def test_the_next_id_counts_on_demand_instances_only() -> None:
     state = fold([*STATE, InstanceRequested(instance_id="m-explicit", model_id="m", origin="t")])
     assert instance_id_for(state, "m", "chat") == "m-chat-on-demand-0"
+
+
+def test_a_kv_cache_type_is_read_and_applies_to_chat_instances() -> None:
+    got = _parsed(FILE).by_name["long"]
+    assert got == ModelDefault(context_length=32768, kv_cache="auto")
+    assert (got.kv_cache_for("chat"), got.kv_cache_for("embed")) == ("auto", "f16")
+    assert ModelDefault().kv_cache_for("chat") == "f16"
+    assert _refused({"m": {"kv_cache": "q5_1"}}) == (
+        "model 'm': kv_cache: one of f16, q8_0, q4_0, auto, not 'q5_1'"
+    )
+    assert _refused({"m": {"kv_cache": 8}}).startswith("model 'm': kv_cache: one of")
+    state = fold_all(node("a", 8 * GiB), model("long", size=GiB))
+    asked = requested(state, "long", "chat", "POST /v1/chat/completions", "api", None, got)
+    assert (asked.kv_cache, asked.context_length) == ("auto", 32768)

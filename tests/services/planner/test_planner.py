@@ -170,9 +170,11 @@ async def test_cli_preview_create_list_delete(
             "inst-1",
             "--slots",
             "2",
+            "--kv-cache",
+            "q8_0",
         )
         assert created.returncode == 0, created.stderr
-        assert "placed inst-1 on n-b:cpu[0:30], 2 slots each" in created.stdout
+        assert "placed inst-1 on n-b:cpu[0:30], 2 slots each, KV cache q8_0" in created.stdout
 
         # Automatic placement now prefers n-a, which has the most room left.
         preview = await shoal("placement", "preview", "smollm2-135m")
@@ -199,10 +201,13 @@ async def test_cli_preview_create_list_delete(
             '{"chat": {"devices": ["n-b:cpu"], "replicas": 2}}',
         )
         assert refused.returncode == 1 and "--queue requests it anyway" in refused.stderr
+        unknown = await shoal("placement", "preview", "smollm2-135m", "--kv-cache", "q5")
+        assert unknown.returncode == 1
+        assert "kv_cache: 'q5' is not one of f16, q8_0, q4_0, auto" in unknown.stderr
 
         listed = await shoal("instances", "list", "--json")
         (row,) = [json.loads(line) for line in listed.stdout.splitlines()]
-        assert (row["instance_id"], row["slots"]) == ("inst-1", 2)
+        assert (row["instance_id"], row["slots"], row["kv_cache"]) == ("inst-1", 2, "q8_0")
         assert [(s["node"], s["state"]) for s in row["shards"]] == [("n-b", "Assigned")]
         listed = await shoal("instances", "list")
         assert "inst-1" in listed.stdout and "n-b:cpu [0:30] Assigned" in listed.stdout
