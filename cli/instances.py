@@ -176,10 +176,11 @@ def describe(result: Placement | Rejection, model_id: str) -> str:
     if isinstance(result, Rejection):
         return f"cannot be placed: {result.reason}"
     replicas = len({s.replica for s in result.shards})
+    kv = f" KV cache {result.kv_cache}," if result.kv_cache != DEFAULT_KV_CACHE else ""
     lines = [
         f"{model_id}: {replicas} replica{'s' if replicas > 1 else ''}, context"
         f" {result.context_length} tokens, {result.slots} slot{'s' if result.slots > 1 else ''},"
-        f" KV cache {result.kv_cache},"
+        f"{kv}"
         f" {gib(result.need_bytes)} per replica"
     ]
     for i, s in enumerate(result.shards):

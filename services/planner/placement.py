@@ -207,6 +207,13 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
         # Runners keep the type they were started with: one of another type keeps none.
         same = request.current_kv_cache in (None, kv)
         result = _place_with_kv(cluster, request if same else replace(request, current=()), with_kv)
+        if isinstance(result, Placement) and kv != DEFAULT_KV_CACHE and _pipelined(result):
+            result = Rejection(
+                f"kv_cache {kv}: {model.model_id} would be split over several nodes, whose"
+                " pipeline keeps an f16 KV cache (flash attention, which a quantized cache needs,"
+                " stays off across stages)",
+                result.need_bytes,
+            )
         if isinstance(result, Placement):
             return replace(result, kv_cache=kv)
         if result.needed_bytes is None:
@@ -219,6 +226,11 @@ def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Reject
             result.available_bytes,
         )
     return result
+
+
+def _pipelined(placement: Placement) -> bool:
+    """Whether a replica is a pipeline of several runners (over several nodes)."""
+    return any(shard.world_size > 1 for shard in placement.shards)
 
 
 def _place_with_kv(

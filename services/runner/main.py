@@ -115,6 +115,10 @@ async def run_llamacpp(
     from services.runner.engines.llamacpp.engine import LlamaCppEngine
     from services.runner.engines.llamacpp.pipeline import connect_stages, serve_stage
 
+    if spec.shard.world_size > 1 and spec.kv_cache != DEFAULT_KV_CACHE:
+        # (placement refuses it: flash attention, which a quantized cache needs, stays off
+        # across stages)
+        raise UnsupportedEngine(f"kv_cache {spec.kv_cache}: a pipeline keeps an f16 KV cache")
     if spec.shard.rank > 0:
         await serve_stage(spec, state, stop)
         return

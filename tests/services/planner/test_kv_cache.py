@@ -109,6 +109,18 @@ def test_a_refusal_not_about_memory_is_not_retried() -> None:
     assert not refused.reason.startswith("kv_cache auto")
 
 
+def test_a_quantized_cache_is_not_split_over_nodes() -> None:
+    # Two nodes of 5.4 GiB usable: q8_0's 6.25 GiB would be a pipeline of both, which keeps
+    # f16; q4_0's 4.25 GiB fits one; auto takes f16, split.
+    cluster = view(node("a", 6 * GiB), node("b", 6 * GiB))
+    refused = rejection(place(cluster, asking("q8_0", 16384)))
+    assert refused.reason.startswith("kv_cache q8_0: m would be split over several nodes")
+    q4 = placement(place(cluster, asking("q4_0", 16384)))
+    assert [s.world_size for s in q4.shards] == [1]
+    split = placement(place(cluster, asking("auto", 16384)))
+    assert split.kv_cache == "f16" and [s.world_size for s in split.shards] == [2, 2]
+
+
 def test_placed_again_auto_tries_the_type_the_runners_use_first() -> None:
     assert kv_cache_candidates("llamacpp", "chat", "auto") == ("f16", "q8_0", "q4_0")
     assert kv_cache_candidates("llamacpp", "chat", "auto", "q8_0") == ("q8_0", "f16", "q4_0")
