@@ -152,7 +152,8 @@ class KeyBook:
         """The keys, read again when the last read is older than the TTL. A database that
         cannot be read leaves the last keys read in use; before any read, it is a 503: an API
         that cannot tell whether keys exist does not serve as if none did. While the
-        projection holds no key at all, the log (``js``) is asked whether one was made."""
+        projection holds no key at all, the log (``js``) is asked whether one was made (a log
+        that cannot answer leaves the last answer, once there is one)."""
         now = time.monotonic()
         if now - self._read_at > self._ttl_s:
             try:
@@ -166,7 +167,14 @@ class KeyBook:
             if rows:
                 self.ever_made = True
             elif not self.ever_made and js is not None:
-                self.ever_made = await key_on_log(js)
+                try:
+                    self.ever_made = await key_on_log(js)
+                except ApiError:
+                    # A log without a leader for a moment (a NATS server lost): the last
+                    # answer stands until the next read, as for the database.
+                    if self._by_digest is None:
+                        raise
+                    log.warning("whether an API key was made could not be read from the log")
             self._by_digest = {r.digest: r for r in rows if r.revoked_at is None}
             self._read_at = now
         return self._by_digest if self._by_digest is not None else {}

@@ -8,12 +8,16 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import ApiError
 from api.keys import ANONYMOUS, KeyBook, key_digest, principal_or_refusal, resolve
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
+from bus.streams import ensure_streams
 from events.catalogue import KeyAdded
 from projectors import database
 from projectors.rows import KeyRow
@@ -70,4 +74,27 @@ async def test_a_projection_rebuilt_before_the_key_is_closed_by_the_log(
         assert await book.keys(engine, js) == {} and book.ever_made
         assert resolve(b"", frozenset(), {}, book.ever_made) is None
     finally:
+        await engine.dispose()
+
+
+async def test_a_log_that_cannot_answer_for_a_moment_leaves_the_last_answer(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    """Once, every request through every API of a keyless cluster was a 503 while the log's
+    stream elected a leader (a NATS server lost): each read of the keys asked the log anew.
+    The last answer stands; before any answer, it is still a 503."""
+    engine = await _projection(tmp_path, revoked=None)
+    nc = await connect(nats_server.url, name="test")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        book = KeyBook(ttl_s=0.0)
+        assert await book.keys(engine, js) == {} and not book.ever_made  # open
+        await nc.close()  # the log cannot be asked now
+        assert await book.keys(engine, js) == {} and not book.ever_made  # still open
+        with pytest.raises(ApiError) as refused:
+            await KeyBook().keys(engine, js)  # never answered: it cannot tell
+        assert refused.value.status == 503
+    finally:
+        await nc.close()
         await engine.dispose()
