@@ -15,12 +15,8 @@ from events.kinds import (
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards
 from services.planner.card_fit import card_info
-from services.planner.placement import (
-    ModelInfo,
-    PlacementRequest,
-    kv_cache_problem,
-    slots_problem,
-)
+from services.planner.kv_cache import kv_cache_problem
+from services.planner.placement import ModelInfo, PlacementRequest, slots_problem
 from services.planner.placement_spec import (
     PlacementSpecError,
     instance_role,

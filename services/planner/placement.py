@@ -46,7 +46,6 @@ from dataclasses import dataclass, field, replace
 from events.kinds import (
     DEFAULT_KV_CACHE,
     DEFAULT_ROLE,
-    KV_CACHE_TYPES,
     Engine,
     InstanceRole,
     KvCacheRequest,
@@ -58,6 +57,7 @@ from projectors.rows import ModelRow
 from services.models.footprint import DEFAULT_MAX_SLOTS, MAX_SLOTS, Footprint, context_for
 from services.planner.cluster import ClusterView, Device, device_layers
 from services.planner.engine_devices import ENGINE_DEVICES
+from services.planner.kv_cache import kv_cache_candidates, kv_cache_problem
 from services.planner.layers import split_layers
 from services.planner.node_plan import (
     CPU,
@@ -152,44 +152,6 @@ def slots_problem(model: ModelInfo, role: InstanceRole, slots: int) -> str | Non
         article = "an" if role[0] in "aeiou" else "a"
         return f"{article} {role} instance serves one task at a time: slots must be 1, not {slots}"
     return None
-
-
-def _f16_only(engine: Engine, role: InstanceRole) -> str | None:
-    """What keeps its KV cache in f16 only, or None: the MLX engine, and embed and rerank
-    runners (whose contexts are made apart, for one batch of inputs)."""
-    if engine == "mlx":
-        return "the mlx engine keeps its KV cache in f16 only"
-    if role != "chat":
-        article = "an" if role[0] in "aeiou" else "a"
-        return f"{article} {role} instance keeps its KV cache in f16 only"
-    return None
-
-
-def kv_cache_problem(engine: Engine, role: InstanceRole, kv_cache: KvCacheRequest) -> str | None:
-    """Why an instance on ``engine`` cannot have a KV cache of ``kv_cache`` type, or None."""
-    only = _f16_only(engine, role)
-    if only is not None and kv_cache not in (DEFAULT_KV_CACHE, "auto"):
-        return f"kv_cache {kv_cache}: {only}; ask for f16 or auto"
-    return None
-
-
-def kv_cache_candidates(
-    engine: Engine,
-    role: InstanceRole,
-    kv_cache: KvCacheRequest,
-    current: KvCacheType | None = None,
-) -> tuple[KvCacheType, ...]:
-    """The KV-cache types to try, in order: the one asked for; for ``auto`` f16, then the
-    smaller ones (the type the runners use now first, when placing again); f16 only where
-    nothing else is kept (``_f16_only``)."""
-    if kv_cache != "auto":
-        return (kv_cache,)
-    if _f16_only(engine, role) is not None:
-        return (DEFAULT_KV_CACHE,)
-    order = KV_CACHE_TYPES
-    if current is not None:
-        order = (current, *(t for t in order if t != current))
-    return order
 
 
 def place(cluster: ClusterView, request: PlacementRequest) -> Placement | Rejection:

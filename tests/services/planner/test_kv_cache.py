@@ -15,12 +15,8 @@ from events.kinds import KvCacheRequest
 from events.units import GiB
 from services.models.footprint import Footprint, kv_bytes_per_token
 from services.planner.cluster import cluster_view
-from services.planner.placement import (
-    PlacementRequest,
-    kv_cache_candidates,
-    kv_cache_problem,
-    place,
-)
+from services.planner.kv_cache import kv_cache_candidates, kv_cache_problem
+from services.planner.placement import PlacementRequest, place
 from tests.services.planner.builders import (
     ask,
     fold_all,
