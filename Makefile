@@ -14,7 +14,7 @@ UP_ARGS ?=
 # It is built for the machine's accelerator: Metal on macOS, CUDA where nvcc and a usable
 # NVIDIA GPU are, Vulkan where its SDK and a GPU are, else the CPU (llamacpp_build.py says
 # why). SHOAL_LLAMA_CMAKE_ARGS, when set (even empty: the CPU), replaces what is found.
-LLAMA_BUILD_PY := services/runner/engines/llamacpp/build.py
+LLAMA_BUILD_PY := scripts/llamacpp_build.py
 ifeq ($(origin SHOAL_LLAMA_CMAKE_ARGS),undefined)
 LLAMA_BUILD := $(shell $(PYTHON) $(LLAMA_BUILD_PY))
 LLAMA_ACCEL := $(firstword $(LLAMA_BUILD))
@@ -68,7 +68,7 @@ typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
 
 # Debian's packages the tests use: chromium for the dashboard's browser test (no download by
-# playwright), OpenBLAS for MLX's float32 products (services/runner/engines/mlx/blas.py).
+# playwright), OpenBLAS for MLX's float32 products (inference/engines/mlx/blas.py).
 CHROMIUM ?= /usr/bin/chromium
 OPENBLAS ?= /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
 APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from api.model_defaults import ModelDefaults
-from bus.images import MAX_IMAGES, MAX_TOTAL_PIXELS
 from bus.leaderless import RETRY_FOR_S
+from events.images import MAX_IMAGES, MAX_TOTAL_PIXELS
 from events.units import KiB, MiB
 from projectors.projector import DEFAULT_NAME
 from services.models.cache_budget import CacheSize
@@ -26,9 +26,9 @@ OnDemandRoles = Literal["users", "admins"]
 DEFAULT_MAX_IMAGE_URLS = 8
 DEFAULT_MAX_IMAGE_FETCH_BYTES = 32 * MiB
 # The largest request body accepted by default (api/limits.py). A task is stored as events and
-# prompt parts of up to NATS's max_payload each (1 MiB by default, bus/parts.py), so a request
-# may well be larger than one message: 32 of them, more than any model's context holds as text
-# (128k tokens are about 0.5 MiB), and a bound on what one request makes the process hold.
+# prompt parts of up to NATS's max_payload each (1 MiB by default, bus/stores/parts.py), so a
+# request may well be larger than one message: 32 of them, more than any model's context holds as
+# text (128k tokens are about 0.5 MiB), and a bound on what one request makes the process hold.
 DEFAULT_MAX_BODY = 32 * MiB
 # How long a client may take to send a whole body (32 MiB at 10 Mbit/s take 27 s).
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -110,7 +110,7 @@ class ApiConfig:
     allow_image_urls: bool = False
     # What one request's images may be in all: images (each time one is sent counts), their
     # pixels (read from their headers: the engine decodes each), image URLs and the bytes
-    # fetched for them (api/images/loading.py, bus/images.py).
+    # fetched for them (api/images/loading.py, bus/stores/images.py).
     max_images: int = MAX_IMAGES
     max_image_pixels: int = MAX_TOTAL_PIXELS
     max_image_urls: int = DEFAULT_MAX_IMAGE_URLS

@@ -22,8 +22,8 @@ from api.metrics import ApiMetrics
 from api.model_names import ModelNames, NamesCache, names_from
 from api.rate_limit import RateLimits
 from api.serving_verdicts import ServingVerdicts
-from bus.parts import PartStore
 from bus.publisher import Publisher
+from bus.stores.parts import PartStore
 from bus.streams import renewal
 from events.catalogue import EventBase
 from events.kinds import InstanceRole
@@ -45,7 +45,7 @@ class ApiContext:
     names: NamesCache = field(default_factory=lambda: NamesCache(1.0))
     # How many of each model's tasks this process lets run at once, and who waits (the queue).
     admission: Admission = field(default_factory=Admission)
-    # A request's messages and tools, stored once by digest (bus/parts.py).
+    # A request's messages and tools, stored once by digest (bus/stores/parts.py).
     parts: PartStore = field(init=False)
     # Each key's requests and tokens of the last minute (api/rate_limit.py).
     rate_limits: RateLimits = field(default_factory=RateLimits)

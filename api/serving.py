@@ -30,10 +30,10 @@ from api.rate_limit import retry_after
 from api.reply import Reply
 from api.task_stream import LOST, Closed, Recheck, TaskStream
 from api.thinking import with_default_budget
-from bus import claim_check
-from bus.claim_check import Staged
 from bus.payload import PayloadTooLargeError, check_size, max_payload
 from bus.publisher import MSG_ID_HEADER
+from bus.stores import claim_check
+from bus.stores.claim_check import Staged
 from events.catalogue import ChunkGenerated, EmbeddingsRequested, EventBase, TaskCreated, TaskFailed
 from events.kinds import InstanceRole
 from events.records import Usage
@@ -87,8 +87,8 @@ async def serve(
     """Serve ``tasks`` (one per choice: they share the model) with ``out``; a refusal before
     anything is sent raises ``ApiError``, which the app renders in the path's dialect.
     ``images``: those the tasks' messages name (``api/images/loading.py``), stored with them."""
-    # Its messages and tools go on the log as parts (bus/parts.py), the task names them: each
-    # must fit in a NATS message, as must the task. So do its images (bus/images.py).
+    # Its messages and tools go on the log as parts (bus/stores/parts.py), the task names them: each
+    # must fit in a NATS message, as must the task. So do its images (bus/stores/images.py).
     tasks = [owned(t) for t in tasks]  # its own: only it (and admins) see it
     tasks = [with_default_budget(t, ctx.config.reasoning_budget) for t in tasks]
     if (limit := await default_max_tokens(ctx, tasks[0])) is not None:

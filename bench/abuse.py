@@ -209,8 +209,8 @@ async def _loop_stall(work: Callable[[], Awaitable[object]]) -> tuple[float, flo
 
 
 async def grammar_off_the_loop() -> None:
-    from services.runner.engines.llamacpp.engine import LlamaCppEngine
-    from services.runner.job import prepare, prepared
+    from inference.engines.llamacpp.engine import LlamaCppEngine
+    from inference.job import prepare, prepared
 
     engine = LlamaCppEngine(MODEL_PATH, n_ctx=512, n_threads=1)
     engine.load()

@@ -55,12 +55,12 @@ from typing import Any
 
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
-from services.runner.decoding import Decoding, PromptCached, PromptScores, Token
-from services.runner.engines.base import Engine
-from services.runner.generation import Step, check_request, steps
-from services.runner.job import Job, prepare
+from inference.decoding import Decoding, PromptCached, PromptScores, Token
+from inference.engines.base import Engine
+from inference.generation import Step, check_request, steps
+from inference.job import Job, prepare
 from structured.reply import PlainReply
-from tests.services.runner.test_thinking import QWEN3
+from tests.inference.test_thinking import QWEN3
 from tests.templated import SMOLLM2, gguf_with_template, mlx_with_template
 
 TPS_TARGET = 0.9
@@ -327,14 +327,14 @@ def _check(name: str, done: Run) -> Run:
 def load(name: str, tmp: Path, template: str | None = None) -> Engine:
     """The engine ``name`` on SmolLM2, with ``template`` as its chat template if given."""
     if name == "llamacpp":
-        from services.runner.engines.llamacpp.engine import LlamaCppEngine
+        from inference.engines.llamacpp.engine import LlamaCppEngine
 
         path = SMOLLM2 if template is None else gguf_with_template(template, tmp)
         llama = LlamaCppEngine(path, n_ctx=2048, n_threads=2)
         llama.load()
         return llama
+    from inference.engines.mlx.engine import MlxEngine
     from services.models.gguf_to_mlx import gguf_to_mlx
-    from services.runner.engines.mlx.engine import MlxEngine
 
     converted = tmp / "smollm2-mlx"
     if not converted.exists():

@@ -74,13 +74,13 @@ from events.catalogue import (
 )
 from events.records import SamplingParams, ShardAssignment, Timings
 from events.subjects import aggregate_filter
+from inference.decoding import PromptCached, Token
+from inference.engines.llamacpp.engine import LlamaCppEngine
+from inference.job import prepare
 from services.models.catalogue import card_for
 from services.models.metadata import read_gguf
 from services.models.resolve import resolve_model
-from services.runner.decoding import PromptCached, Token
-from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.job import prepare
-from services.runner.spec import RunnerSpec
+from services.runner import RunnerSpec
 from services.worker.supervisor import start_runner
 
 TPS_TARGET = 0.97  # runner tokens/s at least this fraction of in-process

@@ -456,13 +456,13 @@ def measure(shard_json: str, tokens: int, repeat: int) -> dict[str, Any]:
     """In a process of its own, as a runner: only the shard's accelerators visible, then
     llama.cpp loaded with the runner's arguments."""
     from events.records import SamplingParams, ShardAssignment
-    from services.runner.offload import llama_offload, offload_problem, visible_devices
+    from inference.offload import llama_offload, offload_problem, visible_devices
 
     shard = ShardAssignment.model_validate_json(shard_json)
     os.environ.update(visible_devices(shard, os.environ))
-    from services.runner.decoding import Decoding, Token
-    from services.runner.engines.llamacpp.devices import list_devices
-    from services.runner.engines.llamacpp.engine import LlamaCppEngine
+    from inference.decoding import Decoding, Token
+    from inference.engines.llamacpp.devices import list_devices
+    from inference.engines.llamacpp.engine import LlamaCppEngine
 
     problem = offload_problem(shard, list_devices())
     if problem is not None:

@@ -38,11 +38,11 @@ from nats.js.api import PubAck
 
 from bench.common.processes import MODEL_ID, SHOAL_BIN, Proc, shoal_up
 from bench.common.report import print_head, verdict
-from bus.claim_check import staged
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
-from bus.parts import PARTS_STREAM
 from bus.publisher import MSG_ID_HEADER
+from bus.stores.claim_check import staged
+from bus.stores.parts import PARTS_STREAM
 from bus.streams import EVENTS_STREAM, ensure_streams
 from events.catalogue import (
     EventBase,

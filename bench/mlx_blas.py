@@ -5,7 +5,7 @@
 SmolLM2-135M-Instruct (its GGUF dequantized to float32, as the suite runs it) in an
 ``MlxEngine`` with one slot, greedy: the first token of a ~1,400-token prompt (prefill) and
 the tokens/s of up to 48 tokens after it. The BLAS is chosen before mlx is imported
-(``services/runner/engines/mlx/blas.py``), so each measurement runs in a child process; the
+(``inference/engines/mlx/blas.py``), so each measurement runs in a child process; the
 two alternate, ``--rounds`` times each, and the medians are printed with their ratio.
 Target: OpenBLAS's first token >= 5x sooner, and its tokens/s no lower than the wheel's BLAS's.
 """
@@ -33,9 +33,9 @@ CHOICES = {"reference": "the wheel's BLAS", "libopenblas.so.0": "OpenBLAS"}
 def child(model_dir: Path, threads: int) -> dict[str, Any]:
     """In a child whose SHOAL_MLX_BLAS is set: the first token's seconds and tokens/s after."""
     from events.records import SamplingParams
-    from services.runner.decoding import Decoding, Token
-    from services.runner.engines.mlx.blas import blas_in_use
-    from services.runner.engines.mlx.engine import MlxEngine
+    from inference.decoding import Decoding, Token
+    from inference.engines.mlx.blas import blas_in_use
+    from inference.engines.mlx.engine import MlxEngine
 
     engine = MlxEngine(model_dir, n_ctx=4096, slots=1, n_threads=threads)
     engine.load()

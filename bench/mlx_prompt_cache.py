@@ -22,9 +22,9 @@ from pathlib import Path
 
 from bench.concurrency import LONG_TURN
 from events.records import SamplingParams
+from inference.decoding import Decoding, PromptCached, Token
+from inference.engines.mlx.engine import MlxEngine
 from services.models.gguf_to_mlx import gguf_to_mlx
-from services.runner.decoding import Decoding, PromptCached, Token
-from services.runner.engines.mlx.engine import MlxEngine
 from tests.templated import SMOLLM2
 
 ANSWER_TOKENS = 16

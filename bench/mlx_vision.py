@@ -4,7 +4,7 @@ engine (``shoal models add ... --engine mlx``), one sequence each, both started 
 turns, round by round (``bench/vision.py``'s rounds, requests and table).
 
 The model is Gemma 3's architecture with random weights in mlx-vlm's layout
-(``services/models/tiny_mlx_vision.py``), at about SmolLM2-135M's size: a 576-wide language
+(``harness/models/tiny_mlx_vision.py``), at about SmolLM2-135M's size: a 576-wide language
 model of 30 layers, a 6-layer SigLIP tower of width 384 reading a 224x224 image as 256
 patches, pooled into 64 image tokens. No real vision model runs here (none can be downloaded);
 what is measured is the path an image takes on MLX: mlx-vlm's processor and vision tower on
@@ -31,7 +31,7 @@ from bench.common.processes import Proc, add_model, shoal_env, shoal_up_argv, wa
 from bench.concurrency import wait_http
 from bench.vision import SHOAL, measure, report
 from bus.embedded import free_port
-from services.models.tiny_mlx_vision import make_tiny_mlx_vision_model
+from harness.models.tiny_mlx_vision import make_tiny_mlx_vision_model
 
 ANCHOR = "mlx_vlm.server"
 MODEL = "gemma3-random-vision"

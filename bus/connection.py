@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 # nats-py reads the socket 32 KiB at a time and pauses it with 64 KiB unread: a read, and two
-# epoll changes, for every 64 KiB. A weights fetch (bus/object_fetch.py) spent a third of its
+# epoll changes, for every 64 KiB. A weights fetch (bus/stores/object_fetch.py) spent a third of its
 # CPU there; with 1 MiB reads it fetches about 1.4 times as fast (docs/models.md). nats-py
 # takes the size from this module global, when a connection is made and at each read.
 nats.aio.client.DEFAULT_BUFFER_SIZE = 1024 * 1024

@@ -11,8 +11,8 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from bus.object_store import bucket_config
-from bus.parts import parts_config, parts_max_age
+from bus.stores.object_store import bucket_config
+from bus.stores.parts import parts_config, parts_max_age
 from events.subjects import CHUNKS_PREFIX, DEADLETTER_PREFIX, EVENTS_PREFIX
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ EVENTS_STREAM = "SHOAL_EVENTS"
 CHUNKS_STREAM = "SHOAL_CHUNKS"
 DEADLETTER_STREAM = "SHOAL_DEADLETTER"
 # The object store bucket that holds model weights, replicated as the streams are (its stream
-# is OBJ_SHOAL_MODELS; bus/object_store.py has the layout).
+# is OBJ_SHOAL_MODELS; bus/stores/object_store.py has the layout).
 MODELS_BUCKET = "SHOAL_MODELS"
 # Snapshots of the projection (projectors/snapshot.py), so that old events may age out.
 SNAPSHOTS_BUCKET = "SHOAL_SNAPSHOTS"
@@ -156,7 +156,7 @@ _COMPARED: tuple[str, ...] = (
 )
 # A bucket's stream follows the settings in its replicas only (it keeps files, not a log).
 _BUCKET_COMPARED: tuple[str, ...] = ("subjects", "num_replicas")
-# The parts' stream follows the events' age limit (bus/parts.py).
+# The parts' stream follows the events' age limit (bus/stores/parts.py).
 _PARTS_COMPARED: tuple[str, ...] = ("subjects", "max_age", "num_replicas")
 
 

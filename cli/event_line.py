@@ -32,7 +32,7 @@ def _short(value: object, limit: int = 60) -> str:
 
 
 def _part_ref(ref: dict[str, object]) -> str:
-    """Parts stored apart (bus/parts.py): how many, their size, the last one's digest."""
+    """Parts stored apart (bus/stores/parts.py): how many, their size, the last one's digest."""
     return f"{ref['parts']}parts/{ref['bytes']}B@{str(ref['digest'])[:12]}"
 
 

@@ -14,10 +14,10 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from bus.catalogue_doc import render
-from bus.claim_check import resolved, response_resolved
 from bus.connection import connect
-from bus.parts import PartStore
 from bus.reader import read_stream
+from bus.stores.claim_check import resolved, response_resolved
+from bus.stores.parts import PartStore
 from bus.streams import (
     CHUNKS_STREAM,
     DEADLETTER_STREAM,
@@ -110,8 +110,8 @@ def dump_line(msg: Msg) -> dict[str, Any]:
 
 
 async def with_parts(parts: PartStore, line: dict[str, Any]) -> dict[str, Any]:
-    """``line`` with the prompt parts its event names (bus/parts.py) put back in the event, so
-    that the dump holds the whole conversation and restores into a cluster without them."""
+    """``line`` with the prompt parts its event names (bus/stores/parts.py) put back in the event,
+    so that the dump holds the whole conversation and restores into a cluster without them."""
     kind = line.get("event", {}).get("type") if isinstance(line.get("event"), dict) else None
     if kind not in (TaskCreated.__name__, ResponseStored.__name__):
         return line

@@ -31,11 +31,12 @@ from cli.options import (
     run_until_signal,
     setup_logging,
 )
+from inference.offload import visible_devices
 from process.memory import give_back
 from services.discovery.announcement import Announcement
+from services.runner import RunnerSpec
+from services.runner.main import preload as preload_runner
 from services.runner.main import run_runner
-from services.runner.offload import visible_devices
-from services.runner.spec import RunnerSpec
 from services.worker.identity import node_id as load_node_id
 from services.worker.profile import parse_memory_limit
 from services.worker.worker import Worker, WorkerConfig
@@ -152,8 +153,7 @@ def runner(
     # specs it changes nothing (its default would end the process).
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if preload:
-        import services.runner.engines.llamacpp.engine
-        import services.runner.weights  # noqa: F401
+        preload_runner()
     code = 0
     for served, parsed in enumerate(_specs(spec)):
         if parsed.log_path is not None:

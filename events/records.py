@@ -143,7 +143,7 @@ class ToolCall(Record):
 
 
 class PartRef(Record):
-    """Parts stored on their own stream by digest (``bus/parts.py``) that an event names
+    """Parts stored on their own stream by digest (``bus/stores/parts.py``) that an event names
     instead of holding them: a chain of values, named by its last part."""
 
     digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the last part.")
@@ -158,7 +158,7 @@ IMAGE_MEDIA_TYPES: tuple[ImageMediaType, ...] = get_args(ImageMediaType)
 
 class ImagePart(Record):
     """An image of a message. Its bytes never ride in an event: they are stored as prompt
-    parts are (``bus/images.py``), and ``ref`` names them; ``sha256`` is the image's own
+    parts are (``bus/stores/images.py``), and ``ref`` names them; ``sha256`` is the image's own
     digest, the same however a client sent it."""
 
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the image's bytes.")

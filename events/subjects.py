@@ -15,7 +15,7 @@ from urllib.parse import unquote
 EVENTS_PREFIX = "shoal.events"
 CHUNKS_PREFIX = "shoal.chunks"
 DEADLETTER_PREFIX = "shoal.deadletter"
-# A prompt's parts, stored once by digest (bus/parts.py): shoal.parts.<sha256>.
+# A prompt's parts, stored once by digest (bus/stores/parts.py): shoal.parts.<sha256>.
 PARTS_PREFIX = "shoal.parts"
 # Everything on one stream.
 ALL_EVENTS = f"{EVENTS_PREFIX}.>"

@@ -58,7 +58,7 @@ class TaskCreated(_TaskEvent):
     messages: list[ChatMessage] | None = None
     messages_ref: PartRef | None = Field(
         default=None,
-        description="The chat's messages, stored as parts (bus/parts.py); `messages` is then"
+        description="The chat's messages, stored as parts (bus/stores/parts.py); `messages` is then"
         " empty.",
     )
     prompt: str | None = None

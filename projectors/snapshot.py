@@ -8,8 +8,8 @@ database, or one so far behind that the events it needs are gone, starts from th
 ``shoal replay`` from the newest at or before the sequence asked. Events older than the oldest
 snapshot can then age out (``shoal up --retain``).
 
-An object's meta is stored after its chunks (``bus/object_store.py``): a snapshot whose writer
-was killed half way is not listed, and the one before it stays the newest.
+An object's meta is stored after its chunks (``bus/stores/object_store.py``): a snapshot whose
+writer was killed half way is not listed, and the one before it stays the newest.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from sqlalchemy import Table, delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from bus.log_position import check_position, digest
-from bus.object_fetch import fetch_file
-from bus.object_store import (
+from bus.stores.object_fetch import fetch_file
+from bus.stores.object_store import (
     meta_subject,
     object_chunks_subject,
     object_info,

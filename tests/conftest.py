@@ -18,9 +18,10 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.streams import ensure_streams
 from harness.hosts import Network
+from inference.engines.mlx.blas import set_threads
 from projectors import database
-from services.runner.engines.mlx.blas import set_threads
 from tests.databases import ScratchDatabases
+from tests.templated import WithTemplate, with_template
 
 POSTGRES_ENV = "SHOAL_TEST_POSTGRES_URL"
 
@@ -120,19 +121,19 @@ def shared_fixture(module: str) -> str | None:
 # starts with them, so that no worker is left running one of them alone at the end.
 LONGEST = (
     "tests/clients/test_agents.py",
-    "tests/services/runner/engines/mlx/test_pipeline.py",
+    "tests/inference/engines/mlx/test_pipeline.py",
     "tests/faults/test_partitions.py",
     "tests/services/test_nats_cluster_serving.py",
     "tests/cli/test_up_ha.py",
     "tests/bus/test_nats_cluster.py",
-    "tests/services/runner/engines/test_thinking_budget.py",
+    "tests/inference/engines/test_thinking_budget.py",
     "tests/api/test_fuzz.py",
     "tests/api/test_edge.py",
     "tests/services/test_worker_runner.py",
-    "tests/services/runner/engines/test_repeated_calls.py",
-    "tests/services/runner/engines/mlx/test_sampling.py",
-    "tests/services/runner/engines/llamacpp/test_engine.py",
-    "tests/services/runner/engines/llamacpp/test_pipeline.py",
+    "tests/inference/engines/test_repeated_calls.py",
+    "tests/inference/engines/mlx/test_sampling.py",
+    "tests/inference/engines/llamacpp/test_engine.py",
+    "tests/services/runner/pipelines/test_llamacpp.py",
     "tests/services/planner/test_planner_nats_cluster.py",
     "tests/faults/test_nats_restart.py",
     "tests/faults/test_worker_killed.py",
@@ -146,7 +147,7 @@ LONGEST = (
     "tests/test_readme.py",
     "tests/test_readme_machines.py",
     "tests/api/test_api.py",
-    "tests/services/runner/test_job.py",
+    "tests/inference/test_job.py",
 )
 
 
@@ -213,3 +214,9 @@ async def hosts_js(hosts_nats: EmbeddedNats) -> AsyncIterator[JetStreamContext]:
     await ensure_streams(context)
     yield context
     await client.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_with_template() -> WithTemplate:
+    """SmolLM2 with another chat template: ``with_template``."""
+    return with_template

@@ -7,7 +7,7 @@ import struct
 import zlib
 from collections.abc import Callable
 
-from bus.images import stored_image
+from bus.stores.images import stored_image
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, SamplingParams
 

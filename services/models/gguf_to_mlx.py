@@ -51,7 +51,7 @@ def _unpermute(weight: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any
 def gguf_to_mlx(gguf_path: Path, out: Path) -> Path:
     """Write the MLX model directory ``out`` (created) and return it."""
     # Imported here, not with the module: a process that converts and then runs the model has
-    # imported an MLX engine first, which loads OpenBLAS before mlx (runner/engines/mlx/blas.py).
+    # imported an MLX engine first, which loads OpenBLAS before mlx (inference/engines/mlx/blas.py).
     import mlx.core as mx
 
     out.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from bus.object_fetch import hash_prefix, partial_paths
-from bus.object_store import DigestMismatch
+from bus.stores.object_fetch import hash_prefix, partial_paths
+from bus.stores.object_store import DigestMismatch
 from events.catalogue import WeightFile
 from services.models.weight_offers import WeightsOffer
 

@@ -15,15 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from modelfiles.gguf_header import GgufTruncated, parse_gguf_header
+from modelfiles.shard_files import split_parts
 from services.models.cards import CardEstimate, HfSource, ModelCard
-from services.models.metadata import (
-    GgufInfo,
-    GgufTruncated,
-    gguf_facts,
-    info_from_header,
-    parse_gguf_header,
-)
-from services.models.shard_files import split_parts
+from services.models.metadata import GgufInfo, gguf_facts, info_from_header
 
 FIRST_BYTES = 1024 * 1024
 # No header is this long (Gemma 3's 262,144-token vocabulary takes about 5 MiB).

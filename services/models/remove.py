@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from bus.object_store import delete_object
 from bus.publisher import Publisher
 from bus.reader import read_stream
+from bus.stores.object_store import delete_object
 from bus.streams import EVENTS_STREAM, MODELS_BUCKET
 from events.catalogue import Event, ModelRemoved, WeightFile, parse_event
 from events.states import INSTANCE_ENDING

@@ -35,8 +35,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
+from modelfiles.shard_files import split_parts
 from services.models.cards import HfSource, ModelCard, PackageSource, PathSource
-from services.models.shard_files import split_parts
 
 ProgressCallback = Callable[[float], None]
 

@@ -25,12 +25,12 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
 
-from bus.object_fetch import fetch_file
-from bus.object_store import DigestMismatch, digest_hex, object_info, put_file
+from bus.stores.object_fetch import fetch_file
+from bus.stores.object_store import DigestMismatch, digest_hex, object_info, put_file
 from bus.streams import MODELS_BUCKET
 from events.catalogue import WeightFile
+from modelfiles.shard_files import SAFETENSORS_INDEX, gguf_entry, needed_files, split_parts
 from services.models.peer_fetch import PeerFetchError, fetch_from_peer
-from services.models.shard_files import SAFETENSORS_INDEX, gguf_entry, needed_files, split_parts
 from services.models.weight_offers import ask_for_offer
 from services.models.weights_cache import WeightsCache, sha256_of
 

@@ -24,11 +24,11 @@ from events.catalogue import EmbeddingsRequested, TaskCancelled, TaskCompleted, 
 from events.kinds import InstanceRole
 from events.records import Timings, Usage
 from events.vectors import Vectors
+from inference.embedding import Embedder, computed_events, cut, embedding_inputs
+from inference.engines.base import EngineBroken
+from inference.reranking import Reranker, scores_of
 from services.runner.claim import Claim
 from services.runner.consumers import Pulled, embeddings_consumer_name, rerank_consumer_name
-from services.runner.embedding import Embedder, computed_events, cut, embedding_inputs
-from services.runner.engines.base import EngineBroken
-from services.runner.reranking import Reranker, scores_of
 from services.runner.serve import TaskPuller
 from services.runner.state_reporter import RunnerIdentity
 from structured.reply import InvalidRequest

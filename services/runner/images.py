@@ -1,5 +1,5 @@
 """A task's images, read for the engine when the runner takes the task (their bytes are stored
-as parts, the task names them: ``bus/images.py``).
+as parts, the task names them: ``bus/stores/images.py``).
 
 An engine that reads no images (a model without a projector file, an MLX model without a vision
 tower, an MLX ring) refuses the task, as the API refuses it for a model that takes none
@@ -10,10 +10,11 @@ the first layers.
 
 from __future__ import annotations
 
-from bus.images import images_of, task_images
-from bus.parts import PartStore
+from bus.stores.images import task_images
+from bus.stores.parts import PartStore
 from events.catalogue import TaskCreated
-from services.runner.engines.base import Engine, ReadsImages
+from events.images import images_of
+from inference.engines.base import Engine, ReadsImages
 from structured.reply import InvalidRequest
 
 

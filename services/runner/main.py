@@ -24,10 +24,10 @@ from bus.connection import connect
 from bus.streams import ensure_streams
 from events.kinds import DEFAULT_KV_CACHE
 from events.records import ShardAssignment
+from inference.embedding import Embedder
+from inference.engines.base import Engine, EngineBroken
+from inference.offload import accelerators, llama_offload, mlx_device, offload_problem
 from services.runner.embed_serve import EmbeddingServer, RerankServer
-from services.runner.embedding import Embedder
-from services.runner.engines.base import Engine, EngineBroken
-from services.runner.offload import accelerators, llama_offload, mlx_device, offload_problem
 from services.runner.peers import PeerLost, Peers, StopWhileWaiting
 from services.runner.serve import TaskPuller, TaskServer
 from services.runner.spec import RunnerSpec
@@ -56,6 +56,13 @@ def use_mlx_device(shard: ShardAssignment) -> None:
     if not (mx.metal.is_available() or mx.cuda.is_available()):
         raise UnsupportedDevice(f"placed on {shard.device}, but MLX has no GPU here")
     mx.set_default_device(mx.gpu)
+
+
+def preload() -> None:
+    """Import what serving a llama.cpp model needs before a spec is read (a worker's warm
+    spare): its engine and what fetches its weights."""
+    import inference.engines.llamacpp.engine  # noqa: F401
+    import services.runner.weights  # noqa: F401
 
 
 async def model_path(spec: RunnerSpec, state: StateReporter, nc: Client) -> Path:
@@ -112,8 +119,8 @@ async def run_llamacpp(
     stage (an RPC server; the head sends it its layers)."""
     # Engines are imported where used: every `shoal` command imports this module, and
     # llama_cpp or mlx_lm (with transformers) take seconds to import.
-    from services.runner.engines.llamacpp.engine import LlamaCppEngine
-    from services.runner.engines.llamacpp.pipeline import connect_stages, serve_stage
+    from inference.engines.llamacpp.engine import LlamaCppEngine
+    from services.runner.pipelines.llamacpp import connect_stages, serve_stage
 
     if spec.shard.world_size > 1 and spec.kv_cache != DEFAULT_KV_CACHE:
         # (placement refuses it: flash attention, which a quantized cache needs, stays off
@@ -131,14 +138,14 @@ async def run_llamacpp(
     if spec.role != "chat" and spec.kv_cache != DEFAULT_KV_CACHE:
         raise UnsupportedEngine(f"kv_cache {spec.kv_cache}: a {spec.role} runner keeps f16 only")
     if spec.role == "embed":
-        from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
+        from inference.engines.llamacpp.embed import LlamaCppEmbedder
 
         embedder = LlamaCppEmbedder(path, n_ctx=spec.n_ctx, n_threads=spec.n_threads, **offload)
         await asyncio.to_thread(embedder.load)
         await serve_embeddings(spec, nc, me, embedder, state, peers, stop)
         return
     if spec.role == "rerank":
-        from services.runner.engines.llamacpp.rerank import LlamaCppReranker
+        from inference.engines.llamacpp.rerank import LlamaCppReranker
 
         reranker = LlamaCppReranker(path, n_ctx=spec.n_ctx, n_threads=spec.n_threads, **offload)
         await asyncio.to_thread(reranker.load)
@@ -167,7 +174,7 @@ def whole_model_offload(shard: ShardAssignment) -> dict[str, Any]:
     """``Llama``'s arguments that put the shard where it was placed; ``UnsupportedDevice``
     when llama.cpp here does not offer its accelerators."""
     if accelerators(shard):
-        from services.runner.engines.llamacpp.devices import list_devices
+        from inference.engines.llamacpp.devices import list_devices
 
         problem = offload_problem(shard, list_devices())
         if problem is not None:
@@ -190,9 +197,9 @@ async def run_mlx(
         raise UnsupportedEngine(f"role {spec.role} is not supported on the mlx engine")
     if spec.kv_cache != DEFAULT_KV_CACHE:  # (placement refuses it; a spec by hand might not)
         raise UnsupportedEngine(f"kv_cache {spec.kv_cache}: the mlx engine keeps f16 only")
-    from services.runner.engines.mlx.blas import blas_in_use, set_threads
-    from services.runner.engines.mlx.engine import MlxEngine
-    from services.runner.engines.mlx.stages import follow, load_head, ring_shard
+    from inference.engines.mlx.blas import blas_in_use, set_threads
+    from inference.engines.mlx.engine import MlxEngine
+    from services.runner.pipelines.mlx import follow, load_head, ring_shard
 
     use_mlx_device(spec.shard)
     if spec.n_threads is not None:

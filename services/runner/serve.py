@@ -33,11 +33,11 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from bus.claim_check import resolved
 from bus.consumer import PULL_WAIT_S, Delivered, EventConsumer
-from bus.parts import PartMissing, PartStore
 from bus.publisher import ChunkPublisher, Publisher
 from bus.puller import ConsumerGone
+from bus.stores.claim_check import resolved
+from bus.stores.parts import PartMissing, PartStore
 from bus.streams import EVENTS_STREAM
 from events.attempts import attempt_of, chunk_msg_id, outcome_msg_id, scored_msg_id
 from events.catalogue import (
@@ -51,14 +51,9 @@ from events.catalogue import (
     utc_now,
 )
 from events.records import FinishReason, Timings, Usage
-from services.resume import continuation, describe, message_id, read_logged
-from services.runner.claim import ACK_WAIT_S, Claim, Seen, redelivered
-from services.runner.consumers import Pulled, cancel_subject, tasks_consumer_name
-from services.runner.current_tasks import CurrentTasks
-from services.runner.engines.base import Engine, EngineBroken, Pushes
-from services.runner.feed_sink import FeedSink
-from services.runner.fence import Fence, Superseded
-from services.runner.generation import (
+from inference.engines.base import Engine, EngineBroken, Pushes
+from inference.feed_sink import FeedSink
+from inference.generation import (
     PromptTooLong,
     ScoredPrompt,
     Step,
@@ -66,10 +61,15 @@ from services.runner.generation import (
     check_request,
     steps,
 )
+from inference.job import prepared, prompt_scored
+from inference.step_feed import StepFeed
+from services.resume import continuation, describe, message_id, read_logged
+from services.runner.claim import ACK_WAIT_S, Claim, Seen, redelivered
+from services.runner.consumers import Pulled, cancel_subject, tasks_consumer_name
+from services.runner.current_tasks import CurrentTasks
+from services.runner.fence import Fence, Superseded
 from services.runner.images import images_for
-from services.runner.job import prepared, prompt_scored
 from services.runner.state_reporter import RunnerIdentity, StateReporter
-from services.runner.step_feed import StepFeed
 from structured.reply import InvalidRequest
 
 log = logging.getLogger(__name__)

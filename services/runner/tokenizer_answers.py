@@ -16,8 +16,8 @@ from events.tokenizer import (
     TokenizeText,
     TokenPiece,
 )
-from services.runner.engines.base import Engine
-from services.runner.job import chat_prompt
+from inference.engines.base import Engine
+from inference.job import chat_prompt
 from structured.reply import InvalidRequest
 
 

@@ -21,10 +21,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
-from bus.parts import PartMissing, PartStore
+from bus.stores.parts import PartMissing, PartStore
 from events.subjects import TOKENIZER_QUEUE, tokenizer_subject
 from events.tokenizer import TokenizeChat, TokenizerAnswer, TokenizerAsk, TokenizerQuestion
-from services.runner.engines.base import Engine
+from inference.engines.base import Engine
 from services.runner.images import images_for
 from services.runner.tokenizer_answers import answer
 from structured.reply import InvalidRequest

@@ -20,10 +20,10 @@ from dataclasses import replace
 from datetime import datetime
 
 from events.catalogue import EventBase, ModelEvicted, WeightFile
+from modelfiles.shard_files import SAFETENSORS_INDEX, needed_files
 from services.models.cache_budget import CacheSize, Eviction, choose_evictions
-from services.models.shard_files import SAFETENSORS_INDEX, needed_files
 from services.models.weights_cache import WeightsCache
-from services.runner.spec import RunnerSpec
+from services.runner import RunnerSpec
 from services.worker.profile import disk_total
 
 log = logging.getLogger(__name__)

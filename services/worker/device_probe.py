@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from services.runner.engines.llamacpp.devices import GgmlDevice, lib_dir, list_devices
+from inference.engines.llamacpp.devices import GgmlDevice, lib_dir, list_devices
 from services.worker.devices import MlxGpu
 
 log = logging.getLogger(__name__)

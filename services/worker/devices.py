@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from events.records import Accelerator
-from services.runner.engines.llamacpp.devices import GgmlDevice
+from inference.engines.llamacpp.devices import GgmlDevice
 
 
 class NvidiaGpu(BaseModel):

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from bus.embedded import die_with_parent
 from events.states import RUNNER_ENDED, RunnerState
-from services.runner.spec import RunnerSpec
+from services.runner import RunnerSpec
 from services.worker.reconcile import restart_delay
 
 log = logging.getLogger(__name__)

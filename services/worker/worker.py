@@ -48,8 +48,7 @@ from services.models.cache_budget import DEFAULT_CACHE_SIZE, CacheSize
 from services.models.footprint import context_for
 from services.models.weights_cache import WeightsCache
 from services.resume import continuation, describe, message_id, read_logged, superseded_since
-from services.runner.current_tasks import CurrentTasks
-from services.runner.spec import RunnerSpec
+from services.runner import CurrentTasks, RunnerSpec
 from services.worker.cache_upkeep import CacheUpkeep
 from services.worker.device_probe import Probe, probe
 from services.worker.profile import collect_profile, nvidia_gpus, rss_bytes

@@ -28,7 +28,7 @@ from openai.types.chat import (
 from pydantic import BaseModel
 
 import tests.api.asks as asks
-from services.runner.engines.llamacpp.engine import LlamaCppEngine
+from inference.engines.llamacpp.engine import LlamaCppEngine
 from tests.api.up_cluster import UpCluster
 from tests.cli.shoal_up import KEY, MODEL
 

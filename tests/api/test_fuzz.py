@@ -783,7 +783,7 @@ async def test_a_prompt_too_large_for_the_log_is_a_413(
 
 
 async def test_a_tool_too_large_for_the_log_is_a_413(client: httpx.AsyncClient) -> None:
-    """Each message and tool is stored on its own (bus/parts.py): tools that are more than a
+    """Each message and tool is stored on its own (bus/stores/parts.py): tools that are more than a
     NATS message together are taken, one that is more alone is named."""
     tools = [
         {"type": "function", "function": {"name": f"f{i}", "description": "x" * 50_000}}

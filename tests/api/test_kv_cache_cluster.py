@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from tests.api.up_cluster import UpCluster
+from tests.inference.engines.llamacpp.test_batch import SMOLLM2
 from tests.services.processes import SHOAL
-from tests.services.runner.engines.llamacpp.test_batch import SMOLLM2
 
 pytestmark = pytest.mark.slow
 

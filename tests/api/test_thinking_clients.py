@@ -20,9 +20,7 @@ import pytest
 
 from tests.api.up_cluster import UpCluster
 from tests.services.processes import SHOAL
-from tests.services.runner.conftest import WithTemplate, smollm2_with_template
-
-__all__ = ["smollm2_with_template"]
+from tests.templated import WithTemplate
 
 pytestmark = pytest.mark.slow
 

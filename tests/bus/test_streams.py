@@ -10,9 +10,9 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType
 from nats.js.errors import NotFoundError
 
-from bus.object_store import object_stream
-from bus.parts import PARTS_STREAM
 from bus.publisher import Publisher
+from bus.stores.object_store import object_stream
+from bus.stores.parts import PARTS_STREAM
 from bus.streams import (
     CHUNKS_STREAM,
     DAY,

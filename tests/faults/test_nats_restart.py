@@ -14,7 +14,7 @@ import pytest
 
 from bus.streams import EVENTS_STREAM
 from events.catalogue import InstancePlaced, ResourceProfiled
-from services.runner.consumers import tasks_consumer_name
+from services.runner import tasks_consumer_name
 from tests.faults.cluster import MODEL, running_cluster
 from tests.faults.invariants import (
     check_answered,

@@ -18,8 +18,7 @@ import pytest
 
 from events.attempts import attempt_of, kept_chunks
 from events.catalogue import RunnerStateChanged, TaskCompleted, TaskCreated, TaskStarted
-from services.runner.claim import ACK_WAIT_S
-from services.runner.current_tasks import CurrentTasks
+from services.runner import ACK_WAIT_S, CurrentTasks
 from tests.faults.cluster import Cluster, running_cluster
 from tests.faults.invariants import (
     Outcome,

@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bus.claim_check import resolved
-from bus.parts import PartStore
+from bus.stores.claim_check import resolved
+from bus.stores.parts import PartStore
 from bus.streams import EVENTS_STREAM
 from events.catalogue import InstancePlaced, NodeTimedOut, TaskCompleted, TaskCreated, TaskStarted
-from services.runner.consumers import tasks_consumer_name
+from services.runner import tasks_consumer_name
 from tests.faults.cluster import MODEL, Cluster, running_cluster
 from tests.faults.invariants import (
     Outcome,

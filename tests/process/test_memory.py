@@ -6,8 +6,8 @@ import gc
 
 import psutil
 
+from inference.engines.llamacpp.engine import LlamaCppEngine
 from process.memory import Collector, give_back
-from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from tests.templated import SMOLLM2
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from nats.js import JetStreamContext
 
-from bus.claim_check import checked_in
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
-from bus.parts import PartStore
 from bus.publisher import Publisher
+from bus.stores.claim_check import checked_in
+from bus.stores.parts import PartStore
 from events.catalogue import NodeJoined, ResourceProfiled, TaskCreated
 from events.records import ChatMessage, Tool
 from projectors import database
@@ -92,8 +92,8 @@ async def test_events_dump_writes_json_lines(
 async def test_events_dump_puts_a_tasks_parts_back(
     nats_server: EmbeddedNats, js: JetStreamContext
 ) -> None:
-    """A task naming its messages and tools as parts (bus/parts.py) is dumped whole, so that a
-    dump restores into a cluster that has no parts; --keep-refs dumps it as stored."""
+    """A task naming its messages and tools as parts (bus/stores/parts.py) is dumped whole, so that
+    a dump restores into a cluster that has no parts; --keep-refs dumps it as stored."""
     task = TaskCreated(
         task_id="t",
         model_id="m",

@@ -34,7 +34,7 @@ from events.catalogue import NodeJoined, NodeTimedOut, RunnerStateChanged, TaskC
 from harness.hosts import Network
 from projectors import database
 from projectors.store import read_offset
-from services.runner.consumers import tasks_consumer_name
+from services.runner import tasks_consumer_name
 from tests.api.conftest import wait_healthy
 from tests.bus.nats_cluster import (
     NatsCluster,

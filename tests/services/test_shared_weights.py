@@ -19,7 +19,7 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats, free_port
-from bus.object_store import object_info
+from bus.stores.object_store import object_info
 from bus.streams import MODELS_BUCKET
 from events.catalogue import InstancePlaced, ModelAdded, NodeJoined, RunnerStateChanged
 from harness.hosts import Network

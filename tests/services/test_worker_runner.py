@@ -37,9 +37,9 @@ from events.catalogue import (
 )
 from events.records import ChatMessage, SamplingParams, ShardAssignment
 from events.subjects import event_subject
-from services.runner.consumers import tasks_consumer_name
-from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.job import prepare
+from inference.engines.llamacpp.engine import LlamaCppEngine
+from inference.job import prepare
+from services.runner import tasks_consumer_name
 from tests.services.event_log import EventLog
 
 pytestmark = pytest.mark.slow

@@ -28,8 +28,8 @@ from api.images.placed import Images
 from api.ollama.translate import ChatRequest, GenerateRequest
 from api.openai.requests import ChatCompletionRequest
 from api.responses.requests import ResponsesRequest, input_items
-from bus.images import image_bytes, stored_image
-from bus.parts import PARTS_STREAM, PartStore
+from bus.stores.images import image_bytes, stored_image
+from bus.stores.parts import PARTS_STREAM, PartStore
 from events.records import ChatMessage, ImagePart, SamplingParams
 from tests.images import b64, data_url, jpeg, png
 

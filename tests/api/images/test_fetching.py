@@ -16,7 +16,7 @@ from api.errors import ApiError
 from api.images.fetching import IpAddress, fetch_image, public_address
 from api.images.inputs import ImageInput
 from api.images.loading import ImagePolicy, read_images
-from bus.images import MAX_IMAGES, decode_refusal
+from events.images import MAX_IMAGES, decode_refusal
 from events.records import ImagePart, PartRef
 from tests.images import png
 

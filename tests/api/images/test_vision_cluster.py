@@ -10,7 +10,7 @@ embeddings that depend on its pixels and mean nothing. What is shown is the whol
 image stored by digest, read by the runner, its 64 tokens counted in the usage, the answer
 depending on the image: two images, two first-token distributions), not that anything is
 seen. The MLX model is Gemma 3's architecture with random weights
-(``services/models/tiny_mlx_vision.py``), likewise.
+(``harness/models/tiny_mlx_vision.py``), likewise.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from openai.types.chat import (
 )
 
 from bus.embedded import free_port
-from services.models.tiny_mlx_vision import IMAGE_TOKENS as MLX_IMAGE_TOKENS
-from services.models.tiny_mlx_vision import make_tiny_mlx_vision_model
+from harness.models.tiny_mlx_vision import IMAGE_TOKENS as MLX_IMAGE_TOKENS
+from harness.models.tiny_mlx_vision import make_tiny_mlx_vision_model
 from tests.cli.shoal_up import KEY, Drained, read_until_ready, start
 from tests.images import checkers_png, data_url, gradient_png
 from tests.services.processes import SHOAL

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from nats.js import JetStreamContext
 
-from bus.object_store import object_info
 from bus.publisher import Publisher
 from bus.reader import read_stream
+from bus.stores.object_store import object_info
 from bus.streams import EVENTS_STREAM, MODELS_BUCKET
 from events.catalogue import InstanceRequested, ModelAdded, parse_event
 from services.models.shared import store_files

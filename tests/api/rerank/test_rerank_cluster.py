@@ -5,7 +5,7 @@ the refusals, against an API with no runner at all.
 
 No real reranker runs here: no reranker GGUF can be had offline, so the model is a tiny BERT
 cross-encoder with random weights and rank pooling written by the test
-(``tests/services/runner/engines/llamacpp/tiny_reranker.py``): its scores are deterministic
+(``harness/models/tiny_reranker.py``): its scores are deterministic
 and meaningless, and only the path (request, on-demand load, task, runner, answer) is
 tested."""
 
@@ -23,10 +23,10 @@ from nats.js import JetStreamContext
 from bus.embedded import free_port
 from bus.publisher import Publisher
 from events.catalogue import InstanceRequested, ModelAdded
+from harness.models.tiny_reranker import write_tiny_reranker
 from tests.api.conftest import ApiStack
 from tests.cli.shoal_up import KEY, Drained, read_until_ready, start
 from tests.services.processes import SHOAL
-from tests.services.runner.engines.llamacpp.tiny_reranker import write_tiny_reranker
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from events.catalogue import (
 )
 from events.records import NodeProfile
 from events.units import MiB
-from services.runner.engines.base import Engine
+from inference.engines.base import Engine
 from services.runner.tokenizer_service import TokenizerService
 from tests.api.conftest import ApiStack
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hf_constants
 
+from harness.models.tiny_mlx import make_tiny_mlx_model
+from modelfiles.shard_files import SPLIT_GGUF
 from services.models.cards import HfSource, ModelCard, PackageSource
 from services.models.catalogue import (
     CATALOGUE_DIR,
@@ -20,8 +22,6 @@ from services.models.catalogue import (
 )
 from services.models.metadata import model_facts, read_mlx_config
 from services.models.resolve import resolve_model
-from services.models.shard_files import SPLIT_GGUF
-from services.models.tiny_mlx import make_tiny_mlx_model
 from tests.services.models.hub_cache import hub_cache
 
 FAMILIES = {

@@ -12,9 +12,9 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
-from bus.object_store import digest_hex, object_info
 from bus.publisher import Publisher
 from bus.reader import read_stream
+from bus.stores.object_store import digest_hex, object_info
 from bus.streams import EVENTS_STREAM, MODELS_BUCKET
 from events.catalogue import ModelAdded, NodeJoined, ResourceProfiled, WeightFile, parse_event
 from events.records import NodeProfile

@@ -13,8 +13,8 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.embedded import EmbeddedNats
-from bus.object_store import object_info
 from bus.publisher import Publisher
+from bus.stores.object_store import object_info
 from bus.streams import MODELS_BUCKET
 from events.catalogue import InstanceDeleteRequested, InstanceRequested, ModelAdded
 from services.models.shared import store_files

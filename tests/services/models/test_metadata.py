@@ -11,16 +11,15 @@ import pytest
 from gguf import GGUFReader, GGUFValueType
 
 from events.units import MiB
+from modelfiles.gguf_header import SkippedArray, read_gguf_fields
 from services.models.footprint import Footprint, engine_overhead_bytes
 from services.models.metadata import (
     OVERHEAD_FIXED_BYTES,
     OVERHEAD_PER_VOCAB_BYTES,
     GgufError,
-    SkippedArray,
     kv_cache_bytes,
     model_facts,
     read_gguf,
-    read_gguf_fields,
 )
 
 

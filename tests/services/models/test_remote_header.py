@@ -13,11 +13,11 @@ from typing import ClassVar
 
 import pytest
 
+from harness.models.split_gguf import split_gguf
 from services.models.cards import HfSource, ModelCard
 from services.models.catalogue import card_for
 from services.models.metadata import model_facts, read_gguf
 from services.models.remote_header import RemoteHeaderError, hub_estimate, read_remote_gguf
-from tests.services.models.split_gguf import split_gguf
 
 
 class _Files(BaseHTTPRequestHandler):

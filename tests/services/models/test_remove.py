@@ -11,9 +11,9 @@ import pytest
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bus.object_store import object_info
 from bus.publisher import Publisher
 from bus.reader import read_stream
+from bus.stores.object_store import object_info
 from bus.streams import EVENTS_STREAM, MODELS_BUCKET
 from events.catalogue import (
     InstanceDeleteRequested,

@@ -13,10 +13,10 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.object_fetch import partial_paths
+from bus.stores.object_fetch import partial_paths
 from bus.streams import MODELS_BUCKET
 from events.catalogue import WeightFile
-from services.models.shard_files import (
+from modelfiles.shard_files import (
     gguf_entry,
     mlx_files_for_layers,
     needed_files,

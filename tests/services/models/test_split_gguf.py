@@ -12,13 +12,13 @@ from llama_cpp import Llama
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from harness.models.split_gguf import split_gguf
 from services.models.cards import HfSource, ModelCard
 from services.models.metadata import GgufError, model_facts, read_gguf
 from services.models.resolve import local_path, resolve_model
 from services.models.shared import model_files, shard_model_path, store_files
 from services.models.weights_cache import WeightsCache
 from tests.services.models.hub_cache import hub_cache
-from tests.services.models.split_gguf import split_gguf
 
 PROMPT = "The capital of France is"
 

@@ -24,9 +24,9 @@ from events.catalogue import (
 )
 from events.records import ChatMessage, SamplingParams
 from events.vectors import decode_vectors
+from inference.engines.llamacpp.embed import LlamaCppEmbedder
+from inference.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.embed_serve import EmbeddingServer
-from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
-from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.serve import TaskServer
 from services.runner.state_reporter import RunnerIdentity
 from tests.services.event_log import EventLog

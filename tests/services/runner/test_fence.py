@@ -23,9 +23,9 @@ from events.catalogue import (
     TaskStarted,
 )
 from events.records import SamplingParams
+from inference.engines.llamacpp.engine import LlamaCppEngine
 from services.resume import message_id
 from services.runner.current_tasks import CurrentTasks
-from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.fence import Fence
 from services.runner.serve import TaskServer
 from services.runner.state_reporter import RunnerIdentity

@@ -10,12 +10,12 @@ from typing import cast
 import pytest
 from nats.js import JetStreamContext
 
-from bus.images import stored_image
-from bus.parts import PartStore
+from bus.stores.images import stored_image
+from bus.stores.parts import PartStore
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, SamplingParams
-from services.runner.engines.base import Engine
-from services.runner.engines.llamacpp.engine import LlamaCppEngine
+from inference.engines.base import Engine
+from inference.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.images import images_for, reads_images
 from structured.reply import InvalidRequest
 from tests.images import png

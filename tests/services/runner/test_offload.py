@@ -10,10 +10,8 @@ import pytest
 
 from events.records import DeviceLayers, ShardAssignment
 from events.units import GiB
-from services.planner.placement import place
-from services.runner.engines.llamacpp.devices import GgmlDevice, list_devices
-from services.runner.main import UnsupportedDevice, whole_model_offload
-from services.runner.offload import (
+from inference.engines.llamacpp.devices import GgmlDevice, list_devices
+from inference.offload import (
     SPLIT_MODE_LAYER,
     SPLIT_MODE_NONE,
     accelerator_of,
@@ -22,6 +20,8 @@ from services.runner.offload import (
     offload_problem,
     visible_devices,
 )
+from services.planner.placement import place
+from services.runner.main import UnsupportedDevice, whole_model_offload
 from tests.services.planner.builders import accelerator, ask, model, node, placement, view
 
 NO_ENV: dict[str, str] = {}

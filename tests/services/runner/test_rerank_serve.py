@@ -26,12 +26,12 @@ from events.catalogue import (
     TaskStarted,
 )
 from events.vectors import decode_vectors
+from harness.models.tiny_reranker import write_tiny_reranker
+from inference.engines.llamacpp.embed import LlamaCppEmbedder
+from inference.engines.llamacpp.rerank import LlamaCppReranker
 from services.runner.embed_serve import EmbeddingServer, RerankServer
-from services.runner.engines.llamacpp.embed import LlamaCppEmbedder
-from services.runner.engines.llamacpp.rerank import LlamaCppReranker
 from services.runner.state_reporter import RunnerIdentity
 from tests.services.event_log import EventLog
-from tests.services.runner.engines.llamacpp.tiny_reranker import write_tiny_reranker
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,10 @@ from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM
 from events.catalogue import RunnerStateChanged, TaskCompleted, TaskCreated, TaskStarted, utc_now
 from events.records import ChatMessage, SamplingParams
+from inference.engines.llamacpp.engine import LlamaCppEngine
 from services.resume import Logged, continuation, message_id
 from services.runner.consumers import tasks_consumer_name
 from services.runner.current_tasks import CurrentTasks
-from services.runner.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.serve import TaskServer
 from services.runner.state_reporter import RunnerIdentity
 from tests.services.event_log import EventLog

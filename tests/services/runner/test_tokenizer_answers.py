@@ -10,17 +10,17 @@ from typing import Any, cast
 import pytest
 from nats.js import JetStreamContext
 
-from bus.claim_check import checked_in, resolved
-from bus.parts import PartStore
+from bus.stores.claim_check import checked_in, resolved
+from bus.stores.parts import PartStore
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, ResponseFormat, Tool, ToolChoice
 from events.tokenizer import DescribeTokenizer, Detokenize, TokenizeChat, TokenizeText, TokenPiece
-from services.runner.engines.base import Engine
-from services.runner.engines.llamacpp.engine import LlamaCppEngine
-from services.runner.job import prepare
+from inference.engines.base import Engine
+from inference.engines.llamacpp.engine import LlamaCppEngine
+from inference.job import prepare
 from services.runner.tokenizer_answers import answer, piece_of
 from structured.reply import InvalidRequest
-from tests.services.runner.conftest import SMOLLM2
+from tests.templated import SMOLLM2
 
 WEATHER = Tool(
     name="get_weather",

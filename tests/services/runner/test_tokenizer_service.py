@@ -13,7 +13,7 @@ from nats.aio.client import Client
 
 from events.subjects import tokenizer_subject
 from events.tokenizer import Detokenize, TokenizerAnswer, TokenizerQuestion, TokenizeText
-from services.runner.engines.base import Engine
+from inference.engines.base import Engine
 from services.runner.tokenizer_service import TokenizerService
 
 

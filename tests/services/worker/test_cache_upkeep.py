@@ -34,7 +34,7 @@ from projectors.rules import fold
 from services.models.cache_budget import CacheSize
 from services.models.shared import shard_model_path, store_files
 from services.models.weights_cache import WeightsCache, sha256_of
-from services.runner.spec import RunnerSpec
+from services.runner import RunnerSpec
 from services.worker.supervisor import Supervised
 from services.worker.worker import Worker, WorkerConfig
 

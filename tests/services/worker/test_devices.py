@@ -12,7 +12,7 @@ from pathlib import Path
 
 from events.records import Accelerator
 from events.units import GiB
-from services.runner.engines.llamacpp.devices import GgmlDevice, list_devices, model_devices
+from inference.engines.llamacpp.devices import GgmlDevice, list_devices, model_devices
 from services.worker.device_probe import Probe, probe, worth_probing
 from services.worker.devices import MlxGpu, NvidiaGpu, accelerators, pci_bus_id
 from services.worker.profile import collect_profile

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from events.records import ShardAssignment
-from services.runner.spec import RunnerSpec
+from services.runner import RunnerSpec
 from services.worker.supervisor import SPARE_AFTER_S, SPARE_AT_LATEST_S, Supervised, Supervisor
 
 

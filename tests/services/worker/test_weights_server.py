@@ -17,7 +17,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.object_fetch import partial_paths
+from bus.stores.object_fetch import partial_paths
 from bus.streams import MODELS_BUCKET
 from events.catalogue import WeightFile
 from events.units import MiB
