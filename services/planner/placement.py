@@ -30,7 +30,7 @@ q4_0, and takes the first that places (an instance placed again tries the type i
 use first, so that the kept ones need not restart); when none does, the rejection says what
 was tried. The MLX engine keeps an f16 cache: a quantized type for it is refused.
 
-Manual placement follows a placement spec (``placement_spec.py``): the listed devices, split
+Manual placement (``manual.py``) follows a placement spec (``placement_spec.py``): the listed devices, split
 by ``tensor_split`` (or by room when it is absent), checked against the live cluster.
 
 When an instance is placed again, its replicas whose shards are all still on usable devices
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from events.kinds import (
     DEFAULT_KV_CACHE,
@@ -59,6 +59,7 @@ from services.planner.cluster import ClusterView, Device, device_layers
 from services.planner.engine_devices import ENGINE_DEVICES
 from services.planner.kv_cache import kv_cache_candidates, kv_cache_problem
 from services.planner.layers import split_layers
+from services.planner.manual import place_by_spec
 from services.planner.node_plan import (
     CPU,
     ONE_GPU,
@@ -68,6 +69,9 @@ from services.planner.node_plan import (
     one_device,
     shared_options,
 )
+from services.planner.placed import Placed as Placed
+from services.planner.placed import Rejection as Rejection
+from services.planner.placed import charges_of
 from services.planner.placement_spec import (
     MAX_REPLICAS,
     DeviceRef,
@@ -123,19 +127,6 @@ class Placement:
     slots: int = 1  # tasks each replica serves at once
     why: tuple[str, ...] = ()  # why each replica went where it did, by replica
     kv_cache: KvCacheType = DEFAULT_KV_CACHE  # the KV cache's type
-
-
-@dataclass(frozen=True)
-class Rejection:
-    reason: str
-    needed_bytes: int | None = None
-    available_bytes: dict[str, int] = field(default_factory=dict)  # usable per 'node:device'
-
-
-@dataclass(frozen=True)
-class Placed:
-    stages: Stages
-    why: str
 
 
 def max_slots(model: ModelInfo, role: InstanceRole) -> int:
@@ -254,7 +245,9 @@ def _place_with_kv(
         limit = min(limit, request.current_slots or 1)
     fp = model.footprint
     stages = [p.stages for p in chosen.values()]
-    slots = next((n for n in range(limit, 1, -1) if cluster.fits(_charges(stages, fp, ctx * n))), 1)
+    slots = next(
+        (n for n in range(limit, 1, -1) if cluster.fits(charges_of(stages, fp, ctx * n))), 1
+    )
     return _placement(request, fp, ctx, slots, chosen, kept)
 
 
@@ -272,21 +265,21 @@ def _place(
     tokens = ctx * slots  # the KV cache a whole replica holds
     spec_refs = None if manual is None else [sorted(map(str, devices)) for devices, _ in manual]
     kept = _kept_replicas(cluster, request, replicas, spec_refs)
-    view = cluster.reserve(_charges([p.stages for p in kept.values()], fp, tokens))
+    view = cluster.reserve(charges_of([p.stages for p in kept.values()], fp, tokens))
     placed: dict[int, Placed] = dict(kept)
     for replica in range(replicas):
         if replica in placed:
             continue
         if manual is not None:
             devices, weights = manual[replica]
-            result = _manual(view, fp, tokens, devices, weights, request.avoid, model.engine)
+            result = place_by_spec(view, fp, tokens, devices, weights, request.avoid, model.engine)
         else:
             used = _used(placed.values())
             result = _auto(view, fp, tokens, request.avoid, used, model.engine)
         if isinstance(result, Rejection):
             return _for_replica(result, replica, replicas, model, ctx, slots, view, request)
         placed[replica] = result
-        view = view.reserve(_charges([result.stages], fp, tokens))
+        view = view.reserve(charges_of([result.stages], fp, tokens))
     return placed, tuple(sorted(kept))
 
 
@@ -308,7 +301,7 @@ def _placement(
         ):
             shards.append(shard)
             shard_bytes[shard.runner_id] = sum(stage.charges(fp, tokens).values())
-    charges = _charges([p.stages for p in placed.values()], fp, tokens)
+    charges = charges_of([p.stages for p in placed.values()], fp, tokens)
     why = tuple(placed[r].why for r in sorted(placed))
     return Placement(
         tuple(shards), charges, shard_bytes, fp.need_bytes(tokens), ctx, kept, slots, why
@@ -434,104 +427,6 @@ def _split(pool: Iterable[Device], fp: Footprint, tokens: int, engine: Engine) -
     return None
 
 
-def _manual(
-    view: ClusterView,
-    fp: Footprint,
-    tokens: int,
-    refs: Sequence[DeviceRef],
-    weights: Sequence[float] | None,
-    avoid: frozenset[str],
-    engine: Engine,
-) -> Placed | Rejection:
-    devices: list[Device] = []
-    for ref in refs:
-        device = _live_device(view, ref)
-        if isinstance(device, Rejection):
-            return device
-        if device.ref in avoid:
-            return Rejection(f"runners of this instance kept failing on {device.ref}")
-        if not device.runs(engine):
-            runs = ", ".join(sorted(device.engines or ())) or "no engine of its node can use it"
-            return Rejection(f"{device.ref} does not run the {engine} engine ({runs})")
-        devices.append(device)
-    if len(devices) > fp.n_layers:
-        return Rejection(f"{len(devices)} devices for a model of {fp.n_layers} layers")
-    by_room = weights is None
-    if weights is None:
-        # Without tensor_split, by the room each device has for layers (as automatic does).
-        weights = [max(d.usable - fp.overhead_bytes, 1) for d in devices]
-    stages = _spec_stages(devices, split_layers(fp.n_layers, weights), engine)
-    if isinstance(stages, Rejection):
-        return stages
-    charges = _charges([stages], fp, tokens)
-    overfull = set(view.overfull(charges))
-    for stage in stages:
-        for device, n in stage.parts:
-            if device.ref in overfull:
-                need = sum(charges.get(ref, 0) for ref in view.sharing(device.ref))
-                share = "the whole model" if n == fp.n_layers else f"{n} of {fp.n_layers} layers"
-                return Rejection(
-                    f"{device.ref}: its share ({share}) needs {gib(need)} but"
-                    f" {gib(max(device.usable, 0))} is usable there",
-                    needed_bytes=need,
-                    available_bytes={device.ref: max(device.usable, 0)},
-                )
-    how = "each device's usable memory" if by_room else "the spec's tensor_split"
-    return Placed(stages, f"as the placement spec asks, layers in proportion to {how}")
-
-
-def _spec_stages(devices: list[Device], layers: list[int], engine: Engine) -> Stages | Rejection:
-    """The stages a spec's devices make: a node's devices (listed together) are one runner,
-    its CPU's layers first; each node is a stage of a pipeline, in the order listed."""
-    groups: list[list[tuple[Device, int]]] = []
-    for device, n in zip(devices, layers, strict=True):
-        if groups and groups[-1][0][0].node_id == device.node_id:
-            groups[-1].append((device, n))
-        elif any(g[0][0].node_id == device.node_id for g in groups):
-            return Rejection(
-                f"the devices of node {device.node_id!r} must be listed together: they make"
-                " one runner"
-            )
-        else:
-            groups.append([(device, n)])
-    can = ENGINE_DEVICES[engine]
-    stages: Stages = []
-    for rank, group in enumerate(groups):
-        group.sort(key=lambda part: part[0].is_accelerator)  # the CPU's layers first
-        refs = ", ".join(d.ref for d, _ in group)
-        accelerators = [d for d, _ in group if d.is_accelerator]
-        if len(group) > 1 and not (can.several_gpus or can.cpu_spill):
-            return Rejection(f"the {engine} engine runs a shard on one device, not {refs}")
-        if len({d.backend for d in accelerators}) > 1:
-            return Rejection(f"{refs} are of different backends: a runner uses one")
-        if len(groups) > 1 and not can.accelerated_head:
-            if rank == 0 and accelerators:
-                return Rejection(
-                    f"the first stage of a {engine} pipeline keeps its layers in RAM: give"
-                    f" {group[0][0].node_id}:cpu as its device, not {refs}"
-                )
-            if rank > 0 and len(group) > 1:
-                return Rejection(
-                    f"a later stage of a {engine} pipeline serves one device: one of {refs}"
-                )
-        stages.append(Stage(tuple(group)))
-    return stages
-
-
-def _live_device(view: ClusterView, ref: DeviceRef) -> Device | Rejection:
-    status = view.node_status.get(ref.node_id)
-    if status is None:
-        known = ", ".join(sorted(view.node_status)) or "none"
-        return Rejection(f"unknown node {ref.node_id!r} (nodes: {known})")
-    if status != "online":
-        return Rejection(f"node {ref.node_id!r} is {status.replace('_', ' ')}")
-    device = view.devices.get(str(ref))
-    if device is None:
-        has = ", ".join(sorted(d.device for d in view.devices_of(ref.node_id))) or "none"
-        return Rejection(f"node {ref.node_id!r} has no device {ref.device} (it has: {has})")
-    return device
-
-
 def _kept_replicas(
     cluster: ClusterView,
     request: PlacementRequest,
@@ -560,15 +455,6 @@ def _kept_replicas(
 
 def _used(placed: Iterable[Placed]) -> set[str]:
     return {ref for p in placed for stage in p.stages for ref in stage.refs}
-
-
-def _charges(placed: Iterable[Stages], fp: Footprint, tokens: int) -> dict[str, int]:
-    charges: dict[str, int] = defaultdict(int)
-    for stages in placed:
-        for stage in stages:
-            for ref, need in stage.charges(fp, tokens).items():
-                charges[ref] += need
-    return dict(charges)
 
 
 def _shards(
