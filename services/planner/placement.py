@@ -30,8 +30,9 @@ q4_0, and takes the first that places (an instance placed again tries the type i
 use first, so that the kept ones need not restart); when none does, the rejection says what
 was tried. The MLX engine keeps an f16 cache: a quantized type for it is refused.
 
-Manual placement (``manual.py``) follows a placement spec (``placement_spec.py``): the listed devices, split
-by ``tensor_split`` (or by room when it is absent), checked against the live cluster.
+Manual placement (``manual.py``) follows a placement spec (``placement_spec.py``): the listed
+devices, split by ``tensor_split`` (or by room when it is absent), checked against the live
+cluster.
 
 When an instance is placed again, its replicas whose shards are all still on usable devices
 are kept as they are (same runners), and only the others are placed anew.
