@@ -26,6 +26,12 @@ two decodes: ``submit``), or to a Python generator on the caller's thread (``gen
 that wants no more (a stop string, a cancel) frees its slot at the next step. The pure parts
 (what goes in a step, which slot a prompt takes) are functions, tested alone
 (``batch_plan.py``).
+
+With ``speculative`` (prompt lookup, ``inference/speculative.py``), a decoding sequence's next
+token goes in the step with a draft of the tokens that may follow it, each with its logits;
+the sequence's sampler then picks each position's token in order, as it would have one step at
+a time, and the draft's cells past the first token it did not pick are dropped. The tokens are
+those of decoding without it; a step gives a sequence as many as the draft got right, plus one.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from inference.engines.batch_thread import END, max_new, taken_from
 from inference.engines.llamacpp.batch_plan import Need, pick_slot, plan_step
 from inference.engines.llamacpp.sampling import Logits, SequenceSampler, scored
 from inference.image_spans import ImageSpan, image_at, kept, position, text_run
+from inference.speculative import NgramIndex, NgramLookup, verified
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +139,10 @@ class _Sequence:
     finished: bool = False  # nothing more to decode; its sink was told
     released: bool = False  # a pulled generation's consumer is gone
     scores: list[Token] = field(default_factory=list)  # echo: the prompt's, so far
+    ngrams: NgramIndex | None = None  # speculative: its prompt and tokens, to draft from
+    draft: list[int] = field(default_factory=list)  # this step's, after ``next_token``
+    drafted: int = 0  # draft tokens it put in steps
+    accepted: int = 0  # of which its sampler picked
 
     @property
     def prefill_left(self) -> int:
@@ -186,8 +197,11 @@ class BatchDecoder:
         n_vocab: int,
         is_end: Callable[[int], bool],
         evaluate_image: EvaluateImage | None = None,
+        speculative: NgramLookup | None = None,
     ) -> None:
         self._make_context = make_context
+        self.speculative = speculative
+        self.drafted = self.accepted = 0  # draft tokens, all sequences', for the metrics
         self._evaluate_image = evaluate_image
         self._owner = owner  # what holds the model: it must outlive the context
         self.slots = slots
@@ -409,6 +423,8 @@ class BatchDecoder:
         except Exception as exc:
             seq.end(exc)
         self._active[slot] = seq
+        if self.speculative is not None:
+            seq.ngrams = NgramIndex(self.speculative, seq.prompt)
         if keep and not seq.finished:
             seq.emit(PromptCached(keep))
 
@@ -422,7 +438,7 @@ class BatchDecoder:
         ready = [s for s in ready if not s.finished]
         if not ready:
             return
-        needs = [Need(s.slot, s.text_left(), s.decoding.echo) for s in ready]
+        needs = [Need(s.slot, s.text_left(), s.decoding.echo, self._want_draft(s)) for s in ready]
         plan = plan_step(needs, self._batch.capacity)
         batch = self._batch
         batch.clear()
@@ -437,6 +453,9 @@ class BatchDecoder:
                 assert seq.next_token is not None
                 at = position(seq.images, len(cached))
                 batch.add(seq.next_token, at, seq.slot, logits=True)
+                del seq.draft[n - 1 :]  # what the batch had room for
+                for i, token in enumerate(seq.draft, start=1):
+                    batch.add(token, at + i, seq.slot, logits=True)
             else:
                 start = seq.prefilled
                 shift = start - position(seq.images, start)  # the images' positions before
@@ -452,7 +471,10 @@ class BatchDecoder:
                 assert seq.next_token is not None
                 cached.append(seq.next_token)
                 seq.next_token = None
-                self._sample(seq, first)
+                if seq.draft:
+                    self._verify(seq, first)
+                else:
+                    self._sample(seq, first)
                 continue
             start = seq.prefilled
             cached.extend(seq.prompt[start : start + n])
@@ -494,27 +516,66 @@ class BatchDecoder:
             if start + j + 1 < len(prompt):
                 seq.scores.append(scored(self._logits(first + j), prompt[start + j + 1], k))
 
-    def _sample(self, seq: _Sequence, index: int) -> None:
-        """The sequence's next token, from the logits at batch ``index``."""
+    def _sample(self, seq: _Sequence, index: int) -> int | None:
+        """The sequence's next token, from the logits at batch ``index``; None when the
+        sequence ended instead, or with it."""
         if seq.sampled >= seq.max_new:
             seq.end()
-            return
+            return None
         assert seq.sampler is not None
         logits = self._logits(index)
         try:
             token = seq.sampler.sample(logits)
         except Exception as exc:  # this sequence's alone (a grammar it cannot follow)
             seq.end(exc)
-            return
+            return None
         k = seq.decoding.top_logprobs
         seq.sampled += 1
+        if seq.ngrams is not None:
+            seq.ngrams.extend((token,))
         if not seq.emit(Token(token) if k is None else scored(logits, token, k)):
-            return
+            return None
         pos = len(self._cached[seq.slot])
         if self._is_end(token) or seq.sampled >= seq.max_new or pos + 1 >= self.n_ctx:
             seq.end()  # what is generated fits in the context, as check_request counts
-        else:
-            seq.next_token = token
+            return None
+        seq.next_token = token
+        return token
+
+    def _want_draft(self, seq: _Sequence) -> int:
+        """Drafts the sequence's next tokens (``seq.draft``) if it is decoding with
+        speculation, as many as it may still generate and its context holds; their number."""
+        seq.draft = []
+        if seq.ngrams is None or seq.prefill_left > 0 or seq.next_token is None:
+            return 0
+        room = min(
+            seq.max_new - seq.sampled - 1,  # the last token is sampled after the draft's
+            self.n_ctx - len(self._cached[seq.slot]) - 2,  # the next token and the one after
+        )
+        seq.draft = seq.ngrams.draft(room) if room > 0 else []
+        return len(seq.draft)
+
+    def _verify(self, seq: _Sequence, first: int) -> None:
+        """Samples the positions of the next token and its draft (from batch ``first`` on) in
+        order while the sampler picks the draft's tokens; drops the cells of the rest."""
+        cached, draft = self._cached[seq.slot], seq.draft
+
+        def sample(i: int) -> int | None:
+            if i > 0:  # the draft's token before this position was picked: it is cached
+                cached.append(draft[i - 1])
+                seq.next_token = None
+            return self._sample(seq, first + i)
+
+        picked = verified(draft, sample)
+        misses = (i for i, (a, b) in enumerate(zip(picked, draft, strict=False)) if a != b)
+        accepted = next(misses, min(len(picked), len(draft)))
+        seq.drafted += len(draft)
+        seq.accepted += accepted
+        self.drafted += len(draft)
+        self.accepted += accepted
+        at = position(seq.images, len(cached))
+        llama_cpp.llama_memory_seq_rm(self._memory, seq.slot, at, -1)
+        seq.draft = []
 
     def _logits(self, index: int) -> Logits:
         """A view of the logits the last decode gave at batch ``index`` (valid until the next

@@ -15,18 +15,22 @@ ECHO_CHUNK = 64
 @dataclass(frozen=True)
 class Need:
     """What a sequence needs from the next step: ``prefill`` prompt tokens still to run (0:
-    it is decoding, one token a step)."""
+    it is decoding, one token a step, and ``draft`` more tokens if the batch has room:
+    speculative decoding's guesses, verified in the same step)."""
 
     key: int
     prefill: int = 0
     echo: bool = False
+    draft: int = 0
 
 
 def plan_step(needs: Sequence[Need], capacity: int, echo_chunk: int = ECHO_CHUNK) -> dict[int, int]:
     """How many tokens each sequence (by key: its slot) puts in the next batch of
     ``capacity``: every decoding sequence its next token first (a prompt never holds the
     others' tokens back by more than one batch), then prompts in the order given, as much as is
-    left; a scored prompt at most ``echo_chunk`` a step.
+    left; a scored prompt at most ``echo_chunk`` a step; then the decoding sequences' drafts,
+    in the order given, in what room is left (a draft only saves time: it never holds a prompt
+    back).
 
     The plan lists the sequences by key, the order they go in the batch: with a KV cache per
     sequence, llama.cpp computes a batch in one pass per run of consecutive sequence ids, so
@@ -41,6 +45,11 @@ def plan_step(needs: Sequence[Need], capacity: int, echo_chunk: int = ECHO_CHUNK
         if need.prefill > 0 and room > 0:
             take = min(need.prefill, room, echo_chunk if need.echo else room)
             plan[need.key] = take
+            room -= take
+    for need in needs:
+        if need.prefill == 0 and need.draft > 0 and room > 0 and need.key in plan:
+            take = min(need.draft, room)
+            plan[need.key] += take
             room -= take
     return dict(sorted(plan.items()))
 

@@ -35,6 +35,7 @@ from inference.engines.llamacpp.vision import Projector, projector_on_gpu
 from inference.generation import check_against_vocabulary
 from inference.image_markers import placed
 from inference.image_spans import ImagePrompt, ImageSpan, unreadable
+from inference.speculative import NgramLookup
 from structured.reply import InvalidRequest
 
 # Named chat formats a model card may ask for (as llama-cpp-python names them). A model without
@@ -77,12 +78,14 @@ class LlamaCppEngine:
         projector: Path | None = None,
         projector_on_cpu: bool = False,
         kv_cache: KvCacheType = DEFAULT_KV_CACHE,
+        speculative: NgramLookup | None = None,
         **llama_kwargs: Any,
     ) -> None:
         """``projector``: the model's multimodal projector file (its images are read), on
         the GPU where the model's layers are, or on the CPU with ``projector_on_cpu`` (a
         pipeline's head, whose GPU devices may be its stages' RPC servers). ``kv_cache``: the
-        type of the slots' KV cache (K and V alike, as llama-server's ``-ctk/-ctv``)."""
+        type of the slots' KV cache (K and V alike, as llama-server's ``-ctk/-ctv``).
+        ``speculative``: draft by prompt lookup (``batch.py``); the tokens are the same."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         if chat_format is not None and chat_format not in _FORMATTERS:
@@ -98,6 +101,7 @@ class LlamaCppEngine:
         self._projector = projector
         self._projector_on_cpu = projector_on_cpu
         self.kv_cache = kv_cache
+        self.speculative = speculative
         self._loaded: _Loaded | None = None
         self._pieces: dict[int, bytes] = {}
         # Apply a grammar to every candidate, every token (llama.cpp's grammar_first), rather
@@ -173,6 +177,7 @@ class LlamaCppEngine:
             n_vocab=n_vocab,
             is_end=ends_set.__contains__,
             evaluate_image=evaluate_image if projector is not None else None,
+            speculative=self.speculative,
         )
         self._loaded = _Loaded(
             llm=llm,
