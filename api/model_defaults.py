@@ -15,6 +15,9 @@ asks for the model by (an id, ``name:latest``, an alias), each entry with any of
   ``auto``: see docs/runners.md); its embed and rerank instances keep f16.
 - ``max_tokens``: the most tokens an answer from it has when its request sets no limit (as
   Ollama's ``num_predict`` in a Modelfile); wins over the API's ``--max-tokens``.
+- ``speculative``: speculative decoding for its chat instances, as ``POST /v1/instances``
+  takes it (``{"type": "ngram", "draft_max": 16}``; ``true``: the defaults); where its engine
+  cannot (an MLX model), its instances are loaded without it and the API logs why.
 
 Pure: text in, ``ModelDefaults`` out, or ``ModelDefaultsError`` naming the model and the key
 at fault. Nothing here checks that a model exists (it may be added later) or that the
@@ -28,6 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from pydantic import ValidationError
+
 from events.kinds import (
     DEFAULT_KV_CACHE,
     KV_CACHE_REQUESTS,
@@ -35,7 +40,7 @@ from events.kinds import (
     KvCacheRequest,
     is_kv_cache_request,
 )
-from events.records import INT32_MAX
+from events.records import INT32_MAX, Speculative
 from services.json_input import kind, loads_strict
 from services.planner.on_demand import parse_keep_alive
 from services.planner.placement_spec import (
@@ -44,7 +49,15 @@ from services.planner.placement_spec import (
     parse_placement_spec,
 )
 
-KEYS = ("keep_alive", "pinned", "placement", "context_length", "kv_cache", "max_tokens")
+KEYS = (
+    "keep_alive",
+    "pinned",
+    "placement",
+    "context_length",
+    "kv_cache",
+    "max_tokens",
+    "speculative",
+)
 EXAMPLE = (
     '{"qwen3-8b": {"keep_alive": "30m", "context_length": 8192}, "smollm2-135m": {"pinned": true}}'
 )
@@ -64,6 +77,7 @@ class ModelDefault:
     context_length: int | None = None
     max_tokens: int | None = None
     kv_cache: KvCacheRequest | None = None
+    speculative: Speculative | None = None
 
     def kv_cache_for(self, role: InstanceRole) -> KvCacheRequest:
         """The KV cache's type of an instance in ``role``: this one's for chat, else f16."""
@@ -161,7 +175,24 @@ def _entry(entry: object) -> ModelDefault:
         context_length=_tokens("context_length", entry.get("context_length")),
         max_tokens=_tokens("max_tokens", entry.get("max_tokens")),
         kv_cache=_kv_cache(entry.get("kv_cache")),
+        speculative=_speculative(entry.get("speculative")),
     )
+
+
+def _speculative(value: object) -> Speculative | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Speculative()
+    if not isinstance(value, dict):
+        raise ModelDefaultsError(f"speculative: an object or true, not {kind(value)}")
+    try:
+        return Speculative.model_validate(value)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'speculative'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ModelDefaultsError(f"speculative: {problems}") from None
 
 
 def _keep_alive(value: object) -> float | None:

@@ -17,6 +17,7 @@ unloaded unless asked.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from nats.aio.msg import Msg
 from pydantic import ValidationError
@@ -27,7 +28,8 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.model_defaults import ModelDefault
 from events.catalogue import InstanceRequested, RunnerStateChanged, parse_event
-from events.kinds import InstanceRole
+from events.kinds import InstanceRole, main_engine
+from events.records import Speculative
 from events.states import INSTANCE_CURRENT, STARTING
 from events.subjects import aggregate_filter
 from projectors.rows import InstanceRow
@@ -35,6 +37,9 @@ from projectors.state import ClusterState
 from services.models.cards import ModelCard
 from services.models.catalogue import builtin_cards
 from services.planner.card_fit import fits_now
+from services.planner.instance_request import speculative_problem
+
+log = logging.getLogger(__name__)
 
 # How often a request waiting for its model looks at the projection while nothing happens. An
 # instance's event or a runner settling (Ready, Failed), heard live, brings the next look
@@ -126,10 +131,27 @@ def requested(
         placement=given.placement_for(role),
         context_length=given.context_length,
         kv_cache=given.kv_cache_for(role),
+        speculative=_speculative(state, model_id, role, given),
         on_demand=not given.pinned,
         keep_alive_s=None if given.pinned else given.keep_alive_for(keep_alive_s),
         reason=f"{why}; pinned (--model-defaults)" if given.pinned else why,
     )
+
+
+def _speculative(
+    state: ClusterState, model_id: str, role: InstanceRole, given: ModelDefault
+) -> Speculative | None:
+    """The defaults' speculative decoding, where the instance's runners can do it: the
+    operator's file asked it of the model, not the client of its request, so an MLX model's
+    instance loads without it (logged) rather than the request being refused."""
+    model = state.model(model_id)
+    if given.speculative is None or role != "chat" or model is None:
+        return None
+    problem = speculative_problem(main_engine(model.engines), role)
+    if problem is not None:
+        log.warning("model defaults of %s: %s; loaded without it", model_id, problem)
+        return None
+    return given.speculative
 
 
 def loading(state: ClusterState, model_id: str, role: InstanceRole) -> bool:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from nats.aio.client import Client
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -38,6 +39,7 @@ from events.catalogue import (
     parse_event,
 )
 from events.kinds import DEFAULT_KV_CACHE, InstanceRole
+from events.records import Speculative
 from events.states import STARTING
 from events.subjects import aggregate_filter
 from projectors import database
@@ -101,6 +103,30 @@ KvCache = Annotated[
         " or auto (f16, else the smallest that lets the context fit).",
     ),
 ]
+SpeculativeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--speculative",
+        help="Speculative decoding by prompt lookup: ngram, ngram:DRAFT_MAX, or the JSON object"
+        ' POST /v1/instances takes ({"type": "ngram", "draft_max": 16, "ngram_min": 2,'
+        ' "ngram_max": 4}). The same tokens, sooner where answers repeat their context.',
+    ),
+]
+
+
+def parse_speculative(text: str) -> Speculative:
+    """``--speculative``'s value; ``ValueError`` saying what it takes."""
+    try:
+        if text.lstrip().startswith("{"):
+            return Speculative.model_validate_json(text)
+        kind, _, draft = text.partition(":")
+        if kind != "ngram":
+            raise ValueError(f"{kind!r} is not a kind of speculative decoding (ngram is)")
+        return Speculative(draft_max=int(draft)) if draft else Speculative()
+    except ValidationError as exc:
+        raise ValueError("; ".join(e["msg"] for e in exc.errors())) from None
+
+
 Role = Annotated[
     InstanceRole | None,
     typer.Option(
@@ -154,6 +180,7 @@ def _request(
     role: str | None,
     slots: int | None,
     kv_cache: str = DEFAULT_KV_CACHE,
+    speculative: Speculative | None = None,
 ) -> PlacementRequest:
     try:
         return placement_request(
@@ -166,6 +193,7 @@ def _request(
             context_length=context,
             slots=slots,
             kv_cache=kv_cache,
+            speculative=speculative,
         )
     except RequestRefused as exc:
         _fail(exc.message)
@@ -234,6 +262,7 @@ def create(
     context: Context = None,
     slots: Slots = None,
     kv_cache: KvCache = DEFAULT_KV_CACHE,
+    speculative: SpeculativeOption = None,
     role: Role = None,
     instance_id: Annotated[
         str | None, typer.Option("--id", help="Instance id [default: MODEL-<random>].")
@@ -251,6 +280,10 @@ def create(
     if spec is not None and replicas != 1:
         _fail("give replicas in the placement spec, not with --replicas")
     iid = instance_id or f"{model}-{secrets.token_hex(3)}"
+    try:
+        drafts = parse_speculative(speculative) if speculative is not None else None
+    except ValueError as exc:
+        _fail(f"--speculative {speculative}: {exc}")
 
     async def main() -> Event | None:
         state = await _projection(db)
@@ -270,7 +303,9 @@ def create(
                 )
                 typer.echo(f"added model {model}")
                 state.commit(changes_for(state, added))
-            ask = _request(state, iid, model, replicas, context, spec, role, slots, kv_cache)
+            ask = _request(
+                state, iid, model, replicas, context, spec, role, slots, kv_cache, drafts
+            )
             result = place(cluster_view(state), ask)
             if isinstance(result, Rejection) and not queue:
                 _fail(f"{model} {describe(result, model)} (--queue requests it anyway)")
@@ -284,6 +319,7 @@ def create(
                 role=ask.role,
                 slots=slots,
                 kv_cache=ask.kv_cache,
+                speculative=drafts,
             )
             outcomes = (InstancePlaced, PlacementRejected)
             return await _publish_and_wait(nc, requested, wait, outcomes)
@@ -400,6 +436,7 @@ def list_instances(
                 "replicas": inst.replicas,
                 "slots": inst.slots,
                 "kv_cache": inst.kv_cache,
+                "speculative": inst.speculative,
                 "generation": inst.generation,
                 "reason": inst.reason,
                 "shards": [

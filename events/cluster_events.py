@@ -19,7 +19,7 @@ from events.kinds import (
     KvCacheRequest,
     KvCacheType,
 )
-from events.records import Id, Int32, NodeProfile, ShardAssignment, WeightFile
+from events.records import Id, Int32, NodeProfile, ShardAssignment, Speculative, WeightFile
 from events.states import RunnerState
 from events.subjects import Aggregate
 
@@ -165,6 +165,10 @@ class InstanceRequested(_InstanceEvent):
         default=DEFAULT_KV_CACHE,
         description="The KV cache's type (f16, q8_0, q4_0), or auto: placement picks f16, else"
         " the smallest that lets the context fit.",
+    )
+    speculative: Speculative | None = Field(
+        default=None,
+        description="Speculative decoding for its runners (prompt lookup); None: none.",
     )
     aliases: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
         default_factory=list,

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from events.kinds import Engine
 
@@ -264,6 +271,24 @@ class ToolCallDelta(Record):
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+
+
+class Speculative(Record):
+    """Speculative decoding of an instance's runners: prompt lookup (llama-server's
+    ``--spec-type ngram-simple``), drafts of up to ``draft_max`` tokens that followed the
+    latest earlier occurrence of the context's last ``ngram_max`` (down to ``ngram_min``)
+    tokens. The tokens generated are the same as without it."""
+
+    type: Literal["ngram"] = "ngram"
+    draft_max: int = Field(16, ge=1, le=64, description="The most tokens a draft has.")
+    ngram_min: int = Field(2, ge=1, le=16, description="The shortest n-gram looked up.")
+    ngram_max: int = Field(4, ge=1, le=16, description="The longest n-gram looked up.")
+
+    @model_validator(mode="after")
+    def _sizes_in_order(self) -> Speculative:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min {self.ngram_min} is more than ngram_max {self.ngram_max}")
+        return self
 
 
 class Usage(Record):

@@ -113,6 +113,7 @@ class InstanceRow:
     slots: int | None = None  # tasks each replica serves at once, as placed; None: 1
     requested_kv_cache: KvCacheRequest = "f16"  # as asked for (auto: chosen at placement)
     kv_cache: KvCacheType = "f16"  # the KV cache's type, as placed
+    speculative: JsonDict | None = None  # its runners' speculative decoding, as asked for
     on_demand: bool = False  # asked for by a request: unloaded when idle (planner/on_demand.py)
     keep_alive_s: float | None = None  # an on-demand instance's; None: the planner's default
     last_used_at: datetime | None = None  # when its model's last task in its role ended

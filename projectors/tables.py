@@ -137,6 +137,7 @@ instances = Table(
     Column("slots", Integer),
     Column("requested_kv_cache", String(10), nullable=False, server_default="f16"),
     Column("kv_cache", String(10), nullable=False, server_default="f16"),
+    Column("speculative", JSON),
     Column("on_demand", Boolean, nullable=False, server_default=false()),
     Column("keep_alive_s", Float),
     Column("last_used_at", UtcDateTime),

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from api.body import Count, RequestBody
 from events.kinds import DEFAULT_KV_CACHE, InstanceRole, KvCacheRequest
+from events.records import Speculative
 from services.models.footprint import MAX_SLOTS
 
 
@@ -28,6 +29,12 @@ class InstanceRequest(RequestBody):
         description="The KV cache's type: f16, q8_0 (about half of f16's memory), q4_0 (about"
         " a quarter), or auto (f16, else the smallest that lets the context fit). The llama.cpp"
         " engine's chat instances; others keep f16.",
+    )
+    speculative: Speculative | None = Field(
+        default=None,
+        description='Speculative decoding for its runners: prompt lookup, {"type": "ngram",'
+        ' "draft_max": 16, "ngram_min": 2, "ngram_max": 4}; the tokens are the same,'
+        " sooner where the answer repeats its context. The llama.cpp engine's chat instances.",
     )
     queue: bool = Field(default=False, description="Request it even if it cannot be placed now.")
     aliases: Annotated[

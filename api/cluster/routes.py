@@ -132,6 +132,7 @@ async def create_instance(body: InstanceRequest, ctx: Ctx) -> dict[str, Any]:
             role=request.role,
             slots=body.slots,
             kv_cache=body.kv_cache,
+            speculative=body.speculative,
         )
     )
     return {
@@ -301,6 +302,7 @@ def _checked(s: ClusterState, body: InstanceRequest, spec: str | None) -> Placem
             context_length=body.context_length,
             slots=body.slots,
             kv_cache=body.kv_cache,
+            speculative=body.speculative,
         )
     except RequestRefused as exc:
         if exc.unknown_model:

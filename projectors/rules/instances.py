@@ -42,6 +42,7 @@ def instance_requested(state: ClusterState, e: InstanceRequested) -> list[Change
         aliases=list(e.aliases) or None,
         requested_slots=e.slots,
         requested_kv_cache=e.kv_cache,
+        speculative=e.speculative.model_dump() if e.speculative is not None else None,
         on_demand=e.on_demand,
         keep_alive_s=e.keep_alive_s,
         reason=e.reason or None,

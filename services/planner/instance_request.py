@@ -8,10 +8,12 @@ from __future__ import annotations
 from events.kinds import (
     DEFAULT_KV_CACHE,
     KV_CACHE_REQUESTS,
+    Engine,
     InstanceRole,
     is_kv_cache_request,
     main_engine,
 )
+from events.records import Speculative
 from projectors.state import ClusterState
 from services.models.catalogue import builtin_cards
 from services.planner.card_fit import card_info
@@ -57,10 +59,12 @@ def placement_request(
     context_length: int | None = None,
     slots: int | None = None,
     kv_cache: str = DEFAULT_KV_CACHE,
+    speculative: Speculative | None = None,
 ) -> PlacementRequest:
     """The request as placement takes it; ``RequestRefused`` for a malformed placement, an
     unknown role or model, embeddings on an engine without them, slots the instance could
-    not have, or a KV-cache type that is unknown or that its engine cannot keep."""
+    not have, a KV-cache type that is unknown or that its engine cannot keep, or speculative
+    decoding where its runners cannot do it."""
     try:
         parsed = parse_placement_spec(spec) if spec is not None else None
         chosen: InstanceRole = instance_role(spec, role)
@@ -94,6 +98,8 @@ def placement_request(
         )
     if (problem := kv_cache_problem(info.engine, chosen, kv_cache)) is not None:
         raise RequestRefused("kv_cache", problem)
+    if speculative is not None and (problem := speculative_problem(info.engine, chosen)):
+        raise RequestRefused("speculative", problem)
     return PlacementRequest(
         instance_id=instance_id,
         model=info,
@@ -104,3 +110,13 @@ def placement_request(
         slots=slots,
         kv_cache=kv_cache,
     )
+
+
+def speculative_problem(engine: Engine, role: InstanceRole) -> str | None:
+    """Why an instance's runners could not decode speculatively, or None: the llama.cpp
+    engine's chat runners do (``inference/speculative.py``)."""
+    if engine != "llamacpp":
+        return f"speculative: the {engine} engine does not decode speculatively (llamacpp does)"
+    if role != "chat":
+        return f"speculative: an {role} instance generates no tokens to draft"
+    return None

@@ -23,10 +23,11 @@ from nats.aio.client import Client
 from bus.connection import connect
 from bus.streams import ensure_streams
 from events.kinds import DEFAULT_KV_CACHE
-from events.records import ShardAssignment
+from events.records import ShardAssignment, Speculative
 from inference.embedding import Embedder
 from inference.engines.base import Engine, EngineBroken
 from inference.offload import accelerators, llama_offload, mlx_device, offload_problem
+from inference.speculative import NgramLookup
 from services.runner.embed_serve import EmbeddingServer, RerankServer
 from services.runner.peers import PeerLost, Peers, StopWhileWaiting
 from services.runner.serve import TaskPuller, TaskServer
@@ -162,12 +163,20 @@ async def run_llamacpp(
         # GPU device it finds, a later stage's RPC server on a head without a GPU of its own.
         projector_on_cpu=bool(spec.peers),
         kv_cache=spec.kv_cache,
+        speculative=ngram_lookup(spec.speculative),
         **offload,
     )
     await asyncio.to_thread(engine.load)
     await serve_tasks(spec, nc, me, engine, state, peers, stop)
     if not spec.peers:  # (a pipeline's head must not free a model whose stages may be gone)
         await asyncio.to_thread(engine.unload)
+
+
+def ngram_lookup(asked: Speculative | None) -> NgramLookup | None:
+    """The engine's prompt lookup, as the instance asked for it."""
+    if asked is None:
+        return None
+    return NgramLookup(n_max=asked.ngram_max, n_min=asked.ngram_min, draft_max=asked.draft_max)
 
 
 def whole_model_offload(shard: ShardAssignment) -> dict[str, Any]:
@@ -197,6 +206,8 @@ async def run_mlx(
         raise UnsupportedEngine(f"role {spec.role} is not supported on the mlx engine")
     if spec.kv_cache != DEFAULT_KV_CACHE:  # (placement refuses it; a spec by hand might not)
         raise UnsupportedEngine(f"kv_cache {spec.kv_cache}: the mlx engine keeps f16 only")
+    if spec.speculative is not None:  # (the API refuses it)
+        raise UnsupportedEngine("speculative: the mlx engine does not decode speculatively")
     from inference.engines.mlx.blas import blas_in_use, set_threads
     from inference.engines.mlx.engine import MlxEngine
     from services.runner.pipelines.mlx import follow, load_head, ring_shard

@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 from events.catalogue import WeightFile
 from events.kinds import DEFAULT_KV_CACHE, InstanceRole, KvCacheType
-from events.records import ShardAssignment
+from events.records import ShardAssignment, Speculative
 
 
 class RunnerSpec(BaseModel):
@@ -36,6 +36,8 @@ class RunnerSpec(BaseModel):
     slots: int = 1
     # The type of the slots' KV cache (placement counted its memory at that type's size).
     kv_cache: KvCacheType = DEFAULT_KV_CACHE
+    # Speculative decoding, as the instance asked for it (None: none).
+    speculative: Speculative | None = None
     # llama.cpp threads; None = every core. Several runners on one machine must share the cores:
     # llama.cpp's threads spin-wait, and oversubscribed they fall to seconds per token.
     n_threads: int | None = None

@@ -39,6 +39,7 @@ from events.catalogue import (
     utc_now,
 )
 from events.kinds import main_engine
+from events.records import Speculative
 from events.subjects import aggregate_filter
 from projectors.rows import RunnerRow
 from projectors.rules import changes_for
@@ -312,6 +313,9 @@ class Worker:
             n_threads=self.config.runner_threads,
             slots=runner_slots(inst.slots, self.config.slots),
             kv_cache=inst.kv_cache,
+            speculative=(
+                Speculative.model_validate(inst.speculative) if inst.speculative else None
+            ),
             cache_dir=str(self.config.models_dir),
             peers=sorted(peers, key=lambda s: s.rank),
             data_host=self.data_host,

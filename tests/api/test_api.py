@@ -113,17 +113,26 @@ async def test_cluster_endpoints_and_why_a_model_cannot_answer(
         assert (await client.post("/v1/placement/preview", json=asked)).json()["kv_cache"] == "q8_0"
         err = _error(await client.post("/v1/instances", json={"model": "m", "kv_cache": "q5"}), 400)
         assert err["param"] == "kv_cache" and "q4_0" in err["message"]
+        asked = {"model": "m", "speculative": {"type": "ngram", "ngram_min": 5, "ngram_max": 3}}
+        err = _error(await client.post("/v1/instances", json=asked), 400)
+        assert "ngram_min 5 is more than ngram_max 3" in err["message"]
+        asked = {"model": "m", "role": "embed", "speculative": {"type": "ngram"}}
+        err = _error(await client.post("/v1/instances", json=asked), 400)
+        assert err["param"] == "speculative" and "generates no tokens" in err["message"]
         bad = {"model": "m", "placement": {"chat": {"devices": ["zz:cpu"]}}}
         err = _error(await client.post("/v1/instances", json=bad), 400)
         assert "unknown node 'zz'" in err["message"]
 
-        created = await client.post("/v1/instances", json={"model": "m", "kv_cache": "auto"})
+        asked = {"model": "m", "kv_cache": "auto", "speculative": {"type": "ngram", "draft_max": 8}}
+        created = await client.post("/v1/instances", json=asked)
         assert created.status_code == 202
         iid = created.json()["id"]
         inst = await _until(client, f"/v1/instances/{iid}", lambda b: b.get("status") == "placed")
         assert [(s["node_id"], s["state"]) for s in inst["shards"]] == [("n1", "Assigned")]
         assert (inst["requested_slots"], inst["slots"]) == (None, 8)
         assert (inst["requested_kv_cache"], inst["kv_cache"]) == ("auto", "f16")  # f16 fits
+        drafts = {"type": "ngram", "draft_max": 8, "ngram_min": 2, "ngram_max": 4}
+        assert inst["speculative"] == drafts
         err = _error(await client.post("/v1/chat/completions", json=CHAT), 503)
         assert f"instance {iid} is starting (runners: Assigned)" in err["message"]
 

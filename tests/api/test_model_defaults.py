@@ -12,6 +12,7 @@ from api.model_defaults import ModelDefault, ModelDefaults, ModelDefaultsError, 
 from api.model_names import ModelNames
 from api.on_demand import instance_id_for, requested
 from events.catalogue import InstanceDeleted, InstanceRequested, ModelAdded
+from events.records import Speculative
 from events.units import GiB
 from projectors.rules import fold
 from services.planner.decisions import PlannerPolicy, decide
@@ -219,3 +220,23 @@ def test_a_kv_cache_type_is_read_and_applies_to_chat_instances() -> None:
     state = fold_all(node("a", 8 * GiB), model("long", size=GiB))
     asked = requested(state, "long", "chat", "POST /v1/chat/completions", "api", None, got)
     assert (asked.kv_cache, asked.context_length) == ("auto", 32768)
+
+
+def test_speculative_decoding_is_read_and_asked_for_where_it_can_be() -> None:
+    got = _parsed(
+        {"m": {"speculative": {"type": "ngram", "draft_max": 8}}, "t": {"speculative": True}}
+    )
+    assert got.by_name["m"].speculative == Speculative(draft_max=8)
+    assert got.by_name["t"].speculative == Speculative()
+    assert _refused({"m": {"speculative": "yes"}}) == (
+        "model 'm': speculative: an object or true, not the string 'yes'"
+    )
+    assert "draft_max" in _refused({"m": {"speculative": {"draft_max": 0}}})
+    state = fold_all(node("a", 8 * GiB), model("m", size=GiB), model("x", size=GiB, engine="mlx"))
+    chat = requested(state, "m", "chat", "POST /v1/chat/completions", "api", None, got.by_name["m"])
+    assert chat.speculative == Speculative(draft_max=8)
+    embed = requested(state, "m", "embed", "POST /v1/embeddings", "api", None, got.by_name["m"])
+    assert embed.speculative is None
+    # The operator's file asked it of an MLX model: loaded without it, not a refused request.
+    mlx = requested(state, "x", "chat", "POST /v1/chat/completions", "api", None, got.by_name["m"])
+    assert mlx.speculative is None

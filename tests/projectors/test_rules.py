@@ -33,7 +33,7 @@ from events.catalogue import (
     TaskStarted,
     parse_event,
 )
-from events.records import GpuInfo, NodeProfile, ShardAssignment, Timings, Usage
+from events.records import GpuInfo, NodeProfile, ShardAssignment, Speculative, Timings, Usage
 from events.units import GiB
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, Row, RunnerRow, TaskRow
 from projectors.rules import changes_for, fold
@@ -168,6 +168,16 @@ def test_instance_requested_then_placed_creates_runners() -> None:
         ("a", 0, 10, "Assigned"),
         ("b", 10, 20, "Assigned"),
     ]
+
+
+def test_an_instance_keeps_the_speculative_decoding_it_asked_for() -> None:
+    drafts = Speculative(draft_max=8)
+    asked = InstanceRequested(instance_id="i1", model_id="m", origin="api", speculative=drafts)
+    inst = fold([asked, placed(nodes=("a",))]).instance("i1")
+    assert inst is not None and inst.speculative == drafts.model_dump()
+    # An older log's request has none.
+    old = fold([InstanceRequested(instance_id="i2", model_id="m", origin="api")]).instance("i2")
+    assert old is not None and old.speculative is None
 
 
 def test_second_request_with_same_id_is_ignored() -> None:
