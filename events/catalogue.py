@@ -8,8 +8,9 @@ an older consumer still reads a newer producer's events.
 What every event is (its type, id, time, subjects) is ``event_base.py``; the events themselves
 are ``cluster_events.py`` (nodes, models, instances, runners, API keys), ``task_events.py``
 (tasks, responses) and ``chunk_events.py`` (the chunk stream: tokens, prompt scores,
-embeddings). This module holds the log's own event, the union of all, ``Event``, and how
-events are parsed; it names every event again, so that importers take them all from here.
+embeddings, image steps and images). This module holds the log's own event, the union of
+all, ``Event``, and how events are parsed; it names every event again, so that importers take
+them all from here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pydantic import ConfigDict, Field, TypeAdapter
 
 from events.chunk_events import ChunkGenerated as ChunkGenerated
 from events.chunk_events import EmbeddingsComputed as EmbeddingsComputed
+from events.chunk_events import ImageGenerated as ImageGenerated
+from events.chunk_events import ImageStepped as ImageStepped
 from events.chunk_events import PromptScored as PromptScored
 from events.cluster_events import InstanceDeleted as InstanceDeleted
 from events.cluster_events import InstanceDeleteRequested as InstanceDeleteRequested
@@ -96,6 +99,8 @@ Event = Annotated[
     | ChunkGenerated
     | PromptScored
     | EmbeddingsComputed
+    | ImageStepped
+    | ImageGenerated
     | TaskCompleted
     | TaskFailed
     | TaskCancelled
@@ -155,5 +160,6 @@ def chunk_stream_type(data: bytes) -> str:
 
 
 _CHUNK_TYPE_MARKERS = tuple(
-    (t.__name__, f'"type":"{t.__name__}"'.encode()) for t in (PromptScored, EmbeddingsComputed)
+    (t.__name__, f'"type":"{t.__name__}"'.encode())
+    for t in (PromptScored, EmbeddingsComputed, ImageStepped, ImageGenerated)
 )

@@ -1,6 +1,7 @@
 """The events a task's runner streams to whoever waits for its answer (tokens, prompt scores,
-embeddings): on the chunk stream, ``shoal.chunks.<task_id>``, not on the event stream. Part of
-the catalogue (``events/catalogue.py``'s ``Event``)."""
+embeddings, an image task's steps and images): on the chunk stream,
+``shoal.chunks.<task_id>``, not on the event stream. Part of the catalogue
+(``events/catalogue.py``'s ``Event``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from events.event_base import EventBase
-from events.records import FinishReason, Id, TokenLogprob, ToolCallDelta
+from events.records import FinishReason, Id, ImagePart, TokenLogprob, ToolCallDelta
 from events.subjects import Aggregate
 
 
@@ -80,3 +81,26 @@ class EmbeddingsComputed(_ChunkStreamEvent):
     total: int = Field(description="Inputs in the whole task.")
     dimensions: int = Field(description="Floats per vector.")
     vectors: str = Field(description="base64 of float32 little-endian, vector after vector.")
+
+
+class ImageStepped(_ChunkStreamEvent):
+    """An image task's progress: image ``image`` (0-based) of ``images`` has had ``step`` of its
+    ``steps`` denoising steps. One per step, so that the log shows the task moving."""
+
+    image: int = Field(ge=0)
+    images: int = Field(ge=1)
+    step: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    attempt: int | None = Field(default=None, ge=0, description="As ChunkGenerated's.")
+
+
+class ImageGenerated(_ChunkStreamEvent):
+    """An image an image task made: a finished one (``partial`` None) or a partial one (the
+    image so far, ``partial`` 0, 1... in order). Its bytes are stored by digest as prompt
+    parts are (``bus/stores/images.py``); ``png`` names them, never holds them."""
+
+    index: int = Field(ge=0, description="Which of the task's images.")
+    partial: int | None = Field(default=None, ge=0, description="None: the finished image.")
+    png: ImagePart = Field(description="The PNG's digest, size and stored parts.")
+    seed: int | None = Field(default=None, description="The seed it was drawn with.")
+    attempt: int | None = Field(default=None, ge=0, description="As ChunkGenerated's.")

@@ -244,6 +244,37 @@ class SamplingParams(Record):
     )
 
 
+# An image task's bounds (the API refuses more before anything is queued; the runner, again).
+MAX_IMAGES_PER_TASK = 8
+MAX_IMAGE_SIDE = 2048
+MAX_IMAGE_STEPS = 150
+MAX_PARTIAL_IMAGES = 3
+
+
+class ImageParams(Record):
+    """What an image task (``TaskCreated`` of kind ``image``) asks beyond its prompt."""
+
+    n: int = Field(default=1, ge=1, le=MAX_IMAGES_PER_TASK, description="Images to make.")
+    width: int = Field(default=512, ge=8, le=MAX_IMAGE_SIDE, description="Pixels.")
+    height: int = Field(default=512, ge=8, le=MAX_IMAGE_SIDE, description="Pixels.")
+    steps: int | None = Field(
+        default=None, ge=1, le=MAX_IMAGE_STEPS, description="Denoising steps; None: the model's."
+    )
+    guidance: float | None = Field(
+        default=None, ge=0.0, le=30.0, description="Classifier-free guidance; None: the model's."
+    )
+    seed: int | None = Field(
+        default=None, ge=0, description="Image i is drawn with seed + i (None: 0)."
+    )
+    negative_prompt: str | None = None
+    partial_images: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_PARTIAL_IMAGES,
+        description="Partial images streamed per image, before the finished one.",
+    )
+
+
 # Chunks are hashable (their consumers keep sets of them): what they hold is in tuples.
 
 

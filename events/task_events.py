@@ -16,6 +16,7 @@ from events.records import (
     ChatMessage,
     FinishReason,
     Id,
+    ImageParams,
     Int32,
     PartRef,
     Record,
@@ -54,7 +55,7 @@ class TaskCreated(_TaskEvent):
     """A request for generation: chat messages or a plain prompt. Published again, with
     ``resume``, when its runner was lost mid-generation: the continuation."""
 
-    kind: Literal["chat", "completion"] = "chat"
+    kind: Literal["chat", "completion", "image"] = "chat"
     messages: list[ChatMessage] | None = None
     messages_ref: PartRef | None = Field(
         default=None,
@@ -66,6 +67,10 @@ class TaskCreated(_TaskEvent):
         default=None, description="A completion's prompt sent as token ids, not text."
     )
     params: SamplingParams = Field(default_factory=SamplingParams)
+    image: ImageParams | None = Field(
+        default=None,
+        description="An image task's (kind `image`, its prompt in `prompt`): size, count, steps.",
+    )
     user: str | None = Field(default=None, max_length=255)
     owner: str | None = Field(
         default=None, description="The API key (its key_id) that asked for it; None: no key."

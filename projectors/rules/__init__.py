@@ -19,6 +19,8 @@ from events.catalogue import (
     EmbeddingsComputed,
     EmbeddingsRequested,
     Event,
+    ImageGenerated,
+    ImageStepped,
     InstanceDeleted,
     InstanceDeleteRequested,
     InstancePlaced,
@@ -100,7 +102,13 @@ def changes_for(state: ClusterState, event: Event) -> list[Change]:
             return keys.key_added(state, event)
         case KeyRevoked():
             return keys.key_revoked(state, event)
-        case ChunkGenerated() | PromptScored() | EmbeddingsComputed():
+        case (
+            ChunkGenerated()
+            | PromptScored()
+            | EmbeddingsComputed()
+            | ImageStepped()
+            | ImageGenerated()
+        ):
             return []  # projection-free: the chunk stream's; the projection keeps task outcomes
         case ModelEvicted():
             return []  # projection-free: what one node's disk holds is that node's business

@@ -23,6 +23,8 @@ from events.catalogue import (
     EmbeddingsRequested,
     Event,
     EventBase,
+    ImageGenerated,
+    ImageStepped,
     InstanceDeleted,
     InstanceDeleteRequested,
     InstancePlaced,
@@ -55,8 +57,11 @@ from events.catalogue import (
 from events.records import (
     ChatMessage,
     GpuInfo,
+    ImageParams,
+    ImagePart,
     NetworkInterface,
     NodeProfile,
+    PartRef,
     SamplingParams,
     ShardAssignment,
     Timings,
@@ -248,6 +253,25 @@ SAMPLES: dict[type[EventBase], EventBase] = {
         total=2,
         dimensions=2,
         vectors="mpkZP83MTL8AAIA/AAAAAA==",
+    ),
+    ImageStepped: ImageStepped(
+        task_id="task-1", origin="node-a", ts=TS, image=0, images=1, step=2, steps=4, attempt=0
+    ),
+    ImageGenerated: ImageGenerated(
+        task_id="task-1",
+        origin="node-a",
+        ts=TS,
+        index=0,
+        png=ImagePart(
+            sha256="c" * 64,
+            media_type="image/png",
+            width=256,
+            height=256,
+            bytes=132108,
+            ref=PartRef(digest="d" * 64, parts=1, bytes=176248),
+        ),
+        seed=7,
+        attempt=0,
     ),
     TaskStarted: TaskStarted(
         task_id="task-1",
@@ -696,5 +720,24 @@ async def test_chat_and_embed_runners_of_one_model_filter_apart_on_real_nats(nc:
 
 
 def test_the_chunk_stream_s_types_are_told_apart_unparsed() -> None:
-    for cls in (ChunkGenerated, PromptScored, EmbeddingsComputed):
+    for cls in (ChunkGenerated, PromptScored, EmbeddingsComputed, ImageStepped, ImageGenerated):
         assert chunk_stream_type(SAMPLES[cls].to_json()) == cls.__name__
+
+
+def test_an_image_task_is_a_task_created_and_older_tasks_read_as_before() -> None:
+    """An image task is a TaskCreated of kind image with its parameters; a TaskCreated logged
+    before images existed (no `image`) reads as it did."""
+    asked = TaskCreated(
+        task_id="t",
+        model_id="sd-turbo",
+        origin="api",
+        kind="image",
+        prompt="a cat",
+        image=ImageParams(n=2, width=512, height=256, steps=4, seed=9, partial_images=1),
+    )
+    again = parse_event(asked.to_json())
+    assert again == asked
+    old = json.loads(SAMPLES[TaskCreated].to_json())
+    old.pop("image", None)
+    read = parse_event(json.dumps(old))
+    assert isinstance(read, TaskCreated) and read.image is None and read.kind == "chat"

@@ -1,0 +1,1 @@
+"""Image generation on diffusers (PyTorch): ``engine.py``."""
