@@ -23,6 +23,7 @@ from api.limits import RequestGuard, limits_of
 from api.ollama import routes as ollama_routes
 from api.openai import routes as openai_routes
 from api.openai.embeddings_routes import router as embeddings_router
+from api.openai.images_routes import router as images_router
 from api.rerank.routes import router as rerank_router
 from api.responses.routes import router as responses_router
 from api.serving_verdicts import ServingVerdicts
@@ -92,6 +93,7 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.include_router(anthropic_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(embeddings_router)
+    app.include_router(images_router)
     app.include_router(rerank_router)
     app.include_router(responses_router)
     app.include_router(ollama_routes.router)

@@ -30,6 +30,7 @@ ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
     ("POST", "/v1/chat/completions"): "user",
     ("POST", "/v1/completions"): "user",
     ("POST", "/v1/embeddings"): "user",
+    ("POST", "/v1/images/generations"): "user",
     ("POST", "/v1/rerank"): "user",
     ("POST", "/rerank"): "user",
     ("POST", "/v1/messages"): "user",

@@ -255,8 +255,9 @@ def add(
     engine: Annotated[
         str | None,
         typer.Option(
-            metavar="llamacpp|mlx",
-            help="Engine that runs it [default: mlx for a directory, else llamacpp].",
+            metavar="llamacpp|mlx|diffusers",
+            help="Engine that runs it [default: diffusers for a directory with a"
+            " model_index.json, mlx for another directory, else llamacpp].",
             show_default=False,
         ),
     ] = None,
@@ -497,6 +498,8 @@ def _card(
         resolved = path.expanduser().absolute()
         source: PathSource | HfSource = PathSource(path=str(resolved))
         default_engine: Engine = "mlx" if resolved.is_dir() else "llamacpp"
+        if (resolved / "model_index.json").is_file():  # a diffusers pipeline: an image model
+            default_engine = "diffusers"
     else:
         assert hf is not None
         # Without a file, the whole repository: an MLX model.

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, TypeGuard, get_args
 
-Engine = Literal["llamacpp", "mlx"]
+# diffusers: an image model's (a diffusers pipeline directory), served by the image runner.
+Engine = Literal["llamacpp", "mlx", "diffusers"]
 ENGINES: tuple[Engine, ...] = get_args(Engine)
 DEFAULT_ENGINE: Engine = "llamacpp"
 
@@ -56,6 +57,11 @@ def role_of_task(kind: str) -> InstanceRole:
     if kind == "rerank":
         return "rerank"
     return "chat"
+
+
+def makes_images(engines: Sequence[str] | None) -> bool:
+    """Whether a model of these engines makes images (its tasks are of kind ``image``)."""
+    return main_engine(engines) == "diffusers"
 
 
 def main_engine(engines: Sequence[str] | None) -> Engine:

@@ -79,6 +79,8 @@ def needed_files(
 ) -> list[WeightFile]:
     """The files a shard fetches. For MLX, ``weight_map`` is the safetensors index's (None
     when the model has no index: one safetensors file, which every rank needs)."""
+    if engine == "diffusers":  # a pipeline is one shard: all its files
+        return list(files)
     if engine != "mlx":
         return list(files) if rank == 0 else []
     if weight_map is None:

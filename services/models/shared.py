@@ -244,6 +244,6 @@ async def shard_model_path(
     wanted = needed_files(files, engine, rank, start, end, n_layers, weight_map)
     await fetch_files(nc, cache, wanted, on_progress, node_id=node_id)
     directory = cache.link(model_id, wanted)
-    if engine == "mlx":
+    if engine in ("mlx", "diffusers"):
         return directory
     return directory / gguf_entry(files).name

@@ -26,4 +26,6 @@ class EngineDevices:
 ENGINE_DEVICES: dict[Engine, EngineDevices] = {
     "llamacpp": EngineDevices(several_gpus=True, cpu_spill=True, accelerated_head=False),
     "mlx": EngineDevices(several_gpus=False, cpu_spill=False, accelerated_head=True),
+    # A diffusers pipeline runs whole on one device (never split: it is one layer to placement).
+    "diffusers": EngineDevices(several_gpus=False, cpu_spill=False, accelerated_head=True),
 }

@@ -19,6 +19,8 @@ def _f16_only(engine: Engine, role: InstanceRole) -> str | None:
     runners (whose contexts are made apart, for one batch of inputs)."""
     if engine == "mlx":
         return "the mlx engine keeps its KV cache in f16 only"
+    if engine == "diffusers":
+        return "an image model keeps no KV cache"
     if role != "chat":
         article = "an" if role[0] in "aeiou" else "a"
         return f"{article} {role} instance keeps its KV cache in f16 only"

@@ -92,6 +92,10 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
             await run_llamacpp(spec, nc, me, state, peers, stop)
         elif spec.engine == "mlx":
             await run_mlx(spec, nc, me, state, peers, stop)
+        elif spec.engine == "diffusers":
+            from services.runner.image_serve import run_diffusers
+
+            await run_diffusers(spec, nc, me, state, stop)
         else:
             raise UnsupportedEngine(f"engine {spec.engine!r} is not available in this runner")
         await state.report("Stopped")

@@ -63,14 +63,21 @@ class DiffusersEngine:
         return self._default_steps
 
     def load(self) -> None:
-        import torch
         from diffusers import DiffusionPipeline
 
-        if self._n_threads is not None:
-            torch.set_num_threads(self._n_threads)
+        self._use_threads()
         pipeline = DiffusionPipeline.from_pretrained(str(self._path))
         pipeline.set_progress_bar_config(disable=True)
         self._pipeline = pipeline.to(self._device)
+
+    def _use_threads(self) -> None:
+        """PyTorch's CPU threads, set on the calling thread: OpenMP keeps the count per thread
+        (the runner loads on one thread and generates on another), and the count changes the
+        sums' order, so the bytes: the same seed gives the same image at the same count."""
+        import torch
+
+        if self._n_threads is not None and torch.get_num_threads() != self._n_threads:
+            torch.set_num_threads(self._n_threads)
 
     def unload(self) -> None:
         self._pipeline = None
@@ -108,6 +115,7 @@ class DiffusersEngine:
     ) -> list[GeneratedImage]:
         if self._pipeline is None:
             raise RuntimeError("the image engine is not loaded")
+        self._use_threads()
         steps = params.steps or self._default_steps
         return [self._one(prompt, params, i, steps, on_step, cancelled) for i in range(params.n)]
 

@@ -5,6 +5,7 @@ partial images where asked, and a cancel that stops within a step."""
 from __future__ import annotations
 
 import io
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,13 @@ def test_the_pipeline_is_diffusers_layout() -> None:
 def test_an_engine_not_loaded_says_so(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="not loaded"):
         DiffusersEngine(tmp_path).generate(PROMPT, ImageParams(), _skip, _never)
+
+
+def test_another_thread_gives_the_same_bytes(engine: DiffusersEngine) -> None:
+    """The runner loads on one thread and generates on another: the threads PyTorch uses are
+    the engine's on each (OpenMP keeps them per thread), so the bytes do not change."""
+    params = ImageParams(width=64, height=64, steps=2, seed=4)
+    here = engine.generate(PROMPT, params, _skip, _never)[0].png
+    with ThreadPoolExecutor(1) as pool:
+        there = pool.submit(engine.generate, PROMPT, params, _skip, _never).result()[0].png
+    assert there == here
