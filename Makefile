@@ -52,7 +52,13 @@ $(VENV)/.installed-run: pyproject.toml | $(VENV)/.installed-llama
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# The image engine's PyTorch (the [images] extra, in [test]): this release first, which this
+# kind of machine keeps on its disk as a CPU build (1.3 GB with diffusers, about a minute);
+# PyPI's newest for Linux is a CUDA build (+5.4 GB, docs/runners.md). Elsewhere it is PyPI's.
+TORCH ?= torch==2.13.0
+
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-llama
+	$(BIN)/pip install -q '$(TORCH)'
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@ $(VENV)/.installed-run
 

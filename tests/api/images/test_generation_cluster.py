@@ -27,6 +27,7 @@ from bus.embedded import free_port
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 from events.catalogue import (
+    Event,
     ImageGenerated,
     ImageStepped,
     TaskCompleted,
@@ -111,7 +112,7 @@ def test_the_sdk_gets_pngs_of_the_asked_size_the_engine_s_own_bytes(painting: Pa
         model=MODEL,
         prompt=PROMPT,
         n=2,
-        size="128x64",  # type: ignore[arg-type]  # (the SDK lists OpenAI's sizes only)
+        size="128x64",  # (the SDK lists OpenAI's sizes; any WxH is sent)
         response_format="b64_json",
         extra_body={"seed": 11, "steps": 3},
     )
@@ -127,7 +128,7 @@ def test_a_stream_gives_partial_images_then_the_finished_one(painting: Painting)
     stream = _client(painting).images.generate(
         model=MODEL,
         prompt=PROMPT,
-        size="64x64",  # type: ignore[arg-type]
+        size="64x64",
         stream=True,
         partial_images=2,
         extra_body={"seed": 5, "steps": 4},
@@ -154,7 +155,7 @@ def test_fields_the_engine_cannot_honour_are_a_400_naming_them(painting: Paintin
     message = str(refused.value)
     assert "response_format" in message and "style" in message
     with pytest.raises(openai.BadRequestError, match="width"):
-        client.images.generate(model=MODEL, prompt=PROMPT, size="100x64")  # type: ignore[arg-type]
+        client.images.generate(model=MODEL, prompt=PROMPT, size="100x64")
 
 
 def test_the_log_holds_the_task_its_steps_and_its_stored_images(painting: Painting) -> None:
@@ -164,10 +165,10 @@ def test_the_log_holds_the_task_its_steps_and_its_stored_images(painting: Painti
         model=MODEL,
         prompt="a blue sea",
         size="64x64",
-        extra_body={"seed": 3, "steps": 2},  # type: ignore[arg-type]
+        extra_body={"seed": 3, "steps": 2},
     )
 
-    async def read() -> tuple[TaskCreated, list[object]]:
+    async def read() -> tuple[TaskCreated, list[Event]]:
         nc = await connect(painting.nats_url)
         try:
             js = nc.jetstream()
