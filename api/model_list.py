@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from api.images.vision import accepts_images
 from api.model_names import ModelNames
 from api.projection import loaded_models
+from events.kinds import makes_images
 from projectors.rows import ModelRow
 from projectors.state import ClusterState
 from services.models.cards import ModelCard
@@ -41,7 +42,10 @@ class Askable:
 
     @property
     def capabilities(self) -> list[str]:
-        """What the lists say it can do, in Ollama's words: generate, and read images."""
+        """What the lists say it can do, in Ollama's words: generate, and read images; an image
+        model's, that it makes images (``image``, as Ollama says of its image models)."""
+        if self.model is not None and makes_images(self.model.engines):
+            return ["image"]
         return ["completion", "vision"] if self.vision else ["completion"]
 
     @property

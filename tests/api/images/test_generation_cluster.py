@@ -122,6 +122,8 @@ def test_the_sdk_gets_pngs_of_the_asked_size_the_engine_s_own_bytes(painting: Pa
         image = Image.open(io.BytesIO(png))
         assert (image.format, image.size) == ("PNG", (128, 64))
     assert pngs == _in_process(11, 3, (128, 64), n=2)
+    listed = {m.id: m for m in _client(painting).models.list()}
+    assert (listed[MODEL].model_extra or {})["capabilities"] == ["image"]
 
 
 def test_a_stream_gives_partial_images_then_the_finished_one(painting: Painting) -> None:

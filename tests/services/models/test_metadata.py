@@ -16,11 +16,13 @@ from services.models.footprint import Footprint, engine_overhead_bytes
 from services.models.metadata import (
     OVERHEAD_FIXED_BYTES,
     OVERHEAD_PER_VOCAB_BYTES,
+    TORCH_RUNTIME_BYTES,
     GgufError,
     kv_cache_bytes,
     model_facts,
     read_gguf,
 )
+from tests.tiny_diffusion import tiny_diffusion_pipeline
 
 
 def test_smollm2(smollm2_path: Path) -> None:
@@ -185,3 +187,19 @@ def test_mlx_directory(tmp_path: Path) -> None:
 def test_model_facts_of_a_gguf(smollm2_path: Path) -> None:
     facts = model_facts(smollm2_path)
     assert (facts.n_layers, facts.context_length, facts.size_bytes) == (30, 8192, 98_362_432)
+
+
+def test_a_diffusers_pipeline_is_one_layer_its_weights_and_an_image_s_activations(
+    tmp_path: Path,
+) -> None:
+    """What placement counts for an image model: every component's weights, and PyTorch's own
+    memory with the activations of one 1024 x 1024 image at the VAE's widest block."""
+    pipeline = tiny_diffusion_pipeline()
+    facts = model_facts(pipeline, "diffusers")
+    weights = sum(f.stat().st_size for f in pipeline.rglob("*.safetensors"))
+    assert (facts.n_layers, facts.context_length, facts.kv_bytes_per_token) == (1, 0, 0)
+    assert facts.size_bytes == weights
+    # The tiny VAE's widest block has 4 channels: four float32 tensors of them at every pixel.
+    assert facts.overhead_bytes == TORCH_RUNTIME_BYTES + 4 * 4 * 1024 * 1024 * 4
+    with pytest.raises(GgufError, match=r"model_index\.json"):
+        model_facts(tmp_path, "diffusers")
