@@ -54,6 +54,7 @@ from events.catalogue import (
     TaskFailed,
     parse_event,
 )
+from events.records import ImagePart
 
 Outcome = TaskCompleted | TaskFailed
 Followed = ImageStepped | ImageGenerated | Outcome
@@ -67,6 +68,7 @@ class Made:
     partial: int | None
     png: bytes
     seed: int | None
+    image: ImagePart | None = None  # where its bytes are stored
 
 
 async def generated(ctx: ApiContext, task: TaskCreated) -> AsyncIterator[Made | TaskCompleted]:
@@ -161,7 +163,8 @@ class ImageTask:
                 self._sent.add(key)
                 if any((a, event.index, None) in self._sent for a in range(attempt)):
                     continue  # this image was given already, by an attempt before
-                yield Made(event.index, event.partial, await self._png(event), event.seed)
+                png = await self._png(event)
+                yield Made(event.index, event.partial, png, event.seed, event.png)
 
     async def _png(self, event: ImageGenerated) -> bytes:
         try:

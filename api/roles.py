@@ -31,6 +31,7 @@ ROUTE_ROLES: dict[tuple[str, str], RouteRole] = {
     ("POST", "/v1/completions"): "user",
     ("POST", "/v1/embeddings"): "user",
     ("POST", "/v1/images/generations"): "user",
+    ("GET", "/v1/images/files/{name}"): "user",
     ("POST", "/v1/rerank"): "user",
     ("POST", "/rerank"): "user",
     ("POST", "/v1/messages"): "user",

@@ -1,16 +1,18 @@
 """``POST /v1/images/generations`` (OpenAI's image API): a prompt becomes an image task
 (``TaskCreated`` of kind ``image``) for an image model's runner (``engine`` diffusers), and the
-PNGs it makes come back as ``b64_json``, whole or streamed (``stream``, with
-``partial_images``: ``image_generation.partial_image`` then ``image_generation.completed``
-server-sent events), as the ``openai`` SDK's ``client.images.generate`` reads them.
+PNGs it makes come back as ``b64_json`` or a ``url`` of this API (``GET
+/v1/images/files/{name}``, read back from where the runner stored them), whole or streamed
+(``stream``, with ``partial_images``: ``image_generation.partial_image`` then
+``image_generation.completed`` server-sent events), as the ``openai`` SDK's
+``client.images.generate`` reads them.
 
 Honoured: ``model``, ``prompt``, ``n`` (1-8), ``size`` (``WIDTHxHEIGHT``, or ``auto``: 512 x
-512), ``response_format`` ``b64_json``, ``output_format`` ``png``, ``stream``,
-``partial_images`` (0-3), ``user``; and the common extensions ``seed``, ``steps`` (or
-``num_inference_steps``), ``guidance`` (or ``guidance_scale``) and ``negative_prompt``. A field
-that would change the image and that Shoal cannot honour is a 400 naming it: ``response_format``
-``url``, another ``output_format``, ``output_compression``, a transparent ``background``, a
-``quality`` or ``style`` asked for (the model's steps and guidance are what there is)."""
+512), ``response_format``, ``output_format`` ``png``, ``stream``, ``partial_images`` (0-3),
+``user``; and the common extensions ``seed``, ``steps`` (or ``num_inference_steps``),
+``guidance`` (or ``guidance_scale``) and ``negative_prompt``. A field that would change the
+image and that Shoal cannot honour is a 400 naming it: another ``output_format``,
+``output_compression``, a transparent ``background``, a ``quality`` or ``style`` asked for (the
+model's steps and guidance are what there is), a ``url`` streamed."""
 
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import AliasChoices, Field
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import AliasChoices, Field, ValidationError
 
 from api import projection
 from api.body import RequestBody
@@ -30,6 +32,8 @@ from api.context import ApiContext, context, require_key
 from api.errors import ApiError
 from api.image_task import Made, generated
 from api.serving import require_storable, sse
+from bus.stores.images import image_bytes
+from bus.stores.parts import PartMissing, PartStore
 from events.catalogue import TaskCompleted, TaskCreated, new_id
 from events.kinds import makes_images
 from events.records import (
@@ -38,6 +42,8 @@ from events.records import (
     MAX_IMAGES_PER_TASK,
     MAX_PARTIAL_IMAGES,
     ImageParams,
+    ImagePart,
+    PartRef,
 )
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
@@ -79,8 +85,10 @@ class ImageGenerationRequest(RequestBody):
 def refused_fields(body: ImageGenerationRequest) -> list[str]:
     """The fields of ``body`` that Shoal cannot honour (pure), each with what was asked."""
     refused = []
-    if body.response_format not in (None, "b64_json"):
-        refused.append(f"response_format {body.response_format!r} (Shoal answers b64_json)")
+    if body.response_format not in (None, "b64_json", "url"):
+        refused.append(f"response_format {body.response_format!r} (b64_json or url)")
+    if body.response_format == "url" and body.stream:
+        refused.append("response_format 'url' with stream (a stream's images are b64_json)")
     if body.output_format not in (None, "png"):
         refused.append(f"output_format {body.output_format!r} (Shoal makes png)")
     if body.output_compression is not None:
@@ -138,7 +146,7 @@ def image_task(body: ImageGenerationRequest, model_id: str, origin: str) -> Task
 
 @router.post("/images/generations", response_model=None)
 async def images_generations(
-    body: ImageGenerationRequest, ctx: Ctx
+    body: ImageGenerationRequest, ctx: Ctx, request: Request
 ) -> JSONResponse | StreamingResponse:
     refused = refused_fields(body)
     if refused:
@@ -165,14 +173,20 @@ async def images_generations(
         return StreamingResponse(
             _streamed(_chained(first, items), size), media_type="text/event-stream"
         )
-    images: dict[int, bytes] = {}
+    images: dict[int, Made] = {}
     async for item in generated(ctx, task):
         if isinstance(item, Made) and item.partial is None:
-            images[item.index] = item.png
+            images[item.index] = item
+    if body.response_format == "url":
+        # The address the client reached this API by (its Host, which the guard checked).
+        base = str(request.base_url).rstrip("/")
+        data = [{"url": _url(base, images[i])} for i in sorted(images)]
+    else:
+        data = [{"b64_json": _b64(images[i].png)} for i in sorted(images)]
     return JSONResponse(
         {
             "created": int(time.time()),
-            "data": [{"b64_json": _b64(images[i])} for i in sorted(images)],
+            "data": data,
             "background": "opaque",
             "output_format": "png",
             "quality": "auto",
@@ -232,6 +246,51 @@ def _completed(made: Made, shape: dict[str, str], done: TaskCompleted | None) ->
         },
     }
     return sse(payload, event)
+
+
+def file_name(image: ImagePart) -> str:
+    """The name ``GET /v1/images/files/{name}`` reads an image back by: its digest and size,
+    and its stored parts' reference (pure). Unguessable: it holds the image's SHA-256."""
+    ref = image.ref
+    return f"{image.sha256}-{image.bytes}-{ref.digest}-{ref.parts}-{ref.bytes}.png"
+
+
+def image_of(name: str) -> ImagePart | None:
+    """The image a file name names (``file_name``'s inverse), None for another name."""
+    fields = name.removesuffix(".png").split("-")
+    if not name.endswith(".png") or len(fields) != 5 or not all(f.isalnum() for f in fields):
+        return None
+    sha, size, digest, parts, stored = fields
+    try:
+        return ImagePart(
+            sha256=sha,
+            media_type="image/png",
+            width=1,
+            height=1,
+            bytes=int(size),
+            ref=PartRef(digest=digest, parts=int(parts), bytes=int(stored)),
+        )
+    except (ValueError, ValidationError):
+        return None
+
+
+@router.get("/images/files/{name}", response_model=None)
+async def image_file(name: str, ctx: Ctx) -> Response:
+    """An image a task made, by the name its ``url`` gave (while the log keeps its parts)."""
+    image = image_of(name)
+    if image is None:
+        raise ApiError(404, f"no image {name}", code="not_found")
+    try:
+        png = await image_bytes(PartStore(ctx.nc.jetstream()), image)
+    except PartMissing:
+        raise ApiError(404, f"no image {name} (gone, or never made)", code="not_found") from None
+    return Response(png, media_type="image/png")
+
+
+def _url(base: str, made: Made) -> str:
+    if made.image is None:
+        raise ApiError(500, "the image has no stored reference")
+    return f"{base}/v1/images/files/{file_name(made.image)}"
 
 
 def _b64(png: bytes) -> str:

@@ -150,12 +150,30 @@ def test_a_stream_gives_partial_images_then_the_finished_one(painting: Painting)
     assert done.usage.output_tokens == 4
 
 
+def test_a_url_answer_names_the_stored_png(painting: Painting) -> None:
+    """``response_format: url``: the image at an address of this API, read back from where the
+    runner stored it (with the key); a name that is no image's is a 404."""
+    made = _client(painting).images.generate(
+        model=MODEL, prompt=PROMPT, size="64x64", response_format="url", extra_body={"seed": 5}
+    )
+    assert made.data is not None and made.data[0].url is not None
+    url = made.data[0].url
+    assert url.startswith(f"{painting.base}/v1/images/files/") and url.endswith(".png")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    fetched = httpx.get(url, headers=headers, timeout=30)
+    assert fetched.status_code == 200 and fetched.headers["content-type"] == "image/png"
+    assert Image.open(io.BytesIO(fetched.content)).size == (64, 64)
+    assert httpx.get(url, timeout=30).status_code == 401  # a user key's, as the request was
+    wrong = url.rsplit("/", 1)[0] + "/" + "0" * 64 + "-1-" + "0" * 64 + "-1-1.png"
+    assert httpx.get(wrong, headers=headers, timeout=30).status_code == 404
+
+
 def test_fields_the_engine_cannot_honour_are_a_400_naming_them(painting: Painting) -> None:
     client = _client(painting)
     with pytest.raises(openai.BadRequestError) as refused:
-        client.images.generate(model=MODEL, prompt=PROMPT, response_format="url", style="vivid")
+        client.images.generate(model=MODEL, prompt=PROMPT, output_format="webp", style="vivid")
     message = str(refused.value)
-    assert "response_format" in message and "style" in message
+    assert "output_format" in message and "style" in message
     with pytest.raises(openai.BadRequestError, match="width"):
         client.images.generate(model=MODEL, prompt=PROMPT, size="100x64")
 
