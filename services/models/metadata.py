@@ -208,7 +208,9 @@ def read_diffusers_pipeline(directory: Path) -> ModelFacts:
     size = 0
     for files in weights.values():
         safe = [f for f in files if f.suffix == ".safetensors"]
-        size += sum(f.stat().st_size for f in (safe or files))
+        # A variant (``model.fp16.safetensors``) beside the plain file is not what is loaded.
+        plain = [f for f in safe if f.name.count(".") == 1]
+        size += sum(f.stat().st_size for f in (plain or safe or files))
     channels = 128  # Stable Diffusion's VAE, where the pipeline's own config does not say
     vae_config = directory / "vae" / "config.json"
     if vae_config.is_file():
