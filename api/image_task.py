@@ -69,6 +69,7 @@ class Made:
     png: bytes
     seed: int | None
     image: ImagePart | None = None  # where its bytes are stored
+    steps: int = 0  # the denoising steps it took (so far, for a partial one)
 
 
 async def generated(ctx: ApiContext, task: TaskCreated) -> AsyncIterator[Made | TaskCompleted]:
@@ -108,6 +109,7 @@ class ImageTask:
         self._sent: set[tuple[int, int, int | None]] = set()  # (attempt, index, partial)
         self._outcome: Outcome | None = None
         self._moving = False  # a step or an image came
+        self._steps: dict[tuple[int, int], int] = {}  # (attempt, image): its last step
 
     async def run(self) -> AsyncIterator[Made | TaskCompleted]:
         nc, t = self._ctx.nc, self.task
@@ -156,6 +158,8 @@ class ImageTask:
             if attempt < self._attempt:
                 continue  # an attempt continued since: the newest one's images are kept
             self._attempt = attempt
+            if isinstance(event, ImageStepped):
+                self._steps[(attempt, event.image)] = event.step
             if isinstance(event, ImageGenerated):
                 key = (attempt, event.index, event.partial)
                 if key in self._sent:
@@ -164,7 +168,8 @@ class ImageTask:
                 if any((a, event.index, None) in self._sent for a in range(attempt)):
                     continue  # this image was given already, by an attempt before
                 png = await self._png(event)
-                yield Made(event.index, event.partial, png, event.seed, event.png)
+                steps = self._steps.get((attempt, event.index), 0)
+                yield Made(event.index, event.partial, png, event.seed, event.png, steps)
 
     async def _png(self, event: ImageGenerated) -> bytes:
         try:

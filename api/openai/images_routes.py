@@ -202,17 +202,14 @@ async def _chained(first: Item, rest: AsyncIterator[Item]) -> AsyncIterator[Item
 
 
 async def _streamed(items: AsyncIterator[Item], size: str) -> AsyncIterator[str]:
-    """OpenAI's image stream: each partial image, then each finished one (its usage the task's
-    steps, given with the last); an error after the stream began is an ``error`` event."""
+    """OpenAI's image stream: each partial image, then each finished one as it comes (its usage
+    the steps it took); an error after the stream began is an ``error`` event."""
     shape = {"background": "opaque", "output_format": "png", "quality": "auto", "size": size}
-    finished: list[Made] = []
     try:
         async for item in items:
             if isinstance(item, TaskCompleted):
-                for i, made in enumerate(finished):
-                    last = i == len(finished) - 1
-                    yield _completed(made, shape, item if last else None)
-            elif item.partial is not None:
+                continue
+            if item.partial is not None:
                 event = "image_generation.partial_image"
                 payload: dict[str, Any] = {
                     "type": event,
@@ -223,14 +220,14 @@ async def _streamed(items: AsyncIterator[Item], size: str) -> AsyncIterator[str]
                 }
                 yield sse(payload, event)
             else:
-                finished.append(item)
+                yield _completed(item, shape)
     except ApiError as exc:
         error = {"type": "error", "error": {"message": exc.message, "code": exc.code}}
         yield sse(error, "error")
 
 
-def _completed(made: Made, shape: dict[str, str], done: TaskCompleted | None) -> str:
-    steps = done.usage.completion_tokens if done is not None else 0
+def _completed(made: Made, shape: dict[str, str]) -> str:
+    steps = made.steps
     event = "image_generation.completed"
     payload = {
         "type": event,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
 from PIL import Image
 
 from bus.connection import connect
@@ -126,28 +127,26 @@ def test_the_sdk_gets_pngs_of_the_asked_size_the_engine_s_own_bytes(painting: Pa
     assert (listed[MODEL].model_extra or {})["capabilities"] == ["image"]
 
 
-def test_a_stream_gives_partial_images_then_the_finished_one(painting: Painting) -> None:
+def test_a_stream_gives_partial_images_then_each_finished_one(painting: Painting) -> None:
+    """Two images, two partial ones each: each image's partials then its completed event, as
+    it comes, with the steps it took as its usage."""
     stream = _client(painting).images.generate(
         model=MODEL,
         prompt=PROMPT,
+        n=2,
         size="64x64",
         stream=True,
         partial_images=2,
         extra_body={"seed": 5, "steps": 4},
     )
     events = list(stream)
-    kinds = [e.type for e in events]
-    assert kinds == [
-        "image_generation.partial_image",
-        "image_generation.partial_image",
-        "image_generation.completed",
-    ]
-    partials = [e for e in events if e.type == "image_generation.partial_image"]
-    assert [p.partial_image_index for p in partials] == [0, 1]
-    done = events[-1]
-    assert done.type == "image_generation.completed"
-    assert [base64.b64decode(done.b64_json)] == _in_process(5, 4, (64, 64))
-    assert done.usage.output_tokens == 4
+    partial, completed = "image_generation.partial_image", "image_generation.completed"
+    assert [e.type for e in events] == [partial, partial, completed] * 2
+    partials = [e for e in events if isinstance(e, ImageGenPartialImageEvent)]
+    assert [e.partial_image_index for e in partials] == [0, 1, 0, 1]
+    done = [e for e in events if isinstance(e, ImageGenCompletedEvent)]
+    assert [base64.b64decode(e.b64_json) for e in done] == _in_process(5, 4, (64, 64), n=2)
+    assert [e.usage.output_tokens for e in done] == [4, 4]
 
 
 def test_a_url_answer_names_the_stored_png(painting: Painting) -> None:
