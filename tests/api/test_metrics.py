@@ -156,7 +156,13 @@ def test_each_event_type_has_a_filter_matching_only_its_subjects() -> None:
     filters = event_type_filters()
     assert filters["TaskCreated"] == "shoal.events.task.*.*.TaskCreated"
     assert filters["NodeJoined"] == "shoal.events.node.*.NodeJoined"
-    on_chunks = {"ChunkGenerated", "PromptScored", "EmbeddingsComputed"}  # their own stream
+    on_chunks = {
+        "ChunkGenerated",
+        "PromptScored",
+        "EmbeddingsComputed",
+        "ImageStepped",
+        "ImageGenerated",
+    }
     assert not on_chunks & set(filters)
     assert len(filters) == len(EVENT_TYPES) - len(on_chunks)
     subjects = {
