@@ -16,15 +16,18 @@ model's steps and guidance are what there is), a ``url`` streamed."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import random
 import time
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import AliasChoices, Field, ValidationError
+from starlette.types import Receive
 
 from api import projection
 from api.body import RequestBody
@@ -50,6 +53,7 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 Ctx = Annotated[ApiContext, Depends(context)]
 
 Item = Made | TaskCompleted
+T = TypeVar("T")
 DEFAULT_SIDE = 512
 MAX_PROMPT_CHARS = 32_000  # OpenAI's, for its GPT image models
 
@@ -173,10 +177,7 @@ async def images_generations(
         return StreamingResponse(
             _streamed(_chained(first, items), size), media_type="text/event-stream"
         )
-    images: dict[int, Made] = {}
-    async for item in generated(ctx, task):
-        if isinstance(item, Made) and item.partial is None:
-            images[item.index] = item
+    images = await _unless_gone(_finished(ctx, task), request)
     if body.response_format == "url":
         # The address the client reached this API by (its Host, which the guard checked).
         base = str(request.base_url).rstrip("/")
@@ -243,6 +244,39 @@ def _completed(made: Made, shape: dict[str, str]) -> str:
         },
     }
     return sse(payload, event)
+
+
+async def _finished(ctx: ApiContext, task: TaskCreated) -> dict[int, Made]:
+    """The task's finished images, by index."""
+    images: dict[int, Made] = {}
+    async for item in generated(ctx, task):
+        if isinstance(item, Made) and item.partial is None:
+            images[item.index] = item
+    return images
+
+
+async def _unless_gone(work: Coroutine[Any, Any, T], request: Request) -> T:
+    """``work``'s result; cancelled if the client goes away first (Starlette runs a plain
+    response's endpoint to its end, and an image takes seconds to minutes): the task is then
+    cancelled too, and the runner stops after the step under way."""
+    working = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({working, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not working.done():
+            working.cancel()
+    if working.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await working
+        raise ApiError(499, "the client went away", code="client_gone")
+    return working.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def file_name(image: ImagePart) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from nats.js.errors import NotFoundError
 from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
 from PIL import Image
 
@@ -215,3 +216,43 @@ def test_the_log_holds_the_task_its_steps_and_its_stored_images(painting: Painti
     assert len(images[0].to_json()) < 1000 < images[0].png.bytes  # named, not held
     completed = chunks[-1]
     assert isinstance(completed, TaskCompleted) and completed.usage.completion_tokens == 2
+
+
+def test_a_client_that_goes_away_cancels_its_image_within_a_step(painting: Painting) -> None:
+    """The client gives up after a second of a 150-step image: the API cancels the task, and
+    the runner ends it after the step under way (its outcome says cancelled, its steps few)."""
+    body = {"model": MODEL, "prompt": "a dog in the sea", "size": "256x256", "steps": 150}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{painting.base}/v1/images/generations", json=body, headers=headers, timeout=1.5
+        )
+
+    async def outcome() -> TaskCompleted:
+        nc = await connect(painting.nats_url)
+        try:
+            js = nc.jetstream()
+            async with asyncio.timeout(60):
+                while True:
+                    tasks = [
+                        e
+                        async for m in read_stream(js, EVENTS_STREAM, TaskCreated.filter_for(MODEL))
+                        if isinstance(e := parse_event(m.data), TaskCreated)
+                        and e.prompt == "a dog in the sea"
+                    ]
+                    subject = TaskCompleted.subject_for(MODEL, tasks[-1].task_id)
+                    try:
+                        done = parse_event(
+                            (await js.get_last_msg(EVENTS_STREAM, subject)).data or b""
+                        )
+                    except NotFoundError:
+                        await asyncio.sleep(0.2)
+                        continue
+                    assert isinstance(done, TaskCompleted)
+                    return done
+        finally:
+            await nc.close()
+
+    done = asyncio.run(outcome())
+    assert done.finish_reason == "cancelled"
+    assert done.usage.completion_tokens < 150
