@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 from collections.abc import Awaitable
 from pathlib import Path
@@ -93,6 +94,11 @@ async def run_runner(spec: RunnerSpec, stop: asyncio.Event) -> int:
         elif spec.engine == "mlx":
             await run_mlx(spec, nc, me, state, peers, stop)
         elif spec.engine == "diffusers":
+            if importlib.util.find_spec("diffusers") is None:
+                raise UnsupportedEngine(
+                    "an image model's runner needs diffusers and PyTorch: install Shoal with"
+                    " its images extra (pip install -e '.[images]')"
+                )
             from services.runner.image_serve import run_diffusers
 
             await run_diffusers(spec, nc, me, state, stop)
