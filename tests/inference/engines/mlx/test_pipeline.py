@@ -30,7 +30,7 @@ from inference.decoding import Token
 from inference.engines.mlx.engine import PREFILL_STEP, MlxEngine, load_model
 from inference.engines.mlx.ring import PipelineShard
 from inference.engines.mlx.stage import Stage
-from tests.inference.engines.mlx.test_sampling import free_text, hex_regex
+from tests.inference.engines.contract.running import free_text, hex_regex
 from tests.inference.engines.pipeline_head import (
     decoding_of,
     grammar_of,

@@ -15,7 +15,7 @@ import pytest
 from inference.decoding import PromptCached, PromptScores, Token
 from inference.engines.mlx.engine import MlxEngine
 from inference.engines.mlx.prompt_cache import PromptCaches
-from tests.inference.engines.mlx.test_sampling import decoding, text
+from tests.inference.engines.contract.running import decoding, text
 
 Item = Token | PromptScores | PromptCached
 

@@ -53,10 +53,11 @@ REQUIRED = TaskCreated(
 )
 
 
-@pytest.fixture(scope="module", params=["llamacpp", "mlx"])
-def smollm2(request: pytest.FixtureRequest) -> Engine:
+@pytest.fixture(scope="module")
+def smollm2(engine_kind: str, request: pytest.FixtureRequest) -> Engine:
+    """SmolLM2 on every engine: its GGUF, converted for MLX (a random model writes no call)."""
     engine: Engine
-    if request.param == "llamacpp":
+    if engine_kind == "llamacpp":
         from inference.engines.llamacpp.engine import LlamaCppEngine
 
         engine = LlamaCppEngine(SMOLLM2_GGUF, n_ctx=1024, n_threads=2)

@@ -1,14 +1,14 @@
 """A task resumed after its runner was lost: the engine goes on after the tokens generated before
 (prefilled with the prompt, taken by the sampler as its own), so that greedy goes on as an
 uninterrupted run would, penalties count the earlier tokens, and a grammar's output still
-matches; and a runner's steps go on at the next index. On SmolLM2 (llama.cpp) and the tiny MLX
-model, whole and batched."""
+matches; and a runner's steps go on at the next index. On every engine, one generation at a
+time and batched."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
+from typing import Any
 
 import pytest
 from llama_cpp.llama_grammar import json_schema_to_gbnf
@@ -17,29 +17,22 @@ from events.catalogue import Resume, TaskCreated
 from events.records import SamplingParams
 from inference.decoding import Decoding
 from inference.engines.base import Engine
-from inference.engines.llamacpp.engine import LlamaCppEngine
-from inference.engines.mlx.engine import MlxEngine
 from inference.generation import Step, check_request, steps
 from inference.job import continued_seed, prepare
 from structured.reply import Grammar
-from tests.inference.engines.llamacpp.test_engine import PERSON, SMOLLM2, user
+from tests.inference.engines.contract.running import user
 
 CUT = 9  # tokens generated before the runner was "lost"
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LlamaCppEngine:
-    engine = LlamaCppEngine(SMOLLM2, n_ctx=1024, slots=2, n_threads=1)
-    engine.load()
-    return engine
-
-
-@pytest.fixture(scope="module")
-def mlx_engines(tiny_mlx: Path) -> list[MlxEngine]:
-    engines = [MlxEngine(tiny_mlx, n_ctx=1024), MlxEngine(tiny_mlx, n_ctx=1024, slots=2)]
-    for engine in engines:
-        engine.load()
-    return engines
+PERSON: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "maxLength": 12},
+        "student": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "student"],
+}
 
 
 def run(engine: Engine, prompt: list[int], d: Decoding) -> list[Step]:
@@ -92,16 +85,15 @@ def check_goes_on_as_uninterrupted(engine: Engine) -> None:
             assert [s.token_id for s in plain] != [s.token_id for s in whole]
 
 
-def test_llama_cpp_goes_on_as_an_uninterrupted_run(smollm2: LlamaCppEngine) -> None:
-    check_goes_on_as_uninterrupted(smollm2)
+def test_it_goes_on_as_an_uninterrupted_run(engine: Engine) -> None:
+    check_goes_on_as_uninterrupted(engine)
 
 
-def test_mlx_goes_on_as_an_uninterrupted_run(mlx_engines: list[MlxEngine]) -> None:
-    for engine in mlx_engines:
-        check_goes_on_as_uninterrupted(engine)
+def test_batched_it_goes_on_as_an_uninterrupted_run(batched: Engine) -> None:
+    check_goes_on_as_uninterrupted(batched)
 
 
-def test_a_resumed_task_prepares_to_go_on(smollm2: LlamaCppEngine) -> None:
+def test_a_resumed_task_prepares_to_go_on(engine: Engine) -> None:
     task = TaskCreated(
         task_id="t",
         model_id="m",
@@ -112,8 +104,8 @@ def test_a_resumed_task_prepares_to_go_on(smollm2: LlamaCppEngine) -> None:
         logprobs=1,
         params=SamplingParams(seed=7, temperature=0.8),
     )
-    fresh = prepare(smollm2, task)
-    again = prepare(smollm2, task.model_copy(update={"resume": Resume(attempt=1, tokens=[5, 6])}))
+    fresh = prepare(engine, task)
+    again = prepare(engine, task.model_copy(update={"resume": Resume(attempt=1, tokens=[5, 6])}))
     assert again.prompt == fresh.prompt and again.decoding.generated == (5, 6)
     # Its prompt's scores were given already; its draws go on with a seed of their own.
     assert fresh.decoding.echo and not again.decoding.echo
@@ -122,4 +114,4 @@ def test_a_resumed_task_prepares_to_go_on(smollm2: LlamaCppEngine) -> None:
     assert again.decoding.top_logprobs == 1
     outside = task.model_copy(update={"resume": Resume(attempt=1, tokens=[10**7])})
     with pytest.raises(Exception, match="the generated text has token 10000000"):
-        prepare(smollm2, outside)
+        prepare(engine, outside)
