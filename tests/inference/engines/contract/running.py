@@ -128,11 +128,19 @@ def hex_regex(data: bytes) -> str:
 
 def free_text(engine: Engine) -> tuple[list[int], list[Token], int]:
     """A prompt, its greedy output, and a token of it, not among the first two, that is two
-    ASCII letters or more: where a test makes a lazy grammar start."""
+    ASCII letters or more (after a space, in SmolLM2's words) whose first two bytes the text
+    before does not hold: where a test makes a lazy grammar start."""
     prompt = engine.text_tokens("Once upon a time")
     greedy = tokens(engine, prompt, 32, decoding(temperature=0))
     pieces = [engine.piece(t.id) for t in greedy]
-    j = next(i for i, p in enumerate(pieces) if i >= 2 and len(p) >= 2 and p.isalpha())
+
+    def fits(i: int) -> bool:
+        piece = pieces[i]
+        letters = piece[1:] if piece.startswith(b" ") else piece
+        before = b"".join(pieces[:i]) + piece[:1]
+        return i >= 2 and len(letters) >= 2 and letters.isalpha() and piece[:2] not in before
+
+    j = next(i for i in range(len(pieces)) if fits(i))
     return prompt, greedy, j
 
 
