@@ -97,7 +97,6 @@ def test_echo_with_no_tokens_scores_the_prompt_only(engine: Engine) -> None:
     d = decoding(None, None, True, temperature=0, max_tokens=0)
     out = run_steps(engine, prompt, d)
     assert isinstance(out[0], ScoredPrompt) and len(out[0].tokens) == len(prompt)
-    assert [t.id for t in out[0].tokens] == prompt
     assert out[0].tokens[0].logprob is None and out[0].tokens[1].logprob is not None
     assert out[0].tokens[1].top == ()  # no alternatives asked for
     assert isinstance(out[1], Step) and out[1].token_id is None and len(out) == 2
