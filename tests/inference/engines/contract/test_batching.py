@@ -46,7 +46,8 @@ def test_generations_together_are_each_alone(
 ) -> None:
     assert batched.slots == BATCH and engine.slots == 1
     story = engine.text_tokens("Once upon a time")
-    long = engine.text_tokens("the sea is blue, hello world. " * 60)[: PREFILL_STEP + 30]
+    long = engine.text_tokens("the sea is blue, hello world. " * 100)[: PREFILL_STEP + 30]
+    assert len(long) == PREFILL_STEP + 30
     jobs: list[Job] = [
         (engine.chat_tokens(user(QUESTIONS[0]), None), decoding(temperature=0), 16),
         (story, decoding(seed=7, **HOT), 16),

@@ -71,7 +71,8 @@ def test_no_logprobs_unless_asked_and_greedy_is_the_same(engine: Engine) -> None
 def test_echo_scores_every_prompt_token_across_chunks(
     engine: Engine, engine_kind: str, reference: Reference
 ) -> None:
-    prompt = engine.text_tokens("the sea is blue, hello world. " * 60)[: PREFILL_STEP + 30]
+    prompt = engine.text_tokens("the sea is blue, hello world. " * 100)[: PREFILL_STEP + 30]
+    assert len(prompt) == PREFILL_STEP + 30  # MLX's prefill chunks, llama.cpp's ECHO_CHUNKs
     items = list(islice(engine.generate(prompt, decoding(None, 3, True, temperature=0)), 3))
     scores = items[0]
     assert isinstance(scores, PromptScores) and all(isinstance(t, Token) for t in items[1:])
