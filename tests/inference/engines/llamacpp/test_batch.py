@@ -179,6 +179,9 @@ def test_the_context_is_for_one_sequence_until_a_second_comes() -> None:
 
 
 def test_a_conversations_next_turn_reuses_its_slots_cache(engine: LlamaCppEngine) -> None:
+    # Two generations at once: the context is made for the slots (the first's cache is kept
+    # while another chat takes a slot of its own).
+    together(engine, [chat(engine, q) for q in QUESTIONS[:2]])
     story = "The sea was calm that morning, and the boats went out one by one. " * 12
     first = chat(engine, f"{story}\nTell me about the sea.")
     other = chat(engine, "Tell me about the mountains.")
