@@ -1,10 +1,9 @@
 """A task cancelled while its prompt is prefilled stops within one chunk (``n_batch`` tokens),
 not at the end of the prefill, measured at a near-context scale (every engine's contract, one
-chunk run of three, is ``contract/test_prefill_cancel.py``): SmolLM2 with a prompt near its
-whole context (8,000 of 8,192 tokens, 16 chunks), cancelled half a second in, and the time it
-took to stop. (Its whole prefill, which takes minutes with
-one thread on a loaded 2-core machine, is not run: the decoder's looks between chunks say
-where it stopped.)"""
+chunk run of two, is ``contract/test_prefill_cancel.py``): SmolLM2 with a prompt near its whole
+context (8,000 of 8,192 tokens, 16 chunks), cancelled half a second in, and the time it took
+to stop. (Its whole prefill, which takes minutes with one thread on a loaded 2-core machine,
+is not run: the decoder's looks between chunks say where it stopped.)"""
 
 from __future__ import annotations
 
