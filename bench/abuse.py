@@ -40,12 +40,13 @@ from typing import Any
 
 import httpx
 
-from bench.common.processes import MODEL_PATH, SHOAL_BIN, Proc
+from bench.common.processes import MODEL_PATH, READY_TIMEOUT, SHOAL_BIN
 from bus.embedded import EmbeddedNats, free_port
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, SamplingParams, Tool
 from events.units import MiB
 from harness.memory import PeakRss
+from harness.processes import Proc
 
 KEY = "sk-bench-abuse-0123456789"
 
@@ -262,8 +263,8 @@ async def main(args: argparse.Namespace) -> None:
             tmp / "api.log",
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
-        await projector.start()
-        await api.start()
+        projector.start()
+        api.start()
         try:
 
             async def healthy() -> bool:
@@ -274,13 +275,13 @@ async def main(args: argparse.Namespace) -> None:
                 except httpx.HTTPError:
                     return False
 
-            await api.wait_for(healthy, "an answer")
+            await api.wait_for(healthy, "an answer", READY_TIMEOUT)
             await bodies(url, port, api.pid, args.body_mib, args.attackers, args.probes)
             await image_bomb(url, api.pid)
             await schema_bomb(url)
         finally:
-            await api.stop()
-            await projector.stop()
+            await api.astop()
+            await projector.astop()
     await grammar_off_the_loop()
 
 

@@ -26,16 +26,17 @@ from pathlib import Path
 
 import httpx
 
+from bench.common.llama_server import llama_server
 from bench.common.processes import (
-    Proc,
     add_model,
+    gguf,
     nats_url_of,
     shoal_env,
     shoal_up_argv,
+    wait_http,
     wait_shoal_ready,
 )
-from bench.concurrency import gguf, wait_http
-from bench.llama_server import llama_server
+from bench.common.report import verdict
 from bus.connection import connect
 from bus.embedded import free_port
 from bus.streams import EVENTS_STREAM
@@ -48,6 +49,7 @@ from events.catalogue import (
     parse_event,
 )
 from events.subjects import aggregate_filter
+from harness.processes import Proc
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 PROMPT = "The capital of France is"
@@ -115,12 +117,12 @@ async def anchor(
         "--no-webui",
     ]
     proc = Proc(ANCHOR, argv, tmp / "router.log")
-    await proc.start()
+    proc.start()
     try:
         await wait_http(proc, f"http://127.0.0.1:{port}/health", "health")
         return await measure(f"http://127.0.0.1:{port}/v1", MODELS, rounds)
     finally:
-        await proc.stop()
+        await proc.astop()
 
 
 async def shoal(
@@ -137,7 +139,7 @@ async def shoal(
         defaults.write_text(json.dumps({m: {"context_length": context} for m in MODELS}))
         argv += ["--model-defaults", str(defaults), "--slots", "1"]
     proc = Proc(SHOAL, argv, tmp / "up.log")
-    await proc.start(shoal_env())
+    proc.start(shoal_env())
     try:
         await wait_shoal_ready(proc)
         nats_url = nats_url_of(proc)
@@ -146,7 +148,7 @@ async def shoal(
         timings = await measure(f"http://127.0.0.1:{port}/v1", MODELS, rounds)
         return timings, await breakdown(nats_url, timings.cold_sent_at)
     finally:
-        await proc.stop()
+        await proc.astop()
 
 
 async def breakdown(nats_url: str, since: float) -> dict[str, float]:
@@ -210,7 +212,7 @@ def report(a: Timings, s: Timings, steps: dict[str, float]) -> bool:
         want = f"<= {target}x" if target else ""
         print(
             f"| {what} | {anchor_s:.3f} | {shoal_s:.3f} | {ratio(shoal_s, anchor_s)} | {want}"
-            f"{'' if met else ' MISSED'} |"
+            f"{f' {verdict(met)}' if target else ''} |"
         )
     shown = ", ".join(f"{k} at {v:.2f} s" for k, v in sorted(steps.items(), key=lambda kv: kv[1]))
     print(

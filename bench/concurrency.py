@@ -31,7 +31,7 @@ first turn, and of its second (the first's prompt and answer, and a short questi
 
 Ratios are Shoal / llama-server at the same level. Targets (issue 19): tokens/s >= 0.9x at 8
 and 16, >= 0.97x at 1, TTFT p50 at 8 <= 1.25x, a second turn >= 5x sooner; a missed target is
-a FAIL line and exit 1.
+a MISSED line and exit 1.
 """
 
 from __future__ import annotations
@@ -49,35 +49,28 @@ from pathlib import Path
 
 import httpx
 
-from bench.common.chat import PROMPTS
+from bench.common.chat import LONG_TURN, PROMPTS, TOPICS
+from bench.common.llama_server import llama_server
 from bench.common.processes import (
-    Proc,
+    READY_TIMEOUT,
+    gguf,
     python_server_argv,
     serving_replicas,
     shoal_env,
     shoal_up_argv,
+    wait_http,
     wait_shoal_ready,
 )
-from bench.llama_server import llama_server
+from bench.common.report import verdict
 from bus.embedded import free_port
+from harness.processes import Proc
 from services.models.catalogue import card_for
-from services.models.resolve import resolve_model
 
 N_CTX = 2048
 # Requests a level sends at least: at concurrency 1, two requests (a few seconds) made the
 # ratio swing by several per cent from run to run.
 MIN_REQUESTS = 8
 REQUEST_TIMEOUT = 900.0
-TOPICS = (
-    "a lighthouse keeper",
-    "a city under the sea",
-    "the first Mars colony",
-    "a chess prodigy",
-    "a forgotten library",
-    "a robot gardener",
-    "a winter festival",
-    "a travelling circus",
-)
 
 
 def prompt(i: int) -> str:
@@ -174,13 +167,6 @@ class Level:
         return [s.error for s in self.seen if s.error]
 
 
-# About 1,500 tokens of a conversation's first turn (SmolLM2's tokenizer), for the prompt cache.
-LONG_TURN = " ".join(
-    f"Note {i}: the {TOPICS[i % len(TOPICS)]} kept a diary, and on day {i} it rained."
-    for i in range(64)
-)
-
-
 async def turn(
     client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]]
 ) -> tuple[float, str]:
@@ -249,23 +235,6 @@ async def level(url: str, model: str, name: str, c: int, per_client: int, tokens
 # --- contenders ------------------------------------------------------------------------------
 
 
-async def wait_http(proc: Proc, url: str, what: str) -> None:
-    async with httpx.AsyncClient(timeout=5) as client:
-
-        async def ready() -> bool:
-            try:
-                return (await client.get(url)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        await proc.wait_for(ready, what)
-
-
-def gguf(model_id: str, tmp: Path) -> Path:
-    """The model's GGUF as Shoal's model card finds it (a packaged model is assembled)."""
-    return resolve_model(card_for(model_id), tmp / "models")
-
-
 def llama_cpp_server_argv(
     binary: Path, path: Path, chat_format: str | None, port: int, threads: int, slots: int
 ) -> list[str]:
@@ -301,7 +270,7 @@ async def add_replica(url: str, model_id: str, proc: Proc) -> None:
         async def two() -> bool:
             return await serving_replicas(client, url, model_id) >= 2
 
-        await proc.wait_for(two, "two ready replicas")
+        await proc.wait_for(two, "two ready replicas", READY_TIMEOUT)
 
 
 async def run_contender(
@@ -317,7 +286,7 @@ async def run_contender(
     turns: dict[str, tuple[float, float]] | None = None,
 ) -> list[Level]:
     print(f"  {name} ...", file=sys.stderr, flush=True)
-    await proc.start(env)
+    proc.start(env)
     try:
         if ready_url is None:
             await wait_shoal_ready(proc)
@@ -333,7 +302,7 @@ async def run_contender(
             turns[name] = await second_turn(url, model)
         return out
     finally:
-        await proc.stop(signal.SIGINT, 30.0)
+        await proc.astop(signal.SIGINT, 30.0)
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -352,10 +321,7 @@ def turns_table(model_id: str, turns: dict[str, tuple[float, float]]) -> bool:
         )
         if name == SHOAL:
             ok = sooner >= 5
-            print(
-                f"{'PASS' if ok else 'FAIL'} {model_id}: second turn {sooner:.1f}x sooner"
-                " (target >= 5x)"
-            )
+            print(f"{verdict(ok)} {model_id}: second turn {sooner:.1f}x sooner (target >= 5x)")
     return ok
 
 
@@ -390,14 +356,14 @@ def table(model_id: str, results: dict[str, list[Level]]) -> bool:
             good = ratio >= want
             ok &= good
             print(
-                f"{'PASS' if good else 'FAIL'} {model_id} c={c}: tokens/s {ratio:.2f}x"
+                f"{verdict(good)} {model_id} c={c}: tokens/s {ratio:.2f}x"
                 f" llama-server (target >= {want}x)"
             )
         if c == 8:
             t = s.pct("ttft", 0.5) / a.pct("ttft", 0.5)
             ok &= t <= 1.25
             print(
-                f"{'PASS' if t <= 1.25 else 'FAIL'} {model_id} c=8: TTFT p50 {t:.2f}x"
+                f"{verdict(t <= 1.25)} {model_id} c=8: TTFT p50 {t:.2f}x"
                 " llama-server (target <= 1.25x)"
             )
     for name, lvs in results.items():

@@ -21,7 +21,7 @@ Per round, in turn, on each engine:
 - ``schema (new)``: the schema with property names never seen before, so that both grammar
   caches miss: what the first request with a schema pays;
 - ``thinking tool``: a thinking model (SmolLM2 with Qwen3's kind of chat template, from
-  ``tests/templated.py``; earlier turns show it how to think) thinks in ``<think>``, then
+  ``harness/models/templated.py``; earlier turns show it how to think) thinks in ``<think>``, then
   makes the required call: the grammar holds from the first token, the thinking free up to
   ``</think>`` (``structured/reasoning_grammar.py``), and the reply parser reads the thinking
   apart (at least 96 tokens a run: the thinking and the call take about 70). A run that did
@@ -53,15 +53,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common.report import verdict
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
+from harness.models.templated import QWEN3, SMOLLM2, gguf_with_template, mlx_with_template
 from inference.decoding import Decoding, PromptCached, PromptScores, Token
 from inference.engines.base import Engine
 from inference.generation import Step, check_request, steps
 from inference.job import Job, prepare
 from structured.reply import PlainReply
-from tests.inference.test_thinking import QWEN3
-from tests.templated import SMOLLM2, gguf_with_template, mlx_with_template
 
 TPS_TARGET = 0.9
 # The thinking case's least max_tokens: its thinking and call take about 70.
@@ -403,10 +403,10 @@ def report(engine: str, case: str, pair: Pair) -> bool:
     if any(r.reasoning_tokens for r in c):
         print(f"  of which thinking: {med(r.reasoning_tokens for r in c):.0f} tokens")
     if case != "schema (new)" and ratio < TPS_TARGET:
-        print(f"  MISSED: {case} at {ratio:.2f}x the free tokens/s ({TPS_TARGET}x)")
+        print(f"  {verdict(False)}: {case} at {ratio:.2f}x the free tokens/s ({TPS_TARGET}x)")
         return False
     if case == "schema (new)" and added > TTFT_TARGET_MS:
-        print(f"  MISSED: a new schema adds {added:.1f} ms ({TTFT_TARGET_MS} ms)")
+        print(f"  {verdict(False)}: a new schema adds {added:.1f} ms ({TTFT_TARGET_MS} ms)")
         return False
     return True
 

@@ -66,6 +66,7 @@ from api.responses.shapes import Head, ResponsesOut
 from api.serving import Output
 from bench.common.chat import PROMPTS, timed_lines
 from bench.common.processes import MODEL_ID, shoal_up
+from bench.common.report import verdict
 from events.catalogue import ChunkGenerated, TaskCreated, new_id
 
 if TYPE_CHECKING:
@@ -354,10 +355,8 @@ async def measure(base: str, args: argparse.Namespace) -> bool:
         ratio, diff = _med(tps[d.name]), _med(ttft[d.name])
         good = d.name == REFERENCE or (ratio >= TPS_TARGET and diff <= TTFT_TARGET_MS)
         ok = ok and good
-        verdict = "reference" if d.name == REFERENCE else ("ok" if good else "MISSED")
-        print(
-            f"{d.name:<18} {ratio:>14.3f}x {_med(absolute[d.name]):>9.1f} {diff:>+15.2f}  {verdict}"
-        )
+        said = "reference" if d.name == REFERENCE else verdict(good)
+        print(f"{d.name:<18} {ratio:>14.3f}x {_med(absolute[d.name]):>9.1f} {diff:>+15.2f}  {said}")
     same = sum(len(t) == 1 for t in texts.values())
     print(
         f"\ntargets: tokens/s >= {TPS_TARGET}x of chat/completions, TTFT <= +{TTFT_TARGET_MS:g}"

@@ -64,7 +64,7 @@ async def _serve(up: ShoalUp, clients: int, requests: int, tokens: int) -> tuple
 
 async def _round(tmp: Path, sync: str, n: int, args: argparse.Namespace) -> tuple[float, float]:
     up = ShoalUp(tmp, f"{sync}-{n}", threads=1)
-    await up.proc.start(shoal_env() | {"SHOAL_NATS_SYNC": sync})
+    up.proc.start(shoal_env() | {"SHOAL_NATS_SYNC": sync})
     try:
         await up.wait_ready()
         return await _serve(up, args.clients, args.requests, args.tokens)

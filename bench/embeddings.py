@@ -37,6 +37,7 @@ import numpy as np
 from llama_cpp import Llama
 
 from bench.common.processes import MODEL_ID, MODEL_PATH, shoal_up
+from bench.common.report import verdict
 from services.models.footprint import DEFAULT_EMBED_CONTEXT_LENGTH
 
 TARGET = 0.9  # Shoal's texts/s at least this fraction of in-process llama.cpp's
@@ -141,7 +142,7 @@ async def measure(base: str, args: argparse.Namespace) -> bool:
             ratio = statistics.median(ratios[name])
             good = ratio >= TARGET
             ok = ok and good
-            line += f" {ratio:>13.3f}x  {'ok' if good else 'MISSED'}"
+            line += f" {ratio:>13.3f}x  {verdict(good)}"
         else:
             line += f" {'':>14}  reference"
         print(line)

@@ -36,7 +36,7 @@ import psutil
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from bench.common.processes import MODEL_ID, SHOAL_BIN, Proc, shoal_up
+from bench.common.processes import MODEL_ID, READY_TIMEOUT, SHOAL_BIN, shoal_up
 from bench.common.report import print_head, verdict
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
@@ -65,9 +65,9 @@ from events.records import (
     Usage,
 )
 from events.units import MiB
+from harness.processes import Proc
 from projectors import database
 from projectors.projector import Projector, tune_gc
-from tests.projectors.helpers import wait_for_seq
 
 IN_FLIGHT = 4096  # publishes awaiting their ack
 
@@ -165,7 +165,9 @@ async def one_history(tmp: Path, tasks: int) -> dict[str, float]:
         stop = asyncio.Event()
         started = time.monotonic()
         running = asyncio.create_task(projector.run(stop))
-        await wait_for_seq(projector, last, timeout=3600)
+        async with asyncio.timeout(3600):
+            while projector.applied_seq < last:  # noqa: ASYNC110 (it signals no applied seq)
+                await asyncio.sleep(0.02)
         rate = last / (time.monotonic() - started)
         stop.set()
         await running
@@ -177,12 +179,12 @@ async def one_history(tmp: Path, tasks: int) -> dict[str, float]:
             tmp / "projector.log",
         )
         spawned = time.monotonic()
-        await proj.start()
+        proj.start()
 
         async def resumed() -> bool:
             return "resuming after seq" in proj.log()
 
-        await proj.wait_for(resumed, "its start")
+        await proj.wait_for(resumed, "its start", READY_TIMEOUT)
         start_s = time.monotonic() - spawned
         await asyncio.sleep(1.0)
         rss = psutil.Process(proj.pid).memory_info().rss / MiB
@@ -193,7 +195,7 @@ async def one_history(tmp: Path, tasks: int) -> dict[str, float]:
             [str(SHOAL_BIN), "api", "--nats", server.url, "--db", db, "--port", str(port)],
             tmp / "api.log",
         )
-        await api.start()
+        api.start()
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
 
@@ -203,14 +205,14 @@ async def one_history(tmp: Path, tasks: int) -> dict[str, float]:
                 except httpx.HTTPError:
                     return False
 
-            await api.wait_for(healthy, "health")
+            await api.wait_for(healthy, "health", READY_TIMEOUT)
             took = []
             for _ in range(20):
                 t = time.perf_counter()
                 (await client.get("/v1/state")).raise_for_status()
                 took.append((time.perf_counter() - t) * 1000)
-        await api.stop()
-        await proj.stop()
+        await api.astop()
+        await proj.astop()
         await nc.close()
     return {
         "events": last,

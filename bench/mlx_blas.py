@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.concurrency import LONG_TURN
-from tests.templated import SMOLLM2
+from bench.common.chat import LONG_TURN
+from bench.common.report import verdict
+from harness.models.templated import SMOLLM2
 
 ANSWER_TOKENS = 48
 CHOICES = {"reference": "the wheel's BLAS", "libopenblas.so.0": "OpenBLAS"}
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     sooner, faster = ref["first"] / open_["first"], open_["tps"] / ref["tps"]
     ok = sooner >= 5 and faster >= 1
     print(
-        f"{'PASS' if ok else 'FAIL'}: OpenBLAS's first token {sooner:.1f}x sooner (target >= 5x),"
+        f"{verdict(ok)}: OpenBLAS's first token {sooner:.1f}x sooner (target >= 5x),"
         f" its tokens/s {faster:.2f}x the wheel's BLAS's (target >= 1x)"
     )
     return 0 if ok else 1

@@ -8,7 +8,7 @@ SmolLM2-135M-Instruct (its GGUF, dequantized to an MLX model dir), greedy. TTFT:
 mlx[cpu] on Linux prefills slowly with the wheel's reference BLAS (minutes a round), less so
 with OpenBLAS (``bench/mlx_blas.py``).
 Target (issue 19): the second turn's first token >= 5x sooner than the first turn's; a miss
-is a FAIL line and exit 1.
+is a MISSED line and exit 1.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.concurrency import LONG_TURN
+from bench.common.chat import LONG_TURN
+from bench.common.report import verdict
 from events.records import SamplingParams
+from harness.models.templated import SMOLLM2
 from inference.decoding import Decoding, PromptCached, Token
 from inference.engines.mlx.engine import MlxEngine
 from services.models.gguf_to_mlx import gguf_to_mlx
-from tests.templated import SMOLLM2
 
 ANSWER_TOKENS = 16
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             passed = sooner >= 5
             ok &= passed
             print(
-                f"{'PASS' if passed else 'FAIL'} slots {slots}: second turn {sooner:.1f}x"
+                f"{verdict(passed)} slots {slots}: second turn {sooner:.1f}x"
                 f" sooner than the first (target >= 5x), {whole:.1f}x sooner than run"
                 " whole"
             )

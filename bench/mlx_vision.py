@@ -27,11 +27,11 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from bench.common.processes import Proc, add_model, shoal_env, shoal_up_argv, wait_shoal_ready
-from bench.concurrency import wait_http
-from bench.vision import SHOAL, measure, report
+from bench.common.processes import add_model, shoal_env, shoal_up_argv, wait_http, wait_shoal_ready
+from bench.common.vision import SHOAL, measure, report
 from bus.embedded import free_port
 from harness.models.tiny_mlx_vision import make_tiny_mlx_vision_model
+from harness.processes import Proc
 
 ANCHOR = "mlx_vlm.server"
 MODEL = "gemma3-random-vision"
@@ -44,7 +44,7 @@ async def anchor(model: Path, tmp: Path) -> AsyncIterator[tuple[str, str]]:
     argv = [sys.executable, "-m", "mlx_vlm.server", "--model", str(model)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1"]
     proc = Proc(ANCHOR, argv, tmp / "mlx-vlm.log")
-    await proc.start()
+    proc.start()
     try:
         await wait_http(proc, f"http://127.0.0.1:{port}/health", "health")
         yield f"http://127.0.0.1:{port}/v1", str(model)
@@ -52,7 +52,7 @@ async def anchor(model: Path, tmp: Path) -> AsyncIterator[tuple[str, str]]:
         print(proc.log()[-3000:], file=sys.stderr)
         raise
     finally:
-        await proc.stop()
+        await proc.astop()
 
 
 @contextlib.asynccontextmanager
@@ -61,7 +61,7 @@ async def shoal(model: Path, tmp: Path) -> AsyncIterator[str]:
     port = free_port("127.0.0.1")
     data = tmp / "up"
     proc = Proc(SHOAL, shoal_up_argv(data, None, port, 1), tmp / "up.log")
-    await proc.start(shoal_env())
+    proc.start(shoal_env())
     try:
         await wait_shoal_ready(proc)
         await add_model(proc, data, MODEL, "--path", str(model), "--engine", "mlx")
@@ -70,7 +70,7 @@ async def shoal(model: Path, tmp: Path) -> AsyncIterator[str]:
         print(proc.log()[-3000:], file=sys.stderr)
         raise
     finally:
-        await proc.stop()
+        await proc.astop()
 
 
 async def run(args: argparse.Namespace) -> int:

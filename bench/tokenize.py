@@ -35,6 +35,7 @@ from llama_cpp import Llama
 from nats.aio.client import Client
 
 from bench.common.processes import MODEL_ID, MODEL_PATH, shoal_up
+from bench.common.report import verdict
 from events.subjects import tokenizer_subject
 from events.tokenizer import TokenizerAnswer, TokenizerQuestion, TokenizeText
 
@@ -103,7 +104,7 @@ async def measure(base: str, nc: Client, args: argparse.Namespace) -> bool:
     ok = added <= TARGET_ADDED_MS
     print(
         f"\nShoal adds {added:.2f} ms over tokenizing in process (target <= {TARGET_ADDED_MS:g}"
-        f" ms): {'ok' if ok else 'MISSED'}"
+        f" ms): {verdict(ok)}"
     )
     return ok
 

@@ -41,10 +41,11 @@ from typing import Any, cast
 
 import openai
 
-from bench.common.processes import MODEL_ID, MODEL_PATH, Proc, shoal_up
-from bench.concurrency import wait_http
-from bench.llama_server import llama_server
+from bench.common.llama_server import llama_server
+from bench.common.processes import MODEL_ID, MODEL_PATH, shoal_up, wait_http
+from bench.common.report import verdict
 from bus.embedded import free_port
+from harness.processes import Proc
 
 ANCHOR, SHOAL = "llama-server", "shoal up"
 N_CTX = 4096
@@ -276,13 +277,13 @@ async def run_llama_server(tmp: Path, args: argparse.Namespace) -> list[Reply]:
     ]
     proc = Proc(ANCHOR, argv, tmp / "llama-server.log")
     print(f"  {ANCHOR} ...", file=sys.stderr, flush=True)
-    await proc.start()
+    proc.start()
     try:
         await wait_http(proc, f"http://127.0.0.1:{port}/health", "health")
         url = f"http://127.0.0.1:{port}/v1"
         return await asyncio.to_thread(run_all, url, args.max_tokens)
     finally:
-        await proc.stop(signal.SIGINT, 30.0)
+        await proc.astop(signal.SIGINT, 30.0)
 
 
 async def run_shoal(tmp: Path, args: argparse.Namespace) -> list[Reply]:
@@ -334,7 +335,7 @@ def report(results: dict[str, list[Reply]], examples: int) -> bool:
     if any(errors.values()):
         print("errors: " + ", ".join(f"{n} {e}" for n, e in errors.items()))
     if len(names) == 2:
-        print(f"target: {SHOAL}'s rate <= {ANCHOR}'s: {'ok' if ok else 'MISS'}")
+        print(f"target: {SHOAL}'s rate <= {ANCHOR}'s: {verdict(ok)}")
     print("\n# Replies (first of each kind, then every unwanted call)")
     for n in names:
         print(f"{n}:")

@@ -17,11 +17,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.streams import ensure_streams
+from harness.databases import ScratchDatabases
 from harness.hosts import Network
+from harness.models.templated import WithTemplate, with_template
 from inference.engines.mlx.blas import set_threads
 from projectors import database
-from tests.databases import ScratchDatabases
-from tests.templated import WithTemplate, with_template
 
 POSTGRES_ENV = "SHOAL_TEST_POSTGRES_URL"
 
@@ -92,15 +92,17 @@ async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
 
 @pytest.fixture(scope="session")
 def tiny_projector(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight projector (mmproj) for SmolLM2, written once (``tests/vision.py``)."""
-    from tests.vision import write_tiny_projector  # gguf and numpy: only where it is used
+    """A random-weight projector (mmproj) for SmolLM2, written once
+    (``harness/models/tiny_projector.py``)."""
+    # gguf and numpy: only where it is used
+    from harness.models.tiny_projector import write_tiny_projector
 
     return write_tiny_projector(tmp_path_factory.mktemp("projector") / "mmproj-tiny.gguf")
 
 
 # Session fixtures that cost seconds to make: the modules that name one run in one xdist
 # worker, which makes it once. (The models converted for the tests need not: they are made once
-# in a cache on disk that the workers share, tests/model_cache.py.)
+# in a cache on disk that the workers share, harness/models/cache.py.)
 SHARED_FIXTURES = ("up_cluster",)
 TESTS = Path(__file__).parent
 

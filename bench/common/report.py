@@ -25,7 +25,7 @@ def iqr(values: list[float], fmt: str) -> str:
 
 def verdict(ok: bool) -> str:
     """A target met or missed, as the tables say it."""
-    return "ok" if ok else "MISS"
+    return "ok" if ok else "MISSED"
 
 
 def print_head(head: str, *under: str, rule: int = 0) -> None:

@@ -14,11 +14,10 @@ from typing import Any, TypeVar
 import pytest
 
 from bus.embedded import EmbeddedNats, free_port
+from harness.processes import Processes, wait_healthy
 from tests.api.up_cluster import up_cluster
-from tests.cli.shoal_up import wait_healthy
-from tests.services.processes import Processes
 
-__all__ = ["ApiStack", "run_sync", "running_api_stack", "up_cluster", "wait_healthy"]
+__all__ = ["ApiStack", "run_sync", "running_api_stack", "up_cluster"]
 
 T = TypeVar("T")
 

@@ -39,12 +39,12 @@ from bus.embedded import free_port
 from cli.state import read_admission
 from events.kinds import InstanceRole
 from events.states import InstanceStatus, RunnerState
+from harness.processes import SHOAL, wait_healthy
+from harness.shoal_up import Drained, start
 from projectors.rows import InstanceRow, RunnerRow
 from projectors.state import ClusterState, Put
-from tests.api.conftest import wait_healthy
 from tests.api.up_cluster import UpCluster
-from tests.cli.shoal_up import KEY, MODEL, Drained, start
-from tests.services.processes import SHOAL
+from tests.cli.shoal_up import KEY, MODEL
 
 
 def admitted(got: Ticket | Refusal) -> Ticket:

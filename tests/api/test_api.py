@@ -22,8 +22,9 @@ from events.catalogue import (
 )
 from events.records import NodeProfile
 from events.units import MiB
+from harness.processes import wait_healthy
 from services.models.catalogue import builtin_cards
-from tests.api.conftest import ApiStack, wait_healthy
+from tests.api.conftest import ApiStack
 
 pytestmark = pytest.mark.slow
 

@@ -25,8 +25,8 @@ from api.errors import Dialect
 from bus.embedded import free_port
 from events.units import MiB
 from harness.memory import PeakRss
-from tests.api.conftest import ApiStack, running_api_stack, wait_healthy
-from tests.services.processes import SHOAL
+from harness.processes import SHOAL, wait_healthy
+from tests.api.conftest import ApiStack, running_api_stack
 
 KEY = "edge-key-1"
 CHAT = "/v1/chat/completions"

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from harness.processes import SHOAL
 from tests.api.up_cluster import UpCluster
-from tests.services.processes import SHOAL
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from api.output_limit import with_default_max_tokens
 from bus.embedded import free_port
 from events.catalogue import TaskCreated
 from events.records import SamplingParams
+from harness.processes import SHOAL, wait_healthy
+from harness.shoal_up import Drained, start
 from tests.api.up_cluster import UpCluster
-from tests.cli.shoal_up import Drained, start, wait_healthy
-from tests.services.processes import SHOAL
 
 pytestmark = pytest.mark.slow
 

@@ -42,8 +42,9 @@ from events.catalogue import (
 from events.records import NodeProfile, ShardAssignment
 from events.states import NodeStatus, RunnerState
 from events.units import MiB
+from harness.processes import wait_healthy
 from projectors.rows import DeviceRow, NodeRow, RunnerRow
-from tests.api.conftest import ApiStack, wait_healthy
+from tests.api.conftest import ApiStack
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

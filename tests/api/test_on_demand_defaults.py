@@ -25,7 +25,8 @@ from events.catalogue import (
 )
 from events.records import NodeProfile
 from events.units import MiB
-from tests.api.conftest import ApiStack, wait_healthy
+from harness.processes import wait_healthy
+from tests.api.conftest import ApiStack
 
 pytestmark = pytest.mark.slow
 

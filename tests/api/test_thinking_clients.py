@@ -18,9 +18,9 @@ import ollama
 import openai
 import pytest
 
+from harness.models.templated import WithTemplate
+from harness.processes import SHOAL
 from tests.api.up_cluster import UpCluster
-from tests.services.processes import SHOAL
-from tests.templated import WithTemplate
 
 pytestmark = pytest.mark.slow
 

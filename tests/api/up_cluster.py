@@ -12,17 +12,10 @@ from pathlib import Path
 import pytest
 
 from bus.embedded import free_port
+from harness.processes import SHOAL, wait_healthy
+from harness.shoal_up import Drained, read_until_ready, start, stop
 from tests.api.embed_instance import add_embed_instance
-from tests.cli.shoal_up import (
-    KEY,
-    MODEL,
-    Drained,
-    read_until_ready,
-    start,
-    stop,
-    wait_healthy,
-)
-from tests.services.processes import SHOAL
+from tests.cli.shoal_up import KEY, MODEL
 
 ALIAS = "claude-shoal-test"
 

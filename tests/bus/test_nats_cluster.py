@@ -30,16 +30,12 @@ from events.catalogue import (
     parse_event,
 )
 from events.records import ChatMessage, Timings, Usage
+from harness.clusters import NatsCluster
+from harness.history import history
 from harness.hosts import Network
 from projectors import database
 from projectors.rules import fold
-from tests.bus.nats_cluster import (
-    NatsCluster,
-    make_consumer_leader,
-    make_leader,
-    stream_info,
-)
-from tests.history import history
+from tests.bus.nats_cluster import make_consumer_leader, make_leader, stream_info
 from tests.projectors.helpers import db_rows, memory_rows, running_projector, wait_for_seq
 
 PER_CLIENT = 150  # events each of the three clients publishes

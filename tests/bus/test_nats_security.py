@@ -14,9 +14,9 @@ from bus.connection import NatsUnavailable, connect
 from bus.embedded import EmbeddedNats
 from bus.nats_security import NatsSecurity, NatsSecurityError, redact_url
 from bus.streams import ensure_streams
+from harness.processes import SHOAL
 from tests.bus.nats_operator import make_operator
 from tests.certificates import make_certificates
-from tests.services.processes import SHOAL
 
 TOKEN = "s3cret-token-value"
 PASSWORD = "pa55-word-value"

@@ -13,7 +13,7 @@ from nats.js import JetStreamContext
 
 from bus.publisher import ChunkPublisher, Publisher
 from events.catalogue import ChunkGenerated, Event
-from tests.history import history
+from harness.history import history
 
 
 async def test_core_subscription_reads_every_event_as_json(

@@ -12,7 +12,7 @@ import typer
 from api.model_defaults import ModelDefaults
 from bus.embedded import free_port
 from cli.api import model_defaults, reasoning_budget
-from tests.services.processes import SHOAL
+from harness.processes import SHOAL
 
 
 def test_the_reasoning_budget_option() -> None:

@@ -22,10 +22,11 @@ from openai.types.chat import ChatCompletionMessageParam
 from bus.connection import connect
 from bus.embedded import free_port
 from events.catalogue import TaskCancelled
+from harness.processes import SHOAL
+from harness.shoal_up import read_until_ready, start, stop
 from tests.api.test_metrics import parse, value
-from tests.cli.shoal_up import KEY, MODEL, read_until_ready, start, stop
+from tests.cli.shoal_up import KEY, MODEL
 from tests.services.event_log import EventLog
-from tests.services.processes import SHOAL
 
 pytestmark = pytest.mark.slow
 

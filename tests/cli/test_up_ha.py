@@ -20,10 +20,10 @@ from bus.nats_security import NatsSecurity
 from bus.streams import EVENTS_STREAM
 from events.catalogue import RunnerStateChanged
 from harness.hosts import Host, Network
+from harness.processes import SHOAL
 from services.worker.identity import NODE_ID_FILE
 from tests.bus.nats_cluster import make_leader
 from tests.services.event_log import EventLog
-from tests.services.processes import SHOAL
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from bus.embedded import free_port
 from bus.streams import EVENTS_STREAM
 from events.catalogue import InstanceDeleted, InstanceRequested, parse_event
 from events.subjects import aggregate_filter
-from tests.cli.shoal_up import Drained, read_until_ready, start
-from tests.services.processes import SHOAL
+from harness.processes import SHOAL
+from harness.shoal_up import Drained, read_until_ready, start
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,10 @@ from bus.nats_security import NatsSecurity
 from bus.reader import read_stream
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 from events.subjects import CHUNKS_PREFIX, EVENTS_PREFIX
+from harness.processes import SHOAL
+from harness.shoal_up import read_until_ready, start, stop
 from tests.certificates import make_certificates
-from tests.cli.shoal_up import MODEL, read_until_ready, start, stop
-from tests.services.processes import SHOAL
+from tests.cli.shoal_up import MODEL
 
 TOKEN = "nats-token-7f3a9c"
 KEY = "api-key-5d1e8b"

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from bus.embedded import free_port
-from tests.cli.shoal_up import Drained, read_until_ready, start
+from harness.shoal_up import Drained, read_until_ready, start
 from tests.clients.cli import CLAUDE_TOOL_PROMPT, CODEX_TOOL_PROMPT, TOOL_WORD, claude, codex
 
 pytestmark = pytest.mark.slow

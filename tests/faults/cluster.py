@@ -32,13 +32,12 @@ from bus.streams import EVENTS_STREAM, ensure_streams
 from cli.models import publish_model
 from events.catalogue import InstancePlaced, InstanceRequested, NodeJoined, RunnerStateChanged
 from harness.hosts import Host, Network
+from harness.processes import Processes, wait_healthy
 from projectors import database
 from projectors.rows import RunnerRow, TaskRow
 from projectors.store import load_state, read_offset
 from services.models.catalogue import builtin_cards
-from tests.api.conftest import wait_healthy
 from tests.services.event_log import EventLog
-from tests.services.processes import Processes
 
 MODEL = "smollm2-135m"
 PROJECTOR = "main"  # the projector's name: its tracking row

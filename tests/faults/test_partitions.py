@@ -24,9 +24,10 @@ from bus.connection import connect
 from bus.embedded import free_port
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from events.catalogue import NodeJoined, RunnerStateChanged
+from harness.clusters import NatsCluster
 from harness.hosts import Network
-from tests.api.conftest import wait_healthy
-from tests.bus.nats_cluster import NatsCluster, stream_info
+from harness.processes import SHOAL, Processes, wait_healthy
+from tests.bus.nats_cluster import stream_info
 from tests.faults.invariants import (
     Outcome,
     chat,
@@ -36,7 +37,6 @@ from tests.faults.invariants import (
     read_log_once_ended,
 )
 from tests.services.event_log import EventLog
-from tests.services.processes import SHOAL, Processes
 from tests.services.test_nats_cluster_serving import _move_leaders
 
 pytestmark = pytest.mark.slow

@@ -28,13 +28,13 @@ from bus.embedded import EmbeddedNats, free_port
 from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, ensure_streams
 from events.catalogue import LogTailLost, NodeJoined, TaskCompleted, TaskCreated
+from harness.processes import SHOAL
+from harness.shoal_up import Drained, read_until_ready, start
 from projectors import database
 from projectors.projector import Projector
 from projectors.store import load_state
-from tests.cli.shoal_up import Drained, read_until_ready, start
 from tests.conftest import MakeDb
 from tests.faults.invariants import Outcome, all_rows, chat, read_log, replayed_rows
-from tests.services.processes import SHOAL
 
 
 async def _serve(url: str, label: str, n: int) -> list[Outcome]:

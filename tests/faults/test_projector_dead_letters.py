@@ -16,13 +16,13 @@ from bus.consumer import REASON_HEADER, SEQ_HEADER
 from bus.embedded import EmbeddedNats
 from bus.streams import DEADLETTER_STREAM, EVENTS_STREAM
 from events.catalogue import NodeJoined
+from harness.history import history
+from harness.processes import Processes
 from projectors import database
 from projectors.rules import fold
 from projectors.store import read_counts, read_offset
 from tests.conftest import MakeDb
-from tests.history import history
 from tests.projectors.helpers import db_rows, memory_rows, publish_all
-from tests.services.processes import Processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

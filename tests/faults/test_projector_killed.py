@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.history import history
 from tests.faults.cluster import Cluster, running_cluster
 from tests.faults.invariants import check_log_and_projection
-from tests.history import history
 from tests.projectors.helpers import publish_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -12,13 +12,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from bus.embedded import EmbeddedNats
 from bus.streams import EVENTS_STREAM
+from harness.history import history
+from harness.processes import Processes
 from projectors import database
 from projectors.rules import fold
 from projectors.store import read_offset
 from tests.conftest import MakeDb
-from tests.history import history
 from tests.projectors.helpers import db_rows, memory_rows, publish_all
-from tests.services.processes import Processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -14,6 +14,7 @@ import pytest
 
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, SamplingParams, Tool
+from harness.models.templated import SMOLLM2
 from inference.engines.llamacpp.engine import LlamaCppEngine
 from inference.job import prepared
 from structured.reply import InvalidRequest
@@ -24,7 +25,6 @@ from structured.schema_checks import (
     schema_problem,
     schemas_problem,
 )
-from tests.templated import SMOLLM2
 
 
 def _optional(n: int, nested: int = 0) -> dict[str, Any]:

@@ -8,9 +8,9 @@ import pytest
 
 from bus.stores.images import stored_image
 from events.records import ChatMessage, ImagePart
+from harness.images import checkers_png, gradient_png
 from inference.image_markers import placed, placeholder, with_placeholders
 from structured.reply import InvalidRequest
-from tests.images import checkers_png, gradient_png
 
 MARKER = "<__media__>"
 

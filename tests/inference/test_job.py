@@ -11,13 +11,13 @@ import pytest
 
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, SamplingParams, Tool, ToolCall, ToolChoice
+from harness.models.templated import SMOLLM2, WithTemplate
 from inference.engines.llamacpp.engine import LlamaCppEngine
 from inference.generation import Step, check_request, steps
 from inference.job import prepare
 from structured import plan_reply
 from structured.reply import InvalidRequest
 from tests.inference.served import Served, calls_of
-from tests.templated import SMOLLM2, WithTemplate
 
 # Short templates of each kind (the markers and shapes of Qwen 2.5's, Mistral v0.3's and
 # Llama 3.1's), not the originals.

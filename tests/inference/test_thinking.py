@@ -11,10 +11,10 @@ import pytest
 
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
+from harness.models.templated import QWEN3, WithTemplate
 from inference.engines.llamacpp.engine import LlamaCppEngine
 from inference.generation import Step, check_request, steps
 from inference.job import prepare
-from tests.templated import WithTemplate
 
 # R1's kind: the generation prompt opens the thinking; an earlier answer's thinking is cut
 # out of it (what is before </think>), and reasoning_content is not read.
@@ -24,18 +24,6 @@ R1 = (
     "{{ m.content.split('</think>')[-1] | trim }}{% else %}{{ m.content }}{% endif %}"
     "<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
-)
-# Qwen3's kind: the model opens the thinking; enable_thinking false closes it in the prompt;
-# an earlier turn's reasoning_content is written back; tools are hermes calls.
-QWEN3 = (
-    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}\nTo call one, write"
-    ' <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call><|im_end|>\n{% endif %}'
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{%- if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
-    "{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% endif %}{% endif %}"
 )
 
 

@@ -6,9 +6,9 @@ import gc
 
 import psutil
 
+from harness.models.templated import SMOLLM2
 from inference.engines.llamacpp.engine import LlamaCppEngine
 from process.memory import Collector, give_back
-from tests.templated import SMOLLM2
 
 
 def test_loading_and_unloading_again_and_again_keeps_the_process_flat() -> None:

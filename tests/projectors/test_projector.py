@@ -20,6 +20,7 @@ from bus.streams import EVENTS_STREAM
 from events.catalogue import Event, NodeJoined, TaskCreated
 from events.records import ChatMessage
 from events.subjects import EVENTS_PREFIX
+from harness.history import history
 from projectors import database
 from projectors.database import MIGRATIONS_DIR, ProjectorRunning, projector_hold
 from projectors.projector import ProjectionGap, Projector, counted
@@ -37,7 +38,6 @@ from projectors.store import (
 )
 from projectors.tables import STATE_TABLES, metadata
 from tests.conftest import MakeDb
-from tests.history import history
 from tests.projectors.helpers import (
     db_rows,
     memory_rows,

@@ -18,12 +18,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from bus.embedded import EmbeddedNats
 from bus.streams import EVENTS_STREAM
 from events.catalogue import Event, NodeJoined, TaskForgotten
+from harness.history import history
 from projectors import database
 from projectors.replay import ReplayError, replay
 from projectors.rules import fold
 from projectors.store import read_counts, read_offset
 from tests.conftest import MakeDb
-from tests.history import history
 from tests.projectors.helpers import db_rows, db_rows_of, memory_rows, publish_all
 
 SHOAL = str(Path(sys.executable).parent / "shoal")

@@ -35,11 +35,11 @@ from events.catalogue import (
 )
 from events.records import GpuInfo, NodeProfile, ShardAssignment, Speculative, Timings, Usage
 from events.units import GiB
+from harness.history import history
 from projectors.rows import DeviceRow, InstanceRow, ModelRow, NodeRow, Row, RunnerRow, TaskRow
 from projectors.rules import changes_for, fold
 from projectors.state import ClusterState, Delete, Put
 from tests.events.test_catalogue import SAMPLES
-from tests.history import history
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

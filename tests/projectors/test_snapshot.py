@@ -21,13 +21,13 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.streams import EVENTS_STREAM, ensure_streams
 from events.catalogue import Event
+from harness.history import history
 from projectors import database, snapshot
 from projectors.projector import ProjectionLost, Projector
 from projectors.replay import ReplayError, replay
 from projectors.rules import fold
 from projectors.store import read_counts, read_offset
 from tests.conftest import MakeDb
-from tests.history import history
 from tests.projectors.helpers import db_rows, memory_rows, publish_all, wait_for_seq
 
 EVENTS = [e for e in history(n_tasks=60, seed=5) if e.type != "ChunkGenerated"]

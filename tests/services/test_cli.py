@@ -21,9 +21,9 @@ from bus.stores.claim_check import checked_in
 from bus.stores.parts import PartStore
 from events.catalogue import NodeJoined, ResourceProfiled, TaskCreated
 from events.records import ChatMessage, Tool
+from harness.history import history, profile
 from projectors import database
 from projectors.replay import replay
-from tests.history import history, profile
 from tests.projectors.helpers import db_rows_of, publish_all
 
 REPO = Path(__file__).resolve().parents[2]

@@ -31,17 +31,13 @@ from bus.connection import connect
 from bus.embedded import free_port
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM, StreamSettings, ensure_streams
 from events.catalogue import NodeJoined, NodeTimedOut, RunnerStateChanged, TaskCreated, TaskStarted
+from harness.clusters import NatsCluster
 from harness.hosts import Network
+from harness.processes import SHOAL, Processes, wait_healthy
 from projectors import database
 from projectors.store import read_offset
 from services.runner import tasks_consumer_name
-from tests.api.conftest import wait_healthy
-from tests.bus.nats_cluster import (
-    NatsCluster,
-    make_consumer_leader,
-    make_leader,
-    stream_info,
-)
+from tests.bus.nats_cluster import make_consumer_leader, make_leader, stream_info
 from tests.faults.invariants import (
     Outcome,
     all_rows,
@@ -53,7 +49,6 @@ from tests.faults.invariants import (
     replayed_rows,
 )
 from tests.services.event_log import EventLog
-from tests.services.processes import SHOAL, Processes
 
 pytestmark = pytest.mark.slow
 

@@ -28,9 +28,8 @@ from events.catalogue import (
     TaskCreated,
 )
 from harness.hosts import Network
-from tests.api.conftest import wait_healthy
+from harness.processes import SHOAL, Processes, wait_healthy
 from tests.services.event_log import EventLog
-from tests.services.processes import SHOAL, Processes
 
 pytestmark = pytest.mark.slow
 

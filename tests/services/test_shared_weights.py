@@ -23,12 +23,11 @@ from bus.stores.object_store import object_info
 from bus.streams import MODELS_BUCKET
 from events.catalogue import InstancePlaced, ModelAdded, NodeJoined, RunnerStateChanged
 from harness.hosts import Network
+from harness.processes import SHOAL, Processes, wait_healthy
 from services.models.catalogue import card_for
 from services.models.resolve import resolve_model
 from services.models.weights_cache import sha256_of
-from tests.cli.shoal_up import wait_healthy
 from tests.services.event_log import EventLog
-from tests.services.processes import SHOAL, Processes
 
 pytestmark = pytest.mark.slow
 

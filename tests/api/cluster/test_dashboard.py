@@ -23,9 +23,10 @@ import pytest
 from playwright.async_api import ConsoleMessage, Page, async_playwright
 
 from harness.hosts import Network
-from tests.api.conftest import ApiStack, wait_healthy
-from tests.cli.shoal_up import KEY, MODEL, REPO, read_until_ready, start, stop
-from tests.services.processes import SHOAL
+from harness.processes import SHOAL, wait_healthy
+from harness.shoal_up import read_until_ready, start, stop
+from tests.api.conftest import ApiStack
+from tests.cli.shoal_up import KEY, MODEL, REPO
 
 CHROMIUM = os.environ.get("SHOAL_CHROMIUM", "/usr/bin/chromium")
 HAVE_CHROMIUM = Path(CHROMIUM).exists()

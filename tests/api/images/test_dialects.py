@@ -31,7 +31,7 @@ from api.responses.requests import ResponsesRequest, input_items
 from bus.stores.images import image_bytes, stored_image
 from bus.stores.parts import PARTS_STREAM, PartStore
 from events.records import ChatMessage, ImagePart, SamplingParams
-from tests.images import b64, data_url, jpeg, png
+from harness.images import b64, data_url, jpeg, png
 
 PNG = png(16, 9, colour=7)
 ASK = "What is this?"

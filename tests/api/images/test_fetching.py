@@ -18,7 +18,7 @@ from api.images.inputs import ImageInput
 from api.images.loading import ImagePolicy, read_images
 from events.images import MAX_IMAGES, decode_refusal
 from events.records import ImagePart, PartRef
-from tests.images import png
+from harness.images import png
 
 
 @pytest.mark.parametrize(

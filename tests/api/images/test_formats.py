@@ -8,7 +8,7 @@ import pytest
 from api.errors import ApiError
 from api.images.formats import ImageInfo, UnreadableImage, read_header
 from api.images.inputs import ImageInput, decoded, image_base64, image_url
-from tests.images import b64, data_url, gif, jpeg, png, webp_extended, webp_lossless, webp_lossy
+from harness.images import b64, data_url, gif, jpeg, png, webp_extended, webp_lossless, webp_lossy
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ import ollama
 import openai
 import pytest
 
+from harness.images import b64, data_url, png
 from tests.api.conftest import ApiStack
-from tests.images import b64, data_url, png
 
 HUGE = png(4, 4, pad=20_000_000)  # 20 MB: more than the 10 MiB an image may be
 CORRUPT = b"\x89PNG\r\n\x1a\n but not one"

@@ -5,10 +5,10 @@ evaluates each image with libmtmd; and an MLX vision model (mlx-vlm's layout) ad
 `shoal models add --engine mlx`, answered by an MLX runner through the same path.
 
 No real vision model is run here: none can be had offline. The model is SmolLM2-135M-Instruct
-with a projector of random weights made for it (``tests/vision.py``): an image becomes 64
-embeddings that depend on its pixels and mean nothing. What is shown is the whole path (the
-image stored by digest, read by the runner, its 64 tokens counted in the usage, the answer
-depending on the image: two images, two first-token distributions), not that anything is
+with a projector of random weights made for it (``harness/models/tiny_projector.py``): an image
+becomes 64 embeddings that depend on its pixels and mean nothing. What is shown is the whole
+path (the image stored by digest, read by the runner, its 64 tokens counted in the usage, the
+answer depending on the image: two images, two first-token distributions), not that anything is
 seen. The MLX model is Gemma 3's architecture with random weights
 (``harness/models/tiny_mlx_vision.py``), likewise.
 """
@@ -34,13 +34,14 @@ from openai.types.chat import (
 )
 
 from bus.embedded import free_port
+from harness.images import checkers_png, data_url, gradient_png
+from harness.models.templated import SMOLLM2
 from harness.models.tiny_mlx_vision import IMAGE_TOKENS as MLX_IMAGE_TOKENS
 from harness.models.tiny_mlx_vision import make_tiny_mlx_vision_model
-from tests.cli.shoal_up import KEY, Drained, read_until_ready, start
-from tests.images import checkers_png, data_url, gradient_png
-from tests.services.processes import SHOAL
-from tests.templated import SMOLLM2
-from tests.vision import IMAGE_TOKENS, write_tiny_projector
+from harness.models.tiny_projector import IMAGE_TOKENS, write_tiny_projector
+from harness.processes import SHOAL
+from harness.shoal_up import Drained, read_until_ready, start
+from tests.cli.shoal_up import KEY
 
 pytestmark = pytest.mark.slow
 

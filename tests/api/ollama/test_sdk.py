@@ -25,9 +25,10 @@ from pydantic import BaseModel
 
 import tests.api.asks as asks
 from bus.embedded import free_port
+from harness.processes import SHOAL
+from harness.shoal_up import read_until_ready, start, stop
 from tests.api.up_cluster import UpCluster
-from tests.cli.shoal_up import KEY, MODEL, read_until_ready, start, stop
-from tests.services.processes import SHOAL
+from tests.cli.shoal_up import KEY, MODEL
 
 pytestmark = pytest.mark.slow
 

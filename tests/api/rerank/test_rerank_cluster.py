@@ -24,9 +24,10 @@ from bus.embedded import free_port
 from bus.publisher import Publisher
 from events.catalogue import InstanceRequested, ModelAdded
 from harness.models.tiny_reranker import write_tiny_reranker
+from harness.processes import SHOAL
+from harness.shoal_up import Drained, read_until_ready, start
 from tests.api.conftest import ApiStack
-from tests.cli.shoal_up import KEY, Drained, read_until_ready, start
-from tests.services.processes import SHOAL
+from tests.cli.shoal_up import KEY
 
 pytestmark = pytest.mark.slow
 

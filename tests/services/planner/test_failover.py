@@ -30,8 +30,8 @@ from events.catalogue import (
 )
 from events.records import ChatMessage, SamplingParams
 from harness.hosts import Network
+from harness.processes import SHOAL, Processes
 from tests.services.event_log import EventLog
-from tests.services.processes import SHOAL, Processes
 
 pytestmark = pytest.mark.slow
 

@@ -28,8 +28,8 @@ from events.catalogue import (
 )
 from events.records import NodeProfile
 from events.units import MiB
+from harness.processes import SHOAL, Processes
 from tests.services.event_log import EventLog
-from tests.services.processes import SHOAL, Processes
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,11 @@ from bus.publisher import Publisher
 from bus.streams import EVENTS_STREAM, StreamSettings, ensure_streams
 from events.catalogue import NodeJoined, NodeTimedOut, ResourceProfiled
 from events.records import NodeProfile
+from harness.clusters import NatsCluster
 from harness.hosts import Network
-from tests.bus.nats_cluster import NatsCluster, make_leader, stream_info
+from harness.processes import Processes
+from tests.bus.nats_cluster import make_leader, stream_info
 from tests.services.event_log import EventLog
-from tests.services.processes import Processes
 
 pytestmark = pytest.mark.slow
 

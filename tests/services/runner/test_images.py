@@ -14,12 +14,12 @@ from bus.stores.images import stored_image
 from bus.stores.parts import PartStore
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, SamplingParams
+from harness.images import png
+from harness.models.templated import SMOLLM2
 from inference.engines.base import Engine
 from inference.engines.llamacpp.engine import LlamaCppEngine
 from services.runner.images import images_for, reads_images
 from structured.reply import InvalidRequest
-from tests.images import png
-from tests.templated import SMOLLM2
 
 OTHER = cast(Engine, object())  # an engine with no say on images (MLX's)
 

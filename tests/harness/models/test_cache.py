@@ -1,4 +1,4 @@
-"""The tests' model cache (tests/model_cache.py): one make for concurrent askers, nothing half
+"""The tests' model cache (harness/models/cache.py): one make for concurrent askers, nothing half
 made in place, what is unused for long removed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.model_cache import KEEP_DAYS, cached
+from harness.models.cache import KEEP_DAYS, cached
 
 
 @pytest.fixture(autouse=True)

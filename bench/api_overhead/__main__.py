@@ -87,7 +87,7 @@ from llama_cpp import Llama
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from bench.api_overhead_report import (
+from bench.api_overhead.report import (
     INPROC,
     SERVER,
     SHOAL,
@@ -107,18 +107,13 @@ from bench.api_overhead_report import (
 )
 from bench.common import procfs
 from bench.common.chat import PROMPTS, HttpContender, Stream, add_chunk, chat_body
-from bench.common.processes import (
-    MODEL_ID,
-    MODEL_PATH,
-    Proc,
-    ShoalUp,
-    python_server_argv,
-)
+from bench.common.processes import MODEL_ID, MODEL_PATH, READY_TIMEOUT, ShoalUp, python_server_argv
 from bench.common.procfs import QUIET
 from bench.common.report import med
 from bus.embedded import free_port
 from bus.streams import CHUNKS_STREAM, EVENTS_STREAM
 from events.catalogue import ChunkGenerated, EventBase, TaskCompleted, TaskCreated, TaskStarted
+from harness.processes import Proc
 
 WARMUP_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 WARMUP_TOKENS = 64
@@ -302,7 +297,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
     try:
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             await up.start()
-            await server.start()
+            server.start()
             inproc = InProcess(args.threads, args.n_ctx)  # loads while the servers start
 
             async def server_ready() -> bool:
@@ -310,7 +305,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
                     return (await client.get(f"{server_url}/models")).status_code == 200
                 return False
 
-            await server.wait_for(server_ready, "answer on /v1/models")
+            await server.wait_for(server_ready, "answer on /v1/models", READY_TIMEOUT)
             await up.wait_ready()
             shoal = HttpContender(SHOAL, up.url, client)
             llama = HttpContender(SERVER, server_url, client)
@@ -427,12 +422,15 @@ async def run(args: argparse.Namespace, tmp: Path) -> int:
         stops = [await up.stop()]
         if up_b is not None:
             stops.append(await up_b.stop())
-        code = await server.stop(signal.SIGINT, 30.0)
+        await server.astop(signal.SIGINT, 30.0)
+        code = server.returncode
         print("; ".join([*stops, f"{SERVER}: exit {code}"]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.api_overhead", description=__doc__.split("\n")[0] if __doc__ else None
+    )
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
     parser.add_argument(
         "--prompts", type=int, default=4, help=f"how many prompts (2-{len(PROMPTS)})"

@@ -71,9 +71,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from bench.common.report import print_head, print_profile
-from bench.placement_cases import CASE_NAMES, Case, CheckFailed, cases_for
-from bench.placement_clusters import Cluster, build_cluster, describe
+from bench.common.report import print_head, print_profile, verdict
+from bench.placement.cases import CASE_NAMES, Case, CheckFailed, cases_for
+from bench.placement.clusters import Cluster, build_cluster, describe
 from services.models.footprint import context_for
 
 TARGET_MS = 20.0
@@ -159,15 +159,13 @@ def print_table(results: list[Result]) -> None:
         if last and r.name != last:
             print()
         last = r.name
-        verdict = ""
-        if target_applies(r):
-            verdict = "ok" if r.p95_ms <= TARGET_MS else "MISS"
+        said = verdict(r.p95_ms <= TARGET_MS) if target_applies(r) else ""
         median_ratio = f"{r.median_ms / TARGET_MS:.3f}x of target"
         p95_ratio = f"{r.p95_ms / TARGET_MS:.3f}x"
         gcs = "/".join(str(n) for n in r.gcs)
         print(
             f"{r.name:<16} {r.nodes:>6,} {len(r.samples_ns):>6,} {r.median_ms:>10.3f} "
-            f"{r.p95_ms:>8.3f} {median_ratio:>17} {p95_ratio:>10} {verdict:>4} {gcs:>10}  "
+            f"{r.p95_ms:>8.3f} {median_ratio:>17} {p95_ratio:>10} {said:>4} {gcs:>10}  "
             f"{r.outcome}"
         )
 
@@ -185,7 +183,8 @@ def print_verdict(results: list[Result]) -> bool:
     missed = [r for r in judged if r.p95_ms > TARGET_MS]
     if missed:
         names = ", ".join(f"{r.name} ({r.p95_ms:.2f} ms)" for r in missed)
-        print(f"TARGET MISSED: place at {TARGET_NODES:,} nodes takes more than {TARGET_MS:g} ms")
+        at = f"place at {TARGET_NODES:,} nodes takes more than {TARGET_MS:g} ms"
+        print(f"TARGET {verdict(False)}: {at}")
         print(f"  at p95 in: {names}")
     else:
         print(
@@ -242,7 +241,9 @@ def parse_list(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.placement", description=__doc__.split("\n")[0] if __doc__ else None
+    )
     parser.add_argument("--nodes", default="10,100,1000", help="cluster sizes, comma-separated")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls a case")
     parser.add_argument("--min-reps", type=int, default=30, help="timed calls a case, at least")

@@ -3,7 +3,7 @@ llama-cpp-python's source distribution carries (``vendor/llama.cpp``): the same 
 as Shoal's, with the same CPU build flags (the Makefile's ``CMAKE_ARGS``), so that a benchmark
 against it compares serving, not builds.
 
-    .venv/bin/python -m bench.llama_server   # builds it (saying how long it took), prints its path
+    .venv/bin/python -m bench.common.llama_server  # builds it (saying how long), prints its path
 
 The build is kept in ``.bench/`` (by version) and reused.
 """
@@ -19,7 +19,7 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".bench"
 # As the Makefile builds llama-cpp-python (portable, with the RPC backend).
 DEFAULT_CMAKE_ARGS = "-DGGML_RPC=on -DGGML_NATIVE=off"

@@ -1,4 +1,4 @@
-"""What ``bench.placement`` times, on a cluster of ``placement_clusters``: each case's call, and
+"""What ``bench.placement`` times, on a cluster of ``clusters``: each case's call, and
 the check that its result is the one the case is meant to time (the intended path, computed
 here independently).
 """
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from bench.placement_clusters import (
+from bench.placement.clusters import (
     LLAMA_8B,
     LLAMA_70B,
     LLAMA_405B,
