@@ -15,13 +15,13 @@ import pytest
 
 from events.catalogue import TaskCreated
 from events.records import SamplingParams, ToolChoice
-from harness.models.templated import WithTemplate, mlx_with_template
+from harness.models.templated import QWEN3, WithTemplate, mlx_with_template
 from inference.engines.base import Engine
 from inference.engines.llamacpp.engine import LlamaCppEngine
 from inference.engines.mlx.engine import MlxEngine
 from inference.generation import Step, check_request, steps
 from inference.job import CLOSE, prepare
-from tests.inference.test_thinking import QWEN3, R1, SHOTS, WEATHER, task, user
+from tests.inference.test_thinking import R1, SHOTS, WEATHER, task, user
 
 BUDGET = 8
 
