@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from harness.models import tiny_diffusion
-from tests.model_cache import cached, digest, file_digest, packages
+from harness.models.cache import cached, digest, file_digest, packages
 
 
 def tiny_diffusion_pipeline() -> Path:

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.processes import SHOAL
 from tests.api.up_cluster import UpCluster
 from tests.inference.engines.llamacpp.test_batch import SMOLLM2
-from tests.services.processes import SHOAL
 
 pytestmark = pytest.mark.slow
 

@@ -36,8 +36,9 @@ from events.catalogue import (
     TaskCreated,
     parse_event,
 )
-from tests.cli.shoal_up import KEY, Drained, read_until_ready, start
-from tests.services.processes import SHOAL
+from harness.processes import SHOAL
+from harness.shoal_up import Drained, read_until_ready, start
+from tests.cli.shoal_up import KEY
 from tests.tiny_diffusion import engine_pngs, tiny_diffusion_pipeline
 
 pytestmark = pytest.mark.slow
