@@ -37,10 +37,12 @@ from pathlib import Path
 
 import httpx
 
-from bench.common.processes import Proc, add_model, shoal_env, shoal_up_argv, wait_shoal_ready
+from bench.common.processes import add_model, shoal_env, shoal_up_argv, wait_shoal_ready
+from bench.common.report import verdict
 from bus.embedded import free_port
 from events.records import ImageParams
 from harness.models.tiny_diffusion import make_tiny_diffusion_pipeline
+from harness.processes import Proc
 from inference.engines.diffusion.engine import DiffusersEngine
 
 TARGET = 0.95
@@ -54,7 +56,7 @@ async def shoal(model: Path, tmp: Path, threads: int) -> AsyncIterator[str]:
     port = free_port("127.0.0.1")
     data = tmp / "up"
     proc = Proc("shoal up", shoal_up_argv(data, None, port, threads), tmp / "up.log")
-    await proc.start(shoal_env())
+    proc.start(shoal_env())
     try:
         await wait_shoal_ready(proc)
         await add_model(proc, data, MODEL, "--path", str(model))
@@ -74,7 +76,7 @@ async def shoal(model: Path, tmp: Path, threads: int) -> AsyncIterator[str]:
         print(proc.log()[-3000:], file=sys.stderr)
         raise
     finally:
-        await proc.stop()
+        await proc.astop()
 
 
 async def through_shoal(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> float:
@@ -133,7 +135,9 @@ async def run(args: argparse.Namespace) -> int:
     print(f"# {size}x{size}, {args.steps} steps, {args.threads} thread(s), {args.rounds} rounds")
     print(f"in-process  {theirs:.3f} s/image  {theirs / args.steps * 1000:.1f} ms/step")
     print(f"Shoal       {mine:.3f} s/image  {mine / args.steps * 1000:.1f} ms/step")
-    print(f"Shoal's speed: {ratio:.2f}x in-process (target >= {TARGET}x)")
+    print(
+        f"Shoal's speed: {ratio:.2f}x in-process (target >= {TARGET}x) {verdict(ratio >= TARGET)}"
+    )
     print(f"first partial image, streamed: {partial:.3f} s")
     return 0 if ratio >= TARGET else 1
 
