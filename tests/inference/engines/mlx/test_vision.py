@@ -9,10 +9,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from events.catalogue import TaskCreated
+from harness.images import gradient_png, image_chat
 from inference.engines.mlx.engine import MlxEngine
 from inference.engines.mlx.vision import load_vision
 from inference.job import prepare
-from tests.images import gradient_png, image_chat
 
 QUESTION = "What is in this image?"
 
