@@ -3,9 +3,9 @@ answer that depends on its pixels, the prompt cache going on past the same image
 into another, the other sequences left alone, and the refusals; on one slot and batched.
 
 No real vision model runs here: llama.cpp's is SmolLM2-135M-Instruct with a projector of
-random weights made for it (``harness/models/tiny_projector.py``), MLX's Gemma 3's architecture with random
-weights (``harness/models/tiny_mlx_vision.py``), so what they "see" means nothing. What is
-tested is the path."""
+random weights made for it (``harness/models/tiny_projector.py``), MLX's Gemma 3's architecture
+with random weights (``harness/models/tiny_mlx_vision.py``), so what they "see" means nothing.
+What is tested is the path."""
 
 from __future__ import annotations
 
@@ -19,14 +19,13 @@ import pytest
 from events.catalogue import TaskCreated
 from events.records import SamplingParams
 from harness.images import checkers_png, gradient_png, image_chat
-from harness.models import tiny_mlx_vision
+from harness.models import tiny_mlx_vision, tiny_projector
 from inference.decoding import Decoding, PromptCached, Token
 from inference.engines.base import Engine
 from inference.engines.llamacpp.engine import LlamaCppEngine
 from inference.engines.mlx.engine import MlxEngine
 from inference.job import Job, prepare
 from structured.reply import InvalidRequest
-from tests import vision
 from tests.inference.engines.conftest import SMOLLM2_GGUF
 from tests.inference.engines.contract.conftest import close
 
@@ -52,7 +51,7 @@ class Model:
 
 MODELS = {
     "llamacpp": Model(
-        vision.IMAGE_TOKENS,
+        tiny_projector.IMAGE_TOKENS,
         "<|im_start|>user\n",
         f"{QUESTION}<|im_end|>",
         False,
