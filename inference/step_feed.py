@@ -55,9 +55,10 @@ class StepFeed:
         if final or last is None or now - last >= self._window_s:
             self._woken_at = now
             self._loop.call_soon_threadsafe(self._ready.set)
-        if last is None:
+        if last is None and not final:
             # The first token waits until the loop has it: with every core busy computing the
-            # next one, the loop's thread could wait milliseconds for one.
+            # next one, the loop's thread could wait milliseconds for one. (A last step has
+            # nothing after it to wait for, and may be put from the loop's own thread.)
             self._first_taken.wait(FIRST_WAIT_S)
 
     def close(self) -> None:

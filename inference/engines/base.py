@@ -80,13 +80,11 @@ class Engine(TokenSource, Tokenizer, Protocol):
     @property
     def n_vocab(self) -> int: ...
 
-
-@runtime_checkable
-class Pushes(Protocol):
-    """An engine that can also hand a generation's items to a ``Sink`` on its own decoding
-    thread (``submit``; the checks of ``generate`` are made at once)."""
-
-    def submit(self, prompt: list[int], decoding: Decoding, sink: Sink) -> None: ...
+    def submit(self, prompt: list[int], decoding: Decoding, sink: Sink) -> None:
+        """What ``generate`` gives, handed to ``sink`` on the engine's own decoding thread
+        (``engines/batch_loop.py``), the way the runner generates; the checks of ``generate``
+        are made at once (``InvalidRequest``)."""
+        ...
 
 
 @runtime_checkable

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 
 import nats.errors
@@ -39,9 +36,8 @@ from bus.puller import ConsumerGone
 from bus.stores.claim_check import resolved
 from bus.stores.parts import PartMissing, PartStore
 from bus.streams import EVENTS_STREAM
-from events.attempts import attempt_of, chunk_msg_id, outcome_msg_id, scored_msg_id
+from events.attempts import attempt_of, outcome_msg_id
 from events.catalogue import (
-    ChunkGenerated,
     EventBase,
     TaskCancelled,
     TaskCompleted,
@@ -50,20 +46,12 @@ from events.catalogue import (
     TaskStarted,
     utc_now,
 )
-from events.records import FinishReason, Timings, Usage
-from inference.engines.base import Engine, EngineBroken, Pushes
-from inference.feed_sink import FeedSink
-from inference.generation import (
-    PromptTooLong,
-    ScoredPrompt,
-    Step,
-    Stepper,
-    check_request,
-    steps,
-)
-from inference.job import prepared, prompt_scored
-from inference.step_feed import StepFeed
+from inference.engines.base import Engine, EngineBroken
+from inference.feed_sink import Generating
+from inference.generation import PromptTooLong, check_request
+from inference.job import prepared
 from services.resume import continuation, describe, message_id, read_logged
+from services.runner.attempt import AttemptPublisher
 from services.runner.claim import ACK_WAIT_S, Claim, Seen, redelivered
 from services.runner.consumers import Pulled, cancel_subject, tasks_consumer_name
 from services.runner.current_tasks import CurrentTasks
@@ -115,8 +103,8 @@ class TaskPuller(ABC):
         self._parts = PartStore(self._js)
         self._state = StateReporter(nc, me)
         self._consumer: EventConsumer | None = None
-        # Generation runs here, off the event loop (see step_feed.py); one thread per slot (with
-        # one slot, always the same thread).
+        # A pooling runner's requests are computed here, off the event loop (a chat runner's
+        # engine generates on a thread of its own); one thread per slot.
         self._engine_thread = ThreadPoolExecutor(slots, thread_name_prefix="engine")
         self.served = 0
         self._busy = 0  # tasks being served
@@ -257,19 +245,19 @@ class TaskPuller(ABC):
             return 0
 
     async def _fail(self, task: Pulled, error: str, too_long: PromptTooLong | None = None) -> None:
-        attempt = attempt_of(task).number if isinstance(task, TaskCreated) else None
-        await self._events.publish(
-            TaskFailed(
-                task_id=task.task_id,
-                model_id=task.model_id,
-                origin=self._me.node_id,
-                runner_id=self._me.runner_id,
-                error=error,
-                attempt=attempt,
-                prompt_tokens=too_long.prompt_tokens if too_long else None,
-                context_length=too_long.context_length if too_long else None,
-            ),
-            msg_id=outcome_msg_id(task.task_id, attempt),
+        failed = self._failure(task, error, too_long)
+        await self._events.publish(failed, msg_id=outcome_msg_id(task.task_id, failed.attempt))
+
+    def _failure(self, task: Pulled, error: str, too_long: PromptTooLong | None) -> TaskFailed:
+        return TaskFailed(
+            task_id=task.task_id,
+            model_id=task.model_id,
+            origin=self._me.node_id,
+            runner_id=self._me.runner_id,
+            error=error,
+            attempt=attempt_of(task).number if isinstance(task, TaskCreated) else None,
+            prompt_tokens=too_long.prompt_tokens if too_long else None,
+            context_length=too_long.context_length if too_long else None,
         )
 
 
@@ -294,7 +282,6 @@ class TaskServer(TaskPuller):
 
     async def serve(self, task: TaskCreated, claim: Claim) -> None:
         received = time.perf_counter()
-        me = self._me
         cancelled = asyncio.Event()
 
         async def on_cancel(_msg: Msg) -> None:
@@ -303,46 +290,21 @@ class TaskServer(TaskPuller):
         sub = await self._nc.subscribe(cancel_subject(task), cb=on_cancel)
         fence = Fence(self._nc, task)  # a newer attempt of the task stops this one
         await fence.start()
-        started = TaskStarted(
-            task_id=task.task_id,
-            model_id=task.model_id,
-            origin=me.node_id,
-            runner_id=me.runner_id,
-            instance_id=me.instance_id,
+        out = AttemptPublisher(
+            fence,
+            self._events,
+            self._chunks,
+            task,
+            self._me,
+            received,
+            claim,
+            self.report_running,
+            after_first=lambda: self._was_cancelled(task, cancelled),
         )
-        # TaskStarted, Running and the look for an early cancel wait for the first chunk (or
-        # the end of a task that has none): sent while the prompt was processed, their work
-        # here, in the nats-server and in every consumer of the log took CPU from it
-        # (docs/runners.md). The outcome is published after them.
-        # (The work is passed as a function: a coroutine handed to gather() starts at once.)
-        first_out = asyncio.Event()
-
-        async def after_first(work: Callable[[], Awaitable[object]]) -> None:
-            await first_out.wait()
-            await work()
-
-        async def announce() -> None:
-            # Only the newest attempt says it started. An error before any chunk (a part read
-            # that timed out in a stall, say) comes here without the fence having read the log.
-            if not await fence.holds():
-                return
-            await asyncio.gather(self._events.publish(started), self.report_running())
-            await claim.done()
-
-        announced = asyncio.ensure_future(after_first(announce))
-        already = asyncio.ensure_future(after_first(lambda: self._was_cancelled(task, cancelled)))
         try:
-            await self._generate(
-                task,
-                received,
-                lambda: cancelled.is_set() or fence.superseded,
-                first_out,
-                announced,
-                fence,
-            )
+            await self._generate(task, out, lambda: cancelled.is_set() or fence.superseded)
         except Superseded:
-            # Another runner has the task: this attempt ends without an outcome.
-            announced.cancel()
+            out.abandon()  # another runner has the task: this attempt ends without an outcome
         except Exception as exc:
             if isinstance(exc, InvalidRequest):
                 error = f"invalid request: {exc}"
@@ -351,15 +313,12 @@ class TaskServer(TaskPuller):
             else:  # an engine error fails this task, not the runner...
                 log.exception("task %s failed", task.task_id)
                 error = f"engine error: {exc}"
-            first_out.set()
-            await announced
-            if not fence.superseded:  # (a superseded attempt's failure is nobody's)
-                too_long = exc if isinstance(exc, PromptTooLong) else None
-                await self._fail(task, error, too_long)
+            too_long = exc if isinstance(exc, PromptTooLong) else None
+            await out.fail(self._failure(task, error, too_long))
             if isinstance(exc, EngineBroken):  # ...unless the engine cannot go on
                 raise
         finally:
-            already.cancel()
+            out.close()
             await sub.unsubscribe()
             await fence.stop()
 
@@ -371,149 +330,20 @@ class TaskServer(TaskPuller):
             flag.set()
 
     async def _generate(
-        self,
-        task: TaskCreated,
-        received: float,
-        cancelled: Callable[[], bool],
-        first_out: asyncio.Event,
-        announced: Awaitable[object],
-        fence: Fence,
+        self, task: TaskCreated, out: AttemptPublisher, cancelled: Callable[[], bool]
     ) -> None:
-        """Generate and publish; raises ``Superseded`` (having published no more) once a newer
-        attempt of the task exists."""
-        engine, me = self._engine, self._me
+        """Generate, publish, complete; raises ``Superseded`` (having published no more) once
+        a newer attempt of the task exists."""
+        engine = self._engine
         task = await resolved(self._parts, task)  # its messages and tools, stored as parts
         images = await images_for(self._parts, engine, task)
         job = await prepared(engine, task, images)
-        prompt = job.prompt
-        limit = check_request(len(prompt), task.params, engine.n_ctx, echo=task.echo)
-        loop = asyncio.get_running_loop()
-        feed = StepFeed(loop, CHUNK_WINDOW_S)
-        stopping = threading.Event()  # this coroutine was cancelled: the engine stops too
-
-        def stop_asked() -> bool:
-            return cancelled() or stopping.is_set()
-
-        # The engine asks it between prefill chunks too, the stepper between tokens.
-        decoding = replace(job.decoding, cancelled=stop_asked)
-        cached = [0]  # the prompt's tokens the engine's cache held (read once it is done)
-        stepper = Stepper(
-            engine,
-            decoding,
-            limit,
-            stop_asked,
-            job.reply,
-            on_cached=lambda n: cached.__setitem__(0, n),
-        )
-        generating: asyncio.Future[None]
-        generated = list(decoding.generated)  # a resumed task's, published before
-        if isinstance(engine, Pushes) and stepper.replay(generated):
-            # Steps are made on the decoder's thread, between two of its decodes.
-            generating = loop.create_future()
-            engine.submit(prompt + generated, decoding, FeedSink(stepper, feed, generating))
-        else:
-
-            def generate() -> None:
-                try:
-                    for step in steps(
-                        engine,
-                        prompt,
-                        decoding,
-                        limit,
-                        stop_asked,
-                        job.reply,
-                        on_cached=lambda n: cached.__setitem__(0, n),
-                    ):
-                        feed.put(step)
-                finally:
-                    feed.close()
-
-            generating = loop.run_in_executor(self._engine_thread, generate)
-        first: float | None = None
-        n = len(generated)
-        reasoning = 0  # of the n, the thinking's (the last step counts them)
-        finish: FinishReason = "length"
-        # The prompt's size goes with the attempt's first chunk: the stream starts before the
-        # outcome's usage is known.
-        sized = False
-        attempt = fence.attempt
-        try:
-            # What was generated before an engine error still counts: every step is published.
-            while (made := await feed.next_group()) is not None:
-                if not await fence.holds():  # continued elsewhere: nothing more goes out
-                    break
-                for m in made:
-                    if isinstance(m.step, ScoredPrompt):
-                        for scored in prompt_scored(task, m.step, me.node_id, m.ts):
-                            msg_id = scored_msg_id(task.task_id, attempt, scored.start)
-                            await self._chunks.publish(scored, msg_id=msg_id)
-                        continue
-                    if m.step.token_id is not None:
-                        n += 1
-                        first = first or m.at
-                    else:
-                        finish = m.step.finish_reason or "stop"
-                        reasoning = m.step.reasoning_tokens
-                    msg_id = chunk_msg_id(task.task_id, attempt, m.step.idx)
-                    counts = None if sized else (len(prompt), cached[0])
-                    sized = True
-                    chunk = self._chunk(task, m.step, m.ts, counts)
-                    await self._chunks.publish(chunk, msg_id=msg_id)
-                first_out.set()
-        finally:
-            first_out.set()
-            stopping.set()
-            await asyncio.wait({generating})  # the engine is never left running
-        if fence.superseded:
-            raise Superseded(task.task_id)
-        generating.result()  # the engine's error, if it raised one
-        await self._chunks.flush()
-        await announced
-        if not await fence.holds():  # (its last chunk is out: only a race gets here)
-            raise Superseded(task.task_id)
-        end = time.perf_counter()
-        first = first or end
-        decode_s = end - first
-        await self._events.publish(
-            TaskCompleted(
-                task_id=task.task_id,
-                model_id=task.model_id,
-                origin=me.node_id,
-                runner_id=me.runner_id,
-                finish_reason=finish,
-                attempt=attempt,
-                usage=Usage(
-                    prompt_tokens=len(prompt),
-                    completion_tokens=n,
-                    cached_tokens=cached[0],
-                    reasoning_tokens=reasoning,
-                ),
-                timings=Timings(
-                    ttft_ms=(first - received) * 1000,
-                    tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
-                    total_ms=(end - received) * 1000,
-                ),
-            ),
-            msg_id=outcome_msg_id(task.task_id, attempt),
-        )
-
-    def _chunk(
-        self, task: TaskCreated, step: Step, ts: float, prompt: tuple[int, int] | None = None
-    ) -> ChunkGenerated:
-        """``prompt``: the prompt's tokens and those of them the cache held, on the first."""
-        return ChunkGenerated(
-            task_id=task.task_id,
-            idx=step.idx,
-            text=step.text,
-            reasoning=step.reasoning,
-            token_id=step.token_id,
-            finish_reason=step.finish_reason,
-            logprob=step.logprob,
-            tool_calls=step.tool_calls,
-            stop_sequence=step.stop_sequence,
-            prompt_tokens=None if prompt is None else prompt[0],
-            cached_tokens=None if prompt is None else prompt[1],
-            attempt=attempt_of(task).number,
-            origin=self._me.node_id,
-            ts=datetime.fromtimestamp(ts, UTC),
-        )
+        limit = check_request(len(job.prompt), task.params, engine.n_ctx, echo=task.echo)
+        out.prompt_tokens = len(job.prompt)
+        out.resumed(len(job.decoding.generated))
+        generating = Generating(engine, job, limit, cancelled, CHUNK_WINDOW_S, out.cached)
+        async with generating:
+            async for made in generating:
+                await out.publish(made)
+        generating.outcome()
+        await out.complete()

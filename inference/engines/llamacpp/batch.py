@@ -20,10 +20,11 @@ step, each on its own sequence at its position (``evaluate_image``: the engine's
 llama.cpp's server does: one ``llama_decode`` cannot mix token and embedding rows. A sequence's
 text then goes in the shared batch up to its next image at most.
 
-The decoding runs on one thread of its own, the only one that touches the context. Each
-generation's items go to its ``Sink`` on that thread (the runner makes its steps there, between
-two decodes: ``submit``), or to a Python generator on the caller's thread (``generate``); a sink
-that wants no more (a stop string, a cancel) frees its slot at the next step. The pure parts
+The decoding runs on the shared loop's thread (``batch_loop``: admission, the sinks, a freed
+slot, a prefill told to stop), the only one that touches the context; what is llama.cpp's is a
+step (``_step``), a slot taken (``_admit``) and let go (``_forget``). Each generation's items
+go to its ``Sink`` on that thread (the runner makes its steps there, between two decodes:
+``submit``), or to a Python generator on the caller's thread (``generate``). The pure parts
 (what goes in a step, which slot a prompt takes) are functions, tested alone
 (``batch_plan.py``).
 
@@ -37,8 +38,6 @@ those of decoding without it; a step gives a sequence as many as the draft got r
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
@@ -49,7 +48,7 @@ import llama_cpp
 import numpy as np
 
 from inference.decoding import Decoding, PromptCached, PromptScores, Sink, Token
-from inference.engines.batch_thread import END, max_new, taken_from
+from inference.engines.batch_loop import BatchLoop, Generation, Item, max_new
 from inference.engines.llamacpp.batch_plan import Need, pick_slot, plan_step
 from inference.engines.llamacpp.sampling import Logits, SequenceSampler, scored
 from inference.image_spans import ImageSpan, image_at, kept, position, text_run
@@ -63,10 +62,7 @@ EvaluateImage = Callable[[Any, ImageSpan, int, int], None]
 # Makes a llama.cpp context for a number of sequences, each with the whole context (the engine).
 MakeContext = Callable[[int], Any]
 
-# How long a step waits for the consumers still handling their last token. A step waits for
-# them (normally microseconds): their work then happens between decodes, not during one, where
-# it would take a core from llama.cpp's threads (which spin-wait); and a sequence left out
-# would wait a whole step. A consumer that is late longer is left out of this step.
+# How long a step waits for the consumers still handling their last token (``straggler_s``).
 STRAGGLER_S = 0.02
 
 
@@ -100,44 +96,14 @@ class Batch:
             raise RuntimeError(f"llama_decode failed ({status})")
 
 
-class _Pulled:
-    """The sink of a generation pulled as a Python generator (``BatchDecoder.generate``): its
-    items queue up for the consumer, who takes them at its own pace, one token ahead at most."""
-
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.given = 0  # tokens queued
-        self.taken = 0  # tokens the consumer took
-        self.released = False  # the consumer is gone
-
-    def take(self, item: Token | PromptScores | PromptCached) -> bool:
-        if self.released:
-            return False
-        self.queue.put(item)
-        self.given += isinstance(item, Token)
-        return True
-
-    def done(self, error: BaseException | None) -> None:
-        self.queue.put(error if error is not None else END)
-
-    def ready(self) -> bool:
-        return self.taken == self.given
-
-
 @dataclass(eq=False)
-class _Sequence:
-    prompt: list[int]
-    decoding: Decoding
-    make_sampler: Callable[[], SequenceSampler]
-    max_new: int  # tokens it may generate: what the request and the context leave room for
-    sink: Sink
+class _Sequence(Generation):
+    make_sampler: Callable[[], SequenceSampler] | None = None
     slot: int = -1
     sampler: SequenceSampler | None = None
     prefilled: int = 0  # prompt tokens in the cache
     next_token: int | None = None  # sampled, not yet in the cache
     sampled: int = 0
-    finished: bool = False  # nothing more to decode; its sink was told
-    released: bool = False  # a pulled generation's consumer is gone
     scores: list[Token] = field(default_factory=list)  # echo: the prompt's, so far
     ngrams: NgramIndex | None = None  # speculative: its prompt and tokens, to draft from
     draft: list[int] = field(default_factory=list)  # this step's, after ``next_token``
@@ -148,6 +114,9 @@ class _Sequence:
     def prefill_left(self) -> int:
         return len(self.prompt) - self.prefilled
 
+    def prefilling(self) -> bool:
+        return self.prefill_left > 0
+
     @property
     def images(self) -> tuple[ImageSpan, ...]:
         return self.decoding.images
@@ -156,37 +125,17 @@ class _Sequence:
         """Prompt tokens the shared batch may take next: up to the next image."""
         return text_run(self.images, self.prefilled, len(self.prompt))
 
-    def runnable(self) -> bool:
-        if self.finished or self.released:
-            return False
-        return self.prefill_left > 0 or self.sink.ready()
 
-    def behind(self) -> bool:
-        """Decoding, its consumer not yet done with its last token."""
-        live = not (self.finished or self.released) and self.prefill_left == 0
-        return live and not self.sink.ready()
-
-    def emit(self, item: Token | PromptScores | PromptCached) -> bool:
-        """Hand ``item`` over; False (and ended) when no more is wanted, or the sink failed."""
-        try:
-            wanted = self.sink.take(item)
-        except Exception as exc:  # the consumer's own error: this generation's alone
-            self.end(exc)
-            return False
-        if not wanted:
-            self.end()
-        return wanted
-
-    def end(self, error: BaseException | None = None) -> None:
-        if not self.finished:
-            self.finished = True
-            self.sink.done(error)
-
-
-class BatchDecoder:
+class BatchDecoder(BatchLoop[_Sequence]):
     """Decodes the generations of a llama.cpp context together (see the module's doc), and
     owns the context (made by ``make_context``, for one sequence and then for ``slots``; freed
     with the decoder, ``owner`` kept until then)."""
+
+    # A step waits for the consumers still handling their last token (normally microseconds):
+    # their work then happens between decodes, not during one, where it would take a core from
+    # llama.cpp's threads (which spin-wait); and a sequence left out would wait a whole step.
+    # A consumer that is late longer than this is left out of this step.
+    straggler_s = STRAGGLER_S
 
     def __init__(
         self,
@@ -204,22 +153,17 @@ class BatchDecoder:
         self.drafted = self.accepted = 0  # draft tokens, all sequences', for the metrics
         self._evaluate_image = evaluate_image
         self._owner = owner  # what holds the model: it must outlive the context
-        self.slots = slots
         self._n_vocab = n_vocab
         self._is_end = is_end
         self._use(make_context(1))
         self._capacity = 1  # the sequences the context holds: 1, then ``slots``
         self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self._ctx))  # each slot's
         self._batch = Batch(int(llama_cpp.llama_n_batch(self._ctx)))
-        self._cond = threading.Condition()
-        self._waiting: list[_Sequence] = []  # admitted in this order as slots free up
-        self._active: dict[int, _Sequence] = {}  # by slot, in admission order
+        self._slots: dict[int, _Sequence] = {}  # the active ones, by slot
         self._cached: dict[int, list[int]] = {}  # by slot: the tokens its cache holds
         self._last_used: dict[int, float] = {}
-        self._closed = False
         self._dropping = False  # drop the free slots' caches before the next admission
-        self._thread = threading.Thread(target=self._loop, name="llama-batch", daemon=True)
-        self._thread.start()
+        super().__init__(slots, "llama-batch")
 
     @property
     def ctx(self) -> Any:
@@ -228,10 +172,7 @@ class BatchDecoder:
         return self._ctx
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join()
+        super().close()
         self._free()
 
     def _use(self, ctx: Any) -> None:
@@ -258,7 +199,7 @@ class BatchDecoder:
         self._use(ctx)
         old()
         for slot in list(self._cached):
-            seq = self._active.get(slot)
+            seq = self._slots.get(slot)
             if seq is None:
                 del self._cached[slot]
                 continue
@@ -266,7 +207,7 @@ class BatchDecoder:
                 self._refill(slot, self._cached[slot], seq.images)
             except Exception as exc:  # this sequence's alone
                 log.exception("the sequence in slot %d could not be computed again", slot)
-                self._forget(slot)
+                self._drop(slot)
                 seq.end(exc)
         return True
 
@@ -292,12 +233,6 @@ class BatchDecoder:
         with self._cond:
             self._dropping = True
 
-    @property
-    def busy(self) -> int:
-        """Generations admitted or waiting for a slot."""
-        with self._cond:
-            return len(self._active) + len(self._waiting)
-
     def submit(
         self,
         prompt: list[int],
@@ -307,102 +242,44 @@ class BatchDecoder:
     ) -> None:
         """Decode a generation into ``sink`` (called on the decoding thread), from the first
         free slot."""
-        self._submit(prompt, decoding, make_sampler, sink)
+        self.push(self._sequence(prompt, decoding, make_sampler, sink))
 
-    def _submit(
+    def generate(
+        self, prompt: list[int], decoding: Decoding, make_sampler: Callable[[], SequenceSampler]
+    ) -> Generator[Item]:
+        """The same, as a Python generator on the caller's thread; nothing is admitted before
+        the first ``next()``, and a token is decoded once the one before it was taken."""
+        return self.pull(lambda sink: self._sequence(prompt, decoding, make_sampler, sink))
+
+    def _sequence(
         self,
         prompt: list[int],
         decoding: Decoding,
         make_sampler: Callable[[], SequenceSampler],
         sink: Sink,
     ) -> _Sequence:
-        seq = _Sequence(
+        return _Sequence(
             list(prompt),
             decoding,
-            make_sampler,
-            max_new=max_new(prompt, decoding, self.n_ctx),
-            sink=sink,
+            max_new(prompt, decoding, self.n_ctx),
+            sink,
+            make_sampler=make_sampler,
         )
-        with self._cond:
-            self._waiting.append(seq)
-            self._cond.notify()
-        return seq
-
-    def generate(
-        self, prompt: list[int], decoding: Decoding, make_sampler: Callable[[], SequenceSampler]
-    ) -> Generator[Token | PromptScores | PromptCached]:
-        """The same, as a Python generator on the caller's thread; nothing is admitted before
-        the first ``next()``, and a token is decoded once the one before it was taken."""
-        pulled = _Pulled()
-        seq = self._submit(prompt, decoding, make_sampler, pulled)
-
-        def took() -> None:
-            pulled.taken += 1
-
-        def left() -> None:
-            pulled.released = seq.released = True
-
-        yield from taken_from(pulled.queue, self._cond, took, left)
 
     # --- the decoding thread ---------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                waited_from: float | None = None
-                while True:
-                    if self._closed:
-                        return
-                    self._settle()
-                    ready = [s for s in self._active.values() if s.runnable()]
-                    if not any(s.behind() for s in self._active.values()):
-                        if ready:
-                            break
-                        self._cond.wait()
-                        continue
-                    now = time.monotonic()
-                    waited_from = waited_from or now
-                    if ready and now - waited_from >= STRAGGLER_S:
-                        break
-                    self._cond.wait(STRAGGLER_S)
-            try:
-                self._step(ready)
-            except Exception as exc:  # a failed decode ends the sequences that were in it
-                log.exception("a batch of %d sequences failed", len(ready))
-                for seq in ready:
-                    self._forget(seq.slot)
-                    seq.end(exc)
-
-    def _settle(self) -> None:
-        """Between steps: free the slots of ended or released generations, admit waiting ones.
-        A generation whose task was told to stop (``Decoding.stop_asked``) ends here too: a
-        prompt being prefilled makes no token whose sink could say so, and a long one would
-        hold its slot (and the runner's shutdown) to the end of its prefill; this way it stops
-        within one chunk of ``n_batch`` tokens."""
-        for seq in [*self._active.values(), *self._waiting]:
-            if seq.prefill_left > 0 and not seq.finished and seq.decoding.stop_asked():
-                seq.end()
-        self._waiting = [s for s in self._waiting if not s.finished]
-        for slot, seq in list(self._active.items()):
-            if seq.released or seq.finished:
-                seq.end()
-                del self._active[slot]
-                self._last_used[slot] = time.monotonic()
-                if seq.sampler is not None:
-                    seq.sampler.close()
+    def _room(self) -> bool:
+        """Before an admission: the free slots' caches dropped when asked, the context grown
+        for all the slots once a second sequence comes."""
         if self._dropping:
             self._dropping = False
             for slot in range(self.slots):
-                if slot not in self._active:
+                if slot not in self._slots:
                     self._cached.pop(slot, None)
-        self._waiting = [s for s in self._waiting if not s.released]
-        while self._waiting and len(self._active) < self.slots:
-            if len(self._active) >= self._capacity and not self._grow():
-                break
-            self._admit(self._waiting.pop(0))
+        return len(self._slots) < self._capacity or self._grow()
 
     def _admit(self, seq: _Sequence) -> None:
-        free = [s for s in range(self._capacity) if s not in self._active]
+        free = [s for s in range(self._capacity) if s not in self._slots]
         choice = pick_slot(free, self._cached, self._last_used, seq.prompt)
         slot, keep = choice.slot, kept(seq.images, choice.keep)
         if seq.decoding.echo:
@@ -418,21 +295,39 @@ class BatchDecoder:
             keep = 0
         self._cached[slot] = seq.prompt[:keep]
         seq.slot, seq.prefilled = slot, keep
-        try:
-            seq.sampler = seq.make_sampler()
-        except Exception as exc:
-            seq.end(exc)
-        self._active[slot] = seq
+        self._slots[slot] = seq
         if self.speculative is not None:
             seq.ngrams = NgramIndex(self.speculative, seq.prompt)
+        try:
+            assert seq.make_sampler is not None
+            seq.sampler = seq.make_sampler()
+        except Exception as exc:  # its slot is freed at the next step
+            seq.end(exc)
         if keep and not seq.finished:
             seq.emit(PromptCached(keep))
 
-    def _forget(self, slot: int) -> None:
+    def _forget(self, seq: _Sequence) -> None:
+        """Its slot is free; its cache stays, for a later prompt that starts the same way."""
+        del self._slots[seq.slot]
+        self._last_used[seq.slot] = time.monotonic()
+        if seq.sampler is not None:
+            seq.sampler.close()
+
+    def _drop(self, slot: int) -> None:
+        """A slot's cache, which a failure left in no known state."""
         llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
         self._cached.pop(slot, None)
 
     def _step(self, ready: list[_Sequence]) -> None:
+        try:
+            self._decode(ready)
+        except Exception as exc:  # a failed decode ends the sequences that were in it
+            log.exception("a batch of %d sequences failed", len(ready))
+            for seq in ready:
+                self._drop(seq.slot)
+                seq.end(exc)
+
+    def _decode(self, ready: list[_Sequence]) -> None:
         for seq in ready:
             self._evaluate_images(seq)
         ready = [s for s in ready if not s.finished]
@@ -500,7 +395,7 @@ class BatchDecoder:
                 self._evaluate_image(self._ctx, image, seq.slot, at)
             except Exception as exc:
                 log.exception("an image of the prompt in slot %d failed", seq.slot)
-                self._forget(seq.slot)
+                self._drop(seq.slot)
                 seq.end(exc)
                 return
             self._cached[seq.slot].extend([image.token] * image.n_tokens)

@@ -11,8 +11,8 @@ step beside the others, and inserted with the cache it made. A prompt starts fro
 prefix the engine's prompt cache holds (``mlx_prompt_cache``; not a scored one), and a
 sequence's cache is kept there when it ends or is let go.
 
-The decoding runs on one thread of its own (``batch_thread``: admission, the consumers' queues,
-a freed slot). A sequence's error (a grammar it cannot follow) ends it alone; a failed
+The decoding runs on the shared loop (``batch_loop``: admission, the sinks, a freed slot, a
+prefill told to stop). A sequence's error (a grammar it cannot follow) ends it alone; a failed
 step ends the sequences that were in it, and the next step starts a fresh ``BatchGenerator``.
 """
 
@@ -32,8 +32,8 @@ from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from inference.decoding import Decoding, PromptCached, PromptScores, Token
-from inference.engines.batch_thread import DecodingThread, Generation, max_new
+from inference.decoding import Decoding, PromptCached, PromptScores, Sink, Token
+from inference.engines.batch_loop import BatchLoop, Generation, Item, max_new
 from inference.engines.mlx.prompt_cache import PromptCaches
 from inference.engines.mlx.sampling import (
     Constraint,
@@ -163,9 +163,13 @@ class _Sequence(Generation):
     prefill: _Prefill | None = None
 
 
-class MlxBatchDecoder(DecodingThread[_Sequence]):
+class MlxBatchDecoder(BatchLoop[_Sequence]):
     """Decodes up to ``slots`` generations of ``model`` together (see the module's doc); each
     has ``n_ctx`` of context, and stops at one of ``ends``."""
+
+    # The generator computes a step's next token before it hands over the last one.
+    lookahead = 2
+    parks = True  # an MLX thread (see ``BatchLoop.close``)
 
     def __init__(
         self,
@@ -185,15 +189,35 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
         self._by_uid: dict[int, _Sequence] = {}
         self._generator: BatchGenerator | None = None
         self._kept = PromptCaches(model, slots)
+        self.prompt_cache = self._kept
         super().__init__(slots, "mlx-batch")
 
     def generate(
         self, prompt: list[int], decoding: Decoding, make_picker: Callable[[], SequencePicker]
-    ) -> Generator[Token | PromptScores | PromptCached]:
-        seq = _Sequence(
-            list(prompt), decoding, max_new(prompt, decoding, self.n_ctx), make_picker=make_picker
-        )
-        return self._stream(seq)
+    ) -> Generator[Item]:
+        """As a Python generator on the caller's thread (nothing is admitted before the first
+        ``next()``)."""
+        return self.pull(lambda sink: self.sequence(prompt, decoding, make_picker, sink))
+
+    def submit(
+        self,
+        prompt: list[int],
+        decoding: Decoding,
+        make_picker: Callable[[], SequencePicker],
+        sink: Sink,
+    ) -> None:
+        """Its items into ``sink``, on the decoding thread."""
+        self.push(self.sequence(prompt, decoding, make_picker, sink))
+
+    def sequence(
+        self,
+        prompt: list[int],
+        decoding: Decoding,
+        make_picker: Callable[[], SequencePicker],
+        sink: Sink,
+    ) -> _Sequence:
+        n = max_new(prompt, decoding, self.n_ctx)
+        return _Sequence(list(prompt), decoding, n, sink, make_picker=make_picker)
 
     # --- the decoding thread ---------------------------------------------------------------------
 
@@ -233,7 +257,7 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
             return
         cache, cached = self._kept.take(seq.prompt)
         if cached:
-            seq.put(PromptCached(cached))
+            seq.emit(PromptCached(cached))
         if seq.decoding.images:  # the images' embeddings go in here, not through the generator
             seq.prefill = _Prefill(cache, done=cached)
         else:
@@ -261,8 +285,10 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
         seq.uid = uid
         self._by_uid[uid] = seq
 
-    def _step(self) -> None:
-        running = next((s for s in self._active if s.prefill is not None and not s.released), None)
+    def _step(self, ready: list[_Sequence]) -> None:
+        """Every sequence in the generator is stepped (the batch is one forward pass), and the
+        oldest prompt run here gets a chunk."""
+        running = next((s for s in self._active if s.prefill is not None and s.live()), None)
         if running is not None:
             try:
                 self._prefill(running)
@@ -294,7 +320,7 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
                 self._forget(to)
                 to.end(exc)
                 continue
-            to.put(token)
+            to.emit(token)  # one that wants no more leaves the generator at the next step
             if response.finish_reason is not None:  # an end token, or max_new made
                 del self._by_uid[response.uid]
                 to.uid = None
@@ -330,8 +356,8 @@ class MlxBatchDecoder(DecodingThread[_Sequence]):
         if run.done < len(body):
             return
         seq.prefill = None
-        if run.scores is not None:
-            seq.put(PromptScores(tuple(run.scores)))
+        if run.scores is not None and not seq.emit(PromptScores(tuple(run.scores))):
+            return
         if seq.max_new > 0:
             self._insert(seq, prompt[-1:], run.cache, body)
         else:

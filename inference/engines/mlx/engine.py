@@ -19,12 +19,12 @@ from typing import Any
 import mlx.core as mx
 from jinja2 import TemplateError
 from mlx.nn.layers.base import Module
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer
 
-from inference.decoding import Decoding, PromptCached, PromptScores, Token, request_seed
+from inference.decoding import Decoding, PromptCached, PromptScores, Sink, Token, request_seed
+from inference.engines.batch_loop import BatchLoop
 from inference.engines.mlx import vocabulary
 from inference.engines.mlx.batch import MlxBatchDecoder, SequencePicker, batchable
 from inference.engines.mlx.blas import set_threads
@@ -32,32 +32,20 @@ from inference.engines.mlx.prompt_cache import PromptCaches
 from inference.engines.mlx.sampling import (
     Grammars,
     Picker,
-    as_tokens,
     check_decoding,
-    prompt_scores,
 )
-from inference.engines.mlx.vision import MlxVision, load_vision, text_ids
+from inference.engines.mlx.single import PREFILL_STEP, MlxSingleDecoder, prefill_chunks
+from inference.engines.mlx.vision import MlxVision, load_vision
 from inference.image_markers import placed
 from inference.image_spans import ImagePrompt, unreadable
 from structured.reply import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-# The prompt but its last token is run through the model in chunks of this many tokens, and
-# the last token alone, as mlx-lm's generate_step does (prefill_step_size): a long prompt's
-# attention scores stay small, and greedy output is bit for bit mlx-lm's.
-PREFILL_STEP = 512
-
+__all__ = ["PREFILL_STEP", "MlxEngine", "MlxText", "MlxTextEngine", "prefill_chunks"]
 
 # Why a model reads no images when its weights hold no vision tower.
 _NO_VISION = "its MLX weights hold no vision tower (mlx-vlm's conversions of a vision model do)"
-
-
-def prefill_chunks(prompt: list[int]) -> list[list[int]]:
-    """The prompt in the pieces the model runs: chunks of everything but the last token, then
-    the last token (whose logits give the first generated token)."""
-    body = prompt[:-1]
-    return [body[i : i + PREFILL_STEP] for i in range(0, len(body), PREFILL_STEP)] + [prompt[-1:]]
 
 
 def load_model(model_dir: Path, strict: bool = True) -> tuple[Module, dict[str, Any]]:
@@ -348,10 +336,10 @@ class MlxTextEngine:
 class MlxEngine(MlxTextEngine):
     """A whole MLX model in this process, decoding ``slots`` generations at once.
 
-    With one slot a generation runs on its consumer's thread, one forward pass per token (as
-    mlx-lm's ``generate_step``); with more, every generation goes through one decoding thread
-    and mlx-lm's ``BatchGenerator`` (``mlx_batch``), which steps them together. A model whose
-    caches mlx-lm cannot batch keeps one slot (and says so in the log).
+    Every generation goes through one decoding thread (``batch_loop``): with one slot, one
+    forward pass per token (``mlx_single``, as mlx-lm's ``generate_step``); with more, mlx-lm's
+    ``BatchGenerator`` (``mlx_batch``), which steps them together. A model whose caches mlx-lm
+    cannot batch keeps one slot (and says so in the log).
     Either way a prompt starts from the longest prefix of it that the engine's prompt cache
     holds (``mlx_prompt_cache``; not for a prompt that is scored, whose every position is run).
 
@@ -365,8 +353,7 @@ class MlxEngine(MlxTextEngine):
         if n_threads is not None:
             set_threads(n_threads)
         self._model: Module | None = None
-        self._decoder: MlxBatchDecoder | None = None
-        self._kept: PromptCaches | None = None  # one slot's; a decoder keeps its own
+        self._decoder: MlxBatchDecoder | MlxSingleDecoder | None = None
         self._vision: MlxVision | None = None  # a vision model's image side (vision.py)
         self._no_vision = _NO_VISION  # why it reads no images, when it reads none
         # Grammars are compiled and copied on the consumers' threads (a bad one is refused by
@@ -400,12 +387,17 @@ class MlxEngine(MlxTextEngine):
                 vision=self._vision,
             )
         else:
-            self._kept = PromptCaches(model, 1)
+            self._decoder = MlxSingleDecoder(model, n_ctx=self._n_ctx, vision=self._vision)
 
     def close(self) -> None:
-        """Stop the decoding thread (with several slots); generations in flight fail."""
+        """Stop the decoding thread; generations in flight fail."""
         if self._decoder is not None:
             self._decoder.close()
+
+    @property
+    def _kept(self) -> PromptCaches | None:
+        """The prompt cache (the decoder's; what a test or benchmark empties)."""
+        return None if self._decoder is None else self._decoder.prompt_cache
 
     @property
     def model(self) -> Module:
@@ -440,6 +432,22 @@ class MlxEngine(MlxTextEngine):
     def generate(
         self, prompt: list[int], decoding: Decoding
     ) -> Iterator[Token | PromptScores | PromptCached]:
+        decoder, make = self._generation(prompt, decoding)
+        return decoder.pull(make)
+
+    def submit(self, prompt: list[int], decoding: Decoding, sink: Sink) -> None:
+        """Its items into ``sink``, on the decoding thread; what can be refused is refused
+        here."""
+        decoder, make = self._generation(prompt, decoding)
+        decoder.push(make(sink))
+
+    def _generation(
+        self, prompt: list[int], decoding: Decoding
+    ) -> tuple[BatchLoop[Any], Callable[[Sink], Any]]:
+        """The loop, and what makes the generation for a sink; what can be refused is refused
+        here."""
+        if self._decoder is None:
+            raise RuntimeError("engine not loaded")
         self.check_prompt(prompt)
         if decoding.images:
             if self._vision is None:
@@ -447,10 +455,12 @@ class MlxEngine(MlxTextEngine):
             why = unreadable(decoding.images, len(prompt), decoding.echo)
             if why is not None:
                 raise InvalidRequest(why)
-        if self._decoder is None:
+        decoder = self._decoder
+        if isinstance(decoder, MlxSingleDecoder):
             picker = self.text.picker(decoding, request_seed(decoding.params))
-            return self._generate(prompt, decoding, picker)
-        return self._decoder.generate(prompt, decoding, self._sequence_picker(prompt, decoding))
+            return decoder, lambda sink: decoder.run(prompt, decoding, picker, sink)
+        make_picker = self._sequence_picker(prompt, decoding)
+        return decoder, lambda sink: decoder.sequence(prompt, decoding, make_picker, sink)
 
     def _sequence_picker(
         self, prompt: list[int], decoding: Decoding
@@ -469,74 +479,3 @@ class MlxEngine(MlxTextEngine):
         # The penalties count what was generated, a resumed task's earlier tokens too.
         before = len(prompt) - len(decoding.generated)
         return lambda: SequencePicker(decoding, seed, n_vocab, before, constraint)
-
-    def _generate(
-        self, prompt: list[int], decoding: Decoding, picker: Picker
-    ) -> Iterator[Token | PromptScores | PromptCached]:
-        """Lazy: the prompt is processed at the first ``next()``, and each further token costs
-        one ``next()``, so a consumer that stops iterating stops the work. The cache is kept
-        for a later prompt unless the generation failed."""
-        assert self._kept is not None
-        if decoding.echo:
-            cache, cached = make_prompt_cache(self.model), 0
-        else:
-            cache, cached = self._kept.take(prompt)
-            if cached:
-                yield PromptCached(cached)
-        fed = prompt[:cached]  # what the cache holds
-        failed = False
-        try:
-            yield from self._run(prompt, cached, decoding, picker, cache, fed)
-        except Exception:
-            failed = True
-            raise
-        finally:
-            if not failed:
-                self._kept.keep(fed, cache)
-
-    def _run(
-        self,
-        prompt: list[int],
-        cached: int,
-        decoding: Decoding,
-        picker: Picker,
-        cache: list[Any],
-        fed: list[int],
-    ) -> Iterator[Token | PromptScores]:
-        """One forward pass per token after the prompt's chunks from ``cached`` on; ``fed``
-        grows by what each pass adds to ``cache``."""
-        model = self.model
-        *body, last = prefill_chunks(prompt[cached:])
-        scored = [Token(prompt[0])]
-        done = 0
-        for chunk in body:
-            if decoding.stop_asked():  # told to stop: within one chunk, not at the prompt's end
-                return
-            if decoding.images:
-                assert self._vision is not None
-                at = cached + done
-                rows = self._vision.embeddings(prompt, decoding.images, at, at + len(chunk))
-                logits = model(mx.array([text_ids(chunk)]), cache=cache, input_embeddings=rows)
-            else:
-                logits = model(mx.array([chunk]), cache=cache)
-            if decoding.echo:
-                # Each position's logits score the prompt's next token (the lm head runs on
-                # every position only here: otherwise only the cache is evaluated).
-                targets = prompt[done + 1 : done + len(chunk) + 1]
-                scored += as_tokens(*prompt_scores(logits[0], targets, decoding.top_logprobs or 0))
-            mx.eval([c.state for c in cache])
-            fed += chunk
-            done += len(chunk)
-        if decoding.echo:
-            yield PromptScores(tuple(scored))
-        step = last
-        position = len(prompt)
-        while True:
-            logits = model(mx.array([step]), cache=cache)[:, -1, :]
-            fed += step
-            token = picker.pick(logits)
-            yield token
-            position += 1
-            if position >= self.n_ctx:
-                return
-            step = [token.id]

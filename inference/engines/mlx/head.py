@@ -5,18 +5,19 @@ ring. How the ranks work together is told in ``mlx_pipeline``; the commands it s
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 
-from inference.decoding import Decoding, PromptCached, PromptScores, Token, request_seed
-from inference.engines.batch_thread import DecodingThread, Generation, max_new
+from inference.decoding import Decoding, PromptCached, PromptScores, Sink, Token, request_seed
+from inference.engines.batch_loop import BatchLoop, Generation, max_new
 from inference.engines.mlx import wire
-from inference.engines.mlx.engine import MlxTextEngine, prefill_chunks
+from inference.engines.mlx.engine import MlxTextEngine
 from inference.engines.mlx.ring import PipelineBroken, PipelineShard, Ring, connect
 from inference.engines.mlx.sampling import check_decoding
+from inference.engines.mlx.single import prefill_chunks
 from inference.engines.mlx.stage import Stage, StageCaches
 from structured.reply import InvalidRequest
 
@@ -79,14 +80,23 @@ class PipelineHead(MlxTextEngine):
     def generate(
         self, prompt: list[int], decoding: Decoding
     ) -> Iterator[Token | PromptScores | PromptCached]:
+        decoder, start = self._start(prompt, decoding)
+        return decoder.pull(lambda sink: decoder.flow(prompt, decoding, start, sink))
+
+    def submit(self, prompt: list[int], decoding: Decoding, sink: Sink) -> None:
+        decoder, start = self._start(prompt, decoding)
+        decoder.push(decoder.flow(prompt, decoding, start, sink))
+
+    def _start(self, prompt: list[int], decoding: Decoding) -> tuple[_RingDecoder, bytes]:
+        """The decoder, and the generation's START for the ring; what can be refused is
+        refused here, before anything is sent (the last rank compiles the grammar)."""
         decoder = self._parts()
         if decoder.broken is not None:
             raise decoder.broken
         self.check_prompt(prompt)
-        # Refused here, before anything is sent; the last rank compiles the grammar.
         check_decoding(decoding, self.n_vocab)
         start = wire.StartRequest.of(decoding, request_seed(decoding.params), prompt)
-        return decoder.generate(prompt, decoding, start.model_dump_json().encode())
+        return decoder, start.model_dump_json().encode()
 
     def shutdown(self) -> None:
         """End every other rank's ``follow()``; returns once all have seen it. What is in
@@ -117,11 +127,15 @@ class _Flow(Generation):
     last: int = -1  # in the decoding batch: the token its next step feeds
 
 
-class _RingDecoder(DecodingThread[_Flow]):
+class _RingDecoder(BatchLoop[_Flow]):
     """The head's decoding thread: the only one that talks on the ring. Each step is either a
     chunk of one prompt (the oldest being prefilled) or a token for every sequence of the
     decoding batch, in turn while both have work, so a long prompt holds the others back by
     one chunk at a time."""
+
+    # A pulled generation's next token is computed while its consumer takes the last one.
+    lookahead = 2
+    parks = True  # an MLX thread (see ``BatchLoop.close``)
 
     def __init__(
         self, stage: Stage, ring: Ring, *, slots: int, n_ctx: int, ends: Sequence[int]
@@ -138,11 +152,9 @@ class _RingDecoder(DecodingThread[_Flow]):
         self.widest = 0
         super().__init__(slots, "mlx-ring")
 
-    def generate(
-        self, prompt: list[int], decoding: Decoding, start: bytes
-    ) -> Generator[Token | PromptScores | PromptCached]:
-        flow = _Flow(list(prompt), decoding, max_new(prompt, decoding, self._n_ctx), start=start)
-        return self._stream(flow)
+    def flow(self, prompt: list[int], decoding: Decoding, start: bytes, sink: Sink) -> _Flow:
+        n = max_new(prompt, decoding, self._n_ctx)
+        return _Flow(list(prompt), decoding, n, sink, start=start)
 
     def _is_fatal(self, exc: Exception) -> bool:
         if isinstance(exc, PipelineBroken):
@@ -165,10 +177,10 @@ class _RingDecoder(DecodingThread[_Flow]):
 
     def _scored(self, flow: _Flow) -> None:
         """Once a scored prompt (echo) has all its scores, they go out first."""
-        if flow.decoding.echo and len(flow.chunks) == 1:
-            flow.put(PromptScores(tuple(flow.scored)))
-            if flow.max_new <= 0:
-                flow.end()
+        if not (flow.decoding.echo and len(flow.chunks) == 1):
+            return
+        if flow.emit(PromptScores(tuple(flow.scored))) and flow.max_new <= 0:
+            flow.end()
 
     def _forget(self, flow: _Flow) -> None:
         """Every rank drops the sequence (nothing of it is ever in flight between steps)."""
@@ -176,7 +188,7 @@ class _RingDecoder(DecodingThread[_Flow]):
         self._caches.drop(flow.slot)
         del self._by_slot[flow.slot]
 
-    def _step(self) -> None:
+    def _step(self, ready: list[_Flow]) -> None:
         prefilling = [f for f in self._active if f.chunks and not f.finished]
         decoding = bool(self._caches.rows)
         if prefilling and (self._prefill_turn or not decoding):
@@ -235,7 +247,8 @@ class _RingDecoder(DecodingThread[_Flow]):
                 flow.end(exc)
 
     def _deliver(self, flow: _Flow, token: Token) -> None:
-        flow.put(token)
+        if not flow.emit(token):
+            return  # it leaves the ring at the next step
         flow.last = token.id
         if token.id in self._ends or flow.given >= flow.max_new:
             flow.end()

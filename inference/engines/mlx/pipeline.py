@@ -30,7 +30,7 @@ have work: a long prompt holds the others back by one chunk at a time. Ranks > 0
 connection to a neighbour is lost, ``follow()`` raises ``PipelineBroken``.
 
 A rank's layers and caches are ``mlx_stage``; the ring and its sockets ``mlx_ring``; the
-commands and replies ``mlx_wire``; admission and the consumers' queues ``batch_thread``'s. This
+commands and replies ``mlx_wire``; admission and the sinks the shared ``batch_loop``'s. This
 module runs a rank > 0 as a process of its own (``main``).
 """
 
