@@ -86,8 +86,10 @@ class MlxSingleDecoder(BatchLoop[_Run]):
                 run.items = None  # failed: its cache is not kept
                 run.end(exc)
                 continue
-            if run.emit(item) and isinstance(item, Token) and run.given >= run.max_new:
-                run.end()
+            if not run.emit(item):
+                continue
+            if run.given >= run.max_new and isinstance(item, Token | PromptScores):
+                run.end()  # (a scored prompt with no token asked ends with its scores)
 
     def _discard(self) -> None:
         self._kept.clear()
