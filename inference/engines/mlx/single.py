@@ -9,6 +9,7 @@ prompt unless the generation failed.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,10 @@ class _Run(Generation):
 
 
 class MlxSingleDecoder(BatchLoop[_Run]):
-    """Decodes one generation of ``model`` at a time, each with ``n_ctx`` of context."""
+    """Decodes the generations of ``model`` one forward pass each at a time, each with
+    ``n_ctx`` of context and its own cache. The runner gives it one task at a time (its one
+    slot); generations pulled at once (a test holding one while it runs another) are not held
+    back for a slot, as none shares another's state: a step makes one item of each in turn."""
 
     parks = True  # an MLX thread (see ``BatchLoop.close``)
 
@@ -56,7 +60,7 @@ class MlxSingleDecoder(BatchLoop[_Run]):
         self._vision = vision
         self._kept = PromptCaches(model, 1)
         self.prompt_cache = self._kept
-        super().__init__(1, "mlx-single")
+        super().__init__(sys.maxsize, "mlx-single")
 
     def run(self, prompt: list[int], decoding: Decoding, picker: Picker, sink: Sink) -> _Run:
         """The generation to push or pull."""
