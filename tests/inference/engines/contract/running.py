@@ -140,7 +140,12 @@ def free_text(engine: Engine) -> tuple[list[int], list[Token], int]:
         before = b"".join(pieces[:i]) + piece[:1]
         return i >= 2 and len(letters) >= 2 and letters.isalpha() and piece[:2] not in before
 
-    j = next(i for i in range(len(pieces)) if fits(i))
+    def letters(i: int) -> bool:  # where the text before may hold its first bytes too
+        return i >= 2 and len(pieces[i]) >= 2 and pieces[i].isalpha()
+
+    j = next((i for i in range(len(pieces)) if fits(i)), None)
+    if j is None:  # a random model's text that repeats itself (the tied tiny MLX model's)
+        j = next(i for i in range(len(pieces)) if letters(i))
     return prompt, greedy, j
 
 
