@@ -183,7 +183,7 @@ def _speculative(value: object) -> Speculative | None:
     if value is None or value is False:
         return None
     if value is True:
-        return Speculative()
+        return Speculative(type="ngram")
     if not isinstance(value, dict):
         raise ModelDefaultsError(f"speculative: an object or true, not {kind(value)}")
     try:

@@ -122,7 +122,9 @@ def parse_speculative(text: str) -> Speculative:
         kind, _, draft = text.partition(":")
         if kind != "ngram":
             raise ValueError(f"{kind!r} is not a kind of speculative decoding (ngram is)")
-        return Speculative(draft_max=int(draft)) if draft else Speculative()
+        return (
+            Speculative(type="ngram", draft_max=int(draft)) if draft else Speculative(type="ngram")
+        )
     except ValidationError as exc:
         raise ValueError("; ".join(e["msg"] for e in exc.errors())) from None
 

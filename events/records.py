@@ -310,7 +310,9 @@ class Speculative(Record):
     latest earlier occurrence of the context's last ``ngram_max`` (down to ``ngram_min``)
     tokens. The tokens generated are the same as without it."""
 
-    type: Literal["ngram"] = "ngram"
+    # Required, though it has one value: what speculates is always named (a second kind, a draft
+    # model, is a new value), and an object of defaults alone is not taken for a request.
+    type: Literal["ngram"]
     draft_max: int = Field(16, ge=1, le=64, description="The most tokens a draft has.")
     ngram_min: int = Field(2, ge=1, le=16, description="The shortest n-gram looked up.")
     ngram_max: int = Field(4, ge=1, le=16, description="The longest n-gram looked up.")

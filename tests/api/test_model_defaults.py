@@ -226,15 +226,15 @@ def test_speculative_decoding_is_read_and_asked_for_where_it_can_be() -> None:
     got = _parsed(
         {"m": {"speculative": {"type": "ngram", "draft_max": 8}}, "t": {"speculative": True}}
     )
-    assert got.by_name["m"].speculative == Speculative(draft_max=8)
-    assert got.by_name["t"].speculative == Speculative()
+    assert got.by_name["m"].speculative == Speculative(type="ngram", draft_max=8)
+    assert got.by_name["t"].speculative == Speculative(type="ngram")
     assert _refused({"m": {"speculative": "yes"}}) == (
         "model 'm': speculative: an object or true, not the string 'yes'"
     )
     assert "draft_max" in _refused({"m": {"speculative": {"draft_max": 0}}})
     state = fold_all(node("a", 8 * GiB), model("m", size=GiB), model("x", size=GiB, engine="mlx"))
     chat = requested(state, "m", "chat", "POST /v1/chat/completions", "api", None, got.by_name["m"])
-    assert chat.speculative == Speculative(draft_max=8)
+    assert chat.speculative == Speculative(type="ngram", draft_max=8)
     embed = requested(state, "m", "embed", "POST /v1/embeddings", "api", None, got.by_name["m"])
     assert embed.speculative is None
     # The operator's file asked it of an MLX model: loaded without it, not a refused request.

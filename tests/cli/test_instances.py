@@ -20,8 +20,8 @@ def test_other_states_show_as_they_are() -> None:
 
 
 def test_speculative_is_read_as_the_api_takes_it() -> None:
-    assert parse_speculative("ngram") == Speculative()
-    assert parse_speculative("ngram:8") == Speculative(draft_max=8)
+    assert parse_speculative("ngram") == Speculative(type="ngram")
+    assert parse_speculative("ngram:8") == Speculative(type="ngram", draft_max=8)
     asked = parse_speculative('{"type": "ngram", "ngram_min": 3, "ngram_max": 5}')
     assert (asked.ngram_min, asked.ngram_max) == (3, 5)
     with pytest.raises(ValueError, match="'draft' is not a kind of speculative decoding"):

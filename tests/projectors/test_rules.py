@@ -171,7 +171,7 @@ def test_instance_requested_then_placed_creates_runners() -> None:
 
 
 def test_an_instance_keeps_the_speculative_decoding_it_asked_for() -> None:
-    drafts = Speculative(draft_max=8)
+    drafts = Speculative(type="ngram", draft_max=8)
     asked = InstanceRequested(instance_id="i1", model_id="m", origin="api", speculative=drafts)
     inst = fold([asked, placed(nodes=("a",))]).instance("i1")
     assert inst is not None and inst.speculative == drafts.model_dump()
