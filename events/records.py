@@ -254,6 +254,10 @@ MAX_PARTIAL_IMAGES = 3
 class ImageParams(Record):
     """What an image task (``TaskCreated`` of kind ``image``) asks beyond its prompt."""
 
+    # Every field has a default: a key it does not know is refused, so that a mistyped or
+    # misplaced object is not taken for an image task of defaults.
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False, extra="forbid")
+
     n: int = Field(default=1, ge=1, le=MAX_IMAGES_PER_TASK, description="Images to make.")
     width: int = Field(default=512, ge=8, le=MAX_IMAGE_SIDE, description="Pixels.")
     height: int = Field(default=512, ge=8, le=MAX_IMAGE_SIDE, description="Pixels.")
